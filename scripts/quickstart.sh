@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The main job: creates .venv if missing, installs the project, and trains the
+# quickstart model on built-in synthetic data, printing where memory lives.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/_venv.sh
+ensure_venv examples
+exec .venv/bin/python examples/quickstart.py "$@"
