@@ -1,0 +1,17 @@
+"""Declarative host offloading for JAX + Equinox.
+
+Equinox modules carry memory-kind annotations on their leaves, `Stacked` layers are
+scanned one at a time, and `filter_offload`/`train_step` insert the checkpoint
+names, remat policy and `device_put` transfers that are otherwise written by hand.
+"""
+
+from ._memory_kinds import MemoryKind as MemoryKind
+from ._optim import init_opt_state as init_opt_state
+from ._placement import field as field, place as place
+from ._policy import Policy as Policy
+from ._stacked import Stacked as Stacked
+from ._train_step import train_step as train_step
+from ._transform import filter_offload as filter_offload
+
+
+__version__ = "0.1.0"

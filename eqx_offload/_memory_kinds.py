@@ -1,0 +1,71 @@
+"""Memory kinds: the names, what the backend has, and where a leaf is now."""
+
+from typing import Any, get_args, Literal, TYPE_CHECKING
+
+import equinox as eqx
+import jax
+import jax.core
+
+from . import _paths
+
+
+MemoryKind = Literal["device", "pinned_host", "unpinned_host"]
+MEMORY_KINDS: tuple[str, ...] = get_args(MemoryKind)
+if TYPE_CHECKING:
+    KindArg = MemoryKind
+else:
+    # Any string at run time, so that an unknown kind meets our `ValueError` (naming
+    # the argument, the leaf and the valid kinds) even under a runtime type checker.
+    KindArg = str
+# What a `Policy(params=...)` may say: one kind for every leaf, or pattern -> kind.
+ParamsSpec = None | str | tuple[tuple[str, str], ...]
+
+
+def is_arraylike(x: Any) -> bool:
+    """Arrays, tracers and `jax.ShapeDtypeStruct`s: the leaves that hold memory."""
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def check_kind(kind: Any, where: str) -> None:
+    """Raises if `kind` is not one of the three memory kinds."""
+    if kind not in MEMORY_KINDS:
+        raise ValueError(
+            f"{where} is {kind!r}, which is not a memory kind; valid kinds: "
+            f"{_paths.quoted(MEMORY_KINDS)}."
+        )
+
+
+def backend_kinds() -> tuple[str, ...]:
+    """The memory kinds the default backend's devices have."""
+    return tuple(m.kind for m in jax.devices()[0].addressable_memories())
+
+
+def kind_of(x: Any) -> str:
+    """The memory kind a leaf is in now. Inside a trace only host vs device is known,
+    and host means `"pinned_host"`."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        sharding = x.sharding
+        return getattr(sharding, "memory_kind", None) or "device"
+    if isinstance(x, jax.core.Tracer):
+        return "pinned_host" if is_host(x) else "device"
+    if isinstance(x, jax.Array):
+        return x.sharding.memory_kind or "device"
+    return "device"  # NumPy arrays go to the default memory when used
+
+
+def is_host(x: Any) -> bool:
+    """Whether an array or tracer lives in host memory, as JAX's tracing sees it."""
+    return jax.typeof(x).memory_space == jax.memory.Space.Host
+
+
+def to_space(x: Any, kind: str, path: str) -> Any:
+    """`device_put` inside a trace, naming a memory space rather than a device so the
+    same traced function serves every backend (DESIGN.md §4.9)."""
+    if kind == "device":
+        return x if not is_host(x) else jax.device_put(x, jax.memory.Space.Device)
+    if kind == "pinned_host":
+        return x if is_host(x) else jax.device_put(x, jax.memory.Space.Host)
+    raise ValueError(
+        f"Leaf {path!r} is to live in {kind!r}, which JAX 0.10 does not track inside "
+        "`jax.jit` (a jitted step cannot return it); use 'pinned_host' instead."
+    )

@@ -1,0 +1,151 @@
+"""Dotted paths of pytree leaves, and the patterns that select them.
+
+A path is written the way you would reach the leaf in Python, without the root:
+`blocks.mlp.layers[0].weight`. Dictionary keys that are strings are written as
+attributes (`w1`), other keys and sequence indices in brackets (`[0]`). The
+`layers` field of a `Stacked` is left out, so `blocks.mlp.weight` names the stacked
+weight of every layer and `blocks.input` the carry entering each layer.
+
+Patterns: `*` matches within one dotted segment, `**` across segments (`**.` also
+matches no segment at all, so `**.input` matches `input`), and everything else,
+brackets included, is literal.
+"""
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax.tree_util as jtu
+
+
+def format_key(key: Any) -> str:
+    """One key of a JAX key path as it appears in a dotted path."""
+    if isinstance(key, jtu.GetAttrKey):
+        return "." + key.name
+    if isinstance(key, jtu.DictKey):
+        if isinstance(key.key, str) and key.key.isidentifier():
+            return "." + key.key
+        return f"[{key.key!r}]"
+    if isinstance(key, jtu.SequenceKey):
+        return f"[{key.idx}]"
+    if isinstance(key, jtu.FlattenedIndexKey):
+        return f"[{key.key}]"
+    return str(key)
+
+
+def join(prefix: str, keys: tuple[Any, ...] | str) -> str:
+    """Appends a key path (or an already formatted relative path) to `prefix`."""
+    rest = keys if isinstance(keys, str) else "".join(format_key(k) for k in keys)
+    if rest and not rest.startswith(("[", ".")):
+        rest = "." + rest
+    out = prefix + rest
+    return out[1:] if out.startswith(".") else out
+
+
+class Leaf(NamedTuple):
+    """A leaf of a pytree with what `eqx_offload` needs to know about it."""
+
+    path: str
+    value: Any
+    stacked: str | None  # path of the innermost enclosing `Stacked`, if any
+    metadata: Mapping[str, Any]  # metadata of the innermost dataclass field above
+
+
+def leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[Leaf]:
+    """Flattens `tree` like `jax.tree.leaves`, giving each leaf its dotted path."""
+    from ._stacked import Stacked
+
+    out: list[Leaf] = []
+
+    def stop(x: Any) -> bool:
+        return isinstance(x, Stacked) or (is_leaf is not None and is_leaf(x))
+
+    def visit(node: Any, prefix: str, stacked: str | None, meta: Mapping) -> None:
+        if isinstance(node, Stacked):
+            visit(node.layers, prefix, prefix, meta)
+            return
+        flat, _ = jtu.tree_flatten_with_path(
+            node, is_leaf=lambda x: x is not node and stop(x)
+        )
+        for keys, value in flat:
+            path = join(prefix, keys)
+            leaf_meta = _field_metadata(node, keys, meta)
+            if isinstance(value, Stacked) and value is not node:
+                visit(value, path, stacked, leaf_meta)
+            else:
+                out.append(Leaf(path, value, stacked, leaf_meta))
+
+    visit(tree, "", None, {})
+    return out
+
+
+def _field_metadata(node: Any, keys: tuple[Any, ...], meta: Mapping) -> Mapping:
+    """The metadata of the innermost dataclass field on the way down `keys`."""
+    for key in keys:
+        try:
+            if isinstance(key, jtu.GetAttrKey):
+                if dataclasses.is_dataclass(node):
+                    fields = {f.name: f for f in dataclasses.fields(node)}
+                    if key.name in fields and fields[key.name].metadata:
+                        meta = fields[key.name].metadata
+                node = getattr(node, key.name)
+            elif isinstance(key, jtu.DictKey):
+                node = node[key.key]
+            elif isinstance(key, jtu.SequenceKey):
+                node = node[key.idx]
+            else:
+                break
+        except (AttributeError, KeyError, IndexError, TypeError):
+            break
+    return meta
+
+
+@functools.cache
+def _regex(pattern: str) -> re.Pattern[str]:
+    parts = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**.", i):
+            parts.append(r"(?:.*\.)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            parts.append(r".*")
+            i += 2
+        elif pattern[i] == "*":
+            parts.append(r"[^.]*")
+            i += 1
+        else:
+            parts.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(parts))
+
+
+def matches(pattern: str, name: str) -> bool:
+    """Whether `pattern` matches the whole of `name`."""
+    return _regex(pattern).fullmatch(name) is not None
+
+
+def prefix_match(pattern: str, path: str) -> int | None:
+    """Length of the longest prefix of `path` (ending at a segment boundary, or the
+    whole path) that `pattern` matches, or `None`."""
+    regex = _regex(pattern)
+    ends = [i for i, c in enumerate(path) if c in ".["] + [len(path)]
+    for end in reversed(ends):
+        if end and regex.fullmatch(path[:end]):
+            return end
+    return None
+
+
+def is_literal(pattern: str) -> bool:
+    return "*" not in pattern
+
+
+def quoted(names: Any, limit: int = 20) -> str:
+    """`'a', 'b', ...` for error messages."""
+    names = list(names)
+    if not names:
+        return "(none)"
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")

@@ -1,0 +1,183 @@
+"""Memory kinds on pytree leaves: `field`, resolving each leaf's kind, and `place`."""
+
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import jax.core
+from jax.sharding import SingleDeviceSharding
+from jaxtyping import PyTree
+
+from . import _paths
+from ._memory_kinds import (
+    backend_kinds,
+    check_kind,
+    is_arraylike,
+    kind_of,
+    KindArg,
+    ParamsSpec,
+    to_space,
+)
+from ._policy import Policy
+
+
+_T = TypeVar("_T")
+
+
+def field(*, memory_kind: KindArg, **kwargs: Any) -> Any:
+    """An `equinox.field` whose array leaves live in `memory_kind` between steps.
+
+    **Arguments:**
+
+    - `memory_kind`: `"device"`, `"pinned_host"` or `"unpinned_host"`. It applies to
+        every array leaf under the field (the innermost annotated field wins). A
+        `Policy(params=...)` that matches the leaf overrides it.
+    - `**kwargs`: passed to `equinox.field` (`converter`, `static`, `default`, ...);
+        `metadata` is merged.
+
+    **Returns:**
+
+    A dataclass field, as from `equinox.field`.
+
+    !!! Example
+
+        ```python
+        class Model(eqx.Module):
+            embed: eqx.nn.Embedding = eo.field(memory_kind="pinned_host")
+            head: eqx.nn.Linear
+        ```
+    """
+    check_kind(memory_kind, "`eqx_offload.field(memory_kind=...)`")
+    metadata = dict(kwargs.pop("metadata", None) or {})
+    metadata["memory_kind"] = memory_kind
+    return eqx.field(metadata=metadata, **kwargs)
+
+
+def match_params(
+    params: ParamsSpec, leaves: list[_paths.Leaf], where: str
+) -> list[str | None]:
+    """The kind `params` gives each leaf (`None`: no opinion). A pattern that matches
+    no leaf, or two equally specific patterns that disagree, is a `ValueError`."""
+    if params is None:
+        return [None] * len(leaves)
+    if isinstance(params, str):
+        return [params] * len(leaves)
+    used = {pattern: False for pattern, _ in params}
+    out: list[str | None] = []
+    for leaf in leaves:
+        best, best_len = None, -1
+        for pattern, kind in params:
+            length = _paths.prefix_match(pattern, leaf.path)
+            if length is None:
+                continue
+            used[pattern] = True
+            if length > best_len:
+                best, best_len = (pattern, kind), length
+            elif length == best_len and best is not None and kind != best[1]:
+                raise ValueError(
+                    f"{where}: patterns {best[0]!r} and {pattern!r} both match leaf "
+                    f"{leaf.path!r} equally well but give {best[1]!r} and {kind!r}; "
+                    "make one of them more specific."
+                )
+        out.append(None if best is None else best[1])
+    unused = [p for p, hit in used.items() if not hit]
+    if unused:
+        raise ValueError(
+            f"{where}: pattern(s) {_paths.quoted(unused)} match no leaf; array leaves "
+            f"are: {_paths.quoted([leaf.path for leaf in leaves])}."
+        )
+    return out
+
+
+def resolve(
+    tree: Any, params: ParamsSpec = None, where: str = "`eqx_offload.place`"
+) -> list[tuple[_paths.Leaf, str]]:
+    """Every array leaf of `tree` with the memory kind it should live in.
+
+    Highest first: the policy's `params` spec, the innermost field annotation
+    (`eqx_offload.field`), the leaf's current placement, else `"device"`.
+    """
+    leaves = [leaf for leaf in _paths.leaves(tree) if is_arraylike(leaf.value)]
+    from_policy = match_params(params, leaves, where)
+    available = backend_kinds()
+    out = []
+    for leaf, policy_kind in zip(leaves, from_policy):
+        kind = policy_kind or leaf.metadata.get("memory_kind") or kind_of(leaf.value)
+        check_kind(kind, f"{where}: the memory kind of leaf {leaf.path!r}")
+        if kind not in available:
+            raise ValueError(
+                f"{where}: leaf {leaf.path!r} is to live in {kind!r}, which the "
+                f"{jax.default_backend()!r} backend does not have; valid kinds here: "
+                f"{_paths.quoted(available)}."
+            )
+        out.append((leaf, kind))
+    return out
+
+
+def move(x: Any, kind: str, path: str, sharding: Any = None) -> Any:
+    """Puts one array leaf in `kind`, keeping its sharding (or taking `sharding`)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        sharding = sharding or x.sharding or SingleDeviceSharding(jax.devices()[0])
+        return jax.ShapeDtypeStruct(
+            x.shape,
+            x.dtype,
+            sharding=sharding.with_memory_kind(kind),
+            weak_type=x.weak_type,
+        )
+    if isinstance(x, jax.core.Tracer):
+        return to_space(x, kind, path)
+    if sharding is None:
+        sharding = x.sharding if isinstance(x, jax.Array) else None
+        sharding = sharding or SingleDeviceSharding(jax.devices()[0])  # NumPy
+    # Also commits the array to its sharding, as a step's outputs will be, so that
+    # the first step is not compiled for a second signature.
+    return jax.device_put(x, sharding.with_memory_kind(kind))
+
+
+def move_leaves(tree: _T, kinds: list[tuple[_paths.Leaf, str]]) -> _T:
+    """Puts each array leaf of `tree` in its kind from `resolve(tree, ...)`."""
+    by_position = iter(kinds)
+    flat, treedef = jax.tree.flatten(tree)
+    out = []
+    for value in flat:
+        if is_arraylike(value):
+            leaf, kind = next(by_position)
+            value = move(value, kind, leaf.path)
+        out.append(value)
+    return jax.tree.unflatten(treedef, out)
+
+
+def place(tree: PyTree, policy: Policy | None = None) -> PyTree:
+    """Moves every array leaf of `tree` to the memory kind it should live in.
+
+    The kind of each leaf comes from, highest first: `policy.params`; the innermost
+    `eqx_offload.field(memory_kind=...)` annotation above it; its current placement;
+    else `"device"`. Each leaf keeps its sharding; only the memory kind changes
+    (`sharding.with_memory_kind`). `jax.ShapeDtypeStruct` leaves (e.g. from
+    `eqx.filter_eval_shape`) get the new memory kind in their sharding, so a model
+    can be placed, and planned, before it exists; nothing is allocated for them.
+
+    **Arguments:**
+
+    - `tree`: any pytree, usually an Equinox model. Arrays, `jax.ShapeDtypeStruct`s
+        and tracers (inside `jax.jit`) are placed; other leaves are left alone.
+    - `policy`: an `eqx_offload.Policy`, or `None` to follow the annotations only.
+
+    **Returns:**
+
+    A pytree of the same structure with every array leaf in its memory kind.
+
+    **Raises:**
+
+    `ValueError` if a kind is unknown or the backend lacks it (naming the leaf), or if
+    a `Policy(params=...)` pattern matches no leaf.
+
+    !!! Example
+
+        ```python
+        model = eo.place(Model(key=jax.random.key(0)), eo.Policy.offload_all())
+        model.blocks.layers.mlp.weight.sharding.memory_kind  # 'pinned_host'
+        ```
+    """
+    params = None if policy is None else policy.params
+    return move_leaves(tree, resolve(tree, params))

@@ -1,0 +1,198 @@
+"""`Policy`: where parameters, residuals and optimizer state live."""
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import equinox as eqx
+
+from . import _paths
+from ._memory_kinds import check_kind, KindArg, MemoryKind, ParamsSpec
+
+
+def _names(value: Any, argument: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
+        raise TypeError(
+            f"`Policy({argument}=...)` must be a sequence of checkpoint names or "
+            f"patterns (strings), got {value!r}."
+        )
+    for name in value:
+        if not name or name != name.strip():
+            raise ValueError(
+                f"`Policy({argument}=...)` contains {name!r}; names must be non-empty "
+                "and have no surrounding spaces."
+            )
+    return tuple(value)
+
+
+def _params(value: Any) -> ParamsSpec:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        check_kind(value, "`Policy(params=...)`")
+        return value
+    if isinstance(value, Mapping):
+        items = tuple(value.items())
+    elif isinstance(value, tuple) and all(
+        isinstance(i, tuple) and len(i) == 2 for i in value
+    ):
+        items = value
+    else:
+        raise TypeError(
+            "`Policy(params=...)` must be None, a memory kind, or a mapping from leaf "
+            f"path patterns to memory kinds, got {value!r}."
+        )
+    for pattern, kind in items:
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(
+                f"`Policy(params=...)` has key {pattern!r}; keys are non-empty leaf "
+                "path patterns such as 'blocks' or 'blocks.mlp.*'."
+            )
+        check_kind(kind, f"`Policy(params=...)[{pattern!r}]`")
+    return items
+
+
+class Policy(eqx.Module):
+    """Where parameters, saved activations ("residuals") and optimizer state live.
+
+    Checkpoint names are dotted paths from the argument that holds a `Stacked`: the
+    carry entering each layer of `model.blocks` is `"blocks.input"`, the output of a
+    submodule `mlp` inside a block is `"blocks.mlp"`. Names may be patterns: `*`
+    matches within one dotted segment, `**` across segments.
+
+    Every name (or pattern) in `save` and `offload` must occur while tracing, and
+    must name a value that is saved for the backward pass (a residual); otherwise
+    tracing raises a `ValueError` listing the names that did occur.
+
+    Presets, each taking the same fields as keyword overrides
+    (`Policy.remat(opt_state="pinned_host")`):
+
+    | preset | params | save | offload | opt_state |
+    |---|---|---|---|---|
+    | `none()` | `None` | `"all"` | `()` | `"device"` |
+    | `remat()` | `None` | `()` | `()` | `"device"` |
+    | `offload_residuals()` | `None` | `()` | `("**.input",)` | `"device"` |
+    | `offload_all()` | `"pinned_host"` | `()` | `("**.input",)` | `"pinned_host"` |
+    """
+
+    params: ParamsSpec = eqx.field(static=True)
+    save: Literal["all"] | tuple[str, ...] = eqx.field(static=True)
+    offload: tuple[str, ...] = eqx.field(static=True)
+    offload_dst: MemoryKind = eqx.field(static=True)
+    opt_state: MemoryKind = eqx.field(static=True)
+
+    def __init__(
+        self,
+        *,
+        params: None | KindArg | Mapping[str, KindArg] = None,
+        save: Literal["all"] | Sequence[str] = (),
+        offload: Sequence[str] = (),
+        offload_dst: KindArg = "pinned_host",
+        opt_state: KindArg = "device",
+    ):
+        """**Arguments:**
+
+        - `params`: where parameter leaves live between steps. `None`: no opinion
+            (field annotations and current placement decide); one memory kind for
+            every array leaf; or a mapping from leaf-path pattern to kind, where a
+            pattern matches a leaf path or a dotted prefix of it (`"blocks"` covers
+            every leaf under `blocks`) and the longest match wins. A pattern that
+            matches no leaf is a `ValueError` when the policy is applied.
+        - `save`: checkpoint names kept on the device in the forward pass, or
+            `"all"`: no `jax.checkpoint` at all, nothing is recomputed.
+        - `offload`: checkpoint names moved to `offload_dst` in the forward pass and
+            brought back for the backward pass. Names in neither `save` nor `offload`
+            are recomputed.
+        - `offload_dst`: the host memory kind offloaded residuals go to.
+        - `opt_state`: where the parameter-shaped optimizer state lives between
+            steps (step counters and other scalars stay on the device).
+        """
+        self.params = _params(params)
+        self.save = "all" if save == "all" else _names(save, "save")
+        self.offload = _names(offload, "offload")
+        self.offload_dst = offload_dst
+        self.opt_state = opt_state
+
+    def __check_init__(self):
+        check_kind(self.offload_dst, "`Policy(offload_dst=...)`")
+        if self.offload_dst == "device":
+            raise ValueError(
+                "`Policy(offload_dst='device')` would offload to where residuals "
+                "already are; use 'pinned_host', or list the names in `save=`."
+            )
+        check_kind(self.opt_state, "`Policy(opt_state=...)`")
+        if self.save == "all" and self.offload:
+            raise ValueError(
+                "`Policy(save='all')` keeps every residual on the device, so "
+                f"`offload={self.offload!r}` could never apply; list the names to keep "
+                "in `save=` instead, or drop `offload`."
+            )
+        if self.save != "all":
+            both = [n for n in self.save if _paths.is_literal(n) and n in self.offload]
+            if both:
+                raise ValueError(
+                    f"`Policy`: {_paths.quoted(both)} is in both `save` and `offload`; "
+                    "a residual is either kept on the device or offloaded, not both."
+                )
+
+    @property
+    def checkpoint_patterns(self) -> tuple[str, ...]:
+        """Every pattern in `save` and `offload`."""
+        save = () if self.save == "all" else self.save
+        return save + self.offload
+
+    def split_names(self, names: Sequence[str]) -> tuple[list[str], list[str]]:
+        """The occurring `names` to save and to offload. A name matched by a `save`
+        pattern and an `offload` pattern is a `ValueError`."""
+        save = () if self.save == "all" else self.save
+        to_save, to_offload = [], []
+        for name in names:
+            s = [p for p in save if _paths.matches(p, name)]
+            o = [p for p in self.offload if _paths.matches(p, name)]
+            if s and o:
+                raise ValueError(
+                    f"`Policy`: checkpoint name {name!r} matches `save` pattern "
+                    f"{s[0]!r} and `offload` pattern {o[0]!r}; make the patterns "
+                    "disjoint."
+                )
+            if s:
+                to_save.append(name)
+            elif o:
+                to_offload.append(name)
+        return to_save, to_offload
+
+    @classmethod
+    def none(cls, **overrides: Any) -> "Policy":
+        """No offloading and no rematerialisation: every residual stays on the
+        device, parameters and optimizer state where they are."""
+        return cls(**{"save": "all", **overrides})
+
+    @classmethod
+    def remat(cls, **overrides: Any) -> "Policy":
+        """Full rematerialisation of each stacked layer: only the carry between
+        layers is kept (on the device); everything inside a layer is recomputed."""
+        return cls(**overrides)
+
+    @classmethod
+    def offload_residuals(cls, **overrides: Any) -> "Policy":
+        """The carry entering each stacked layer is offloaded to pinned host memory
+        in the forward pass and brought back for the backward pass; the rest of the
+        layer is recomputed. Device memory for activations no longer grows with
+        depth."""
+        return cls(**{"offload": ("**.input",), **overrides})
+
+    @classmethod
+    def offload_all(cls, **overrides: Any) -> "Policy":
+        """`offload_residuals` plus every parameter and the parameter-shaped
+        optimizer state kept in pinned host memory between steps; each stacked
+        layer's parameters are brought to the device inside the scan, one layer at
+        a time."""
+        return cls(
+            **{
+                "params": "pinned_host",
+                "offload": ("**.input",),
+                "opt_state": "pinned_host",
+                **overrides,
+            }
+        )
