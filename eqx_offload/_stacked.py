@@ -1,0 +1,451 @@
+"""`Stacked`: N structurally identical layers applied in order with `lax.scan`."""
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Generic, NamedTuple, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import PRNGKeyArray, PyTree
+
+from . import _context, _names, _paths, _residuals
+from ._memory_kinds import is_arraylike, is_host
+from ._policy import Policy
+
+
+_Layer = TypeVar("_Layer")
+_Carry = TypeVar("_Carry")
+
+
+class _ScanConfig(NamedTuple):
+    """How `filter_offload` configured a `Stacked`: its path and the policy."""
+
+    path: str
+    policy: Policy
+
+
+class Stacked(eqx.Module, Generic[_Layer]):
+    """N structurally identical layers, stored as one layer whose array leaves have a
+    leading axis of size N, and applied in order with `jax.lax.scan`.
+
+    Scanning keeps compile time independent of depth, and it is what lets
+    `filter_offload` move one layer's parameters to the device at a time (a Python
+    loop over layers would keep all of them there). The layer axis is axis 0: XLA
+    offloads parameters only when scanning over axis 0.
+
+    Outside `filter_offload`, calling a `Stacked` is a plain `lax.scan` (host-resident
+    layer slices are still moved to the device one at a time). Inside, the transform
+    substitutes a configured view, itself a `Stacked`, that also names the carry
+    entering each layer `"<path>.input"` and applies the policy's `jax.checkpoint`.
+
+    !!! Example
+
+        ```python
+        blocks = eo.Stacked.from_fn(lambda k: Block(dim, key=k), 24, key=key)
+        x = blocks(x)              # layer 0, then 1, ... 23
+        len(blocks), blocks[0]     # 24, the first layer as a `Block`
+        ```
+    """
+
+    layers: _Layer
+    _scan: _ScanConfig | None = eqx.field(static=True, repr=False)
+
+    def __init__(self, layers: _Layer):
+        """**Arguments:**
+
+        - `layers`: one layer whose array leaves all have the same leading (layer)
+            axis. Usually built with `Stacked.from_fn` or `Stacked.from_layers`.
+        """
+        self.layers = layers
+        self._scan = None
+
+    def __check_init__(self):
+        sizes = [
+            (leaf.path, leaf.value.shape[0] if leaf.value.ndim else None)
+            for leaf in _paths.leaves(self.layers)
+            if is_arraylike(leaf.value)
+        ]
+        if not sizes:
+            raise ValueError(
+                "`Stacked(layers)` needs at least one array leaf, to know how many "
+                "layers there are."
+            )
+        first_path, n = sizes[0]
+        for path, size in sizes:
+            if size is None or size != n:
+                raise ValueError(
+                    f"`Stacked(layers)`: leaf {path!r} has leading axis {size} but "
+                    f"{first_path!r} has {n}; every array leaf needs the layer axis "
+                    "first. Build it with `Stacked.from_fn` or `Stacked.from_layers`."
+                )
+
+    @classmethod
+    def from_fn(
+        cls, make_layer: Callable[[PRNGKeyArray], _Layer], n: int, *, key: PRNGKeyArray
+    ) -> "Stacked[_Layer]":
+        """Builds `n` layers with `make_layer(key_i)`, vmapped over split keys.
+
+        **Arguments:**
+
+        - `make_layer`: a function from a PRNG key to one layer (an `eqx.Module`).
+            Its non-array fields must not depend on the key.
+        - `n`: the number of layers.
+        - `key`: split into `n` keys, one per layer.
+
+        **Returns:**
+
+        A `Stacked` whose array leaves have a leading axis of size `n`.
+        """
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(
+                f"`Stacked.from_fn(n=...)` must be a positive int, got {n!r}."
+            )
+        keys = jax.random.split(key, n)
+        return cls(eqx.filter_vmap(make_layer)(keys))
+
+    @classmethod
+    def from_layers(cls, layers: Sequence[_Layer]) -> "Stacked[_Layer]":
+        """Stacks existing layers, which must have the same structure, shapes and
+        dtypes (and equal non-array fields).
+
+        **Arguments:**
+
+        - `layers`: a non-empty sequence of layers.
+
+        **Returns:**
+
+        A `Stacked` of `len(layers)` layers, in order.
+
+        **Raises:**
+
+        `ValueError` naming the first leaf whose structure, shape or dtype differs.
+        """
+        layers = list(layers)
+        if not layers:
+            raise ValueError("`Stacked.from_layers(layers)` needs at least one layer.")
+        for i, layer in enumerate(layers[1:], start=1):
+            _check_same_layer(layers[0], layer, i)
+
+        def stack(*xs: Any) -> Any:
+            if not is_arraylike(xs[0]):
+                return xs[0]
+            if isinstance(xs[0], jax.ShapeDtypeStruct):
+                return jax.ShapeDtypeStruct((len(xs),) + xs[0].shape, xs[0].dtype)
+            return jnp.stack(xs)
+
+        return cls(jtu.tree_map(stack, *layers))
+
+    def __len__(self) -> int:
+        for x in jtu.tree_leaves(self.layers):
+            if is_arraylike(x):
+                return x.shape[0]
+        raise AssertionError("unreachable: `__check_init__` requires an array leaf")
+
+    def __getitem__(self, index: int | slice) -> Any:
+        """`stacked[i]` is layer `i` (an instance of the layer's class);
+        `stacked[i:j]` is a `Stacked` of those layers."""
+        if isinstance(index, slice):
+            part = Stacked(_map_arrays(lambda x: x[index], self.layers))
+            config = self._config()
+            return part if config is None else configure(part, *config)
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"layer index {index} out of range for {n} layers")
+        index = index % n
+        return _map_arrays(lambda x: x[index], self.layers)
+
+    def __iter__(self) -> Iterator[_Layer]:
+        return (self[i] for i in range(len(self)))
+
+    def __call__(
+        self, x: PyTree, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
+    ) -> PyTree:
+        """Applies the layers in order: `x = layer(x, *args, **kwargs)` for each.
+
+        **Arguments:**
+
+        - `x`: the carry (an array or pytree); each layer returns one of the same
+            structure, shapes and dtypes.
+        - `*args`, `**kwargs`: passed unchanged to every layer (e.g. a mask).
+        - `key`: if given, split into one key per layer and passed as `key=` (e.g.
+            for `eqx.nn.Dropout`).
+
+        **Returns:**
+
+        The output of the last layer.
+        """
+
+        def apply(layer: Any, carry: PyTree, layer_key: PRNGKeyArray | None) -> tuple:
+            if layer_key is None:
+                return layer(carry, *args, **kwargs), None
+            return layer(carry, *args, key=layer_key, **kwargs), None
+
+        keys = None if key is None else jax.random.split(key, len(self))
+        return self.scan(apply, x, keys)[0]
+
+    def scan(
+        self,
+        f: Callable[[_Layer, _Carry, Any], tuple[_Carry, Any]],
+        carry: _Carry,
+        xs: PyTree = None,
+    ) -> tuple[_Carry, PyTree]:
+        """The general form: `carry, y = f(layer, carry, x)` for each layer and the
+        matching slice `x` of `xs`, as `jax.lax.scan`.
+
+        **Arguments:**
+
+        - `f`: `f(layer, carry, x) -> (carry, y)`.
+        - `carry`: the initial carry.
+        - `xs`: per-layer inputs with a leading axis of size `len(self)` (e.g.
+            `jax.random.split(key, len(stacked))`), or `None`.
+
+        **Returns:**
+
+        `(carry, ys)`: the final carry and the stacked `y`s.
+        """
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+        config = self._config()
+        if config is None:
+            body = _plain_body(f, static)
+        else:
+            body = _offload_body(config, f, static, carry, dynamic, xs)
+        return jax.lax.scan(body, carry, (dynamic, xs), length=len(self))
+
+    def _config(self) -> _ScanConfig | None:
+        """How this `Stacked` is to be scanned: as configured, else as the argument
+        of the running `filter_offload` call it comes from, else plainly."""
+        if self._scan is not None:
+            return self._scan
+        context = _context.current()
+        if context is None:
+            return None
+        return _ScanConfig(context.path_of(self.layers), context.policy)
+
+
+def configure(stacked: Stacked, path: str, policy: Policy) -> Stacked:
+    """The configured view of `stacked` (still a `Stacked`): the same layers, with the
+    static configuration that makes `scan` name, checkpoint and offload."""
+    view = object.__new__(Stacked)
+    object.__setattr__(view, "layers", stacked.layers)
+    object.__setattr__(view, "_scan", _ScanConfig(path, policy))
+    return view
+
+
+def _check_same_layer(layer0: Any, layer: Any, i: int) -> None:
+    """Raises naming the first leaf where `layer` (number `i`) differs from layer 0."""
+    where = "`Stacked.from_layers`"
+    first = _paths.leaves(layer0)
+    other = _paths.leaves(layer)
+    for a, b in zip(first, other):
+        if a.path != b.path:
+            raise ValueError(
+                f"{where}: layer {i} differs in structure from layer 0: leaf "
+                f"{a.path!r} in layer 0 is {b.path!r} in layer {i}."
+            )
+        if is_arraylike(a.value) != is_arraylike(b.value):
+            raise ValueError(
+                f"{where}: leaf {a.path!r} is an array in one of layers 0 and {i} but "
+                "not in the other."
+            )
+        if is_arraylike(a.value):
+            if (a.value.shape, a.value.dtype) != (b.value.shape, b.value.dtype):
+                raise ValueError(
+                    f"{where}: leaf {a.path!r} is {a.value.dtype}{list(a.value.shape)} "
+                    f"in layer 0 but {b.value.dtype}{list(b.value.shape)} in layer {i}."
+                )
+        elif not _same(a.value, b.value):
+            raise ValueError(
+                f"{where}: non-array leaf {a.path!r} is {a.value!r} in layer 0 but "
+                f"{b.value!r} in layer {i}; every layer must share its non-array "
+                "fields."
+            )
+    if len(first) != len(other):
+        extra = (first if len(first) > len(other) else other)[
+            min(len(first), len(other))
+        ]
+        raise ValueError(
+            f"{where}: layer {i} differs in structure from layer 0 at leaf "
+            f"{extra.path!r}, which only one of them has."
+        )
+    if jtu.tree_structure(layer) != jtu.tree_structure(layer0):
+        raise ValueError(
+            f"{where}: layer {i} differs from layer 0 in a static field (their "
+            f"pytree structures differ: {jtu.tree_structure(layer0)} vs "
+            f"{jtu.tree_structure(layer)})."
+        )
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
+
+
+def _map_arrays(fn: Callable[[Any], Any], tree: Any) -> Any:
+    def apply(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.eval_shape(fn, x)
+        return fn(x) if eqx.is_array(x) else x
+
+    return jtu.tree_map(apply, tree)
+
+
+def _to_device(layer_arrays: Any) -> Any:
+    """Moves a layer slice's host-resident arrays to the device, inside the scan."""
+    return jtu.tree_map(
+        lambda x: jax.device_put(x, jax.memory.Space.Device) if is_host(x) else x,
+        layer_arrays,
+    )
+
+
+def _plain_body(f: Callable, static: Any) -> Callable:
+    def body(carry: Any, inputs: Any) -> Any:
+        layer_arrays, x = inputs
+        return f(eqx.combine(_to_device(layer_arrays), static), carry, x)
+
+    return body
+
+
+def _offload_body(
+    config: _ScanConfig, f: Callable, static: Any, carry: Any, dynamic: Any, xs: Any
+) -> Callable:
+    """The configured scan body: host slices to the device, the carry named, output
+    of named submodules named, and `jax.checkpoint` with the policy's names."""
+    path, policy = config
+    carry_name = _paths.join(path, "input")
+    patterns = policy.checkpoint_patterns
+    nameable = sorted(_paths.join(path, p) for p in _submodule_paths(static))
+    to_name = {p for p in nameable if any(_paths.matches(q, p) for q in patterns)}
+
+    def configure_inside(module: Any, sub_path: str) -> Any:
+        if isinstance(module, Stacked) and module._scan is None:
+            return configure(module, sub_path, policy)  # a nested `Stacked`
+        if sub_path in to_name:
+            return _with_class(module, _named_class(type(module), sub_path))
+        return module
+
+    def body(c: Any, inputs: Any) -> Any:
+        layer_arrays, x = inputs
+        if policy.save != "all":
+            # Named first, before any use: a name on anything downstream of the
+            # carry (e.g. the previous layer's output) is not a residual here.
+            c = jtu.tree_map(lambda v: checkpoint_name(v, carry_name), c)
+        layer = eqx.combine(_to_device(layer_arrays), static)
+        layer = _map_submodules(layer, path, configure_inside)
+        return f(layer, c, x)
+
+    if policy.save == "all":  # no checkpoint, so names would mean nothing
+        return body
+    save: list[str] = []
+    offload: list[str] = []
+    if patterns:
+        names, residual_names = _probe_names(body, carry, dynamic, xs)
+        context = _context.current()
+        if context is not None:
+            occurrence = (path, names, residual_names, (carry_name, *nameable))
+            context.log.record(_names.Occurrence(*occurrence))
+        save, offload = policy.split_names(names)
+    checkpoint_policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=save,
+        names_which_can_be_offloaded=offload,
+        offload_src="device",
+        offload_dst=policy.offload_dst,
+    )
+    return jax.checkpoint(body, policy=checkpoint_policy, prevent_cse=False)
+
+
+def _probe_names(
+    body: Callable, carry: Any, dynamic: Any, xs: Any
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Traces one layer to learn which checkpoint names occur in it (ours and the
+    user's own) and which of them are residuals: naming anything else does nothing.
+    """
+    first = functools.partial(_map_arrays, lambda a: a[0])
+
+    def one_layer(body_fn: Callable) -> Callable:
+        return lambda c, d, x: body_fn(c, (first(d), first(x)))
+
+    closed = jax.make_jaxpr(one_layer(body))(carry, dynamic, xs)
+    names = _residuals.checkpoint_names(closed)
+    probe = jax.checkpoint(
+        body,
+        policy=jax.checkpoint_policies.save_only_these_names(*names),
+        prevent_cse=False,
+    )
+    residuals = _residuals.saved_residuals(one_layer(probe), carry, dynamic, xs)
+    return tuple(names), tuple(r.name for r in residuals if r.name is not None)
+
+
+def _submodule_paths(module: Any) -> list[str]:
+    paths: list[str] = []
+    _map_submodules(module, "", lambda m, p: paths.append(p) or m)
+    return paths
+
+
+def _map_submodules(node: Any, prefix: str, fn: Callable[[Any, str], Any]) -> Any:
+    """Rebuilds `node` with `fn(module, path)` applied to every `eqx.Module` strictly
+    inside it, innermost first, not looking inside a nested `Stacked` (whose own
+    configured scan handles its layers). Paths continue from `prefix`."""
+
+    def visit(x: Any, path: str) -> Any:
+        if isinstance(x, Stacked):
+            return fn(x, path) if path != prefix else x
+        if isinstance(x, eqx.Module):
+            changed = {}
+            for field in dataclasses.fields(x):
+                if field.metadata.get("static", False):
+                    continue
+                child = getattr(x, field.name)
+                new = visit(child, _paths.join(path, field.name))
+                if new is not child:
+                    changed[field.name] = new
+            if changed:
+                x = _with_fields(x, changed)
+            return fn(x, path) if path != prefix else x
+        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+            new = [visit(c, f"{path}[{i}]") for i, c in enumerate(x)]
+            return x if all(a is b for a, b in zip(new, x)) else type(x)(new)
+        if isinstance(x, dict):
+            new = {
+                k: visit(v, _paths.join(path, _paths.format_key(jtu.DictKey(k))))
+                for k, v in x.items()
+            }
+            return x if all(new[k] is x[k] for k in x) else type(x)(new)
+        return x
+
+    return visit(node, prefix)
+
+
+def _with_fields(module: Any, changed: dict[str, Any]) -> Any:
+    return _with_class(module, type(module), changed)
+
+
+def _with_class(module: Any, cls: type, changed: dict[str, Any] | None = None) -> Any:
+    """A copy of `module` as an instance of `cls`, as `jax.tree_util` unflattening
+    builds it (no `__init__`), with some fields replaced."""
+    changed = changed or {}
+    out = object.__new__(cls)
+    for field in dataclasses.fields(module):
+        value = changed.get(field.name, getattr(module, field.name))
+        object.__setattr__(out, field.name, value)
+    return out
+
+
+@functools.cache
+def _named_class(cls: type, name: str) -> type:
+    """A subclass of `cls` whose `__call__` names its array outputs `name`, so the
+    instance still passes `isinstance` checks and type annotations."""
+
+    def __call__(self, *args, **kwargs):
+        out = cls.__call__(self, *args, **kwargs)
+        return jtu.tree_map(
+            lambda x: checkpoint_name(x, name) if eqx.is_array(x) else x, out
+        )
+
+    namespace = {"__call__": __call__, "__module__": cls.__module__}
+    return type(cls)(cls.__name__, (cls,), namespace)
