@@ -1,0 +1,146 @@
+"""`train_step`: loss, gradients, optimizer update and placements in one jitted step."""
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import optax
+from jaxtyping import PyTree
+
+from . import _optim
+from ._memory_kinds import kind_of, to_space
+from ._placement import move_leaves, resolve
+from ._policy import Policy
+from ._transform import filter_offload
+
+
+def _split(tree: Any) -> tuple[list, tuple]:
+    """Array leaves (traced), and everything else as a hashable static part."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    dynamic = [x if eqx.is_array(x) else None for x in leaves]
+    static = tuple(None if eqx.is_array(x) else x for x in leaves)
+    return dynamic, (treedef, static)
+
+
+def _join(dynamic: list, static: tuple) -> Any:
+    treedef, static_leaves = static
+    leaves = [s if d is None else d for d, s in zip(dynamic, static_leaves)]
+    return jtu.tree_unflatten(treedef, leaves)
+
+
+def _check_model(model: PyTree, policy: Policy) -> list:
+    kinds = resolve(model, policy.params, "`train_step`")
+    for leaf, kind in kinds:
+        if kind == "unpinned_host":
+            to_space(leaf.value, kind, leaf.path)  # raises: jit can't keep it there
+        if kind_of(leaf.value) != kind:
+            raise ValueError(
+                f"`train_step`: model leaf {leaf.path!r} is in {kind_of(leaf.value)!r} "
+                f"but should live in {kind!r}; place the model first with "
+                "`model = eqx_offload.place(model, policy)`."
+            )
+    return kinds
+
+
+def _step(
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    policy: Policy,
+    has_aux: bool,
+    model_dynamic: list,
+    opt_dynamic: list,
+    batch_dynamic: list,
+    statics: tuple,
+) -> tuple[list, list, Any]:
+    model_static, opt_static, batch_static = statics
+    model = _join(model_dynamic, model_static)
+    opt_state = _join(opt_dynamic, opt_static)
+    batch = _join(batch_dynamic, batch_static)
+    model_kinds = _check_model(model, policy)
+    opt_kinds = _optim.check_state(optimizer, opt_state, policy)
+
+    loss = filter_offload(loss_fn, policy)
+    value, grads = eqx.filter_value_and_grad(loss, has_aux=has_aux)(model, *batch)
+    model, opt_state = _optim.update(optimizer, grads, opt_state, model)
+
+    # Outputs go back where they live, with `device_put` to a memory space inside the
+    # traced function: the same trace then compiles for any backend.
+    model = move_leaves(model, model_kinds)
+    opt_state = move_leaves(opt_state, opt_kinds)
+    return _split(model)[0], _split(opt_state)[0], value
+
+
+class _TrainStep(eqx.Module):
+    """The object `train_step` returns; call it as `step(model, opt_state, *batch)`."""
+
+    loss_fn: Callable
+    optimizer: optax.GradientTransformation
+    policy: Policy
+    has_aux: bool
+    fun: Callable  # the step on flattened arguments, before `jax.jit`
+    jitted: Callable
+
+    def __call__(self, model: PyTree, opt_state: PyTree, *batch: Any) -> tuple:
+        model_dynamic, model_static = _split(model)
+        opt_dynamic, opt_static = _split(opt_state)
+        batch_dynamic, batch_static = _split(batch)
+        model_dynamic, opt_dynamic, value = self.jitted(
+            model_dynamic,
+            opt_dynamic,
+            batch_dynamic,
+            (model_static, opt_static, batch_static),
+        )
+        return _join(model_dynamic, model_static), _join(opt_dynamic, opt_static), value
+
+
+def train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    policy: Policy,
+    *,
+    has_aux: bool = False,
+) -> Callable[..., tuple[PyTree, PyTree, Any]]:
+    """A jitted training step that applies `policy` to a model and its optimizer.
+
+    `step(model, opt_state, *batch)` computes `loss_fn(model, *batch)` and its
+    gradient through `filter_offload(loss_fn, policy)`, applies the optax update,
+    and returns `(model, opt_state, loss)` (or `(model, opt_state, (loss, aux))`
+    with `has_aux=True`). The model and optimizer state are donated, and every
+    output leaf is returned in the memory kind the policy gives it, so the outputs
+    feed the next call without retracing.
+
+    **Arguments:**
+
+    - `loss_fn`: `loss_fn(model, *batch) -> loss`, or `-> (loss, aux)` with
+        `has_aux=True`. Gradients are taken with respect to the floating-point
+        arrays of `model`.
+    - `optimizer`: an `optax.GradientTransformation`.
+    - `policy`: an `eqx_offload.Policy`.
+    - `has_aux`: whether `loss_fn` returns `(loss, aux)`; `aux` must be a pytree of
+        arrays.
+
+    **Returns:**
+
+    The step function. Inputs must already be where the policy says (use
+    `eqx_offload.place` and `eqx_offload.init_opt_state`); a leaf found elsewhere
+    is a `ValueError` naming it.
+
+    !!! Example
+
+        ```python
+        policy = eo.Policy.offload_all()
+        model = eo.place(model, policy)
+        opt_state = eo.init_opt_state(optimizer, model, policy)
+        step = eo.train_step(loss_fn, optimizer, policy)
+        for tokens, targets in batches:
+            model, opt_state, loss = step(model, opt_state, tokens, targets)
+        ```
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"`train_step(loss_fn=...)` must be callable, got {loss_fn!r}.")
+    fun = functools.partial(_step, loss_fn, optimizer, policy, has_aux)
+    jitted = jax.jit(fun, static_argnums=(3,), donate_argnums=(0, 1))
+    return _TrainStep(loss_fn, optimizer, policy, has_aux, fun, jitted)
