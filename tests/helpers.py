@@ -1,0 +1,112 @@
+"""Models and references shared by the tests."""
+
+from collections.abc import Iterator
+
+import equinox as eqx
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+import eqx_offload as eo
+
+
+class Block(eqx.Module):
+    """Pre-norm transformer block: LayerNorm + attention + LayerNorm + MLP."""
+
+    norm1: eqx.nn.LayerNorm
+    attn: eqx.nn.MultiheadAttention
+    norm2: eqx.nn.LayerNorm
+    mlp: eqx.nn.MLP
+
+    def __init__(self, dim: int, heads: int, *, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        self.norm1 = eqx.nn.LayerNorm(dim)
+        self.attn = eqx.nn.MultiheadAttention(heads, dim, key=k1)
+        self.norm2 = eqx.nn.LayerNorm(dim)
+        self.mlp = eqx.nn.MLP(
+            dim, dim, 2 * dim, depth=1, activation=jax.nn.gelu, key=k2
+        )
+
+    def __call__(self, x: Float[Array, "seq dim"]) -> Float[Array, "seq dim"]:
+        h = jax.vmap(self.norm1)(x)
+        x = x + self.attn(h, h, h)
+        return x + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x))
+
+
+class Model(eqx.Module):
+    embed: eqx.nn.Embedding
+    blocks: eo.Stacked[Block]
+    head: eqx.nn.Linear
+
+    def __init__(
+        self, vocab: int = 32, dim: int = 16, depth: int = 4, *, key: PRNGKeyArray
+    ):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = eqx.nn.Embedding(vocab, dim, key=k1)
+        self.blocks = eo.Stacked.from_fn(lambda k: Block(dim, 2, key=k), depth, key=k2)
+        self.head = eqx.nn.Linear(dim, vocab, key=k3)
+
+    def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+        x = jax.vmap(self.embed)(tokens)
+        x = self.blocks(x)
+        return jax.vmap(self.head)(x)
+
+
+class ReferenceModel(eqx.Module):
+    """The same model written plainly: a Python list of blocks."""
+
+    embed: eqx.nn.Embedding
+    blocks: list[Block]
+    head: eqx.nn.Linear
+
+    def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+        x = jax.vmap(self.embed)(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return jax.vmap(self.head)(x)
+
+
+def as_reference(model: Model) -> ReferenceModel:
+    return ReferenceModel(model.embed, list(model.blocks), model.head)
+
+
+def cross_entropy(model, tokens, targets):
+    logits = jax.vmap(model)(tokens)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def l2(model):
+    params = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))
+    return 1e-3 * sum(jnp.sum(p**2) for p in params)
+
+
+def loss_with_l2(model, tokens, targets):
+    return cross_entropy(model, tokens, targets) + l2(model)
+
+
+def batches(vocab: int = 32, batch: int = 2, seq: int = 8, seed: int = 0) -> Iterator:
+    """Deterministic synthetic data: predict the next token of a shifted sequence."""
+    rng = np.random.default_rng(seed)
+    while True:
+        tokens = rng.integers(0, vocab, size=(batch, seq + 1))
+        yield jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
+
+
+def memory_kind(x) -> str:
+    return x.sharding.memory_kind
+
+
+def all_eqns(jaxpr) -> Iterator:
+    """Every equation of a jaxpr, nested jaxprs included."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jex.jaxprs_in_params(eqn.params):
+            yield from all_eqns(sub)
+
+
+def primitive_names(jaxpr) -> set[str]:
+    return {eqn.primitive.name for eqn in all_eqns(jaxpr)}

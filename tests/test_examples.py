@@ -1,0 +1,27 @@
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_quickstart_trains_and_prints_where_memory_lives():
+    result = subprocess.run(
+        [sys.executable, "examples/quickstart.py", "--steps", "40"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for row in ("parameters", "optimizer state", "saved activations"):
+        assert row in out
+    match = re.search(r"loss: first step ([\d.]+), last step ([\d.]+)", out)
+    assert match, out
+    first, last = float(match[1]), float(match[2])
+    assert last < first / 2

@@ -1,0 +1,137 @@
+"""Placement is proven on jaxprs and avals, not assumed."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.ad_checkpoint import saved_residuals as jax_saved_residuals
+from jax.ad_checkpoint import checkpoint_name
+
+import eqx_offload as eo
+from eqx_offload._residuals import checkpoint_names, saved_residuals
+
+from .helpers import all_eqns, batches, cross_entropy, Model, primitive_names
+
+
+def test_agrees_with_jax_print_saved_residuals():
+    def f(x, w):
+        h = checkpoint_name(jnp.sin(x @ w), "h")
+        return jnp.sum(jnp.cos(h) * x)
+
+    x, w = jnp.ones((3, 4)), jnp.ones((4, 4))
+    policy = jax.checkpoint_policies.save_only_these_names("h")
+    for fn in (f, jax.checkpoint(f, policy=policy)):
+        ours = sorted((str(r.aval), describe(r)) for r in saved_residuals(fn, x, w))
+        theirs = sorted(
+            (
+                str(aval),
+                re.sub(r"( x| w|) from .*$|(argument) [xw]$", r"\2", description),
+            )
+            for aval, description in jax_saved_residuals(fn, x, w)
+        )
+        assert ours == theirs
+
+
+def describe(r):
+    if r.source == "named":
+        return f"named '{r.name}'"
+    if r.source == "argument":
+        return "from the argument"
+    return f"output of {r.source}"
+
+
+def test_checkpoint_names_finds_nested_names():
+    def f(x):
+        x = checkpoint_name(x, "a")
+        return jax.lax.scan(
+            lambda c, _: (checkpoint_name(c, "b") * 2, None), x, None, 3
+        )[0]
+
+    assert checkpoint_names(jax.make_jaxpr(f)(1.0)) == ["a", "b"]
+
+
+def stacked_residuals(depth, policy):
+    model = Model(depth=depth, key=jax.random.key(0))
+    params, static = eqx.partition(model, eqx.is_array)
+    fn = eo.filter_offload(
+        lambda p, t, y: cross_entropy(eqx.combine(p, static), t, y), policy
+    )
+    residuals = saved_residuals(fn, params, *next(batches()))
+    return [r for r in residuals if r.per_iteration]
+
+
+def test_offload_residuals_moves_every_per_layer_residual_to_the_host():
+    by_depth = {}
+    for depth in (4, 16):
+        residuals = stacked_residuals(depth, eo.Policy.offload_residuals())
+        assert residuals and all(r.host for r in residuals)
+        by_depth[depth] = (
+            sum(r.nbytes for r in residuals if not r.host),
+            sum(r.nbytes for r in residuals if r.host),
+        )
+    (device4, host4), (device16, host16) = by_depth[4], by_depth[16]
+    assert device4 == device16
+    assert host16 == 4 * host4 > 0
+
+
+def test_without_offload_per_layer_residuals_stay_on_the_device():
+    residuals = stacked_residuals(4, eo.Policy.remat(save=("blocks.input",)))
+    assert residuals and not any(r.host for r in residuals)
+
+
+def test_host_params_move_one_slice_at_a_time_and_gradients_return_to_host(getkey):
+    policy = eo.Policy.offload_all()
+    model = eo.place(Model(depth=4, key=getkey()), policy)
+    fn = eqx.filter_value_and_grad(eo.filter_offload(cross_entropy, policy))
+    batch = next(batches())
+    jaxpr = eqx.filter_make_jaxpr(fn)(model, *batch)[0]
+
+    stacked_shapes = {
+        x.shape for x in jax.tree.leaves(eqx.filter(model.blocks, eqx.is_array))
+    }
+    slice_shapes = {shape[1:] for shape in stacked_shapes}
+    moved_in_scans = set()
+    for eqn in all_eqns(jaxpr):
+        if eqn.primitive.name == "device_put":
+            for var, dst in zip(eqn.invars, eqn.params["devices"]):
+                aval = var.aval
+                # A whole stacked leaf never moves, in either direction...
+                assert aval.shape not in stacked_shapes or aval.shape in slice_shapes
+                if (
+                    aval.memory_space == jax.memory.Space.Host
+                    and dst == jax.memory.Space.Device
+                ):
+                    moved_in_scans.add(aval.shape)
+    # ...but every layer slice is brought to the device (inside the scan).
+    assert slice_shapes <= moved_in_scans
+    scans = [e for e in all_eqns(jaxpr) if e.primitive.name == "scan"]
+    host_xs = {
+        v.aval.shape
+        for e in scans
+        for v in e.invars
+        if getattr(v.aval, "memory_space", None) == jax.memory.Space.Host
+    }
+    assert stacked_shapes <= host_xs
+
+    _, grads = eqx.filter_jit(fn)(model, *batch)
+    kinds = {
+        x.sharding.memory_kind for x in jax.tree.leaves(eqx.filter(grads, eqx.is_array))
+    }
+    assert kinds == {"pinned_host"}
+
+
+@pytest.mark.parametrize("with_grad", [False, True])
+def test_policy_none_adds_no_transfers_and_no_remat(with_grad, getkey):
+    model = Model(key=getkey())
+    batch = next(batches())
+    ours = eo.filter_offload(cross_entropy, eo.Policy.none())
+    plain = cross_entropy
+    if with_grad:
+        ours, plain = eqx.filter_value_and_grad(ours), eqx.filter_value_and_grad(plain)
+    ours_jaxpr = eqx.filter_make_jaxpr(ours)(model, *batch)[0]
+    plain_jaxpr = eqx.filter_make_jaxpr(plain)(model, *batch)[0]
+    names = primitive_names(ours_jaxpr)
+    assert "device_put" not in names and "remat2" not in names and "name" not in names
+    assert str(ours_jaxpr) == str(plain_jaxpr)

@@ -1,0 +1,193 @@
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_offload as eo
+
+from .helpers import Block
+
+
+def loop(layers, x, **kwargs):
+    for layer in layers:
+        x = layer(x, **kwargs)
+    return x
+
+
+class Residual(eqx.Module):
+    """Wraps a vector-to-vector layer as `x + layer(x)` with optional dropout."""
+
+    layer: Callable
+    dropout: eqx.nn.Dropout
+
+    def __init__(self, layer, p=0.0):
+        self.layer = layer
+        self.dropout = eqx.nn.Dropout(p)
+
+    def __call__(self, x, *, key=None):
+        y = self.layer(x)
+        return x + (self.dropout(y, key=key) if key is not None else y)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda k: Residual(eqx.nn.Linear(8, 8, key=k)),
+        lambda k: Residual(eqx.nn.MLP(8, 8, 16, depth=2, key=k)),
+        lambda k: Residual(eqx.nn.LayerNorm(8)),
+    ],
+    ids=["Linear", "MLP", "LayerNorm"],
+)
+def test_call_matches_a_python_loop(make, getkey):
+    stacked = eo.Stacked.from_fn(make, 5, key=getkey())
+    layers = list(stacked)
+    assert len(stacked) == len(layers) == 5
+    assert all(type(layer) is Residual for layer in layers)
+    x = jax.random.normal(getkey(), (8,))
+    np.testing.assert_allclose(stacked(x), loop(layers, x), rtol=1e-6)
+    grads = eqx.filter_grad(lambda s: jnp.sum(s(x) ** 2))(stacked)
+    ref = eqx.filter_grad(lambda ls: jnp.sum(loop(ls, x) ** 2))(layers)
+    stacked_ref = eo.Stacked.from_layers(ref)
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(grads, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(stacked_ref, eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_attention_blocks(getkey):
+    stacked = eo.Stacked.from_fn(lambda k: Block(16, 2, key=k), 4, key=getkey())
+    x = jax.random.normal(getkey(), (6, 16))
+    np.testing.assert_allclose(stacked(x), loop(stacked, x), rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_gets_one_key_per_layer(getkey):
+    stacked = eo.Stacked.from_fn(
+        lambda k: Residual(eqx.nn.Linear(8, 8, key=k), p=0.5), 3, key=getkey()
+    )
+    x = jnp.ones(8)
+    key = getkey()
+    keys = jax.random.split(key, 3)
+    expected = x
+    for layer, k in zip(stacked, keys):
+        expected = layer(expected, key=k)
+    np.testing.assert_allclose(stacked(x, key=key), expected, rtol=1e-6)
+    assert not np.allclose(stacked(x, key=key), stacked(x))  # dropout is active
+    inference = eqx.nn.inference_mode(stacked)
+    np.testing.assert_allclose(inference(x, key=key), stacked(x), rtol=1e-6)
+
+
+def test_scan_with_per_layer_inputs_and_outputs(getkey):
+    stacked = eo.Stacked.from_fn(lambda k: eqx.nn.Linear(4, 4, key=k), 3, key=getkey())
+    scales = jnp.array([1.0, 2.0, 3.0])
+
+    def f(layer, carry, scale):
+        out = scale * layer(carry)
+        return out, jnp.sum(out)
+
+    x = jnp.ones(4)
+    carry, ys = stacked.scan(f, x, scales)
+    expected, sums = x, []
+    for layer, s in zip(stacked, scales):
+        expected = s * layer(expected)
+        sums.append(jnp.sum(expected))
+    np.testing.assert_allclose(carry, expected, rtol=1e-6)
+    np.testing.assert_allclose(ys, jnp.stack(sums), rtol=1e-6)
+
+
+def test_extra_arguments_are_broadcast(getkey):
+    class Scaled(eqx.Module):
+        lin: eqx.nn.Linear
+
+        def __call__(self, x, scale, *, shift):
+            return scale * self.lin(x) + shift
+
+    stacked = eo.Stacked.from_fn(
+        lambda k: Scaled(eqx.nn.Linear(4, 4, key=k)), 2, key=getkey()
+    )
+    x = jnp.ones(4)
+    expected = loop(
+        [lambda y, layer=layer: layer(y, 0.5, shift=1.0) for layer in stacked], x
+    )
+    np.testing.assert_allclose(stacked(x, 0.5, shift=1.0), expected, rtol=1e-6)
+
+
+def test_indexing_and_slicing(getkey):
+    layers = [eqx.nn.Linear(3, 3, key=getkey()) for _ in range(4)]
+    stacked = eo.Stacked.from_layers(layers)
+    np.testing.assert_array_equal(stacked[2].weight, layers[2].weight)
+    np.testing.assert_array_equal(stacked[-1].weight, layers[3].weight)
+    part = stacked[1:3]
+    assert isinstance(part, eo.Stacked) and len(part) == 2
+    np.testing.assert_array_equal(part[0].weight, layers[1].weight)
+    with pytest.raises(IndexError):
+        stacked[4]
+
+
+def test_from_layers_names_the_first_difference(getkey):
+    a = eqx.nn.Linear(3, 3, key=getkey())
+    with pytest.raises(
+        ValueError,
+        match=r"leaf 'weight' is float32\[3, 3\] in layer 0 "
+        r"but float32\[4, 3\] in layer 1",
+    ):
+        eo.Stacked.from_layers([a, eqx.nn.Linear(3, 4, key=getkey())])
+    with pytest.raises(
+        ValueError,
+        match=r"leaf 'bias' is float32\[3\] in layer 0 but bfloat16\[3\] in layer 1",
+    ):
+        assert a.bias is not None
+        b = eqx.tree_at(lambda m: m.bias, a, a.bias.astype(jnp.bfloat16))
+        eo.Stacked.from_layers([a, b])
+    with pytest.raises(
+        ValueError,
+        match=r"layer 1 differs in structure from layer 0 "
+        r"at leaf 'bias', which only one",
+    ):
+        eo.Stacked.from_layers([a, eqx.nn.Linear(3, 3, use_bias=False, key=getkey())])
+    with pytest.raises(
+        ValueError, match=r"non-array leaf 'p' is 0.1 in layer 0 but 0.2"
+    ):
+        eo.Stacked.from_layers([eqx.nn.Dropout(0.1), eqx.nn.Dropout(0.2)])
+    with pytest.raises(ValueError, match="at least one layer"):
+        eo.Stacked.from_layers([])
+    heads = [eqx.nn.MultiheadAttention(n, 4, key=getkey()) for n in (1, 2)]
+    with pytest.raises(
+        ValueError, match="layer 1 differs from layer 0 in a static field"
+    ):
+        eo.Stacked.from_layers(heads)
+
+
+def test_constructor_checks_the_layer_axis(getkey):
+    with pytest.raises(ValueError, match=r"leaf 'b' has leading axis 2 but 'a' has 3"):
+        eo.Stacked({"a": jnp.zeros((3, 1)), "b": jnp.zeros((2, 1))})
+    with pytest.raises(ValueError, match="at least one array leaf"):
+        eo.Stacked({"a": 1.0})
+    with pytest.raises(ValueError, match="positive int"):
+        eo.Stacked.from_fn(lambda k: eqx.nn.Linear(2, 2, key=k), 0, key=getkey())
+
+
+def test_abstract_layers(getkey):
+    stacked = eqx.filter_eval_shape(
+        eo.Stacked.from_fn, lambda k: eqx.nn.Linear(3, 5, key=k), 7, key=getkey()
+    )
+    assert len(stacked) == 7
+    assert stacked[0].weight.shape == (5, 3)
+    abstract = eo.Stacked.from_layers(
+        [eqx.filter_eval_shape(eqx.nn.Linear, 3, 5, key=getkey())] * 2
+    )
+    assert abstract.layers.weight.shape == (2, 5, 3)
+
+
+def test_host_resident_layers_are_moved_one_slice_at_a_time(getkey):
+    stacked = eo.Stacked.from_fn(lambda k: eqx.nn.Linear(4, 4, key=k), 3, key=getkey())
+    host = eo.place(stacked, eo.Policy(params="pinned_host"))
+    x = jnp.ones(4)
+    call = eqx.filter_jit(lambda s, x: s(x))
+    np.testing.assert_allclose(call(host, x), stacked(x), rtol=1e-6)
+    grads = eqx.filter_jit(eqx.filter_grad(lambda s: jnp.sum(s(x))))(host)
+    assert grads.layers.weight.sharding.memory_kind == "pinned_host"

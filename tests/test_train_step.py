@@ -1,0 +1,237 @@
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_offload as eo
+
+from .helpers import (
+    as_reference,
+    batches,
+    cross_entropy,
+    loss_with_l2,
+    memory_kind,
+    Model,
+)
+
+
+DEVICE_PARAM_PRESETS = {
+    "none": eo.Policy.none(),
+    "remat": eo.Policy.remat(),
+    "offload_residuals": eo.Policy.offload_residuals(),
+    "offload_residuals+host_opt_state": eo.Policy.offload_residuals(
+        opt_state="pinned_host"
+    ),
+}
+
+
+def reference_run(model, loss_fn, optimizer, steps):
+    """Plain Equinox + optax: a Python loop over blocks, no eqx_offload at all."""
+    ref = as_reference(model)
+    opt_state = optimizer.init(eqx.filter(ref, eqx.is_inexact_array))
+
+    @eqx.filter_jit
+    def step(ref, opt_state, tokens, targets):
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(ref, tokens, targets)
+        updates, opt_state = optimizer.update(
+            grads, opt_state, eqx.filter(ref, eqx.is_inexact_array)
+        )
+        return eqx.apply_updates(ref, updates), opt_state, loss
+
+    losses = []
+    data = batches()
+    for _ in range(steps):
+        ref, opt_state, loss = step(ref, opt_state, *next(data))
+        losses.append(float(loss))
+    return ref, losses
+
+
+def offload_run(model, loss_fn, optimizer, policy, steps):
+    model = eo.place(model, policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(loss_fn, optimizer, policy)
+    losses = []
+    data = batches()
+    for _ in range(steps):
+        model, opt_state, loss = step(model, opt_state, *next(data))
+        losses.append(float(loss))
+    return model, opt_state, losses
+
+
+def assert_same_params(model, ref):
+    stacked_ref = eo.Stacked.from_layers(ref.blocks)
+    pairs = [(model.embed, ref.embed), (model.head, ref.head)]
+    pairs.append((model.blocks.layers, stacked_ref.layers))
+    for ours, theirs in pairs:
+        ours, theirs = eqx.filter((ours, theirs), eqx.is_array)
+        for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+            np.testing.assert_allclose(
+                np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7
+            )
+
+
+@pytest.mark.parametrize("name", DEVICE_PARAM_PRESETS)
+def test_matches_reference_with_l2_penalty(name, getkey):
+    model = Model(key=getkey())
+    optimizer = optax.adamw(1e-2)
+    ref, ref_losses = reference_run(model, loss_with_l2, optimizer, 10)
+    ours, _, losses = offload_run(
+        model, loss_with_l2, optimizer, DEVICE_PARAM_PRESETS[name], 10
+    )
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert losses[-1] < losses[0]
+    assert_same_params(ours, ref)
+
+
+def test_offload_all_matches_reference(getkey):
+    model = Model(key=getkey())
+    optimizer = optax.adamw(1e-2)
+    ref, ref_losses = reference_run(model, cross_entropy, optimizer, 10)
+    ours, opt_state, losses = offload_run(
+        model, cross_entropy, optimizer, eo.Policy.offload_all(), 10
+    )
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_same_params(ours, ref)
+    arrays = jax.tree.leaves(eqx.filter(ours, eqx.is_array))
+    assert {memory_kind(x) for x in arrays} == {"pinned_host"}
+    mu = opt_state[0].mu
+    assert {memory_kind(x) for x in jax.tree.leaves(mu)} == {"pinned_host"}
+    assert memory_kind(opt_state[0].count) == "device"
+
+
+def test_offload_all_rejects_l2_penalty_over_stacked_leaves(getkey):
+    policy = eo.Policy.offload_all()
+    optimizer = optax.adamw(1e-2)
+    model = eo.place(Model(key=getkey()), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(loss_with_l2, optimizer, policy)
+    with pytest.raises(
+        ValueError, match=r"'blocks\.norm1\.weight'.*add_decayed_weights"
+    ):
+        step(model, opt_state, *next(batches()))
+
+
+def test_traced_once_per_input_shape(getkey):
+    traces = []
+
+    def loss_fn(model, tokens, targets):
+        traces.append(tokens.shape)
+        return cross_entropy(model, tokens, targets)
+
+    policy = eo.Policy.offload_all()
+    optimizer = optax.adam(1e-3)
+    model = eo.place(Model(key=getkey()), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(loss_fn, optimizer, policy)
+    data = batches()
+    for _ in range(3):
+        model, opt_state, _ = step(model, opt_state, *next(data))
+    assert traces == [(2, 8)]
+    data = batches(batch=3)
+    for _ in range(2):
+        model, opt_state, _ = step(model, opt_state, *next(data))
+    assert traces == [(2, 8), (3, 8)]
+    assert step.jitted._cache_size() == 2
+
+
+def test_donates_model_and_opt_state(getkey):
+    policy = eo.Policy.remat()
+    optimizer = optax.sgd(1e-2)
+    model = eo.place(Model(key=getkey()), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    tokens, targets = next(batches())
+    new_model, _, _ = step(model, opt_state, tokens, targets)
+    assert model.head.weight.is_deleted()
+    assert not new_model.head.weight.is_deleted()
+    assert not tokens.is_deleted()
+
+
+def test_outputs_stay_where_the_policy_puts_them(getkey):
+    policy = eo.Policy(
+        params={"blocks": "pinned_host", "blocks.norm1": "device"},
+        offload=("blocks.input",),
+        opt_state="pinned_host",
+    )
+    optimizer = optax.adam(1e-3)
+    model = eo.place(Model(key=getkey()), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    data = batches()
+    for _ in range(2):
+        model, opt_state, _ = step(model, opt_state, *next(data))
+    assert memory_kind(model.embed.weight) == "device"
+    assert memory_kind(model.blocks.layers.norm1.weight) == "device"
+    assert memory_kind(model.blocks.layers.mlp.layers[0].weight) == "pinned_host"
+    assert memory_kind(opt_state[0].nu.blocks.layers.attn.query_proj.weight) == (
+        "pinned_host"
+    )
+
+
+def test_has_aux(getkey):
+    def loss_fn(model, tokens, targets):
+        loss = cross_entropy(model, tokens, targets)
+        return loss, {"twice": 2 * loss}
+
+    policy = eo.Policy.offload_residuals()
+    optimizer = optax.sgd(1e-2)
+    model = eo.place(Model(key=getkey()), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(loss_fn, optimizer, policy, has_aux=True)
+    _, _, (loss, aux) = step(model, opt_state, *next(batches()))
+    np.testing.assert_allclose(aux["twice"], 2 * loss)
+
+
+def test_unplaced_model_is_an_error(getkey):
+    policy = eo.Policy.offload_all()
+    optimizer = optax.adam(1e-3)
+    model = Model(key=getkey())
+    opt_state = eo.init_opt_state(optimizer, eo.place(model, policy), policy)
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    with pytest.raises(
+        ValueError, match=r"model leaf 'embed\.weight'.*eqx_offload\.place"
+    ):
+        step(model, opt_state, *next(batches()))
+
+
+def test_misplaced_opt_state_is_an_error(getkey):
+    policy = eo.Policy.remat(opt_state="pinned_host")
+    optimizer = optax.adam(1e-3)
+    model = eo.place(Model(key=getkey()), policy)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    with pytest.raises(ValueError, match=r"optimizer state leaf .*init_opt_state"):
+        step(model, opt_state, *next(batches()))
+
+
+def test_unpinned_host_is_refused_in_a_step(getkey):
+    policy = eo.Policy(params={"head": "unpinned_host"})
+    optimizer = optax.sgd(1e-3)
+    model = eo.place(Model(key=getkey()), policy)
+    assert memory_kind(model.head.weight) == "unpinned_host"
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    with pytest.raises(ValueError, match=r"'head\.weight'.*'pinned_host' instead"):
+        step(model, opt_state, *next(batches()))
+
+
+def test_non_trainable_leaves_pass_through(getkey):
+    class WithBuffer(eqx.Module):
+        model: Model
+        step_count: jax.Array
+
+        def __call__(self, tokens):
+            return self.model(tokens)
+
+    def loss_fn(m, tokens, targets):
+        return cross_entropy(m, tokens, targets) + 0.0 * m.step_count
+
+    policy = eo.Policy.offload_residuals()
+    optimizer = optax.sgd(1e-2)
+    model = eo.place(WithBuffer(Model(key=getkey()), jnp.array(3)), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(loss_fn, optimizer, policy)
+    model, _, _ = step(model, opt_state, *next(batches()))
+    assert int(model.step_count) == 3

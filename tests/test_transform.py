@@ -1,0 +1,320 @@
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+
+import eqx_offload as eo
+
+from .helpers import (
+    all_eqns,
+    as_reference,
+    batches,
+    Block,
+    cross_entropy,
+    loss_with_l2,
+    Model,
+)
+
+
+POLICIES = [
+    eo.Policy.none(),
+    eo.Policy.remat(),
+    eo.Policy.offload_residuals(),
+    eo.Policy(save=("blocks.input",)),
+    eo.Policy(save=("blocks.mlp.layers[0]",), offload=("blocks.input",)),
+]
+
+
+def assert_trees_close(a, b):
+    a, b = eqx.filter((a, b), eqx.is_array)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"{p.save}-{p.offload}")
+def test_values_and_gradients_match_plain_equinox(policy, getkey):
+    model = Model(key=getkey())
+    tokens, targets = next(batches())
+    fn = eqx.filter_jit(
+        eqx.filter_value_and_grad(eo.filter_offload(loss_with_l2, policy))
+    )
+    loss, grads = fn(model, tokens, targets)
+    ref_loss, ref_grads = eqx.filter_value_and_grad(loss_with_l2)(
+        as_reference(model), tokens, targets
+    )
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(
+        grads.blocks.layers, eo.Stacked.from_layers(ref_grads.blocks).layers
+    )
+    assert_trees_close((grads.embed, grads.head), (ref_grads.embed, ref_grads.head))
+
+
+def test_composes_with_jax_grad_jit_and_as_a_decorator(getkey):
+    stacked = eo.Stacked.from_fn(lambda k: eqx.nn.Linear(4, 4, key=k), 3, key=getkey())
+    params, static = eqx.partition(stacked, eqx.is_array)
+    x = jnp.ones(4)
+
+    # The two halves of a partitioned model are both arguments, so both are
+    # configured and `eqx.combine` sees matching pytrees.
+    @eo.filter_offload(policy=eo.Policy.offload_residuals(offload=("input",)))
+    def f(params, static, x):
+        return jnp.sum(jnp.tanh(eqx.combine(params, static)(x)))
+
+    g = jax.jit(jax.grad(f), static_argnums=1)(params, static, x)
+    g_ref = jax.grad(lambda p, x: jnp.sum(jnp.tanh(eqx.combine(p, static)(x))))(
+        params, x
+    )
+    assert_trees_close(g, g_ref)
+    assert f.__name__ == "f"
+
+
+def checkpointed_bodies(jaxpr):
+    """The jaxprs wrapped in `jax.checkpoint` inside scans."""
+    for eqn in all_eqns(jaxpr):
+        if eqn.primitive.name == "scan":
+            for inner in eqn.params["jaxpr"].jaxpr.eqns:
+                if inner.primitive.name == "remat2":
+                    yield eqn.params["jaxpr"].jaxpr, inner
+
+
+def test_carry_is_named_first_inside_the_checkpointed_body(getkey):
+    model = Model(key=getkey())
+    tokens, targets = next(batches())
+    fn = eo.filter_offload(cross_entropy, eo.Policy.offload_residuals())
+    # The forward function: under `grad`, partial evaluation consumes the checkpoint.
+    jaxpr = eqx.filter_make_jaxpr(fn)(model, tokens, targets)[0]
+    bodies = list(checkpointed_bodies(jaxpr))
+    assert bodies
+    for scan_body, remat in bodies:
+        inner = remat.params["jaxpr"]
+        first = inner.eqns[0]
+        assert first.primitive.name == "name"
+        assert first.params["name"] == "blocks.input"
+        # ...applied to the carry (the scan body's first non-constant input).
+        carry_position = remat.invars.index(scan_body.invars[0])
+        assert first.invars[0] is inner.invars[carry_position]
+
+
+def names_in(fn, *args):
+    jaxpr = eqx.filter_make_jaxpr(eqx.filter_grad(fn))(*args)[0]
+    return {e.params["name"] for e in all_eqns(jaxpr) if e.primitive.name == "name"}
+
+
+def test_submodule_outputs_are_named_only_when_a_pattern_matches(getkey):
+    model = Model(key=getkey())
+    batch = next(batches())
+    plain = eo.filter_offload(cross_entropy, eo.Policy.remat())
+    assert names_in(plain, model, *batch) == {"blocks.input"}
+    policy = eo.Policy(save=("blocks.mlp.layers[*]",), offload=("**.input",))
+    named = eo.filter_offload(cross_entropy, policy)
+    assert names_in(named, model, *batch) == {
+        "blocks.input",
+        "blocks.mlp.layers[0]",
+        "blocks.mlp.layers[1]",
+    }
+    assert model.blocks.layers.mlp.__class__ is eqx.nn.MLP  # the model is unchanged
+
+
+def test_named_submodules_keep_their_type(getkey):
+    seen = []
+
+    class Checking(Block):
+        def __call__(self, x):
+            seen.append(type(self.mlp))
+            assert isinstance(self.mlp, eqx.nn.MLP)
+            return super().__call__(x)
+
+    blocks = eo.Stacked.from_fn(
+        lambda k: Checking(8, 2, key=k),  # pyright: ignore[reportCallIssue]
+        2,
+        key=getkey(),
+    )
+    policy = eo.Policy(save=("mlp",), offload=("input",))
+    # 'mlp' (added to the residual stream) is not a residual, but it is named:
+    fn = eo.filter_offload(lambda b, x: jnp.sum(b(x)), policy)
+    with pytest.raises(ValueError, match="'mlp', which occurred"):
+        eqx.filter_grad(fn)(blocks, jnp.ones((3, 8)))
+    assert seen and all(issubclass(t, eqx.nn.MLP) and t is not eqx.nn.MLP for t in seen)
+
+
+def test_user_names_inside_a_layer_can_be_selected(getkey):
+    class Named(eqx.Module):
+        lin: eqx.nn.Linear
+
+        def __call__(self, x):
+            return x + jnp.sin(checkpoint_name(self.lin(x), "hidden"))
+
+    blocks = eo.Stacked.from_fn(
+        lambda k: Named(eqx.nn.Linear(4, 4, key=k)), 3, key=getkey()
+    )
+    fn = eo.filter_offload(
+        lambda b, x: jnp.sum(b(x) ** 2), eo.Policy(offload=("hidden",))
+    )
+    g = eqx.filter_grad(fn)(blocks, jnp.ones(4))
+    g_ref = eqx.filter_grad(lambda b, x: jnp.sum(b(x) ** 2))(blocks, jnp.ones(4))
+    assert_trees_close(g, g_ref)
+
+
+def test_name_that_never_occurs_lists_the_names_that_did(getkey):
+    fn = eo.filter_offload(cross_entropy, eo.Policy(offload=("blok.input",)))
+    with pytest.raises(
+        ValueError,
+        match=r"`Policy\(offload=\.\.\.\)` names 'blok\.input', which never occurred; "
+        r"names seen: 'blocks\.input'; names that can be used: 'blocks\.input', "
+        r"'blocks\.attn'",
+    ):
+        eqx.filter_grad(fn)(Model(key=getkey()), *next(batches()))
+
+
+def test_pattern_that_never_occurs_is_an_error(getkey):
+    fn = eo.filter_offload(cross_entropy, eo.Policy(save=("decoder.*",)))
+    with pytest.raises(
+        ValueError, match=r"`Policy\(save=\.\.\.\)` names 'decoder\.\*'"
+    ):
+        eqx.filter_grad(fn)(Model(key=getkey()), *next(batches()))
+
+
+def test_policy_names_without_any_stacked_is_an_error():
+    fn = eo.filter_offload(lambda x: jnp.sum(x**2), eo.Policy.offload_residuals())
+    with pytest.raises(ValueError, match=r"never occurred; names seen: \(none\)"):
+        jax.grad(fn)(jnp.ones(3))
+
+
+def test_name_that_is_not_a_residual_is_an_error(getkey):
+    # A block's output (here: the MLP's, added to the residual stream) is not a
+    # residual of that block: offloading it would silently do nothing.
+    fn = eo.filter_offload(cross_entropy, eo.Policy(offload=("blocks.mlp",)))
+    with pytest.raises(
+        ValueError,
+        match=r"names 'blocks\.mlp', which occurred \('blocks\.mlp'\) but is not saved "
+        r"for the backward pass.*Names that are residuals: 'blocks\.input'",
+    ):
+        eqx.filter_grad(fn)(Model(key=getkey()), *next(batches()))
+
+
+def test_same_path_in_two_arguments_is_an_error(getkey):
+    fn = eo.filter_offload(lambda a, b, x: jnp.sum(a(x) + b(x)), eo.Policy.remat())
+    a = eo.Stacked.from_fn(lambda k: eqx.nn.Linear(2, 2, key=k), 2, key=getkey())
+    with pytest.raises(
+        ValueError, match=r"argument 0 and argument 1 both hold a `Stacked` at path ''"
+    ):
+        fn(a, a, jnp.ones(2))
+    b = eo.Stacked.from_fn(lambda k: eqx.nn.Linear(2, 2, key=k), 2, key=getkey())
+    nested = eo.filter_offload(
+        lambda a, b, x: jnp.sum(a(x) + b[0](x)), eo.Policy.remat()
+    )
+    nested(a, [b], jnp.ones(2))  # different paths: '' and '[0]'
+    with pytest.raises(ValueError, match=r"at '', '\[0\]' equally well"):
+        nested(a, [a], jnp.ones(2))  # the same object twice: which one is applied?
+
+
+def test_partitioned_halves_may_share_a_path(getkey):
+    model = Model(key=getkey())
+    # Freeze the attention: its arrays go in the static half.
+    frozen = eqx.tree_at(
+        lambda m: m.blocks.layers.attn, model, replace_fn=lambda _: None
+    )
+    spec = jax.tree.map(lambda _: True, frozen)
+    spec = eqx.tree_at(
+        lambda m: m.blocks.layers.attn,
+        spec,
+        jax.tree.map(lambda _: False, model.blocks.layers.attn),
+        is_leaf=lambda x: x is None,
+    )
+    diff, static = eqx.partition(model, spec)
+
+    def loss(diff, static, tokens, targets):
+        return cross_entropy(eqx.combine(diff, static), tokens, targets)
+
+    fn = eo.filter_offload(loss, eo.Policy.offload_residuals())
+    grads = eqx.filter_grad(fn)(diff, static, *next(batches()))
+    ref = eqx.filter_grad(loss)(diff, static, *next(batches()))
+    assert_trees_close(grads, ref)
+
+
+def test_closed_over_model_is_an_error(getkey):
+    model = Model(key=getkey())
+    tokens, targets = next(batches())
+    fn = eo.filter_offload(
+        lambda t: cross_entropy(model, t, targets), eo.Policy.remat()
+    )
+    with pytest.raises(ValueError, match="without being one of its arguments"):
+        fn(tokens)
+
+
+def test_nested_stacked_and_slices_are_configured(getkey):
+    class Outer(eqx.Module):
+        inner: eo.Stacked
+
+        def __call__(self, x):
+            return self.inner(x)
+
+    def make(k):
+        return Outer(
+            eo.Stacked.from_fn(lambda k2: eqx.nn.Linear(3, 3, key=k2), 2, key=k)
+        )
+
+    outer = eo.Stacked.from_fn(make, 3, key=getkey())
+    x = jnp.ones(3)
+    policy = eo.Policy(offload=("inner.input",))
+    fn = eo.filter_offload(lambda s, x: jnp.sum(s(x) + s[1:](x)), policy)
+    assert names_in(fn, outer, x) == {"input", "inner.input"}
+    g = eqx.filter_grad(fn)(outer, x)
+    g_ref = eqx.filter_grad(lambda s, x: jnp.sum(s(x) + s[1:](x)))(outer, x)
+    assert_trees_close(g, g_ref)
+
+
+def test_host_stacked_leaf_used_outside_the_scan_is_an_error(getkey):
+    policy = eo.Policy.offload_all()
+    model = eo.place(Model(key=getkey()), policy)
+    fn = eo.filter_offload(loss_with_l2, policy)
+    with pytest.raises(
+        ValueError,
+        match=r"leaf 'blocks\.norm1\.weight' of argument 0 is a host-resident layer of "
+        r"the `Stacked` at 'blocks'.*\(by `integer_pow`\).*optax\.add_decayed_weights.*"
+        r"Policy\(params=\{'blocks': 'device'\}\)",
+    ):
+        eqx.filter_grad(fn)(model, *next(batches()))
+
+
+def test_misuse_is_found_through_nested_calls(getkey):
+    policy = eo.Policy.offload_all()
+    model = eo.place(Model(key=getkey()), policy)
+
+    @jax.jit
+    def penalty(w):
+        return jnp.sum(w)
+
+    def loss(model, tokens, targets):
+        return cross_entropy(model, tokens, targets) + penalty(
+            model.blocks.layers.mlp.layers[0].weight
+        )
+
+    with pytest.raises(
+        ValueError, match=r"'blocks\.mlp\.layers\[0\]\.weight'.*\(by `reduce_sum`\)"
+    ):
+        eqx.filter_grad(eo.filter_offload(loss, policy))(model, *next(batches()))
+
+
+def test_host_leaves_outside_stacked_are_moved_at_the_start(getkey):
+    policy = eo.Policy(params={"embed": "pinned_host", "head": "pinned_host"})
+    base = Model(key=getkey())
+    model = eo.place(base, policy)
+    fn = eo.filter_offload(loss_with_l2, policy)  # L2 over host leaves is fine here
+    batch = next(batches())
+    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(fn))(model, *batch)
+    ref_loss, ref_grads = eqx.filter_value_and_grad(loss_with_l2)(base, *batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert_trees_close(grads, ref_grads)
+    assert grads.embed.weight.sharding.memory_kind == "pinned_host"
+    assert grads.head.weight.sharding.memory_kind == "pinned_host"
+    jaxpr = eqx.filter_make_jaxpr(eqx.filter_grad(fn))(model, *next(batches()))[0]
+    first_ops = [e.primitive.name for e in jaxpr.jaxpr.eqns[:3]]
+    assert first_ops == ["device_put"] * 3  # embed.weight, head.weight, head.bias
+
+
+def test_policy_is_required():
+    with pytest.raises(TypeError, match="needs a policy"):
+        eo.filter_offload(lambda x: x)

@@ -1,0 +1,100 @@
+"""Type-checked research code keeps working under every preset."""
+
+import beartype
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jaxtyping
+import optax
+import pytest
+from jaxtyping import Array, Float, Int, jaxtyped, PRNGKeyArray
+
+import eqx_offload as eo
+
+from .helpers import batches
+
+
+typechecked = jaxtyped(typechecker=beartype.beartype)
+
+
+@typechecked
+class TypedBlock(eqx.Module):
+    w_in: Float[Array, "dim hidden"]
+    w_out: Float[Array, "hidden dim"]
+    norm: eqx.nn.LayerNorm
+
+    def __init__(self, dim: int, hidden: int, *, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        self.w_in = jax.random.normal(k1, (dim, hidden)) / dim**0.5
+        self.w_out = jax.random.normal(k2, (hidden, dim)) / hidden**0.5
+        self.norm = eqx.nn.LayerNorm(dim)
+
+    @typechecked
+    def __call__(self, x: Float[Array, "seq dim"]) -> Float[Array, "seq dim"]:
+        return x + jax.nn.gelu(jax.vmap(self.norm)(x) @ self.w_in) @ self.w_out
+
+
+@typechecked
+class TypedModel(eqx.Module):
+    blocks: eo.Stacked[TypedBlock]
+    head: Float[Array, "dim vocab"]
+    embed: Float[Array, "vocab dim"] = eo.field(memory_kind="pinned_host")
+
+    def __init__(self, vocab: int, dim: int, depth: int, *, key: PRNGKeyArray):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = jax.random.normal(k1, (vocab, dim))
+        self.blocks = eo.Stacked.from_fn(
+            lambda k: TypedBlock(dim, 2 * dim, key=k), depth, key=k2
+        )
+        self.head = jax.random.normal(k3, (dim, vocab)) / dim**0.5
+
+    @typechecked
+    def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+        return self.blocks(self.embed[tokens]) @ self.head
+
+
+@typechecked
+def loss_fn(
+    model: TypedModel, tokens: Int[Array, "batch seq"], targets: Int[Array, "batch seq"]
+) -> Float[Array, ""]:
+    logits = jax.vmap(model)(tokens)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        eo.Policy.none(),
+        eo.Policy.remat(),
+        eo.Policy.offload_residuals(),
+        eo.Policy.offload_all(),
+        eo.Policy(save=("blocks.norm",), offload=("blocks.input",)),  # named submodule
+    ],
+    ids=["none", "remat", "offload_residuals", "offload_all", "named"],
+)
+def test_typed_model_trains(policy, getkey):
+    optimizer = optax.adam(1e-2)
+    model = eo.place(TypedModel(32, 16, 3, key=getkey()), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(loss_fn, optimizer, policy)
+    data = batches()
+    losses = []
+    for _ in range(5):
+        model, opt_state, loss = step(model, opt_state, *next(data))
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+    assert isinstance(model, TypedModel) and isinstance(model.blocks, eo.Stacked)
+
+
+def test_typechecking_catches_a_wrong_shape(getkey):
+    model = TypedModel(32, 16, 3, key=getkey())
+    with pytest.raises(jaxtyping.TypeCheckError):
+        model(jnp.zeros((2, 8), dtype=jnp.int32))  # a batch, not one sequence
+
+
+def test_library_functions_are_checked_at_run_time():
+    # The tests run with `--jaxtyping-packages=eqx_offload,beartype.beartype`.
+    with pytest.raises(jaxtyping.TypeCheckError, match="policy"):
+        eo.place(jnp.ones(3), policy="offload_all")  # pyright: ignore[reportArgumentType]
+    with pytest.raises(jaxtyping.TypeCheckError, match="n"):
+        eo.Stacked.from_fn(lambda k: k, 2.5, key=jax.random.key(0))  # pyright: ignore
