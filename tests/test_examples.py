@@ -25,3 +25,13 @@ def test_quickstart_trains_and_prints_where_memory_lives():
     assert match, out
     first, last = float(match[1]), float(match[2])
     assert last < first / 2
+
+
+def test_readme_example_runs():
+    readme = (ROOT / "README.md").read_text()
+    code = readme.split("```python\n")[1].split("```")[0]
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["loss"] < 5.0  # from ln(256) = 5.55
+    weight = namespace["model"].blocks.layers.layers[0].weight
+    assert weight.sharding.memory_kind == "pinned_host"
