@@ -1,7 +1,19 @@
 """Checkpoint names: which occurred while tracing, which are residuals, and the
-checks that a policy's names mean something."""
+checks that a policy's names mean something.
 
-from typing import NamedTuple
+What a configured `Stacked` learned about one layer (an `Occurrence`) is attached to
+the checkpoint policy it builds, so it travels inside the jaxpr, as a parameter of
+the `checkpoint` equation. The checks read it from there rather than from a side
+channel filled while tracing: a trace that JAX serves from a cache (an inner
+`jax.jit` traced before) carries its occurrences along.
+"""
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import jax.extend.core as jex
 
 from . import _paths
 from ._policy import Policy
@@ -16,14 +28,30 @@ class Occurrence(NamedTuple):
     nameable: tuple[str, ...]  # submodule paths a pattern could name
 
 
-class NameLog:
-    """Collects `Occurrence`s while a `filter_offload` function is traced."""
+_ATTRIBUTE = "eqx_offload_occurrence"
 
-    def __init__(self):
+
+def attach(checkpoint_policy: Any, occurrence: Occurrence) -> Any:
+    setattr(checkpoint_policy, _ATTRIBUTE, occurrence)
+    return checkpoint_policy
+
+
+class NameLog:
+    """The `Occurrence`s in a traced function."""
+
+    def __init__(self, closed_jaxpr: Any):
         self.occurrences: list[Occurrence] = []
 
-    def record(self, occurrence: Occurrence) -> None:
-        self.occurrences.append(occurrence)
+        def visit(jaxpr: Any) -> None:
+            for eqn in jaxpr.eqns:
+                policy = eqn.params.get("policy")
+                occurrence = getattr(policy, _ATTRIBUTE, None)
+                if occurrence is not None:
+                    self.occurrences.append(occurrence)
+                for sub in jex.jaxprs_in_params(eqn.params):
+                    visit(sub)
+
+        visit(closed_jaxpr.jaxpr)
 
     @property
     def names(self) -> list[str]:
@@ -67,3 +95,22 @@ def check(policy: Policy, log: NameLog) -> None:
                 f"residuals; the carry entering the layer is. Names that are "
                 f"residuals: {_paths.quoted(log.residual_names)}."
             )
+
+
+_inside: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "eqx_offload_inside", default=False
+)
+
+
+@contextlib.contextmanager
+def inside() -> Iterator[None]:
+    """Marks a `filter_offload` function being traced."""
+    token = _inside.set(True)
+    try:
+        yield
+    finally:
+        _inside.reset(token)
+
+
+def is_inside() -> bool:
+    return _inside.get()

@@ -9,6 +9,7 @@ name when it is the output of `checkpoint_name`.
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import equinox as eqx
 import jax
 import jax.extend.core as jex
 
@@ -31,42 +32,75 @@ class Residual(NamedTuple):
 
 
 def saved_residuals(f: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Residual]:
-    """The residuals `jax.vjp(f, *args, **kwargs)` saves, traced abstractly."""
+    """The residuals `jax.vjp` of `f` saves with respect to every array in the
+    arguments (other leaves are static, as with `eqx.filter_vjp`), traced abstractly:
+    arguments may be `jax.ShapeDtypeStruct`s."""
     flat, treedef = jax.tree.flatten((args, kwargs))
+    positions = [i for i, x in enumerate(flat) if _is_array(x)]
 
     def flat_f(*xs):
-        a, k = jax.tree.unflatten(treedef, xs)
+        leaves = list(flat)
+        for i, x in zip(positions, xs):
+            leaves[i] = x
+        a, k = jax.tree.unflatten(treedef, leaves)
         return f(*a, **k)
 
     closed, shapes = jax.make_jaxpr(
         lambda *xs: jax.vjp(flat_f, *xs), return_shape=True
-    )(*flat)
+    )(*[flat[i] for i in positions])
     jaxpr = closed.jaxpr
     num_res = len(jax.tree.leaves(shapes[1]))
     outvars = jaxpr.outvars[len(jaxpr.outvars) - num_res :]
-    producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-    invars, constvars = set(jaxpr.invars), set(jaxpr.constvars)
-    out = []
-    for v in outvars:
+    producers: dict[int, dict] = {}  # per jaxpr, the equation producing each var
+    return [_origin(v, jaxpr, producers)._replace(aval=v.aval) for v in outvars]
+
+
+def _origin(v: Any, jaxpr: Any, producers: dict[int, dict]) -> Residual:
+    """Where residual `v` of `jaxpr` comes from, looking through `jit` calls, through
+    `reduce_precision`, and through the `device_put` that offloads a named value."""
+    calls: list[tuple[Any, Any]] = []  # the (outer jaxpr, jit equation) we are inside
+    while True:
         if isinstance(v, jex.Literal):
-            out.append(Residual(v.aval, "literal"))
-            continue
-        # A value rounded by `reduce_precision` is attributed to what it rounds.
-        while v in producer and producer[v].primitive.name == "reduce_precision":
-            v = producer[v].invars[0]
-        if v in invars:
-            out.append(Residual(v.aval, "argument"))
-        elif v in constvars:
-            out.append(Residual(v.aval, "constant"))
-        elif producer[v].primitive.name == "name":
-            out.append(Residual(v.aval, "named", producer[v].params["name"]))
-        elif producer[v].primitive.name == "scan":
-            eqn = producer[v]
-            per_iteration = eqn.outvars.index(v) >= eqn.params["num_carry"]
-            out.append(Residual(v.aval, "scan", per_iteration=per_iteration))
+            return Residual(v.aval, "literal")
+        eqn = _producers(jaxpr, producers).get(v)
+        if eqn is None:
+            if v in jaxpr.invars and calls:  # an operand of the enclosing call
+                outer, call = calls.pop()
+                v, jaxpr = call.invars[jaxpr.invars.index(v)], outer
+                continue
+            return Residual(v.aval, "argument" if v in jaxpr.invars else "constant")
+        name = eqn.primitive.name
+        index = eqn.outvars.index(v)
+        if name == "reduce_precision":
+            v = eqn.invars[0]
+        elif name in ("jit", "closed_call") and "jaxpr" in eqn.params:
+            calls.append((jaxpr, eqn))
+            inner = eqn.params["jaxpr"]
+            jaxpr = getattr(inner, "jaxpr", inner)
+            v = jaxpr.outvars[index]
+        elif name == "name":
+            return Residual(v.aval, "named", eqn.params["name"])
+        elif name == "device_put":
+            source = _producers(jaxpr, producers).get(eqn.invars[index])
+            if source is not None and source.primitive.name == "name":
+                return Residual(v.aval, "named", source.params["name"])
+            return Residual(v.aval, name)
+        elif name == "scan":
+            return Residual(
+                v.aval, "scan", per_iteration=index >= eqn.params["num_carry"]
+            )
         else:
-            out.append(Residual(v.aval, producer[v].primitive.name))
-    return out
+            return Residual(v.aval, name)
+
+
+def _producers(jaxpr: Any, cache: dict[int, dict]) -> dict:
+    if id(jaxpr) not in cache:
+        cache[id(jaxpr)] = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    return cache[id(jaxpr)]
+
+
+def _is_array(x: Any) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 def checkpoint_names(closed: Any) -> list[str]:

@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import PRNGKeyArray, PyTree
 
-from . import _context, _names, _paths, _residuals
+from . import _names, _paths, _residuals
 from ._memory_kinds import is_arraylike, is_host
 from ._policy import Policy
 
@@ -150,11 +150,12 @@ class Stacked(eqx.Module, Generic[_Layer]):
         `stacked[i:j]` is a `Stacked` of those layers."""
         if isinstance(index, slice):
             part = Stacked(_map_arrays(lambda x: x[index], self.layers))
-            config = self._config()
-            return part if config is None else configure(part, *config)
+            return part if self._scan is None else configure(part, *self._scan)
         n = len(self)
         if not -n <= index < n:
-            raise IndexError(f"layer index {index} out of range for {n} layers")
+            raise IndexError(
+                f"`Stacked[{index}]`: layer index out of range for {n} layers."
+            )
         index = index % n
         return _map_arrays(lambda x: x[index], self.layers)
 
@@ -208,22 +209,19 @@ class Stacked(eqx.Module, Generic[_Layer]):
         `(carry, ys)`: the final carry and the stacked `y`s.
         """
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
-        config = self._config()
-        if config is None:
-            body = _plain_body(f, static)
-        else:
-            body = _offload_body(config, f, static, carry, dynamic, xs)
-        return jax.lax.scan(body, carry, (dynamic, xs), length=len(self))
-
-    def _config(self) -> _ScanConfig | None:
-        """How this `Stacked` is to be scanned: as configured, else as the argument
-        of the running `filter_offload` call it comes from, else plainly."""
         if self._scan is not None:
-            return self._scan
-        context = _context.current()
-        if context is None:
-            return None
-        return _ScanConfig(context.path_of(self.layers), context.policy)
+            body = _offload_body(self._scan, f, static, carry, dynamic, xs)
+        elif _names.is_inside():
+            raise ValueError(
+                "A `Stacked` without the configuration `filter_offload` gives it was "
+                "applied inside a `filter_offload` function: it was closed over, or "
+                "rebuilt inside the function, so the policy cannot apply to it. Pass "
+                "the model (every half of an `eqx.partition`ed model) as arguments: "
+                "`filter_offload(loss_fn, policy)(model, *batch)`."
+            )
+        else:
+            body = _plain_body(f, static)
+        return jax.lax.scan(body, carry, (dynamic, xs), length=len(self))
 
 
 def configure(stacked: Stacked, path: str, policy: Policy) -> Stacked:
@@ -317,6 +315,12 @@ def _offload_body(
     """The configured scan body: host slices to the device, the carry named, output
     of named submodules named, and `jax.checkpoint` with the policy's names."""
     path, policy = config
+    if isinstance(static, Stacked):
+        raise ValueError(
+            f"`filter_offload`: the layers of the `Stacked` at {path!r} are themselves "
+            "a `Stacked`, whose checkpoint names would collide with its own; make "
+            "the layer a module that holds the inner `Stacked` as a field."
+        )
     carry_name = _paths.join(path, "input")
     patterns = policy.checkpoint_patterns
     nameable = sorted(_paths.join(path, p) for p in _submodule_paths(static))
@@ -341,21 +345,19 @@ def _offload_body(
 
     if policy.save == "all":  # no checkpoint, so names would mean nothing
         return body
-    save: list[str] = []
-    offload: list[str] = []
+    names: tuple[str, ...] = ()
+    residual_names: tuple[str, ...] = ()
     if patterns:
         names, residual_names = _probe_names(body, carry, dynamic, xs)
-        context = _context.current()
-        if context is not None:
-            occurrence = (path, names, residual_names, (carry_name, *nameable))
-            context.log.record(_names.Occurrence(*occurrence))
-        save, offload = policy.split_names(names)
+    save, offload = policy.split_names(names)
     checkpoint_policy = jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=save,
         names_which_can_be_offloaded=offload,
         offload_src="device",
         offload_dst=policy.offload_dst,
     )
+    occurrence = _names.Occurrence(path, names, residual_names, (carry_name, *nameable))
+    _names.attach(checkpoint_policy, occurrence)
     return jax.checkpoint(body, policy=checkpoint_policy, prevent_cse=False)
 
 
@@ -382,8 +384,15 @@ def _probe_names(
 
 
 def _submodule_paths(module: Any) -> list[str]:
+    """Paths of the submodules whose output a name can select."""
     paths: list[str] = []
-    _map_submodules(module, "", lambda m, p: paths.append(p) or m)
+
+    def collect(m: Any, p: str) -> Any:
+        if not isinstance(m, Stacked):  # a nested `Stacked` names its own carry
+            paths.append(p)
+        return m
+
+    _map_submodules(module, "", collect)
     return paths
 
 

@@ -9,129 +9,174 @@ import jax
 import jax.extend.core as jex
 import jax.tree_util as jtu
 
-from . import _context, _names, _paths
+from . import _names, _paths
 from ._memory_kinds import is_host
 from ._policy import Policy
-from ._stacked import Stacked
+from ._stacked import configure, Stacked
 
 
 def _is_stacked(x: Any) -> bool:
     return isinstance(x, Stacked)
 
 
-class _ArgLeaf(NamedTuple):
-    argument: str  # "argument 0" or "argument `key`"
-    leaf: _paths.Leaf
-
-
-def _argument_leaves(args: tuple, kwargs: dict) -> list[_ArgLeaf]:
-    """Every leaf of `(args, kwargs)`, in `jax.tree.flatten` order, with its path
-    from the argument holding it."""
-    out = []
-    for argument, arg in _named_arguments(args, kwargs):
-        out.extend(_ArgLeaf(argument, leaf) for leaf in _paths.leaves(arg))
-    return out
-
-
-def _find_stacked(args: tuple, kwargs: dict) -> list[_context.StackedArgument]:
-    """Every top-level `Stacked` in the arguments, with its path. Two halves of one
-    model (`eqx.partition`) may share a path; two different layer stacks may not, as
-    their checkpoint names would collide."""
-    found: list[_context.StackedArgument] = []
-    for argument, arg in _named_arguments(args, kwargs):
-        flat, _ = jtu.tree_flatten_with_path(arg, is_leaf=_is_stacked)
-        for keys, x in flat:
-            if not isinstance(x, Stacked):
-                continue
-            path = _paths.join("", keys)
-            entry = _context.StackedArgument(
-                path, argument, *_context.describe(x.layers)
-            )
-            leaves = {p for p, _ in entry.signature}
-            for other in found:
-                if other.path == path and leaves & {p for p, _ in other.signature}:
-                    raise ValueError(
-                        f"`filter_offload`: {other.argument} and {argument} both "
-                        f"hold a `Stacked` at path {path!r} with arrays at the same "
-                        "leaves, so their checkpoint names would collide; pass them "
-                        "inside one pytree (e.g. a tuple or dict) instead."
-                    )
-            found.append(entry)
-    return found
-
-
 def _named_arguments(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """The arguments in the order `jax.tree.flatten((args, kwargs))` visits them."""
     return [(f"argument {i}", a) for i, a in enumerate(args)] + [
         (f"argument `{k}`", kwargs[k]) for k in sorted(kwargs)
     ]
 
 
-def _host_to_device(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Moves host-resident leaves outside any `Stacked` to the device."""
+def _configure_all(args: tuple, kwargs: dict, policy: Policy) -> tuple[tuple, dict]:
+    """Replaces every top-level `Stacked` in the arguments by its configured view,
+    and moves host-resident leaves outside any `Stacked` to the device.
 
-    def move(x: Any) -> Any:
-        if eqx.is_array(x) and is_host(x):
-            return jax.device_put(x, jax.memory.Space.Device)
-        return x
-
-    return jtu.tree_map(move, (args, kwargs), is_leaf=_is_stacked)
-
-
-class _Misuse(NamedTuple):
-    leaf: _ArgLeaf
-    primitive: str
-
-
-def _find_misuse(
-    jaxpr: Any, watched: dict[Any, tuple[_ArgLeaf, bool]]
-) -> _Misuse | None:
-    """Finds an operation that touches a host-resident stacked leaf outside the scan
-    that brings it to the device layer by layer.
-
-    `watched` maps a variable to its leaf and whether it is one layer's slice (inside
-    a scan over it) rather than the whole stacked leaf. A whole leaf may only be
-    scanned over; a slice may only be moved to the device. Both may pass through
-    calls (`jit`, `checkpoint`, custom derivatives), which are followed inside.
+    Every half of an `eqx.partition`ed model is configured alike, so `eqx.combine`
+    inside `fun` sees matching pytrees. Two halves may share a path; two different
+    layer stacks (with arrays at the same leaves) may not: their names would collide.
     """
-    for eqn in jaxpr.eqns:
-        used = [
-            (i, watched[v])
-            for i, v in enumerate(eqn.invars)
-            if not isinstance(v, jex.Literal) and v in watched
+    owners: dict[str, tuple[str, set[str]]] = {}
+
+    def prepare(arg: Any, argument: str) -> Any:
+        flat, treedef = jtu.tree_flatten_with_path(arg, is_leaf=_is_stacked)
+        out = []
+        for keys, x in flat:
+            if isinstance(x, Stacked):
+                path = _paths.join("", keys)
+                arrays = {
+                    leaf.path
+                    for leaf in _paths.leaves(x.layers)
+                    if eqx.is_array(leaf.value)
+                }
+                other, other_arrays = owners.get(path, (None, set()))
+                if other is not None and arrays & other_arrays:
+                    raise ValueError(
+                        f"`filter_offload`: {other} and {argument} both hold a "
+                        f"`Stacked` at path {path!r} with arrays at the same leaves, "
+                        "so their checkpoint names would collide; pass them inside "
+                        "one pytree (e.g. a tuple or dict) instead."
+                    )
+                owners[path] = (argument, arrays | other_arrays)
+                x = configure(x, path, policy)
+            elif eqx.is_array(x) and is_host(x):
+                x = jax.device_put(x, jax.memory.Space.Device)
+            out.append(x)
+        return jtu.tree_unflatten(treedef, out)
+
+    named = dict(_named_arguments(args, kwargs))  # validate in flattening order
+    done = {name: prepare(arg, name) for name, arg in named.items()}
+    args = tuple(done[f"argument {i}"] for i in range(len(args)))
+    kwargs = {k: done[f"argument `{k}`"] for k in kwargs}
+    return args, kwargs
+
+
+class _Watched(NamedTuple):
+    """A host-resident stacked leaf as it flows through a jaxpr."""
+
+    argument: str
+    leaf: _paths.Leaf
+    is_slice: bool  # one layer's slice, inside a scan over the whole leaf
+
+
+def _sub_jaxprs(eqn: Any) -> list[tuple[Any, list[int], bool]] | None:
+    """How a higher-order equation passes its operands on: for each sub-jaxpr, which
+    operand feeds each of its inputs, and whether those are sliced (scan `xs`).
+    `None` for an equation that computes on its operands."""
+    name, params = eqn.primitive.name, eqn.params
+    n = len(eqn.invars)
+    if name == "scan":
+        body = params["jaxpr"].jaxpr
+        first_x = params["num_consts"] + params["num_carry"]
+        return [
+            (body, list(range(first_x)), False),
+            (body, list(range(first_x, n)), True),
         ]
-        if not used:
-            continue
-        name = eqn.primitive.name
-        subs = list(jex.jaxprs_in_params(eqn.params))
-        if name == "scan":
-            body = subs[0]
-            first_x = eqn.params["num_consts"] + eqn.params["num_carry"]
-            inner = {}
-            for i, (leaf, is_slice) in used:
-                if i < first_x or is_slice:
-                    return _Misuse(leaf, "scan")
-                inner[body.invars[i]] = (leaf, True)
-            found = _find_misuse(body, inner)
-        elif name == "device_put":
-            found = None
-            for i, (leaf, is_slice) in used:
-                if not is_slice or eqn.params["devices"][i] != jax.memory.Space.Device:
-                    return _Misuse(leaf, name)
-        elif len(subs) == 1 and len(subs[0].invars) == len(eqn.invars):
-            found = _find_misuse(subs[0], {subs[0].invars[i]: w for i, w in used})
-        else:
-            return _Misuse(used[0][1][0], name)
-        if found is not None:
-            return found
+    if name == "cond":
+        return [(b.jaxpr, list(range(1, n)), False) for b in params["branches"]]
+    if name == "while":
+        cond_n, body_n = params["cond_nconsts"], params["body_nconsts"]
+        carry = list(range(cond_n + body_n, n))
+        return [
+            (params["cond_jaxpr"].jaxpr, list(range(cond_n)) + carry, False),
+            (
+                params["body_jaxpr"].jaxpr,
+                list(range(cond_n, cond_n + body_n)) + carry,
+                False,
+            ),
+        ]
+    subs = list(jex.jaxprs_in_params(params))
+    if len(subs) == 1 and len(subs[0].invars) == n:  # jit, checkpoint, custom_jvp, ...
+        return [(subs[0], list(range(n)), False)]
     return None
 
 
-def _call_checked(fun: Callable, args: tuple, kwargs: dict) -> Any:
-    """Calls `fun`, tracing it to a jaxpr first to check that no host-resident stacked
-    leaf is used outside its scan; the jaxpr is then evaluated, so `fun` runs once."""
+def _find_misuse(
+    jaxpr: Any, watched: dict[Any, _Watched]
+) -> tuple[_Watched, str] | None:
+    """Finds an operation that computes on a host-resident stacked leaf outside the
+    scan that brings it to the device one layer at a time.
+
+    The whole leaf may flow through calls and control flow and be scanned over; its
+    slice, inside such a scan, may only be moved to the device.
+    """
+    for eqn in jaxpr.eqns:
+        used = {
+            i: watched[v]
+            for i, v in enumerate(eqn.invars)
+            if not isinstance(v, jex.Literal) and v in watched
+        }
+        if not used:
+            continue
+        if eqn.primitive.name == "device_put":
+            for i, w in used.items():
+                if (
+                    not w.is_slice
+                    or eqn.params["devices"][i] != jax.memory.Space.Device
+                ):
+                    return w, "device_put"
+            continue
+        subs = _sub_jaxprs(eqn)
+        if subs is None:
+            return next(iter(used.values())), eqn.primitive.name
+        for sub, positions, sliced in subs:
+            offset = len(sub.invars) - len(positions) if sliced else 0
+            inner = {}
+            for j, i in enumerate(positions):
+                if i in used:
+                    w = used[i]
+                    var = sub.invars[offset + j] if sliced else sub.invars[j]
+                    inner[var] = w._replace(is_slice=True) if sliced else w
+            found = _find_misuse(sub, inner) if inner else None
+            if found is not None:
+                return found
+    return None
+
+
+def _misuse_error(w: _Watched, primitive: str) -> ValueError:
+    keep = (
+        "Policy(params='device')"
+        if not w.leaf.stacked
+        else (f"Policy(params={{{w.leaf.stacked!r}: 'device'}})")
+    )
+    return ValueError(
+        f"`filter_offload`: leaf {w.leaf.path!r} of {w.argument} is a host-resident "
+        f"layer of the `Stacked` at {w.leaf.stacked!r}. It is brought to the device "
+        "one layer at a time inside that `Stacked`'s scan, but here it is computed on "
+        f"outside it (by `{primitive}`), on the host, which the backward pass (and "
+        "accelerators) cannot do. Compute this inside the layers (cast inside a "
+        "layer, not the whole model); for weight decay use "
+        f"`optax.add_decayed_weights`; or keep these parameters on the device, e.g. "
+        f"`{keep}`."
+    )
+
+
+def _traced_call(
+    fun: Callable, args: tuple, kwargs: dict, policy: Policy, host_stacked: bool
+) -> Any:
+    """Calls `fun` by tracing it to a jaxpr, checking the jaxpr, and evaluating it
+    (so `fun` runs once): host-resident stacked leaves must only be used inside
+    their scans, and the policy's names must occur and be residuals."""
     flat, treedef = jtu.tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if eqx.is_array(x)]
-    info = _argument_leaves(args, kwargs)
     out_parts = []
 
     def flat_fun(*dynamic: Any) -> list:
@@ -146,23 +191,21 @@ def _call_checked(fun: Callable, args: tuple, kwargs: dict) -> Any:
 
     dynamic = [flat[i] for i in positions]
     closed = jax.make_jaxpr(flat_fun)(*dynamic)
-    watched = {
-        var: (info[i], False)
-        for var, i in zip(closed.jaxpr.invars, positions)
-        if info[i].leaf.stacked is not None and is_host(flat[i])
-    }
-    misuse = _find_misuse(closed.jaxpr, watched)
-    if misuse is not None:
-        leaf = misuse.leaf.leaf
-        raise ValueError(
-            f"`filter_offload`: leaf {leaf.path!r} of {misuse.leaf.argument} is a "
-            f"host-resident layer of the `Stacked` at {leaf.stacked!r}; it is brought "
-            "to the device one layer at a time inside that `Stacked`'s scan, but "
-            f"here it is used outside it (by `{misuse.primitive}`). Compute this "
-            "inside the layers instead; for weight decay use "
-            "`optax.add_decayed_weights`; or keep these parameters on the device, "
-            f"e.g. `Policy(params={{{leaf.stacked!r}: 'device'}})`."
-        )
+    if host_stacked:
+        info = [
+            (argument, leaf)
+            for argument, arg in _named_arguments(args, kwargs)
+            for leaf in _paths.leaves(arg)
+        ]
+        watched = {
+            var: _Watched(*info[i], is_slice=False)
+            for var, i in zip(closed.jaxpr.invars, positions)
+            if info[i][1].stacked is not None and is_host(flat[i])
+        }
+        misuse = _find_misuse(closed.jaxpr, watched)
+        if misuse is not None:
+            raise _misuse_error(*misuse)
+    _names.check(policy, _names.NameLog(closed))
     out_treedef, out_static = out_parts[0]
     out_dynamic = jtu.tree_unflatten(out_treedef, jex.jaxpr_as_fun(closed)(*dynamic))
     return eqx.combine(out_dynamic, out_static)
@@ -177,30 +220,25 @@ class _OffloadWrapper(eqx.Module):
         return self._fun
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = _host_to_device(args, kwargs)
+        args, kwargs = _configure_all(args, kwargs, self._policy)
         host_stacked = any(
-            a.leaf.stacked is not None and is_host(a.leaf.value)
-            for a in _argument_leaves(args, kwargs)
-            if eqx.is_array(a.leaf.value)
+            leaf.stacked is not None
+            and eqx.is_array(leaf.value)
+            and is_host(leaf.value)
+            for leaf in _paths.leaves((args, kwargs))
         )
-        if host_stacked:
-            return _call_checked(self._run, args, kwargs)
-        return self._run(*args, **kwargs)
-
-    def _run(self, *args: Any, **kwargs: Any) -> Any:
-        context = _context.CallContext(self._policy, _find_stacked(args, kwargs))
-        with _context.calling(context):
-            out = self._fun(*args, **kwargs)
-        _names.check(self._policy, context.log)
-        return out
+        with _names.inside():
+            if host_stacked or self._policy.checkpoint_patterns:
+                return _traced_call(self._fun, args, kwargs, self._policy, host_stacked)
+            return self._fun(*args, **kwargs)
 
 
 def filter_offload(fun: Callable | None = None, policy: Policy | None = None) -> Any:
     """Applies an offloading `Policy` to `fun`, the way `eqx.filter_jit` applies
     `jax.jit`: array leaves of the arguments are traced, everything else is static.
 
-    Every `Stacked` in the arguments is applied, inside `fun`, as a configured view
-    (still a `Stacked`) whose scan body
+    Before calling `fun`, every `Stacked` in its arguments is replaced by a
+    configured view (still a `Stacked`, with static configuration) whose scan body
 
     1. moves that layer's host-resident parameter slices to the device,
     2. names the carry entering the layer `"<path>.input"` (its first operation) and
@@ -228,7 +266,9 @@ def filter_offload(fun: Callable | None = None, policy: Policy | None = None) ->
         names no residual (e.g. a block's output), listing the names that did occur;
     - `ValueError` if `fun` uses a host-resident stacked leaf outside its scan (e.g.
         an L2 penalty over `pinned_host` layers), naming the leaf and the fix;
-    - `ValueError` if two arguments hold a `Stacked` at the same path.
+    - `ValueError` if two arguments hold different `Stacked`s at the same path;
+    - `ValueError` if a `Stacked` that is not in the arguments (closed over, or
+        rebuilt) is applied inside `fun`.
 
     !!! Example
 
