@@ -1,17 +1,30 @@
 """Optimizer state: where it lives (`init_opt_state`) and how a step updates it."""
 
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import optax
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxtyping import PyTree
 
 from . import _paths
 from ._memory_kinds import backend_kinds, is_arraylike, kind_of, to_space
 from ._placement import move
 from ._policy import Policy
+
+
+# What `init_opt_state` and `train_step` accept. `optax.MultiSteps` is a class of its
+# own, not a `GradientTransformation`; it is used through the one it wraps itself in.
+Optimizer = optax.GradientTransformation | optax.MultiSteps
+
+
+def as_transformation(optimizer: Optimizer) -> optax.GradientTransformation:
+    if isinstance(optimizer, optax.MultiSteps):
+        return optimizer.gradient_transformation()
+    return optimizer
 
 
 def is_trainable(x: Any) -> bool:
@@ -26,48 +39,92 @@ def trainable(model: PyTree) -> PyTree:
     return eqx.filter(model, is_trainable)
 
 
+def _is_masked(x: Any) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def _map_state(
+    optimizer: optax.GradientTransformation,
+    opt_state: PyTree,
+    on_params: Callable[..., Any],
+    on_others: Callable[[Any], Any],
+    *params: PyTree,
+) -> PyTree:
+    """`on_params(state_leaf, *param_leaves)` on every parameter-shaped part of the
+    state (skipping `optax.masked`'s holes), `on_others(leaf)` on the rest."""
+
+    def params_leaf(s: Any, *p: Any) -> Any:
+        return s if _is_masked(s) else on_params(s, *p)
+
+    try:
+        return optax.tree_utils.tree_map_params(
+            optimizer,
+            params_leaf,
+            opt_state,
+            *params,
+            transform_non_params=lambda v: jtu.tree_map(on_others, v),
+            is_leaf=_is_masked,
+        )
+    except Exception as e:
+        raise ValueError(
+            "`eqx_offload` could not find the parameter-shaped parts of this "
+            "optimizer state with `optax.tree_utils.tree_map_params` (its structure "
+            f"does not follow `optimizer.init(params)`: {e}). Build the state with "
+            "`eqx_offload.init_opt_state(optimizer, model, policy)`."
+        ) from e
+
+
 def state_kinds(
     optimizer: optax.GradientTransformation, opt_state: PyTree, kind: str
 ) -> list[tuple[_paths.Leaf, str]]:
     """Each array leaf of `opt_state` with its memory kind: `kind` for the
     parameter-shaped state (moments, momenta, ...), `"device"` for the rest (step
     counts and other scalars), in `jax.tree.leaves` order."""
-    try:
-        kinds = optax.tree_utils.tree_map_params(
-            optimizer,
-            lambda _: kind,
-            opt_state,
-            transform_non_params=lambda v: jtu.tree_map(lambda _: "device", v),
-        )
-    except Exception as e:
-        raise ValueError(
-            "`eqx_offload` could not find the parameter-shaped parts of this optimizer "
-            "state with `optax.tree_utils.tree_map_params`; build it with "
-            "`eqx_offload.init_opt_state(optimizer, model, policy)`."
-        ) from e
+    kinds = _map_state(
+        optimizer,
+        opt_state,
+        lambda s: _Kind(kind) if is_arraylike(s) else s,
+        lambda s: _Kind("device") if is_arraylike(s) else s,
+    )
     leaves = [leaf for leaf in _paths.leaves(opt_state) if is_arraylike(leaf.value)]
-    flat_kinds = [
-        k
-        for k, v in zip(jtu.tree_leaves(kinds), jtu.tree_leaves(opt_state))
-        if is_arraylike(v)
-    ]
-    return list(zip(leaves, flat_kinds))
+    flat = [k.kind for k in jtu.tree_leaves(kinds) if isinstance(k, _Kind)]
+    return list(zip(leaves, flat, strict=True))
 
 
-def init_opt_state(
-    optimizer: optax.GradientTransformation, model: PyTree, policy: Policy
-) -> PyTree:
+class _Kind:
+    """A memory kind standing in for a leaf (a pytree leaf, unlike a string in a
+    structure that may hold strings)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+
+def _state_device_sharding(params: PyTree) -> Any:
+    """Where non-parameter state (step counts) goes: replicated over the
+    parameters' devices, on the device."""
+    for p in jtu.tree_leaves(params):
+        sharding = getattr(p, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return NamedSharding(sharding.mesh, PartitionSpec())
+        if isinstance(sharding, SingleDeviceSharding):
+            return sharding.with_memory_kind("device")
+    return SingleDeviceSharding(jax.devices()[0])
+
+
+def init_opt_state(optimizer: Optimizer, model: PyTree, policy: Policy) -> PyTree:
     """Initialises `optimizer` for `model`'s trainable leaves and puts the state where
     `policy.opt_state` says.
 
     The parameter-shaped state (Adam's moments, momentum, ...) goes to
     `policy.opt_state` with each parameter's sharding; the rest (step counts) stays
-    on the device. An abstract model (`jax.ShapeDtypeStruct` leaves, e.g. from
-    `eqx.filter_eval_shape`) gives an abstract state and allocates nothing.
+    on the device, replicated over the parameters' devices. An abstract model
+    (`jax.ShapeDtypeStruct` leaves, e.g. from `eqx.filter_eval_shape`) gives an
+    abstract state and allocates nothing. `optax.masked` and `optax.multi_transform`
+    states are supported.
 
     **Arguments:**
 
-    - `optimizer`: an `optax.GradientTransformation`.
+    - `optimizer`: an `optax.GradientTransformation` (or `optax.MultiSteps`).
     - `model`: the model, usually already placed with `eqx_offload.place`. The
         optimizer sees `eqx.filter(model, eqx.is_inexact_array)`.
     - `policy`: an `eqx_offload.Policy`.
@@ -88,6 +145,7 @@ def init_opt_state(
             "backend has no such memory; valid kinds here: "
             f"{_paths.quoted(backend_kinds())}."
         )
+    optimizer = as_transformation(optimizer)
     params = trainable(model)
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves(params)):
         state = jax.eval_shape(optimizer.init, params)
@@ -95,23 +153,21 @@ def init_opt_state(
         # Eager ops on host-resident arrays fail ("Memory kind mismatch"); jitted
         # ones work, and return the state on the default device.
         state = jax.jit(optimizer.init)(params)
+    device = _state_device_sharding(params)
 
     def like_param(s: Any, p: Any) -> Any:
-        """Parameter-shaped state gets its parameter's sharding, in `opt_state`."""
+        """Parameter-shaped state takes its parameter's sharding, in `opt_state`."""
         sharding = getattr(p, "sharding", None)
-        if sharding is None or not is_arraylike(s) or s.shape != p.shape:
-            return move(s, policy.opt_state, "") if is_arraylike(s) else s
+        if not is_arraylike(s):
+            return s
+        if sharding is None or s.shape != p.shape:
+            return move(s, policy.opt_state, "", device)
         return move(s, policy.opt_state, "", sharding)
 
-    return optax.tree_utils.tree_map_params(
-        optimizer,
-        like_param,
-        state,
-        params,
-        transform_non_params=lambda v: jtu.tree_map(
-            lambda x: move(x, "device", "") if is_arraylike(x) else x, v
-        ),
-    )
+    def other(s: Any) -> Any:
+        return move(s, "device", "", device) if is_arraylike(s) else s
+
+    return _map_state(optimizer, state, like_param, other, params)
 
 
 def check_state(

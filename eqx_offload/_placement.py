@@ -56,8 +56,10 @@ def field(*, memory_kind: KindArg, **kwargs: Any) -> Any:
 def match_params(
     params: ParamsSpec, leaves: list[_paths.Leaf], where: str
 ) -> list[str | None]:
-    """The kind `params` gives each leaf (`None`: no opinion). A pattern that matches
-    no leaf, or two equally specific patterns that disagree, is a `ValueError`."""
+    """The kind `params` gives each leaf (`None`: no opinion). Where several patterns
+    match, the one with the most literal (non-`*`) characters wins. A pattern that
+    matches no leaf, or two equally specific patterns that disagree, is a
+    `ValueError`."""
     if params is None:
         return [None] * len(leaves)
     if isinstance(params, str):
@@ -67,10 +69,10 @@ def match_params(
     for leaf in leaves:
         best, best_len = None, -1
         for pattern, kind in params:
-            length = _paths.prefix_match(pattern, leaf.path)
-            if length is None:
+            if _paths.prefix_match(pattern, leaf.path) is None:
                 continue
             used[pattern] = True
+            length = _paths.specificity(pattern)
             if length > best_len:
                 best, best_len = (pattern, kind), length
             elif length == best_len and best is not None and kind != best[1]:
@@ -98,11 +100,25 @@ def resolve(
     (`eqx_offload.field`), the leaf's current placement, else `"device"`.
     """
     leaves = [leaf for leaf in _paths.leaves(tree) if is_arraylike(leaf.value)]
-    from_policy = match_params(params, leaves, where)
+    # PRNG key arrays stay on the device: inside `jax.jit`, JAX 0.10 does not track
+    # their memory kind, so a host-resident key could not be kept there by a step.
+    keys = [_is_key(leaf.value) for leaf in leaves]
+    others = [leaf for leaf, key in zip(leaves, keys) if not key]
+    from_policy = iter(match_params(params, others, where))
     available = backend_kinds()
     out = []
-    for leaf, policy_kind in zip(leaves, from_policy):
-        kind = policy_kind or leaf.metadata.get("memory_kind") or kind_of(leaf.value)
+    for leaf, key in zip(leaves, keys):
+        annotated = leaf.metadata.get("memory_kind")
+        if key:
+            if annotated not in (None, "device"):
+                raise ValueError(
+                    f"{where}: leaf {leaf.path!r} is a PRNG key array annotated "
+                    f"{annotated!r}; keys stay on the device (JAX 0.10 does not track "
+                    "their memory kind inside `jax.jit`). Drop the annotation."
+                )
+            out.append((leaf, "device"))
+            continue
+        kind = next(from_policy) or annotated or kind_of(leaf.value)
         check_kind(kind, f"{where}: the memory kind of leaf {leaf.path!r}")
         if kind not in available:
             raise ValueError(
@@ -114,6 +130,10 @@ def resolve(
     return out
 
 
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 def move(x: Any, kind: str, path: str, sharding: Any = None) -> Any:
     """Puts one array leaf in `kind`, keeping its sharding (or taking `sharding`)."""
     if isinstance(x, jax.ShapeDtypeStruct):
@@ -122,13 +142,14 @@ def move(x: Any, kind: str, path: str, sharding: Any = None) -> Any:
             x.shape,
             x.dtype,
             sharding=sharding.with_memory_kind(kind),
-            weak_type=x.weak_type,
         )
     if isinstance(x, jax.core.Tracer):
         return to_space(x, kind, path)
     if sharding is None:
         sharding = x.sharding if isinstance(x, jax.Array) else None
         sharding = sharding or SingleDeviceSharding(jax.devices()[0])  # NumPy
+    if getattr(x, "weak_type", False):
+        x = x.astype(x.dtype)  # strongly typed, as a jitted step's outputs will be
     # Also commits the array to its sharding, as a step's outputs will be, so that
     # the first step is not compiled for a second signature.
     return jax.device_put(x, sharding.with_memory_kind(kind))

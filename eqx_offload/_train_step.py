@@ -8,11 +8,12 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import optax
+from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
 from . import _optim
 from ._memory_kinds import kind_of, to_space
-from ._placement import move_leaves, resolve
+from ._placement import resolve
 from ._policy import Policy
 from ._transform import filter_offload
 
@@ -29,6 +30,33 @@ def _join(dynamic: list, static: tuple) -> Any:
     treedef, static_leaves = static
     leaves = [s if d is None else d for d, s in zip(dynamic, static_leaves)]
     return jtu.tree_unflatten(treedef, leaves)
+
+
+def _mesh_shardings(dynamic: list) -> tuple:
+    """The input shardings that sharding propagation might not give back: those of
+    leaves laid out over a mesh. (A static argument of the jitted step.)"""
+    return tuple(
+        x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) else None
+        for x in dynamic
+    )
+
+
+def _place_outputs(tree: Any, kinds: list, shardings: tuple) -> Any:
+    """Every array leaf back in its memory kind and, if it is laid out over a mesh,
+    in its input sharding, so the outputs feed the next call without recompiling."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    array_shardings = [s for x, s in zip(leaves, shardings) if eqx.is_array(x)]
+    out, position = [], 0
+    for x in leaves:
+        if eqx.is_array(x):
+            (leaf, kind), sharding = kinds[position], array_shardings[position]
+            position += 1
+            if sharding is not None:
+                plain = NamedSharding(sharding.mesh, sharding.spec)
+                x = jax.lax.with_sharding_constraint(to_space(x, "device", ""), plain)
+            x = to_space(x, kind, leaf.path)
+        out.append(x)
+    return jtu.tree_unflatten(treedef, out)
 
 
 def _check_model(model: PyTree, policy: Policy) -> list:
@@ -55,7 +83,7 @@ def _step(
     batch_dynamic: list,
     statics: tuple,
 ) -> tuple[list, list, Any]:
-    model_static, opt_static, batch_static = statics
+    model_static, opt_static, batch_static, model_shardings, opt_shardings = statics
     model = _join(model_dynamic, model_static)
     opt_state = _join(opt_dynamic, opt_static)
     batch = _join(batch_dynamic, batch_static)
@@ -68,8 +96,8 @@ def _step(
 
     # Outputs go back where they live, with `device_put` to a memory space inside the
     # traced function: the same trace then compiles for any backend.
-    model = move_leaves(model, model_kinds)
-    opt_state = move_leaves(opt_state, opt_kinds)
+    model = _place_outputs(model, model_kinds, model_shardings)
+    opt_state = _place_outputs(opt_state, opt_kinds, opt_shardings)
     return _split(model)[0], _split(opt_state)[0], value
 
 
@@ -87,18 +115,22 @@ class _TrainStep(eqx.Module):
         model_dynamic, model_static = _split(model)
         opt_dynamic, opt_static = _split(opt_state)
         batch_dynamic, batch_static = _split(batch)
+        statics = (
+            model_static,
+            opt_static,
+            batch_static,
+            _mesh_shardings(model_dynamic),
+            _mesh_shardings(opt_dynamic),
+        )
         model_dynamic, opt_dynamic, value = self.jitted(
-            model_dynamic,
-            opt_dynamic,
-            batch_dynamic,
-            (model_static, opt_static, batch_static),
+            model_dynamic, opt_dynamic, batch_dynamic, statics
         )
         return _join(model_dynamic, model_static), _join(opt_dynamic, opt_static), value
 
 
 def train_step(
     loss_fn: Callable[..., Any],
-    optimizer: optax.GradientTransformation,
+    optimizer: _optim.Optimizer,
     policy: Policy,
     *,
     has_aux: bool = False,
@@ -117,7 +149,7 @@ def train_step(
     - `loss_fn`: `loss_fn(model, *batch) -> loss`, or `-> (loss, aux)` with
         `has_aux=True`. Gradients are taken with respect to the floating-point
         arrays of `model`.
-    - `optimizer`: an `optax.GradientTransformation`.
+    - `optimizer`: an `optax.GradientTransformation` (or `optax.MultiSteps`).
     - `policy`: an `eqx_offload.Policy`.
     - `has_aux`: whether `loss_fn` returns `(loss, aux)`; `aux` must be a pytree of
         arrays.
@@ -141,6 +173,7 @@ def train_step(
     """
     if not callable(loss_fn):
         raise TypeError(f"`train_step(loss_fn=...)` must be callable, got {loss_fn!r}.")
+    optimizer = _optim.as_transformation(optimizer)
     fun = functools.partial(_step, loss_fn, optimizer, policy, has_aux)
     jitted = jax.jit(fun, static_argnums=(3,), donate_argnums=(0, 1))
     return _TrainStep(loss_fn, optimizer, policy, has_aux, fun, jitted)

@@ -235,3 +235,98 @@ def test_non_trainable_leaves_pass_through(getkey):
     step = eo.train_step(loss_fn, optimizer, policy)
     model, _, _ = step(model, opt_state, *next(batches()))
     assert int(model.step_count) == 3
+
+
+def test_model_sharded_over_a_mesh_compiles_once(getkey):
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    shard = jax.sharding.NamedSharding(mesh, jax.P(None, "x"))
+    replicate = jax.sharding.NamedSharding(mesh, jax.P())
+    model = Model(dim=16, key=getkey())
+    model = jax.tree.map(
+        lambda x: jax.device_put(x, shard if x.ndim == 3 else replicate)
+        if eqx.is_array(x)
+        else x,
+        model,
+    )
+    policy = eo.Policy.offload_all()
+    optimizer = optax.adamw(1e-2)
+    model = eo.place(model, policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    assert opt_state[0].count.sharding == replicate
+    inputs = [x.sharding for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    data = batches()
+    for _ in range(3):
+        model, opt_state, _ = step(model, opt_state, *next(data))
+    assert step.jitted._cache_size() == 1
+    outputs = [x.sharding for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
+    assert outputs == inputs
+
+
+def test_prng_keys_in_the_model_stay_on_the_device(getkey):
+    class WithKey(eqx.Module):
+        model: Model
+        key: jax.Array
+
+        def __call__(self, tokens):
+            return self.model(tokens)
+
+    policy = eo.Policy.offload_all()
+    optimizer = optax.adam(1e-3)
+    model = eo.place(WithKey(Model(key=getkey()), getkey()), policy)
+    assert memory_kind(model.key) == "device"
+    assert memory_kind(model.model.head.weight) == "pinned_host"
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    model, _, _ = step(model, opt_state, *next(batches()))
+    assert memory_kind(model.key) == "device"
+
+    class HostKey(eqx.Module):
+        key: jax.Array = eo.field(memory_kind="pinned_host")
+
+    with pytest.raises(ValueError, match=r"leaf 'key' is a PRNG key array"):
+        eo.place(HostKey(getkey()))
+
+
+def test_weak_typed_leaves_do_not_cause_a_recompile(getkey):
+    class Scaled(eqx.Module):
+        model: Model
+        scale: jax.Array
+
+        def __call__(self, tokens):
+            return self.scale * self.model(tokens)
+
+    policy = eo.Policy.remat()
+    optimizer = optax.sgd(1e-2)
+    model = eo.place(Scaled(Model(key=getkey()), jnp.array(1.0)), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    data = batches()
+    for _ in range(3):
+        model, opt_state, _ = step(model, opt_state, *next(data))
+    assert step.jitted._cache_size() == 1
+
+
+def all_but_embedding(params):
+    # A structural mask: the same for the stacked model and the reference.
+    mask = jax.tree.map(lambda _: True, params)
+    return eqx.tree_at(lambda m: m.embed.weight, mask, False)
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        optax.masked(optax.adam(1e-2), lambda p: all_but_embedding(p)),
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
+        optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+    ],
+    ids=["masked", "clip+adamw", "MultiSteps"],
+)
+def test_optimizer_wrappers_with_host_state(optimizer, getkey):
+    model = Model(key=getkey())
+    ref, ref_losses = reference_run(model, cross_entropy, optimizer, 4)
+    ours, opt_state, losses = offload_run(
+        model, cross_entropy, optimizer, eo.Policy.offload_all(), 4
+    )
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_same_params(ours, ref)
