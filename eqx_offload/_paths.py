@@ -138,6 +138,11 @@ def prefix_match(pattern: str, path: str) -> int | None:
     return None
 
 
+def specificity(pattern: str) -> int:
+    """How many literal (non-`*`) characters a pattern has."""
+    return len(pattern.replace("*", ""))
+
+
 def is_literal(pattern: str) -> bool:
     return "*" not in pattern
 

@@ -104,7 +104,8 @@ class Policy(eqx.Module):
         - `offload`: checkpoint names moved to `offload_dst` in the forward pass and
             brought back for the backward pass. Names in neither `save` nor `offload`
             are recomputed.
-        - `offload_dst`: the host memory kind offloaded residuals go to.
+        - `offload_dst`: where offloaded residuals go; only `"pinned_host"` works
+            in JAX 0.10.
         - `opt_state`: where the parameter-shaped optimizer state lives between
             steps (step counters and other scalars stay on the device).
         """
@@ -116,10 +117,11 @@ class Policy(eqx.Module):
 
     def __check_init__(self):
         check_kind(self.offload_dst, "`Policy(offload_dst=...)`")
-        if self.offload_dst == "device":
+        if self.offload_dst != "pinned_host":
             raise ValueError(
-                "`Policy(offload_dst='device')` would offload to where residuals "
-                "already are; use 'pinned_host', or list the names in `save=`."
+                f"`Policy(offload_dst={self.offload_dst!r})`: residuals can only be "
+                "offloaded to 'pinned_host' (JAX 0.10 leaves them on the device for "
+                "'unpinned_host'); to keep them on the device, list them in `save=`."
             )
         check_kind(self.opt_state, "`Policy(opt_state=...)`")
         if self.save == "all" and self.offload:

@@ -63,13 +63,19 @@ def test_innermost_annotation_wins():
     assert memory_kind(placed.inner.v) == "pinned_host"
 
 
-def test_longest_pattern_wins_and_ties_must_agree(getkey):
+def test_most_specific_pattern_wins_and_ties_must_agree(getkey):
     model = Model(key=getkey())
     policy = eo.Policy(params={"blocks": "pinned_host", "blocks.norm1": "device"})
     placed = eo.place(model, policy)
     assert memory_kind(placed.blocks.layers.norm1.weight) == "device"
     assert memory_kind(placed.blocks.layers.norm2.weight) == "pinned_host"
-    tie = eo.Policy(params={"blocks.*": "pinned_host", "blocks.norm1": "device"})
+    # The most literal pattern wins, whatever the wildcards cover.
+    for catch_all in ("**", "blocks.**", "blocks.*"):
+        policy = eo.Policy(params={catch_all: "pinned_host", "blocks.norm1": "device"})
+        placed = eo.place(model, policy)
+        assert memory_kind(placed.blocks.layers.norm1.weight) == "device"
+        assert memory_kind(placed.blocks.layers.norm2.weight) == "pinned_host"
+    tie = eo.Policy(params={"*.norm1": "device", "blocks": "pinned_host"})
     with pytest.raises(ValueError, match="equally well"):
         eo.place(model, tie)
 

@@ -45,7 +45,7 @@ def test_policy_is_hashable_and_static():
         ({"params": "gpu"}, r"Policy\(params=\.\.\.\)`.*valid kinds"),
         ({"params": {"blocks": "disk"}}, r"\['blocks'\]`.*valid kinds"),
         ({"params": {"": "device"}}, "non-empty leaf path patterns"),
-        ({"offload_dst": "device"}, "offload_dst='device'"),
+        ({"offload_dst": "device"}, "offload_dst='device'.*only be"),
         ({"offload": ("",)}, "non-empty"),
     ],
 )
@@ -71,3 +71,8 @@ def test_overlapping_patterns_are_an_error_when_names_are_known():
         ["blocks.mlp"],
         ["x.input"],
     )
+
+
+def test_offload_destination_must_be_pinned_host():
+    with pytest.raises(ValueError, match=r"offload_dst='unpinned_host'.*'pinned_host'"):
+        eo.Policy(offload_dst="unpinned_host")
