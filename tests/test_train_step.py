@@ -243,9 +243,11 @@ def test_model_sharded_over_a_mesh_compiles_once(getkey):
     replicate = jax.sharding.NamedSharding(mesh, jax.P())
     model = Model(dim=16, key=getkey())
     model = jax.tree.map(
-        lambda x: jax.device_put(x, shard if x.ndim == 3 else replicate)
-        if eqx.is_array(x)
-        else x,
+        lambda x: (
+            jax.device_put(x, shard if x.ndim == 3 else replicate)
+            if eqx.is_array(x)
+            else x
+        ),
         model,
     )
     policy = eo.Policy.offload_all()
