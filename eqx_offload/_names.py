@@ -1,11 +1,11 @@
 """Checkpoint names: which occurred while tracing, which are residuals, and the
 checks that a policy's names mean something.
 
-What a configured `Stacked` learned about one layer (an `Occurrence`) is attached to
-the checkpoint policy it builds, so it travels inside the jaxpr, as a parameter of
-the `checkpoint` equation. The checks read it from there rather than from a side
-channel filled while tracing: a trace that JAX serves from a cache (an inner
-`jax.jit` traced before) carries its occurrences along.
+What a configured `Stacked` learned about one layer (an `Occurrence`) is recorded
+while tracing, and also attached to the checkpoint policy it builds, so that it
+travels inside the jaxpr as a parameter of the `checkpoint` equation: a scan that
+JAX serves from a cache (an inner `jax.jit` traced before) records nothing, but its
+jaxpr still carries the occurrence.
 """
 
 import contextlib
@@ -37,21 +37,27 @@ def attach(checkpoint_policy: Any, occurrence: Occurrence) -> Any:
 
 
 class NameLog:
-    """The `Occurrence`s in a traced function."""
+    """The `Occurrence`s of one traced function."""
 
-    def __init__(self, closed_jaxpr: Any):
+    def __init__(self):
         self.occurrences: list[Occurrence] = []
+
+    @classmethod
+    def of(cls, closed_jaxpr: Any) -> "NameLog":
+        """The occurrences inside a jaxpr, nested jaxprs included."""
+        log = cls()
 
         def visit(jaxpr: Any) -> None:
             for eqn in jaxpr.eqns:
                 policy = eqn.params.get("policy")
                 occurrence = getattr(policy, _ATTRIBUTE, None)
                 if occurrence is not None:
-                    self.occurrences.append(occurrence)
+                    log.occurrences.append(occurrence)
                 for sub in jex.jaxprs_in_params(eqn.params):
                     visit(sub)
 
         visit(closed_jaxpr.jaxpr)
+        return log
 
     @property
     def names(self) -> list[str]:
@@ -97,20 +103,28 @@ def check(policy: Policy, log: NameLog) -> None:
             )
 
 
-_inside: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "eqx_offload_inside", default=False
+_log: contextvars.ContextVar[NameLog | None] = contextvars.ContextVar(
+    "eqx_offload_names", default=None
 )
 
 
 @contextlib.contextmanager
-def inside() -> Iterator[None]:
-    """Marks a `filter_offload` function being traced."""
-    token = _inside.set(True)
+def collecting() -> Iterator[NameLog]:
+    """Marks a `filter_offload` function being traced, and collects the
+    occurrences of the configured `Stacked`s traced meanwhile."""
+    log = NameLog()
+    token = _log.set(log)
     try:
-        yield
+        yield log
     finally:
-        _inside.reset(token)
+        _log.reset(token)
+
+
+def record(occurrence: Occurrence) -> None:
+    log = _log.get()
+    if log is not None:
+        log.occurrences.append(occurrence)
 
 
 def is_inside() -> bool:
-    return _inside.get()
+    return _log.get() is not None

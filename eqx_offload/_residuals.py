@@ -35,6 +35,11 @@ def saved_residuals(f: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Re
     """The residuals `jax.vjp` of `f` saves with respect to every array in the
     arguments (other leaves are static, as with `eqx.filter_vjp`), traced abstractly:
     arguments may be `jax.ShapeDtypeStruct`s."""
+    return trace_vjp(f, *args, **kwargs)[0]
+
+
+def trace_vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[list, Any]:
+    """`saved_residuals`, and the jaxpr of `jax.vjp` they were read from."""
     flat, treedef = jax.tree.flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if _is_array(x)]
 
@@ -52,45 +57,64 @@ def saved_residuals(f: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Re
     num_res = len(jax.tree.leaves(shapes[1]))
     outvars = jaxpr.outvars[len(jaxpr.outvars) - num_res :]
     producers: dict[int, dict] = {}  # per jaxpr, the equation producing each var
-    return [_origin(v, jaxpr, producers)._replace(aval=v.aval) for v in outvars]
+    residuals = [_origin(v, jaxpr, producers)._replace(aval=v.aval) for v in outvars]
+    return residuals, closed
 
 
 def _origin(v: Any, jaxpr: Any, producers: dict[int, dict]) -> Residual:
-    """Where residual `v` of `jaxpr` comes from, looking through `jit` calls, through
-    `reduce_precision`, and through the `device_put` that offloads a named value."""
-    calls: list[tuple[Any, Any]] = []  # the (outer jaxpr, jit equation) we are inside
+    """Where residual `v` of `jaxpr` comes from. Looks through `jit` calls,
+    `reduce_precision`, the `device_put` that offloads a named value, and into the
+    body of a scan whose per-iteration output (one slice per layer) it is."""
+    enclosing: list[tuple[Any, Any]] = []  # (outer jaxpr, jit or scan equation)
+    per_iteration = False
+
+    def residual(source: str, name: str | None = None) -> Residual:
+        return Residual(v.aval, source, name, per_iteration)
+
     while True:
         if isinstance(v, jex.Literal):
-            return Residual(v.aval, "literal")
+            return residual("literal")
         eqn = _producers(jaxpr, producers).get(v)
         if eqn is None:
-            if v in jaxpr.invars and calls:  # an operand of the enclosing call
-                outer, call = calls.pop()
-                v, jaxpr = call.invars[jaxpr.invars.index(v)], outer
-                continue
-            return Residual(v.aval, "argument" if v in jaxpr.invars else "constant")
+            if not (enclosing and v in jaxpr.invars):
+                return residual("argument" if v in jaxpr.invars else "constant")
+            outer, call = enclosing.pop()
+            position = jaxpr.invars.index(v)
+            if call.primitive.name == "scan":
+                first_carry = call.params["num_consts"]
+                if first_carry <= position < first_carry + call.params["num_carry"]:
+                    # The carry entering an iteration (a layer's input), saved.
+                    names = [
+                        e.params["name"]
+                        for e in jaxpr.eqns
+                        if e.primitive.name == "name" and e.invars[0] is v
+                    ]
+                    return residual("named", names[0]) if names else residual("carry")
+            v, jaxpr = call.invars[position], outer
+            continue
         name = eqn.primitive.name
         index = eqn.outvars.index(v)
         if name == "reduce_precision":
             v = eqn.invars[0]
         elif name in ("jit", "closed_call") and "jaxpr" in eqn.params:
-            calls.append((jaxpr, eqn))
+            enclosing.append((jaxpr, eqn))
             inner = eqn.params["jaxpr"]
             jaxpr = getattr(inner, "jaxpr", inner)
             v = jaxpr.outvars[index]
+        elif name == "scan" and index >= eqn.params["num_carry"]:
+            enclosing.append((jaxpr, eqn))
+            per_iteration = True
+            jaxpr = eqn.params["jaxpr"].jaxpr
+            v = jaxpr.outvars[index]
         elif name == "name":
-            return Residual(v.aval, "named", eqn.params["name"])
+            return residual("named", eqn.params["name"])
         elif name == "device_put":
             source = _producers(jaxpr, producers).get(eqn.invars[index])
             if source is not None and source.primitive.name == "name":
-                return Residual(v.aval, "named", source.params["name"])
-            return Residual(v.aval, name)
-        elif name == "scan":
-            return Residual(
-                v.aval, "scan", per_iteration=index >= eqn.params["num_carry"]
-            )
+                return residual("named", source.params["name"])
+            return residual(name)
         else:
-            return Residual(v.aval, name)
+            return residual(name)
 
 
 def _producers(jaxpr: Any, cache: dict[int, dict]) -> dict:

@@ -358,29 +358,28 @@ def _offload_body(
     )
     occurrence = _names.Occurrence(path, names, residual_names, (carry_name, *nameable))
     _names.attach(checkpoint_policy, occurrence)
+    _names.record(occurrence)
     return jax.checkpoint(body, policy=checkpoint_policy, prevent_cse=False)
 
 
 def _probe_names(
     body: Callable, carry: Any, dynamic: Any, xs: Any
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Traces one layer to learn which checkpoint names occur in it (ours and the
-    user's own) and which of them are residuals: naming anything else does nothing.
-    """
+    """Traces one layer, once, to learn which checkpoint names occur in it (ours and
+    the user's own) and which of them are residuals: naming anything else does
+    nothing. Under a policy that saves every named value, the residuals that are
+    named are exactly the names the backward pass needs."""
     first = functools.partial(_map_arrays, lambda a: a[0])
-
-    def one_layer(body_fn: Callable) -> Callable:
-        return lambda c, d, x: body_fn(c, (first(d), first(x)))
-
-    closed = jax.make_jaxpr(one_layer(body))(carry, dynamic, xs)
-    names = _residuals.checkpoint_names(closed)
-    probe = jax.checkpoint(
-        body,
-        policy=jax.checkpoint_policies.save_only_these_names(*names),
-        prevent_cse=False,
+    probe = jax.checkpoint(body, policy=_save_every_name, prevent_cse=False)
+    residuals, closed = _residuals.trace_vjp(
+        lambda c, d, x: probe(c, (first(d), first(x))), carry, dynamic, xs
     )
-    residuals = _residuals.saved_residuals(one_layer(probe), carry, dynamic, xs)
+    names = _residuals.checkpoint_names(closed)
     return tuple(names), tuple(r.name for r in residuals if r.name is not None)
+
+
+def _save_every_name(primitive: Any, *_: Any, **__: Any) -> bool:
+    return primitive.name == "name"
 
 
 def _submodule_paths(module: Any) -> list[str]:

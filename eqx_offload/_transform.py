@@ -169,12 +169,16 @@ def _misuse_error(w: _Watched, primitive: str) -> ValueError:
     )
 
 
-def _traced_call(
-    fun: Callable, args: tuple, kwargs: dict, policy: Policy, host_stacked: bool
-) -> Any:
-    """Calls `fun` by tracing it to a jaxpr, checking the jaxpr, and evaluating it
-    (so `fun` runs once): host-resident stacked leaves must only be used inside
-    their scans, and the policy's names must occur and be residuals."""
+class _Traced(NamedTuple):
+    """`fun` traced to a jaxpr on the array leaves of its arguments."""
+
+    closed: Any  # the `ClosedJaxpr`
+    dynamic: list  # its inputs
+    positions: list[int]  # where they are among the flattened arguments
+    rebuild: Callable[[list], Any]  # output leaves -> the output of `fun`
+
+
+def _trace(fun: Callable, args: tuple, kwargs: dict) -> _Traced:
     flat, treedef = jtu.tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if eqx.is_array(x)]
     out_parts = []
@@ -191,24 +195,29 @@ def _traced_call(
 
     dynamic = [flat[i] for i in positions]
     closed = jax.make_jaxpr(flat_fun)(*dynamic)
-    if host_stacked:
-        info = [
-            (argument, leaf)
-            for argument, arg in _named_arguments(args, kwargs)
-            for leaf in _paths.leaves(arg)
-        ]
-        watched = {
-            var: _Watched(*info[i], is_slice=False)
-            for var, i in zip(closed.jaxpr.invars, positions)
-            if info[i][1].stacked is not None and is_host(flat[i])
-        }
-        misuse = _find_misuse(closed.jaxpr, watched)
-        if misuse is not None:
-            raise _misuse_error(*misuse)
-    _names.check(policy, _names.NameLog(closed))
-    out_treedef, out_static = out_parts[0]
-    out_dynamic = jtu.tree_unflatten(out_treedef, jex.jaxpr_as_fun(closed)(*dynamic))
-    return eqx.combine(out_dynamic, out_static)
+
+    def rebuild(out_leaves: list) -> Any:
+        out_treedef, out_static = out_parts[0]
+        return eqx.combine(jtu.tree_unflatten(out_treedef, out_leaves), out_static)
+
+    return _Traced(closed, dynamic, positions, rebuild)
+
+
+def _check_host_leaves(traced: _Traced, args: tuple, kwargs: dict) -> None:
+    """Host-resident stacked leaves must only be used inside their scans."""
+    info = [
+        (argument, leaf)
+        for argument, arg in _named_arguments(args, kwargs)
+        for leaf in _paths.leaves(arg)
+    ]
+    watched = {
+        var: _Watched(*info[i], is_slice=False)
+        for var, i in zip(traced.closed.jaxpr.invars, traced.positions)
+        if info[i][1].stacked is not None and is_host(info[i][1].value)
+    }
+    misuse = _find_misuse(traced.closed.jaxpr, watched)
+    if misuse is not None:
+        raise _misuse_error(*misuse)
 
 
 class _OffloadWrapper(eqx.Module):
@@ -227,10 +236,25 @@ class _OffloadWrapper(eqx.Module):
             and is_host(leaf.value)
             for leaf in _paths.leaves((args, kwargs))
         )
-        with _names.inside():
-            if host_stacked or self._policy.checkpoint_patterns:
-                return _traced_call(self._fun, args, kwargs, self._policy, host_stacked)
-            return self._fun(*args, **kwargs)
+        with _names.collecting() as log:
+            if host_stacked:
+                # Checking needs the jaxpr before any outer transformation sees it:
+                # trace, check, then evaluate it, so `fun` still runs once.
+                traced = _trace(self._fun, args, kwargs)
+                _check_host_leaves(traced, args, kwargs)
+                _names.check(self._policy, _names.NameLog.of(traced.closed))
+                outputs = jex.jaxpr_as_fun(traced.closed)(*traced.dynamic)
+                return traced.rebuild(outputs)
+            out = self._fun(*args, **kwargs)
+        if self._policy.checkpoint_patterns:
+            try:
+                _names.check(self._policy, log)
+            except ValueError:
+                # Scans served from an inner `jax.jit`'s cache were not traced now,
+                # so they recorded nothing; the jaxpr has them all.
+                traced = _trace(self._fun, args, kwargs)
+                _names.check(self._policy, _names.NameLog.of(traced.closed))
+        return out
 
 
 def filter_offload(fun: Callable | None = None, policy: Policy | None = None) -> Any:
