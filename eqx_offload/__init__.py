@@ -9,6 +9,11 @@ from ._memory_kinds import MemoryKind as MemoryKind
 from ._optim import init_opt_state as init_opt_state
 from ._placement import field as field, place as place
 from ._policy import Policy as Policy
+from ._report import (
+    DoesNotFit as DoesNotFit,
+    memory_report as memory_report,
+    MemoryReport as MemoryReport,
+)
 from ._stacked import Stacked as Stacked
 from ._train_step import train_step as train_step
 from ._transform import filter_offload as filter_offload

@@ -53,6 +53,21 @@ def kind_of(x: Any) -> str:
     return "device"  # NumPy arrays go to the default memory when used
 
 
+def abstract_sharding(sharding: Any) -> Any:
+    """A sharding for a `jax.ShapeDtypeStruct` that keeps its memory kind when traced.
+
+    JAX 0.10 traces a `ShapeDtypeStruct` whose sharding is a `SingleDeviceSharding`
+    in device memory whatever its memory kind (a concrete array with the same
+    sharding is traced correctly); a `NamedSharding` over a one-device mesh works.
+    """
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        (device,) = sharding.device_set
+        mesh = jax.sharding.Mesh([device], ("device",))
+        spec = jax.sharding.PartitionSpec()
+        return jax.sharding.NamedSharding(mesh, spec, memory_kind=sharding.memory_kind)
+    return sharding
+
+
 def is_host(x: Any) -> bool:
     """Whether an array or tracer lives in host memory, as JAX's tracing sees it."""
     return jax.typeof(x).memory_space == jax.memory.Space.Host

@@ -10,6 +10,7 @@ from jaxtyping import PyTree
 
 from . import _paths
 from ._memory_kinds import (
+    abstract_sharding,
     backend_kinds,
     check_kind,
     is_arraylike,
@@ -138,11 +139,8 @@ def move(x: Any, kind: str, path: str, sharding: Any = None) -> Any:
     """Puts one array leaf in `kind`, keeping its sharding (or taking `sharding`)."""
     if isinstance(x, jax.ShapeDtypeStruct):
         sharding = sharding or x.sharding or SingleDeviceSharding(jax.devices()[0])
-        return jax.ShapeDtypeStruct(
-            x.shape,
-            x.dtype,
-            sharding=sharding.with_memory_kind(kind),
-        )
+        sharding = abstract_sharding(sharding.with_memory_kind(kind))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     if isinstance(x, jax.core.Tracer):
         return to_space(x, kind, path)
     if sharding is None:

@@ -12,21 +12,22 @@ from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
 from . import _optim
-from ._memory_kinds import kind_of, to_space
+from ._memory_kinds import is_arraylike, kind_of, to_space
 from ._placement import resolve
 from ._policy import Policy
 from ._transform import filter_offload
 
 
-def _split(tree: Any) -> tuple[list, tuple]:
-    """Array leaves (traced), and everything else as a hashable static part."""
+def split(tree: Any) -> tuple[list, tuple]:
+    """Array leaves (traced; `jax.ShapeDtypeStruct`s too), and everything else as a
+    hashable static part."""
     leaves, treedef = jtu.tree_flatten(tree)
-    dynamic = [x if eqx.is_array(x) else None for x in leaves]
-    static = tuple(None if eqx.is_array(x) else x for x in leaves)
+    dynamic = [x if is_arraylike(x) else None for x in leaves]
+    static = tuple(None if is_arraylike(x) else x for x in leaves)
     return dynamic, (treedef, static)
 
 
-def _join(dynamic: list, static: tuple) -> Any:
+def join(dynamic: list, static: tuple) -> Any:
     treedef, static_leaves = static
     leaves = [s if d is None else d for d, s in zip(dynamic, static_leaves)]
     return jtu.tree_unflatten(treedef, leaves)
@@ -84,9 +85,9 @@ def _step(
     statics: tuple,
 ) -> tuple[list, list, Any]:
     model_static, opt_static, batch_static, model_shardings, opt_shardings = statics
-    model = _join(model_dynamic, model_static)
-    opt_state = _join(opt_dynamic, opt_static)
-    batch = _join(batch_dynamic, batch_static)
+    model = join(model_dynamic, model_static)
+    opt_state = join(opt_dynamic, opt_static)
+    batch = join(batch_dynamic, batch_static)
     model_kinds = _check_model(model, policy)
     opt_kinds = _optim.check_state(optimizer, opt_state, policy)
 
@@ -98,7 +99,7 @@ def _step(
     # traced function: the same trace then compiles for any backend.
     model = _place_outputs(model, model_kinds, model_shardings)
     opt_state = _place_outputs(opt_state, opt_kinds, opt_shardings)
-    return _split(model)[0], _split(opt_state)[0], value
+    return split(model)[0], split(opt_state)[0], value
 
 
 class _TrainStep(eqx.Module):
@@ -112,9 +113,17 @@ class _TrainStep(eqx.Module):
     jitted: Callable
 
     def __call__(self, model: PyTree, opt_state: PyTree, *batch: Any) -> tuple:
-        model_dynamic, model_static = _split(model)
-        opt_dynamic, opt_static = _split(opt_state)
-        batch_dynamic, batch_static = _split(batch)
+        dynamic, statics = self.split(model, opt_state, *batch)
+        model_dynamic, opt_dynamic, value = self.jitted(*dynamic, statics)
+        model_static, opt_static = statics[:2]
+        return join(model_dynamic, model_static), join(opt_dynamic, opt_static), value
+
+    def split(self, model: PyTree, opt_state: PyTree, *batch: Any) -> tuple:
+        """The arguments of `jitted` (and `fun`): the array leaves of the model, the
+        optimizer state and the batch, and the static rest."""
+        model_dynamic, model_static = split(model)
+        opt_dynamic, opt_static = split(opt_state)
+        batch_dynamic, batch_static = split(batch)
         statics = (
             model_static,
             opt_static,
@@ -122,10 +131,7 @@ class _TrainStep(eqx.Module):
             _mesh_shardings(model_dynamic),
             _mesh_shardings(opt_dynamic),
         )
-        model_dynamic, opt_dynamic, value = self.jitted(
-            model_dynamic, opt_dynamic, batch_dynamic, statics
-        )
-        return _join(model_dynamic, model_static), _join(opt_dynamic, opt_static), value
+        return (model_dynamic, opt_dynamic, batch_dynamic), statics
 
 
 def train_step(

@@ -110,3 +110,15 @@ def all_eqns(jaxpr) -> Iterator:
 
 def primitive_names(jaxpr) -> set[str]:
     return {eqn.primitive.name for eqn in all_eqns(jaxpr)}
+
+
+def same_place(abstract, concrete) -> bool:
+    """An abstract leaf describes a concrete one: shape, dtype, devices, memory kind.
+    (Abstract leaves on one device use a one-device mesh; see `abstract_sharding`.)"""
+    a, c = abstract.sharding, concrete.sharding
+    return (abstract.shape, abstract.dtype, a.device_set, a.memory_kind) == (
+        concrete.shape,
+        concrete.dtype,
+        c.device_set,
+        c.memory_kind,
+    )

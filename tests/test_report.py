@@ -1,0 +1,196 @@
+import json
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import eqx_offload as eo
+from eqx_offload import _targets
+
+from .helpers import batches, cross_entropy, Model
+
+
+def to_host(x):
+    return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+
+
+def make_step(policy, depth=4, optimizer=None):
+    optimizer = optimizer or optax.adam(1e-3)
+    model = eo.place(Model(depth=depth, key=jax.random.key(0)), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    return eo.train_step(cross_entropy, optimizer, policy), model, opt_state
+
+
+def test_train_step_report_never_runs_the_step():
+    calls = []
+
+    def loss_fn(model, tokens, targets):
+        jax.debug.callback(lambda: calls.append(1))
+        return cross_entropy(model, tokens, targets)
+
+    policy = eo.Policy.offload_all()
+    optimizer = optax.adam(1e-3)
+    model = eo.place(Model(key=jax.random.key(0)), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(loss_fn, optimizer, policy)
+    report = eo.memory_report(step, model, opt_state, *next(batches()))
+    assert calls == [] and not model.head.weight.is_deleted()
+    assert report.kind == "train_step" and report.estimate
+    assert report.device_bytes > 0 and report.host_bytes > 0
+    params = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    assert report.params == {"pinned_host": params}
+    mu = sum(x.nbytes for x in jax.tree.leaves(opt_state[0].mu))
+    assert report.opt_state == {"pinned_host": 2 * mu, "device": 4}
+    assert report.host["argument"] == params + 2 * mu  # estimate by memory kind
+    assert report.host["alias"] == report.host["argument"]  # donated, updated in place
+    residuals = {(r.name, r.memory_kind): r.bytes for r in report.residuals or ()}
+    assert residuals[("blocks.input", "pinned_host")] == 4 * 2 * 8 * 16 * 4
+
+
+def test_reports_differ_the_way_policies_do():
+    reports = {}
+    for name in ("none", "remat", "offload_residuals", "offload_all"):
+        step, model, opt_state = make_step(getattr(eo.Policy, name)())
+        reports[name] = eo.memory_report(step, model, opt_state, *next(batches()))
+    kinds = {n: {r.memory_kind for r in reports[n].residuals or ()} for n in reports}
+    assert "pinned_host" not in kinds["remat"] | kinds["none"]
+    assert "pinned_host" in kinds["offload_residuals"]
+    unnamed = [r for r in reports["none"].residuals or () if "unnamed" in r.name]
+    assert unnamed  # without remat every intermediate of every layer is saved
+    assert reports["offload_all"].params == {
+        "pinned_host": reports["none"].params["device"]
+    }
+
+
+def test_abstract_arguments_allocate_nothing():
+    policy = eo.Policy.offload_all()
+    optimizer = optax.adam(1e-3)
+    abstract = eo.place(eqx.filter_eval_shape(Model, key=jax.random.key(0)), policy)
+    opt_state = eo.init_opt_state(optimizer, abstract, policy)
+    tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    report = eo.memory_report(step, abstract, opt_state, tokens, tokens)
+    concrete = eo.memory_report(*make_step(policy), *next(batches()))
+    assert report.to_dict() == concrete.to_dict()
+
+
+def test_filter_offload_and_plain_functions():
+    model = Model(key=jax.random.key(0))
+    tokens, targets = next(batches())
+    fn = eqx.filter_jit(eo.filter_offload(cross_entropy, eo.Policy.offload_residuals()))
+    report = eo.memory_report(fn, model, tokens, targets)
+    assert report.kind == "filter_offload"
+    assert {(r.name, r.memory_kind) for r in report.residuals or ()} >= {
+        ("blocks.input", "pinned_host")
+    }
+    w = to_host(jnp.ones((8, 8)))
+    plain = eo.memory_report(
+        lambda x, w: x @ jax.device_put(w, jax.memory.Space.Device),
+        jnp.ones((4, 8)),
+        w=w,
+    )
+    assert plain.kind == "function" and plain.residuals is None
+    assert plain.arguments == {
+        "argument 0": {"device": 128},
+        "argument `w`": {"pinned_host": 256},
+    }
+    assert plain.host["argument"] == 256
+
+
+def test_str_and_to_dict():
+    report = eo.memory_report(*make_step(eo.Policy.offload_all()), *next(batches()))
+    text = str(report)
+    for row in (
+        "footprint",
+        "arguments",
+        "temporaries",
+        "parameters",
+        "optimizer state",
+        "blocks.input",
+        "estimate",
+    ):
+        assert row in text
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["device_bytes"] == report.device_bytes
+    assert data["residuals"][0].keys() == {"name", "memory_kind", "bytes"}
+
+
+def test_tpu_target_matches_a_direct_compile():
+    def f(x, w):
+        return jnp.tanh(x @ jax.device_put(w, jax.memory.Space.Device)).sum()
+
+    x, w = jnp.ones((256, 512)), jnp.ones((512, 1024))
+    report = eo.memory_report(
+        f,
+        x,
+        to_host(w),
+        target="tpu-v5e",
+    )
+    mesh = _targets.chip_mesh("tpu-v5e")
+    args = (
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
+        jax.ShapeDtypeStruct(
+            w.shape,
+            w.dtype,
+            sharding=NamedSharding(mesh, P(), memory_kind="pinned_host"),
+        ),
+    )
+    stats = jax.jit(f).trace(*args).lower().compile().memory_analysis()
+    assert stats is not None
+    direct = (
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        + stats.temp_size_in_bytes
+        - stats.alias_size_in_bytes
+    )
+    assert not report.estimate and report.target == "tpu-v5e"
+    assert report.device_bytes == direct
+    assert report.host["argument"] == stats.host_argument_size_in_bytes == w.nbytes
+
+
+@pytest.mark.parametrize("target", ["tpu-v5e", "tpu-v6e", "tpu-v5p", "tpu-v4"])
+def test_every_tpu_target_compiles_a_train_step(target):
+    step, model, opt_state = make_step(eo.Policy.offload_all(), depth=2)
+    report = eo.memory_report(step, model, opt_state, *next(batches()), target=target)
+    assert report.host_bytes > 0 and report.device_bytes > 0
+    # Donated host-resident state is updated in place on the host.
+    assert report.host["alias"] > 0
+
+
+def test_without_libtpu_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # `import libtpu` fails
+    _targets.chip_mesh.cache_clear()
+    try:
+        with pytest.raises(ImportError, match=r"eqx_offload\[tpu\]"):
+            eo.memory_report(lambda x: x * 2, jnp.ones(3), target="tpu-v5e")
+    finally:
+        _targets.chip_mesh.cache_clear()
+
+
+def test_unknown_target():
+    with pytest.raises(ValueError, match=r"target='gpu'.*'tpu-v5e'"):
+        eo.memory_report(lambda x: x, jnp.ones(3), target="gpu")  # pyright: ignore
+
+
+def test_report_of_a_sharded_model(getkey):
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("x")))
+    report = eo.memory_report(lambda x: x * 2, x)
+    assert report.arguments == {"argument 0": {"device": x.nbytes}}
+    np.testing.assert_equal(report.device["argument"] > 0, True)
+
+
+def test_a_program_too_big_for_the_chip():
+    def f(x):
+        return jnp.broadcast_to(x, (5, x.shape[0])) * 2.0  # 20 GiB out of 4 GiB
+
+    x = jax.ShapeDtypeStruct((2**30,), jnp.float32)
+    with pytest.raises(
+        eo.DoesNotFit, match=r"not fit in the memory of one tpu-v5e chip"
+    ):
+        eo.memory_report(f, x, target="tpu-v5e")
