@@ -3,6 +3,7 @@ activations offloaded to pinned host memory, on built-in synthetic data.
 
     bash scripts/quickstart.sh                  # or: python examples/quickstart.py
     python examples/quickstart.py --policy remat --steps 100
+    python examples/quickstart.py --target tpu-v5e   # also compiled for a TPU v5e chip
 
 The task: each sequence counts up from a random start with a random stride (mod the
 vocabulary), so predicting the next token needs the stride, read from the context
@@ -10,14 +11,9 @@ by causal attention. The loss falls from about ln(64) = 4.2 to near 0.
 """
 
 import argparse
-import contextlib
-import io
-import re
-from collections import defaultdict
 
 import equinox as eqx
 import jax
-import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -89,50 +85,13 @@ def counting_sequences(rng: np.random.Generator, batch: int, seq: int, vocab: in
     return jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
 
 
-def bytes_by_kind(tree) -> dict[str, int]:
-    out: dict[str, int] = defaultdict(int)
-    for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)):
-        out[x.sharding.memory_kind] += x.nbytes
-    return dict(out)
-
-
-def residual_bytes_by_space(model, policy, batch) -> dict[str, int]:
-    """What the backward pass keeps, by memory space, from the public
-    `jax.ad_checkpoint.print_saved_residuals`."""
-    params, static = eqx.partition(model, eqx.is_array)
-    loss = eo.filter_offload(loss_fn, policy)
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        jax.ad_checkpoint.print_saved_residuals(
-            lambda p: loss(eqx.combine(p, static), *batch), params
-        )
-    out: dict[str, int] = defaultdict(int)
-    for line in printed.getvalue().splitlines():
-        if "from the argument" in line:
-            continue  # the parameters themselves, counted above
-        match = re.match(r"(\w+)(<host>)?\[([\d,]*)\]", line)
-        if match:
-            dtype, host, shape = match.groups()
-            size = int(np.prod([int(d) for d in shape.split(",") if d]))
-            long_name = re.sub(r"^(bf|f|i|u)(\d+)$", _long_dtype, dtype)
-            out["pinned_host" if host else "device"] += (
-                size * jnp.dtype(long_name).itemsize
-            )
-    return dict(out)
-
-
-def _long_dtype(match: re.Match) -> str:  # "f32" -> "float32", as jaxprs abbreviate
-    prefix = {"bf": "bfloat", "f": "float", "i": "int", "u": "uint"}[match.group(1)]
-    return prefix + match.group(2)
-
-
-def table(rows: dict[str, dict[str, int]]) -> str:
-    kinds = ["device", "pinned_host"]
-    lines = [f"{'':<18}" + "".join(f"{k:>14}" for k in kinds)]
-    for name, by_kind in rows.items():
-        cells = "".join(f"{by_kind.get(k, 0) / 2**20:>11.2f} MiB" for k in kinds)
-        lines.append(f"{name:<18}{cells}")
-    return "\n".join(lines)
+def kinds(tree) -> list[str]:
+    return sorted(
+        {
+            x.sharding.memory_kind
+            for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+        }
+    )
 
 
 def main():
@@ -142,6 +101,12 @@ def main():
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument(
+        "--target",
+        default=None,
+        choices=["tpu-v5e", "tpu-v6e", "tpu-v5p", "tpu-v4"],
+        help="also report the step compiled for one chip of this TPU (needs libtpu)",
+    )
     parser.add_argument(
         "--policy",
         default="offload_all",
@@ -161,17 +126,10 @@ def main():
     rng = np.random.default_rng(0)
     batch = counting_sequences(rng, args.batch, args.seq, vocab)
     print(f"Policy.{args.policy}(): {policy}\n")
-    print("Where memory lives between steps (parameters, optimizer state) and in the")
-    print("forward pass (activations saved for the backward pass):")
-    print(
-        table(
-            {
-                "parameters": bytes_by_kind(model),
-                "optimizer state": bytes_by_kind(opt_state),
-                "saved activations": residual_bytes_by_space(model, policy, batch),
-            }
-        )
-    )
+    print(eo.memory_report(step, model, opt_state, *batch))
+    if args.target:
+        print()
+        print(eo.memory_report(step, model, opt_state, *batch, target=args.target))
     print()
 
     losses = []
@@ -184,8 +142,8 @@ def main():
                 bar.set_postfix(loss=f"{losses[-1]:.3f}")
     print(f"\nloss: first step {losses[0]:.3f}, last step {losses[-1]:.3f}")
     print(
-        f"after training, parameters live in {sorted(bytes_by_kind(model))}, "
-        f"optimizer state in {sorted(bytes_by_kind(opt_state))}"
+        f"after training, parameters live in {kinds(model)}, "
+        f"optimizer state in {kinds(opt_state)}"
     )
 
 

@@ -5,4 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
 ensure_venv examples
+# The CPU unless told otherwise: with libtpu installed (the `tpu` extra, which the
+# tests install into the same .venv), JAX would otherwise probe for TPU hardware.
+export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 exec .venv/bin/python examples/quickstart.py "$@"

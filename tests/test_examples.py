@@ -19,7 +19,7 @@ def test_quickstart_trains_and_prints_where_memory_lives():
     )
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    for row in ("parameters", "optimizer state", "saved activations"):
+    for row in ("footprint", "parameters", "optimizer state", "blocks.input"):
         assert row in out
     match = re.search(r"loss: first step ([\d.]+), last step ([\d.]+)", out)
     assert match, out
