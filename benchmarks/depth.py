@@ -1,0 +1,80 @@
+"""Depth scaling of the gradient computation (`filter_offload` + value_and_grad, no
+optimizer) of a GPT-style stack under each preset, compiled for one TPU v5e chip.
+
+    python benchmarks/depth.py [--depths 4 8 16 32] [--target tpu-v5e] [--json FILE]
+
+The stack: token embedding (vocab 32768, dim 1024), N blocks of LayerNorm + MLP
+(1024 -> 4096 -> 1024, residual), a final LayerNorm and a linear head; sequence 1024,
+batch 8, float32. Nothing is allocated: the model is abstract
+(`eqx.filter_eval_shape`) and only compiled.
+"""
+
+import re
+from typing import Any
+
+import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from _common import MIB, parser, table, write_json
+from gpt import GPT, loss_fn
+
+import eqx_offload as eo
+
+
+VOCAB, DIM, SEQ, BATCH = 32768, 1024, 1024, 8
+PRESETS = ("none", "remat", "offload_residuals", "offload_all")
+
+
+def gradient_report(depth: int, preset: str, target: Any) -> eo.MemoryReport:
+    policy = getattr(eo.Policy, preset)()
+    abstract = eqx.filter_eval_shape(GPT, VOCAB, DIM, depth, key=jax.random.key(0))
+    model = eo.place(abstract, policy)
+    tokens = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
+    grad = eqx.filter_value_and_grad(eo.filter_offload(loss_fn, policy))
+    return eo.memory_report(grad, model, tokens, tokens, target=target)
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--depths", type=int, nargs="+", default=[4, 8, 16, 32])
+    p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS)
+    p.add_argument("--target", default="tpu-v5e")
+    args = p.parse_args()
+    target = None if args.target == "cpu" else args.target
+    results = []
+    for preset in args.presets:
+        for depth in args.depths:
+            row = {"preset": preset, "layers": depth}
+            try:
+                report = gradient_report(depth, preset, target)
+            except eo.DoesNotFit as e:
+                needed = re.search(r"temporaries \(([\d.]+G)\)", str(e))
+                row["device MiB"] = row["host MiB"] = None
+                row["note"] = (
+                    f"does not fit ({needed[1] if needed else '?'} temporaries)"
+                )
+            else:
+                row["device MiB"] = report.device_bytes / MIB
+                row["host MiB"] = report.host_bytes / MIB
+                row["note"] = ""
+            results.append(row)
+            print(f"  {preset}, {depth} layers done", flush=True)
+    headers = list(results[0])
+    print(f"\nGradient computation compiled for {args.target}:")
+    print(table(headers, [[r[h] for h in headers] for r in results]))
+    growth = []
+    for preset in args.presets:
+        rows = [r for r in results if r["preset"] == preset]
+        first, last = rows[0], rows[-1]
+        change = "n/a (does not fit)"
+        if first["device MiB"] and last["device MiB"]:
+            change = f"{100 * (last['device MiB'] / first['device MiB'] - 1):+.1f}%"
+        growth.append([preset, f"{first['layers']} -> {last['layers']}", change])
+    print("\nDevice footprint growth:")
+    print(table(["preset", "layers", "device growth"], growth))
+    write_json(args.json, "depth", results)
+
+
+if __name__ == "__main__":
+    main()
