@@ -1,6 +1,9 @@
 """`memory_report`: where every byte of a step lives, on this backend or compiled for
 a TPU chip, without running anything."""
 
+import functools
+import math
+import re
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -12,12 +15,17 @@ from jaxtyping import PyTree
 
 from . import _residuals
 from ._memory_kinds import is_arraylike, kind_of
-from ._targets import abstract, chip_mesh, TargetArg
+from ._targets import abstract, chip_mesh, HBM_BYTES, TargetArg
 from ._train_step import _TrainStep, join, split
 from ._transform import _OffloadWrapper, filter_offload
 
 
 _PARTS = ("argument", "output", "temp", "alias")
+_DESCRIPTIONS = {
+    "train_step": "a train step",
+    "filter_offload": "the gradient of a filter_offload function",
+    "function": "a function",
+}
 _KINDS = ("device", "pinned_host")
 
 
@@ -42,7 +50,10 @@ class MemoryReport(eqx.Module):
     - `params`, `opt_state`: bytes by memory kind between steps (`train_step` and
         `filter_offload` objects; `None` otherwise).
     - `residuals`: bytes saved for the backward pass, by checkpoint name and memory
-        kind (`train_step` and `filter_offload` objects; `None` otherwise).
+        kind, as traced (`train_step` and `filter_offload` objects; `None`
+        otherwise). The compiler may still place a small residual elsewhere.
+    - `capacity`, `fits`: the device memory of one chip of the target (nominal HBM)
+        and whether the device footprint fits in it; `None` on the CPU.
     - `arguments`: bytes of each argument by memory kind.
     - `estimate`: `True` on the CPU backend, whose compiler does not tell host from
         device memory: the split there follows the leaves' memory kinds, and
@@ -50,8 +61,9 @@ class MemoryReport(eqx.Module):
     """
 
     target: str
-    kind: str  # "train_step", "filter_offload" or "function"
+    kind: str  # what was compiled: "train_step", "filter_offload" or "function"
     estimate: bool
+    capacity: int | None  # device memory of one chip of the target, if known
     device: dict[str, int]
     host: dict[str, int]
     arguments: dict[str, dict[str, int]]
@@ -65,6 +77,12 @@ class MemoryReport(eqx.Module):
         return d["argument"] + d["output"] + d["temp"] - d["alias"]
 
     @property
+    def fits(self) -> bool | None:
+        """Whether the device footprint fits in one chip's memory (`None` if the
+        target's capacity is not known, as on the CPU)."""
+        return None if self.capacity is None else self.device_bytes <= self.capacity
+
+    @property
     def host_bytes(self) -> int:
         h = self.host
         return h["argument"] + h["output"] + h["temp"] - h["alias"]
@@ -75,6 +93,8 @@ class MemoryReport(eqx.Module):
             "target": self.target,
             "kind": self.kind,
             "estimate": self.estimate,
+            "capacity": self.capacity,
+            "fits": self.fits,
             "device_bytes": self.device_bytes,
             "host_bytes": self.host_bytes,
             "device": dict(self.device),
@@ -90,13 +110,17 @@ class MemoryReport(eqx.Module):
     def __str__(self) -> str:
         if self.estimate:
             lines = [
-                f"Memory report for a {self.kind}, compiled for this CPU backend",
+                f"Memory report for {_DESCRIPTIONS[self.kind]}, compiled for this CPU "
+                "backend",
                 "(an estimate: XLA's CPU compiler has one memory, so the split follows "
                 "the leaves' memory kinds",
                 "and temporaries count as device memory)",
             ]
         else:
-            lines = [f"Memory report for a {self.kind}, compiled for {self.target}"]
+            lines = [
+                f"Memory report for {_DESCRIPTIONS[self.kind]}, compiled for "
+                f"{self.target}"
+            ]
         header = f"{'':<34}{'device':>14}{'host':>14}"
         lines += [header, "-" * len(header)]
 
@@ -111,6 +135,9 @@ class MemoryReport(eqx.Module):
             -self.device["alias"],
             -self.host["alias"],
         )
+        if self.capacity is not None:
+            verdict = "fits" if self.fits else "does NOT fit"
+            lines.append(f"  {verdict} in the {_size(self.capacity)} of one chip")
         for label, by_kind in (
             ("parameters", self.params),
             ("optimizer state", self.opt_state),
@@ -118,7 +145,7 @@ class MemoryReport(eqx.Module):
             if by_kind is not None:
                 row(label, by_kind.get("device", 0), _host(by_kind))
         if self.residuals is not None:
-            lines.append("saved for the backward pass")
+            lines.append("saved for the backward pass (as traced)")
             totals: dict[str, dict[str, int]] = defaultdict(dict)
             for r in self.residuals:
                 totals[r.name][r.memory_kind] = r.bytes
@@ -146,7 +173,7 @@ def _size(n: int) -> str:
 
 
 def _nbytes(x: Any) -> int:
-    return int(x.size) * x.dtype.itemsize
+    return math.prod(x.shape) * x.dtype.itemsize
 
 
 def bytes_by_kind(tree: PyTree) -> dict[str, int]:
@@ -186,9 +213,90 @@ class _Plan(NamedTuple):
     residuals: Callable[[], tuple[ResidualRow, ...]] | None = None
 
 
+def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
+    if kwargs or len(args) < 2:
+        raise TypeError(
+            "`memory_report(step, model, opt_state, *batch)`: a `train_step` takes "
+            "the model, the optimizer state and the batch, positionally."
+        )
+    model, opt_state, *batch = args
+    dynamic, statics = step.split(model, opt_state, *batch)
+    jitted = jax.jit(step.fun, static_argnums=3, donate_argnums=(0, 1))
+    loss = filter_offload(step.loss_fn, step.policy)
+
+    def residuals() -> tuple[ResidualRow, ...]:
+        def wrt_model(model: Any, *batch: Any) -> Any:
+            batch = jtu.tree_map(
+                lambda x: jax.lax.stop_gradient(x) if eqx.is_array(x) else x, batch
+            )
+            out = loss(model, *batch)
+            return out[0] if step.has_aux else out
+
+        return residual_rows(wrt_model, model, *batch)
+
+    return _Plan(
+        lambda: jitted.trace(*dynamic, statics),
+        "train_step",
+        {"model": model, "opt_state": opt_state, "batch": tuple(batch)},
+        model,
+        opt_state,
+        residuals,
+    )
+
+
+def _has_aux(fn: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a `filter_offload` function returns `loss` or `(loss, aux)`."""
+    out = eqx.filter_eval_shape(fn, *args, **kwargs)
+    if is_arraylike(out) and out.shape == ():
+        return False
+    if isinstance(out, tuple) and len(out) == 2 and is_arraylike(out[0]):
+        if out[0].shape == ():
+            return True
+    raise ValueError(
+        "`memory_report(fn, ...)` with a `filter_offload` function reports its "
+        "gradient with respect to the first argument, so `fn` must return a scalar "
+        "loss or `(loss, aux)`; it returned "
+        f"{jax.tree.map(lambda x: getattr(x, 'shape', x), out)}. Pass a `train_step`, "
+        "or wrap the function yourself (e.g. in `eqx.filter_grad`)."
+    )
+
+
+def _function_plan(fn: Any, args: tuple, kwargs: dict) -> _Plan:
+    named = {f"argument {i}": a for i, a in enumerate(args)}
+    named.update({f"argument `{k}`": v for k, v in kwargs.items()})
+    named = {
+        k: v for k, v in named.items() if any(map(is_arraylike, jtu.tree_leaves(v)))
+    }
+    if hasattr(fn, "trace"):  # a `jax.jit` function: its donation and statics hold
+        return _Plan(lambda: fn.trace(*args, **kwargs), "function", named)
+    # `eqx.filter_jit` functions are re-jitted from the function they wrap (they
+    # treat `ShapeDtypeStruct`s as static), keeping their donation.
+    donate_first = getattr(fn, "donate_first", False)
+    donate_rest = getattr(fn, "donate_rest", False)
+    fn = _unwrap_filter_jit(fn)
+    kind = "function"
+    if isinstance(fn, _OffloadWrapper):
+        kind = "filter_offload"
+        residuals = functools.partial(residual_rows, fn, *args, **kwargs)
+        fn = eqx.filter_value_and_grad(fn, has_aux=_has_aux(fn, args, kwargs))
+    first, first_static = split(args[:1])
+    rest, rest_static = split((args[1:], kwargs))
+
+    def call(first: list, rest: list, statics: tuple) -> Any:
+        (*a,) = join(first, statics[0])
+        more, k = join(rest, statics[1])
+        return eqx.filter(fn(*a, *more, **k), is_arraylike)  # arrays only, as jit needs
+
+    donate = tuple(i for i, d in ((0, donate_first), (1, donate_rest)) if d)
+    jitted = jax.jit(call, static_argnums=2, donate_argnums=donate)
+    trace = lambda: jitted.trace(first, rest, (first_static, rest_static))  # noqa: E731
+    if kind == "function":
+        return _Plan(trace, kind, named)
+    return _Plan(trace, kind, named, args[0] if args else None, None, residuals)
+
+
 def _unwrap_filter_jit(fn: Any) -> Any:
-    """The function inside an `eqx.filter_jit` (which cannot be traced for another
-    target by itself); `jax.jit` functions are traced as they are."""
+    """The function inside an `eqx.filter_jit`."""
     while (
         not isinstance(fn, (_TrainStep, _OffloadWrapper))
         and not hasattr(fn, "trace")
@@ -197,60 +305,6 @@ def _unwrap_filter_jit(fn: Any) -> Any:
     ):
         fn = fn.__wrapped__
     return fn
-
-
-def _plan(fn: Any, args: tuple, kwargs: dict) -> _Plan:
-    if isinstance(fn, _TrainStep):
-        if kwargs or len(args) < 2:
-            raise TypeError(
-                "`memory_report(step, model, opt_state, *batch)`: a `train_step` takes "
-                "the model, the optimizer state and the batch, positionally."
-            )
-        model, opt_state, *batch = args
-        dynamic, statics = fn.split(model, opt_state, *batch)
-        jitted = jax.jit(fn.fun, static_argnums=3, donate_argnums=(0, 1))
-        loss = filter_offload(fn.loss_fn, fn.policy)
-
-        def residuals() -> tuple[ResidualRow, ...]:
-            def wrt_model(model: Any, *batch: Any) -> Any:
-                batch = jtu.tree_map(
-                    lambda x: jax.lax.stop_gradient(x) if eqx.is_array(x) else x, batch
-                )
-                out = loss(model, *batch)
-                return out[0] if fn.has_aux else out
-
-            return residual_rows(wrt_model, model, *batch)
-
-        return _Plan(
-            lambda: jitted.trace(*dynamic, statics),
-            "train_step",
-            {"model": model, "opt_state": opt_state, "batch": tuple(batch)},
-            model,
-            opt_state,
-            residuals,
-        )
-    named = {f"argument {i}": a for i, a in enumerate(args)}
-    named.update({f"argument `{k}`": v for k, v in kwargs.items()})
-    if hasattr(fn, "trace"):  # a `jax.jit` function: its donation and statics hold
-        return _Plan(lambda: fn.trace(*args, **kwargs), "function", named)
-    dynamic, static = split((args, kwargs))
-
-    def call(dynamic: list, static: tuple) -> Any:
-        a, k = join(dynamic, static)
-        return fn(*a, **k)
-
-    jitted = jax.jit(call, static_argnums=1)
-    trace = lambda: jitted.trace(dynamic, static)  # noqa: E731
-    if isinstance(fn, _OffloadWrapper):
-        return _Plan(
-            trace,
-            "filter_offload",
-            named,
-            args[0] if args else None,
-            None,
-            lambda: residual_rows(fn, *args, **kwargs),
-        )
-    return _Plan(trace, "function", named)
 
 
 def memory_report(
@@ -290,37 +344,44 @@ def memory_report(
         ```
     """
     mesh = None if target is None else chip_mesh(target)
-    fn = _unwrap_filter_jit(fn)
 
     def to_abstract(tree: Any) -> Any:
         return jtu.tree_map(lambda x: abstract(x, mesh) if is_arraylike(x) else x, tree)
 
-    plan = _plan(fn, to_abstract(args), to_abstract(kwargs))
-    traced = plan.trace()
+    args, kwargs = to_abstract(args), to_abstract(kwargs)
+    if isinstance(fn, _TrainStep):
+        plan = _train_step_plan(fn, args, kwargs)
+    else:
+        plan = _function_plan(fn, args, kwargs)
+    where = target or jax.default_backend()
+    what = _DESCRIPTIONS[plan.kind]
+    lowered = plan.trace().lower()
     try:
-        stats = traced.lower().compile().memory_analysis()
+        stats = lowered.compile().memory_analysis()
     except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        raise DoesNotFit(
-            f"`memory_report`: this {plan.kind} does not fit in the memory of one "
-            f"{target or jax.default_backend()} chip; the compiler says: "
-            f"{str(e).rstrip('.')}. Use a "
-            "policy that offloads more, or a chip with more memory."
+        if "RESOURCE_EXHAUSTED" in str(e):
+            raise DoesNotFit(
+                f"`memory_report`: {what} does not fit in the memory of one {where} "
+                f"chip; the compiler says: {str(e).rstrip('.')}. Use a policy that "
+                "offloads more, or a chip with more memory."
+            ) from e
+        raise ValueError(
+            f"`memory_report`: the {where} compiler rejected {what}: {e}"
         ) from e
     if stats is None:
         raise ValueError(
-            f"`memory_report`: the {target or jax.default_backend()!r} compiler gives "
-            "no memory analysis for this function."
+            f"`memory_report`: the {where} compiler gives no memory analysis; try "
+            "another `target=`."
         )
     estimate = mesh is None and jax.default_backend() == "cpu"
     if estimate:
-        device, host = _split_estimate(stats, traced)
+        device, host = _split_estimate(stats, lowered)
     else:
         device = {p: int(getattr(stats, f"{p}_size_in_bytes")) for p in _PARTS}
         host = {p: int(getattr(stats, f"host_{p}_size_in_bytes")) for p in _PARTS}
     return MemoryReport(
-        target=target or jax.default_backend(),
+        target=where,
+        capacity=HBM_BYTES.get(where),
         kind=plan.kind,
         estimate=estimate,
         device=device,
@@ -332,36 +393,56 @@ def memory_report(
     )
 
 
-def _split_estimate(stats: Any, traced: Any) -> tuple[dict[str, int], dict[str, int]]:
-    """Device and host parts on a backend that reports one memory: arguments and
-    outputs by their memory kinds, temporaries on the device, and donated host
-    inputs aliased to host outputs of the same shape."""
-
-    def host(aval: Any) -> bool:
-        return getattr(aval, "memory_space", None) == jax.memory.Space.Host
-
-    inputs = jtu.tree_leaves(traced.in_avals)
-    donated = [i.donated for i in jtu.tree_leaves(traced.args_info)]
-    outputs = jtu.tree_leaves(traced.out_avals)
-    host_argument = sum(_nbytes(a) for a in inputs if host(a))
-    host_output = sum(_nbytes(a) for a in outputs if host(a))
-    free = [(a.shape, a.dtype) for a in outputs if host(a)]
-    host_alias = 0
-    for aval, is_donated in zip(inputs, donated, strict=True):
-        if is_donated and host(aval) and (aval.shape, aval.dtype) in free:
-            free.remove((aval.shape, aval.dtype))
-            host_alias += _nbytes(aval)
-    host_alias = min(host_alias, int(stats.alias_size_in_bytes))
-    device = {
-        "argument": int(stats.argument_size_in_bytes) - host_argument,
-        "output": int(stats.output_size_in_bytes) - host_output,
-        "temp": int(stats.temp_size_in_bytes),
-        "alias": int(stats.alias_size_in_bytes) - host_alias,
+def _split_estimate(stats: Any, lowered: Any) -> tuple[dict[str, int], dict[str, int]]:
+    """Device and host parts on a backend with one memory: arguments and outputs by
+    the memory kinds of the compiled signature, temporaries on the device, and as
+    aliased only the donated inputs that share an output's memory kind (a device
+    with two memories cannot alias across them)."""
+    arg_kinds, aliases, out_kinds = _signature(lowered.as_text())
+    arg_bytes = [_nbytes(a) for a in jtu.tree_leaves(lowered.args_info)]
+    out_bytes = [_nbytes(o) for o in jtu.tree_leaves(lowered.out_info)]
+    parts = {
+        kind: {"argument": 0, "output": 0, "temp": 0, "alias": 0}
+        for kind in ("device", "host")
     }
-    host_parts = {
-        "argument": host_argument,
-        "output": host_output,
-        "temp": 0,
-        "alias": host_alias,
-    }
-    return device, host_parts
+    for kind, n in zip(arg_kinds, arg_bytes, strict=True):
+        parts[kind]["argument"] += n
+    for kind, n in zip(out_kinds, out_bytes, strict=True):
+        parts[kind]["output"] += n
+    for i, j in aliases.items():
+        if arg_kinds[i] == out_kinds[j]:
+            parts[arg_kinds[i]]["alias"] += arg_bytes[i]
+    parts["device"]["temp"] = int(stats.temp_size_in_bytes)
+    return parts["device"], parts["host"]
+
+
+def _signature(text: str) -> tuple[list[str], dict[int, int], list[str]]:
+    """From the StableHLO of a lowered function: each argument's memory kind, which
+    output each donated argument aliases, and each output's memory kind."""
+    start = text.index("func.func public @main(")
+    body = text[start : text.index(") {", text.index(") -> (", start)) + 1]
+    args_text, outs_text = body.split(") -> (", 1)
+
+    def attributes(part: str, marker: str) -> list[str]:
+        out = []
+        for match in re.finditer(marker, part):
+            i = match.end()
+            depth, j = 0, i
+            while j < len(part) and (depth or part[j] not in ",)"):
+                depth += {"<": 1, ">": -1, "{": 1, "}": -1}.get(part[j], 0)
+                j += 1
+            out.append(part[i:j])
+        return out
+
+    def kind(attrs: str) -> str:
+        found = re.search(r'mhlo\.memory_kind = "(\w+)"', attrs)
+        return "host" if found and found[1] != "device" else "device"
+
+    arg_attrs = attributes(args_text, r"%arg\d+: ")
+    out_attrs = attributes(outs_text, r"(?:^|, )(?=tensor<)")
+    aliases = {}
+    for i, attrs in enumerate(arg_attrs):
+        found = re.search(r"tf\.aliasing_output = (\d+)", attrs)
+        if found:
+            aliases[i] = int(found[1])
+    return [kind(a) for a in arg_attrs], aliases, [kind(a) for a in out_attrs]

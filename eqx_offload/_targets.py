@@ -23,6 +23,15 @@ TOPOLOGIES = {
     "tpu-v4": "v4:2x2x1",
 }
 
+# Nominal device memory (HBM) of one chip. The compiler keeps a little for itself:
+# for v5e it reports 15.75 GiB available.
+HBM_BYTES = {
+    "tpu-v5e": 16 * 2**30,
+    "tpu-v6e": 32 * 2**30,
+    "tpu-v5p": 95 * 2**30,
+    "tpu-v4": 32 * 2**30,
+}
+
 if TYPE_CHECKING:
     TargetArg = Target
 else:
@@ -51,9 +60,11 @@ def chip_mesh(target: str) -> Mesh:
     _import_libtpu()
     if os.environ.get("JAX_PLATFORMS") == "cpu":
         # No TPU runtime in this process: keep libtpu from probing for TPU hosts
-        # (harmless, but it prints a page of warnings).
+        # (harmless, but it prints a page of warnings), and from taking the
+        # machine-wide lock that would stop a second process compiling meanwhile.
         os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(

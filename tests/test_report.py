@@ -194,3 +194,75 @@ def test_a_program_too_big_for_the_chip():
         eo.DoesNotFit, match=r"not fit in the memory of one tpu-v5e chip"
     ):
         eo.memory_report(f, x, target="tpu-v5e")
+
+
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+def test_filter_jit_functions_keep_their_donation_and_non_array_outputs():
+    x, w = jnp.ones((4, 8)), jnp.ones((8,))
+    donating = eqx.filter_jit(lambda x, w: w + x.sum(), donate="all")
+    report = eo.memory_report(donating, x, w)
+    assert report.device["alias"] == w.nbytes
+    keeping = eqx.filter_jit(lambda x, w: (w + x.sum(), "a string", eqx.nn.Identity()))
+    assert eo.memory_report(keeping, x, w).device["alias"] == 0
+
+
+def test_cpu_estimate_aliases_only_within_a_memory_kind():
+    x = to_host(jnp.ones((64,)))
+    # A donated host input whose output is on the device cannot share its buffer.
+    f = jax.jit(
+        lambda x: jax.device_put(x, jax.memory.Space.Device) * 2, donate_argnums=0
+    )
+    report = eo.memory_report(f, x)
+    assert report.host == {"argument": 256, "output": 0, "temp": 0, "alias": 0}
+    assert report.device["output"] == 256 and report.device["alias"] == 0
+    assert report.device_bytes >= 256
+    g = jax.jit(lambda x: x * 2, donate_argnums=0)
+    same = eo.memory_report(g, jnp.ones((64,)))
+    assert same.device["alias"] == 256
+
+
+def test_a_filter_offload_function_is_reported_as_its_gradient():
+    model = Model(depth=4, key=jax.random.key(0))
+    batch = next(batches())
+    reports = {
+        name: eo.memory_report(
+            eo.filter_offload(cross_entropy, getattr(eo.Policy, name)()), model, *batch
+        )
+        for name in ("none", "remat")
+    }
+    assert all(r.kind == "filter_offload" for r in reports.values())
+    # The gradient's footprint depends on what is saved for it.
+    assert reports["none"].device_bytes > reports["remat"].device_bytes
+    assert "gradient" in str(reports["remat"])
+    vector = eo.filter_offload(lambda m, t, y: jax.vmap(m)(t), eo.Policy.remat())
+    with pytest.raises(
+        ValueError, match=r"must return a scalar loss or `\(loss, aux\)`"
+    ):
+        eo.memory_report(vector, model, *batch)
+
+    def with_aux(model, tokens, targets):
+        return cross_entropy(model, tokens, targets), {"n": tokens.shape[0]}
+
+    aux = eo.memory_report(
+        eo.filter_offload(with_aux, eo.Policy.remat()), model, *batch
+    )
+    assert aux.kind == "filter_offload"
+
+
+def test_capacity_and_static_arguments():
+    report = eo.memory_report(lambda x, n: x * n, jnp.ones(3), 2, target="tpu-v5e")
+    assert report.capacity == 16 * 2**30 and report.fits
+    assert "fits in the 16.00 GiB of one chip" in str(report)
+    assert list(report.arguments) == ["argument 0"]  # the static 2 holds no memory
+    cpu = eo.memory_report(lambda x: x, jnp.ones(3))
+    assert cpu.capacity is None and cpu.fits is None
+
+
+def test_single_device_leaves_get_no_sharding_constraint():
+    from eqx_offload._train_step import _mesh_shardings
+
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    one = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(mesh, P()))
+    mesh4 = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    four = jax.device_put(jnp.ones(4), NamedSharding(mesh4, P("x")))
+    assert _mesh_shardings([one, four, None]) == (None, four.sharding, None)
