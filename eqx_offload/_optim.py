@@ -10,8 +10,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxtyping import PyTree
 
-from . import _paths
-from ._memory_kinds import backend_kinds, is_arraylike, kind_of, to_space
+from . import _paths, _streaming
+from ._memory_kinds import backend_kinds, is_arraylike, is_host, kind_of, to_space
 from ._placement import move
 from ._policy import Policy
 
@@ -192,10 +192,47 @@ def update(
     grads: PyTree,
     opt_state: PyTree,
     model: PyTree,
+    policy: Policy,
+    model_kinds: list[tuple[_paths.Leaf, str]],
+    opt_kinds: list[tuple[_paths.Leaf, str]],
 ) -> tuple[PyTree, PyTree]:
-    """One optimizer update on the device: gradients, state and parameters are
-    brought to the device, updated there, and returned there (the caller puts them
-    back where they live)."""
+    """One optimizer update, returning the new model and state in their memory kinds.
+
+    With `policy.update == "streamed"` and anything parameter-shaped on the host,
+    the update streams (`_streaming.py`): one layer of each `Stacked`, or one block
+    of rows of each large leaf, on the device at a time. Otherwise gradients, state
+    and parameters are brought to the device and updated there all at once."""
+    params = trainable(model)
+    host = any(
+        is_host(x)
+        for x in jtu.tree_leaves((grads, opt_state, params))
+        if eqx.is_array(x)
+    )
+    if policy.update == "streamed" and host:
+        kind_by_path = {leaf.path: kind for leaf, kind in model_kinds}
+        leaves = _paths.leaves(params)
+        layers = [
+            leaf.value.shape[0] if leaf.stacked is not None else None for leaf in leaves
+        ]
+        kinds = (
+            [kind_by_path[leaf.path] for leaf in leaves],
+            [k for _, k in opt_kinds],
+        )
+        try:
+            new_params, opt_state = _streaming.update(
+                optimizer, grads, opt_state, params, layers, kinds
+            )
+        except _streaming.NotStreamable as e:
+            raise ValueError(
+                "`train_step`: this optimizer's update cannot be streamed piece by "
+                f"piece without changing its result: {e}. Bring the whole state to "
+                "the device for the update instead, with `Policy(update='whole')` "
+                "(more device memory), or keep it there with "
+                "`Policy(opt_state='device')`."
+            ) from e
+        return eqx.combine(new_params, eqx.filter(model, is_trainable, inverse=True)), (
+            opt_state
+        )
 
     def to_device(tree: PyTree) -> PyTree:
         return jtu.tree_map(

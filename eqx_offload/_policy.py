@@ -1,7 +1,7 @@
 """`Policy`: where parameters, residuals and optimizer state live."""
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TYPE_CHECKING
 
 import equinox as eqx
 
@@ -53,6 +53,12 @@ def _params(value: Any) -> ParamsSpec:
     return items
 
 
+if TYPE_CHECKING:
+    UpdateArg = Literal["streamed", "whole"]
+else:
+    UpdateArg = str  # checked in `__check_init__`, with the valid values
+
+
 class Policy(eqx.Module):
     """Where parameters, saved activations ("residuals") and optimizer state live.
 
@@ -81,6 +87,7 @@ class Policy(eqx.Module):
     offload: tuple[str, ...] = eqx.field(static=True)
     offload_dst: MemoryKind = eqx.field(static=True)
     opt_state: MemoryKind = eqx.field(static=True)
+    update: Literal["streamed", "whole"] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -90,6 +97,7 @@ class Policy(eqx.Module):
         offload: Sequence[str] = (),
         offload_dst: KindArg = "pinned_host",
         opt_state: KindArg = "device",
+        update: UpdateArg = "streamed",
     ):
         """**Arguments:**
 
@@ -108,12 +116,19 @@ class Policy(eqx.Module):
             in JAX 0.10.
         - `opt_state`: where the parameter-shaped optimizer state lives between
             steps (step counters and other scalars stay on the device).
+        - `update`: how `train_step` applies the optimizer when parameters,
+            gradients or state are on the host. `"streamed"`: one layer of each
+            `Stacked` (or one block of rows of a large leaf) on the device at a
+            time, with the same result as optax's whole-tree update; an update that
+            cannot be split that way is an error naming the operation. `"whole"`:
+            everything is brought to the device at once (more device memory).
         """
         self.params = _params(params)
         self.save = "all" if save == "all" else _names(save, "save")
         self.offload = _names(offload, "offload")
         self.offload_dst = offload_dst
         self.opt_state = opt_state
+        self.update = update
 
     def __check_init__(self):
         check_kind(self.offload_dst, "`Policy(offload_dst=...)`")
@@ -124,6 +139,11 @@ class Policy(eqx.Module):
                 "'unpinned_host'); to keep them on the device, list them in `save=`."
             )
         check_kind(self.opt_state, "`Policy(opt_state=...)`")
+        if self.update not in ("streamed", "whole"):
+            raise ValueError(
+                f"`Policy(update={self.update!r})`: valid values are 'streamed' and "
+                "'whole'."
+            )
         if self.save == "all" and self.offload:
             raise ValueError(
                 "`Policy(save='all')` keeps every residual on the device, so "

@@ -97,7 +97,9 @@ def _step(
 
     loss = filter_offload(loss_fn, policy)
     value, grads = eqx.filter_value_and_grad(loss, has_aux=has_aux)(model, *batch)
-    model, opt_state = _optim.update(optimizer, grads, opt_state, model)
+    model, opt_state = _optim.update(
+        optimizer, grads, opt_state, model, policy, model_kinds, opt_kinds
+    )
 
     # Outputs go back where they live, with `device_put` to a memory space inside the
     # traced function: the same trace then compiles for any backend.
