@@ -40,6 +40,9 @@ from ._memory_kinds import is_host, to_space
 
 # A leaf this large (or larger) is streamed in blocks of rows of at most this size.
 PIECE_BYTES = 32 * 2**20
+# Backends on which step `k` of a streamed loop reads piece `k` of the arrays it
+# updates in place; the others read one piece ahead (`_scan_pieces`).
+READ_IN_STEP = ("tpu",)
 
 _ELEMENTWISE = {
     "abs",
@@ -660,7 +663,15 @@ def _scan_pieces(
     An output with an `overwrite` input position is written piece by piece into
     that input (a loop carry: with the input donated, the update happens in place);
     the others are stacked as scan outputs. Values come back with a leading axis of
-    pieces."""
+    pieces.
+
+    How the overwritten inputs are read depends on the backend. On a TPU, step `k`
+    reads piece `k` of each and the compiler streams it from the host. Elsewhere,
+    XLA (its CPU backend, at least) fuses that read into the computation of another
+    input's new piece — after the write into the first — and then copies every
+    overwritten input at every step; so there, step `k` reads piece `k + 1` from
+    the arrays it has just written piece `k` into, and carries it to the next step.
+    (On a TPU that read-ahead keeps two pieces on the device and costs memory.)"""
     whole, piece = plan.whole, plan.piece
     targets_of: list = overwrite or [None] * len(piece_outs)
     wanted = plan.needed(targets, lambda r: plan.kinds[r].what != _PIECEWISE)
@@ -673,26 +684,25 @@ def _scan_pieces(
     def in_pieces(x: Any) -> Any:
         return x.reshape((group.pieces, x.shape[0] // group.pieces) + x.shape[1:])
 
+    def on_device(x: Any) -> Any:
+        return to_space(x, "device", "") if is_host(x) else x
+
+    def piece_of(full: Any, index: Any) -> Any:
+        return on_device(jax.lax.dynamic_index_in_dim(full, index, keepdims=False))
+
     carried = [i for i in group.inputs if i in targets_of]
     streamed = [i for i in group.inputs if i not in targets_of]
-    carry = [in_pieces(inputs[i]) for i in carried]
-    xs = (jnp.arange(group.pieces), [in_pieces(inputs[i]) for i in streamed])
+    kinds = out_kinds or [None] * len(piece_outs)
 
-    def body(carry: list, chunk: tuple) -> tuple[list, list]:
-        index, values = chunk
+    def step(index: Any, values: list, current: list, fulls: list) -> tuple:
+        """One piece: its new values, written into `fulls` or returned as `ys`."""
         local = dict(known)
         for position, x in zip(streamed, values):
+            local[piece.ins[position]] = on_device(x)
+        for position, x in zip(carried, current):
             local[piece.ins[position]] = x
-        for position, full in zip(carried, carry):
-            local[piece.ins[position]] = jax.lax.dynamic_index_in_dim(
-                full, index, keepdims=False
-            )
-        for position in group.inputs:
-            x = local[piece.ins[position]]
-            local[piece.ins[position]] = to_space(x, "device", "") if is_host(x) else x
         _run(piece, wanted, local)
-        carry, ys = list(carry), []
-        kinds = out_kinds or [None] * len(piece_outs)
+        fulls, ys = list(fulls), []
         for r, kind, target in zip(piece_outs, kinds, targets_of):
             value = local[r] if isinstance(r, int) else r.value
             value = value if kind is None else to_space(value, kind, "")
@@ -700,13 +710,43 @@ def _scan_pieces(
                 ys.append(value)
             else:
                 k = carried.index(target)
-                carry[k] = jax.lax.dynamic_update_index_in_dim(
-                    carry[k], value, index, 0
+                fulls[k] = jax.lax.dynamic_update_index_in_dim(
+                    fulls[k], value, index, 0
                 )
-        return carry, ys
+        return fulls, ys
 
-    carry, ys = jax.lax.scan(body, carry, xs, length=group.pieces)
+    def loop(read_ahead: bool) -> Callable[[list, list], tuple[list, list]]:
+        def run(fulls: list, others: list) -> tuple[list, list]:
+            xs = (jnp.arange(group.pieces), others)
+
+            def body(carry: Any, chunk: tuple) -> tuple[Any, list]:
+                index, values = chunk
+                if not read_ahead:
+                    current = [piece_of(full, index) for full in carry]
+                    return step(index, values, current, carry)
+                fulls, ys = step(index, values, *carry)
+                ahead = jnp.minimum(index + 1, group.pieces - 1)
+                return ([piece_of(full, ahead) for full in fulls], fulls), ys
+
+            if not read_ahead:
+                fulls, ys = jax.lax.scan(body, fulls, xs, length=group.pieces)
+                return fulls, ys
+            carry = ([piece_of(full, 0) for full in fulls], fulls)
+            (_, fulls), ys = jax.lax.scan(body, carry, xs, length=group.pieces)
+            return fulls, ys
+
+        return run
+
+    fulls = [in_pieces(inputs[i]) for i in carried]
+    others = [in_pieces(inputs[i]) for i in streamed]
+    if carried:
+        direct = {platform: loop(False) for platform in READ_IN_STEP}
+        fulls, ys = jax.lax.platform_dependent(
+            fulls, others, **direct, default=loop(True)
+        )
+    else:
+        fulls, ys = loop(False)(fulls, others)
     ys, outs = iter(ys), []
     for target in targets_of:
-        outs.append(next(ys) if target is None else carry[carried.index(target)])
+        outs.append(next(ys) if target is None else fulls[carried.index(target)])
     return outs
