@@ -272,7 +272,10 @@ class _Plan:
         groups = {k.group for k in pieces if k.group is not None}
         if len(groups) > 1:
             raise NotStreamable(
-                f"`{name}` combines leaves streamed in different pieces"
+                f"`{name}` takes leaves streamed in different groups of pieces at "
+                "once (e.g. a `cond` over the whole update, as in "
+                "`optax.apply_if_finite` or `optax.MultiSteps`, on a model with "
+                "`Stacked`s of different depths or large non-stacked leaves)"
             )
         group = next(iter(groups), None)
         level = max([k.level for k in kinds], default=0)
@@ -448,7 +451,14 @@ def update(
         return out
 
     whole = _flatten(jax.make_jaxpr(lambda *xs: apply(*split(list(xs))))(*avals(False)))
-    piece = _flatten(jax.make_jaxpr(lambda *xs: apply(*split(list(xs))))(*avals(True)))
+    try:
+        traced = jax.make_jaxpr(lambda *xs: apply(*split(list(xs))))(*avals(True))
+    except Exception as e:  # e.g. state whose shape follows the parameter's
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise NotStreamable(
+            f"traced on one piece of each leaf, it fails ({type(e).__name__}: {first})"
+        ) from e
+    piece = _flatten(traced)
     plan = _Plan(
         whole,
         piece,
@@ -460,19 +470,26 @@ def update(
 
 
 def _state_owners(optimizer: Any, opt_state: Any, params: Any, n: int) -> list:
-    """For each state leaf, the index of the trainable leaf it mirrors, or None."""
+    """For each state leaf, the index of the trainable leaf it mirrors (in a
+    parameter-shaped part of the state, with the parameter's shape), or None (a
+    count, a per-leaf scalar, a factored moment: not streamed)."""
     from ._optim import _map_state
 
+    shapes = [tuple(p.shape) for p in jtu.tree_leaves(params)]
     indices = jtu.tree_unflatten(
-        jtu.tree_structure(params),
-        [_Index(i) for i in range(len(jtu.tree_leaves(params)))],
+        jtu.tree_structure(params), [_Index(i) for i in range(len(shapes))]
     )
+
+    def mirrors(s: Any, i: _Index) -> Any:
+        if not (eqx.is_array(s) or isinstance(s, jax.ShapeDtypeStruct)):
+            return s
+        assert i.i is not None
+        return _Index(i.i if tuple(s.shape) == shapes[i.i] else None)
+
     mapped = _map_state(
         optimizer,
         opt_state,
-        lambda s, i: (
-            _Index(i.i) if eqx.is_array(s) or isinstance(s, jax.ShapeDtypeStruct) else s
-        ),
+        mirrors,
         lambda s: _Index(None) if eqx.is_array(s) else s,
         indices,
     )

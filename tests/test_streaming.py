@@ -107,6 +107,46 @@ def test_the_tpu_loop_equals_optax_too(name, monkeypatch, getkey):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optax.chain(optax.zero_nans(), optax.adam(1e-2)),  # scalar per leaf
+        lambda: optax.adafactor(1e-2),  # (1,)-shaped placeholders per leaf
+    ],
+    ids=["zero_nans + adam", "adafactor"],
+)
+def test_state_not_shaped_like_its_parameter_is_shared(make, monkeypatch, getkey):
+    monkeypatch.setattr(_streaming, "PIECE_BYTES", 2048)
+    params, grads = random_tree(getkey()), random_tree(getkey())
+    ours = streamed_steps(make(), params, grads)
+    theirs = optax_steps(make(), params, grads)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "make, why",
+    [
+        # Factored second moments: a per-row moment is not cut with its parameter.
+        (
+            lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
+            r"traced on one piece of each leaf, it fails \(TypeError",
+        ),
+        # One `cond` over every leaf, streamed in several groups.
+        (
+            lambda: optax.apply_if_finite(optax.adam(1e-2), 3),
+            r"`cond` takes leaves streamed in different groups",
+        ),
+    ],
+    ids=["factored adafactor", "apply_if_finite"],
+)
+def test_other_unstreamable_updates_are_refused(make, why, monkeypatch, getkey):
+    monkeypatch.setattr(_streaming, "PIECE_BYTES", 2048)
+    params, grads = random_tree(getkey()), random_tree(getkey())
+    with pytest.raises(_streaming.NotStreamable, match=why):
+        streamed_steps(make(), params, grads, 1)
+
+
 def test_clipping_is_active_in_the_test(getkey):
     grads = random_tree(getkey())
     assert float(optax.tree.norm(grads)) > 1.0  # so `clip + ...` does clip
