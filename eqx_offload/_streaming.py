@@ -30,6 +30,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.extend.core as jex
+import jax.extend.core.primitives as jex_primitives
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -186,6 +187,29 @@ def _flatten(closed: Any) -> _Program:
                 outs = inline(sub.jaxpr, sub.consts, args)
                 env.update(zip(eqn.outvars, outs))
                 continue
+            if eqn.primitive.name == "cond":
+                # Both branches, then a `select_n` on the index per output: the
+                # same values, and branches that hold global reductions or span
+                # several groups of pieces (`optax.MultiSteps`) stream like the rest.
+                # The branch not taken is computed too (its values are discarded).
+                index, operands = args[0], args[1:]
+                branches = [
+                    inline(b.jaxpr, b.consts, operands) for b in eqn.params["branches"]
+                ]
+                outs = [new(v.aval) for v in eqn.outvars]
+                for k, (out, var) in enumerate(zip(outs, eqn.outvars)):
+                    cases = [branch[k] for branch in branches]
+                    eqns.append(
+                        _Eqn(
+                            jex_primitives.select_n_p,
+                            {},
+                            [index, *cases],
+                            [out],
+                            [var.aval],
+                        )
+                    )
+                env.update(zip(eqn.outvars, outs))
+                continue
             outs = [new(v.aval) for v in eqn.outvars]
             eqns.append(
                 _Eqn(
@@ -272,10 +296,8 @@ class _Plan:
         groups = {k.group for k in pieces if k.group is not None}
         if len(groups) > 1:
             raise NotStreamable(
-                f"`{name}` takes leaves streamed in different groups of pieces at "
-                "once (e.g. a `cond` over the whole update, as in "
-                "`optax.apply_if_finite` or `optax.MultiSteps`, on a model with "
-                "`Stacked`s of different depths or large non-stacked leaves)"
+                f"`{name}` combines leaves streamed in different groups of pieces "
+                "(layers of a `Stacked`, row blocks of a large leaf)"
             )
         group = next(iter(groups), None)
         level = max([k.level for k in kinds], default=0)
@@ -306,9 +328,6 @@ class _Plan:
                 self.roots[n] = _Root(n, group, _REDUCTIONS[name])
                 self.kinds[e.outs[0]] = _Kind(_GLOBAL, None, level + 1)
                 return
-        elif name == "cond":
-            self._classify_cond(e, p, kinds, group, level)
-            return
         elif name == "broadcast_in_dim":
             dims_e, dims_p = (
                 e.params["broadcast_dimensions"],
@@ -326,30 +345,6 @@ class _Plan:
             if not changed:
                 raise NotStreamable(f"`{name}` drops the leading axis of a piece")
             self.kinds[o] = _Kind(_PIECEWISE, group, level)
-
-    def _classify_cond(
-        self, e: _Eqn, p: _Eqn, kinds: list[_Kind], group: Any, level: int
-    ) -> None:
-        """A `cond` on a shared or global predicate runs piece by piece if each
-        branch does (and needs no global reduction of its own)."""
-        if kinds[0].what == _PIECEWISE:
-            raise NotStreamable("`cond` branches on a piecewise value")
-        outs: list[set[str]] = [set() for _ in e.outs]
-        for whole_branch, piece_branch in zip(
-            e.params["branches"], p.params["branches"]
-        ):
-            branch = _Plan(_flatten(whole_branch), _flatten(piece_branch), kinds[1:])
-            if branch.roots:
-                raise NotStreamable("a `cond` branch reduces over the pieces")
-            for seen, ref in zip(outs, branch.whole.outs):
-                seen.add(branch.kind(ref).what)
-        for o, seen in zip(e.outs, outs):
-            what = (
-                _PIECEWISE
-                if _PIECEWISE in seen
-                else (_GLOBAL if _GLOBAL in seen else _SHARED)
-            )
-            self.kinds[o] = _Kind(what, group if what == _PIECEWISE else None, level)
 
     def needed(self, outs: list, stop: Callable[[int], bool]) -> list[int]:
         """The equations (indices, in order) that compute `outs`, not looking
@@ -631,35 +626,16 @@ def _overwritable(
 def _run_shared(plan: _Plan, env: dict, level: int | None) -> None:
     """Evaluates (on whole values) every shared or global value whose inputs are
     known, up to `level` rounds of global reductions (all of them with None)."""
-    whole, piece = plan.whole, plan.piece
+    whole = plan.whole
     for n, e in enumerate(whole.eqns):
-        piecewise = [plan.kinds[o].what == _PIECEWISE for o in e.outs]
-        if all(o in env for o in e.outs) or n in plan.roots or all(piecewise):
+        if all(o in env for o in e.outs) or n in plan.roots:
             continue
+        if any(plan.kinds[o].what == _PIECEWISE for o in e.outs):
+            continue  # computed piece by piece, in the loops
         if level is not None and any(plan.kinds[o].level > level for o in e.outs):
             continue
-        ins = [r for r in e.ins if isinstance(r, int)]
-        if not any(piecewise):
-            if all(r in env for r in ins):
-                _run(whole, [n], env)
-            continue
-        # Some outputs are piecewise, the others do not depend on them (a `cond`
-        # that updates a step count and the moments together): compute the others
-        # on one piece of zeros.
-        if not all(r in env for r in ins if plan.kinds[r].what != _PIECEWISE):
-            continue
-        local = {}
-        for w_ref, p_ref in zip(e.ins, piece.eqns[n].ins):
-            if isinstance(w_ref, int):
-                aval = piece.avals[p_ref]
-                is_piece = plan.kinds[w_ref].what == _PIECEWISE
-                local[p_ref] = (
-                    jnp.zeros(aval.shape, aval.dtype) if is_piece else env[w_ref]
-                )
-        _run(piece, [n], local)
-        for w_out, p_out, is_piece in zip(e.outs, piece.eqns[n].outs, piecewise):
-            if not is_piece:
-                env[w_out] = local[p_out]
+        if all(r in env for r in e.ins if isinstance(r, int)):
+            _run(whole, [n], env)
 
 
 def _scan_pieces(
@@ -691,6 +667,7 @@ def _scan_pieces(
     (On a TPU that read-ahead keeps two pieces on the device and costs memory.)"""
     whole, piece = plan.whole, plan.piece
     targets_of: list = overwrite or [None] * len(piece_outs)
+
     wanted = plan.needed(targets, lambda r: plan.kinds[r].what != _PIECEWISE)
     known = dict(piece.consts)
     for n in wanted:  # the shared and global values the body reads
