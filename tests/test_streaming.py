@@ -79,17 +79,26 @@ def optax_steps(optimizer, params, grads, steps=3):
     return params, state
 
 
+def assert_close(ours, theirs, rtol=1e-6, atol=1e-7):
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+
+
+def assert_streamed_equals_optax(make_optimizer, getkey, steps=3, lamb=False):
+    """Streamed steps on random trees equal optax's own; returns the streamed."""
+    params, grads = random_tree(getkey()), random_tree(getkey())
+    ours = streamed_steps(make_optimizer(), params, grads, steps)
+    theirs = optax_steps(make_optimizer(), params, grads, steps)
+    # LAMB's per-leaf norms are sums of per-piece partial sums: the same sum in
+    # another order, which its ratio of norms turns into ~1e-7 absolute noise.
+    assert_close(ours, theirs, *((1e-5, 1e-6) if lamb else (1e-6, 1e-7)))
+    return ours
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_streamed_update_equals_optax(name, monkeypatch, getkey):
     monkeypatch.setattr(_streaming, "PIECE_BYTES", 2048)  # "large" is 8 KiB
-    params, grads = random_tree(getkey()), random_tree(getkey())
-    ours = streamed_steps(OPTIMIZERS[name](), params, grads)
-    theirs = optax_steps(OPTIMIZERS[name](), params, grads)
-    # LAMB's per-leaf norms are sums of per-piece partial sums: the same sum in
-    # another order, which its ratio of norms turns into ~1e-7 absolute noise.
-    rtol, atol = (1e-5, 1e-6) if "lamb" in name else (1e-6, 1e-7)
-    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+    ours = assert_streamed_equals_optax(OPTIMIZERS[name], getkey, lamb="lamb" in name)
     assert {x.sharding.memory_kind for x in jax.tree.leaves(ours)} == {"pinned_host"}
 
 
@@ -99,12 +108,7 @@ def test_the_tpu_loop_equals_optax_too(name, monkeypatch, getkey):
     # compiles (each step reads its own piece) here.
     monkeypatch.setattr(_streaming, "READ_IN_STEP", ("cpu",))
     monkeypatch.setattr(_streaming, "PIECE_BYTES", 2048)
-    params, grads = random_tree(getkey()), random_tree(getkey())
-    ours = streamed_steps(OPTIMIZERS[name](), params, grads)
-    theirs = optax_steps(OPTIMIZERS[name](), params, grads)
-    rtol, atol = (1e-5, 1e-6) if "lamb" in name else (1e-6, 1e-7)
-    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+    assert_streamed_equals_optax(OPTIMIZERS[name], getkey, lamb="lamb" in name)
 
 
 @pytest.mark.parametrize(
@@ -117,11 +121,7 @@ def test_the_tpu_loop_equals_optax_too(name, monkeypatch, getkey):
 )
 def test_state_not_shaped_like_its_parameter_is_shared(make, monkeypatch, getkey):
     monkeypatch.setattr(_streaming, "PIECE_BYTES", 2048)
-    params, grads = random_tree(getkey()), random_tree(getkey())
-    ours = streamed_steps(make(), params, grads)
-    theirs = optax_steps(make(), params, grads)
-    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    assert_streamed_equals_optax(make, getkey)
 
 
 @pytest.mark.parametrize(
@@ -159,11 +159,7 @@ def test_conds_over_several_groups_of_pieces(name, monkeypatch, getkey):
     # "layers" and "large" are streamed in different groups; a `cond` over every
     # leaf is computed as both branches and a select, piece by piece.
     monkeypatch.setattr(_streaming, "PIECE_BYTES", 2048)
-    params, grads = random_tree(getkey()), random_tree(getkey())
-    ours = streamed_steps(CONDS[name](), params, grads, 5)
-    theirs = optax_steps(CONDS[name](), params, grads, 5)
-    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    assert_streamed_equals_optax(CONDS[name], getkey, steps=5)
 
 
 def test_a_skipped_step_is_skipped_when_streamed(monkeypatch, getkey):
@@ -171,9 +167,7 @@ def test_a_skipped_step_is_skipped_when_streamed(monkeypatch, getkey):
     params, grads = random_tree(getkey()), random_tree(getkey())
     grads["large"] = grads["large"].at[3, 5].set(jnp.nan)  # not finite: no update
     ours = streamed_steps(CONDS["apply_if_finite(adam)"](), params, grads, 2)
-    theirs = optax_steps(CONDS["apply_if_finite(adam)"](), params, grads, 2)
-    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    assert_close(ours, optax_steps(CONDS["apply_if_finite(adam)"](), params, grads, 2))
     np.testing.assert_array_equal(np.asarray(ours[0]["layers"]), params["layers"])
 
 
@@ -252,43 +246,41 @@ def test_one_layer_of_state_on_the_device_at_a_time(getkey):
     assert layer_shapes <= moved  # one layer at a time, inside the update's scans
 
 
-def test_streamed_and_whole_updates_agree_in_a_train_step(getkey):
-    key = getkey()
+def assert_streamed_equals_whole(make_optimizer, key, steps):
+    """`train_step` under `Policy.offload_all()`, streamed and whole: the same."""
     results = []
     for update in ("streamed", "whole"):
         policy = eo.Policy.offload_all(update=update)
-        optimizer = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2))
+        optimizer = make_optimizer()
         model = eo.place(Model(key=key), policy)
         opt_state = eo.init_opt_state(optimizer, model, policy)
         step = eo.train_step(cross_entropy, optimizer, policy)
         data = batches()
-        for _ in range(3):
+        for _ in range(steps):
             model, opt_state, loss = step(model, opt_state, *next(data))
         results.append(eqx.filter((model, opt_state, loss), eqx.is_array))
-    for a, b in zip(*map(jax.tree.leaves, results), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    assert_close(*results, rtol=1e-5)
+
+
+def test_streamed_and_whole_updates_agree_in_a_train_step(getkey):
+    assert_streamed_equals_whole(
+        lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)),
+        getkey(),
+        steps=3,
+    )
 
 
 def test_gradient_accumulation_streams_in_a_train_step(monkeypatch, getkey):
     # With small pieces the embedding is streamed in row blocks besides the layers.
     monkeypatch.setattr(_streaming, "PIECE_BYTES", 1024)
-    key = getkey()
-    results = []
-    for update in ("streamed", "whole"):
-        policy = eo.Policy.offload_all(update=update)
-        optimizer = optax.MultiSteps(
+    assert_streamed_equals_whole(
+        lambda: optax.MultiSteps(
             optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2)),
             every_k_schedule=2,
-        )
-        model = eo.place(Model(key=key), policy)
-        opt_state = eo.init_opt_state(optimizer, model, policy)
-        step = eo.train_step(cross_entropy, optimizer, policy)
-        data = batches()
-        for _ in range(4):
-            model, opt_state, loss = step(model, opt_state, *next(data))
-        results.append(eqx.filter((model, opt_state, loss), eqx.is_array))
-    for a, b in zip(*map(jax.tree.leaves, results), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+        ),
+        getkey(),
+        steps=4,
+    )
 
 
 def test_host_state_is_updated_in_place_on_a_tpu(getkey):
