@@ -525,13 +525,14 @@ def _execute(
     whole, piece = plan.whole, plan.piece
     kinds = out_kinds[0] + out_kinds[1]
     env: dict[int, Any] = dict(whole.consts)
-    # Shared inputs (small leaves, counts) to the device, where they are computed on.
-    for i, x, key in zip(whole.ins, inputs, group_of):
-        if key is None:
-            env[i] = to_space(x, "device", "") if eqx.is_array(x) else x
 
+    # Shared inputs (small leaves, counts) to the device, where they are computed on.
     def is_piecewise(r: int) -> bool:
         return plan.kinds[r].what == _PIECEWISE
+
+    for i, x in zip(whole.ins, inputs):
+        if not is_piecewise(i):
+            env[i] = to_space(x, "device", "") if eqx.is_array(x) else x
 
     # Global values, level by level: partial reductions scanned over the pieces,
     # combined, and what is computed from them on whole values.
@@ -563,13 +564,22 @@ def _execute(
             outs[position] = ref.value
         elif not is_piecewise(ref):
             outs[position] = to_space(env[ref], kinds[position], "")
+    # Each piecewise output is computed in the loop over its group: the one its
+    # value comes from, or (for a value made afresh, such as zeros of a piece's
+    # shape) the one of the leaf it replaces.
+    out_group = {
+        position: plan.kinds[ref].group
+        or group_of[_source(position, n_params, len(kinds))]
+        for position, ref in enumerate(whole.outs)
+        if isinstance(ref, int) and is_piecewise(ref)
+    }
+    if None in out_group.values():
+        raise NotStreamable("a new leaf has the shape of a piece but no pieces")
     for key, group in groups.items():
         wanted = [
-            (position, ref)
-            for position, ref in enumerate(whole.outs)
-            if isinstance(ref, int)
-            and is_piecewise(ref)
-            and group_of[_source(position, n_params, len(kinds))] == key
+            (position, whole.outs[position])
+            for position, k in out_group.items()
+            if k == key
         ]
         if not wanted:
             continue

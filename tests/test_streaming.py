@@ -124,6 +124,24 @@ def test_state_not_shaped_like_its_parameter_is_shared(make, monkeypatch, getkey
     assert_streamed_equals_optax(make, getkey)
 
 
+def fresh_state():
+    """New state made afresh, of each parameter's shape (zeros, then ones):
+    piece-shaped values that come from no input's pieces."""
+
+    def update(updates, state, params=None):
+        return updates, jax.tree.map(jnp.ones_like, state)
+
+    return optax.GradientTransformation(
+        lambda params: jax.tree.map(jnp.zeros_like, params), update
+    )
+
+
+def test_state_made_afresh_is_written_in_its_leafs_loop(monkeypatch, getkey):
+    monkeypatch.setattr(_streaming, "PIECE_BYTES", 2048)
+    make = lambda: optax.chain(fresh_state(), optax.adam(1e-2))  # noqa: E731
+    assert_streamed_equals_optax(make, getkey)
+
+
 @pytest.mark.parametrize(
     "make, why",
     [
