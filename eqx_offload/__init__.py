@@ -10,6 +10,7 @@ from ._optim import init_opt_state as init_opt_state
 from ._placement import field as field, place as place
 from ._policy import Policy as Policy
 from ._report import (
+    DoesNotCompile as DoesNotCompile,
     DoesNotFit as DoesNotFit,
     memory_report as memory_report,
     MemoryReport as MemoryReport,

@@ -1,6 +1,5 @@
 """Optimizer state: where it lives (`init_opt_state`) and how a step updates it."""
 
-from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -14,6 +13,7 @@ from . import _paths, _streaming
 from ._memory_kinds import backend_kinds, is_arraylike, is_host, kind_of, to_space
 from ._placement import move
 from ._policy import Policy
+from ._state_tree import map_state
 
 
 # What `init_opt_state` and `train_step` accept. `optax.MultiSteps` is a class of its
@@ -39,48 +39,13 @@ def trainable(model: PyTree) -> PyTree:
     return eqx.filter(model, is_trainable)
 
 
-def _is_masked(x: Any) -> bool:
-    return isinstance(x, optax.MaskedNode)
-
-
-def _map_state(
-    optimizer: optax.GradientTransformation,
-    opt_state: PyTree,
-    on_params: Callable[..., Any],
-    on_others: Callable[[Any], Any],
-    *params: PyTree,
-) -> PyTree:
-    """`on_params(state_leaf, *param_leaves)` on every parameter-shaped part of the
-    state (skipping `optax.masked`'s holes), `on_others(leaf)` on the rest."""
-
-    def params_leaf(s: Any, *p: Any) -> Any:
-        return s if _is_masked(s) else on_params(s, *p)
-
-    try:
-        return optax.tree_utils.tree_map_params(
-            optimizer,
-            params_leaf,
-            opt_state,
-            *params,
-            transform_non_params=lambda v: jtu.tree_map(on_others, v),
-            is_leaf=_is_masked,
-        )
-    except Exception as e:
-        raise ValueError(
-            "`eqx_offload` could not find the parameter-shaped parts of this "
-            "optimizer state with `optax.tree_utils.tree_map_params` (its structure "
-            f"does not follow `optimizer.init(params)`: {e}). Build the state with "
-            "`eqx_offload.init_opt_state(optimizer, model, policy)`."
-        ) from e
-
-
 def state_kinds(
     optimizer: optax.GradientTransformation, opt_state: PyTree, kind: str
 ) -> list[tuple[_paths.Leaf, str]]:
     """Each array leaf of `opt_state` with its memory kind: `kind` for the
     parameter-shaped state (moments, momenta, ...), `"device"` for the rest (step
     counts and other scalars), in `jax.tree.leaves` order."""
-    kinds = _map_state(
+    kinds = map_state(
         optimizer,
         opt_state,
         lambda s: _Kind(kind) if is_arraylike(s) else s,
@@ -167,7 +132,7 @@ def init_opt_state(optimizer: Optimizer, model: PyTree, policy: Policy) -> PyTre
     def other(s: Any) -> Any:
         return move(s, "device", "", device) if is_arraylike(s) else s
 
-    return _map_state(optimizer, state, like_param, other, params)
+    return map_state(optimizer, state, like_param, other, params)
 
 
 def check_state(
@@ -220,7 +185,13 @@ def update(
         )
         try:
             new_params, opt_state = _streaming.update(
-                optimizer, grads, opt_state, params, layers, kinds
+                optimizer,
+                grads,
+                opt_state,
+                params,
+                layers,
+                kinds,
+                [leaf.path for leaf in leaves],
             )
         except _streaming.NotStreamable as e:
             raise ValueError(

@@ -34,6 +34,12 @@ class DoesNotFit(ValueError):
     target's memory; the message gives the compiler's numbers."""
 
 
+class DoesNotCompile(ValueError):
+    """Raised by `memory_report` (and a `train_step` compiled for a TPU) when the
+    compiler rejects the program; the message names the leaves it could not stream
+    and a way out."""
+
+
 class ResidualRow(NamedTuple):
     """Bytes saved for the backward pass under one checkpoint name and memory kind."""
 
@@ -365,7 +371,7 @@ def memory_report(
                 f"chip; the compiler says: {str(e).rstrip('.')}. Use a policy that "
                 "offloads more, or a chip with more memory."
             ) from e
-        raise ValueError(
+        raise DoesNotCompile(
             f"`memory_report`: the {where} compiler rejected {what}: {e}"
         ) from e
     if stats is None:

@@ -40,7 +40,7 @@ def random_tree(key):
     k1, k2, k3, k4 = jax.random.split(key, 4)
     return {
         "layers": jax.random.normal(k1, (4, 8, 16)),  # stacked: 4 layers
-        "large": jax.random.normal(k2, (64, 32)),  # streamed in blocks of rows
+        "large": jax.random.normal(k2, (64, 128)),  # streamed in blocks of rows
         "small": jax.random.normal(k3, (16,)),  # updated whole
         "scale": 3.0 + jax.random.normal(k4, ()),
     }
@@ -63,7 +63,8 @@ def streamed_steps(optimizer, params, grads, steps=3):
 
     @jax.jit
     def step(params, state, grads):
-        return _streaming.update(optimizer, grads, state, params, layers, kinds)
+        paths = sorted(params)
+        return _streaming.update(optimizer, grads, state, params, layers, kinds, paths)
 
     params, state, grads = host(params), host(state), host(grads)
     for _ in range(steps):
@@ -97,7 +98,7 @@ def assert_streamed_equals_optax(make_optimizer, getkey, steps=3, lamb=False):
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_streamed_update_equals_optax(name, monkeypatch, getkey):
-    monkeypatch.setattr(_streaming, "PIECE_BYTES", 2048)  # "large" is 8 KiB
+    monkeypatch.setattr(_streaming, "PIECE_BYTES", 8192)  # "large" is 32 KiB
     ours = assert_streamed_equals_optax(OPTIMIZERS[name], getkey, lamb="lamb" in name)
     assert {x.sharding.memory_kind for x in jax.tree.leaves(ours)} == {"pinned_host"}
 
@@ -107,7 +108,7 @@ def test_the_tpu_loop_equals_optax_too(name, monkeypatch, getkey):
     # On the CPU the streamed loops read one piece ahead; this runs the loop a TPU
     # compiles (each step reads its own piece) here.
     monkeypatch.setattr(_streaming, "READ_IN_STEP", ("cpu",))
-    monkeypatch.setattr(_streaming, "PIECE_BYTES", 2048)
+    monkeypatch.setattr(_streaming, "PIECE_BYTES", 8192)
     assert_streamed_equals_optax(OPTIMIZERS[name], getkey, lamb="lamb" in name)
 
 
@@ -120,7 +121,7 @@ def test_the_tpu_loop_equals_optax_too(name, monkeypatch, getkey):
     ids=["zero_nans + adam", "adafactor"],
 )
 def test_state_not_shaped_like_its_parameter_is_shared(make, monkeypatch, getkey):
-    monkeypatch.setattr(_streaming, "PIECE_BYTES", 2048)
+    monkeypatch.setattr(_streaming, "PIECE_BYTES", 8192)
     assert_streamed_equals_optax(make, getkey)
 
 
@@ -137,7 +138,7 @@ def fresh_state():
 
 
 def test_state_made_afresh_is_written_in_its_leafs_loop(monkeypatch, getkey):
-    monkeypatch.setattr(_streaming, "PIECE_BYTES", 2048)
+    monkeypatch.setattr(_streaming, "PIECE_BYTES", 8192)
     make = lambda: optax.chain(fresh_state(), optax.adam(1e-2))  # noqa: E731
     assert_streamed_equals_optax(make, getkey)
 
@@ -154,7 +155,7 @@ def test_state_made_afresh_is_written_in_its_leafs_loop(monkeypatch, getkey):
     ids=["factored adafactor"],
 )
 def test_other_unstreamable_updates_are_refused(make, why, monkeypatch, getkey):
-    monkeypatch.setattr(_streaming, "PIECE_BYTES", 2048)
+    monkeypatch.setattr(_streaming, "PIECE_BYTES", 8192)
     params, grads = random_tree(getkey()), random_tree(getkey())
     with pytest.raises(_streaming.NotStreamable, match=why):
         streamed_steps(make(), params, grads, 1)
@@ -176,12 +177,12 @@ CONDS = {
 def test_conds_over_several_groups_of_pieces(name, monkeypatch, getkey):
     # "layers" and "large" are streamed in different groups; a `cond` over every
     # leaf is computed as both branches and a select, piece by piece.
-    monkeypatch.setattr(_streaming, "PIECE_BYTES", 2048)
+    monkeypatch.setattr(_streaming, "PIECE_BYTES", 8192)
     assert_streamed_equals_optax(CONDS[name], getkey, steps=5)
 
 
 def test_a_skipped_step_is_skipped_when_streamed(monkeypatch, getkey):
-    monkeypatch.setattr(_streaming, "PIECE_BYTES", 2048)
+    monkeypatch.setattr(_streaming, "PIECE_BYTES", 8192)
     params, grads = random_tree(getkey()), random_tree(getkey())
     grads["large"] = grads["large"].at[3, 5].set(jnp.nan)  # not finite: no update
     ours = streamed_steps(CONDS["apply_if_finite(adam)"](), params, grads, 2)

@@ -1,0 +1,63 @@
+"""Which host-resident arrays a TPU compiler can move to the device a slice at a
+time: the shape rules behind streaming a `Stacked` layer by layer (in the forward
+and backward passes and in the optimizer update) and a large leaf block by block.
+
+XLA's TPU backend stores an array in tiles over its two minor dimensions: 8 rows
+("sublanes") by 128 columns ("lanes") for 32-bit types, with 2 (16-bit) or 4 (8-bit)
+rows packed into each sublane. Its host-offload passes move slices made of whole
+tiles along the major dimensions. Checked with libtpu 0.0.42 (`tpu-v5e`, `tpu-v6e`,
+`tpu-v5p`, `tpu-v4`) on hand-written scans, it rejects:
+
+- one element per layer (a stacked leaf of shape `(layers,)`, e.g. a per-layer
+  scalar): "Lane slice updating is not supported in async dynamic update slice";
+- one row per layer of a 16- or 8-bit type (a stacked bias or LayerNorm scale,
+  `(layers, dim)` in bfloat16): "Sublane slicing size must be multiple of element
+  packing factor";
+- blocks of rows of a 2-D leaf whose row count is not a multiple of the packed
+  tile height, or whose last dimension is not a multiple of 128 (the compiler may
+  then lay the array out transposed, making a row block a lane slice).
+
+The library never asks it to: such a stacked leaf is moved to the device whole
+where a step starts using it, and such a large leaf is updated whole. The rules hold
+on every backend, so what the CPU runs is what a TPU compiles.
+"""
+
+import math
+from typing import Any
+
+import numpy as np
+
+
+LANES = 128
+SUBLANES = 8
+
+
+def packing(dtype: Any) -> int:
+    """How many elements of `dtype` share one 32-bit sublane row."""
+    return max(1, 4 // np.dtype(dtype).itemsize)
+
+
+def slices_by_layer(shape: tuple[int, ...], dtype: Any) -> bool:
+    """Whether a stacked leaf (layers first) can be moved one layer at a time."""
+    per_layer = shape[1:]
+    if not per_layer:
+        return False  # a layer is one element: a lane slice
+    if len(per_layer) == 1 and packing(dtype) > 1:
+        return False  # a layer is one row, packed with its neighbour's
+    return True
+
+
+def row_blocks(shape: tuple[int, ...], dtype: Any, max_bytes: int) -> int:
+    """How many equal blocks of rows a large non-stacked leaf is streamed in (each
+    at most `max_bytes` if possible), or 1: it is updated whole."""
+    if len(shape) < 2:
+        return 1
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    needed = max(1, math.ceil(nbytes / max_bytes))
+    rows = shape[0]
+    tile = SUBLANES * packing(dtype) if len(shape) == 2 else 1
+    if len(shape) == 2 and shape[1] % LANES:
+        return 1
+    fits = [d for d in range(2, rows + 1) if rows % d == 0 and (rows // d) % tile == 0]
+    # The fewest blocks of at most `max_bytes`; failing that, the smallest blocks.
+    return next((d for d in fits if d >= needed), fits[-1] if fits else 1)

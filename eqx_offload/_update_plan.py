@@ -1,0 +1,360 @@
+"""What an optimizer's update does to each value, read from its jaxpr: the analysis
+behind the streamed update (`_streaming.py`).
+
+The update is traced twice: on the whole tree (`whole`) and on one piece of every
+streamed leaf (`piece`). The two jaxprs have the same equations, on different
+shapes; comparing them tells what every value is:
+
+- *shared*: independent of the streamed leaves (step counts, learning rates, the
+  updates of leaves too small to stream), computed once on the whole values;
+- *piecewise*: has the streamed leaf's leading axis, and each piece of it depends
+  only on the same piece of the inputs (elementwise arithmetic, reductions over
+  other axes), computed piece by piece by the `piece` jaxpr;
+- *global*: a reduction over the leading axis of a piecewise value (a global norm,
+  LAMB's per-leaf trust ratio over a stacked leaf), and what is computed from it:
+  every piece's partial reduction is computed in a first scan, the partials are
+  combined, and the rest of the update uses the combined value.
+
+Anything else (a value that mixes pieces, a constant that depends on the piece
+size, control flow over piecewise values) is `NotStreamable`, with the operation.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax.extend.core as jex
+import jax.extend.core.primitives as jex_primitives
+import jax.numpy as jnp
+import numpy as np
+
+
+_ELEMENTWISE = {
+    "abs",
+    "acos",
+    "acosh",
+    "add",
+    "and",
+    "asin",
+    "asinh",
+    "atan",
+    "atan2",
+    "atanh",
+    "cbrt",
+    "ceil",
+    "clamp",
+    "convert_element_type",
+    "copy",
+    "copy_p",
+    "cos",
+    "cosh",
+    "div",
+    "eq",
+    "erf",
+    "erf_inv",
+    "erfc",
+    "exp",
+    "exp2",
+    "expm1",
+    "floor",
+    "ge",
+    "gt",
+    "imag",
+    "integer_pow",
+    "is_finite",
+    "le",
+    "lgamma",
+    "digamma",
+    "log",
+    "log1p",
+    "logistic",
+    "lt",
+    "max",
+    "min",
+    "mul",
+    "ne",
+    "neg",
+    "nextafter",
+    "not",
+    "or",
+    "pow",
+    "real",
+    "reduce_precision",
+    "rem",
+    "round",
+    "rsqrt",
+    "select_n",
+    "sign",
+    "sin",
+    "sinh",
+    "sqrt",
+    "square",
+    "stop_gradient",
+    "sub",
+    "tan",
+    "tanh",
+    "xor",
+}
+_REDUCTIONS = {
+    "reduce_sum": jnp.sum,
+    "reduce_max": jnp.max,
+    "reduce_min": jnp.min,
+    "reduce_and": jnp.all,
+    "reduce_or": jnp.any,
+    "reduce_prod": jnp.prod,
+}
+_CALLS = {
+    "jit",
+    "pjit",
+    "closed_call",
+    "core_call",
+    "custom_jvp_call",
+    "custom_vjp_call",
+}
+
+
+class NotStreamable(ValueError):
+    """The optimizer's update cannot be applied piece by piece unchanged."""
+
+
+# --- A flat program: the update's jaxpr with every call inlined -----------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Literal:
+    value: Any
+
+
+@dataclasses.dataclass
+class Eqn:
+    primitive: Any
+    params: dict
+    ins: list  # variable ids (int) or `Literal`s
+    outs: list[int]
+    avals: list  # of the outputs
+
+
+@dataclasses.dataclass
+class Program:
+    ins: list[int]
+    outs: list  # ids or `Literal`s
+    eqns: list[Eqn]
+    consts: dict[int, Any]
+    avals: dict[int, Any]  # of every variable
+
+
+def flatten(closed: Any) -> Program:
+    counter = iter(range(1 << 62))
+    avals: dict[int, Any] = {}
+    consts: dict[int, Any] = {}
+    eqns: list[Eqn] = []
+
+    def new(aval: Any) -> int:
+        i = next(counter)
+        avals[i] = aval
+        return i
+
+    def inline(jaxpr: Any, const_values: list, ins: list) -> list:
+        env: dict[Any, Any] = {}
+        for var, value in zip(jaxpr.constvars, const_values):
+            env[var] = new(var.aval)
+            consts[env[var]] = value
+        env.update(zip(jaxpr.invars, ins))
+
+        def read(v: Any) -> Any:
+            return Literal(v.val) if isinstance(v, jex.Literal) else env[v]
+
+        for eqn in jaxpr.eqns:
+            args = [read(v) for v in eqn.invars]
+            sub = _call_body(eqn)
+            if sub is not None:
+                outs = inline(sub.jaxpr, sub.consts, args)
+                env.update(zip(eqn.outvars, outs))
+                continue
+            if eqn.primitive.name == "cond":
+                # Both branches, then a `select_n` on the index per output: the
+                # same values, and branches that hold global reductions or span
+                # several groups of pieces (`optax.MultiSteps`) stream like the rest.
+                # The branch not taken is computed too (its values are discarded).
+                index, operands = args[0], args[1:]
+                branches = [
+                    inline(b.jaxpr, b.consts, operands) for b in eqn.params["branches"]
+                ]
+                outs = [new(v.aval) for v in eqn.outvars]
+                for k, (out, var) in enumerate(zip(outs, eqn.outvars)):
+                    cases = [branch[k] for branch in branches]
+                    eqns.append(
+                        Eqn(
+                            jex_primitives.select_n_p,
+                            {},
+                            [index, *cases],
+                            [out],
+                            [var.aval],
+                        )
+                    )
+                env.update(zip(eqn.outvars, outs))
+                continue
+            outs = [new(v.aval) for v in eqn.outvars]
+            eqns.append(
+                Eqn(
+                    eqn.primitive,
+                    dict(eqn.params),
+                    args,
+                    outs,
+                    [v.aval for v in eqn.outvars],
+                )
+            )
+            env.update(zip(eqn.outvars, outs))
+        return [read(v) for v in jaxpr.outvars]
+
+    ins = [new(v.aval) for v in closed.jaxpr.invars]
+    outs = inline(closed.jaxpr, closed.consts, ins)
+    return Program(ins, outs, eqns, consts, avals)
+
+
+def _call_body(eqn: Any) -> Any:
+    """The closed jaxpr a call-like equation runs on its operands, if it is one."""
+    if eqn.primitive.name not in _CALLS:
+        return None
+    for value in eqn.params.values():
+        if isinstance(value, jex.ClosedJaxpr) and len(value.jaxpr.invars) == len(
+            eqn.invars
+        ):
+            return value
+    return None
+
+
+# --- What every value is: shared, piecewise or global --------------------------
+
+SHARED, PIECEWISE, GLOBAL = "shared", "piecewise", "global"
+
+
+@dataclasses.dataclass
+class Kind:
+    what: str
+    group: Any = None  # the streamed group of a piecewise value (None: any group)
+    level: int = 0  # how many rounds of global reductions it needs first
+
+
+@dataclasses.dataclass
+class Root:
+    """A reduction over the leading axis: a global value made of piece partials."""
+
+    eqn: int
+    group: Any
+    combine: Callable
+
+
+class Plan:
+    """How to run `whole` piece by piece; built by comparing it with `piece`."""
+
+    def __init__(self, whole: Program, piece: Program, inputs: list[Kind]):
+        self.whole, self.piece = whole, piece
+        if [e.primitive.name for e in whole.eqns] != [
+            e.primitive.name for e in piece.eqns
+        ]:
+            raise NotStreamable(
+                "its computation depends on the shapes of the leaves (traced on one "
+                "piece, it does different operations)"
+            )
+        self.kinds: dict[int, Kind] = dict(zip(whole.ins, inputs))
+        for i in whole.consts:
+            self._check_same_const(i)
+            self.kinds[i] = Kind(SHARED)
+        self.roots: dict[int, Root] = {}
+        for n, (e, p) in enumerate(zip(whole.eqns, piece.eqns)):
+            self._classify(n, e, p)
+
+    def kind(self, ref: Any) -> Kind:
+        return Kind(SHARED) if isinstance(ref, Literal) else self.kinds[ref]
+
+    def _check_same_const(self, i: int) -> None:
+        a, b = self.whole.consts[i], self.piece.consts.get(i)
+        if b is None or np.shape(a) != np.shape(b) or not np.array_equal(a, b):
+            raise NotStreamable("it closes over a constant that depends on the leaves")
+
+    def _classify(self, n: int, e: Eqn, p: Eqn) -> None:
+        name = e.primitive.name
+        kinds = [self.kind(r) for r in e.ins]
+        pieces = [k for k in kinds if k.what == PIECEWISE]
+        groups = {k.group for k in pieces if k.group is not None}
+        if len(groups) > 1:
+            raise NotStreamable(
+                f"`{name}` combines leaves streamed in different groups of pieces "
+                "(layers of a `Stacked`, row blocks of a large leaf)"
+            )
+        group = next(iter(groups), None)
+        level = max([k.level for k in kinds], default=0)
+        reshaped = [a.shape != b.shape for a, b in zip(e.avals, p.avals)]
+        if not pieces and not any(reshaped):
+            what = GLOBAL if any(k.what == GLOBAL for k in kinds) else SHARED
+            for o in e.outs:
+                self.kinds[o] = Kind(what, None, level)
+            return
+        literals = [
+            (a.value, b.value)
+            for a, b in zip(e.ins, p.ins)
+            if isinstance(a, Literal) and isinstance(b, Literal)
+        ]
+        if any(
+            np.shape(a) != np.shape(b) or not np.array_equal(a, b) for a, b in literals
+        ):
+            raise NotStreamable(
+                f"`{name}` uses a constant that depends on the piece size"
+            )
+        if name in _REDUCTIONS and pieces:
+            axes = tuple(e.params["axes"])
+            if axes != tuple(p.params["axes"]):
+                raise NotStreamable(f"`{name}` reduces different axes on a piece")
+            if 0 in axes:  # over the pieces: a global value, from partials
+                if group is None or any(reshaped):
+                    raise NotStreamable(f"`{name}` reduces a constant over the pieces")
+                self.roots[n] = Root(n, group, _REDUCTIONS[name])
+                self.kinds[e.outs[0]] = Kind(GLOBAL, None, level + 1)
+                return
+        elif name == "broadcast_in_dim":
+            dims_e, dims_p = (
+                e.params["broadcast_dimensions"],
+                p.params["broadcast_dimensions"],
+            )
+            if dims_e != dims_p or (pieces and (not dims_e or dims_e[0] != 0)):
+                raise NotStreamable("`broadcast_in_dim` moves the leading axis")
+        elif name not in _ELEMENTWISE:
+            raise NotStreamable(f"`{name}` mixes the pieces of a leaf")
+        elif e.params != p.params:
+            raise NotStreamable(
+                f"`{name}` has parameters that depend on the piece size"
+            )
+        for o, changed in zip(e.outs, reshaped):
+            if not changed:
+                raise NotStreamable(f"`{name}` drops the leading axis of a piece")
+            self.kinds[o] = Kind(PIECEWISE, group, level)
+
+    def needed(self, outs: list, stop: Callable[[int], bool]) -> list[int]:
+        """The equations (indices, in order) that compute `outs`, not looking
+        further back than the variables where `stop` holds (`outs` themselves are
+        always computed)."""
+        producer = {o: n for n, e in enumerate(self.whole.eqns) for o in e.outs}
+        wanted: set[int] = set()
+        todo = [(r, True) for r in outs if not isinstance(r, Literal)]
+        while todo:
+            r, start = todo.pop()
+            if (stop(r) and not start) or r not in producer or producer[r] in wanted:
+                continue
+            wanted.add(producer[r])
+            ins = self.whole.eqns[producer[r]].ins
+            todo.extend((x, False) for x in ins if not isinstance(x, Literal))
+        return sorted(wanted)
+
+
+def run(program: Program, eqns: list[int], env: dict[int, Any]) -> dict[int, Any]:
+    """Evaluates some equations of `program` (binding their primitives)."""
+
+    def read(r: Any) -> Any:
+        return r.value if isinstance(r, Literal) else env[r]
+
+    for n in eqns:
+        e = program.eqns[n]
+        out = e.primitive.bind(*map(read, e.ins), **e.params)
+        env.update(zip(e.outs, out if e.primitive.multiple_results else [out]))
+    return env
