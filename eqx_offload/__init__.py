@@ -5,12 +5,12 @@ scanned one at a time, and `filter_offload`/`train_step` insert the checkpoint
 names, remat policy and `device_put` transfers that are otherwise written by hand.
 """
 
+from ._diagnose import DoesNotCompile as DoesNotCompile
 from ._memory_kinds import MemoryKind as MemoryKind
 from ._optim import init_opt_state as init_opt_state
 from ._placement import field as field, place as place
 from ._policy import Policy as Policy
 from ._report import (
-    DoesNotCompile as DoesNotCompile,
     DoesNotFit as DoesNotFit,
     memory_report as memory_report,
     MemoryReport as MemoryReport,

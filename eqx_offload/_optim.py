@@ -9,11 +9,18 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxtyping import PyTree
 
-from . import _paths, _streaming
-from ._memory_kinds import backend_kinds, is_arraylike, is_host, kind_of, to_space
-from ._placement import move
+from . import _diagnose, _paths, _streaming, _tiling
+from ._memory_kinds import (
+    backend_kinds,
+    is_arraylike,
+    is_host,
+    kind_of,
+    ParamsSpec,
+    to_space,
+)
+from ._placement import match_params, move
 from ._policy import Policy
-from ._state_tree import map_state
+from ._state_tree import map_state, state_owners
 
 
 # What `init_opt_state` and `train_step` accept. `optax.MultiSteps` is a class of its
@@ -39,17 +46,43 @@ def trainable(model: PyTree) -> PyTree:
     return eqx.filter(model, is_trainable)
 
 
+def param_state_kinds(
+    spec: ParamsSpec, params: PyTree, where: str = "`eqx_offload.init_opt_state`"
+) -> PyTree:
+    """`params` with each leaf replaced by the memory kind of its parameter-shaped
+    state under `Policy(opt_state=spec)` (`"device"` where no pattern matches)."""
+    leaves = _paths.leaves(params)
+    kinds = match_params(spec, leaves, f"{where} (`Policy(opt_state=...)`)")
+    available = backend_kinds()
+    for leaf, kind in zip(leaves, kinds):
+        if kind is not None and kind not in available:
+            raise ValueError(
+                f"{where}: the optimizer state of {leaf.path!r} is to live in "
+                f"{kind!r} (`Policy(opt_state=...)`), which the "
+                f"{jax.default_backend()!r} backend does not have; valid kinds here: "
+                f"{_paths.quoted(available)}."
+            )
+    return jtu.tree_unflatten(
+        jtu.tree_structure(params), [_Kind(k or "device") for k in kinds]
+    )
+
+
 def state_kinds(
-    optimizer: optax.GradientTransformation, opt_state: PyTree, kind: str
+    optimizer: optax.GradientTransformation,
+    opt_state: PyTree,
+    params: PyTree,
+    spec: ParamsSpec,
 ) -> list[tuple[_paths.Leaf, str]]:
-    """Each array leaf of `opt_state` with its memory kind: `kind` for the
-    parameter-shaped state (moments, momenta, ...), `"device"` for the rest (step
-    counts and other scalars), in `jax.tree.leaves` order."""
+    """Each array leaf of `opt_state` with its memory kind: the one `spec` gives
+    its parameter for the parameter-shaped state (moments, momenta, ...),
+    `"device"` for the rest (step counts and other scalars), in `jax.tree.leaves`
+    order."""
     kinds = map_state(
         optimizer,
         opt_state,
-        lambda s: _Kind(kind) if is_arraylike(s) else s,
+        lambda s, k: _Kind(k.kind) if is_arraylike(s) else s,
         lambda s: _Kind("device") if is_arraylike(s) else s,
+        param_state_kinds(spec, params, "`train_step`"),
     )
     leaves = [leaf for leaf in _paths.leaves(opt_state) if is_arraylike(leaf.value)]
     flat = [k.kind for k in jtu.tree_leaves(kinds) if isinstance(k, _Kind)]
@@ -104,12 +137,6 @@ def init_opt_state(optimizer: Optimizer, model: PyTree, policy: Policy) -> PyTre
         opt_state = eo.init_opt_state(optax.adamw(3e-4), model, policy)
         ```
     """
-    if policy.opt_state not in backend_kinds():
-        raise ValueError(
-            f"`Policy(opt_state={policy.opt_state!r})`: the {jax.default_backend()!r} "
-            "backend has no such memory; valid kinds here: "
-            f"{_paths.quoted(backend_kinds())}."
-        )
     optimizer = as_transformation(optimizer)
     params = trainable(model)
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves(params)):
@@ -119,27 +146,31 @@ def init_opt_state(optimizer: Optimizer, model: PyTree, policy: Policy) -> PyTre
         # ones work, and return the state on the default device.
         state = jax.jit(optimizer.init)(params)
     device = _state_device_sharding(params)
+    kinds = param_state_kinds(policy.opt_state, params)
 
-    def like_param(s: Any, p: Any) -> Any:
-        """Parameter-shaped state takes its parameter's sharding, in `opt_state`."""
+    def like_param(s: Any, p: Any, kind: _Kind) -> Any:
+        """Parameter-shaped state takes its parameter's sharding, in its kind."""
         sharding = getattr(p, "sharding", None)
         if not is_arraylike(s):
             return s
         if sharding is None or s.shape != p.shape:
-            return move(s, policy.opt_state, "", device)
-        return move(s, policy.opt_state, "", sharding)
+            return move(s, kind.kind, "", device)
+        return move(s, kind.kind, "", sharding)
 
     def other(s: Any) -> Any:
         return move(s, "device", "", device) if is_arraylike(s) else s
 
-    return map_state(optimizer, state, like_param, other, params)
+    return map_state(optimizer, state, like_param, other, params, kinds)
 
 
 def check_state(
-    optimizer: optax.GradientTransformation, opt_state: PyTree, policy: Policy
+    optimizer: optax.GradientTransformation,
+    opt_state: PyTree,
+    model: PyTree,
+    policy: Policy,
 ) -> list[tuple[_paths.Leaf, str]]:
     """The kinds `opt_state` should be in; raises if a leaf is elsewhere."""
-    kinds = state_kinds(optimizer, opt_state, policy.opt_state)
+    kinds = state_kinds(optimizer, opt_state, trainable(model), policy.opt_state)
     for leaf, kind in kinds:
         if kind == "unpinned_host":
             to_space(leaf.value, kind, f"opt_state.{leaf.path}")  # raises
@@ -215,3 +246,33 @@ def update(
         to_device(grads), to_device(opt_state), trainable(model)
     )
     return eqx.apply_updates(model, updates), opt_state
+
+
+def streamed_leaves(
+    optimizer: optax.GradientTransformation, model: PyTree, opt_state: PyTree
+) -> list[_diagnose.Streamed]:
+    """The host-resident parameters and optimizer state a train step slices: the
+    layers of a `Stacked` (in the forward pass and the update), the row blocks of a
+    large leaf (in the update)."""
+    params = trainable(model)
+    leaves = _paths.leaves(params)
+    out = []
+    rows: list[int | None] = []
+    for i, leaf in enumerate(leaves):
+        x = leaf.value
+        layers = x.shape[0] if leaf.stacked is not None else None
+        _, pieces, n = _streaming.pieces(x, layers, i)
+        rows.append(n if pieces > 1 else None)
+        sliced = layers is not None and _tiling.slices_by_layer(x.shape, x.dtype)
+        if kind_of(x) == "pinned_host" and (sliced or pieces > 1):
+            out.append(
+                _diagnose.Streamed(leaf.path, tuple(x.shape), x.dtype, n, sliced)
+            )
+    states = [s for s in jtu.tree_leaves(opt_state) if is_arraylike(s)]
+    owners = state_owners(optimizer, opt_state, params)
+    for s, owner in zip(states, owners):
+        n = None if owner is None else rows[owner]
+        if owner is not None and n is not None and kind_of(s) == "pinned_host":
+            path = leaves[owner].path
+            out.append(_diagnose.Streamed(path, tuple(s.shape), s.dtype, n, False))
+    return list(dict.fromkeys(out))

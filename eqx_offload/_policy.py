@@ -26,11 +26,11 @@ def _names(value: Any, argument: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _params(value: Any) -> ParamsSpec:
+def _params(value: Any, argument: str = "params") -> ParamsSpec:
     if value is None:
         return None
     if isinstance(value, str):
-        check_kind(value, "`Policy(params=...)`")
+        check_kind(value, f"`Policy({argument}=...)`")
         return value
     if isinstance(value, Mapping):
         items = tuple(value.items())
@@ -40,16 +40,16 @@ def _params(value: Any) -> ParamsSpec:
         items = value
     else:
         raise TypeError(
-            "`Policy(params=...)` must be None, a memory kind, or a mapping from leaf "
-            f"path patterns to memory kinds, got {value!r}."
+            f"`Policy({argument}=...)` must be None, a memory kind, or a mapping from "
+            f"leaf path patterns to memory kinds, got {value!r}."
         )
     for pattern, kind in items:
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(
-                f"`Policy(params=...)` has key {pattern!r}; keys are non-empty leaf "
-                "path patterns such as 'blocks' or 'blocks.mlp.*'."
+                f"`Policy({argument}=...)` has key {pattern!r}; keys are non-empty "
+                "leaf path patterns such as 'blocks' or 'blocks.mlp.*'."
             )
-        check_kind(kind, f"`Policy(params=...)[{pattern!r}]`")
+        check_kind(kind, f"`Policy({argument}=...)[{pattern!r}]`")
     return items
 
 
@@ -86,7 +86,7 @@ class Policy(eqx.Module):
     save: Literal["all"] | tuple[str, ...] = eqx.field(static=True)
     offload: tuple[str, ...] = eqx.field(static=True)
     offload_dst: MemoryKind = eqx.field(static=True)
-    opt_state: MemoryKind = eqx.field(static=True)
+    opt_state: str | tuple[tuple[str, str], ...] = eqx.field(static=True)
     update: Literal["streamed", "whole"] = eqx.field(static=True)
 
     def __init__(
@@ -96,7 +96,7 @@ class Policy(eqx.Module):
         save: Literal["all"] | Sequence[str] = (),
         offload: Sequence[str] = (),
         offload_dst: KindArg = "pinned_host",
-        opt_state: KindArg = "device",
+        opt_state: KindArg | Mapping[str, KindArg] = "device",
         update: UpdateArg = "streamed",
     ):
         """**Arguments:**
@@ -115,7 +115,11 @@ class Policy(eqx.Module):
         - `offload_dst`: where offloaded residuals go; only `"pinned_host"` works
             in JAX 0.10.
         - `opt_state`: where the parameter-shaped optimizer state lives between
-            steps (step counters and other scalars stay on the device).
+            steps (step counters and other scalars stay on the device): one memory
+            kind, or a mapping from parameter-path pattern to kind, matched as in
+            `params` (the state of a parameter no pattern matches stays on the
+            device). `{"**": "pinned_host", "blocks.norm.weight": "device"}` keeps
+            one parameter's state on the device and the rest on the host.
         - `update`: how `train_step` applies the optimizer when parameters,
             gradients or state are on the host. `"streamed"`: one layer of each
             `Stacked` (or one block of rows of a large leaf) on the device at a
@@ -127,7 +131,13 @@ class Policy(eqx.Module):
         self.save = "all" if save == "all" else _names(save, "save")
         self.offload = _names(offload, "offload")
         self.offload_dst = offload_dst
-        self.opt_state = opt_state
+        opt = _params(opt_state, "opt_state")
+        if opt is None:
+            raise TypeError(
+                "`Policy(opt_state=None)`: give a memory kind (e.g. 'device') or a "
+                "mapping from parameter-path pattern to memory kind."
+            )
+        self.opt_state = opt
         self.update = update
 
     def __check_init__(self):
@@ -138,7 +148,6 @@ class Policy(eqx.Module):
                 "offloaded to 'pinned_host' (JAX 0.10 leaves them on the device for "
                 "'unpinned_host'); to keep them on the device, list them in `save=`."
             )
-        check_kind(self.opt_state, "`Policy(opt_state=...)`")
         if self.update not in ("streamed", "whole"):
             raise ValueError(
                 f"`Policy(update={self.update!r})`: valid values are 'streamed' and "

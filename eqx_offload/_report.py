@@ -13,8 +13,11 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from . import _residuals
+from . import _diagnose, _residuals
+from ._diagnose import DoesNotCompile
 from ._memory_kinds import is_arraylike, kind_of
+from ._optim import streamed_leaves
+from ._policy import Policy
 from ._targets import abstract, chip_mesh, HBM_BYTES, TargetArg
 from ._train_step import _TrainStep, join, split
 from ._transform import _OffloadWrapper, filter_offload
@@ -32,12 +35,6 @@ _KINDS = ("device", "pinned_host")
 class DoesNotFit(ValueError):
     """Raised by `memory_report` when the compiler finds the program too big for the
     target's memory; the message gives the compiler's numbers."""
-
-
-class DoesNotCompile(ValueError):
-    """Raised by `memory_report` (and a `train_step` compiled for a TPU) when the
-    compiler rejects the program; the message names the leaves it could not stream
-    and a way out."""
 
 
 class ResidualRow(NamedTuple):
@@ -217,6 +214,8 @@ class _Plan(NamedTuple):
     params: Any = None
     opt_state: Any = None
     residuals: Callable[[], tuple[ResidualRow, ...]] | None = None
+    streamed: Callable[[], list[_diagnose.Streamed]] | None = None
+    policy: Policy | None = None
 
 
 def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
@@ -247,6 +246,8 @@ def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
         model,
         opt_state,
         residuals,
+        lambda: streamed_leaves(step.optimizer, model, opt_state),
+        step.policy,
     )
 
 
@@ -370,6 +371,17 @@ def memory_report(
                 f"`memory_report`: {what} does not fit in the memory of one {where} "
                 f"chip; the compiler says: {str(e).rstrip('.')}. Use a policy that "
                 "offloads more, or a chip with more memory."
+            ) from e
+        if mesh is not None and plan.streamed is not None and plan.policy:
+            policy = plan.policy
+            raise DoesNotCompile(
+                _diagnose.explain(
+                    f"`memory_report`: {what}, compiled for {where}",
+                    str(e),
+                    plan.streamed(),
+                    mesh,
+                    lambda: (policy.params, policy.opt_state),
+                )
             ) from e
         raise DoesNotCompile(
             f"`memory_report`: the {where} compiler rejected {what}: {e}"

@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import PRNGKeyArray, PyTree
 
-from . import _names, _paths, _residuals
+from . import _names, _paths, _residuals, _tiling
 from ._memory_kinds import is_arraylike, is_host
 from ._policy import Policy
 
@@ -209,6 +209,7 @@ class Stacked(eqx.Module, Generic[_Layer]):
         `(carry, ys)`: the final carry and the stacked `y`s.
         """
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
+        dynamic = jtu.tree_map(_whole_to_device, dynamic)
         if self._scan is not None:
             body = _offload_body(self._scan, f, static, carry, dynamic, xs)
         elif _names.is_inside():
@@ -291,6 +292,15 @@ def _map_arrays(fn: Callable[[Any], Any], tree: Any) -> Any:
         return fn(x) if eqx.is_array(x) else x
 
     return jtu.tree_map(apply, tree)
+
+
+def _whole_to_device(x: Any) -> Any:
+    """A host-resident stacked leaf that the TPU compiler cannot slice one layer at
+    a time on the host (`_tiling.slices_by_layer`: a per-layer scalar, a bfloat16
+    bias) goes to the device whole, before the scan; it is small."""
+    if eqx.is_array(x) and is_host(x) and not _tiling.slices_by_layer(x.shape, x.dtype):
+        return jax.device_put(x, jax.memory.Space.Device)
+    return x
 
 
 def _to_device(layer_arrays: Any) -> Any:

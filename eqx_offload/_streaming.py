@@ -86,9 +86,9 @@ def update(
     for position, leaf in enumerate(leaf_of):
         if leaf is None:
             continue
-        key, pieces, rows = _pieces(p_leaves[leaf], stacked[leaf], leaf)
-        if pieces > 1:
-            group = groups.setdefault(key, _Group(key, pieces, rows))
+        key, count, rows = pieces(p_leaves[leaf], stacked[leaf], leaf)
+        if count > 1:
+            group = groups.setdefault(key, _Group(key, count, rows))
             group.inputs.append(position)
     group_of = [None] * len(inputs)
     for group in groups.values():
@@ -144,7 +144,7 @@ def update(
     )
 
 
-def _pieces(leaf: Any, layers: int | None, index: int) -> tuple[Any, int, int]:
+def pieces(leaf: Any, layers: int | None, index: int) -> tuple[Any, int, int]:
     """How a trainable leaf is streamed: `(group key, pieces, rows per piece)`. One
     piece per layer of its `Stacked`, or blocks of rows of at most `PIECE_BYTES`
     for a large leaf; one piece (updated whole) where `_tiling` says the TPU

@@ -93,7 +93,7 @@ def _step(
     opt_state = join(opt_dynamic, opt_static)
     batch = join(batch_dynamic, batch_static)
     model_kinds = _check_model(model, policy)
-    opt_kinds = _optim.check_state(optimizer, opt_state, policy)
+    opt_kinds = _optim.check_state(optimizer, opt_state, model, policy)
 
     loss = filter_offload(loss_fn, policy)
     value, grads = eqx.filter_value_and_grad(loss, has_aux=has_aux)(model, *batch)

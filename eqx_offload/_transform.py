@@ -9,7 +9,7 @@ import jax
 import jax.extend.core as jex
 import jax.tree_util as jtu
 
-from . import _names, _paths
+from . import _names, _paths, _tiling
 from ._memory_kinds import is_host
 from ._policy import Policy
 from ._stacked import configure, Stacked
@@ -128,8 +128,13 @@ def _find_misuse(
             continue
         if eqn.primitive.name == "device_put":
             for i, w in used.items():
+                # A slice inside the scan, or (for a leaf the TPU compiler cannot
+                # slice on the host) the whole leaf, moved to the device by the scan.
+                whole_ok = not _tiling.slices_by_layer(
+                    w.leaf.value.shape, w.leaf.value.dtype
+                )
                 if (
-                    not w.is_slice
+                    not (w.is_slice or whole_ok)
                     or eqn.params["devices"][i] != jax.memory.Space.Device
                 ):
                     return w, "device_put"

@@ -57,7 +57,10 @@ def test_abstract_model_gives_abstract_state(getkey):
 
 def test_kind_missing_on_backend(monkeypatch, getkey):
     monkeypatch.setattr(eo._optim, "backend_kinds", lambda: ("device",))
-    with pytest.raises(ValueError, match=r"opt_state='pinned_host'.*valid kinds here"):
+    with pytest.raises(
+        ValueError,
+        match=r"state of 'embed.weight'.*'pinned_host'.*opt_state.*valid kinds here",
+    ):
         eo.init_opt_state(
             optax.adam(1e-3),
             Model(key=getkey()),

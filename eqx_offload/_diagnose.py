@@ -1,0 +1,178 @@
+"""Why a compiler rejected an offloaded step: each host-resident leaf the step
+streams is compiled alone, the way the step moves it, to name the ones the
+compiler cannot stream, with a policy that keeps them on the device.
+
+XLA's TPU compiler picks the tiled layout of each array from its shape, and for
+some shapes (a layer of `(4, 97, 97)` floats, `(layers, 388, 97)` weights) its
+host-offload passes cannot slice the layout it picked, even in a hand-written scan
+(`_tiling.py` has the rules the library follows ahead of time). Such a leaf works
+when it and its optimizer state stay on the device.
+"""
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from . import _paths
+from ._memory_kinds import ParamsSpec
+
+
+class DoesNotCompile(ValueError):
+    """Raised when the compiler rejects an offloaded step (by `memory_report`, or by
+    a `train_step` compiled on a TPU); the message names the host-resident leaves
+    it could not stream and a policy that keeps them on the device."""
+
+
+class Streamed(NamedTuple):
+    """A host-resident leaf as the step streams it."""
+
+    path: str  # the parameter's path (for a state leaf: the parameter it mirrors)
+    shape: tuple[int, ...]
+    dtype: Any
+    rows: int  # rows per slice along axis 0
+    gradient: bool  # also sliced in the forward pass, its gradient written back
+
+
+class Rejected(NamedTuple):
+    leaf: Streamed
+    message: str
+
+
+def _probe(leaf: Streamed, mesh: Mesh) -> str | None:
+    """Compiles, on `mesh`, a scan that streams `leaf` from the host as the step
+    does; returns the compiler's message if it rejects it."""
+    host = NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host")
+    device = NamedSharding(mesh, PartitionSpec(), memory_kind="device")
+    w = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=host)
+    x = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=device)
+    rows, n = leaf.rows, leaf.shape[0] // leaf.rows
+    Device, Host = jax.memory.Space.Device, jax.memory.Space.Host
+
+    def update(w: Any, g: Any) -> Any:
+        def body(w: Any, i: Any) -> tuple[Any, None]:
+            piece = jax.lax.dynamic_slice_in_dim(w, i * rows, rows)
+            step = jax.lax.dynamic_slice_in_dim(g, i * rows, rows)
+            new = jax.device_put(piece, Device) - jax.device_put(step, Device)
+            new = jax.device_put(new, Host)
+            return jax.lax.dynamic_update_slice_in_dim(w, new, i * rows, 0), None
+
+        return jax.lax.scan(body, w, jnp.arange(n))[0]
+
+    def step(w: Any, x: Any) -> Any:
+        def loss(w: Any) -> Any:
+            def body(c: Any, layer: Any) -> tuple[Any, None]:
+                layer = jax.device_put(layer, Device)
+                return c * jnp.mean(layer.astype(jnp.float32)) + 1.0, None
+
+            return jnp.sum(jax.lax.scan(jax.checkpoint(body), x, w)[0])
+
+        g = jax.device_put(jax.grad(loss)(w), Host)
+        return update(w, g)
+
+    def state(w: Any) -> Any:
+        return update(w, jax.device_put(jnp.ones(leaf.shape, leaf.dtype), Host))
+
+    try:
+        if leaf.gradient:
+            jax.jit(step, donate_argnums=0).trace(w, x).lower().compile()
+        else:
+            jax.jit(state, donate_argnums=0).trace(w).lower().compile()
+    except Exception as e:  # the compiler's own errors have no common type
+        return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return None
+
+
+_cache: dict[tuple, str | None] = {}
+
+
+def rejected(leaves: Sequence[Streamed], mesh: Mesh) -> list[Rejected]:
+    """The leaves whose streaming the compiler for `mesh` rejects (cached per
+    shape)."""
+    out = []
+    for leaf in leaves:
+        key = (tuple(d.device_kind for d in mesh.devices.flat), leaf[1:])
+        if key not in _cache:
+            _cache[key] = _probe(leaf, mesh)
+        message = _cache[key]
+        if message is not None:
+            out.append(Rejected(leaf, message))
+    return out
+
+
+def _with_device(spec: ParamsSpec, paths: list[str], default: str) -> dict[str, str]:
+    """`spec` as a mapping, plus `path: "device"` for each path."""
+    if spec is None:
+        items: dict[str, str] = {}
+    elif isinstance(spec, str):
+        items = {"**": spec}
+    else:
+        items = dict(spec)
+    if not items and default != "device":
+        items["**"] = default
+    return items | {p: "device" for p in paths}
+
+
+def way_out(params: ParamsSpec, opt_state: ParamsSpec, paths: list[str]) -> str:
+    """The `Policy` fields that keep `paths` and their optimizer state on the
+    device, as the user would write them."""
+    p = _with_device(params, paths, "device")
+    s = _with_device(opt_state, paths, "device")
+    return f"`params={p!r}, opt_state={s!r}`"
+
+
+def leaves_in_message(message: str, paths: Sequence[str]) -> list[str]:
+    """The leaf paths named in the `op_name`s of a compiler message (the streamed
+    update tags each leaf's slices and transfers with `jax.named_scope`)."""
+    names = " ".join(re.findall(r'op_name="([^"]*)"', message))
+    return [p for p in paths if p and p in names]
+
+
+def explain(
+    what: str,
+    message: str,
+    leaves: Sequence[Streamed],
+    mesh: Mesh,
+    policy_fields: Callable[[], tuple[ParamsSpec, ParamsSpec]],
+) -> str:
+    """The error text for a step the compiler rejected: the leaves that fail alone
+    and a way out, or (if none does) the leaves its message names."""
+    bad = rejected(leaves, mesh)
+    if bad:
+        paths = list(dict.fromkeys(r.leaf.path for r in bad))
+        lines = [
+            f"{what}: the compiler rejected it ({_first_line(message)}). Compiled "
+            "alone, streaming these host-resident leaves from the host fails:"
+        ]
+        for r in {r.leaf.path: r for r in bad}.values():
+            dtype = jnp.dtype(r.leaf.dtype).name
+            lines.append(
+                f"  - {r.leaf.path!r} ({dtype}{list(r.leaf.shape)}): {r.message}"
+            )
+        params, opt_state = policy_fields()
+        lines.append(
+            "Keep them and their optimizer state on the device: in the `Policy`, "
+            f"{way_out(params, opt_state, paths)}. (docs/design-notes.md: what the "
+            "TPU compiler cannot stream.)"
+        )
+        return "\n".join(lines)
+    named = leaves_in_message(message, [leaf.path for leaf in leaves])
+    hint = (
+        f" Its message points at {_paths.quoted(named)}."
+        if named
+        else " No single host-resident leaf fails alone."
+    )
+    return (
+        f"{what}: the compiler rejected it: {_first_line(message)}.{hint} Ways out: "
+        "`Policy(update='whole')` (the optimizer update on whole leaves), or keep the "
+        "leaves it names on the device with `Policy(params={..., path: 'device'}, "
+        "opt_state={..., path: 'device'})`."
+    )
+
+
+def _first_line(message: str, limit: int = 400) -> str:
+    line = message.strip().splitlines()[0] if message.strip() else ""
+    return line if len(line) <= limit else line[:limit] + " ..."
