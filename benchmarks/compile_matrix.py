@@ -11,8 +11,8 @@ a head around a `Stacked` of MLP blocks) and `dict` (a dict of four large leaves
 and a Python loop, no `Stacked`). Policies: every preset, plus host parameters
 (`remat(params={"blocks": "pinned_host"})`) and host optimizer state
 (`offload_residuals(opt_state="pinned_host")`). A case passes if it compiles; a
-case the library refuses before compiling (with an error naming the leaf) is
-listed as refused. The test suite compiles a covering subset (`tests/test_tpu_compile.py`).
+case the compiler rejects, with `eo.DoesNotCompile` naming the leaves and a way
+out, is listed as refused. `tests/test_tpu_compile.py` compiles a covering subset.
 """
 
 import itertools

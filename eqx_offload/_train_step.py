@@ -7,11 +7,13 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+import numpy as np
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jaxtyping import PyTree
 
-from . import _optim
+from . import _diagnose, _optim
+from ._diagnose import DoesNotCompile
 from ._memory_kinds import is_arraylike, kind_of, to_space
 from ._placement import resolve
 from ._policy import Policy
@@ -120,7 +122,23 @@ class _TrainStep(eqx.Module):
 
     def __call__(self, model: PyTree, opt_state: PyTree, *batch: Any) -> tuple:
         dynamic, statics = self.split(model, opt_state, *batch)
-        model_dynamic, opt_dynamic, value = self.jitted(*dynamic, statics)
+        try:
+            model_dynamic, opt_dynamic, value = self.jitted(*dynamic, statics)
+        except jax.errors.JaxRuntimeError as e:
+            # On a TPU the compiler may reject streaming a leaf of some shapes
+            # (`_diagnose.py`): name the leaves and the way out.
+            if jax.default_backend() != "tpu" or "RESOURCE_EXHAUSTED" in str(e):
+                raise
+            policy = self.policy
+            raise DoesNotCompile(
+                _diagnose.explain(
+                    "`train_step`",
+                    str(e),
+                    _optim.streamed_leaves(self.optimizer, model, opt_state),
+                    Mesh(np.array(jax.devices()[:1]), ("chip",)),
+                    lambda: (policy.params, policy.opt_state),
+                )
+            ) from e
         model_static, opt_static = statics[:2]
         return join(model_dynamic, model_static), join(opt_dynamic, opt_static), value
 

@@ -35,3 +35,6 @@ def test_readme_example_runs():
     assert namespace["loss"] < 5.0  # from ln(256) = 5.55
     weight = namespace["model"].blocks.layers.layers[0].weight
     assert weight.sharding.memory_kind == "pinned_host"
+    report = namespace["report"]  # compiled for tpu-v5e
+    assert not report.estimate and report.target == "tpu-v5e"
+    assert report.device_bytes > 0 and report.host_bytes > 0

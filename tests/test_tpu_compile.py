@@ -1,0 +1,102 @@
+"""Every offloaded train step compiles for a TPU: a covering subset of
+`benchmarks/compile_matrix.py` (the full matrix and its results are in
+docs/benchmarks.md), the steps the compiler cannot take refused with the leaves
+named and a way out that compiles, and the tiling rules that avoid them."""
+
+import re
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import eqx_offload as eo
+from eqx_offload import _streaming, _tiling
+
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+import compile_matrix as cm  # noqa: E402
+
+
+# (target, arch, dtype, width, depth, policy): every architecture, odd and
+# non-multiple-of-128 widths, depths 1 to 8, both dtypes, every preset plus host
+# parameters and host optimizer state, and every TPU generation.
+CASES = [
+    ("tpu-v5e", "mlp", "float32", 32, 1, "offload_all"),
+    ("tpu-v5e", "mlp", "float32", 200, 8, "host state"),
+    ("tpu-v5e", "mlp", "bfloat16", 128, 4, "offload_all"),
+    ("tpu-v5e", "mlp", "bfloat16", 96, 4, "host params"),
+    ("tpu-v5e", "attention", "float32", 64, 4, "offload_all"),
+    ("tpu-v5e", "attention", "bfloat16", 200, 2, "host state"),
+    ("tpu-v5e", "attention", "float32", 96, 3, "remat"),
+    ("tpu-v5e", "gpt", "float32", 64, 4, "offload_all"),
+    ("tpu-v5e", "gpt", "bfloat16", 128, 8, "offload_residuals"),
+    ("tpu-v5e", "gpt", "float32", 200, 1, "none"),
+    ("tpu-v5e", "dict", "float32", 256, 1, "offload_all"),
+    ("tpu-v5e", "dict", "bfloat16", 256, 1, "host state"),
+    ("tpu-v6e", "mlp", "float32", 64, 4, "offload_all"),
+    ("tpu-v6e", "gpt", "bfloat16", 128, 4, "offload_all"),
+    ("tpu-v5p", "attention", "bfloat16", 64, 4, "host params"),
+    # tpu-v4's compiler aborts the process on host-resident stacked state of
+    # these models (docs/design-notes.md); `test_report.py` compiles offload_all
+    # for it at width 16.
+    ("tpu-v4", "mlp", "float32", 128, 2, "remat"),
+]
+
+
+@pytest.mark.parametrize("target, arch, dtype, width, depth, policy", CASES)
+def test_train_step_compiles_for_tpu(
+    target, arch, dtype, width, depth, policy, monkeypatch
+):
+    # Small enough leaves of the dict model are streamed in blocks of rows too.
+    monkeypatch.setattr(_streaming, "PIECE_BYTES", 32 * 1024)
+    result = cm.compile_case(arch, width, depth, cm.DTYPES[dtype], policy, target)
+    assert result.outcome == "compiles", result.message
+
+
+def test_row_blocks_are_streamed_in_the_dict_case(monkeypatch):
+    monkeypatch.setattr(_streaming, "PIECE_BYTES", 32 * 1024)
+    leaf = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)  # 128 KiB: 4 blocks
+    assert _streaming.pieces(leaf, None, 0)[1:] == (4, 64)
+
+
+def test_a_step_the_compiler_rejects_names_the_leaves_and_a_way_out():
+    # Width 97: the compiler lays the (layers, 388, 97) weights out with the layer
+    # axis inside a tile, and cannot slice that layout on the host, by hand too.
+    model, loss, batch = cm.case("mlp", 97, 4, jnp.float32)
+    optimizer = optax.adam(1e-3)
+
+    def report(policy):
+        placed = eo.place(model, policy)
+        opt_state = eo.init_opt_state(optimizer, placed, policy)
+        step = eo.train_step(loss, optimizer, policy)
+        return eo.memory_report(step, placed, opt_state, *batch, target="tpu-v5e")
+
+    with pytest.raises(eo.DoesNotCompile) as info:
+        report(eo.Policy.offload_all())
+    message = str(info.value)
+    assert "'blocks.mlp.layers[0].weight' (float32[4, 388, 97])" in message
+    assert "'blocks.mlp.layers[1].weight' (float32[4, 97, 388])" in message
+    assert "'blocks.norm.weight'" not in message  # it compiles alone
+    # The way out, as written in the message, compiles.
+    found = re.search(r"`(params=.*)`\.", message)
+    assert found is not None
+    fields = eval(f"dict({found[1]})")
+    r = report(eo.Policy.offload_all(**fields))
+    assert r.params is not None and r.params["device"] > r.params["pinned_host"] > 0
+
+
+def test_tiling_rules():
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    assert not _tiling.slices_by_layer((4,), f32)  # one element per layer
+    assert _tiling.slices_by_layer((4, 97), f32)
+    assert not _tiling.slices_by_layer((4, 128), bf16)  # one packed row per layer
+    assert _tiling.slices_by_layer((4, 128, 128), bf16)
+    mib = 2**20
+    assert _tiling.row_blocks((4096, 1024), f32, 4 * mib) == 4  # 1024 rows each
+    assert _tiling.row_blocks((4096, 1000), f32, 4 * mib) == 1  # lanes not whole
+    assert _tiling.row_blocks((40, 1024), bf16, 8 * 1024) == 1  # 16-row tiles
+    assert _tiling.row_blocks((48, 1024), bf16, 8 * 1024) == 3
+    assert _tiling.row_blocks((6, 64, 128), f32, 64 * 1024) == 3  # any rows
