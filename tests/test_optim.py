@@ -6,7 +6,7 @@ import pytest
 
 import eqx_offload as eo
 
-from .helpers import memory_kind, Model, same_place
+from .helpers import batches, cross_entropy, memory_kind, Model, same_place
 
 
 @pytest.mark.parametrize("kind", ["device", "pinned_host"])
@@ -66,3 +66,22 @@ def test_kind_missing_on_backend(monkeypatch, getkey):
             Model(key=getkey()),
             eo.Policy.remat(opt_state="pinned_host"),
         )
+
+
+def test_opt_state_patterns_place_each_parameters_state(getkey):
+    policy = eo.Policy.remat(opt_state={"blocks": "pinned_host"})
+    optimizer = optax.adam(1e-3)
+    model = eo.place(Model(key=getkey()), policy)
+    state = eo.init_opt_state(optimizer, model, policy)
+    mu = state[0].mu
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(mu.blocks)} == {
+        "pinned_host"
+    }
+    assert mu.embed.weight.sharding.memory_kind == "device"
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    _, new_state, _ = step(model, state, *next(batches()))
+    assert new_state[0].mu.blocks.layers.mlp.layers[0].weight.sharding.memory_kind == (
+        "pinned_host"
+    )
+    with pytest.raises(ValueError, match=r"'blokcs' match no leaf"):
+        eo.init_opt_state(optimizer, model, eo.Policy(opt_state={"blokcs": "device"}))

@@ -323,3 +323,39 @@ def test_host_state_is_updated_in_place_on_a_tpu(getkey):
 def test_update_must_be_known():
     with pytest.raises(ValueError, match=r"Policy\(update='stream'\)"):
         eo.Policy(update="stream")  # pyright: ignore[reportArgumentType]
+
+
+def test_bfloat16_layers_stream_and_match_the_device_step(getkey):
+    # A bfloat16 stacked bias or LayerNorm scale (one packed row per layer) cannot
+    # be sliced on the host by a TPU: it goes to the device whole, and is updated
+    # whole; the rest streams. The result is the plain step's.
+    model = jax.tree.map(
+        lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x,
+        Model(key=getkey()),
+    )
+    results = []
+    for policy in (eo.Policy.none(), eo.Policy.offload_all()):
+        # A copy: `place` keeps the caller's buffers where nothing moves, and the
+        # step donates them.
+        copy = jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, model)
+        placed = eo.place(copy, policy)
+        optimizer = optax.sgd(0.1)
+        opt_state = eo.init_opt_state(optimizer, placed, policy)
+        step = eo.train_step(cross_entropy, optimizer, policy)
+        data = batches()
+        for _ in range(2):
+            placed, opt_state, loss = step(placed, opt_state, *next(data))
+        results.append(placed)
+    bias = results[1].blocks.layers.norm1.weight
+    assert bias.dtype == jnp.bfloat16 and bias.sharding.memory_kind == "pinned_host"
+    assert_close(*[eqx.filter(r, eqx.is_array) for r in results], rtol=1e-2, atol=1e-2)
+
+
+def test_each_leafs_transfers_are_named_after_it(getkey):
+    step = eo.train_step(cross_entropy, optax.adam(1e-3), eo.Policy.offload_all())
+    model = eo.place(Model(depth=4, key=getkey()), eo.Policy.offload_all())
+    opt_state = eo.init_opt_state(optax.adam(1e-3), model, eo.Policy.offload_all())
+    dynamic, statics = step.split(model, opt_state, *next(batches()))
+    text = step.jitted.trace(*dynamic, statics).lower().as_text(debug_info=True)
+    for name in ("blocks.mlp.layers[0].weight", "opt_state.blocks.attn"):
+        assert name in text
