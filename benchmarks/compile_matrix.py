@@ -136,28 +136,24 @@ def case(arch: str, width: int, depth: int, dtype: Any) -> tuple[Any, Any, tuple
     return cast(eqx.filter_eval_shape(make), dtype), regression_loss, (x,)
 
 
-POLICIES = {
-    "none": lambda: eo.Policy.none(),
-    "remat": lambda: eo.Policy.remat(),
-    "offload_residuals": lambda: eo.Policy.offload_residuals(),
-    "offload_all": lambda: eo.Policy.offload_all(),
-    "host params": lambda: eo.Policy.remat(params={"blocks": "pinned_host"}),
-    "host state": lambda: eo.Policy.offload_residuals(opt_state="pinned_host"),
+# name -> (preset, overrides)
+POLICIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "none": ("none", {}),
+    "remat": ("remat", {}),
+    "offload_residuals": ("offload_residuals", {}),
+    "offload_all": ("offload_all", {}),
+    "host params": ("remat", {"params": {"blocks": "pinned_host"}}),
+    "host state": ("offload_residuals", {"opt_state": "pinned_host"}),
 }
 
 
 def policy_for(arch: str, name: str) -> eo.Policy:
-    policy = POLICIES[name]()
+    preset, overrides = POLICIES[name]
     if arch == "dict":  # no `Stacked`: no checkpoint name, no "blocks"
-        params = "pinned_host" if policy.params is not None else None
-        policy = eo.Policy(
-            params=params,
-            save=policy.save,
-            offload=(),
-            opt_state=policy.opt_state,
-            update=policy.update,
-        )
-    return policy
+        overrides = dict(overrides, offload=())
+        if "params" in overrides or preset == "offload_all":
+            overrides["params"] = "pinned_host"
+    return getattr(eo.Policy, preset)(**overrides)
 
 
 class Result(NamedTuple):
