@@ -10,7 +10,7 @@ when it and its optimizer state stay on the device.
 """
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -103,7 +103,7 @@ def rejected(leaves: Sequence[Streamed], mesh: Mesh) -> list[Rejected]:
     return out
 
 
-def _with_device(spec: ParamsSpec, paths: list[str], default: str) -> dict[str, str]:
+def _with_device(spec: ParamsSpec, paths: list[str]) -> dict[str, str]:
     """`spec` as a mapping, plus `path: "device"` for each path."""
     if spec is None:
         items: dict[str, str] = {}
@@ -111,16 +111,13 @@ def _with_device(spec: ParamsSpec, paths: list[str], default: str) -> dict[str, 
         items = {"**": spec}
     else:
         items = dict(spec)
-    if not items and default != "device":
-        items["**"] = default
     return items | {p: "device" for p in paths}
 
 
 def way_out(params: ParamsSpec, opt_state: ParamsSpec, paths: list[str]) -> str:
     """The `Policy` fields that keep `paths` and their optimizer state on the
     device, as the user would write them."""
-    p = _with_device(params, paths, "device")
-    s = _with_device(opt_state, paths, "device")
+    p, s = _with_device(params, paths), _with_device(opt_state, paths)
     return f"`params={p!r}, opt_state={s!r}`"
 
 
@@ -136,23 +133,24 @@ def explain(
     message: str,
     leaves: Sequence[Streamed],
     mesh: Mesh,
-    policy_fields: Callable[[], tuple[ParamsSpec, ParamsSpec]],
+    params: ParamsSpec,
+    opt_state: ParamsSpec,
 ) -> str:
     """The error text for a step the compiler rejected: the leaves that fail alone
     and a way out, or (if none does) the leaves its message names."""
     bad = rejected(leaves, mesh)
     if bad:
-        paths = list(dict.fromkeys(r.leaf.path for r in bad))
+        first = {r.leaf.path: r for r in bad}  # a parameter, or its state
+        paths = list(first)
         lines = [
             f"{what}: the compiler rejected it ({_first_line(message)}). Compiled "
             "alone, streaming these host-resident leaves from the host fails:"
         ]
-        for r in {r.leaf.path: r for r in bad}.values():
+        for r in first.values():
             dtype = jnp.dtype(r.leaf.dtype).name
             lines.append(
                 f"  - {r.leaf.path!r} ({dtype}{list(r.leaf.shape)}): {r.message}"
             )
-        params, opt_state = policy_fields()
         lines.append(
             "Keep them and their optimizer state on the device: in the `Policy`, "
             f"{way_out(params, opt_state, paths)}. (docs/design-notes.md: what the "

@@ -257,14 +257,15 @@ def streamed_leaves(
     params = trainable(model)
     leaves = _paths.leaves(params)
     out = []
-    rows: list[int | None] = []
+    rows: list[int | None] = []  # rows per piece in the update, None: whole
     for i, leaf in enumerate(leaves):
         x = leaf.value
         layers = x.shape[0] if leaf.stacked is not None else None
-        _, pieces, n = _streaming.pieces(x, layers, i)
-        rows.append(n if pieces > 1 else None)
+        cut = _streaming.pieces(x, layers, i)
+        rows.append(None if cut is None else cut[2])
         sliced = layers is not None and _tiling.slices_by_layer(x.shape, x.dtype)
-        if kind_of(x) == "pinned_host" and (sliced or pieces > 1):
+        n = 1 if sliced else rows[-1]
+        if kind_of(x) == "pinned_host" and n is not None:
             out.append(
                 _diagnose.Streamed(leaf.path, tuple(x.shape), x.dtype, n, sliced)
             )

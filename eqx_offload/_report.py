@@ -13,11 +13,9 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from . import _diagnose, _residuals
+from . import _residuals
 from ._diagnose import DoesNotCompile
 from ._memory_kinds import is_arraylike, kind_of
-from ._optim import streamed_leaves
-from ._policy import Policy
 from ._targets import abstract, chip_mesh, HBM_BYTES, TargetArg
 from ._train_step import _TrainStep, join, split
 from ._transform import _OffloadWrapper, filter_offload
@@ -214,8 +212,8 @@ class _Plan(NamedTuple):
     params: Any = None
     opt_state: Any = None
     residuals: Callable[[], tuple[ResidualRow, ...]] | None = None
-    streamed: Callable[[], list[_diagnose.Streamed]] | None = None
-    policy: Policy | None = None
+    # (what, compiler message, mesh) -> the error naming the leaves at fault
+    rejected: Callable[[str, str, Any], DoesNotCompile] | None = None
 
 
 def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
@@ -246,8 +244,9 @@ def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
         model,
         opt_state,
         residuals,
-        lambda: streamed_leaves(step.optimizer, model, opt_state),
-        step.policy,
+        lambda what, message, mesh: step.rejected(
+            what, message, mesh, model, opt_state
+        ),
     )
 
 
@@ -372,17 +371,9 @@ def memory_report(
                 f"chip; the compiler says: {str(e).rstrip('.')}. Use a policy that "
                 "offloads more, or a chip with more memory."
             ) from e
-        if mesh is not None and plan.streamed is not None and plan.policy:
-            policy = plan.policy
-            raise DoesNotCompile(
-                _diagnose.explain(
-                    f"`memory_report`: {what}, compiled for {where}",
-                    str(e),
-                    plan.streamed(),
-                    mesh,
-                    lambda: (policy.params, policy.opt_state),
-                )
-            ) from e
+        if mesh is not None and plan.rejected is not None:
+            what = f"`memory_report`: {what}, compiled for {where}"
+            raise plan.rejected(what, str(e), mesh) from e
         raise DoesNotCompile(
             f"`memory_report`: the {where} compiler rejected {what}: {e}"
         ) from e

@@ -17,6 +17,7 @@ compiler message about one of them names its leaf.
 """
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -86,8 +87,9 @@ def update(
     for position, leaf in enumerate(leaf_of):
         if leaf is None:
             continue
-        key, count, rows = pieces(p_leaves[leaf], stacked[leaf], leaf)
-        if count > 1:
+        cut = pieces(p_leaves[leaf], stacked[leaf], leaf)
+        if cut is not None:
+            key, count, rows = cut
             group = groups.setdefault(key, _Group(key, count, rows))
             group.inputs.append(position)
     group_of = [None] * len(inputs)
@@ -144,21 +146,20 @@ def update(
     )
 
 
-def pieces(leaf: Any, layers: int | None, index: int) -> tuple[Any, int, int]:
-    """How a trainable leaf is streamed: `(group key, pieces, rows per piece)`. One
-    piece per layer of its `Stacked`, or blocks of rows of at most `PIECE_BYTES`
-    for a large leaf; one piece (updated whole) where `_tiling` says the TPU
-    compiler cannot cut it."""
+def pieces(leaf: Any, layers: int | None, index: int) -> tuple[Any, int, int] | None:
+    """How a trainable leaf is streamed: `(group key, pieces, rows per piece)`, or
+    None if it is updated whole. One piece per layer of its `Stacked`, or blocks of
+    rows of at most `PIECE_BYTES` for a large leaf, where `_tiling` says the TPU
+    compiler can cut it that way."""
     shape = tuple(leaf.shape)
     if layers is not None:
         if layers > 1 and _tiling.slices_by_layer(shape, leaf.dtype):
             return ("stacked", layers), layers, 1
-        return None, 1, shape[0] if shape else 1
-    nbytes = leaf.size * leaf.dtype.itemsize if hasattr(leaf, "size") else 0
-    if not shape or nbytes < 2 * PIECE_BYTES:
-        return None, 1, shape[0] if shape else 1
-    pieces = _tiling.row_blocks(shape, leaf.dtype, PIECE_BYTES)
-    return ("leaf", index), pieces, shape[0] // pieces
+        return None
+    if math.prod(shape) * leaf.dtype.itemsize < 2 * PIECE_BYTES:
+        return None
+    count = _tiling.row_blocks(shape, leaf.dtype, PIECE_BYTES)
+    return (("leaf", index), count, shape[0] // count) if count > 1 else None
 
 
 def _execute(

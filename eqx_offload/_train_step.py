@@ -129,18 +129,23 @@ class _TrainStep(eqx.Module):
             # (`_diagnose.py`): name the leaves and the way out.
             if jax.default_backend() != "tpu" or "RESOURCE_EXHAUSTED" in str(e):
                 raise
-            policy = self.policy
-            raise DoesNotCompile(
-                _diagnose.explain(
-                    "`train_step`",
-                    str(e),
-                    _optim.streamed_leaves(self.optimizer, model, opt_state),
-                    Mesh(np.array(jax.devices()[:1]), ("chip",)),
-                    lambda: (policy.params, policy.opt_state),
-                )
-            ) from e
+            mesh = Mesh(np.array(jax.devices()[:1]), ("chip",))
+            raise self.rejected("`train_step`", str(e), mesh, model, opt_state) from e
         model_static, opt_static = statics[:2]
         return join(model_dynamic, model_static), join(opt_dynamic, opt_static), value
+
+    def rejected(
+        self, what: str, message: str, mesh: Mesh, model: PyTree, opt_state: PyTree
+    ) -> DoesNotCompile:
+        """The error for a step the compiler for `mesh` rejected with `message`:
+        the host-resident leaves it cannot stream, compiled alone, and a way out."""
+        leaves = _optim.streamed_leaves(self.optimizer, model, opt_state)
+        policy = self.policy
+        return DoesNotCompile(
+            _diagnose.explain(
+                what, message, leaves, mesh, policy.params, policy.opt_state
+            )
+        )
 
     def split(self, model: PyTree, opt_state: PyTree, *batch: Any) -> tuple:
         """The arguments of `jitted` (and `fun`): the array leaves of the model, the
