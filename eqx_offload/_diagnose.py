@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import _paths
+from . import _paths, _tiling
 from ._memory_kinds import ParamsSpec
 
 
@@ -54,11 +54,12 @@ def _probe(leaf: Streamed, mesh: Mesh) -> str | None:
 
     def update(w: Any, g: Any) -> Any:
         def body(w: Any, i: Any) -> tuple[Any, None]:
-            piece = jax.lax.dynamic_slice_in_dim(w, i * rows, rows)
-            step = jax.lax.dynamic_slice_in_dim(g, i * rows, rows)
-            new = jax.device_put(piece, Device) - jax.device_put(step, Device)
-            new = jax.device_put(new, Host)
-            return jax.lax.dynamic_update_slice_in_dim(w, new, i * rows, 0), None
+            def piece(x: Any) -> Any:
+                on_device = jax.device_put(_tiling.read(x, i, rows), Device)
+                return _tiling.lift(on_device, rows)
+
+            new = jax.device_put(_tiling.lower(piece(w) - piece(g), rows), Host)
+            return _tiling.write(w, new, i, rows), None
 
         return jax.lax.scan(body, w, jnp.arange(n))[0]
 

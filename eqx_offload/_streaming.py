@@ -347,10 +347,17 @@ def _scan_pieces(
             if isinstance(w_ref, int) and is_shared(w_ref):
                 known[p_ref] = env[w_ref]
 
+    def on_device(x: Any) -> Any:
+        return to_space(x, "device", "") if is_host(x) else x
+
     def piece_of(full: Any, index: Any, position: int) -> Any:
         with jax.named_scope(labels[position]):
-            x = jax.lax.dynamic_slice_in_dim(full, index * rows, rows)
-            return to_space(x, "device", "") if is_host(x) else x
+            return _tiling.lift(on_device(_tiling.read(full, index, rows)), rows)
+
+    def write(full: Any, value: Any, index: Any, kind: str | None) -> Any:
+        value = _tiling.lower(value, rows)
+        value = value if kind is None else to_space(value, kind, "")
+        return _tiling.write(full, value, index, rows)
 
     carried = [i for i in group.inputs if i in targets_of]
     streamed = [i for i in group.inputs if i not in targets_of]
@@ -368,16 +375,13 @@ def _scan_pieces(
         for r, kind, target in zip(piece_outs, kinds, targets_of):
             value = local[r] if isinstance(r, int) else r.value
             if target is None:
-                if rows == 1 and kind is not None:
-                    value = value[0]  # stacked by the scan into the whole leaf
+                if kind is not None:  # a layer: stacked by the scan into the leaf
+                    value = _tiling.lower(value, rows)
                 ys.append(value if kind is None else to_space(value, kind, ""))
                 continue
             k = carried.index(target)
             with jax.named_scope(labels[target]):
-                value = value if kind is None else to_space(value, kind, "")
-                fulls[k] = jax.lax.dynamic_update_slice_in_dim(
-                    fulls[k], value, index * rows, 0
-                )
+                fulls[k] = write(fulls[k], value, index, kind)
         return fulls, ys
 
     def loop(read_ahead: bool) -> Callable[[list, list], tuple[list, list]]:

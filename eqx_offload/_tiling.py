@@ -1,5 +1,5 @@
 """Which host-resident arrays a TPU compiler can move to the device a slice at a
-time: the shape rules behind streaming a `Stacked` layer by layer (in the forward
+time, and how to slice them: the shape rules behind streaming a `Stacked` layer by layer (in the forward
 and backward passes and in the optimizer update) and a large leaf block by block.
 
 XLA's TPU backend stores an array in tiles over its two minor dimensions: 8 rows
@@ -25,6 +25,7 @@ on every backend, so what the CPU runs is what a TPU compiles.
 import math
 from typing import Any
 
+import jax
 import numpy as np
 
 
@@ -61,3 +62,32 @@ def row_blocks(shape: tuple[int, ...], dtype: Any, max_bytes: int) -> int:
     fits = [d for d in range(2, rows + 1) if rows % d == 0 and (rows // d) % tile == 0]
     # The fewest blocks of at most `max_bytes`; failing that, the smallest blocks.
     return next((d for d in fits if d >= needed), fits[-1] if fits else 1)
+
+
+def read(full: Any, index: Any, rows: int) -> Any:
+    """Piece `index` of `full` (`rows` rows along axis 0), still in `full`'s memory.
+    One row (a layer) is read without its axis, `dynamic_index_in_dim`: read as a
+    `(1, ...)` slice from the host, the TPU compiler keeps more pieces on the device
+    (two more layers per Adam update loop in `benchmarks/optimizer.py`). Add the
+    axis back on the device (`lift`)."""
+    if rows == 1:
+        return jax.lax.dynamic_index_in_dim(full, index, keepdims=False)
+    return jax.lax.dynamic_slice_in_dim(full, index * rows, rows)
+
+
+def lift(piece: Any, rows: int) -> Any:
+    """A piece from `read`, moved to the device, with its row axis."""
+    return piece[None] if rows == 1 else piece
+
+
+def lower(piece: Any, rows: int) -> Any:
+    """A piece with its row axis, as `write` takes it (still on the device)."""
+    return piece[0] if rows == 1 else piece
+
+
+def write(full: Any, piece: Any, index: Any, rows: int) -> Any:
+    """`full` with piece `index` replaced by `piece` (from `lower`, in `full`'s
+    memory)."""
+    if rows == 1:
+        return jax.lax.dynamic_update_index_in_dim(full, piece, index, 0)
+    return jax.lax.dynamic_update_slice_in_dim(full, piece, index * rows, 0)

@@ -254,7 +254,7 @@ def test_one_layer_of_state_on_the_device_at_a_time(getkey):
     jaxpr, model, opt_state = update_jaxpr(eo.Policy.offload_all(), getkey())
     mu = opt_state[1][0].mu.blocks.layers
     stacked_shapes = {x.shape for x in jax.tree.leaves(mu)}
-    layer_shapes = {(1,) + s[1:] for s in stacked_shapes}
+    layer_shapes = {s[1:] for s in stacked_shapes}  # a layer, without its axis
     moved = set()
     for eqn in all_eqns(jaxpr):
         if eqn.primitive.name == "device_put":
