@@ -263,7 +263,7 @@ def streamed_leaves(
         layers = x.shape[0] if leaf.stacked is not None else None
         cut = _streaming.pieces(x, layers, i)
         rows.append(None if cut is None else cut[2])
-        sliced = layers is not None and _tiling.slices_by_layer(x.shape, x.dtype)
+        sliced = layers is not None and _tiling.slices_by_layer(x.shape)
         n = 1 if sliced else rows[-1]
         if kind_of(x) == "pinned_host" and n is not None:
             out.append(

@@ -296,9 +296,9 @@ def _map_arrays(fn: Callable[[Any], Any], tree: Any) -> Any:
 
 def _whole_to_device(x: Any) -> Any:
     """A host-resident stacked leaf that the TPU compiler cannot slice one layer at
-    a time on the host (`_tiling.slices_by_layer`: a per-layer scalar, a bfloat16
-    bias) goes to the device whole, before the scan; it is small."""
-    if eqx.is_array(x) and is_host(x) and not _tiling.slices_by_layer(x.shape, x.dtype):
+    a time on the host (`_tiling.slices_by_layer`: a per-layer scalar or vector,
+    such as a bias) goes to the device whole, before the scan; it is small."""
+    if eqx.is_array(x) and is_host(x) and not _tiling.slices_by_layer(x.shape):
         return jax.device_put(x, jax.memory.Space.Device)
     return x
 

@@ -153,7 +153,7 @@ def pieces(leaf: Any, layers: int | None, index: int) -> tuple[Any, int, int] | 
     compiler can cut it that way."""
     shape = tuple(leaf.shape)
     if layers is not None:
-        if layers > 1 and _tiling.slices_by_layer(shape, leaf.dtype):
+        if layers > 1 and _tiling.slices_by_layer(shape):
             return ("stacked", layers), layers, 1
         return None
     if math.prod(shape) * leaf.dtype.itemsize < 2 * PIECE_BYTES:

@@ -1,6 +1,7 @@
 """Which host-resident arrays a TPU compiler can move to the device a slice at a
-time, and how to slice them: the shape rules behind streaming a `Stacked` layer by layer (in the forward
-and backward passes and in the optimizer update) and a large leaf block by block.
+time, and how to slice them: the rules behind streaming a `Stacked` layer by layer
+(in the forward and backward passes and in the optimizer update) and a large leaf
+block by block.
 
 XLA's TPU backend stores an array in tiles over its two minor dimensions: 8 rows
 ("sublanes") by 128 columns ("lanes") for 32-bit types, with 2 (16-bit) or 4 (8-bit)
@@ -12,14 +13,18 @@ tiles along the major dimensions. Checked with libtpu 0.0.42 (`tpu-v5e`, `tpu-v6
   scalar): "Lane slice updating is not supported in async dynamic update slice";
 - one row per layer of a 16- or 8-bit type (a stacked bias or LayerNorm scale,
   `(layers, dim)` in bfloat16): "Sublane slicing size must be multiple of element
-  packing factor";
+  packing factor"; and on `tpu-v4`, one row per layer wider than 128 lanes in any
+  type (a `(layers, 256)` float32 bias), whose transfer is strided: libtpu aborts
+  the process ("Strided host DMA (non iova) is not supported");
 - blocks of rows of a 2-D leaf whose row count is not a multiple of the packed
   tile height, or whose last dimension is not a multiple of 128 (the compiler may
   then lay the array out transposed, making a row block a lane slice).
 
-The library never asks it to: such a stacked leaf is moved to the device whole
-where a step starts using it, and such a large leaf is updated whole. The rules hold
-on every backend, so what the CPU runs is what a TPU compiles.
+The library never asks it to: a stacked leaf with fewer than two dimensions per
+layer (they are small: biases, scales) is moved to the device whole where a step
+starts using it and updated whole, and a large leaf without such blocks is updated
+whole. The rules hold on every backend, so what the CPU runs is what a TPU
+compiles.
 """
 
 import math
@@ -38,14 +43,12 @@ def packing(dtype: Any) -> int:
     return max(1, 4 // np.dtype(dtype).itemsize)
 
 
-def slices_by_layer(shape: tuple[int, ...], dtype: Any) -> bool:
+def slices_by_layer(shape: tuple[int, ...]) -> bool:
     """Whether a stacked leaf (layers first) can be moved one layer at a time."""
-    per_layer = shape[1:]
-    if not per_layer:
-        return False  # a layer is one element: a lane slice
-    if len(per_layer) == 1 and packing(dtype) > 1:
-        return False  # a layer is one row, packed with its neighbour's
-    return True
+    # A layer of one element is a lane slice; a layer of one row is a sublane
+    # slice, which splits a packed sublane (16- and 8-bit types) and, wider than
+    # 128 lanes, is a strided transfer that `tpu-v4` cannot do.
+    return len(shape) >= 3
 
 
 def row_blocks(shape: tuple[int, ...], dtype: Any, max_bytes: int) -> int:

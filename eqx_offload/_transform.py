@@ -130,9 +130,7 @@ def _find_misuse(
             for i, w in used.items():
                 # A slice inside the scan, or (for a leaf the TPU compiler cannot
                 # slice on the host) the whole leaf, moved to the device by the scan.
-                whole_ok = not _tiling.slices_by_layer(
-                    w.leaf.value.shape, w.leaf.value.dtype
-                )
+                whole_ok = not _tiling.slices_by_layer(w.leaf.value.shape)
                 if (
                     not (w.is_slice or whole_ok)
                     or eqn.params["devices"][i] != jax.memory.Space.Device

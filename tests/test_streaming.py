@@ -253,7 +253,10 @@ def update_jaxpr(policy, key):
 def test_one_layer_of_state_on_the_device_at_a_time(getkey):
     jaxpr, model, opt_state = update_jaxpr(eo.Policy.offload_all(), getkey())
     mu = opt_state[1][0].mu.blocks.layers
-    stacked_shapes = {x.shape for x in jax.tree.leaves(mu)}
+    # Weights stream a layer at a time; biases and LayerNorm scales (one row per
+    # layer, which a TPU cannot slice from the host: `_tiling.py`) move whole.
+    stacked_shapes = {x.shape for x in jax.tree.leaves(mu) if x.ndim >= 3}
+    assert len(stacked_shapes) >= 3
     layer_shapes = {s[1:] for s in stacked_shapes}  # a layer, without its axis
     moved = set()
     for eqn in all_eqns(jaxpr):
