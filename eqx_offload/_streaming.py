@@ -359,8 +359,12 @@ def _scan_pieces(
         value = value if kind is None else to_space(value, kind, "")
         return _tiling.write(full, value, index, rows)
 
+    # Only the pieces the body computes with are read (a global norm's scan
+    # needs the gradients, not the moments).
+    refs = [r for n in wanted for r in piece.eqns[n].ins] + list(piece_outs)
+    used = {r for r in refs if isinstance(r, int)}
     carried = [i for i in group.inputs if i in targets_of]
-    streamed = [i for i in group.inputs if i not in targets_of]
+    streamed = [i for i in group.inputs if i not in targets_of and piece.ins[i] in used]
     kinds = out_kinds or [None] * len(piece_outs)
 
     def step(index: Any, others: list, current: list, fulls: list) -> tuple:
