@@ -1,6 +1,6 @@
 """Optimizer state: where it lives (`init_opt_state`) and how a step updates it."""
 
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 import equinox as eqx
 import jax
@@ -19,19 +19,40 @@ from ._memory_kinds import (
     to_space,
 )
 from ._placement import match_params, move
-from ._policy import Policy
+from ._policy import check_policy, Policy, PolicyArg
 from ._state_tree import map_state, state_owners
 
 
 # What `init_opt_state` and `train_step` accept. `optax.MultiSteps` is a class of its
 # own, not a `GradientTransformation`; it is used through the one it wraps itself in.
-Optimizer = optax.GradientTransformation | optax.MultiSteps
+if TYPE_CHECKING:
+    Optimizer = optax.GradientTransformation | optax.MultiSteps
+else:
+    # Anything at run time, so that a wrong argument (`optax.adamw` not called)
+    # meets `as_transformation`'s error even under a runtime type checker.
+    Optimizer = Any
 
 
-def as_transformation(optimizer: Optimizer) -> optax.GradientTransformation:
+def as_transformation(optimizer: Any, where: str) -> optax.GradientTransformation:
+    """The `GradientTransformation` an optimizer argument stands for, or a
+    `TypeError` naming the argument and the fix."""
     if isinstance(optimizer, optax.MultiSteps):
         return optimizer.gradient_transformation()
-    return optimizer
+    if isinstance(optimizer, optax.GradientTransformation):
+        return optimizer
+    hint = ""
+    name = getattr(optimizer, "__name__", None)
+    if callable(optimizer) and name is not None:
+        module = getattr(optimizer, "__module__", "") or ""
+        prefix = "optax." if module.startswith("optax") else ""
+        hint = (
+            f"; `{prefix}{name}` builds an optimizer: call it, e.g. "
+            f"`{prefix}{name}(learning_rate=3e-4)`"
+        )
+    raise TypeError(
+        f"{where} must be an `optax.GradientTransformation` (or `optax.MultiSteps`), "
+        f"got {type(optimizer).__name__} {optimizer!r}{hint}."
+    )
 
 
 def is_trainable(x: Any) -> bool:
@@ -109,7 +130,7 @@ def _state_device_sharding(params: PyTree) -> Any:
     return SingleDeviceSharding(jax.devices()[0])
 
 
-def init_opt_state(optimizer: Optimizer, model: PyTree, policy: Policy) -> PyTree:
+def init_opt_state(optimizer: Optimizer, model: PyTree, policy: PolicyArg) -> PyTree:
     """Initialises `optimizer` for `model`'s trainable leaves and puts the state where
     `policy.opt_state` says.
 
@@ -137,7 +158,8 @@ def init_opt_state(optimizer: Optimizer, model: PyTree, policy: Policy) -> PyTre
         opt_state = eo.init_opt_state(optax.adamw(3e-4), model, policy)
         ```
     """
-    optimizer = as_transformation(optimizer)
+    optimizer = as_transformation(optimizer, "`init_opt_state(optimizer=...)`")
+    check_policy(policy, "`init_opt_state(policy=...)`")
     params = trainable(model)
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves(params)):
         state = jax.eval_shape(optimizer.init, params)
@@ -145,8 +167,71 @@ def init_opt_state(optimizer: Optimizer, model: PyTree, policy: Policy) -> PyTre
         # Eager ops on host-resident arrays fail ("Memory kind mismatch"); jitted
         # ones work, and return the state on the default device.
         state = jax.jit(optimizer.init)(params)
+    return _place_state(
+        optimizer, state, params, policy, "`eqx_offload.init_opt_state`"
+    )
+
+
+def place_opt_state(
+    optimizer: Optimizer, opt_state: PyTree, model: PyTree, policy: PolicyArg
+) -> PyTree:
+    """Moves an existing optimizer state where `init_opt_state` would have put it,
+    keeping its values.
+
+    Use it for a state restored or built by hand, or made for another policy.
+    `eqx_offload.place(opt_state, policy)` is not the same: it does not know which
+    leaves are step counts (they stay on the device) and would move them to the
+    host with the rest; and a fresh `init_opt_state` would restart the optimizer
+    (Adam's moments at zero).
+
+    The parameter-shaped state (Adam's moments, momentum, ...) goes to
+    `policy.opt_state` with each parameter's sharding; the rest (step counts) to
+    the device, replicated over the parameters' devices. Leaves already in place
+    are not copied. Abstract leaves (`jax.ShapeDtypeStruct`s) get the memory kind
+    and sharding in their `sharding`, and nothing is allocated.
+
+    **Arguments:**
+
+    - `optimizer`: the `optax.GradientTransformation` (or `optax.MultiSteps`) the
+        state belongs to.
+    - `opt_state`: its state, with the structure of `optimizer.init(params)`.
+    - `model`: the model, placed where `policy` puts it (or abstract).
+    - `policy`: an `eqx_offload.Policy`.
+
+    **Returns:**
+
+    The optimizer state with every array leaf in its memory kind and sharding,
+    ready for `eqx_offload.train_step`.
+
+    !!! Example
+
+        ```python
+        policy = eo.Policy.offload_all()
+        model = eo.place(model, policy)
+        opt_state = eo.place_opt_state(optimizer, opt_state, model, policy)
+        ```
+    """
+    optimizer = as_transformation(optimizer, "`place_opt_state(optimizer=...)`")
+    check_policy(policy, "`place_opt_state(policy=...)`")
+    return _place_state(
+        optimizer,
+        opt_state,
+        trainable(model),
+        policy,
+        "`eqx_offload.place_opt_state`",
+    )
+
+
+def _place_state(
+    optimizer: optax.GradientTransformation,
+    state: PyTree,
+    params: PyTree,
+    policy: Policy,
+    where: str,
+) -> PyTree:
+    """Every array leaf of `state` in the kind and sharding `init_opt_state` gives."""
     device = _state_device_sharding(params)
-    kinds = param_state_kinds(policy.opt_state, params)
+    kinds = param_state_kinds(policy.opt_state, params, where)
 
     def like_param(s: Any, p: Any, kind: _Kind) -> Any:
         """Parameter-shaped state takes its parameter's sharding, in its kind."""
@@ -177,8 +262,11 @@ def check_state(
         if kind_of(leaf.value) != kind:
             raise ValueError(
                 f"`train_step`: optimizer state leaf {leaf.path!r} is in "
-                f"{kind_of(leaf.value)!r} but the policy puts it in {kind!r}; create "
-                "the state with `eqx_offload.init_opt_state(optimizer, model, policy)`."
+                f"{kind_of(leaf.value)!r} but the policy puts it in {kind!r}; move it "
+                "there, keeping its values, with `opt_state = "
+                "eqx_offload.place_opt_state(optimizer, opt_state, model, policy)` "
+                "(`eqx_offload.place` would move the step count to the host too, and "
+                "a fresh `init_opt_state` would restart the optimizer)."
             )
     return kinds
 

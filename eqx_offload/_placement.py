@@ -19,7 +19,7 @@ from ._memory_kinds import (
     ParamsSpec,
     to_space,
 )
-from ._policy import Policy
+from ._policy import check_policy, PolicyArg
 
 
 _T = TypeVar("_T")
@@ -166,7 +166,7 @@ def move_leaves(tree: _T, kinds: list[tuple[_paths.Leaf, str]]) -> _T:
     return jax.tree.unflatten(treedef, out)
 
 
-def place(tree: PyTree, policy: Policy | None = None) -> PyTree:
+def place(tree: PyTree, policy: PolicyArg | None = None) -> PyTree:
     """Moves every array leaf of `tree` to the memory kind it should live in.
 
     The kind of each leaf comes from, highest first: `policy.params`; the innermost
@@ -191,6 +191,15 @@ def place(tree: PyTree, policy: Policy | None = None) -> PyTree:
     `ValueError` if a kind is unknown or the backend lacks it (naming the leaf), or if
     a `Policy(params=...)` pattern matches no leaf.
 
+    !!! Warning "Placing does not copy what is already in place"
+
+        A leaf already in its memory kind comes back as the same buffer; only
+        moved leaves are copies. `eqx_offload.train_step` donates the model and
+        the optimizer state, so after the first step the placed model *and* the
+        leaves of the original that did not move are deleted (a later use is an
+        error naming the leaf). Keep using what the step returns; to keep the
+        original, copy it first: `jax.tree.map(jnp.copy, model)`.
+
     !!! Example
 
         ```python
@@ -198,5 +207,7 @@ def place(tree: PyTree, policy: Policy | None = None) -> PyTree:
         model.blocks.layers.mlp.weight.sharding.memory_kind  # 'pinned_host'
         ```
     """
+    if policy is not None:
+        check_policy(policy, "`place(tree, policy)`")
     params = None if policy is None else policy.params
     return move_leaves(tree, resolve(tree, params))

@@ -227,3 +227,32 @@ class Policy(eqx.Module):
                 **overrides,
             }
         )
+
+
+if TYPE_CHECKING:
+    PolicyArg = Policy
+else:
+    # Anything at run time, so that a wrong argument (a preset's name, a preset not
+    # called) meets `check_policy`'s error even under a runtime type checker.
+    PolicyArg = Any
+
+PRESETS = ("none", "remat", "offload_residuals", "offload_all")
+
+
+def check_policy(policy: Any, where: str) -> None:
+    """Raises a `TypeError` naming the argument and the fix unless `policy` is a
+    `Policy`."""
+    if isinstance(policy, Policy):
+        return
+    hint = ""
+    if isinstance(policy, str) and policy in PRESETS:
+        hint = f"; for the preset, write `eqx_offload.Policy.{policy}()`"
+    elif getattr(policy, "__self__", None) is Policy:
+        name = getattr(policy, "__name__", "")
+        hint = f"; call the preset: `eqx_offload.Policy.{name}()`"
+    elif isinstance(policy, str):
+        hint = f"; the presets are {_paths.quoted(f'Policy.{p}()' for p in PRESETS)}"
+    raise TypeError(
+        f"{where} must be an `eqx_offload.Policy`, got {type(policy).__name__} "
+        f"{policy!r}{hint}."
+    )

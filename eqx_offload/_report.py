@@ -32,7 +32,70 @@ _KINDS = ("device", "pinned_host")
 
 class DoesNotFit(ValueError):
     """Raised by `memory_report` when the compiler finds the program too big for the
-    target's memory; the message gives the compiler's numbers."""
+    target's memory. The message gives the compiler's numbers and what is known
+    without compiling; so do the attributes:
+
+    - `target`: what it was compiled for (`"tpu-v5e"`, ...).
+    - `required_bytes`, `available_bytes`: the compiler's figures (`None` if its
+        message had none).
+    - `params`, `opt_state`: bytes of parameters and optimizer state by memory kind
+        (`train_step` and `filter_offload` objects; `None` otherwise).
+    - `residuals`: bytes saved for the backward pass by checkpoint name and memory
+        kind, as traced (`None` when not a `train_step`/`filter_offload`).
+    - `arguments`: bytes of each argument by memory kind.
+    - `compiler_message`: the compiler's own words.
+    """
+
+    target: str
+    required_bytes: int | None
+    available_bytes: int | None
+    params: dict[str, int] | None
+    opt_state: dict[str, int] | None
+    residuals: tuple["ResidualRow", ...] | None
+    arguments: dict[str, dict[str, int]]
+    compiler_message: str
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        target: str,
+        compiler_message: str,
+        arguments: dict[str, dict[str, int]],
+        params: dict[str, int] | None = None,
+        opt_state: dict[str, int] | None = None,
+        residuals: tuple["ResidualRow", ...] | None = None,
+    ):
+        super().__init__(message)
+        self.target = target
+        self.compiler_message = compiler_message
+        self.required_bytes, self.available_bytes = _compiler_sizes(compiler_message)
+        self.arguments = arguments
+        self.params = params
+        self.opt_state = opt_state
+        self.residuals = residuals
+
+
+_SIZE = r"([0-9.]+)\s*([KMGT]?)i?B?"
+
+
+def _compiler_sizes(message: str) -> tuple[int | None, int | None]:
+    """The required and available bytes in a TPU compiler's out-of-memory message
+    ("... required for HLO temporaries (20.00G) exceeds available HBM (15.75G)",
+    or "Used 20.00G of 15.75G hbm")."""
+
+    def nbytes(number: str, unit: str) -> int:
+        return int(float(number) * 1024 ** "_KMGT".index(unit or "_"))
+
+    used = re.search(rf"Used {_SIZE} of {_SIZE} hbm", message)
+    if used:
+        return nbytes(*used.group(1, 2)), nbytes(*used.group(3, 4))
+    required = re.search(rf"required for [^(]*\({_SIZE}\)", message)
+    available = re.search(rf"available HBM \({_SIZE}\)", message)
+    return (
+        nbytes(*required.group(1, 2)) if required else None,
+        nbytes(*available.group(1, 2)) if available else None,
+    )
 
 
 class ResidualRow(NamedTuple):
@@ -53,8 +116,9 @@ class MemoryReport(eqx.Module):
     - `residuals`: bytes saved for the backward pass, by checkpoint name and memory
         kind, as traced (`train_step` and `filter_offload` objects; `None`
         otherwise). The compiler may still place a small residual elsewhere.
-    - `capacity`, `fits`: the device memory of one chip of the target (nominal HBM)
-        and whether the device footprint fits in it; `None` on the CPU.
+    - `capacity`, `fits`: the device memory the compiler lets a program use on one
+        chip of the target (15.75 GiB of a v5e's 16) and whether the device
+        footprint fits in it; `None` on the CPU.
     - `arguments`: bytes of each argument by memory kind.
     - `estimate`: `True` on the CPU backend, whose compiler does not tell host from
         device memory: the split there follows the leaves' memory kinds, and
@@ -366,11 +430,7 @@ def memory_report(
         stats = lowered.compile().memory_analysis()
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" in str(e):
-            raise DoesNotFit(
-                f"`memory_report`: {what} does not fit in the memory of one {where} "
-                f"chip; the compiler says: {str(e).rstrip('.')}. Use a policy that "
-                "offloads more, or a chip with more memory."
-            ) from e
+            raise _does_not_fit(plan, what, where, str(e)) from e
         if mesh is not None and plan.rejected is not None:
             what = f"`memory_report`: {what}, compiled for {where}"
             raise plan.rejected(what, str(e), mesh) from e
@@ -399,6 +459,49 @@ def memory_report(
         params=None if plan.params is None else bytes_by_kind(plan.params),
         opt_state=None if plan.opt_state is None else bytes_by_kind(plan.opt_state),
         residuals=None if plan.residuals is None else plan.residuals(),
+    )
+
+
+def _does_not_fit(plan: _Plan, what: str, where: str, message: str) -> DoesNotFit:
+    """The error for a program too big for `where`, with what is known of it
+    without compiling: its parameters, optimizer state and saved residuals."""
+    params = None if plan.params is None else bytes_by_kind(plan.params)
+    opt_state = None if plan.opt_state is None else bytes_by_kind(plan.opt_state)
+    residuals = None if plan.residuals is None else plan.residuals()
+    lines = [
+        f"`memory_report`: {what} does not fit in the memory of one {where} chip; "
+        f"the compiler says: {message.strip().rstrip('.')}.",
+        "What it holds, by memory kind (device / host):",
+    ]
+
+    def row(label: str, by_kind: dict[str, int]) -> None:
+        device, host = _size(by_kind.get("device", 0)), _size(_host(by_kind))
+        lines.append(f"  {label}: {device} / {host}")
+
+    if params is not None and opt_state is not None:
+        row("parameters", params)
+        row("optimizer state", opt_state)
+    else:
+        for name, by_kind in plan.arguments.items():
+            row(f"argument {name}", bytes_by_kind(by_kind))
+    if residuals is not None:
+        saved: dict[str, int] = defaultdict(int)
+        for r in residuals:
+            saved[r.memory_kind] += r.bytes
+        row("saved for the backward pass", saved)
+    lines.append(
+        "Use a policy that offloads more (`Policy.offload_all()`, host optimizer "
+        "state, offloaded residuals), smaller batches, or a chip with more memory; "
+        "the numbers are on the exception (`e.params`, `e.residuals`, ...)."
+    )
+    return DoesNotFit(
+        "\n".join(lines),
+        target=where,
+        compiler_message=message,
+        arguments={k: bytes_by_kind(v) for k, v in plan.arguments.items()},
+        params=params,
+        opt_state=opt_state,
+        residuals=residuals,
     )
 
 

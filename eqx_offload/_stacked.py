@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
@@ -75,6 +76,12 @@ class Stacked(eqx.Module, Generic[_Layer]):
                 "layers there are."
             )
         first_path, n = sizes[0]
+        if n == 0:
+            raise ValueError(
+                f"`Stacked(layers)` has no layers (leaf {first_path!r} has leading "
+                "axis 0, e.g. from `stacked[0:0]`); a `Stacked` needs at least one "
+                "layer: skip applying an empty range of layers instead."
+            )
         for path, size in sizes:
             if size is None or size != n:
                 raise ValueError(
@@ -149,18 +156,36 @@ class Stacked(eqx.Module, Generic[_Layer]):
         """`stacked[i]` is layer `i` (an instance of the layer's class);
         `stacked[i:j]` is a `Stacked` of those layers."""
         if isinstance(index, slice):
+            n = len(self)
+            if not range(n)[index]:
+                raise IndexError(
+                    f"`Stacked[{index.start}:{index.stop}]` selects no layers of {n}; "
+                    "a `Stacked` needs at least one: skip applying an empty range."
+                )
             part = Stacked(_map_arrays(lambda x: x[index], self.layers))
             return part if self._scan is None else configure(part, *self._scan)
-        n = len(self)
-        if not -n <= index < n:
-            raise IndexError(
-                f"`Stacked[{index}]`: layer index out of range for {n} layers."
-            )
-        index = index % n
-        return _map_arrays(lambda x: x[index], self.layers)
+        return self._layer(index, f"`{self._where()}[{index}]`")
 
     def __iter__(self) -> Iterator[_Layer]:
-        return (self[i] for i in range(len(self)))
+        """The layers, one at a time (each an instance of the layer's class).
+
+        Inside `filter_offload` (and `train_step`), iterating bypasses the scan:
+        host-resident layers are an error, and under a policy that asks for
+        rematerialisation or offloading a warning says that none applies."""
+        how = f"`for layer in {self._where()}`"
+        return (self._layer(i, how) for i in range(len(self)))
+
+    def _where(self) -> str:
+        return "stacked" if self._scan is None else (self._scan.path or "stacked")
+
+    def _layer(self, index: int, how: str) -> Any:
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"{how}: layer index out of range for {n} layers.")
+        if self._scan is not None:
+            _check_bypass(self._scan, self.layers, how)
+        index = index % n
+        return _map_arrays(lambda x: x[index], self.layers)
 
     def __call__(
         self, x: PyTree, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
@@ -182,8 +207,11 @@ class Stacked(eqx.Module, Generic[_Layer]):
 
         def apply(layer: Any, carry: PyTree, layer_key: PRNGKeyArray | None) -> tuple:
             if layer_key is None:
-                return layer(carry, *args, **kwargs), None
-            return layer(carry, *args, key=layer_key, **kwargs), None
+                out = layer(carry, *args, **kwargs)
+            else:
+                out = layer(carry, *args, key=layer_key, **kwargs)
+            _check_carry(carry, out)
+            return out, None
 
         keys = None if key is None else jax.random.split(key, len(self))
         return self.scan(apply, x, keys)[0]
@@ -223,6 +251,66 @@ class Stacked(eqx.Module, Generic[_Layer]):
         else:
             body = _plain_body(f, static)
         return jax.lax.scan(body, carry, (dynamic, xs), length=len(self))
+
+
+def _check_carry(carry: PyTree, out: PyTree) -> None:
+    """Raises if a layer applied by `Stacked.__call__` returns something other than
+    a carry like the one it took (e.g. `(x, cache)`)."""
+    same = jtu.tree_structure(carry) == jtu.tree_structure(out) and all(
+        jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) == jnp.result_type(b)
+        for a, b in zip(jtu.tree_leaves(carry), jtu.tree_leaves(out))
+    )
+    if same:
+        return
+
+    def describe(tree: PyTree) -> str:
+        shapes = jtu.tree_map(
+            lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree
+        )
+        return str(shapes).replace("ShapeDtypeStruct", "")
+
+    raise TypeError(
+        "`Stacked.__call__` feeds each layer's output to the next, so a layer must "
+        f"return what it takes: it took {describe(carry)} and returned "
+        f"{describe(out)}. For layers that also return something of their own (a "
+        "KV cache, attention weights), use `stacked.scan`: `x, caches = "
+        "stacked.scan(lambda layer, x, _: layer(x), x)` returns the final carry and "
+        "the per-layer outputs stacked."
+    )
+
+
+def _check_bypass(config: _ScanConfig, layers: Any, how: str) -> None:
+    """A layer taken out of a configured `Stacked` (`stacked[i]`, iteration) is
+    applied outside its scan: an error for host-resident layers, which are moved to
+    the device only inside the scan; a warning when the policy asks for a
+    `jax.checkpoint` or offloading that then never happens."""
+    path, policy = config
+    host = [
+        _paths.join(path, leaf.path)
+        for leaf in _paths.leaves(layers)
+        if is_arraylike(leaf.value)
+        and not isinstance(leaf.value, jax.ShapeDtypeStruct)
+        and is_host(leaf.value)
+    ]
+    keep = f"`Policy(params={{{path!r}: 'device'}})`"
+    if host:
+        raise ValueError(
+            f"{how}: the layers of the `Stacked` at {path!r} are host-resident "
+            f"({_paths.quoted(host, 3)}); they are moved to the device one at a "
+            "time only inside its scan, so a layer taken out of it cannot be computed "
+            f"with. Apply the layers with `{path}(x)` or `{path}.scan(f, carry)`, or "
+            f"keep them on the device with {keep}."
+        )
+    if policy.save != "all":
+        warnings.warn(
+            f"{how} takes layers out of the `Stacked` at {path!r} and applies them "
+            "outside its scan, so the policy's `jax.checkpoint` (and any offloading "
+            "of their activations) does not apply to them: every layer's "
+            "activations stay on the device. Apply the layers with "
+            f"`{path}(x)` or `{path}.scan(f, carry)`.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def configure(stacked: Stacked, path: str, policy: Policy) -> Stacked:

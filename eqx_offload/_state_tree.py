@@ -10,6 +10,8 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import PyTree
 
+from . import _paths
+
 
 def _is_masked(x: Any) -> bool:
     return isinstance(x, optax.MaskedNode)
@@ -23,7 +25,13 @@ def map_state(
     *params: PyTree,
 ) -> PyTree:
     """`on_params(state_leaf, *param_leaves)` on every parameter-shaped part of the
-    state (skipping `optax.masked`'s holes), `on_others(leaf)` on the rest."""
+    state (skipping `optax.masked`'s holes), `on_others(leaf)` on the rest.
+
+    The parameter-shaped parts are found with `optax.tree_utils.tree_map_params`,
+    which calls `optimizer.init` on a placeholder. An `init` that looks inside its
+    argument (a `multi_transform` whose labels come from `eqx.tree_at`, an `init`
+    that computes on the parameters) fails on the placeholder; the parts are then
+    the subtrees of the state with the parameters' structure."""
 
     def params_leaf(s: Any, *p: Any) -> Any:
         return s if _is_masked(s) else on_params(s, *p)
@@ -37,13 +45,66 @@ def map_state(
             transform_non_params=lambda v: jtu.tree_map(on_others, v),
             is_leaf=_is_masked,
         )
-    except Exception as e:
+    except Exception:
+        pass
+    structure = jtu.tree_structure(params[0])
+    single = jtu.treedef_is_leaf(structure) and structure.num_leaves == 1
+
+    def like_params(x: Any) -> bool:
+        if single:  # a lone array: only a state leaf of its shape mirrors it
+            return _is_arraylike(x) and x.shape == params[0].shape
+        return jtu.tree_structure(x, is_leaf=_is_masked) == structure
+
+    def visit(x: Any) -> Any:
+        if like_params(x):
+            return jtu.tree_map(params_leaf, x, *params, is_leaf=_is_masked)
+        return on_others(x)
+
+    return jtu.tree_map(visit, opt_state, is_leaf=like_params)
+
+
+def check_matches(
+    optimizer: optax.GradientTransformation,
+    opt_state: PyTree,
+    params: PyTree,
+    where: str,
+) -> None:
+    """Raises, naming the first leaf that differs, if `opt_state` does not have the
+    structure and shapes `optimizer.init(params)` gives (a state built for a model
+    of another depth or width, or for another optimizer)."""
+    abstract = jtu.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    expected = jax.eval_shape(optimizer.init, abstract)
+    fix = (
+        "Build the state for this model with `eqx_offload.init_opt_state(optimizer, "
+        "model, policy)`, or restore it from a checkpoint of this model."
+    )
+    got_leaves = _paths.leaves(opt_state)
+    want_leaves = _paths.leaves(expected)
+    if jtu.tree_structure(opt_state) != jtu.tree_structure(expected):
+        got = {leaf.path for leaf in got_leaves}
+        want = {leaf.path for leaf in want_leaves}
+        detail = ""
+        if got - want:
+            detail = f" It has {sorted(got - want)[0]!r}, which the optimizer's lacks."
+        elif want - got:
+            detail = f" It lacks {sorted(want - got)[0]!r}."
         raise ValueError(
-            "`eqx_offload` could not find the parameter-shaped parts of this "
-            "optimizer state with `optax.tree_utils.tree_map_params` (its structure "
-            f"does not follow `optimizer.init(params)`: {e}). Build the state with "
-            "`eqx_offload.init_opt_state(optimizer, model, policy)`."
-        ) from e
+            f"{where}: the optimizer state does not have the structure "
+            f"`optimizer.init(model)` gives: it was built for another optimizer or "
+            f"model.{detail} {fix}"
+        )
+    for got, want in zip(got_leaves, want_leaves):
+        if _is_arraylike(got.value) and got.value.shape != want.value.shape:
+            raise ValueError(
+                f"{where}: optimizer state leaf {got.path!r} has shape "
+                f"{tuple(got.value.shape)} where `optimizer.init(model)` gives "
+                f"{tuple(want.value.shape)}: the state was built for another model "
+                f"(e.g. of another depth). {fix}"
+            )
+
+
+def _is_arraylike(x: Any) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 class _Index:
@@ -64,11 +125,8 @@ def state_owners(
         jtu.tree_structure(params), [_Index(i) for i in range(len(shapes))]
     )
 
-    def is_arraylike(s: Any) -> bool:
-        return eqx.is_array(s) or isinstance(s, jax.ShapeDtypeStruct)
-
     def mirrors(s: Any, i: _Index) -> Any:
-        if not is_arraylike(s):
+        if not _is_arraylike(s):
             return s
         assert i.i is not None
         return _Index(i.i if tuple(s.shape) == shapes[i.i] else None)
@@ -77,7 +135,7 @@ def state_owners(
         optimizer,
         opt_state,
         mirrors,
-        lambda s: _Index(None) if is_arraylike(s) else s,
+        lambda s: _Index(None) if _is_arraylike(s) else s,
         indices,
     )
     return [x.i for x in jtu.tree_leaves(mapped) if isinstance(x, _Index)]

@@ -23,13 +23,15 @@ TOPOLOGIES = {
     "tpu-v4": "v4:2x2x1",
 }
 
-# Nominal device memory (HBM) of one chip. The compiler keeps a little for itself:
-# for v5e it reports 15.75 GiB available.
+# The device memory (HBM) the compiler lets one program use on one chip (one
+# device of the topology), as libtpu 0.0.42 states it when a program is too big
+# ("exceeds available HBM (15.75G)"): a little under the nominal 16, 32 and 95 GiB
+# of v5e, v6e and v5p; a `tpu-v4` device is one TensorCore's half of its chip.
 HBM_BYTES = {
-    "tpu-v5e": 16 * 2**30,
-    "tpu-v6e": 32 * 2**30,
-    "tpu-v5p": 95 * 2**30,
-    "tpu-v4": 32 * 2**30,
+    "tpu-v5e": int(15.75 * 2**30),
+    "tpu-v6e": int(31.25 * 2**30),
+    "tpu-v5p": int(95.74 * 2**30),
+    "tpu-v4": int(15.25 * 2**30),
 }
 
 if TYPE_CHECKING:

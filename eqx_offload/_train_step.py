@@ -12,11 +12,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import PyTree
 
-from . import _diagnose, _optim
+from . import _diagnose, _optim, _paths
 from ._diagnose import DoesNotCompile
 from ._memory_kinds import is_arraylike, kind_of, to_space
 from ._placement import resolve
-from ._policy import Policy
+from ._policy import check_policy, Policy, PolicyArg
+from ._state_tree import check_matches
 from ._transform import filter_offload
 
 
@@ -66,6 +67,25 @@ def _place_outputs(tree: Any, kinds: list, shardings: tuple) -> Any:
     return jtu.tree_unflatten(treedef, out)
 
 
+def _deleted(x: Any) -> bool:
+    return isinstance(x, jax.Array) and x.is_deleted()
+
+
+def _raise_deleted(model: PyTree, opt_state: PyTree) -> None:
+    for name, tree in (("model", model), ("opt_state", opt_state)):
+        for leaf in _paths.leaves(tree):
+            if _deleted(leaf.value):
+                raise ValueError(
+                    f"`train_step`: {name} leaf {leaf.path!r} has been deleted. The "
+                    "step donates the model and the optimizer state: the arrays "
+                    "passed to an earlier call are gone, and so are the ones "
+                    "`eqx_offload.place` was given, where nothing had to move (it "
+                    "returns those buffers as they are). Keep using what the step "
+                    "returns: `model, opt_state, loss = step(model, opt_state, "
+                    "*batch)`."
+                )
+
+
 def _check_model(model: PyTree, policy: Policy) -> list:
     kinds = resolve(model, policy.params, "`train_step`")
     for leaf, kind in kinds:
@@ -95,6 +115,7 @@ def _step(
     opt_state = join(opt_dynamic, opt_static)
     batch = join(batch_dynamic, batch_static)
     model_kinds = _check_model(model, policy)
+    check_matches(optimizer, opt_state, _optim.trainable(model), "`train_step`")
     opt_kinds = _optim.check_state(optimizer, opt_state, model, policy)
 
     loss = filter_offload(loss_fn, policy)
@@ -122,6 +143,8 @@ class _TrainStep(eqx.Module):
 
     def __call__(self, model: PyTree, opt_state: PyTree, *batch: Any) -> tuple:
         dynamic, statics = self.split(model, opt_state, *batch)
+        if any(_deleted(x) for x in dynamic[0] + dynamic[1]):
+            _raise_deleted(model, opt_state)
         try:
             model_dynamic, opt_dynamic, value = self.jitted(*dynamic, statics)
         except jax.errors.JaxRuntimeError as e:
@@ -166,7 +189,7 @@ class _TrainStep(eqx.Module):
 def train_step(
     loss_fn: Callable[..., Any],
     optimizer: _optim.Optimizer,
-    policy: Policy,
+    policy: PolicyArg,
     *,
     has_aux: bool = False,
 ) -> Callable[..., tuple[PyTree, PyTree, Any]]:
@@ -208,7 +231,8 @@ def train_step(
     """
     if not callable(loss_fn):
         raise TypeError(f"`train_step(loss_fn=...)` must be callable, got {loss_fn!r}.")
-    optimizer = _optim.as_transformation(optimizer)
+    optimizer = _optim.as_transformation(optimizer, "`train_step(optimizer=...)`")
+    check_policy(policy, "`train_step(policy=...)`")
     fun = functools.partial(_step, loss_fn, optimizer, policy, has_aux)
     jitted = jax.jit(fun, static_argnums=(3,), donate_argnums=(0, 1))
     return _TrainStep(loss_fn, optimizer, policy, has_aux, fun, jitted)

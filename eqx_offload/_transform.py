@@ -11,7 +11,7 @@ import jax.tree_util as jtu
 
 from . import _names, _paths, _tiling
 from ._memory_kinds import is_host
-from ._policy import Policy
+from ._policy import check_policy, Policy, PolicyArg
 from ._stacked import configure, Stacked
 
 
@@ -260,7 +260,7 @@ class _OffloadWrapper(eqx.Module):
         return out
 
 
-def filter_offload(fun: Callable | None = None, policy: Policy | None = None) -> Any:
+def filter_offload(fun: Callable | None = None, policy: PolicyArg | None = None) -> Any:
     """Applies an offloading `Policy` to `fun`, the way `eqx.filter_jit` applies
     `jax.jit`: array leaves of the arguments are traced, everything else is static.
 
@@ -316,4 +316,7 @@ def filter_offload(fun: Callable | None = None, policy: Policy | None = None) ->
             "`filter_offload(fun, policy)` needs a policy, e.g. "
             "`eqx_offload.Policy.offload_residuals()`."
         )
+    if not callable(fun):
+        raise TypeError(f"`filter_offload(fun=...)` must be callable, got {fun!r}.")
+    check_policy(policy, "`filter_offload(policy=...)`")
     return eqx.module_update_wrapper(_OffloadWrapper(fun, policy))

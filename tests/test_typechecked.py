@@ -94,7 +94,14 @@ def test_typechecking_catches_a_wrong_shape(getkey):
 
 def test_library_functions_are_checked_at_run_time():
     # The tests run with `--jaxtyping-packages=eqx_offload,beartype.beartype`.
-    with pytest.raises(jaxtyping.TypeCheckError, match="policy"):
-        eo.place(jnp.ones(3), policy="offload_all")  # pyright: ignore[reportArgumentType]
+    # (`policy` and `optimizer` arguments are checked by the library itself, so
+    # that a preset's name or an uncalled `optax.adamw` gets the fix in the error.)
+    with pytest.raises(jaxtyping.TypeCheckError, match="has_aux"):
+        eo.train_step(
+            lambda m: m,
+            optax.sgd(0.1),
+            eo.Policy.none(),
+            has_aux="yes",  # pyright: ignore[reportArgumentType]
+        )
     with pytest.raises(jaxtyping.TypeCheckError, match="n"):
         eo.Stacked.from_fn(lambda k: k, 2.5, key=jax.random.key(0))  # pyright: ignore

@@ -1,0 +1,290 @@
+"""The mistakes users make, each with the error (or warning) that names the argument
+or leaf and the fix, or behaviour that now simply works."""
+
+import re
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jaxtyping import Array, Float
+
+import eqx_offload as eo
+
+from .helpers import batches, cross_entropy, Model
+
+
+def _setup(policy: eo.Policy, getkey, optimizer=None, depth: int = 4):
+    optimizer = optimizer or optax.adamw(1e-3)
+    model = eo.place(Model(depth=depth, key=getkey()), policy)
+    return model, eo.init_opt_state(optimizer, model, policy), optimizer
+
+
+def _embedded(model: Model, tokens):
+    return jax.vmap(model.embed)(tokens[0])
+
+
+# --- Layers taken out of a `Stacked` inside a step ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "apply, how",
+    [
+        (lambda blocks, x: blocks[0](x), r"`blocks\[0\]`"),
+        (lambda blocks, x: [layer(x) for layer in blocks][-1], "`for layer in blocks`"),
+    ],
+)
+def test_a_host_resident_layer_outside_its_scan_is_refused(getkey, apply, how):
+    policy = eo.Policy.offload_all()
+    model, opt_state, optimizer = _setup(policy, getkey)
+
+    def loss(model, tokens):
+        return jnp.mean(apply(model.blocks, _embedded(model, tokens)))
+
+    step = eo.train_step(loss, optimizer, policy)
+    tokens, _ = next(batches())
+    with pytest.raises(
+        ValueError,
+        match=how + r": the layers of the `Stacked` at 'blocks' are host-resident "
+        r"\('blocks\.norm1\.weight'.*`blocks\(x\)` or `blocks\.scan\(f, carry\)`.*"
+        r"`Policy\(params=\{'blocks': 'device'\}\)`",
+    ):
+        step(model, opt_state, tokens)
+
+
+def test_a_python_loop_under_remat_warns_that_no_checkpoint_applies(getkey):
+    policy = eo.Policy.remat()
+    model, opt_state, optimizer = _setup(policy, getkey)
+
+    def loss(model, tokens):
+        x = _embedded(model, tokens)
+        for layer in model.blocks:
+            x = layer(x)
+        return jnp.mean(x)
+
+    tokens, _ = next(batches())
+    step = eo.train_step(loss, optimizer, policy)
+    with pytest.warns(UserWarning, match=r"`jax\.checkpoint`.*does not apply"):
+        step(model, opt_state, tokens)
+
+
+def test_a_python_loop_without_remat_is_fine(getkey):
+    policy = eo.Policy.none()
+    model, opt_state, optimizer = _setup(policy, getkey)
+
+    def loss(model, tokens):
+        x = _embedded(model, tokens)
+        for layer in model.blocks:
+            x = layer(x)
+        return jnp.mean(x)
+
+    tokens, _ = next(batches())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eo.train_step(loss, optimizer, policy)(model, opt_state, tokens)
+
+
+def test_layers_outside_a_step_index_and_iterate(getkey):
+    blocks = Model(key=getkey()).blocks
+    assert len(list(blocks)) == 4
+    weights = blocks.layers.norm1.weight
+    assert weights is not None
+    np.testing.assert_array_equal(blocks[2].norm1.weight, weights[2])
+
+
+# --- Empty stacks -------------------------------------------------------------------
+
+
+def test_an_empty_slice_of_a_stack_is_refused(getkey):
+    blocks = Model(key=getkey()).blocks
+    with pytest.raises(IndexError, match=r"`Stacked\[0:0\]` selects no layers of 4"):
+        blocks[0:0]
+    assert len(blocks[1:]) == 3 and len(blocks[-1:]) == 1
+
+
+def test_a_stacked_with_leading_axis_zero_is_refused():
+    layer = eqx.nn.Linear(3, 3, key=jax.random.key(0))
+    empty = jax.tree.map(lambda x: x[None][:0] if eqx.is_array(x) else x, layer)
+    with pytest.raises(ValueError, match=r"`Stacked\(layers\)` has no layers"):
+        eo.Stacked(empty)
+
+
+# --- Arguments of the wrong type ----------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["offload_all", eo.Policy.offload_all, None, 3])
+def test_a_policy_that_is_not_a_policy(getkey, policy):
+    model = Model(key=getkey())
+    optimizer = optax.adam(1e-3)
+    calls = {
+        "train_step(policy=...)": lambda: eo.train_step(
+            cross_entropy, optimizer, policy
+        ),
+        "init_opt_state(policy=...)": lambda: eo.init_opt_state(
+            optimizer, model, policy
+        ),
+        "filter_offload(policy=...)": lambda: eo.filter_offload(cross_entropy, policy),
+    }
+    if policy is not None:  # `place(model)` alone follows the annotations
+        calls["place(tree, policy)"] = lambda: eo.place(model, policy)
+    for where, call in calls.items():
+        if policy is None and where.startswith("filter_offload"):
+            match = "needs a policy"
+        else:
+            match = re.escape(f"`{where}` must be an `eqx_offload.Policy`")
+        with pytest.raises(TypeError, match=match) as info:
+            call()
+        if policy == "offload_all" or policy is eo.Policy.offload_all:
+            assert "`eqx_offload.Policy.offload_all()`" in str(info.value)
+
+
+def test_an_optimizer_factory_not_called(getkey):
+    model = Model(key=getkey())
+    policy = eo.Policy.none()
+    fix = r"`optax\.adamw` builds an optimizer: call it, e\.g\. `optax\.adamw\("
+    with pytest.raises(
+        TypeError, match=r"`init_opt_state\(optimizer=\.\.\.\)`.*" + fix
+    ):
+        eo.init_opt_state(optax.adamw, model, policy)  # pyright: ignore
+    with pytest.raises(TypeError, match=r"`train_step\(optimizer=\.\.\.\)`.*" + fix):
+        eo.train_step(cross_entropy, optax.adamw, policy)  # pyright: ignore
+    with pytest.raises(TypeError, match=r"got str 'adam'\.$"):
+        eo.train_step(cross_entropy, "adam", policy)  # pyright: ignore
+
+
+def test_an_optimizer_state_for_another_depth(getkey):
+    policy = eo.Policy.offload_all()
+    model, _, optimizer = _setup(policy, getkey)
+    _, other_state, _ = _setup(policy, getkey, depth=2)
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    with pytest.raises(
+        ValueError,
+        match=r"optimizer state leaf '\[0\]\.mu\.blocks\.norm1\.weight' has shape "
+        r"\(2, 16\) where `optimizer\.init\(model\)` gives \(4, 16\).*init_opt_state",
+    ):
+        step(model, other_state, *next(batches()))
+
+
+def test_an_optimizer_state_for_another_optimizer(getkey):
+    policy = eo.Policy.none()
+    model, sgd_state, _ = _setup(policy, getkey, optimizer=optax.sgd(0.1, 0.9))
+    step = eo.train_step(cross_entropy, optax.adam(1e-3), policy)
+    with pytest.raises(ValueError, match="does not have the structure"):
+        step(model, sgd_state, *next(batches()))
+
+
+# --- Optimizers whose `init` looks at the parameters ---------------------------------
+
+
+def _labels(params):
+    """Labels built with `eqx.tree_at`: what `tree_map_params`' placeholder fails."""
+    labels = jax.tree.map(lambda _: "adam", params)
+    return eqx.tree_at(lambda p: p.head.weight, labels, "sgd")
+
+
+def _scale_by_initial_head_norm() -> optax.GradientTransformation:
+    def init(params):
+        return {"norm": jnp.linalg.norm(params.head.weight)}
+
+    def update(updates, state, params=None):
+        return jax.tree.map(lambda u: u / state["norm"], updates), state
+
+    return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optax.multi_transform(
+            {"adam": optax.adam(1e-2), "sgd": optax.sgd(1e-2)}, _labels
+        ),
+        lambda: optax.chain(_scale_by_initial_head_norm(), optax.adam(1e-2)),
+    ],
+    ids=["multi_transform-tree_at-labels", "init-computes-on-params"],
+)
+def test_optimizers_whose_init_looks_at_the_parameters(getkey, make):
+    policy = eo.Policy.offload_all()
+    key = getkey()
+    model = eo.place(Model(key=key), policy)
+    optimizer = make()
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    reference = Model(key=key)
+    ref_state = optimizer.init(eqx.filter(reference, eqx.is_inexact_array))
+
+    @eqx.filter_jit
+    def ref_step(reference, ref_state, *batch):
+        grads = eqx.filter_grad(cross_entropy)(reference, *batch)
+        params = eqx.filter(reference, eqx.is_inexact_array)
+        updates, ref_state = optimizer.update(grads, ref_state, params)
+        return eqx.apply_updates(reference, updates), ref_state
+
+    for _, batch in zip(range(2), batches()):
+        model, opt_state, loss = step(model, opt_state, *batch)
+        reference, ref_state = ref_step(reference, ref_state, *batch)
+    arrays = [eqx.filter(m, eqx.is_array) for m in (model, reference)]
+    for a, b in zip(*map(jax.tree.leaves, arrays), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    # The moments of the adam part are on the host, its count on the device.
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(opt_state)}
+    assert kinds == {"device", "pinned_host"}
+    # Under `none`, nothing moves and the state is made as optax makes it.
+    none = eo.Policy.none()
+    state = eo.init_opt_state(optimizer, eo.place(reference, none), none)
+    assert jax.tree.structure(state) == jax.tree.structure(ref_state)
+
+
+# --- Layers that return more than their carry ---------------------------------------
+
+
+class _CacheLayer(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __call__(
+        self, x: Float[Array, "n 4"]
+    ) -> tuple[Float[Array, "n 4"], Float[Array, "n 4"]]:
+        y = jax.vmap(self.linear)(x)
+        return y, y  # (output, cache), Hugging Face style
+
+
+def test_a_layer_returning_a_cache_points_to_scan(getkey):
+    stacked = eo.Stacked.from_fn(
+        lambda k: _CacheLayer(eqx.nn.Linear(4, 4, key=k)), 3, key=getkey()
+    )
+    x = jnp.ones((2, 4))
+    with pytest.raises(
+        TypeError,
+        match=r"it took \(shape=\(2, 4\), dtype=float32\) and returned "
+        r"\(\(shape=\(2, 4\).*use `stacked\.scan`",
+    ):
+        stacked(x)
+    out, caches = stacked.scan(lambda layer, x, _: layer(x), x)
+    assert out.shape == (2, 4) and caches.shape == (3, 2, 4)
+
+
+def test_a_layer_changing_the_carry_dtype_is_named(getkey):
+    stacked = eo.Stacked.from_fn(lambda k: eqx.nn.Linear(4, 4, key=k), 2, key=getkey())
+    with pytest.raises(TypeError, match=r"took \(shape=\(4,\), dtype=int32\)"):
+        stacked(jnp.ones(4, jnp.int32))
+
+
+# --- Donation ---------------------------------------------------------------------
+
+
+def test_using_a_donated_model_again_names_the_leaf(getkey):
+    policy = eo.Policy.none()
+    original = Model(key=getkey())
+    model = eo.place(original, policy)
+    optimizer = optax.adam(1e-3)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    batch = next(batches())
+    _, _, _ = step(model, opt_state, *batch)
+    # `place` moved nothing, so the original's buffers were donated too.
+    with pytest.raises(
+        ValueError, match=r"model leaf 'embed\.weight' has been deleted"
+    ):
+        step(original, opt_state, *batch)
