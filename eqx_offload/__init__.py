@@ -5,9 +5,24 @@ scanned one at a time, and `filter_offload`/`train_step` insert the checkpoint
 names, remat policy and `device_put` transfers that are otherwise written by hand.
 """
 
+from ._checkpoint import (
+    load as load,
+    Restored as Restored,
+    save as save,
+    saved_steps as saved_steps,
+    Saving as Saving,
+    wait_until_finished as wait_until_finished,
+)
 from ._diagnose import DoesNotCompile as DoesNotCompile
+from ._layer_paths import (
+    LeafIndex as LeafIndex,
+    load_state_dict as load_state_dict,
+    state_dict as state_dict,
+    state_dict_key as state_dict_key,
+    state_dict_keys as state_dict_keys,
+)
 from ._memory_kinds import MemoryKind as MemoryKind
-from ._optim import init_opt_state as init_opt_state
+from ._optim import init_opt_state as init_opt_state, place_opt_state as place_opt_state
 from ._placement import field as field, place as place
 from ._policy import Policy as Policy
 from ._report import (
@@ -18,6 +33,12 @@ from ._report import (
 from ._stacked import Stacked as Stacked
 from ._train_step import train_step as train_step
 from ._transform import filter_offload as filter_offload
+from ._verify import (
+    Difference as Difference,
+    DoesNotMatch as DoesNotMatch,
+    verify as verify,
+    VerifyReport as VerifyReport,
+)
 
 
 __version__ = "0.1.0"

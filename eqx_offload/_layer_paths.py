@@ -1,0 +1,453 @@
+"""Per-layer names for the leaves of `Stacked` layers: state dicts keyed as the
+per-layer model was (`blocks.3.mlp.weight`), so weights saved before a port from
+`list[Block]` to `Stacked[Block]` still load.
+
+A *state-dict key* is a leaf's path with every segment separated by dots, as a
+`torch.nn.Module.state_dict` (and so a Hugging Face checkpoint) spells it: attribute
+names, string dictionary keys, and sequence indices as numeric segments. A leaf
+inside a `Stacked` gets one key per layer, with the layer index as a numeric segment
+where the `Stacked` is: the stacked leaf `blocks.layers.mlp.weight` (in JAX's key
+path) of an 8-layer `Stacked` has the keys `blocks.0.mlp.weight` ...
+`blocks.7.mlp.weight`, which are the keys of `blocks: list[Block]`.
+
+The library's own dotted paths (`_paths.py`, used by `Policy` patterns and error
+messages) name the stacked leaf once, leaving out the `layers` field and writing
+indices in brackets: `blocks.mlp.layers[0].weight`. Its keys are
+`blocks.<i>.mlp.layers.0.weight`.
+"""
+
+import functools
+import itertools
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax.sharding import SingleDeviceSharding
+from jaxtyping import Array, PyTree
+
+from . import _paths, _tiling
+from ._memory_kinds import is_arraylike, is_host, kind_of, to_space
+from ._stacked import Stacked
+
+
+class LeafIndex(NamedTuple):
+    """Where the array of one state-dict key lives in a model."""
+
+    path: str
+    """The leaf's dotted path, as the library writes it (`blocks.mlp.weight`)."""
+    index: tuple[int, ...]
+    """The layer along each enclosing `Stacked`, outermost first (its leading axes);
+    `()` for a leaf outside any `Stacked`."""
+
+
+class _Entry(NamedTuple):
+    """An array leaf, its path, and its key with `None` where layer indices go."""
+
+    path: str
+    value: Any
+    segments: tuple[str | None, ...]
+
+    @property
+    def depth(self) -> int:
+        """How many `Stacked` enclose the leaf: its leading layer axes."""
+        return sum(s is None for s in self.segments)
+
+    def indices(self) -> list[tuple[int, ...]]:
+        return list(itertools.product(*map(range, self.value.shape[: self.depth])))
+
+    def key(self, index: tuple[int, ...]) -> str:
+        layers = iter(index)
+        return ".".join(str(next(layers)) if s is None else s for s in self.segments)
+
+
+def _segment(key: Any) -> str:
+    if isinstance(key, jtu.GetAttrKey):
+        return key.name
+    if isinstance(key, jtu.DictKey):
+        return str(key.key)
+    if isinstance(key, jtu.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, jtu.FlattenedIndexKey):
+        return str(key.key)
+    return str(key)
+
+
+def layer_axes(tree: Any) -> list[int]:
+    """For every leaf of `tree` (in `jax.tree.leaves` order), how many `Stacked`
+    enclose it: the number of its leading layer axes (axis `k` is the layers of the
+    `k`-th enclosing `Stacked`, outermost first)."""
+    return [sum(s is None for s in segments) for segments in _segments(tree)]
+
+
+def _segments(tree: Any) -> list[tuple[str | None, ...]]:
+    out: list[tuple[str | None, ...]] = []
+
+    def visit(node: Any, prefix: tuple[str | None, ...]) -> None:
+        if isinstance(node, Stacked):
+            visit(node.layers, prefix + (None,))
+            return
+        flat, _ = jtu.tree_flatten_with_path(
+            node, is_leaf=lambda x: x is not node and isinstance(x, Stacked)
+        )
+        for keys, value in flat:
+            segments = prefix + tuple(_segment(k) for k in keys)
+            if isinstance(value, Stacked):
+                visit(value, segments)
+            else:
+                out.append(segments)
+
+    visit(tree, ())
+    return out
+
+
+def _entries(model: Any, where: str) -> list[_Entry | None]:
+    """One entry per leaf of `model` (`None` for a leaf that is not an array)."""
+    leaves = _paths.leaves(model)
+    segments = _segments(model)
+    assert len(leaves) == len(segments)
+    out: list[_Entry | None] = []
+    seen: dict[str, str] = {}
+    for leaf, segs in zip(leaves, segments):
+        if not is_arraylike(leaf.value):
+            out.append(None)
+            continue
+        entry = _Entry(leaf.path, leaf.value, segs)
+        key = entry.key((0,) * entry.depth)
+        if key in seen:
+            raise ValueError(
+                f"{where}: leaves {seen[key]!r} and {leaf.path!r} both have the "
+                f"state-dict key {key!r} (a dictionary key containing a '.'?); rename "
+                "one of them."
+            )
+        seen[key] = leaf.path
+        out.append(entry)
+    return out
+
+
+def _per_layer_order(
+    entries: list[_Entry | None],
+) -> list[tuple[str, _Entry, tuple[int, ...]]]:
+    """Every `(key, entry, index)`, in the order the per-layer model flattens: all
+    of layer 0's leaves, then layer 1's, ... (a `Stacked` flattens leaf by leaf)."""
+    # A `Stacked`'s leaves are contiguous in flattening order; it sorts where its
+    # first leaf is, then by layer, then (recursively) as inside one layer.
+    starts: dict[tuple, int] = {}
+    for k, entry in enumerate(entries):
+        if entry is not None:
+            for j, segment in enumerate(entry.segments):
+                if segment is None:
+                    starts.setdefault(entry.segments[:j], k)
+    rows = []
+    for k, entry in enumerate(entries):
+        if entry is None:
+            continue
+        places = [j for j, s in enumerate(entry.segments) if s is None]
+        for index in entry.indices():
+            order = []
+            for j, i in zip(places, index):
+                order += [starts[entry.segments[:j]], i]
+            rows.append((tuple(order) + (k,), entry.key(index), entry, index))
+    rows.sort(key=lambda row: row[0])
+    return [(key, entry, index) for _, key, entry, index in rows]
+
+
+def state_dict_keys(model: PyTree) -> dict[str, LeafIndex]:
+    """The per-layer state-dict keys of `model`, each with the leaf and layer index
+    holding its array.
+
+    **Arguments:**
+
+    - `model`: any pytree, usually an Equinox model holding `Stacked` layers.
+        Array leaves (and `jax.ShapeDtypeStruct`s) get keys.
+
+    **Returns:**
+
+    A dict from key (`blocks.3.mlp.weight`) to `LeafIndex(path, index)`: the leaf's
+    dotted path (`blocks.mlp.weight`, as `Policy` patterns write it) and the index
+    into its leading layer axes (`(3,)`; `()` outside any `Stacked`), in the order
+    the per-layer model flattens in (every leaf of layer 0, then of layer 1, ...).
+    Its inverse, `{v: k for k, v in keys.items()}`, and `state_dict_key` go back.
+
+    !!! Example
+
+        ```python
+        keys = eo.state_dict_keys(model)
+        keys["blocks.3.mlp.layers.0.weight"]
+        # LeafIndex(path='blocks.mlp.layers[0].weight', index=(3,))
+        ```
+    """
+    entries = _entries(model, "`eqx_offload.state_dict_keys`")
+    return {
+        key: LeafIndex(entry.path, index)
+        for key, entry, index in _per_layer_order(entries)
+    }
+
+
+def state_dict_key(model: PyTree, path: str, index: tuple[int, ...] = ()) -> str:
+    """The per-layer state-dict key of layer `index` of the leaf at `path`: the way
+    back from `state_dict_keys`.
+
+    **Arguments:**
+
+    - `model`: the model holding the leaf.
+    - `path`: the leaf's dotted path, as the library writes it
+        (`"blocks.mlp.layers[0].weight"`: no `layers` field of a `Stacked`).
+    - `index`: one layer index per enclosing `Stacked`, outermost first; `()` for a
+        leaf outside any `Stacked`.
+
+    **Returns:**
+
+    The key, e.g. `"blocks.3.mlp.layers.0.weight"`.
+
+    **Raises:**
+
+    `ValueError` if no array leaf has that path, or `index` does not fit its layers.
+    """
+    where = "`eqx_offload.state_dict_key`"
+    entries = [e for e in _entries(model, where) if e is not None]
+    for entry in entries:
+        if entry.path == path:
+            layers = tuple(entry.value.shape[: entry.depth])
+            if len(index) != len(layers) or not all(
+                0 <= i < n for i, n in zip(index, layers)
+            ):
+                raise ValueError(
+                    f"{where}: leaf {path!r} has {len(layers)} layer ax"
+                    f"{'is' if len(layers) == 1 else 'es'} of sizes {layers}; "
+                    f"index {index!r} does not fit. Give one index per enclosing "
+                    "`Stacked`, outermost first."
+                )
+            return entry.key(tuple(index))
+    raise ValueError(
+        f"{where}: no array leaf has path {path!r}; array leaves are: "
+        f"{_paths.quoted([e.path for e in entries])}."
+    )
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _split_layers(x: Any, depth: int) -> list[Any]:
+    """Every layer of a stacked leaf, in its memory. A TPU slices a host-resident
+    leaf on the host only along one layer axis of at least 3 dimensions
+    (`_tiling.slices_by_layer`); other leaves are small, or sliced per layer of the
+    outer axis first, and go to the device to be cut."""
+    whole = is_host(x) and not (depth == 1 and _tiling.slices_by_layer(x.shape))
+    y = to_space(x, "device", "") if whole else x
+    out = []
+    for index in itertools.product(*map(range, x.shape[:depth])):
+        piece = y[index]
+        out.append(to_space(piece, "pinned_host", "") if whole else piece)
+    return out
+
+
+def state_dict(model: PyTree) -> dict[str, Array]:
+    """The arrays of `model` keyed per layer, as the per-layer model would key them.
+
+    A leaf of a `Stacked` gives one array per layer, keyed with the layer index
+    where the `Stacked` is (`blocks.3.mlp.weight`); other leaves keep their own key
+    (`head.weight`). See `state_dict_keys` for the format. Each array stays in its
+    leaf's memory kind (a host-resident stacked leaf gives host-resident layers).
+
+    **Arguments:**
+
+    - `model`: any pytree of arrays, usually an Equinox model holding `Stacked`
+        layers. Leaves that are not arrays are left out.
+
+    **Returns:**
+
+    A dict from key to array, in the order the per-layer model flattens in.
+    Arrays of leaves outside any `Stacked` are the model's own: a `train_step`
+    donates them, so copy what you keep across a step.
+
+    !!! Example
+
+        ```python
+        weights = eo.state_dict(model)  # {'blocks.0.mlp.weight': ..., ...}
+        model = eo.load_state_dict(model, weights)
+        ```
+    """
+    entries = _entries(model, "`eqx_offload.state_dict`")
+    arrays: dict[str, Any] = {}
+    for entry in entries:
+        if entry is None:
+            continue
+        if not eqx.is_array(entry.value):
+            raise TypeError(
+                f"`eqx_offload.state_dict`: leaf {entry.path!r} is abstract "
+                f"({entry.value}); a state dict holds arrays. Load weights into an "
+                "abstract model with `eqx_offload.load_state_dict` instead."
+            )
+        if not entry.depth:
+            arrays[entry.key(())] = entry.value
+            continue
+        pieces = _split_layers(entry.value, entry.depth)
+        kind = kind_of(entry.value)
+        for index, piece in zip(entry.indices(), pieces):
+            if kind_of(piece) != kind:  # `unpinned_host`, which `jit` does not track
+                piece = jax.device_put(piece, piece.sharding.with_memory_kind(kind))
+            arrays[entry.key(index)] = piece
+    return {key: arrays[key] for key, _, _ in _per_layer_order(entries)}
+
+
+class _Layout(NamedTuple):
+    """What `_join_layers` builds (hashable: a static argument)."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    depth: int
+    kind: str
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _join_layers(layout: _Layout, old: Any, pieces: list[Any]) -> Any:
+    """The stacked leaf with layer `i` replaced by `pieces[i]` (kept where `None`),
+    in the leaf's memory. A host-resident leaf with one layer axis of at least 3
+    dimensions is written on the host one layer at a time, as the streamed update
+    writes it (`_tiling`); any other leaf is assembled on the device."""
+    host = layout.kind != "device"
+    on_host = host and layout.depth == 1 and _tiling.slices_by_layer(layout.shape)
+    if old is None:
+        full = jnp.zeros(layout.shape, layout.dtype)
+        full = to_space(full, "pinned_host", "") if on_host else full
+    else:
+        full = old if on_host else to_space(old, "device", "")
+    indices = itertools.product(*map(range, layout.shape[: layout.depth]))
+    for index, piece in zip(indices, pieces):
+        if piece is None:
+            continue
+        if on_host:
+            piece = to_space(piece, "pinned_host", "")
+            full = jax.lax.dynamic_update_index_in_dim(full, piece, index[0], 0)
+        else:
+            full = full.at[index].set(to_space(piece, "device", ""))
+    return to_space(full, "pinned_host", "") if host else full
+
+
+def _target_sharding(x: Any) -> Any:
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:
+        sharding = SingleDeviceSharding(jax.devices()[0], memory_kind="device")
+    return sharding
+
+
+def _check_value(key: str, value: Any, shape: tuple, dtype: Any) -> None:
+    where = "`eqx_offload.load_state_dict`"
+    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+        raise TypeError(
+            f"{where}: state_dict[{key!r}] is a {type(value).__name__}, not an array; "
+            "give a JAX or NumPy array."
+        )
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(
+            f"{where}: state_dict[{key!r}] has shape {tuple(value.shape)} but the "
+            f"model expects {tuple(shape)}."
+        )
+    if value.dtype != dtype:
+        raise ValueError(
+            f"{where}: state_dict[{key!r}] has dtype {value.dtype} but the model "
+            f"expects {dtype}; cast it first (e.g. `x.astype(jnp.{dtype})`), "
+            "nothing is converted silently."
+        )
+
+
+def load_state_dict(
+    model: PyTree, state_dict: Mapping[str, Any], *, strict: bool = True
+) -> PyTree:
+    """`model` with its arrays replaced by those of `state_dict`, keyed per layer.
+
+    The inverse of `state_dict`: a per-layer key (`blocks.3.mlp.weight`) writes
+    layer 3 of the stacked leaf `blocks.mlp.weight`, so weights saved from the
+    per-layer model (`blocks: list[Block]`) load into the ported one
+    (`blocks: Stacked[Block]`). Every leaf keeps its memory kind and sharding: a
+    host-resident stacked leaf is written on the host, layer by layer. The
+    state dict's arrays are copied, never aliased, so a step that donates the model
+    leaves them intact.
+
+    **Arguments:**
+
+    - `model`: the model to load into. Its leaves may be arrays, or
+        `jax.ShapeDtypeStruct`s (e.g. `eo.place(eqx.filter_eval_shape(Model,
+        ...), policy)`): then nothing is initialised randomly and every leaf is
+        created from the state dict, in the memory kind of its sharding.
+    - `state_dict`: a mapping from key to array (JAX or NumPy) of the layer's
+        exact shape and dtype.
+    - `strict`: if `True` (the default), every key of the model must be present
+        and no other; if `False`, missing keys keep the model's arrays and
+        unexpected keys are ignored.
+
+    **Returns:**
+
+    A model of the same structure, with array leaves.
+
+    **Raises:**
+
+    - `ValueError` naming missing or unexpected keys (with `strict=True`), or a key
+        whose shape or dtype differs from the model's;
+    - `TypeError` naming a key whose value is not an array.
+
+    !!! Example
+
+        ```python
+        # Weights of the per-layer model: {'blocks.0.mlp.weight': ..., ...}
+        weights = dict(safetensors.numpy.load_file("model.safetensors"))
+        model = eo.place(eqx.filter_eval_shape(Model, key=key), policy)
+        model = eo.load_state_dict(model, weights)  # arrays, in their memory kinds
+        ```
+    """
+    where = "`eqx_offload.load_state_dict`"
+    flat, treedef = jtu.tree_flatten(model)
+    entries = _entries(model, where)
+    assert len(flat) == len(entries)
+    expected = {key: entry for key, entry, _ in _per_layer_order(entries)}
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    abstract_missing = [k for k in missing if not eqx.is_array(expected[k].value)]
+    if (strict and (missing or unexpected)) or abstract_missing:
+        parts = []
+        if missing:
+            parts.append(f"missing keys: {_paths.quoted(missing)}")
+        if unexpected and strict:
+            parts.append(f"unexpected keys: {_paths.quoted(unexpected)}")
+        fix = (
+            "the model's keys are dotted with layer indices as numeric segments, "
+            f"e.g. {next(iter(expected), 'blocks.0.weight')!r} "
+            "(`eqx_offload.state_dict_keys(model)` lists them)"
+        )
+        if abstract_missing:
+            fix += (
+                "; abstract leaves have no values to keep, so their keys are needed "
+                "even with `strict=False`"
+            )
+        else:
+            fix += "; pass `strict=False` to keep the model's arrays for missing keys"
+        raise ValueError(f"{where}: {'; '.join(parts)}. {fix}.")
+
+    out = []
+    for x, entry in zip(flat, entries):
+        if entry is None:
+            out.append(x)
+            continue
+        layer_shape = x.shape[entry.depth :]
+        keys = [entry.key(index) for index in entry.indices()]
+        for key in keys:
+            if key in state_dict:
+                _check_value(key, state_dict[key], layer_shape, x.dtype)
+        sharding = _target_sharding(x)
+        if not entry.depth:
+            value = state_dict.get(keys[0])
+            out.append(
+                x if value is None else jax.device_put(value, sharding, may_alias=False)
+            )
+            continue
+        pieces = [state_dict.get(key) for key in keys]
+        if all(p is None for p in pieces):
+            out.append(x)
+            continue
+        kind = kind_of(x)
+        layout = _Layout(tuple(x.shape), x.dtype, entry.depth, kind)
+        old = x if eqx.is_array(x) else None
+        new = _join_layers(layout, old, pieces)
+        out.append(jax.device_put(new, sharding))
+    return jtu.tree_unflatten(treedef, out)

@@ -1,0 +1,254 @@
+"""`verify`: correct policies pass, a wrong loss, gradient or update is named, and
+the caller's arrays are left alone."""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from equinox.nn import MLP
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+import eqx_offload as eo
+from eqx_offload import _names, _stacked, _streaming, _verify
+from eqx_offload._memory_kinds import is_host
+
+from .helpers import batches, memory_kind
+from .test_layer_paths import make_nested
+
+
+class Net(eqx.Module):
+    """Small and quick to compile: an embedding, 4 stacked MLPs, a head."""
+
+    embed: eqx.nn.Embedding
+    blocks: eo.Stacked[eqx.nn.MLP]
+    head: eqx.nn.Linear
+
+    def __init__(self, *, key: PRNGKeyArray):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = eqx.nn.Embedding(32, 16, key=k1)
+        keys = jax.random.split(k2, 4)  # (`from_layers`: quicker than eager vmaps)
+        self.blocks = eo.Stacked.from_layers([MLP(16, 16, 32, 1, key=k) for k in keys])
+        self.head = eqx.nn.Linear(16, 32, key=k3)
+
+    def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+        x = jax.vmap(self.embed)(tokens)
+        return jax.vmap(self.head)(jax.vmap(self.blocks)(x))
+
+
+def cross_entropy(model, tokens, targets):
+    logits = jax.vmap(model)(tokens)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def setup(policy, key, dtype=None, optimizer=None):
+    model = Net(key=key)
+    if dtype is not None:
+        model = jax.tree.map(
+            lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, model
+        )
+    optimizer = optimizer or optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(1e-2)
+    )
+    model = eo.place(model, policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    tokens, targets = next(batches(batch=4))
+    return optimizer, model, opt_state, tokens, targets
+
+
+def snapshot(tree):
+    """Values and memory kinds of every array leaf, kept apart from the buffers."""
+    leaves = jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+    return [(np.array(x), memory_kind(x)) for x in leaves]
+
+
+def assert_intact(tree, before):
+    leaves = jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+    assert len(leaves) == len(before)
+    for x, (value, kind) in zip(leaves, before):
+        assert not x.is_deleted()  # not donated
+        assert memory_kind(x) == kind
+        np.testing.assert_array_equal(np.asarray(x), value)
+
+
+CASES = {
+    # policy, verify's keyword arguments, the slice `loss_fn` sees
+    "offload_all": (eo.Policy.offload_all(), {}, (2, (2, 8))),
+    "offload_residuals": (eo.Policy.offload_residuals(), {}, (2, (2, 8))),
+    "remat": (
+        eo.Policy.remat(),
+        dict(layers=None, microbatch=None, has_aux=True),
+        (4, (4, 8)),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_correct_policies_pass_and_the_callers_arrays_are_intact(name, getkey):
+    policy, kwargs, expected = CASES[name]
+    optimizer, model, opt_state, tokens, targets = setup(policy, getkey())
+    before = snapshot((model, opt_state))
+    seen = []
+
+    def loss_fn(model, tokens, targets):
+        seen.append((len(model.blocks), tokens.shape))
+        loss = cross_entropy(model, tokens, targets)
+        return (loss, {"tokens": tokens}) if kwargs.get("has_aux") else loss
+
+    report = eo.verify(
+        loss_fn, optimizer, policy, model, opt_state, tokens, targets, **kwargs
+    )
+    assert isinstance(report, eo.VerifyReport) and report.passed
+    assert set(seen) == {expected}  # the layers and examples kept
+    # Parameters and optimizer state on the host: the update streams, and is
+    # checked; otherwise there is nothing to compare it with.
+    assert (report.update is not None) == (name == "offload_all")
+    text = str(report)
+    assert "gradients" in text and "FAILED" not in text
+    assert ("(not checked)" in text) == (name != "offload_all")
+    assert_intact((model, opt_state), before)
+
+
+def test_bfloat16_passes(getkey):
+    policy = eo.Policy.offload_all()
+    optimizer, model, opt_state, tokens, targets = setup(
+        policy, getkey(), dtype=jnp.bfloat16, optimizer=optax.adam(1e-2)
+    )
+    report = eo.verify(
+        cross_entropy, optimizer, policy, model, opt_state, tokens, targets
+    )
+    assert report.passed and report.update is not None
+    tolerance = report.gradients.tolerance
+    assert tolerance == pytest.approx(1e-5 + 5e-2 * report.gradients.scale)
+
+
+def test_optimizer_state_is_cut_with_its_parameters(getkey):
+    # Adafactor's factored moments are not parameter-shaped; they are cut along
+    # their layer axis all the same, to what `init` gives for the sliced model.
+    model = Net(key=getkey())
+    optimizer = optax.adafactor(1e-2, min_dim_size_to_factor=8)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    small = _verify._cut(model, _verify._model_sizes(model, 2))
+    assert len(small.blocks) == 2
+    sizes = _verify._state_sizes(
+        optimizer, opt_state, eqx.filter(small, eqx.is_inexact_array)
+    )
+    expected = jax.eval_shape(optimizer.init, eqx.filter(small, eqx.is_inexact_array))
+    leaves = [x for x in jax.tree.leaves(opt_state) if eqx.is_array(x)]
+    assert [s for s in sizes if s is not None] == [
+        tuple(e.shape) for e in jax.tree.leaves(expected)
+    ]
+    assert any(len(x.shape) == 2 and x.shape[0] == 4 for x in leaves)  # factored
+
+
+def test_nested_stacked_are_cut_too(getkey):
+    model = make_nested(key=getkey())  # 2 blocks of 3 linears
+    small = _verify._cut(model, _verify._model_sizes(model, 2))
+    assert small.blocks.layers.linears.layers.weight.shape == (2, 2, 8, 8)
+    assert small.blocks.layers.scale.shape == (2, 8)
+
+
+def test_a_loss_that_differs_under_the_transform_is_named(getkey):
+    # Under the offloaded transform only, the loss is shifted and the head gets no
+    # gradient: the loss is reported first, and the report names the gradient too.
+    def loss_fn(model, tokens, targets):
+        if _names.is_inside():
+            head = jax.lax.stop_gradient(model.head.weight)
+            model = eqx.tree_at(lambda m: m.head.weight, model, head)
+            return cross_entropy(model, tokens, targets) + 1.0
+        return cross_entropy(model, tokens, targets)
+
+    policy = eo.Policy.offload_residuals()
+    optimizer, model, opt_state, tokens, targets = setup(policy, getkey())
+    with pytest.raises(
+        eo.DoesNotMatch,
+        match=r"`verify`: the loss differs between the offloaded step and "
+        r"the reference \(every leaf on the device, no remat\) by 1, beyond the "
+        r"tolerance (.|\n)*openxla/xla#46231",
+    ) as info:
+        eo.verify(loss_fn, optimizer, policy, model, opt_state, tokens, targets)
+    report = info.value.report
+    assert not report.loss.passed and report.update is None
+    assert not report.gradients.passed and report.gradients.leaf == "head.weight"
+    assert "FAILED" in str(report)
+
+
+def test_a_corrupted_transfer_in_the_backward_pass_is_named(monkeypatch, getkey):
+    # The class of bug `verify` is for: the forward pass is right, but moving one
+    # host-resident layer slice to the device corrupts its gradient.
+    policy = eo.Policy.offload_all()
+    optimizer, model, opt_state, tokens, targets = setup(policy, getkey())
+    shape = model.blocks.layers.layers[1].weight.shape[1:]  # (32, 16): unique
+
+    @jax.custom_vjp
+    def corrupt(x):
+        return x
+
+    corrupt.defvjp(lambda x: (x, None), lambda _, g: (2.0 * g,))
+    to_device = _stacked._to_device
+
+    def corrupted(layer_arrays):
+        def one(x):
+            return corrupt(x) if is_host(x) and x.shape == shape else x
+
+        return to_device(jax.tree.map(one, layer_arrays))
+
+    monkeypatch.setattr(_stacked, "_to_device", corrupted)
+
+    def loss_fn(*args):  # its own: no program traced before the patch is reused
+        return cross_entropy(*args)
+
+    with pytest.raises(
+        eo.DoesNotMatch, match=r"the gradient of leaf 'blocks.layers\[1\].weight'"
+    ) as info:
+        eo.verify(loss_fn, optimizer, policy, model, opt_state, tokens, targets)
+    assert info.value.report.loss.passed
+
+
+def test_a_corrupted_streamed_update_is_named(monkeypatch, getkey):
+    policy = eo.Policy.offload_all()
+    optimizer, model, opt_state, tokens, targets = setup(
+        policy, getkey(), optimizer=optax.sgd(1e-2)
+    )
+    before = snapshot((model, opt_state))
+    update = _streaming.update
+
+    def corrupted(*args, **kwargs):
+        params, state = update(*args, **kwargs)
+        head = params.head.weight
+        return eqx.tree_at(lambda p: p.head.weight, params, head + 1e-3), state
+
+    monkeypatch.setattr(_streaming, "update", corrupted)
+    with pytest.raises(
+        eo.DoesNotMatch,
+        match=r"leaf 'head.weight' after the streamed update differs between the "
+        r"offloaded step and the whole update",
+    ) as info:
+        eo.verify(cross_entropy, optimizer, policy, model, opt_state, tokens, targets)
+    report = info.value.report
+    assert report.loss.passed and report.gradients.passed
+    assert report.update is not None and report.update.leaf == "head.weight"
+    assert_intact((model, opt_state), before)
+
+
+@pytest.mark.parametrize("argument", ["layers", "microbatch"])
+def test_counts_must_be_positive(argument, getkey):
+    policy = eo.Policy.remat()
+    optimizer, model, opt_state, tokens, targets = setup(policy, getkey())
+    kwargs: dict[str, Any] = {argument: 0}
+    with pytest.raises(
+        ValueError, match=rf"`verify\({argument}=...\)` must be a positive int"
+    ):
+        eo.verify(
+            cross_entropy,
+            optimizer,
+            policy,
+            model,
+            opt_state,
+            tokens,
+            targets,
+            **kwargs,
+        )
