@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
@@ -157,11 +158,14 @@ class Stacked(eqx.Module, Generic[_Layer]):
         `stacked[i:j]` is a `Stacked` of those layers."""
         if isinstance(index, slice):
             n = len(self)
+            how = f"`{self._where()}[{_slice_text(index)}]`"
             if not range(n)[index]:
                 raise IndexError(
-                    f"`Stacked[{index.start}:{index.stop}]` selects no layers of {n}; "
-                    "a `Stacked` needs at least one: skip applying an empty range."
+                    f"{how} selects no layers of {n}; a `Stacked` needs at least "
+                    "one: skip applying an empty range."
                 )
+            if self._scan is not None:
+                _check_host_slice(self._scan, self.layers, how)
             part = Stacked(_map_arrays(lambda x: x[index], self.layers))
             return part if self._scan is None else configure(part, *self._scan)
         return self._layer(index, f"`{self._where()}[{index}]`")
@@ -279,19 +283,65 @@ def _check_carry(carry: PyTree, out: PyTree) -> None:
     )
 
 
+def _slice_text(index: slice) -> str:
+    parts = ["" if v is None else str(v) for v in (index.start, index.stop)]
+    return ":".join(parts) + ("" if index.step is None else f":{index.step}")
+
+
+def _host_leaves(config: _ScanConfig, layers: Any) -> list[str]:
+    """The paths of the host-resident array leaves of a configured `Stacked`."""
+    return [
+        _paths.join(config.path, leaf.path)
+        for leaf in _paths.leaves(layers)
+        if is_arraylike(leaf.value)
+        and not isinstance(leaf.value, jax.ShapeDtypeStruct)
+        and is_host(leaf.value)
+    ]
+
+
+def _check_host_slice(config: _ScanConfig, layers: Any, how: str) -> None:
+    """Slicing host-resident layers inside a step is a computation on the host."""
+    host = _host_leaves(config, layers)
+    if host:
+        path = config.path
+        raise ValueError(
+            f"{how}: the layers of the `Stacked` at {path!r} are host-resident "
+            f"({_paths.quoted(host, 3)}), and slicing them inside a step is a "
+            "computation on the host, which the backward pass (and accelerators) "
+            f"cannot do. Apply the whole `Stacked` (`{path}(x)`); or slice the model "
+            "before the step, so that it holds only the layers it applies; or keep "
+            f"them on the device with `Policy(params={{{path!r}: 'device'}})`."
+        )
+
+
+def _warn_at_caller(message: str) -> None:
+    """A `UserWarning` attributed to the first frame outside this library, Equinox
+    (which wraps module methods) and a runtime type checker's wrappers: the line
+    that took the layers out."""
+    internal = ("eqx_offload.", "equinox.", "jaxtyping.", "beartype.")
+    frame = sys._getframe(1)
+    while frame.f_back is not None and (
+        frame.f_globals.get("__name__", "").startswith(internal)
+        or frame.f_code.co_filename.startswith("<")
+    ):
+        frame = frame.f_back
+    warnings.warn_explicit(
+        message,
+        UserWarning,
+        frame.f_code.co_filename,
+        frame.f_lineno,
+        frame.f_globals.get("__name__"),
+        frame.f_globals.setdefault("__warningregistry__", {}),
+    )
+
+
 def _check_bypass(config: _ScanConfig, layers: Any, how: str) -> None:
     """A layer taken out of a configured `Stacked` (`stacked[i]`, iteration) is
     applied outside its scan: an error for host-resident layers, which are moved to
     the device only inside the scan; a warning when the policy asks for a
     `jax.checkpoint` or offloading that then never happens."""
     path, policy = config
-    host = [
-        _paths.join(path, leaf.path)
-        for leaf in _paths.leaves(layers)
-        if is_arraylike(leaf.value)
-        and not isinstance(leaf.value, jax.ShapeDtypeStruct)
-        and is_host(leaf.value)
-    ]
+    host = _host_leaves(config, layers)
     keep = f"`Policy(params={{{path!r}: 'device'}})`"
     if host:
         raise ValueError(
@@ -302,14 +352,12 @@ def _check_bypass(config: _ScanConfig, layers: Any, how: str) -> None:
             f"keep them on the device with {keep}."
         )
     if policy.save != "all":
-        warnings.warn(
+        _warn_at_caller(
             f"{how} takes layers out of the `Stacked` at {path!r} and applies them "
             "outside its scan, so the policy's `jax.checkpoint` (and any offloading "
             "of their activations) does not apply to them: every layer's "
             "activations stay on the device. Apply the layers with "
-            f"`{path}(x)` or `{path}.scan(f, carry)`.",
-            UserWarning,
-            stacklevel=3,
+            f"`{path}(x)` or `{path}.scan(f, carry)`."
         )
 
 
