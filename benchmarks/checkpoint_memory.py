@@ -27,7 +27,6 @@ from _common import MIB, parser, table, write_json
 from jaxtyping import Array, Float, PRNGKeyArray
 
 import eqx_offload as eo
-from eqx_offload import _checkpoint as ck
 
 
 PHASES = ("save", "async", "load")
@@ -80,8 +79,8 @@ def measure(phase: str, root: str, mib: int) -> dict:
     model = eo.place(stack, policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     state = nbytes((model, opt_state))
-    ck.save(f"{root}/warmup-{phase}", {"a": jnp.zeros(4)}, None, step=0)
-    ck.load(
+    eo.save(f"{root}/warmup-{phase}", {"a": jnp.zeros(4)}, None, step=0)
+    eo.load(
         f"{root}/warmup-{phase}",
         ({"a": jnp.zeros(4)}, None),
         policy,
@@ -96,13 +95,13 @@ def measure(phase: str, root: str, mib: int) -> dict:
         del model, opt_state, stack
         before = reset_peak()
         t = time.perf_counter()
-        restored = ck.load(f"{root}/save", like, policy, optimizer=optimizer)
+        restored = eo.load(f"{root}/save", like, policy, optimizer=optimizer)
         out["seconds"] = time.perf_counter() - t
         out["peak_extra_bytes"] = status("VmHWM") - before - nbytes(restored[:2])
         return out
     before = reset_peak()
     t = time.perf_counter()
-    saving = ck.save(f"{root}/{phase}", model, opt_state, step=1, wait=phase == "save")
+    saving = eo.save(f"{root}/{phase}", model, opt_state, step=1, wait=phase == "save")
     out["returned_seconds"] = time.perf_counter() - t
     out["held_bytes_on_return"] = status("VmRSS") - before
     saving.wait()

@@ -28,7 +28,6 @@ import optax
 from _common import MIB, parser, table, write_json
 
 import eqx_offload as eo
-from eqx_offload import _checkpoint as ck
 
 
 def _quickstart():
@@ -69,7 +68,7 @@ def restores_exactly(qs, directory, policy, optimizer, model, opt_state):
         qs.GPT, vocab, dim, depth, seq, key=jax.random.key(0)
     )
     like = (abstract, eo.init_opt_state(optimizer, abstract, policy))
-    restored = ck.load(directory, like, policy, optimizer=optimizer)
+    restored = eo.load(directory, like, policy, optimizer=optimizer)
     leaves = lambda tree: jax.tree.leaves(eqx.filter(tree, eqx.is_array))  # noqa: E731
     same = all(
         np.array_equal(np.asarray(a), np.asarray(b))
@@ -125,7 +124,7 @@ def main():
             if i == args.warmup:
                 warm, warm_trimmed = samples[-1][1:]
         if args.save and i % args.every == 0:
-            ck.save(
+            eo.save(
                 directory,
                 model,
                 opt_state,
@@ -134,7 +133,7 @@ def main():
                 keep=args.keep,
                 wait=args.wait,
             )
-    ck.wait_until_finished()
+    eo.wait_until_finished()
     seconds = time.perf_counter() - start
     end, end_trimmed = rss(), trimmed_rss()
     if warm is None or warm_trimmed is None:
@@ -155,7 +154,7 @@ def main():
         "trimmed_rss_end_bytes": end_trimmed,
         "trimmed_rss_growth": end_trimmed / warm_trimmed - 1,
         "rss_samples": samples,
-        "checkpoint_steps": ck.saved_steps(directory),
+        "checkpoint_steps": eo.saved_steps(directory),
         "disk_bytes": disk_use(directory),
         "state_bytes": sum(
             x.nbytes

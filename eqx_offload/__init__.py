@@ -8,6 +8,7 @@ names, remat policy and `device_put` transfers that are otherwise written by han
 from ._checkpoint import (
     load as load,
     Restored as Restored,
+    RestoredWithExtra as RestoredWithExtra,
     save as save,
     saved_steps as saved_steps,
     Saving as Saving,

@@ -4,7 +4,8 @@ directory of numbered steps, and `load` them back where a policy puts them."""
 import atexit
 import os
 import threading
-from typing import Any, NamedTuple
+import warnings
+from typing import Any, NamedTuple, overload
 
 import equinox as eqx
 import jax
@@ -27,12 +28,21 @@ _SCALARS = (bool, int, float, str)
 
 
 class Restored(NamedTuple):
-    """What `eqx_offload.load` returns: `model, opt_state, step, extra = load(...)`."""
+    """What `eqx_offload.load` returns: `model, opt_state, step = load(...)`."""
 
     model: PyTree
     opt_state: PyTree
     step: int
-    extra: PyTree  # `None` unless `load(extra=...)` was given a template
+
+
+class RestoredWithExtra(NamedTuple):
+    """What `eqx_offload.load(..., extra=template)` returns: `model, opt_state,
+    step, extra = load(...)`."""
+
+    model: PyTree
+    opt_state: PyTree
+    step: int
+    extra: PyTree
 
 
 class Saving:
@@ -178,7 +188,8 @@ def save(
 
     **Raises:**
 
-    `ValueError` if `step` is negative or already saved, or `keep` < 1;
+    `ValueError` if `step` is negative, already saved or below the latest saved
+    step, or `keep` < 1;
     `TypeError` for an abstract leaf (a `jax.ShapeDtypeStruct`) or a leaf of
     `extra` that is neither an array nor a scalar.
 
@@ -195,8 +206,9 @@ def save(
         ```
     """
     directory = _directory(path, "`save(path=...)`")
-    if isinstance(step, bool) or step < 0:
+    if not isinstance(step, int | np.integer) or isinstance(step, bool) or step < 0:
         raise ValueError(f"`save(step=...)` must be an int >= 0, got {step!r}.")
+    step = int(step)
     if keep is not None and (isinstance(keep, bool) or keep < 1):
         raise ValueError(
             f"`save(keep=...)` must be None (keep every step) or an int >= 1, got "
@@ -205,10 +217,19 @@ def save(
     _wait_for(directory)
     manager = _manager(directory, keep=keep, asynchronous=not wait)
     try:
-        if step in manager.all_steps():
+        steps = manager.all_steps()
+        if step in steps:
             raise ValueError(
                 f"`save(step=...)`: step {step} is already saved in {directory!r}; "
                 "save under a new step number, or delete that step's directory first."
+            )
+        if steps and step < max(steps):
+            # Orbax would skip it without a word: steps only go up in a directory.
+            raise ValueError(
+                f"`save(step={step})`: {directory!r} already holds step {max(steps)}, "
+                "and the steps of a checkpoint directory only go up (after resuming "
+                "from an earlier step, for instance). Save to a new directory, or "
+                "delete the later steps' directories first."
             )
         args = _save_args(model, opt_state, extra, step, wait)
     except BaseException:
@@ -265,15 +286,39 @@ def _save_args(
     return args
 
 
+@overload
 def load(
     path: str | os.PathLike,
     like: tuple[PyTree, PyTree],
     policy: PolicyArg,
     *,
-    optimizer: _optim.Optimizer,
+    optimizer: _optim.Optimizer | None = None,
+    step: int | None = None,
+    extra: None = None,
+) -> Restored: ...
+
+
+@overload
+def load(
+    path: str | os.PathLike,
+    like: tuple[PyTree, PyTree],
+    policy: PolicyArg,
+    *,
+    optimizer: _optim.Optimizer | None = None,
+    step: int | None = None,
+    extra: PyTree,
+) -> RestoredWithExtra: ...
+
+
+def load(
+    path: str | os.PathLike,
+    like: tuple[PyTree, PyTree],
+    policy: PolicyArg,
+    *,
+    optimizer: _optim.Optimizer | None = None,
     step: int | None = None,
     extra: PyTree = None,
-) -> Restored:
+) -> Restored | RestoredWithExtra:
     """Loads a step saved by `eqx_offload.save`, with every leaf where `policy`
     puts it.
 
@@ -283,7 +328,8 @@ def load(
     their shapes, dtypes and shardings are used). Each model leaf is restored in
     the memory kind `eqx_offload.place(model, policy)` gives it, and the optimizer
     state where `eqx_offload.init_opt_state` would put it (step counts on the
-    device), each with its sharding, read from disk straight into that memory.
+    device), each with its sharding (orbax stages the data in host memory on the
+    way: a load peaks at about twice the state).
     Non-array leaves come from `like`. The result feeds `eqx_offload.train_step`
     as it is.
 
@@ -296,7 +342,10 @@ def load(
     - `policy`: the `eqx_offload.Policy` to place the leaves with (it need not be
         the one they were saved under).
     - `optimizer`: the optimizer the state belongs to, to tell its
-        parameter-shaped leaves from its step counts.
+        parameter-shaped leaves from its step counts exactly as `init_opt_state`
+        does. Without it, the parameter-shaped leaves are the subtrees of the
+        state with the structure of the model's trainable leaves (Adam's `mu` and
+        `nu`), which is the same for optax's optimizers.
     - `step`: the step to load; `None` (the default) loads the latest.
     - `extra`: a template of the `extra` given to `save` (arrays or
         `jax.ShapeDtypeStruct`s, Python scalars of the right type); its arrays are
@@ -305,8 +354,8 @@ def load(
 
     **Returns:**
 
-    A `Restored(model, opt_state, step, extra)` named tuple; `extra` is `None`
-    unless a template was given.
+    `(model, opt_state, step)` (a `Restored` named tuple), or, given an `extra`
+    template, `(model, opt_state, step, extra)` (a `RestoredWithExtra`).
 
     **Raises:**
 
@@ -322,14 +371,16 @@ def load(
         optimizer = optax.adamw(3e-4)
         model = eqx.filter_eval_shape(Model, key=jax.random.key(0))
         opt_state = eo.init_opt_state(optimizer, model, policy)  # abstract too
-        model, opt_state, step, extra = eo.load(
-            "ckpt", (model, opt_state), policy, optimizer=optimizer,
+        model, opt_state, step = eo.load("ckpt", (model, opt_state), policy)
+        model, opt_state, step, extra = eo.load(  # with your own state
+            "ckpt", (model, opt_state), policy,
             extra={"key": jax.random.key(0), "batch": 0},
         )
         ```
     """
     directory = _directory(path, "`load(path=...)`")
-    optimizer = _optim.as_transformation(optimizer, "`load(optimizer=...)`")
+    if optimizer is not None:
+        optimizer = _optim.as_transformation(optimizer, "`load(optimizer=...)`")
     check_policy(policy, "`load(policy=...)`")
     if not isinstance(like, tuple | list) or len(like) != 2:
         raise TypeError(
@@ -357,7 +408,9 @@ def load(
         )
 
     model = place(_abstract(like[0]), policy)
-    opt_state = _optim.place_opt_state(optimizer, _abstract(like[1]), model, policy)
+    opt_state = _optim.place_state(
+        optimizer, _abstract(like[1]), model, policy, "`eqx_offload.load`"
+    )
     targets = {"model": model, "opt_state": opt_state}
     if extra is not None:
         targets["extra"] = _abstract(extra)
@@ -398,7 +451,9 @@ def load(
             else:
                 restored.append(x)
         out[name] = jtu.tree_unflatten(jtu.tree_structure(target), restored)
-    return Restored(out["model"], out["opt_state"], step, out.get("extra"))
+    if extra is None:
+        return Restored(out["model"], out["opt_state"], step)
+    return RestoredWithExtra(out["model"], out["opt_state"], step, out["extra"])
 
 
 def _directory(path: Any, where: str) -> str:
@@ -478,8 +533,14 @@ def _host_aval(x: jax.Array) -> jax.Array:
         out = array.ArrayImpl(aval, x.sharding, buffers, committed=True)
         if jax.typeof(out).memory_space == jax.memory.Space.Host:
             return out
-    except Exception:
-        pass
+    except (ImportError, AttributeError, TypeError) as e:
+        warnings.warn(
+            "`eqx_offload.load`: this JAX version no longer lets a restored "
+            f"host-resident array be rewrapped ({type(e).__name__}: {e}); each one is "
+            "copied instead, which takes twice its host memory while it is.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return jax.device_put(x, x.sharding, may_alias=False)
 
 

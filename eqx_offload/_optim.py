@@ -20,7 +20,7 @@ from ._memory_kinds import (
 )
 from ._placement import match_params, move
 from ._policy import check_policy, Policy, PolicyArg
-from ._state_tree import map_state, state_owners
+from ._state_tree import check_matches, map_state, state_owners
 
 
 # What `init_opt_state` and `train_step` accept. `optax.MultiSteps` is a class of its
@@ -213,6 +213,7 @@ def place_opt_state(
     """
     optimizer = as_transformation(optimizer, "`place_opt_state(optimizer=...)`")
     check_policy(policy, "`place_opt_state(policy=...)`")
+    check_matches(optimizer, opt_state, trainable(model), "`place_opt_state`")
     return _place_state(
         optimizer,
         opt_state,
@@ -222,8 +223,22 @@ def place_opt_state(
     )
 
 
+def place_state(
+    optimizer: optax.GradientTransformation | None,
+    opt_state: PyTree,
+    model: PyTree,
+    policy: Policy,
+    where: str,
+) -> PyTree:
+    """`place_opt_state` without its checks, for `load` (which checks what it
+    restores against the checkpoint). Without an optimizer, the parameter-shaped
+    state is the subtrees of `opt_state` with the structure of the model's
+    trainable leaves."""
+    return _place_state(optimizer, opt_state, trainable(model), policy, where)
+
+
 def _place_state(
-    optimizer: optax.GradientTransformation,
+    optimizer: optax.GradientTransformation | None,
     state: PyTree,
     params: PyTree,
     policy: Policy,

@@ -18,7 +18,7 @@ def _is_masked(x: Any) -> bool:
 
 
 def map_state(
-    optimizer: optax.GradientTransformation,
+    optimizer: optax.GradientTransformation | None,
     opt_state: PyTree,
     on_params: Callable[..., Any],
     on_others: Callable[[Any], Any],
@@ -31,22 +31,24 @@ def map_state(
     which calls `optimizer.init` on a placeholder. An `init` that looks inside its
     argument (a `multi_transform` whose labels come from `eqx.tree_at`, an `init`
     that computes on the parameters) fails on the placeholder; the parts are then
-    the subtrees of the state with the parameters' structure."""
+    the subtrees of the state with the parameters' structure, as they are without
+    an `optimizer`."""
 
     def params_leaf(s: Any, *p: Any) -> Any:
         return s if _is_masked(s) else on_params(s, *p)
 
-    try:
-        return optax.tree_utils.tree_map_params(
-            optimizer,
-            params_leaf,
-            opt_state,
-            *params,
-            transform_non_params=lambda v: jtu.tree_map(on_others, v),
-            is_leaf=_is_masked,
-        )
-    except Exception:
-        pass
+    if optimizer is not None:
+        try:
+            return optax.tree_utils.tree_map_params(
+                optimizer,
+                params_leaf,
+                opt_state,
+                *params,
+                transform_non_params=lambda v: jtu.tree_map(on_others, v),
+                is_leaf=_is_masked,
+            )
+        except Exception:
+            pass
     structure = jtu.tree_structure(params[0])
     single = jtu.treedef_is_leaf(structure) and structure.num_leaves == 1
 

@@ -218,9 +218,7 @@ def test_resume_in_new_process_is_exact(runs, name):
 def test_every_leaf_restored_in_its_memory_kind(runs, name):
     root, out, _ = runs
     policy = out[name]["policy"]
-    model, opt_state, _, _ = eo.load(
-        root / name, abstract_like(policy), policy, optimizer=OPTIMIZER
-    )
+    model, opt_state, _ = eo.load(root / name, abstract_like(policy), policy)
     params = "pinned_host" if name == "offload_all" else "device"
     for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)):
         assert x.sharding.memory_kind == params
@@ -237,7 +235,7 @@ def test_every_leaf_restored_in_its_memory_kind(runs, name):
         eo.init_opt_state(OPTIMIZER, fresh, policy)
     )
     # A model placed under one policy loads under another.
-    model, _, _, _ = eo.load(
+    model, _, _ = eo.load(
         root / name,
         abstract_like(eo.Policy.remat()),
         eo.Policy.remat(params="pinned_host"),
@@ -256,7 +254,7 @@ def test_async_save_survives_donation(runs, name):
     # The step after the save donated the saved buffers ...
     assert all(x.is_deleted() for x in run["saved_leaves"])
     # ... and the checkpoint holds the values they had when `save` returned.
-    model, opt_state, _, _ = eo.load(
+    model, opt_state, _ = eo.load(
         root / name, abstract_like(run["policy"]), run["policy"], optimizer=OPTIMIZER
     )
     for x, y in zip(bits((model, opt_state)), run["saved"]):
@@ -286,15 +284,11 @@ def test_sigkill_mid_save_leaves_previous_step(tmp_path):
     assert steps
     like = ({"a": jax.ShapeDtypeStruct((4,), jnp.float32)}, None)
     if steps[-1] == 1:
-        model, _, step, _ = eo.load(
-            directory, like, eo.Policy.none(), optimizer=OPTIMIZER
-        )
+        model, _, step = eo.load(directory, like, eo.Policy.none())
         assert step == 1 and np.array_equal(model["a"], np.ones(4))
     else:  # some big steps were committed before the kill: the latest loads
         big = [jax.ShapeDtypeStruct((2**22,), jnp.float32)] * 16
-        model, _, step, _ = eo.load(
-            directory, (big, None), eo.Policy.none(), optimizer=OPTIMIZER
-        )
+        model, _, step = eo.load(directory, (big, None), eo.Policy.none())
         assert step == steps[-1] and not np.any(model[0])
     # The next save removes the killed one's temporary directory.
     eo.save(directory, {"a": jnp.zeros(4)}, None, step=100)
@@ -317,6 +311,10 @@ def test_sharded_host_leaves_keep_their_sharding(tmp_path):
     model, opt_state, _ = step(model, opt_state, *data(jax.random.key(2)))
     eo.save(tmp_path, model, opt_state, step=1)
     restored = eo.load(tmp_path, (model, opt_state), policy, optimizer=OPTIMIZER)
+    # Without the optimizer, the parameter-shaped state is found by its structure:
+    # the same placements.
+    by_structure = eo.load(tmp_path, (model, opt_state), policy)
+    assert placements(by_structure) == placements(restored)
     assert weight(restored.model).sharding == rows.with_memory_kind("pinned_host")
     assert placements(restored[:2]) == placements((model, opt_state))
     assert jax.typeof(weight(restored.model)).memory_space == jax.memory.Space.Host
@@ -331,9 +329,9 @@ def test_keep_last_n_and_latest(tmp_path):
     assert eo.saved_steps(tmp_path) == [3, 4, 5]
     like = ({"a": jax.ShapeDtypeStruct((2,), jnp.float32)}, None)
     none = eo.Policy.none()
-    model, _, step, _ = eo.load(tmp_path, like, none, optimizer=OPTIMIZER)
+    model, _, step = eo.load(tmp_path, like, none, optimizer=OPTIMIZER)
     assert step == 5 and model["a"].tolist() == [5.0, 5.0]
-    model, _, step, _ = eo.load(tmp_path, like, none, optimizer=OPTIMIZER, step=3)
+    model, _, step = eo.load(tmp_path, like, none, step=3)
     assert step == 3 and model["a"].tolist() == [3.0, 3.0]
     assert eo.saved_steps(tmp_path / "missing") == []
 
@@ -401,6 +399,12 @@ def test_place_opt_state_keeps_values(getkey):
     assert [x.sharding.memory_kind for x in jax.tree.leaves(abstract)] == [
         x.sharding.memory_kind for x in jax.tree.leaves(opt_state)
     ]
+    # A state for another model is named, not placed.
+    deeper = eo.place(Model(DEPTH + 1, key=getkey()), policy)
+    with pytest.raises(
+        ValueError, match=r"`place_opt_state`: optimizer state leaf .* has shape"
+    ):
+        eo.place_opt_state(OPTIMIZER, opt_state, deeper, policy)
 
 
 def test_errors(tmp_path):
@@ -440,6 +444,11 @@ def test_errors(tmp_path):
         eo.save(tmp_path, model, opt_state, step=7)
     with pytest.raises(ValueError, match=r"`save\(step=...\)` must be an int >= 0"):
         eo.save(tmp_path, model, opt_state, step=-1)
+    # Below the latest step (e.g. after resuming from an earlier one): orbax would
+    # skip it silently.
+    with pytest.raises(ValueError, match=r"`save\(step=5\)`: .* already holds step 7"):
+        eo.save(tmp_path, model, opt_state, step=5)
+    assert eo.saved_steps(tmp_path) == [3, 7]
     with pytest.raises(ValueError, match=r"`save\(keep=...\)`"):
         eo.save(tmp_path, model, opt_state, step=8, keep=0)
     with pytest.raises(TypeError, match=r"`save\(model=...\)`: leaf .* is abstract"):
