@@ -25,7 +25,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxtyping import Array, PyTree
 
 from . import _paths, _tiling
@@ -325,6 +325,15 @@ def _join_layers(layout: _Layout, old: Any, pieces: list[Any]) -> Any:
     return to_space(full, "pinned_host", "") if host else full
 
 
+def _piece_sharding(sharding: Any, depth: int, kind: str) -> Any:
+    """Where one layer's piece of a leaf with `sharding` goes, in memory `kind`."""
+    if isinstance(sharding, NamedSharding):
+        spec = PartitionSpec(*tuple(sharding.spec)[depth:])
+        return NamedSharding(sharding.mesh, spec, memory_kind=kind)
+    device = next(iter(sharding.device_set))
+    return SingleDeviceSharding(device, memory_kind=kind)
+
+
 def _target_sharding(x: Any) -> Any:
     sharding = getattr(x, "sharding", None)
     if sharding is None:
@@ -446,6 +455,11 @@ def load_state_dict(
             out.append(x)
             continue
         kind = kind_of(x)
+        if kind != "device":
+            # Into host memory before the jitted join: its NumPy arguments would
+            # otherwise all go to the device at once, the whole stacked leaf.
+            target = _piece_sharding(sharding, entry.depth, kind)
+            pieces = [None if p is None else jax.device_put(p, target) for p in pieces]
         layout = _Layout(tuple(x.shape), x.dtype, entry.depth, kind)
         old = x if eqx.is_array(x) else None
         new = _join_layers(layout, old, pieces)
