@@ -362,8 +362,8 @@ def verify(
         `update="whole"` (plain optax on the device), when the step streams and
         the first two checks pass. Both steps' losses join the loss check.
 
-    It never donates or changes the caller's arrays: the slice is new arrays, and
-    each step gets its own copy.
+    It never donates or changes the caller's arrays: only copies are given to the
+    steps it runs.
 
     Each check passes if, for every leaf, `max |ours - reference| <= atol + rtol *
     scale`, where `scale` is the reference's largest magnitude over the leaf (the
