@@ -9,7 +9,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxtyping import PyTree
 
-from . import _diagnose, _paths, _streaming, _tiling
+from . import _diagnose, _mesh, _paths, _streaming, _tiling
 from ._memory_kinds import (
     backend_kinds,
     is_arraylike,
@@ -166,7 +166,9 @@ def init_opt_state(optimizer: Optimizer, model: PyTree, policy: PolicyArg) -> Py
     else:
         # Eager ops on host-resident arrays fail ("Memory kind mismatch"); jitted
         # ones work, and return the state on the default device.
-        state = jax.jit(optimizer.init)(params)
+        _mesh.check_devices({"model": params}, "`init_opt_state`")
+        with _mesh.context(params):
+            state = jax.jit(optimizer.init)(params)
     return _place_state(
         optimizer, state, params, policy, "`eqx_offload.init_opt_state`"
     )

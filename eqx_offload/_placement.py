@@ -5,10 +5,10 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax
 import jax.core
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxtyping import PyTree
 
-from . import _paths
+from . import _mesh, _paths
 from ._memory_kinds import (
     abstract_sharding,
     backend_kinds,
@@ -131,6 +131,17 @@ def resolve(
     return out
 
 
+def _explicit(sharding: NamedSharding) -> bool:
+    return AxisType.Explicit in getattr(sharding.mesh, "axis_types", ())
+
+
+def _uncommitted(x: Any) -> bool:
+    """A concrete array not committed to devices yet, or a NumPy array."""
+    if isinstance(x, jax.core.Tracer | jax.ShapeDtypeStruct):
+        return False
+    return not isinstance(x, jax.Array) or not x.committed
+
+
 def _is_key(x: Any) -> bool:
     return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
@@ -148,20 +159,31 @@ def move(x: Any, kind: str, path: str, sharding: Any = None) -> Any:
         sharding = sharding or SingleDeviceSharding(jax.devices()[0])  # NumPy
     if getattr(x, "weak_type", False):
         x = x.astype(x.dtype)  # strongly typed, as a jitted step's outputs will be
+    if isinstance(sharding, NamedSharding) and _explicit(sharding):
+        # Spelled in full (`P(None, "x", None)`), as a step returns it under an
+        # `Explicit` mesh, whose jit cache tells the spellings apart.
+        spec = tuple(sharding.spec) + (None,) * (len(x.shape) - len(sharding.spec))
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec))
     # Also commits the array to its sharding, as a step's outputs will be, so that
     # the first step is not compiled for a second signature.
     return jax.device_put(x, sharding.with_memory_kind(kind))
 
 
 def move_leaves(tree: _T, kinds: list[tuple[_paths.Leaf, str]]) -> _T:
-    """Puts each array leaf of `tree` in its kind from `resolve(tree, ...)`."""
+    """Puts each array leaf of `tree` in its kind from `resolve(tree, ...)`. On a
+    tree laid out on a mesh, arrays not committed to devices yet (and NumPy arrays)
+    are replicated over it, as a jitted function would place them."""
     by_position = iter(kinds)
     flat, treedef = jax.tree.flatten(tree)
+    mesh = _mesh.tree_mesh(tree)
     out = []
     for value in flat:
         if is_arraylike(value):
             leaf, kind = next(by_position)
-            value = move(value, kind, leaf.path)
+            sharding = None
+            if mesh is not None and _uncommitted(value):
+                sharding = NamedSharding(mesh, PartitionSpec())
+            value = move(value, kind, leaf.path, sharding)
         out.append(value)
     return jax.tree.unflatten(treedef, out)
 

@@ -13,7 +13,7 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from . import _residuals
+from . import _mesh, _residuals
 from ._diagnose import DoesNotCompile
 from ._memory_kinds import is_arraylike, kind_of
 from ._targets import abstract, chip_mesh, HBM_BYTES, TargetArg
@@ -288,7 +288,11 @@ def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
         )
     model, opt_state, *batch = args
     dynamic, statics = step.split(model, opt_state, *batch)
-    jitted = jax.jit(step.fun, static_argnums=3, donate_argnums=(0, 1))
+    # `keep_unused`: the compiled signature then lists every argument, which is
+    # how `_split_estimate` matches arguments to their memory kinds.
+    jitted = jax.jit(
+        step.fun, static_argnums=3, donate_argnums=(0, 1), keep_unused=True
+    )
     loss = filter_offload(step.loss_fn, step.policy)
 
     def residuals() -> tuple[ResidualRow, ...]:
@@ -358,7 +362,7 @@ def _function_plan(fn: Any, args: tuple, kwargs: dict) -> _Plan:
         return eqx.filter(fn(*a, *more, **k), is_arraylike)  # arrays only, as jit needs
 
     donate = tuple(i for i, d in ((0, donate_first), (1, donate_rest)) if d)
-    jitted = jax.jit(call, static_argnums=2, donate_argnums=donate)
+    jitted = jax.jit(call, static_argnums=2, donate_argnums=donate, keep_unused=True)
     trace = lambda: jitted.trace(first, rest, (first_static, rest_static))  # noqa: E731
     if kind == "function":
         return _Plan(trace, kind, named)
@@ -425,7 +429,8 @@ def memory_report(
         plan = _function_plan(fn, args, kwargs)
     where = target or jax.default_backend()
     what = _DESCRIPTIONS[plan.kind]
-    lowered = plan.trace().lower()
+    with _mesh.context(args, kwargs):
+        lowered = plan.trace().lower()
     try:
         stats = lowered.compile().memory_analysis()
     except jax.errors.JaxRuntimeError as e:
@@ -539,9 +544,12 @@ def _signature(text: str) -> tuple[list[str], dict[int, int], list[str]]:
         out = []
         for match in re.finditer(marker, part):
             i = match.end()
-            depth, j = 0, i
-            while j < len(part) and (depth or part[j] not in ",)"):
-                depth += {"<": 1, ">": -1, "{": 1, "}": -1}.get(part[j], 0)
+            depth, j, quoted = 0, i, False
+            while j < len(part) and (quoted or depth or part[j] not in ",)"):
+                if part[j] == '"' and part[j - 1] != "\\":
+                    quoted = not quoted  # a sharding string: "{devices=[8]<=[8]}"
+                elif not quoted:
+                    depth += {"<": 1, ">": -1, "{": 1, "}": -1}.get(part[j], 0)
                 j += 1
             out.append(part[i:j])
         return out

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AxisType
 from jaxtyping import PRNGKeyArray, PyTree
 
 from . import _names, _paths, _residuals, _tiling
@@ -447,10 +448,30 @@ def _to_device(layer_arrays: Any) -> Any:
     )
 
 
+def _keep_carry_sharding(new: Any, old: Any) -> Any:
+    """Under a mesh with `Explicit` axes, a layer's output carry resharded to its
+    input's sharding: a scan carry must keep its type, and a layer whose weights
+    are sharded (FSDP, tensor parallelism) changes the sharding of what it
+    computes. Under `Auto` axes the partitioner does this by itself."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or AxisType.Explicit not in mesh.axis_types:
+        return new
+
+    def reshard(n: Any, o: Any) -> Any:
+        if not eqx.is_array(n) or not eqx.is_array(o):
+            return n
+        want = jax.typeof(o).sharding.spec
+        same = jax.typeof(n).sharding.spec == want
+        return n if same else jax.sharding.reshard(n, want)
+
+    return jtu.tree_map(reshard, new, old)
+
+
 def _plain_body(f: Callable, static: Any) -> Callable:
     def body(carry: Any, inputs: Any) -> Any:
         layer_arrays, x = inputs
-        return f(eqx.combine(_to_device(layer_arrays), static), carry, x)
+        new, y = f(eqx.combine(_to_device(layer_arrays), static), carry, x)
+        return _keep_carry_sharding(new, carry), y
 
     return body
 
@@ -487,7 +508,8 @@ def _offload_body(
             c = jtu.tree_map(lambda v: checkpoint_name(v, carry_name), c)
         layer = eqx.combine(_to_device(layer_arrays), static)
         layer = _map_submodules(layer, path, configure_inside)
-        return f(layer, c, x)
+        new, y = f(layer, c, x)
+        return _keep_carry_sharding(new, c), y
 
     if policy.save == "all":  # no checkpoint, so names would mean nothing
         return body

@@ -80,6 +80,8 @@ def abstract(x: Any, mesh: Mesh | None) -> jax.ShapeDtypeStruct:
     this backend (`mesh=None`), or on the one chip of `mesh`."""
     if mesh is None:
         sharding = getattr(x, "sharding", None)
+        if isinstance(x, jax.Array) and not x.committed:
+            sharding = None  # placed by the jit, as when the step itself is called
         sharding = None if sharding is None else abstract_sharding(sharding)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     sharding = NamedSharding(mesh, PartitionSpec(), memory_kind=kind_of(x))

@@ -12,7 +12,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import PyTree
 
-from . import _diagnose, _optim, _paths
+from . import _diagnose, _mesh, _optim, _paths
 from ._diagnose import DoesNotCompile
 from ._memory_kinds import is_arraylike, kind_of, to_space
 from ._placement import resolve
@@ -146,7 +146,14 @@ class _TrainStep(eqx.Module):
         if any(_deleted(x) for x in dynamic[0] + dynamic[1]):
             _raise_deleted(model, opt_state)
         try:
-            model_dynamic, opt_dynamic, value = self.jitted(*dynamic, statics)
+            with _mesh.context(dynamic):
+                model_dynamic, opt_dynamic, value = self.jitted(*dynamic, statics)
+        except ValueError as e:
+            if "incompatible devices" in str(e):  # name the leaves, not positions
+                where = "`train_step`"
+                trees = {"model": model, "opt_state": opt_state, "batch": batch}
+                _mesh.check_devices(trees, where)
+            raise
         except jax.errors.JaxRuntimeError as e:
             # On a TPU the compiler may reject streaming a leaf of some shapes
             # (`_diagnose.py`): name the leaves and the way out.

@@ -1,0 +1,82 @@
+"""The device mesh a pytree is laid out on: found from its leaves' `NamedSharding`s,
+entered as JAX's mesh context where a jitted computation needs it (meshes with
+`Explicit` axes), and checked for leaves on other devices."""
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding
+
+from . import _paths
+
+
+def _named(x: Any) -> NamedSharding | None:
+    sharding = getattr(x, "sharding", None)
+    return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def tree_mesh(tree: Any) -> Mesh | None:
+    """The concrete mesh of the `NamedSharding`s of `tree`'s array leaves (one-device
+    meshes, which abstract placements use, do not count), or None. Leaves on two
+    different meshes are a `ValueError` naming them."""
+    found: tuple[str, Mesh] | None = None
+    for leaf in _paths.leaves(tree):
+        named = _named(leaf.value)
+        if named is None or not isinstance(named.mesh, Mesh) or named.mesh.size == 1:
+            continue
+        if found is None:
+            found = (leaf.path, named.mesh)
+        elif named.mesh != found[1]:
+            raise ValueError(
+                f"Leaves {found[0]!r} and {leaf.path!r} are laid out on two different "
+                f"meshes ({dict(found[1].shape)} and {dict(named.mesh.shape)}); lay "
+                "out the model, optimizer state and batch on one mesh."
+            )
+    return None if found is None else found[1]
+
+
+def _explicit_mesh(trees: Any) -> Mesh | None:
+    for x in jax.tree.leaves(trees):
+        named = _named(x)
+        if named is not None and isinstance(named.mesh, Mesh):
+            if AxisType.Explicit in named.mesh.axis_types:
+                return named.mesh
+    return None
+
+
+@contextlib.contextmanager
+def context(*trees: Any) -> Iterator[None]:
+    """`jax.set_mesh` of the mesh `trees` are laid out on if it has `Explicit` axes
+    (JAX then needs it to trace ops that make new arrays); otherwise nothing."""
+    mesh = _explicit_mesh(trees)
+    if mesh is None:
+        yield
+        return
+    with jax.set_mesh(mesh):
+        yield
+
+
+def check_devices(named_trees: dict[str, Any], where: str) -> None:
+    """Raises, naming the leaves, if the committed array leaves of the trees are not
+    all on the same devices (JAX would say "incompatible devices", naming an
+    argument position)."""
+    first: tuple[str, frozenset] | None = None
+    for name, tree in named_trees.items():
+        for leaf in _paths.leaves(tree):
+            x = leaf.value
+            if not isinstance(x, jax.Array) or not x.committed:
+                continue
+            devices = frozenset(d.id for d in x.sharding.device_set)
+            path = f"{name}.{leaf.path}" if leaf.path else name
+            if first is None:
+                first = (path, devices)
+            elif devices != first[1]:
+                raise ValueError(
+                    f"{where}: leaf {path!r} is on devices {sorted(devices)} but "
+                    f"{first[0]!r} is on devices {sorted(first[1])}. Lay every leaf "
+                    "out on the same mesh: e.g. replicated, `jax.device_put(x, "
+                    "NamedSharding(mesh, PartitionSpec()))`; `eqx_offload.place` "
+                    "does that for arrays not yet committed to devices."
+                )

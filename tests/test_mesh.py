@@ -1,0 +1,146 @@
+"""Models laid out on a device mesh by hand: partly sharded models, `Explicit` and
+`Auto` meshes, spec spellings, leaves on other devices, reports with a PRNG key."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jaxtyping import Array, Float, PRNGKeyArray
+
+import eqx_offload as eo
+
+
+class Net(eqx.Module):
+    blocks: eo.Stacked[eqx.nn.Linear]
+    head: eqx.nn.Linear
+
+    def __init__(self, *, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        self.blocks = eo.Stacked.from_fn(
+            lambda k: eqx.nn.Linear(16, 16, key=k), 3, key=k1
+        )
+        self.head = eqx.nn.Linear(16, 4, key=k2)
+
+    def __call__(self, x: Float[Array, " 16"]) -> Float[Array, " 4"]:
+        return self.head(self.blocks(x))
+
+
+def loss_fn(model: Net, x: Float[Array, "n 16"]) -> Float[Array, ""]:
+    return jnp.mean(jax.vmap(model)(x) ** 2)
+
+
+OPTIMIZER = optax.adamw(1e-2)
+X = jnp.linspace(-1.0, 1.0, 8 * 16).reshape(8, 16)
+
+
+def _mesh(axis_type: AxisType):
+    return jax.make_mesh((4,), ("x",), axis_types=(axis_type,))
+
+
+def _fsdp(model: Net, mesh, spec=P(None, "x")) -> Net:
+    """The stacked weights sharded over `x`, everything else left as it is."""
+    weight = jax.device_put(model.blocks.layers.weight, NamedSharding(mesh, spec))
+    return eqx.tree_at(lambda m: m.blocks.layers.weight, model, weight)
+
+
+def _reference_losses(steps: int) -> list[float]:
+    model = Net(key=jax.random.key(0))
+    state = OPTIMIZER.init(eqx.filter(model, eqx.is_inexact_array))
+
+    @eqx.filter_jit
+    def step(model, state):
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, X)
+        params = eqx.filter(model, eqx.is_inexact_array)
+        updates, state = OPTIMIZER.update(grads, state, params)
+        return eqx.apply_updates(model, updates), state, loss
+
+    losses = []
+    for _ in range(steps):
+        model, state, loss = step(model, state)
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.parametrize("preset", ["none", "offload_all"])
+def test_a_partly_sharded_model_trains_like_one_device(axis_type, preset):
+    mesh = _mesh(axis_type)
+    policy = getattr(eo.Policy, preset)()
+    # Only the stacked weight is laid out on the mesh; the biases and the head are
+    # plain arrays, which `place` replicates over the mesh (as a jit would).
+    model = eo.place(_fsdp(Net(key=jax.random.key(0)), mesh), policy)
+    shardings = [x.sharding for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
+    assert all(len(s.device_set) == 4 for s in shardings)
+    opt_state = eo.init_opt_state(OPTIMIZER, model, policy)
+    step = eo.train_step(loss_fn, OPTIMIZER, policy)
+    batch = jax.device_put(X, NamedSharding(mesh, P()))
+    losses = []
+    for _ in range(3):
+        model, opt_state, loss = step(model, opt_state, batch)
+        losses.append(float(loss))
+    np.testing.assert_allclose(losses, _reference_losses(3), rtol=1e-5)
+    assert step.jitted._cache_size() == 1  # outputs feed the next call as they are
+    weight = model.blocks.layers.weight
+    assert weight.sharding.spec[:2] == (None, "x")
+    kind = "pinned_host" if preset == "offload_all" else "device"
+    assert weight.sharding.memory_kind == kind
+
+
+def test_specs_spelled_with_trailing_none_compile_once():
+    mesh = _mesh(AxisType.Auto)
+    policy = eo.Policy.offload_all()
+    model = _fsdp(Net(key=jax.random.key(0)), mesh, P(None, "x", None))
+    model = eo.place(model, policy)
+    opt_state = eo.init_opt_state(OPTIMIZER, model, policy)
+    step = eo.train_step(loss_fn, OPTIMIZER, policy)
+    for _ in range(3):
+        model, opt_state, _ = step(model, opt_state, X)
+    assert step.jitted._cache_size() == 1
+
+
+def test_a_leaf_committed_elsewhere_is_named():
+    mesh = _mesh(AxisType.Auto)
+    policy = eo.Policy.none()
+    model = eo.place(_fsdp(Net(key=jax.random.key(0)), mesh), policy)
+    opt_state = eo.init_opt_state(OPTIMIZER, model, policy)
+    bias = jax.device_put(model.head.bias, jax.devices()[3])
+    moved = eqx.tree_at(lambda m: m.head.bias, model, bias)
+    step = eo.train_step(loss_fn, OPTIMIZER, policy)
+    with pytest.raises(
+        ValueError, match=r"`train_step`: leaf 'model\.head\.bias' is on devices \[3\]"
+    ):
+        step(moved, opt_state, X)
+    with pytest.raises(ValueError, match=r"leaf 'model\.head\.bias' is on devices"):
+        eo.init_opt_state(OPTIMIZER, moved, policy)
+
+
+def test_leaves_on_two_meshes_are_named():
+    one = _mesh(AxisType.Auto)
+    two = jax.make_mesh((2,), ("y",), devices=jax.devices()[:2])
+    model = _fsdp(Net(key=jax.random.key(0)), one)
+    bias = jax.device_put(model.head.bias, NamedSharding(two, P()))
+    model = eqx.tree_at(lambda m: m.head.bias, model, bias)
+    with pytest.raises(
+        ValueError, match=r"'blocks\.weight' and 'head\.bias' are laid out on two"
+    ):
+        eo.place(model, eo.Policy.none())
+
+
+def test_report_of_a_sharded_step_with_a_prng_key():
+    mesh = _mesh(AxisType.Auto)
+    policy = eo.Policy.offload_all()
+    model = eo.place(_fsdp(Net(key=jax.random.key(0)), mesh), policy)
+    opt_state = eo.init_opt_state(OPTIMIZER, model, policy)
+
+    def noisy(model, x, key):
+        return loss_fn(model, x + 0.01 * jax.random.normal(key, x.shape))
+
+    step = eo.train_step(noisy, OPTIMIZER, policy)
+    report = eo.memory_report(step, model, opt_state, X, jax.random.key(1))
+    # Every argument is found in the compiled signature, the key included.
+    assert report.arguments["batch"] == {"device": X.nbytes + 8}
+    assert report.host["argument"] > 0
+    step(model, opt_state, X, jax.random.key(1))  # and the step accepts it too
