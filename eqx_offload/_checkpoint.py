@@ -250,6 +250,7 @@ def _save_args(
     """The orbax items of a step: the array leaves of each tree as a flat dict from
     path to array (a copy for an asynchronous save), and a JSON description."""
     trees = {"model": model, "opt_state": opt_state, "extra": extra}
+    _check_global(trees, None, "save")
     meta: dict[str, Any] = {"format": _FORMAT, "step": step, "leaves": {}, "values": {}}
     args = {}
     for name, tree in trees.items():
@@ -407,6 +408,7 @@ def load(
             f"{', '.join(map(str, available))}."
         )
 
+    _check_global(like, extra, "load")
     model = place(_abstract(like[0]), policy)
     opt_state = _optim.place_state(
         optimizer, _abstract(like[1]), model, policy, "`eqx_offload.load`"
@@ -571,6 +573,52 @@ def _abstract(tree: Any) -> Any:
         return x
 
     return jtu.tree_map(to_struct, tree)
+
+
+def _check_global(like: Any, extra: Any, what: str) -> None:
+    """In a run of several processes, refuses (on every process alike, before orbax
+    is asked) an array leaf that is not laid out over the devices of every process:
+    orbax cannot save one ("host local jax.Array"), and would restore it on one
+    process's device only, fail on the others and leave that one waiting."""
+    count = jax.process_count()
+    if count == 1:
+        return
+    names = ("like", "extra") if what == "load" else ("trees", "")
+    for name, tree in zip(names, (like, extra)):
+        for leaf_path, x in _flatten(tree):
+            if not eqx.is_array(x) and not isinstance(x, jax.ShapeDtypeStruct):
+                continue
+            sharding = getattr(x, "sharding", None)
+            processes = (
+                {d.process_index for d in sharding.device_set} if sharding else set()
+            )
+            if len(processes) != count:
+                has = (
+                    "no sharding"
+                    if sharding is None
+                    else f"a sharding on {len(processes)} of them"
+                )
+                if what == "load":
+                    where, fix = (
+                        f"`load({name}=...)`",
+                        "Give every leaf the global `NamedSharding` to restore it in: "
+                        "`jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding("
+                        "mesh, spec))` over a mesh of all devices.",
+                    )
+                else:
+                    where, fix = (
+                        "`save`",
+                        "Lay it out over a mesh of all devices first (replicated: "
+                        "`jax.make_array_from_callback(shape, NamedSharding(mesh, "
+                        "PartitionSpec()), ...)`; for a PRNG key, its "
+                        "`jax.random.key_data`), or keep it in `extra` as a Python "
+                        "scalar.",
+                    )
+                raise ValueError(
+                    f"{where}: leaf {leaf_path!r} is not laid out over the "
+                    f"devices of all {count} processes of this run (it has {has}). "
+                    + fix
+                )
 
 
 def _restore_target(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:

@@ -268,6 +268,12 @@ def _rounding(x: Any) -> float:
 def _as_float(x: Any) -> np.ndarray:
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        # Laid out over several processes' devices: each process compares the
+        # whole value.
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(x).astype(np.float64)
 
 

@@ -1,0 +1,176 @@
+"""One process of a multi-process training run, started by `test_multiprocess.py`
+(and runnable by hand the same way on a TPU pod, one process per host).
+
+    python tests/multiprocess_worker.py NPROC PROCESS_ID PORT OUTDIR
+
+With NPROC=2: two processes on this machine, two CPU devices each, one 4-device
+global mesh (gloo collectives). With NPROC=1: one process with four devices, the
+reference. Each lays the model out FSDP-style by hand, trains 4 steps under
+`Policy.offload_all()`, saves, loads into an abstract model, trains one more
+step, and writes its losses to OUTDIR/result_<NPROC>_<PROCESS_ID>.json.
+"""
+
+import json
+import os
+import sys
+
+
+NPROC, PROCESS_ID, PORT, OUTDIR = sys.argv[1:5]
+os.environ["XLA_FLAGS"] = (
+    f"--xla_force_host_platform_device_count={4 // int(NPROC)}"  # 4 devices in all
+)
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+if int(NPROC) > 1:
+    jax.distributed.initialize(
+        coordinator_address=f"localhost:{PORT}",
+        num_processes=int(NPROC),
+        process_id=int(PROCESS_ID),
+    )
+
+import equinox as eqx  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jaxtyping import Array, Float, PRNGKeyArray  # noqa: E402
+
+import eqx_offload as eo  # noqa: E402
+
+
+DIM, HIDDEN, DEPTH, BATCH = 16, 32, 3, 8
+MESH = jax.make_mesh((4,), ("fsdp",), axis_types=(AxisType.Auto,))
+
+
+class Model(eqx.Module):
+    blocks: eo.Stacked[eqx.nn.MLP]
+    head: eqx.nn.Linear
+
+    def __init__(self, *, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        self.blocks = eo.Stacked.from_fn(
+            lambda k: eqx.nn.MLP(DIM, DIM, HIDDEN, 1, key=k), DEPTH, key=k1
+        )
+        self.head = eqx.nn.Linear(DIM, 1, key=k2)
+
+    def __call__(self, x: Float[Array, " dim"]) -> Float[Array, " 1"]:
+        return self.head(self.blocks(x))
+
+
+def loss_fn(model: Model, x: Float[Array, "b dim"], y: Float[Array, "b 1"]):
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def fsdp_spec(shape: tuple[int, ...], stacked: bool) -> P:
+    """The first axis divisible by the mesh (never a `Stacked`'s layer axis)."""
+    for axis in range(1 if stacked else 0, len(shape)):
+        if shape[axis] % 4 == 0:
+            return P(*[("fsdp" if a == axis else None) for a in range(len(shape))])
+    return P()
+
+
+def lay_out(model: Model) -> Model:
+    """Every leaf as a global array laid out over the mesh, from the same values in
+    every process."""
+
+    def put(x, stacked: bool):
+        if not eqx.is_array(x):
+            return x
+        data = np.asarray(x)
+        sharding = NamedSharding(MESH, fsdp_spec(data.shape, stacked))
+        return jax.make_array_from_callback(data.shape, sharding, lambda i: data[i])
+
+    blocks = jax.tree.map(lambda x: put(x, True), model.blocks)
+    head = jax.tree.map(lambda x: put(x, False), model.head)
+    return eqx.tree_at(lambda m: (m.blocks, m.head), model, (blocks, head))
+
+
+def batch(i: int) -> tuple[jax.Array, jax.Array]:
+    """Batch `i`, split over the processes along the batch axis."""
+    rng = np.random.default_rng(i)
+    x = rng.normal(size=(BATCH, DIM)).astype(np.float32)
+    y = rng.normal(size=(BATCH, 1)).astype(np.float32)
+    n, p = int(NPROC), int(PROCESS_ID)
+    rows = slice(p * BATCH // n, (p + 1) * BATCH // n)
+    sharding = NamedSharding(MESH, P("fsdp"))
+    return (
+        jax.make_array_from_process_local_data(sharding, x[rows], x.shape),
+        jax.make_array_from_process_local_data(sharding, y[rows], y.shape),
+    )
+
+
+def scalar(x: jax.Array) -> float:
+    return float(np.asarray(x.addressable_data(0)))
+
+
+def main() -> None:
+    policy = eo.Policy.offload_all()
+    optimizer = optax.adamw(1e-2)
+    model = eo.place(lay_out(Model(key=jax.random.key(0))), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(loss_fn, optimizer, policy)
+    losses = []
+    for i in range(4):
+        model, opt_state, loss = step(model, opt_state, *batch(i))
+        losses.append(scalar(loss))
+    kinds = {
+        x.sharding.memory_kind for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    }
+
+    # Save, load into an abstract model laid out the same way, train one more step.
+    directory = os.path.join(OUTDIR, "checkpoint")
+    eo.save(directory, model, opt_state, step=4)
+    abstract = eqx.filter_eval_shape(Model, key=jax.random.key(0))
+    abstract = eo.place(lay_out_abstract(abstract), policy)
+    like = (abstract, eo.init_opt_state(optimizer, abstract, policy))
+    restored, restored_state, saved_step = eo.load(directory, like, policy)
+    restored, restored_state, loss = step(restored, restored_state, *batch(4))
+    result = {
+        "losses": losses,
+        "loss_after_load": scalar(loss),
+        "saved_step": saved_step,
+        "memory_kinds": sorted(kinds),
+        "compiles": step.jitted._cache_size(),
+        "errors": {},
+    }
+    # `verify` compares leaves laid out over every process.
+    report = eo.verify(loss_fn, optimizer, policy, restored, restored_state, *batch(5))
+    result["verified"] = report.passed
+    # An abstract model without shardings would be restored on one process's
+    # device only: refused on every process, before orbax is asked.
+    bare = eqx.filter_eval_shape(Model, key=jax.random.key(0))
+    try:
+        eo.load(directory, (bare, like[1]), policy)
+    except ValueError as e:
+        result["errors"]["load"] = str(e)
+    try:  # a process-local PRNG key cannot be saved by orbax in such a run
+        eo.save(directory, model, opt_state, step=5, extra={"key": jax.random.key(0)})
+    except ValueError as e:
+        result["errors"]["save"] = str(e)
+    path = os.path.join(OUTDIR, f"result_{NPROC}_{PROCESS_ID}.json")
+    with open(path, "w") as f:
+        json.dump(result, f)
+
+
+def lay_out_abstract(model: Model) -> Model:
+    """`lay_out` for `jax.ShapeDtypeStruct` leaves."""
+
+    def put(x, stacked: bool):
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        sharding = NamedSharding(MESH, fsdp_spec(x.shape, stacked))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    blocks = jax.tree.map(lambda x: put(x, True), model.blocks)
+    head = jax.tree.map(lambda x: put(x, False), model.head)
+    return eqx.tree_at(lambda m: (m.blocks, m.head), model, (blocks, head))
+
+
+if __name__ == "__main__":
+    main()
+    if int(NPROC) > 1:
+        jax.distributed.shutdown()

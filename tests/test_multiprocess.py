@@ -1,0 +1,71 @@
+"""Two processes on this machine (two CPU devices each, gloo collectives) train one
+model on a 4-device global mesh under `Policy.offload_all()`, save it and resume
+from the checkpoint: the losses equal those of one process with four devices."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+
+WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _run(nproc: int, outdir: str) -> list[dict]:
+    port = str(_free_port())
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, str(nproc), str(i), port, outdir],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(nproc)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=180)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:  # one failed and the other waits for it: stop it
+                p.kill()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    results = []
+    for i in range(nproc):
+        with open(os.path.join(outdir, f"result_{nproc}_{i}.json")) as f:
+            results.append(json.load(f))
+    return results
+
+
+def test_two_processes_train_and_resume_like_one(tmp_path):
+    (one,) = _run(1, str(tmp_path / "one"))
+    two = _run(2, str(tmp_path / "two"))
+    for result in two:
+        np.testing.assert_allclose(result["losses"], one["losses"], rtol=1e-5)
+        np.testing.assert_allclose(
+            result["loss_after_load"], one["loss_after_load"], rtol=1e-5
+        )
+        assert result["saved_step"] == 4
+        assert result["memory_kinds"] == ["pinned_host"]
+        assert result["compiles"] == 1
+    assert one["verified"] and one["errors"] == {}  # one process: nothing refused
+    for result in two:
+        assert result["verified"]
+        assert (
+            "leaf '[0].blocks.layers.layers[0].weight' is not laid out over the "
+            in (result["errors"]["load"])
+        )
+        assert "`save`: leaf 'extra.key'" in result["errors"]["save"]
