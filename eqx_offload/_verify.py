@@ -366,7 +366,8 @@ def verify(
     3. **the update**: the model and optimizer state after one donating
         `train_step` with `Policy(update="streamed")` against one with
         `update="whole"` (plain optax on the device), when the step streams and
-        the first two checks pass. Both steps' losses join the loss check.
+        the first two checks pass. Both steps' losses join the loss check. A
+        step that does not stream runs once, and its loss joins the loss check.
 
     It never donates or changes the caller's arrays: only copies are given to the
     steps it runs.
@@ -495,6 +496,18 @@ def verify(
             pairs.append((f"opt_state.{s.path}", s.value, w.value, w.value, 0.0))
         update = _compare(pairs, rtol, atol)
         loss_check = _compare(losses, rtol, atol)
+    elif loss_check.passed and gradient_check.passed:
+        # No streaming to compare with: the step itself still runs once, so that
+        # its own program (placements, donation, outputs) is exercised.
+        step = train_step(loss_fn, optimizer, policy, has_aux=has_aux)
+        outputs = step(
+            _copy_into(small, model), _copy_into(small_state, opt_state), *small_batch
+        )
+        _check_kinds(outputs[:2], (model, opt_state))
+        losses.append(
+            ("loss (step)", _loss(outputs[2], has_aux), ref_loss, ref_loss, 0.0)
+        )
+        loss_check = _compare(losses, rtol, atol)
 
     report = VerifyReport(
         loss=loss_check,
@@ -511,7 +524,7 @@ def _check_kinds(outputs: tuple, inputs: tuple) -> None:
     for out, into in zip(_array_leaves(outputs), _array_leaves(inputs), strict=True):
         if kind_of(out.value) != kind_of(into.value):
             raise ValueError(
-                f"`verify`: the streamed step returned leaf {out.path!r} in "
+                f"`verify`: the train step returned leaf {out.path!r} in "
                 f"{kind_of(out.value)!r}, but it lives in {kind_of(into.value)!r}. "
                 "This is a bug in eqx_offload; please report it."
             )
