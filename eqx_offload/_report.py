@@ -560,9 +560,28 @@ def _signature(text: str) -> tuple[list[str], dict[int, int], list[str]]:
 
     arg_attrs = attributes(args_text, r"%arg\d+: ")
     out_attrs = attributes(outs_text, r"(?:^|, )(?=tensor<)")
+    arg_kinds, out_kinds = [kind(a) for a in arg_attrs], [kind(a) for a in out_attrs]
     aliases = {}
     for i, attrs in enumerate(arg_attrs):
         found = re.search(r"tf\.aliasing_output = (\d+)", attrs)
         if found:
             aliases[i] = int(found[1])
-    return [kind(a) for a in arg_attrs], aliases, [kind(a) for a in out_attrs]
+    # A program over a mesh marks donated arguments `jax.buffer_donor` and lets the
+    # compiler pick the output each one aliases: the first free output of the same
+    # type in the same memory.
+    taken = set(aliases.values())
+    for i, attrs in enumerate(arg_attrs):
+        if i in aliases or "jax.buffer_donor = true" not in attrs:
+            continue
+        for j, out in enumerate(out_attrs):
+            same = _tensor_type(out) == _tensor_type(attrs)
+            if j not in taken and same and out_kinds[j] == arg_kinds[i]:
+                aliases[i] = j
+                taken.add(j)
+                break
+    return arg_kinds, aliases, out_kinds
+
+
+def _tensor_type(attrs: str) -> str:
+    """The `tensor<...>` type at the start of an argument's or output's text."""
+    return attrs.split(" ", 1)[0]

@@ -143,4 +143,7 @@ def test_report_of_a_sharded_step_with_a_prng_key():
     # Every argument is found in the compiled signature, the key included.
     assert report.arguments["batch"] == {"device": X.nbytes + 8}
     assert report.host["argument"] > 0
+    # Donated buffers of a program over a mesh (`jax.buffer_donor`) count as
+    # aliased, as on one device: every host leaf is updated in place.
+    assert report.host["alias"] == report.host["argument"]
     step(model, opt_state, X, jax.random.key(1))  # and the step accepts it too
