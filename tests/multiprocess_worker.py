@@ -74,10 +74,13 @@ def fsdp_spec(shape: tuple[int, ...], stacked: bool) -> P:
 
 
 def lay_out(model: Model) -> Model:
-    """Every leaf as a global array laid out over the mesh, from the same values in
-    every process."""
+    """Every array leaf as a global array laid out over the mesh, from the same
+    values in every process; every `jax.ShapeDtypeStruct` leaf with that layout."""
 
     def put(x, stacked: bool):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            sharding = NamedSharding(MESH, fsdp_spec(x.shape, stacked))
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
         if not eqx.is_array(x):
             return x
         data = np.asarray(x)
@@ -125,7 +128,7 @@ def main() -> None:
     directory = os.path.join(OUTDIR, "checkpoint")
     eo.save(directory, model, opt_state, step=4)
     abstract = eqx.filter_eval_shape(Model, key=jax.random.key(0))
-    abstract = eo.place(lay_out_abstract(abstract), policy)
+    abstract = eo.place(lay_out(abstract), policy)
     like = (abstract, eo.init_opt_state(optimizer, abstract, policy))
     restored, restored_state, saved_step = eo.load(directory, like, policy)
     restored, restored_state, loss = step(restored, restored_state, *batch(4))
@@ -154,20 +157,6 @@ def main() -> None:
     path = os.path.join(OUTDIR, f"result_{NPROC}_{PROCESS_ID}.json")
     with open(path, "w") as f:
         json.dump(result, f)
-
-
-def lay_out_abstract(model: Model) -> Model:
-    """`lay_out` for `jax.ShapeDtypeStruct` leaves."""
-
-    def put(x, stacked: bool):
-        if not isinstance(x, jax.ShapeDtypeStruct):
-            return x
-        sharding = NamedSharding(MESH, fsdp_spec(x.shape, stacked))
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    blocks = jax.tree.map(lambda x: put(x, True), model.blocks)
-    head = jax.tree.map(lambda x: put(x, False), model.head)
-    return eqx.tree_at(lambda m: (m.blocks, m.head), model, (blocks, head))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,18 @@ def _embedded(model: Model, tokens):
     return jax.vmap(model.embed)(tokens[0])
 
 
+def _loop_loss(model: Model, tokens):
+    """Applies the layers one by one in a Python loop, bypassing the scan."""
+    x = _embedded(model, tokens)
+    for layer in model.blocks:
+        x = layer(x)
+    return jnp.mean(x)
+
+
+def _slice_loss(model: Model, tokens):
+    return jnp.mean(model.blocks[1:](_embedded(model, tokens)))
+
+
 # --- Layers taken out of a `Stacked` inside a step ---------------------------------
 
 
@@ -59,10 +71,7 @@ def test_a_slice_of_host_resident_layers_inside_a_step_is_refused(getkey):
     policy = eo.Policy.offload_all()
     model, opt_state, optimizer = _setup(policy, getkey)
 
-    def loss(model, tokens):
-        return jnp.mean(model.blocks[1:](_embedded(model, tokens)))
-
-    step = eo.train_step(loss, optimizer, policy)
+    step = eo.train_step(_slice_loss, optimizer, policy)
     tokens, _ = next(batches())
     with pytest.raises(
         ValueError,
@@ -77,13 +86,10 @@ def test_a_slice_of_device_resident_layers_scans_under_the_policy(getkey):
     policy = eo.Policy.offload_residuals()
     model, opt_state, optimizer = _setup(policy, getkey)
 
-    def loss(model, tokens):
-        return jnp.mean(model.blocks[1:](_embedded(model, tokens)))
-
     tokens, _ = next(batches())
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a slice is a `Stacked`: no bypass
-        eo.train_step(loss, optimizer, policy)(model, opt_state, tokens)
+        eo.train_step(_slice_loss, optimizer, policy)(model, opt_state, tokens)
 
 
 @pytest.mark.parametrize("preset", ["remat", "offload_residuals"])
@@ -91,14 +97,8 @@ def test_a_python_loop_under_remat_warns_that_no_checkpoint_applies(getkey, pres
     policy = getattr(eo.Policy, preset)()
     model, opt_state, optimizer = _setup(policy, getkey)
 
-    def loss(model, tokens):
-        x = _embedded(model, tokens)
-        for layer in model.blocks:
-            x = layer(x)
-        return jnp.mean(x)
-
     tokens, _ = next(batches())
-    step = eo.train_step(loss, optimizer, policy)
+    step = eo.train_step(_loop_loss, optimizer, policy)
     with pytest.warns(UserWarning, match=r"`jax\.checkpoint`.*does not apply") as got:
         try:
             step(model, opt_state, tokens)
@@ -111,16 +111,10 @@ def test_a_python_loop_without_remat_is_fine(getkey):
     policy = eo.Policy.none()
     model, opt_state, optimizer = _setup(policy, getkey)
 
-    def loss(model, tokens):
-        x = _embedded(model, tokens)
-        for layer in model.blocks:
-            x = layer(x)
-        return jnp.mean(x)
-
     tokens, _ = next(batches())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        eo.train_step(loss, optimizer, policy)(model, opt_state, tokens)
+        eo.train_step(_loop_loss, optimizer, policy)(model, opt_state, tokens)
 
 
 def test_layers_outside_a_step_index_and_iterate(getkey):

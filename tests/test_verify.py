@@ -9,34 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from equinox.nn import MLP
-from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 import eqx_offload as eo
 from eqx_offload import _names, _stacked, _streaming, _verify
 from eqx_offload._memory_kinds import is_host
 
 from .helpers import batches, memory_kind
-from .test_layer_paths import make_nested
-
-
-class Net(eqx.Module):
-    """Small and quick to compile: an embedding, 4 stacked MLPs, a head."""
-
-    embed: eqx.nn.Embedding
-    blocks: eo.Stacked[eqx.nn.MLP]
-    head: eqx.nn.Linear
-
-    def __init__(self, *, key: PRNGKeyArray):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.embed = eqx.nn.Embedding(32, 16, key=k1)
-        keys = jax.random.split(k2, 4)  # (`from_layers`: quicker than eager vmaps)
-        self.blocks = eo.Stacked.from_layers([MLP(16, 16, 32, 1, key=k) for k in keys])
-        self.head = eqx.nn.Linear(16, 32, key=k3)
-
-    def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
-        x = jax.vmap(self.embed)(tokens)
-        return jax.vmap(self.head)(jax.vmap(self.blocks)(x))
+from .test_layer_paths import make_nested, Net
 
 
 def cross_entropy(model, tokens, targets):
