@@ -22,6 +22,7 @@ from ._layer_paths import (
     state_dict_key as state_dict_key,
     state_dict_keys as state_dict_keys,
 )
+from ._layout import FSDP as FSDP
 from ._memory_kinds import MemoryKind as MemoryKind
 from ._optim import init_opt_state as init_opt_state, place_opt_state as place_opt_state
 from ._placement import field as field, place as place

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
 from . import _paths
 
@@ -17,14 +17,16 @@ def _named(x: Any) -> NamedSharding | None:
     return sharding if isinstance(sharding, NamedSharding) else None
 
 
-def tree_mesh(tree: Any) -> Mesh | None:
+def tree_mesh(tree: Any, abstract: bool = False) -> Any:
     """The concrete mesh of the `NamedSharding`s of `tree`'s array leaves (one-device
-    meshes, which abstract placements use, do not count), or None. Leaves on two
-    different meshes are a `ValueError` naming them."""
-    found: tuple[str, Mesh] | None = None
+    meshes, which abstract placements use, do not count), or None; with `abstract`,
+    an `AbstractMesh` counts too. Leaves on two different meshes are a `ValueError`
+    naming them."""
+    found: tuple[str, Any] | None = None
+    kinds = (Mesh, AbstractMesh) if abstract else Mesh
     for leaf in _paths.leaves(tree):
         named = _named(leaf.value)
-        if named is None or not isinstance(named.mesh, Mesh) or named.mesh.size == 1:
+        if named is None or not isinstance(named.mesh, kinds) or named.mesh.size == 1:
             continue
         if found is None:
             found = (leaf.path, named.mesh)

@@ -51,6 +51,7 @@ class Leaf(NamedTuple):
     value: Any
     stacked: str | None  # path of the innermost enclosing `Stacked`, if any
     metadata: Mapping[str, Any]  # metadata of the innermost dataclass field above
+    layer_axes: int = 0  # leading axes that index layers: one per enclosing `Stacked`
 
 
 def leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[Leaf]:
@@ -62,9 +63,11 @@ def leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[Leaf
     def stop(x: Any) -> bool:
         return isinstance(x, Stacked) or (is_leaf is not None and is_leaf(x))
 
-    def visit(node: Any, prefix: str, stacked: str | None, meta: Mapping) -> None:
+    def visit(
+        node: Any, prefix: str, stacked: str | None, meta: Mapping, depth: int = 0
+    ) -> None:
         if isinstance(node, Stacked):
-            visit(node.layers, prefix, prefix, meta)
+            visit(node.layers, prefix, prefix, meta, depth + 1)
             return
         flat, _ = jtu.tree_flatten_with_path(
             node, is_leaf=lambda x: x is not node and stop(x)
@@ -73,9 +76,9 @@ def leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[Leaf
             path = join(prefix, keys)
             leaf_meta = _field_metadata(node, keys, meta)
             if isinstance(value, Stacked) and value is not node:
-                visit(value, path, stacked, leaf_meta)
+                visit(value, path, stacked, leaf_meta, depth)
             else:
-                out.append(Leaf(path, value, stacked, leaf_meta))
+                out.append(Leaf(path, value, stacked, leaf_meta, depth))
 
     visit(tree, "", None, {})
     return out

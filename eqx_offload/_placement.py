@@ -5,10 +5,12 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax
 import jax.core
+import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxtyping import PyTree
 
-from . import _mesh, _paths
+from . import _layout, _mesh, _paths
+from ._layout import AnyMesh
 from ._memory_kinds import (
     abstract_sharding,
     backend_kinds,
@@ -146,49 +148,156 @@ def _is_key(x: Any) -> bool:
     return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def _spelled(sharding: Any, ndim: int) -> Any:
+    """A `NamedSharding`'s spec spelled as a step returns it, since `jax.jit`'s cache
+    tells spellings apart: in full (`P(None, "x", None)`) over `Explicit` axes,
+    without trailing `None`s (`P(None, "x")`) over `Auto` ones."""
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = _layout.normalise(sharding.spec, ndim, _explicit(sharding))
+    return NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
+
+
 def move(x: Any, kind: str, path: str, sharding: Any = None) -> Any:
     """Puts one array leaf in `kind`, keeping its sharding (or taking `sharding`)."""
     if isinstance(x, jax.ShapeDtypeStruct):
         sharding = sharding or x.sharding or SingleDeviceSharding(jax.devices()[0])
+        sharding = _spelled(sharding, len(x.shape))
         sharding = abstract_sharding(sharding.with_memory_kind(kind))
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     if isinstance(x, jax.core.Tracer):
+        if isinstance(sharding, NamedSharding):
+            plain = NamedSharding(sharding.mesh, sharding.spec)
+            x = jax.lax.with_sharding_constraint(to_space(x, "device", path), plain)
         return to_space(x, kind, path)
     if sharding is None:
         sharding = x.sharding if isinstance(x, jax.Array) else None
         sharding = sharding or SingleDeviceSharding(jax.devices()[0])  # NumPy
     if getattr(x, "weak_type", False):
         x = x.astype(x.dtype)  # strongly typed, as a jitted step's outputs will be
-    if isinstance(sharding, NamedSharding) and _explicit(sharding):
-        # Spelled in full (`P(None, "x", None)`), as a step returns it under an
-        # `Explicit` mesh, whose jit cache tells the spellings apart.
-        spec = tuple(sharding.spec) + (None,) * (len(x.shape) - len(sharding.spec))
-        sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec))
+    sharding = _spelled(sharding, len(x.shape))
+    if not sharding.is_fully_addressable and _local(x):
+        # A global layout from a value every process holds (several processes).
+        data = np.asarray(x)
+        x = jax.make_array_from_callback(data.shape, sharding, lambda i: data[i])
     # Also commits the array to its sharding, as a step's outputs will be, so that
     # the first step is not compiled for a second signature.
     return jax.device_put(x, sharding.with_memory_kind(kind))
 
 
-def move_leaves(tree: _T, kinds: list[tuple[_paths.Leaf, str]]) -> _T:
-    """Puts each array leaf of `tree` in its kind from `resolve(tree, ...)`. On a
-    tree laid out on a mesh, arrays not committed to devices yet (and NumPy arrays)
-    are replicated over it, as a jitted function would place them."""
+def _local(x: Any) -> bool:
+    """A value this process holds whole: a NumPy array, or a JAX array on this
+    process's devices only."""
+    return not isinstance(x, jax.Array) or x.is_fully_addressable
+
+
+def move_leaves(
+    tree: _T,
+    kinds: list[tuple[_paths.Leaf, str]],
+    specs: list[PartitionSpec | None] | None = None,
+    mesh: Any = None,
+) -> _T:
+    """Puts each array leaf of `tree` in its kind from `resolve(tree, ...)`, and, where
+    `specs` gives one, in `NamedSharding(mesh, spec)`. On a tree laid out on a mesh,
+    other arrays not committed to devices yet (and NumPy arrays) are replicated over
+    it, as a jitted function would place them."""
     by_position = iter(kinds)
+    by_spec = iter(specs or [None] * len(kinds))
     flat, treedef = jax.tree.flatten(tree)
-    mesh = _mesh.tree_mesh(tree)
+    mesh = mesh if mesh is not None else _mesh.tree_mesh(tree)
     out = []
     for value in flat:
         if is_arraylike(value):
-            leaf, kind = next(by_position)
+            (leaf, kind), spec = next(by_position), next(by_spec)
             sharding = None
-            if mesh is not None and _uncommitted(value):
+            if mesh is not None and spec is not None:
+                sharding = NamedSharding(mesh, spec)
+            elif mesh is not None and _uncommitted(value):
                 sharding = NamedSharding(mesh, PartitionSpec())
             value = move(value, kind, leaf.path, sharding)
         out.append(value)
     return jax.tree.unflatten(treedef, out)
 
 
-def place(tree: PyTree, policy: PolicyArg | None = None) -> PyTree:
+def layout(
+    tree: Any, kinds: list[tuple[_paths.Leaf, str]], rules: Any, mesh: Any, where: str
+) -> tuple[list[PartitionSpec | None] | None, Any]:
+    """The spec `rules` (a `Policy(shard=...)`) give each leaf of `kinds` on the mesh
+    (`mesh`, else the one of `jax.set_mesh`, else the tree's), and that mesh."""
+    if rules is None:
+        return None, mesh
+    if mesh is None:
+        mesh = _layout.current_mesh()
+    if mesh is None:
+        mesh = _mesh.tree_mesh(tree, abstract=True)
+    if mesh is None:
+        raise ValueError(
+            f"{where}: `Policy(shard=...)` names mesh axes, but there is no mesh: "
+            "call it inside `with jax.set_mesh(mesh):`, pass `mesh=`, or lay the "
+            "model's arrays out on the mesh first."
+        )
+    concrete = [
+        leaf.path
+        for leaf, _ in kinds
+        if not isinstance(leaf.value, jax.ShapeDtypeStruct | jax.core.Tracer)
+    ]
+    if concrete and not isinstance(mesh, jax.sharding.Mesh):
+        raise ValueError(
+            f"{where}: leaf {concrete[0]!r} is an array, which needs a concrete "
+            f"`jax.sharding.Mesh` of devices, but the mesh is {mesh}; an "
+            "`AbstractMesh` lays out abstract models (`jax.ShapeDtypeStruct` "
+            "leaves) only."
+        )
+    # PRNG keys stay replicated.
+    leaves = [leaf for leaf, _ in kinds if not _is_key(leaf.value)]
+    found = iter(_layout.specs(leaves, rules, mesh))
+    specs = [None if _is_key(leaf.value) else next(found) for leaf, _ in kinds]
+    return specs, mesh
+
+
+def place_batch(batch: _T, spec: PartitionSpec | None, mesh: Any, where: str) -> _T:
+    """The array leaves of `batch` not yet laid out on `mesh` (NumPy arrays, arrays
+    on one device, unsharded `jax.ShapeDtypeStruct`s) laid out as `spec` on it: the
+    leading dimensions split, scalars and PRNG keys replicated."""
+    if spec is None:
+        return batch
+    if mesh is None:
+        mesh = _layout.current_mesh()
+    if mesh is None:
+        raise ValueError(
+            f"{where}: `Policy(batch={spec})` names mesh axes, but the model is not "
+            "laid out on a mesh and there is none in `jax.set_mesh`; place the model "
+            "with a `Policy(shard=...)` on a mesh, or call it inside "
+            "`with jax.set_mesh(mesh):`."
+        )
+
+    def lay_out(leaf: _paths.Leaf) -> Any:
+        x = leaf.value
+        named = getattr(x, "sharding", None)
+        if isinstance(x, jax.core.Tracer) or (
+            isinstance(named, NamedSharding)
+            and named.mesh.shape == mesh.shape
+            and named.mesh.axis_names == mesh.axis_names
+        ):
+            return x  # laid out by hand on the mesh: kept
+        shape = tuple(x.shape)
+        leaf_spec = PartitionSpec()
+        if not _is_key(x):
+            leaf_spec = _layout.batch_spec(spec, shape)
+            what = f"{where}: batch leaf {'batch' + leaf.path!r}"
+            _layout.check_spec(leaf_spec, shape, mesh, what)
+        return move(x, "device", leaf.path, NamedSharding(mesh, leaf_spec))
+
+    flat = [
+        lay_out(leaf) if is_arraylike(leaf.value) else leaf.value
+        for leaf in _paths.leaves(batch)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(batch), flat)
+
+
+def place(
+    tree: PyTree, policy: PolicyArg | None = None, *, mesh: AnyMesh | None = None
+) -> PyTree:
     """Moves every array leaf of `tree` to the memory kind it should live in.
 
     The kind of each leaf comes from, highest first: `policy.params`; the innermost
@@ -203,15 +312,23 @@ def place(tree: PyTree, policy: PolicyArg | None = None) -> PyTree:
     - `tree`: any pytree, usually an Equinox model. Arrays, `jax.ShapeDtypeStruct`s
         and tracers (inside `jax.jit`) are placed; other leaves are left alone.
     - `policy`: an `eqx_offload.Policy`, or `None` to follow the annotations only.
+        With `Policy(shard=...)`, each leaf a pattern matches is also laid out as
+        `NamedSharding(mesh, spec, memory_kind)`.
+    - `mesh`: the mesh `Policy(shard=...)` lays leaves out on: a
+        `jax.sharding.Mesh`, or an `AbstractMesh` for an abstract model. By
+        default, the mesh of `jax.set_mesh`, else the one the tree's leaves are
+        laid out on.
 
     **Returns:**
 
-    A pytree of the same structure with every array leaf in its memory kind.
+    A pytree of the same structure with every array leaf in its memory kind (and
+    its declared layout).
 
     **Raises:**
 
-    `ValueError` if a kind is unknown or the backend lacks it (naming the leaf), or if
-    a `Policy(params=...)` pattern matches no leaf.
+    `ValueError` naming the leaf if a kind is unknown or the backend lacks it, if a
+    spec names an axis the mesh lacks or does not divide the leaf; and if a
+    `Policy(params=...)` or `Policy(shard=...)` pattern matches no leaf.
 
     !!! Warning "Placing does not copy what is already in place"
 
@@ -232,4 +349,7 @@ def place(tree: PyTree, policy: PolicyArg | None = None) -> PyTree:
     if policy is not None:
         check_policy(policy, "`place(tree, policy)`")
     params = None if policy is None else policy.params
-    return move_leaves(tree, resolve(tree, params))
+    kinds = resolve(tree, params)
+    rules = None if policy is None else policy.shard
+    specs, mesh = layout(tree, kinds, rules, mesh, "`eqx_offload.place`")
+    return move_leaves(tree, kinds, specs, mesh)

@@ -4,8 +4,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TYPE_CHECKING
 
 import equinox as eqx
+from jax.sharding import PartitionSpec
 
 from . import _paths
+from ._layout import check_batch, check_rules, RuleArg, Rules
 from ._memory_kinds import check_kind, KindArg, MemoryKind, ParamsSpec
 
 
@@ -88,6 +90,8 @@ class Policy(eqx.Module):
     offload_dst: MemoryKind = eqx.field(static=True)
     opt_state: str | tuple[tuple[str, str], ...] = eqx.field(static=True)
     update: Literal["streamed", "whole"] = eqx.field(static=True)
+    shard: Rules | None = eqx.field(static=True)
+    batch: PartitionSpec | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -98,6 +102,8 @@ class Policy(eqx.Module):
         offload_dst: KindArg = "pinned_host",
         opt_state: KindArg | Mapping[str, KindArg] = "device",
         update: UpdateArg = "streamed",
+        shard: None | RuleArg | Mapping[str, RuleArg] = None,
+        batch: None | PartitionSpec | str = None,
     ):
         """**Arguments:**
 
@@ -126,6 +132,18 @@ class Policy(eqx.Module):
             time, with the same result as optax's whole-tree update; an update that
             cannot be split that way is an error naming the operation. `"whole"`:
             everything is brought to the device at once (more device memory).
+        - `shard`: how parameter leaves are laid out over the device mesh, naming
+            mesh axes only (the mesh comes from `jax.set_mesh`, the arrays, or
+            `place(..., mesh=...)`). `None`: no opinion (leaves keep the sharding
+            they have). A mapping from leaf-path pattern (matched as in `params`)
+            to a `PartitionSpec`, an `eqx_offload.FSDP`, or a mesh axis name
+            (short for `FSDP(name)`); one such value applies to every leaf:
+            `shard="fsdp"` shards every large leaf along the axis `"fsdp"`. The
+            spec of a leaf inside a `Stacked` describes one layer: the layer axis
+            is never split. Leaves no pattern matches keep their sharding.
+        - `batch`: the `PartitionSpec` of the batch arguments' leading dimensions
+            (`PartitionSpec("data")`, or just `"data"`): `train_step` lays out
+            batch arrays not yet on the mesh this way (scalars are replicated).
         """
         self.params = _params(params)
         self.save = "all" if save == "all" else _names(save, "save")
@@ -139,6 +157,8 @@ class Policy(eqx.Module):
             )
         self.opt_state = opt
         self.update = update
+        self.shard = check_rules(shard)
+        self.batch = check_batch(batch)
 
     def __check_init__(self):
         check_kind(self.offload_dst, "`Policy(offload_dst=...)`")

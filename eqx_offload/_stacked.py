@@ -2,8 +2,6 @@
 
 import dataclasses
 import functools
-import sys
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
@@ -15,9 +13,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType
 from jaxtyping import PRNGKeyArray, PyTree
 
-from . import _names, _paths, _residuals, _tiling
+from . import _layout, _names, _paths, _residuals, _tiling
 from ._memory_kinds import is_arraylike, is_host
 from ._policy import Policy
+from ._warn import warn_at_caller
 
 
 _Layer = TypeVar("_Layer")
@@ -315,27 +314,6 @@ def _check_host_slice(config: _ScanConfig, layers: Any, how: str) -> None:
         )
 
 
-def _warn_at_caller(message: str) -> None:
-    """A `UserWarning` attributed to the first frame outside this library, Equinox
-    (which wraps module methods) and a runtime type checker's wrappers: the line
-    that took the layers out."""
-    internal = ("eqx_offload.", "equinox.", "jaxtyping.", "beartype.")
-    frame = sys._getframe(1)
-    while frame.f_back is not None and (
-        frame.f_globals.get("__name__", "").startswith(internal)
-        or frame.f_code.co_filename.startswith("<")
-    ):
-        frame = frame.f_back
-    warnings.warn_explicit(
-        message,
-        UserWarning,
-        frame.f_code.co_filename,
-        frame.f_lineno,
-        frame.f_globals.get("__name__"),
-        frame.f_globals.setdefault("__warningregistry__", {}),
-    )
-
-
 def _check_bypass(config: _ScanConfig, layers: Any, how: str) -> None:
     """A layer taken out of a configured `Stacked` (`stacked[i]`, iteration) is
     applied outside its scan: an error for host-resident layers, which are moved to
@@ -353,7 +331,7 @@ def _check_bypass(config: _ScanConfig, layers: Any, how: str) -> None:
             f"keep them on the device with {keep}."
         )
     if policy.save != "all":
-        _warn_at_caller(
+        warn_at_caller(
             f"{how} takes layers out of the `Stacked` at {path!r} and applies them "
             "outside its scan, so the policy's `jax.checkpoint` (and any offloading "
             "of their activations) does not apply to them: every layer's "
@@ -506,7 +484,8 @@ def _offload_body(
             # Named first, before any use: a name on anything downstream of the
             # carry (e.g. the previous layer's output) is not a residual here.
             c = jtu.tree_map(lambda v: checkpoint_name(v, carry_name), c)
-        layer = eqx.combine(_to_device(layer_arrays), static)
+        layer_arrays = _layout.gather_fsdp(_to_device(layer_arrays), path, policy.shard)
+        layer = eqx.combine(layer_arrays, static)
         layer = _map_submodules(layer, path, configure_inside)
         new, y = f(layer, c, x)
         return _keep_carry_sharding(new, c), y

@@ -9,13 +9,13 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
-from . import _diagnose, _mesh, _optim, _paths
+from . import _diagnose, _layout, _mesh, _optim, _paths
 from ._diagnose import DoesNotCompile
 from ._memory_kinds import is_arraylike, kind_of, to_space
-from ._placement import resolve
+from ._placement import place_batch, resolve
 from ._policy import check_policy, Policy, PolicyArg
 from ._state_tree import check_matches
 from ._transform import filter_offload
@@ -100,6 +100,41 @@ def _check_model(model: PyTree, policy: Policy) -> list:
     return kinds
 
 
+def _check_layout(model: PyTree, policy: Policy, shardings: tuple) -> None:
+    """Raises, naming the leaf, if a model leaf is not laid out as
+    `Policy(shard=...)` declares (at trace time, from the input shardings)."""
+    if policy.shard is None:
+        return
+    meshes = [s.mesh for s in shardings if s is not None]
+    pairs = [
+        (leaf, sharding)
+        for leaf, sharding in zip(_paths.leaves(model), shardings, strict=True)
+        if is_arraylike(leaf.value)
+        and not jax.dtypes.issubdtype(leaf.value.dtype, jax.dtypes.prng_key)
+    ]
+    declared = (
+        _layout.specs([leaf for leaf, _ in pairs], policy.shard, meshes[0], False)
+        if meshes
+        else [
+            None if _layout.rule_of(leaf.path, policy.shard) is None else P()
+            for leaf, _ in pairs
+        ]
+    )
+    for (leaf, sharding), spec in zip(pairs, declared):
+        if spec is None:
+            continue
+        ndim = len(leaf.value.shape)
+        actual = None if sharding is None else _layout.normalise(sharding.spec, ndim)
+        if actual != _layout.normalise(spec, ndim):
+            where = "on one device" if sharding is None else f"laid out as {actual}"
+            raise ValueError(
+                f"`train_step`: model leaf {leaf.path!r} is {where}, but "
+                f"`Policy(shard=...)` lays it out as {_layout.normalise(spec, ndim)}; "
+                "place the model first with `model = eqx_offload.place(model, "
+                "policy)` (on the mesh: inside `with jax.set_mesh(mesh):`)."
+            )
+
+
 def _step(
     loss_fn: Callable,
     optimizer: optax.GradientTransformation,
@@ -115,6 +150,7 @@ def _step(
     opt_state = join(opt_dynamic, opt_static)
     batch = join(batch_dynamic, batch_static)
     model_kinds = _check_model(model, policy)
+    _check_layout(model, policy, model_shardings)
     check_matches(optimizer, opt_state, _optim.trainable(model), "`train_step`")
     opt_kinds = _optim.check_state(optimizer, opt_state, model, policy)
 
@@ -180,6 +216,9 @@ class _TrainStep(eqx.Module):
     def split(self, model: PyTree, opt_state: PyTree, *batch: Any) -> tuple:
         """The arguments of `jitted` (and `fun`): the array leaves of the model, the
         optimizer state and the batch, and the static rest."""
+        if self.policy.batch is not None:
+            mesh = _mesh.tree_mesh(model, abstract=True)
+            batch = place_batch(batch, self.policy.batch, mesh, "`train_step`")
         model_dynamic, model_static = split(model)
         opt_dynamic, opt_static = split(opt_state)
         batch_dynamic, batch_static = split(batch)

@@ -9,7 +9,7 @@ import jax
 import jax.extend.core as jex
 import jax.tree_util as jtu
 
-from . import _names, _paths, _tiling
+from . import _layout, _names, _paths, _tiling
 from ._memory_kinds import is_host
 from ._policy import check_policy, Policy, PolicyArg
 from ._stacked import configure, Stacked
@@ -57,8 +57,13 @@ def _configure_all(args: tuple, kwargs: dict, policy: Policy) -> tuple[tuple, di
                     )
                 owners[path] = (argument, arrays | other_arrays)
                 x = configure(x, path, policy)
-            elif eqx.is_array(x) and is_host(x):
-                x = jax.device_put(x, jax.memory.Space.Device)
+            elif eqx.is_array(x):
+                if is_host(x):
+                    x = jax.device_put(x, jax.memory.Space.Device)
+                if (
+                    argument == "argument 0"
+                ):  # the model, as `Policy(shard=...)` sees it
+                    x = _layout.gather_fsdp(x, _paths.join("", keys), policy.shard)
             out.append(x)
         return jtu.tree_unflatten(treedef, out)
 

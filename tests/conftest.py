@@ -9,7 +9,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
-jax.config.update("jax_num_cpu_devices", 4)
+jax.config.update("jax_num_cpu_devices", 8)
 # Standard dtype promotion: strict promotion breaks optax.adam's update.
 jax.config.update("jax_numpy_dtype_promotion", "standard")
 

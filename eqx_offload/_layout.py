@@ -1,0 +1,326 @@
+"""Declared layouts: partition rules (leaf-path pattern → `PartitionSpec`, or `FSDP`
+along a mesh axis) turned into each leaf's spec on a given mesh, with the checks
+that name the leaf when a spec cannot apply."""
+
+import math
+from collections.abc import Mapping
+from typing import Any, TYPE_CHECKING
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
+
+from . import _paths
+from ._warn import warn_at_caller
+
+
+class FSDP(eqx.Module):
+    """Fully sharded data parallelism for the leaves a rule matches: each leaf is
+    split along `axis` of the mesh over one of its dimensions.
+
+    The dimension is the largest one `axis` divides (the first of equal ones),
+    never a layer axis of a `Stacked`; a leaf with fewer than `min_size` elements
+    in one layer stays replicated, and so does a leaf with no divisible dimension
+    (with a warning naming it).
+
+    **Arguments:**
+
+    - `axis`: a mesh axis name, or a tuple of them (their sizes multiply).
+    - `min_size`: the fewest elements (per layer of a `Stacked`) a leaf must have
+        to be sharded; smaller leaves (biases, norm scales) are replicated, which
+        costs little and saves their gathers.
+
+    In a `Policy`, the string `"fsdp"` stands for `FSDP("fsdp")`: `shard="data"`
+    shards every large leaf along the mesh axis `"data"`.
+    """
+
+    axis: str | tuple[str, ...] = eqx.field(static=True)
+    min_size: int = eqx.field(static=True, default=2**12)
+
+    def __check_init__(self):
+        names = (self.axis,) if isinstance(self.axis, str) else self.axis
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(
+                f"`FSDP(axis={self.axis!r})`: give a mesh axis name, or a tuple of "
+                "them."
+            )
+        if not isinstance(self.min_size, int) or self.min_size < 0:
+            raise ValueError(
+                f"`FSDP(min_size={self.min_size!r})` must be a non-negative int."
+            )
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return (self.axis,) if isinstance(self.axis, str) else self.axis
+
+
+Rule = PartitionSpec | FSDP
+Rules = tuple[tuple[str, Rule], ...]
+if TYPE_CHECKING:
+    RuleArg = PartitionSpec | FSDP | str
+else:
+    RuleArg = Any  # checked in `check_rules`, with the valid forms in the message
+AnyMesh = Mesh | AbstractMesh
+
+
+def _rule(value: Any, where: str) -> Rule:
+    if isinstance(value, PartitionSpec | FSDP):
+        return value
+    if isinstance(value, str) and value:
+        return FSDP(value)
+    if value is None:
+        return PartitionSpec()
+    raise TypeError(
+        f"{where} must be a `jax.sharding.PartitionSpec`, an `eqx_offload.FSDP`, or a "
+        f"mesh axis name (FSDP along that axis), got {value!r}."
+    )
+
+
+def check_rules(value: Any, argument: str = "shard") -> Rules | None:
+    """`Policy(shard=...)` in canonical form: `None`, or (pattern, rule) pairs. One
+    rule (a spec, an `FSDP`, an axis name) applies to every leaf (`"**"`)."""
+    where = f"`Policy({argument}=...)`"
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        items = tuple(value.items())
+    elif isinstance(value, tuple) and all(
+        isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) for i in value
+    ):
+        items = value
+    else:
+        return (("**", _rule(value, where)),)
+    out = []
+    for pattern, rule in items:
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(
+                f"{where} has key {pattern!r}; keys are non-empty leaf path patterns "
+                "such as 'blocks.mlp.fc1.weight' or 'blocks.**'."
+            )
+        out.append((pattern, _rule(rule, f"{where}[{pattern!r}]")))
+    return tuple(out)
+
+
+def check_batch(value: Any) -> PartitionSpec | None:
+    if value is None or isinstance(value, PartitionSpec):
+        return value
+    if isinstance(value, str | tuple):
+        return PartitionSpec(value)
+    raise TypeError(
+        "`Policy(batch=...)` must be a `jax.sharding.PartitionSpec` of the batch "
+        "arguments' leading dimensions (e.g. `PartitionSpec('data')`), a mesh axis "
+        f"name, or None; got {value!r}."
+    )
+
+
+def current_mesh() -> AnyMesh | None:
+    """The mesh of `jax.set_mesh`, concrete if there is one, or None."""
+    mesh = jax.sharding.get_mesh()
+    if not mesh.empty:
+        return mesh
+    abstract = jax.sharding.get_abstract_mesh()
+    return None if abstract.empty else abstract
+
+
+def _sizes(mesh: AnyMesh) -> dict[str, int]:
+    return dict(mesh.shape)
+
+
+def _names(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def normalise(spec: PartitionSpec, ndim: int, full: bool = True) -> PartitionSpec:
+    """`spec` in one spelling, so that equal layouts compare (and hit `jax.jit`'s
+    cache) equal: in full, one entry per dimension (`P('x')` of a 3-D leaf is
+    `P('x', None, None)`), as a jitted function returns it over a mesh with
+    `Explicit` axes; or without trailing `None`s (`full=False`), as it returns it
+    over `Auto` axes."""
+    entries = tuple(spec) + (None,) * (ndim - len(spec))
+    if not full:
+        while entries and entries[-1] is None:
+            entries = entries[:-1]
+    return PartitionSpec(*entries)
+
+
+def check_spec(
+    spec: PartitionSpec, shape: tuple[int, ...], mesh: AnyMesh, what: str
+) -> None:
+    """Raises a `ValueError` naming `what` unless `spec` can lay out an array of
+    `shape` on `mesh`: known axes, each used once, each dividing its dimension."""
+    sizes = _sizes(mesh)
+    if len(spec) > len(shape):
+        raise ValueError(
+            f"{what} has shape {shape} but is given {spec}, which has {len(spec)} "
+            "entries; give at most one per dimension."
+        )
+    seen: set[str] = set()
+    for dim, entry in enumerate(spec):
+        names = _names(entry)
+        for name in names:
+            if name not in sizes:
+                raise ValueError(
+                    f"{what} is given {spec}, but the mesh has no axis {name!r}; its "
+                    f"axes are {sizes}. Name one of them, or lay the model out on a "
+                    "mesh with that axis."
+                )
+            if name in seen:
+                raise ValueError(
+                    f"{what} is given {spec}, which uses mesh axis {name!r} twice; "
+                    "each axis can split one dimension."
+                )
+            seen.add(name)
+        parts = math.prod(sizes[n] for n in names)
+        if shape[dim] % parts:
+            raise ValueError(
+                f"{what} has shape {shape}; {spec} splits dimension {dim} "
+                f"({shape[dim]}) into {parts} parts ({'×'.join(names)}), which does "
+                "not divide it. Pad the dimension, or use another spec or mesh axis."
+            )
+
+
+def _fsdp_spec(
+    rule: FSDP, shape: tuple[int, ...], layer_axes: int, mesh: AnyMesh, path: str
+) -> PartitionSpec | None:
+    """The spec `rule` gives a leaf, or None if it stays replicated for lack of a
+    divisible dimension."""
+    sizes = _sizes(mesh)
+    missing = [a for a in rule.axes if a not in sizes]
+    if missing:
+        raise ValueError(
+            f"`Policy(shard=...)`: `FSDP` along {rule.axis!r} for leaf {path!r}, but "
+            f"the mesh has no axis {missing[0]!r}; its axes are {sizes}."
+        )
+    per_layer = shape[layer_axes:]
+    if math.prod(per_layer) < rule.min_size or not per_layer:
+        return PartitionSpec()
+    parts = math.prod(sizes[a] for a in rule.axes)
+    divisible = [d for d in range(len(per_layer)) if per_layer[d] % parts == 0]
+    if not divisible:
+        return None
+    best = max(divisible, key=lambda d: (per_layer[d], -d))
+    entries: list[Any] = [None] * len(shape)
+    entries[layer_axes + best] = rule.axis
+    return PartitionSpec(*entries)
+
+
+def rule_of(
+    path: str, rules: Rules, used: dict[str, bool] | None = None
+) -> tuple[str, Rule] | None:
+    """The (pattern, rule) that applies to the leaf at `path`: of the patterns that
+    match it, the one with the most literal characters; two equally specific ones
+    that disagree are a `ValueError`. Marks the matching patterns in `used`."""
+    best: tuple[str, Rule] | None = None
+    best_len = -1
+    for pattern, rule in rules:
+        if _paths.prefix_match(pattern, path) is None:
+            continue
+        if used is not None:
+            used[pattern] = True
+        length = _paths.specificity(pattern)
+        if length > best_len:
+            best, best_len = (pattern, rule), length
+        elif length == best_len and best is not None and rule != best[1]:
+            raise ValueError(
+                f"`Policy(shard=...)`: patterns {best[0]!r} and {pattern!r} both "
+                f"match leaf {path!r} equally well but give {best[1]} and {rule}; "
+                "make one of them more specific."
+            )
+    return best
+
+
+def gather_fsdp(tree: Any, prefix: str, rules: Rules | None) -> Any:
+    """Inside a trace over a mesh with `Explicit` axes: the array leaves of `tree`
+    (at paths under `prefix`) that an `FSDP` rule shards, resharded without the FSDP
+    axes, as FSDP computes with whole weights (their gradients come back sharded,
+    by the transpose: a reduce-scatter). Under `Auto` axes the partitioner decides,
+    and nothing changes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
+        return tree
+    if not any(isinstance(rule, FSDP) for _, rule in rules):
+        return tree
+
+    def gather(path: str, x: Any) -> Any:
+        found = rule_of(path, rules)
+        if found is None or not isinstance(found[1], FSDP):
+            return x
+        axes = set(found[1].axes)
+        spec = jax.typeof(x).sharding.spec
+        kept = []
+        for entry in spec:
+            names = tuple(n for n in _names(entry) if n not in axes)
+            kept.append(None if not names else names[0] if len(names) == 1 else names)
+        want = PartitionSpec(*kept)
+        return x if want == spec else jax.sharding.reshard(x, want)
+
+    flat, treedef = jtu.tree_flatten(tree)
+    paths = iter(leaf.path for leaf in _paths.leaves(tree))
+    out = [gather(_paths.join(prefix, next(paths)), x) for x in flat]
+    return jtu.tree_unflatten(treedef, out)
+
+
+def specs(
+    leaves: list[_paths.Leaf], rules: Rules | None, mesh: AnyMesh, warn: bool = True
+) -> list[PartitionSpec | None]:
+    """The spec the rules give each leaf in full spelling (`None`: no rule matches
+    it, it keeps its layout). Where several patterns match, the one with the most
+    literal characters wins. A pattern that matches no leaf, a spec that cannot
+    apply, or (for `FSDP`) a large leaf with no divisible dimension (a warning) are
+    reported naming the leaf."""
+    if rules is None:
+        return [None] * len(leaves)
+    used = {pattern: False for pattern, _ in rules}
+    out: list[PartitionSpec | None] = []
+    undivided = []
+    for leaf in leaves:
+        best = rule_of(leaf.path, rules, used)
+        if best is None:
+            out.append(None)
+            continue
+        shape = tuple(leaf.value.shape)
+        rule = best[1]
+        if isinstance(rule, FSDP):
+            spec = _fsdp_spec(rule, shape, leaf.layer_axes, mesh, leaf.path)
+            if spec is None:
+                undivided.append(f"{leaf.path} {shape}")
+                spec = PartitionSpec()
+        else:
+            what = f"`Policy(shard=...)`: leaf {leaf.path!r}"
+            if leaf.layer_axes:
+                per_layer = shape[leaf.layer_axes :]
+                if len(rule) > len(per_layer):
+                    raise ValueError(
+                        f"{what} is in a `Stacked` and has shape {per_layer} per "
+                        f"layer, but is given {rule}. A spec of a stacked leaf "
+                        "describes one layer (the layer axis is never split): drop "
+                        "the entry for the layer axis."
+                    )
+                check_spec(rule, per_layer, mesh, what)
+                spec = PartitionSpec(*((None,) * leaf.layer_axes + tuple(rule)))
+            else:
+                check_spec(rule, shape, mesh, what)
+                spec = rule
+        out.append(normalise(spec, len(shape)))
+    unused = [p for p, hit in used.items() if not hit]
+    if unused:
+        raise ValueError(
+            f"`Policy(shard=...)`: pattern(s) {_paths.quoted(unused)} match no leaf; "
+            f"array leaves are: {_paths.quoted([leaf.path for leaf in leaves])}."
+        )
+    if undivided and warn:
+        warn_at_caller(
+            f"`Policy(shard=...)`: `FSDP` leaves {_paths.quoted(undivided)} "
+            "replicated: no dimension is divisible by the mesh axis. Pad them, or "
+            "give them a spec or `FSDP(min_size=...)` to say so."
+        )
+    return out
+
+
+def batch_spec(spec: PartitionSpec, shape: tuple[int, ...]) -> PartitionSpec:
+    """The batch spec for one batch leaf: scalars are replicated, and the spec is
+    cut to the leaf's dimensions."""
+    return PartitionSpec(*tuple(spec)[: len(shape)])

@@ -1,0 +1,213 @@
+"""Layouts declared in a `Policy`: `shard=` patterns to `PartitionSpec`s, the `FSDP`
+shorthand, the batch spec, abstract meshes, and the errors that name the leaf."""
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
+from jaxtyping import Array, Float, PRNGKeyArray
+
+import eqx_offload as eo
+
+
+class Block(eqx.Module):
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+
+    def __init__(self, *, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        self.fc1 = eqx.nn.Linear(16, 24, key=k1)
+        self.fc2 = eqx.nn.Linear(24, 16, key=k2)
+
+    def __call__(self, x: Float[Array, " 16"]) -> Float[Array, " 16"]:
+        return x + self.fc2(jax.nn.gelu(self.fc1(x)))
+
+
+class Net(eqx.Module):
+    blocks: eo.Stacked[Block]
+    head: eqx.nn.Linear
+
+    def __init__(self, *, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        self.blocks = eo.Stacked.from_fn(lambda k: Block(key=k), 8, key=k1)
+        self.head = eqx.nn.Linear(16, 4, key=k2)
+
+    def __call__(self, x: Float[Array, " 16"]) -> Float[Array, " 4"]:
+        return self.head(self.blocks(x))
+
+
+def loss_fn(model: Net, x: Float[Array, "n 16"]) -> Float[Array, ""]:
+    return jnp.mean(jax.vmap(model)(x) ** 2)
+
+
+X = jnp.linspace(-1.0, 1.0, 8 * 16).reshape(8, 16)
+TP = {
+    "**": eo.FSDP("fsdp", min_size=0),
+    "blocks.fc1.weight": P("tp", "fsdp"),
+    "blocks.fc2.weight": P("fsdp", "tp"),
+}
+
+
+def _specs(tree) -> dict[str, tuple]:
+    leaves = jax.tree.leaves_with_path(eqx.filter(tree, eqx.is_array))
+    return {
+        jax.tree_util.keystr(k): (tuple(x.sharding.spec), x.sharding.memory_kind)
+        for k, x in leaves
+    }
+
+
+def _mesh(shape=(4, 2), names=("fsdp", "tp"), axis_type=AxisType.Auto):
+    return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+
+
+def test_patterns_and_fsdp_shorthand():
+    policy = eo.Policy.offload_all(shard=TP)
+    with jax.set_mesh(_mesh()):
+        model = eo.place(Net(key=jax.random.key(0)), policy)
+    specs = _specs(model)
+    # A stacked leaf's spec describes one layer; the layer axis is never split.
+    assert specs[".blocks.layers.fc1.weight"] == (
+        (None, "tp", "fsdp"),
+        "pinned_host",
+    )
+    assert specs[".blocks.layers.fc2.weight"] == ((None, "fsdp", "tp"), "pinned_host")
+    # FSDP: the largest dimension the axis divides (24 of 8 × 24), not the layers.
+    assert specs[".blocks.layers.fc1.bias"] == ((None, "fsdp"), "pinned_host")
+    assert specs[".head.weight"] == ((None, "fsdp"), "pinned_host")
+    assert specs[".head.bias"] == (("fsdp",), "pinned_host")
+
+
+def test_fsdp_leaves_small_and_undivisible_leaves_replicated():
+    mesh = _mesh((8,), ("data",))
+    with jax.set_mesh(mesh):
+        # Below the default `min_size` of 4096 elements per layer: replicated.
+        model = eo.place(Net(key=jax.random.key(0)), eo.Policy(shard="data"))
+        assert set(spec for spec, _ in _specs(model).values()) == {()}
+        policy = eo.Policy(shard=eo.FSDP("data", min_size=300))
+        specs = _specs(eo.place(Net(key=jax.random.key(0)), policy))
+        # 24 × 16 elements per layer: split along the 24 (8 divides 24 and 16).
+        assert specs[".blocks.layers.fc1.weight"][0] == (None, "data")
+        assert specs[".head.weight"][0] == ()  # 4 × 16 elements
+        policy = eo.Policy(shard=eo.FSDP("data", min_size=0))
+        with pytest.warns(UserWarning, match=r"'head\.bias \(4,\)' replicated"):
+            model = eo.place(Net(key=jax.random.key(0)), policy)
+    assert _specs(model)[".head.bias"][0] == ()
+
+
+def test_init_opt_state_lays_out_state_like_its_parameter():
+    policy = eo.Policy.offload_all(shard=TP)
+    with jax.set_mesh(_mesh()):
+        model = eo.place(Net(key=jax.random.key(0)), policy)
+    state = eo.init_opt_state(optax.adam(1e-3), model, policy)
+    mu = state[0].mu
+    assert mu.blocks.layers.fc1.weight.sharding.spec == P(None, "tp", "fsdp")
+    assert mu.blocks.layers.fc1.weight.sharding.memory_kind == "pinned_host"
+    assert state[0].count.sharding.memory_kind == "device"
+
+
+def test_abstract_mesh_lays_out_an_abstract_model():
+    mesh = AbstractMesh((16, 8), ("fsdp", "tp"))
+    shard = {"**": eo.FSDP("fsdp", min_size=0), "blocks.fc1.weight": P(None, "tp")}
+    policy = eo.Policy.offload_all(shard=shard)
+    abstract = eqx.filter_eval_shape(Net, key=jax.random.key(0))
+    with pytest.warns(UserWarning, match=r"'blocks.fc1.bias \(8, 24\)'"):
+        model = eo.place(abstract, policy, mesh=mesh)  # 24 rows over 16
+    weight = model.blocks.layers.fc1.weight
+    assert isinstance(weight, jax.ShapeDtypeStruct)
+    assert weight.sharding.mesh == mesh
+    assert weight.sharding.spec == P(None, None, "tp")
+    assert weight.sharding.memory_kind == "pinned_host"
+    assert model.blocks.layers.fc2.weight.sharding.spec == P(None, "fsdp")
+    with pytest.raises(ValueError, match="needs a concrete `jax.sharding.Mesh`"):
+        eo.place(Net(key=jax.random.key(0)), policy, mesh=mesh)
+
+
+@pytest.mark.parametrize(
+    "shard, match",
+    [
+        ({"blocks.fc1.weight": P("model")}, r"'blocks.fc1.weight'.*no axis 'model'"),
+        ({"head.bias": P("tp", None)}, r"'head.bias' has shape \(4,\).*2 entries"),
+        ({"blocks.fc1.weight": P(None, None, "fsdp")}, r"per layer.*drop the entry"),
+        ({"head.weight": P(("fsdp", "tp"))}, r"'head.weight'.*into 8 parts"),
+        ({"head.weight": P("tp", "tp")}, r"'head.weight'.*axis 'tp' twice"),
+        ({"blocks.attn": P()}, r"'blocks.attn' match no leaf"),
+        ({"head": eo.FSDP("data")}, r"'head.weight'.*no axis 'data'"),
+        ({"head": 3}, r"must be a `jax.sharding.PartitionSpec`"),
+    ],
+)
+def test_bad_specs_name_the_leaf(shard, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        with jax.set_mesh(_mesh()):
+            eo.place(Net(key=jax.random.key(0)), eo.Policy(shard=shard))
+
+
+def test_no_mesh_is_an_error():
+    with pytest.raises(ValueError, match=r"there is no mesh.*jax.set_mesh"):
+        eo.place(Net(key=jax.random.key(0)), eo.Policy(shard="fsdp"))
+
+
+def test_batch_spec():
+    policy = eo.Policy(shard=TP, batch="fsdp")
+    optimizer = optax.sgd(0.1)
+    with jax.set_mesh(_mesh()):
+        model = eo.place(Net(key=jax.random.key(0)), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(loss_fn, optimizer, policy)
+    (dynamic, _), _ = step.split(model, opt_state, np.asarray(X)), None
+    assert dynamic[2][0].sharding.spec == P("fsdp")
+    # Laid out by hand on the mesh: kept.
+    by_hand = jax.device_put(X, NamedSharding(_mesh(), P("tp")))
+    (dynamic, _), _ = step.split(model, opt_state, by_hand), None
+    assert dynamic[2][0].sharding.spec == P("tp")
+    with pytest.raises(ValueError, match=r"batch leaf 'batch\[0\]'.*\(6, 16\)"):
+        step(model, opt_state, X[:6])
+
+
+def test_train_step_refuses_a_model_not_laid_out_as_declared():
+    policy = eo.Policy(shard=TP)
+    optimizer = optax.sgd(0.1)
+    with jax.set_mesh(_mesh()):
+        model = eo.place(Net(key=jax.random.key(0)), eo.Policy(shard="fsdp"))
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(loss_fn, optimizer, policy)
+    with pytest.raises(ValueError, match=r"'blocks.fc1.weight' is laid out as"):
+        step(model, opt_state, X)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_fsdp_trains_like_one_device_on_both_axis_types(axis_type):
+    """Under `Explicit` axes the library gathers each FSDP-sharded layer before use
+    (JAX would otherwise refuse the sharded contraction)."""
+    optimizer = optax.sgd(0.1)
+    reference = Net(key=jax.random.key(0))
+    state = optimizer.init(eqx.filter(reference, eqx.is_array))
+    expected = []
+    for _ in range(3):
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(reference, X)
+        updates, state = optimizer.update(grads, state)
+        reference = eqx.apply_updates(reference, updates)
+        expected.append(float(loss))
+
+    policy = eo.Policy.offload_all(shard=eo.FSDP("data", min_size=0), batch="data")
+    with jax.set_mesh(_mesh((8,), ("data",), axis_type)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # head.bias (4,): replicated
+            model = eo.place(Net(key=jax.random.key(0)), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(loss_fn, optimizer, policy)
+    losses = []
+    for _ in range(3):
+        model, opt_state, loss = step(model, opt_state, X)
+        losses.append(float(loss))
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    assert step.jitted._cache_size() == 1
+    weight = model.blocks.layers.fc1.weight
+    assert tuple(weight.sharding.spec)[:2] == (None, "data")
+    np.testing.assert_allclose(
+        np.asarray(weight), np.asarray(reference.blocks.layers.fc1.weight), rtol=1e-5
+    )
