@@ -1,0 +1,159 @@
+"""How many TPU v5e chips a GPT-style model of 7.8B parameters needs to train, with and
+without offloading: its train step (AdamW, float32) compiled for v5e slices of 4 to
+256 chips, FSDP over every chip, one sequence of 2048 tokens per chip.
+
+    python benchmarks/slices.py [--topologies 2x2 2x4 ...] [--json FILE]
+
+The model: token embedding (vocab 32768, dim 4096), 32 blocks of LayerNorm + causal
+multi-head attention (32 heads) + LayerNorm + MLP (4096 -> 20480 -> 4096), a final
+LayerNorm and a linear head: 7.79e9 parameters, 29 GiB in float32, 116 GiB with
+AdamW's two moments and the gradient. Policies, each with `shard="fsdp"` (every
+leaf split along the one mesh axis) and the batch split the same way:
+
+- FSDP alone: `Policy.remat()`, the layers' activations recomputed (without remat
+  they never fit, whatever the chip count);
+- FSDP + `Policy.offload_residuals()`: the carry entering each layer on the host;
+- FSDP + `Policy.offload_all()`: parameters and optimizer state on the host too.
+
+Nothing is allocated: the model is abstract (`eqx.filter_eval_shape`), laid out on
+an `AbstractMesh` of the slice's shape, and only compiled with libtpu.
+"""
+
+import re
+import time
+from typing import Any
+
+import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from _common import parser, table, write_json
+from jax.sharding import AbstractMesh, PartitionSpec as P
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+import eqx_offload as eo
+
+
+VOCAB, DIM, HEADS, HIDDEN, DEPTH, SEQ = 32768, 4096, 32, 5 * 4096, 32, 2048
+TOPOLOGIES = ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
+POLICIES = ("remat", "offload_residuals", "offload_all")
+GIB = 2**30
+
+
+class Block(eqx.Module):
+    norm1: eqx.nn.LayerNorm
+    attn: eqx.nn.MultiheadAttention
+    norm2: eqx.nn.LayerNorm
+    mlp: eqx.nn.MLP
+
+    def __init__(self, *, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        self.norm1 = eqx.nn.LayerNorm(DIM)
+        self.attn = eqx.nn.MultiheadAttention(HEADS, DIM, key=k1)
+        self.norm2 = eqx.nn.LayerNorm(DIM)
+        self.mlp = eqx.nn.MLP(DIM, DIM, HIDDEN, depth=1, activation=jax.nn.gelu, key=k2)
+
+    def __call__(self, x: Float[Array, "seq dim"]) -> Float[Array, "seq dim"]:
+        h = jax.vmap(self.norm1)(x)
+        causal = jnp.tril(jnp.ones((x.shape[0], x.shape[0]), bool))
+        x = x + self.attn(h, h, h, mask=causal)
+        return x + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x))
+
+
+class GPT(eqx.Module):
+    embed: eqx.nn.Embedding
+    blocks: eo.Stacked[Block]
+    norm: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, *, key: PRNGKeyArray):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = eqx.nn.Embedding(VOCAB, DIM, key=k1)
+        self.blocks = eo.Stacked.from_fn(lambda k: Block(key=k), DEPTH, key=k2)
+        self.norm = eqx.nn.LayerNorm(DIM)
+        self.head = eqx.nn.Linear(DIM, VOCAB, use_bias=False, key=k3)
+
+    def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+        x = self.blocks(jax.vmap(self.embed)(tokens))
+        return jax.vmap(self.head)(jax.vmap(self.norm)(x))
+
+
+def loss_fn(model: GPT, tokens: Int[Array, "b seq"], targets: Int[Array, "b seq"]):
+    logits = jax.vmap(model)(tokens)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def chips(topology: str) -> int:
+    out = 1
+    for n in topology.split("x"):
+        out *= int(n)
+    return out
+
+
+def report(topology: str, preset: str) -> eo.MemoryReport:
+    n = chips(topology)
+    mesh = AbstractMesh((n,), ("fsdp",))
+    policy = getattr(eo.Policy, preset)(shard="fsdp", batch=P("fsdp"))
+    optimizer = optax.adamw(1e-4)
+    abstract = eqx.filter_eval_shape(GPT, key=jax.random.key(0))
+    model = eo.place(abstract, policy, mesh=mesh)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(loss_fn, optimizer, policy)
+    tokens = jax.ShapeDtypeStruct((n, SEQ), jnp.int32)
+    return eo.memory_report(
+        step, model, opt_state, tokens, tokens, target=f"tpu-v5e:{topology}"
+    )
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES))
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    args = p.parse_args()
+    params = sum(
+        x.size
+        for x in jax.tree.leaves(eqx.filter_eval_shape(GPT, key=jax.random.key(0)))
+        if eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+    )
+    print(f"{params / 1e9:.2f}e9 parameters")
+    results: list[dict[str, Any]] = []
+    for preset in args.policies:
+        for topology in args.topologies:
+            start = time.perf_counter()
+            row: dict[str, Any] = {"policy": preset, "topology": topology}
+            row["chips"] = chips(topology)
+            try:
+                r = report(topology, preset)
+            except eo.DoesNotFit as e:
+                found = re.search(r"\(([\d.]+G)\) exceeds available HBM", str(e))
+                row.update(
+                    {
+                        "device GiB/chip": None,
+                        "host GiB/chip": None,
+                        "host GiB/host": None,
+                        "fits": False,
+                        "note": f"needs {found[1] if found else '?'} of HBM",
+                    }
+                )
+            else:
+                row.update(
+                    {
+                        "device GiB/chip": r.device_bytes / GIB,
+                        "host GiB/chip": r.host_bytes / GIB,
+                        "host GiB/host": r.host_bytes_per_host / GIB,
+                        "fits": r.fits,
+                        "note": "",
+                    }
+                )
+            row["compile s"] = round(time.perf_counter() - start, 1)
+            results.append(row)
+            print(row, flush=True)
+    headers = list(results[0])
+    print("\nTrain step compiled for TPU v5e slices (FSDP over every chip):")
+    print(table(headers, [[r[h] for h in headers] for r in results]))
+    write_json(args.json, "slices", {"parameters": params, "rows": results})
+
+
+if __name__ == "__main__":
+    main()
