@@ -3,6 +3,7 @@ the model small enough to run both."""
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -14,7 +15,7 @@ import numpy as np
 import optax
 from jaxtyping import PyTree
 
-from . import _paths, _tiling
+from . import _mesh, _paths, _tiling
 from ._layer_paths import layer_axes
 from ._memory_kinds import is_host, kind_of, to_space
 from ._optim import as_transformation, is_trainable, Optimizer, trainable
@@ -239,6 +240,20 @@ def _state_sizes(
     return out
 
 
+def _whole_parts(microbatch: int | None, policy: Any, model: PyTree) -> int | None:
+    """`microbatch` rounded up to a multiple of the parts `Policy(batch=...)` splits
+    the leading dimension into, so that the cut batch can be laid out."""
+    mesh = _mesh.tree_mesh(model)
+    if microbatch is None or policy.batch is None or not len(policy.batch):
+        return microbatch
+    if mesh is None:
+        return microbatch
+    entry = policy.batch[0]
+    names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    parts = math.prod(dict(mesh.shape).get(n, 1) for n in names)
+    return -(-microbatch // parts) * parts
+
+
 def _batch_sizes(batch: tuple, microbatch: int | None) -> list[tuple[int, ...] | None]:
     out: list[tuple[int, ...] | None] = []
     for x in jtu.tree_leaves(batch):
@@ -400,7 +415,8 @@ def verify(
     - `microbatch`: how many examples to keep: every batch array with at least one
         dimension is cut along its first axis. `None` keeps the batch whole (e.g.
         when its arrays are not batch-major). Two, by default, so that a bug
-        mixing examples can show.
+        mixing examples can show; rounded up to a multiple of the parts a
+        `Policy(batch=...)` splits the batch into.
     - `rtol`, `atol`: override the default tolerances for every check.
 
     **Returns:**
@@ -434,6 +450,7 @@ def verify(
     small = _cut(model, model_sizes)  # on the device: the reference's input
     state_sizes = _state_sizes(transformation, opt_state, trainable(small))
     small_state = _cut(opt_state, state_sizes)
+    microbatch = _whole_parts(microbatch, policy, model)
     small_batch = _cut(batch, _batch_sizes(batch, microbatch))
 
     ref_value, ref_grads = _reference(loss_fn, has_aux, small, small_batch)

@@ -211,3 +211,15 @@ def test_fsdp_trains_like_one_device_on_both_axis_types(axis_type):
     np.testing.assert_allclose(
         np.asarray(weight), np.asarray(reference.blocks.layers.fc1.weight), rtol=1e-5
     )
+
+
+def test_verify_with_declared_layouts():
+    """`verify` cuts the batch to a multiple of the parts the batch spec splits it
+    into (4 here, not the default 2)."""
+    policy = eo.Policy.offload_all(shard=TP, batch="fsdp")
+    with jax.set_mesh(_mesh()):
+        model = eo.place(Net(key=jax.random.key(0)), policy)
+    optimizer = optax.adamw(1e-2)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    report = eo.verify(loss_fn, optimizer, policy, model, opt_state, X)
+    assert report.microbatch == 4
