@@ -1,5 +1,5 @@
 """`memory_report`: where every byte of a step lives, on this backend or compiled for
-a TPU chip, without running anything."""
+a TPU chip or a whole TPU slice, without running anything."""
 
 import functools
 import math
@@ -11,12 +11,13 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
-from . import _mesh, _residuals
+from . import _mesh, _residuals, _targets
 from ._diagnose import DoesNotCompile
 from ._memory_kinds import is_arraylike, kind_of
-from ._targets import abstract, chip_mesh, HBM_BYTES, TargetArg
+from ._targets import abstract, HBM_BYTES, TargetArg
 from ._train_step import _TrainStep, join, split
 from ._transform import _OffloadWrapper, filter_offload
 
@@ -109,20 +110,41 @@ class ResidualRow(NamedTuple):
 class MemoryReport(eqx.Module):
     """Where the memory of one compiled step lives. Print it for a table.
 
-    - `device_bytes`, `host_bytes`: the footprints, `argument + output + temp -
-        alias` of each memory (`device` and `host` hold the parts).
+    Compiled for a TPU (one chip or a whole slice), every byte count is **per
+    chip**: the step is one SPMD program, and each chip runs it on its own shards.
+
+    - `device_bytes`, `host_bytes`: the footprints of one chip, `argument + output +
+        temp - alias` of each memory (`device` and `host` hold the parts, as the
+        compiler counts them: each array as the shard one chip holds, padded to the
+        tiled layout the compiler chose; a replicated array whole).
+    - `chips`, `chips_per_host`: the devices the step was compiled for (1 for
+        `"tpu-v5e"`, 16 for `"tpu-v5e:4x4"`) and how many of them one host serves
+        (libtpu's layout of the slice: 4 for v5e, v6e and v5p; 8 TensorCores, four
+        chips, for v4); `None` on this backend.
+    - `host_bytes_per_host`: the host memory of one host, `host_bytes *
+        chips_per_host`: each chip's host-resident shards (and its own copy of each
+        replicated host-resident array) are separate buffers in the RAM of the host
+        that serves it. On this backend, `host_bytes`.
     - `params`, `opt_state`: bytes by memory kind between steps (`train_step` and
-        `filter_offload` objects; `None` otherwise).
+        `filter_offload` objects; `None` otherwise); on a TPU, the unpadded bytes of
+        one chip's shards.
     - `residuals`: bytes saved for the backward pass, by checkpoint name and memory
         kind, as traced (`train_step` and `filter_offload` objects; `None`
-        otherwise). The compiler may still place a small residual elsewhere.
+        otherwise): whole arrays, summed over the chips of a slice. The compiler may
+        still place a small residual elsewhere.
     - `capacity`, `fits`: the device memory the compiler lets a program use on one
         chip of the target (15.75 GiB of a v5e's 16) and whether the device
         footprint fits in it; `None` on the CPU.
-    - `arguments`: bytes of each argument by memory kind.
+    - `arguments`: bytes of each argument by memory kind (per chip on a TPU, as
+        `params`).
     - `estimate`: `True` on the CPU backend, whose compiler does not tell host from
         device memory: the split there follows the leaves' memory kinds, and
         temporaries are counted as device memory.
+
+    The compiler's `host["temp"]` is what it allocates in host memory for one chip
+    while the step runs (e.g. a gradient gathered on the host before it is written
+    back); like every figure here it is per chip, and it is not checked against
+    anything the library computes.
     """
 
     target: str
@@ -135,6 +157,8 @@ class MemoryReport(eqx.Module):
     params: dict[str, int] | None = None
     opt_state: dict[str, int] | None = None
     residuals: tuple[ResidualRow, ...] | None = None
+    chips: int | None = None  # devices compiled for (TPU targets)
+    chips_per_host: int | None = None  # of them, how many one host serves
 
     @property
     def device_bytes(self) -> int:
@@ -151,6 +175,13 @@ class MemoryReport(eqx.Module):
     def host_bytes(self) -> int:
         h = self.host
         return h["argument"] + h["output"] + h["temp"] - h["alias"]
+
+    @property
+    def host_bytes_per_host(self) -> int:
+        """The host memory of one host: `host_bytes` of each of the
+        `chips_per_host` chips it serves (on this backend, `host_bytes`: the whole
+        program runs on this machine)."""
+        return self.host_bytes * (self.chips_per_host or 1)
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-serialisable data (bytes as ints)."""
@@ -170,27 +201,35 @@ class MemoryReport(eqx.Module):
             "residuals": None
             if self.residuals is None
             else [r._asdict() for r in self.residuals],
+            "chips": self.chips,
+            "chips_per_host": self.chips_per_host,
+            "host_bytes_per_host": self.host_bytes_per_host,
         }
 
     def __str__(self) -> str:
+        what = _DESCRIPTIONS[self.kind]
         if self.estimate:
             lines = [
-                f"Memory report for {_DESCRIPTIONS[self.kind]}, compiled for this CPU "
-                "backend",
+                f"Memory report for {what}, compiled for this CPU backend",
                 "(an estimate: XLA's CPU compiler has one memory, so the split follows "
                 "the leaves' memory kinds",
                 "and temporaries count as device memory)",
             ]
-        else:
+        elif self.chips is not None and self.chips > 1:
+            hosts = self.chips // (self.chips_per_host or self.chips)
             lines = [
-                f"Memory report for {_DESCRIPTIONS[self.kind]}, compiled for "
-                f"{self.target}"
+                f"Memory report for {what}, compiled for {self.target}: "
+                f"{self.chips} chips, {self.chips_per_host} per host ({hosts} hosts)"
             ]
-        header = f"{'':<34}{'device':>14}{'host':>14}"
+        else:
+            lines = [f"Memory report for {what}, compiled for {self.target}"]
+        per_chip = "per chip" if self.chips is not None else ""
+        header = f"{per_chip:<34}{'device':>14}{'host':>14}"
         lines += [header, "-" * len(header)]
 
-        def row(label: str, device: int, host: int) -> None:
-            lines.append(f"{label:<34}{_size(device):>14}{_size(host):>14}")
+        def row(label: str, device: int | None, host: int) -> None:
+            shown = "" if device is None else _size(device)
+            lines.append(f"{label:<34}{shown:>14}{_size(host):>14}")
 
         row("footprint", self.device_bytes, self.host_bytes)
         for part, label in zip(_PARTS, ("arguments", "outputs", "temporaries")):
@@ -203,6 +242,9 @@ class MemoryReport(eqx.Module):
         if self.capacity is not None:
             verdict = "fits" if self.fits else "does NOT fit"
             lines.append(f"  {verdict} in the {_size(self.capacity)} of one chip")
+        if self.chips is not None and self.chips > 1:
+            label = f"host memory of a host ({self.chips_per_host} chips)"
+            row(label, None, self.host_bytes_per_host)
         for label, by_kind in (
             ("parameters", self.params),
             ("optimizer state", self.opt_state),
@@ -210,7 +252,10 @@ class MemoryReport(eqx.Module):
             if by_kind is not None:
                 row(label, by_kind.get("device", 0), _host(by_kind))
         if self.residuals is not None:
-            lines.append("saved for the backward pass (as traced)")
+            if self.chips is not None and self.chips > 1:
+                lines.append("saved for the backward pass (as traced, whole arrays)")
+            else:
+                lines.append("saved for the backward pass (as traced)")
             totals: dict[str, dict[str, int]] = defaultdict(dict)
             for r in self.residuals:
                 totals[r.name][r.memory_kind] = r.bytes
@@ -237,16 +282,21 @@ def _size(n: int) -> str:
     return f"{sign}{n} B"
 
 
-def _nbytes(x: Any) -> int:
-    return math.prod(x.shape) * x.dtype.itemsize
+def _nbytes(x: Any, per_chip: bool = False) -> int:
+    shape = x.shape
+    sharding = getattr(x, "sharding", None)
+    if per_chip and isinstance(sharding, NamedSharding):
+        shape = sharding.shard_shape(shape)
+    return math.prod(shape) * x.dtype.itemsize
 
 
-def bytes_by_kind(tree: PyTree) -> dict[str, int]:
-    """Bytes of the array leaves of `tree`, by memory kind."""
+def bytes_by_kind(tree: PyTree, per_chip: bool = False) -> dict[str, int]:
+    """Bytes of the array leaves of `tree`, by memory kind: whole arrays, or with
+    `per_chip` the shard one chip holds (unpadded)."""
     out: dict[str, int] = defaultdict(int)
     for x in jtu.tree_leaves(tree):
         if is_arraylike(x):
-            out[kind_of(x)] += _nbytes(x)
+            out[kind_of(x)] += _nbytes(x, per_chip)
     return dict(out)
 
 
@@ -288,6 +338,7 @@ def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
         )
     model, opt_state, *batch = args
     dynamic, statics = step.split(model, opt_state, *batch)
+    batch = join(dynamic[2], statics[2])  # as laid out by `Policy(batch=...)`
     # `keep_unused`: the compiled signature then lists every argument, which is
     # how `_split_estimate` matches arguments to their memory kinds.
     jitted = jax.jit(
@@ -395,18 +446,38 @@ def memory_report(
     - `*args`, `**kwargs`: its arguments: arrays or `jax.ShapeDtypeStruct`s (e.g.
         `eo.place(eqx.filter_eval_shape(Model, ...), policy)`), in their memory
         kinds. Nothing is allocated or run.
-    - `target`: `None` for this backend; `"tpu-v5e"`, `"tpu-v6e"`, `"tpu-v5p"` or
-        `"tpu-v4"` to compile for one chip of that TPU here, with libtpu (the
-        `tpu` extra). `target` is reserved: a function argument of that name can be
-        bound with `functools.partial`.
+    - `target`: where to compile, here, with libtpu (the `tpu` extra) for a TPU:
+        - `None`: this backend.
+        - `"tpu-v5e"`, `"tpu-v6e"`, `"tpu-v5p"` or `"tpu-v4"`: one chip of that
+            TPU. Every argument is placed whole on it; meshes are ignored.
+        - `"tpu-v5e:16x16"` (chip and topology: any topology libtpu accepts, such
+            as `"tpu-v5e:2x2"` ... `"tpu-v5e:16x16"`, `"tpu-v6e:4x4"`,
+            `"tpu-v5p:2x2x2"`, `"tpu-v4:2x2x2"`): the whole slice, as one SPMD
+            program. Arguments laid out with `NamedSharding`s over a mesh (an
+            `AbstractMesh` of the slice's shape, or a concrete `Mesh`, e.g. of CPU
+            devices) keep their specs and memory kinds on a mesh of the slice's
+            chips with the same axis names, sizes and types; the mesh must have as
+            many devices as the slice has chips. Other arguments are replicated on
+            every chip, except the batch a `train_step` with `Policy(batch=...)`
+            lays out.
+
+        `target` is reserved: a function argument of that name can be bound with
+        `functools.partial`.
 
     **Returns:**
 
     A `MemoryReport`: device and host footprints with their parts (from
-    `compiled.memory_analysis()`), and, for `train_step` and `filter_offload`
-    objects, the bytes of parameters, optimizer state and saved residuals by memory
-    kind. On the CPU backend the host/device split is an estimate (see
-    `MemoryReport`).
+    `compiled.memory_analysis()`), per chip on a TPU, the host memory of one host
+    of a slice, and, for `train_step` and `filter_offload` objects, the bytes of
+    parameters, optimizer state and saved residuals by memory kind. On the CPU
+    backend the host/device split is an estimate (see `MemoryReport`).
+
+    **Raises:**
+
+    `ValueError` for a target it does not know or a topology libtpu rejects, and for
+    arguments laid out on a mesh whose size is not the slice's chip count;
+    `DoesNotFit` when a chip's device memory is too small; `DoesNotCompile` when
+    the compiler rejects the step.
 
     !!! Example
 
@@ -416,67 +487,141 @@ def memory_report(
         print(report)                  # a table
         report.device_bytes, report.host_bytes
         ```
+
+    !!! Example "A slice you do not have"
+
+        ```python
+        mesh = jax.sharding.AbstractMesh((256,), ("fsdp",))
+        policy = eo.Policy.offload_all(shard="fsdp", batch="fsdp")
+        model = eo.place(eqx.filter_eval_shape(Model, key=key), policy, mesh=mesh)
+        opt_state = eo.init_opt_state(optimizer, model, policy)
+        tokens = jax.ShapeDtypeStruct((256, 2048), jnp.int32)
+        report = eo.memory_report(
+            step, model, opt_state, tokens, tokens, target="tpu-v5e:16x16"
+        )
+        report.device_bytes, report.host_bytes    # one chip
+        report.host_bytes_per_host                # one host (4 chips)
+        ```
     """
-    mesh = None if target is None else chip_mesh(target)
+    where = _where(target, (args, kwargs))
+    lays_out_batch = (
+        isinstance(fn, _TrainStep) and fn.policy.batch is not None and where.is_slice
+    )
 
-    def to_abstract(tree: Any) -> Any:
-        return jtu.tree_map(lambda x: abstract(x, mesh) if is_arraylike(x) else x, tree)
+    def to_abstract(tree: Any, replicate: bool = True) -> Any:
+        def leaf(x: Any) -> Any:
+            return abstract(x, where.mesh, where.source, replicate)
 
-    args, kwargs = to_abstract(args), to_abstract(kwargs)
-    if isinstance(fn, _TrainStep):
-        plan = _train_step_plan(fn, args, kwargs)
+        return jtu.tree_map(lambda x: leaf(x) if is_arraylike(x) else x, tree)
+
+    if lays_out_batch:
+        args = to_abstract(args[:2]) + to_abstract(args[2:], replicate=False)
     else:
-        plan = _function_plan(fn, args, kwargs)
-    where = target or jax.default_backend()
-    what = _DESCRIPTIONS[plan.kind]
+        args = to_abstract(args)
+    kwargs = to_abstract(kwargs)
     with _mesh.context(args, kwargs):
+        if isinstance(fn, _TrainStep):
+            plan = _train_step_plan(fn, args, kwargs)
+        else:
+            plan = _function_plan(fn, args, kwargs)
         lowered = plan.trace().lower()
+        residuals = None if plan.residuals is None else plan.residuals()
+    what = _DESCRIPTIONS[plan.kind]
+
+    def count(tree: Any) -> dict[str, int]:
+        return bytes_by_kind(tree, per_chip=where.mesh is not None)
+
     try:
         stats = lowered.compile().memory_analysis()
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" in str(e):
-            raise _does_not_fit(plan, what, where, str(e)) from e
-        if mesh is not None and plan.rejected is not None:
-            what = f"`memory_report`: {what}, compiled for {where}"
-            raise plan.rejected(what, str(e), mesh) from e
+            raise _does_not_fit(plan, residuals, count, what, where, str(e)) from e
+        if where.mesh is not None and plan.rejected is not None:
+            message = f"`memory_report`: {what}, compiled for {where.name}"
+            raise plan.rejected(message, str(e), where.chip_mesh) from e
         raise DoesNotCompile(
-            f"`memory_report`: the {where} compiler rejected {what}: {e}"
+            f"`memory_report`: the {where.name} compiler rejected {what}: {e}"
         ) from e
     if stats is None:
         raise ValueError(
-            f"`memory_report`: the {where} compiler gives no memory analysis; try "
-            "another `target=`."
+            f"`memory_report`: the {where.name} compiler gives no memory analysis; "
+            "try another `target=`."
         )
-    estimate = mesh is None and jax.default_backend() == "cpu"
+    estimate = where.mesh is None and jax.default_backend() == "cpu"
     if estimate:
         device, host = _split_estimate(stats, lowered)
     else:
         device = {p: int(getattr(stats, f"{p}_size_in_bytes")) for p in _PARTS}
         host = {p: int(getattr(stats, f"host_{p}_size_in_bytes")) for p in _PARTS}
     return MemoryReport(
-        target=where,
-        capacity=HBM_BYTES.get(where),
+        target=where.name,
+        capacity=where.capacity,
         kind=plan.kind,
         estimate=estimate,
         device=device,
         host=host,
-        arguments={k: bytes_by_kind(v) for k, v in plan.arguments.items()},
-        params=None if plan.params is None else bytes_by_kind(plan.params),
-        opt_state=None if plan.opt_state is None else bytes_by_kind(plan.opt_state),
-        residuals=None if plan.residuals is None else plan.residuals(),
+        arguments={k: count(v) for k, v in plan.arguments.items()},
+        params=None if plan.params is None else count(plan.params),
+        opt_state=None if plan.opt_state is None else count(plan.opt_state),
+        residuals=residuals,
+        chips=where.chips,
+        chips_per_host=where.chips_per_host,
     )
 
 
-def _does_not_fit(plan: _Plan, what: str, where: str, message: str) -> DoesNotFit:
+class _Where(NamedTuple):
+    """What `memory_report` compiles for."""
+
+    name: str  # the target, or this backend's name
+    mesh: Any  # the TPU mesh arguments are laid out on; None for this backend
+    source: Any  # the mesh the arguments name (a slice target), or None
+    chip_mesh: Any  # one chip of the target, to compile leaves alone on
+    capacity: int | None
+    chips: int | None
+    chips_per_host: int | None
+
+    @property
+    def is_slice(self) -> bool:
+        return self.chips is not None and self.chips > 1
+
+    @property
+    def one_chip(self) -> str:
+        """'one tpu-v5e chip', 'one chip of tpu-v5e:4x4'."""
+        return f"one chip of {self.name}" if self.is_slice else f"one {self.name} chip"
+
+
+def _where(target: str | None, trees: Any) -> _Where:
+    if target is None:
+        return _Where(jax.default_backend(), None, None, None, None, None, None)
+    chip, topology = _targets.parse(target)
+    capacity = HBM_BYTES[chip]
+    chip_mesh = _targets.chip_mesh(target)
+    if topology is None:
+        return _Where(target, chip_mesh, None, chip_mesh, capacity, 1, 1)
+    source = _mesh.tree_mesh(trees, abstract=True)
+    mesh = _targets.slice_mesh(target, source)
+    chips, per_host = mesh.size, _targets.chips_per_host(target)
+    return _Where(target, mesh, source, chip_mesh, capacity, chips, per_host)
+
+
+def _does_not_fit(
+    plan: _Plan,
+    residuals: tuple[ResidualRow, ...] | None,
+    count: Callable[[Any], dict[str, int]],
+    what: str,
+    where: _Where,
+    message: str,
+) -> DoesNotFit:
     """The error for a program too big for `where`, with what is known of it
     without compiling: its parameters, optimizer state and saved residuals."""
-    params = None if plan.params is None else bytes_by_kind(plan.params)
-    opt_state = None if plan.opt_state is None else bytes_by_kind(plan.opt_state)
-    residuals = None if plan.residuals is None else plan.residuals()
+    params = None if plan.params is None else count(plan.params)
+    opt_state = None if plan.opt_state is None else count(plan.opt_state)
     lines = [
-        f"`memory_report`: {what} does not fit in the memory of one {where} chip; "
+        f"`memory_report`: {what} does not fit in the memory of {where.one_chip}; "
         f"the compiler says: {message.strip().rstrip('.')}.",
-        "What it holds, by memory kind (device / host):",
+        "What it holds, by memory kind (device / host"
+        + (", per chip" if where.mesh is not None else "")
+        + "):",
     ]
 
     def row(label: str, by_kind: dict[str, int]) -> None:
@@ -487,23 +632,25 @@ def _does_not_fit(plan: _Plan, what: str, where: str, message: str) -> DoesNotFi
         row("parameters", params)
         row("optimizer state", opt_state)
     else:
-        for name, by_kind in plan.arguments.items():
-            row(f"argument {name}", bytes_by_kind(by_kind))
+        for name, tree in plan.arguments.items():
+            row(f"argument {name}", count(tree))
     if residuals is not None:
         saved: dict[str, int] = defaultdict(int)
         for r in residuals:
             saved[r.memory_kind] += r.bytes
-        row("saved for the backward pass", saved)
+        label = "saved for the backward pass"
+        row(label + (" (whole arrays)" if where.is_slice else ""), saved)
+    more = "more chips" if where.is_slice else "a chip with more memory"
     lines.append(
         "Use a policy that offloads more (`Policy.offload_all()`, host optimizer "
-        "state, offloaded residuals), smaller batches, or a chip with more memory; "
-        "the numbers are on the exception (`e.params`, `e.residuals`, ...)."
+        f"state, offloaded residuals), smaller batches, or {more}; the numbers are "
+        "on the exception (`e.params`, `e.residuals`, ...)."
     )
     return DoesNotFit(
         "\n".join(lines),
-        target=where,
+        target=where.name,
         compiler_message=message,
-        arguments={k: bytes_by_kind(v) for k, v in plan.arguments.items()},
+        arguments={k: count(v) for k, v in plan.arguments.items()},
         params=params,
         opt_state=opt_state,
         residuals=residuals,
