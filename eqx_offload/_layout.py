@@ -11,7 +11,7 @@ import jax
 import jax.tree_util as jtu
 from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 
-from . import _paths
+from . import _paths, _tiling
 from ._warn import warn_at_caller
 
 
@@ -19,10 +19,11 @@ class FSDP(eqx.Module):
     """Fully sharded data parallelism for the leaves a rule matches: each leaf is
     split along `axis` of the mesh over one of its dimensions.
 
-    The dimension is the largest one `axis` divides (the first of equal ones),
-    never a layer axis of a `Stacked`; a leaf with fewer than `min_size` elements
-    in one layer stays replicated, and so does a leaf with no divisible dimension
-    (with a warning naming it).
+    The dimension is one `axis` divides, never a layer axis of a `Stacked`: one
+    whose shard is whole TPU tiles of rows (a multiple of 8 for 32-bit types) if
+    there is one, the largest of those, the first of equal ones. A leaf with fewer
+    than `min_size` elements in one layer stays replicated, and so does a leaf
+    with no divisible dimension (with a warning naming it).
 
     **Arguments:**
 
@@ -183,7 +184,12 @@ def check_spec(
 
 
 def _fsdp_spec(
-    rule: FSDP, shape: tuple[int, ...], layer_axes: int, mesh: AnyMesh, path: str
+    rule: FSDP,
+    shape: tuple[int, ...],
+    dtype: Any,
+    layer_axes: int,
+    mesh: AnyMesh,
+    path: str,
 ) -> PartitionSpec | None:
     """The spec `rule` gives a leaf, or None if it stays replicated for lack of a
     divisible dimension."""
@@ -201,7 +207,14 @@ def _fsdp_spec(
     divisible = [d for d in range(len(per_layer)) if per_layer[d] % parts == 0]
     if not divisible:
         return None
-    best = max(divisible, key=lambda d: (per_layer[d], -d))
+    # Prefer a dimension whose shard is whole tiles of rows (a TPU compiler stores
+    # arrays in tiles of 8 rows of 32 bits, and moves host-resident layers of other
+    # shapes only sometimes), then the largest, then the first.
+    tile = _tiling.SUBLANES * _tiling.packing(dtype)
+    best = max(
+        divisible,
+        key=lambda d: ((per_layer[d] // parts) % tile == 0, per_layer[d], -d),
+    )
     entries: list[Any] = [None] * len(shape)
     entries[layer_axes + best] = rule.axis
     return PartitionSpec(*entries)
@@ -255,7 +268,12 @@ def gather_fsdp(tree: Any, prefix: str, rules: Rules | None) -> Any:
             names = tuple(n for n in _names(entry) if n not in axes)
             kept.append(None if not names else names[0] if len(names) == 1 else names)
         want = PartitionSpec(*kept)
-        return x if want == spec else jax.sharding.reshard(x, want)
+        if want == spec:
+            return x
+        # The barrier keeps the gather of this layer inside the scan: without it the
+        # TPU compiler gathers every layer of a host-resident stack at once, in host
+        # memory, before the loop.
+        return jax.sharding.reshard(jax.lax.optimization_barrier(x), want)
 
     flat, treedef = jtu.tree_flatten(tree)
     paths = iter(leaf.path for leaf in _paths.leaves(tree))
@@ -284,7 +302,9 @@ def specs(
         shape = tuple(leaf.value.shape)
         rule = best[1]
         if isinstance(rule, FSDP):
-            spec = _fsdp_spec(rule, shape, leaf.layer_axes, mesh, leaf.path)
+            spec = _fsdp_spec(
+                rule, shape, leaf.value.dtype, leaf.layer_axes, mesh, leaf.path
+            )
             if spec is None:
                 undivided.append(f"{leaf.path} {shape}")
                 spec = PartitionSpec()

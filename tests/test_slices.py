@@ -242,3 +242,51 @@ def test_a_mesh_of_another_size_than_the_slice():
         r"chips\. Lay them out on a mesh of 8 devices",
     ):
         eo.memory_report(lambda x: x, x, target=TARGET)
+
+
+class _MLPBlock(eqx.Module):
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+
+    def __init__(self, width: int, *, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        self.fc1 = eqx.nn.Linear(width, 3 * width, key=k1)
+        self.fc2 = eqx.nn.Linear(3 * width, width, key=k2)
+
+    def __call__(self, x: Float[Array, " w"]) -> Float[Array, " w"]:
+        return x + self.fc2(jax.nn.gelu(self.fc1(x)))
+
+
+class _MLPStack(eqx.Module):
+    blocks: eo.Stacked[_MLPBlock]
+
+    def __init__(self, width: int, *, key: PRNGKeyArray):
+        self.blocks = eo.Stacked.from_fn(lambda k: _MLPBlock(width, key=k), 3, key=key)
+
+    def __call__(self, x: Float[Array, " w"]) -> Float[Array, " w"]:
+        return self.blocks(x)
+
+
+def _loss(model: _MLPStack, x: Float[Array, "b w"]) -> Float[Array, ""]:
+    return jnp.mean(jax.vmap(model)(x) ** 2)
+
+
+@pytest.mark.parametrize("width", [40, 200])
+def test_fsdp_under_explicit_axes_streams_like_auto(width):
+    """Under `Explicit` axes the step gathers each FSDP-sharded layer itself, inside
+    the scan: the compiler must not hoist that gather out of the loop, which would
+    gather every layer at once in host memory (the host temporaries were then the
+    whole stacked weight)."""
+    host = {}
+    for axis_type in (AxisType.Auto, AxisType.Explicit):
+        mesh = AbstractMesh((8,), ("fsdp",), axis_types=(axis_type,))
+        policy = eo.Policy.offload_all(shard=eo.FSDP("fsdp", min_size=0), batch="fsdp")
+        abstract = eqx.filter_eval_shape(_MLPStack, width, key=jax.random.key(0))
+        model = eo.place(abstract, policy, mesh=mesh)
+        optimizer = optax.adamw(0.1)
+        opt_state = eo.init_opt_state(optimizer, model, policy)
+        step = eo.train_step(_loss, optimizer, policy)
+        x = jax.ShapeDtypeStruct((16, width), jnp.float32)
+        report = eo.memory_report(step, model, opt_state, x, target=TARGET)
+        host[axis_type] = report.host
+    assert host[AxisType.Explicit] == host[AxisType.Auto]
