@@ -7,7 +7,8 @@ With NPROC=2: two processes on this machine, two CPU devices each, one 4-device
 global mesh (gloo collectives). With NPROC=1: one process with four devices, the
 reference. Each lays the model out FSDP-style by hand, trains 4 steps under
 `Policy.offload_all()`, saves, loads into an abstract model, trains one more
-step, and writes its losses to OUTDIR/result_<NPROC>_<PROCESS_ID>.json.
+step, and writes its losses and the layouts (spec, memory kind) of what it saved
+and loaded to OUTDIR/result_<NPROC>_<PROCESS_ID>.json.
 """
 
 import json
@@ -110,6 +111,15 @@ def scalar(x: jax.Array) -> float:
     return float(np.asarray(x.addressable_data(0)))
 
 
+def layouts(tree) -> list[list[str]]:
+    """Each array leaf's path, spec and memory kind (as JSON)."""
+    leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(tree, eqx.is_array))
+    return [
+        [jax.tree_util.keystr(path), str(x.sharding.spec), x.sharding.memory_kind]
+        for path, x in leaves
+    ]
+
+
 def main() -> None:
     policy = eo.Policy.offload_all()
     optimizer = optax.adamw(1e-2)
@@ -126,11 +136,13 @@ def main() -> None:
 
     # Save, load into an abstract model laid out the same way, train one more step.
     directory = os.path.join(OUTDIR, "checkpoint")
+    saved_layouts = layouts((model, opt_state))
     eo.save(directory, model, opt_state, step=4)
     abstract = eqx.filter_eval_shape(Model, key=jax.random.key(0))
     abstract = eo.place(lay_out(abstract), policy)
     like = (abstract, eo.init_opt_state(optimizer, abstract, policy))
     restored, restored_state, saved_step = eo.load(directory, like, policy)
+    restored_layouts = layouts((restored, restored_state))
     restored, restored_state, loss = step(restored, restored_state, *batch(4))
     result = {
         "losses": losses,
@@ -138,6 +150,8 @@ def main() -> None:
         "saved_step": saved_step,
         "memory_kinds": sorted(kinds),
         "compiles": step.jitted._cache_size(),
+        "saved_layouts": saved_layouts,
+        "restored_layouts": restored_layouts,
         "errors": {},
     }
     # `verify` compares leaves laid out over every process.

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 import eqx_offload as eo
@@ -27,7 +28,7 @@ from eqx_offload import _checkpoint as ck
 
 
 if __name__ == "__main__":  # run by a test in a new process: set up as conftest.py
-    jax.config.update("jax_num_cpu_devices", 4)
+    jax.config.update("jax_num_cpu_devices", 8)
     jax.config.update("jax_numpy_dtype_promotion", "standard")
 
 DIM, DEPTH, BATCH = 8, 3, 4
@@ -320,6 +321,87 @@ def test_sharded_host_leaves_keep_their_sharding(tmp_path):
     assert jax.typeof(weight(restored.model)).memory_space == jax.memory.Space.Host
     assert_bitwise_equal(restored[:2], (model, opt_state))
     step(restored.model, restored.opt_state, *data(jax.random.key(3)))
+    assert step.jitted._cache_size() == 1
+
+
+# A 4×2 mesh ("fsdp" × "tp"): the MLP's first layer split by its outputs over "tp",
+# the second by its inputs; the rest FSDP or replicated.
+MESH_SPECS = {
+    "blocks.layers.layers[0].weight": P(None, "tp", "fsdp"),
+    "blocks.layers.layers[0].bias": P(None, "tp"),
+    "blocks.layers.layers[1].weight": P(None, "fsdp", "tp"),
+    "blocks.layers.layers[1].bias": P(None, "fsdp"),
+    "head.weight": P(None, "fsdp"),
+}
+# Partly offloaded: the first layer and the head's weight on the host, and the
+# optimizer state of the second layer (not of its parameters).
+PARTLY = eo.Policy(
+    params={"blocks.layers[0]": "pinned_host", "head.weight": "pinned_host"},
+    opt_state={"blocks.layers[1]": "pinned_host"},
+)
+
+
+def lay_out(model: Model, mesh: jax.sharding.Mesh) -> Model:
+    """Every array leaf (or `jax.ShapeDtypeStruct`) laid out on `mesh`: as
+    `MESH_SPECS` says, else replicated."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(model)
+    out = []
+    for path, x in leaves:
+        if not isinstance(x, jax.Array | jax.ShapeDtypeStruct):
+            out.append(x)
+            continue
+        spec = MESH_SPECS.get(jax.tree_util.keystr(path)[1:], P())
+        sharding = NamedSharding(mesh, spec)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            out.append(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding))
+        else:
+            out.append(jax.device_put(x, sharding))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def layouts(tree) -> list[tuple]:
+    return [
+        (tuple(x.sharding.spec), x.sharding.memory_kind, x.sharding.mesh.shape)
+        for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+    ]
+
+
+def test_mesh_sharded_partly_offloaded_state_keeps_its_layout(tmp_path):
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    assert mesh.size == 8
+    model = eo.place(lay_out(Model(key=jax.random.key(0)), mesh), PARTLY)
+    opt_state = eo.init_opt_state(OPTIMIZER, model, PARTLY)
+    step = eo.train_step(loss_fn, OPTIMIZER, PARTLY)
+    batch = [
+        jax.device_put(a, NamedSharding(mesh, P())) for a in data(jax.random.key(2))
+    ]
+    model, opt_state, _ = step(model, opt_state, *batch)  # moments not zero
+    saved = layouts((model, opt_state))
+    kinds = {(spec, kind) for spec, kind, _ in saved}
+    assert ((None, "tp", "fsdp"), "pinned_host") in kinds  # sharded, offloaded
+    assert ((None, "fsdp", "tp"), "device") in kinds  # sharded, on the device
+    assert ((None, "fsdp", "tp"), "pinned_host") in kinds  # ... its state offloaded
+    eo.save(tmp_path, model, opt_state, step=1)
+
+    abstract = eqx.filter_eval_shape(Model, key=jax.random.key(0))
+    abstract = eo.place(lay_out(abstract, mesh), PARTLY)
+    like = (abstract, eo.init_opt_state(OPTIMIZER, abstract, PARTLY))
+    restored = eo.load(tmp_path, like, PARTLY, optimizer=OPTIMIZER)
+    assert restored.step == 1
+    assert layouts(restored[:2]) == saved
+    assert placements(restored[:2]) == placements((model, opt_state))
+    assert_bitwise_equal(restored[:2], (model, opt_state))
+    weight = restored.model.blocks.layers.layers[0].weight
+    assert jax.typeof(weight).memory_space == jax.memory.Space.Host
+    # A `like` only laid out (everything on the device), without the optimizer:
+    # the policy gives the memory kinds, the `like` the shardings.
+    bare = lay_out(eqx.filter_eval_shape(Model, key=jax.random.key(0)), mesh)
+    bare_state = eo.init_opt_state(OPTIMIZER, bare, eo.Policy.none())
+    again = eo.load(tmp_path, (bare, bare_state), PARTLY)
+    assert layouts(again[:2]) == saved
+    assert_bitwise_equal(again[:2], (model, opt_state))
+    # Laid out as the step returns its outputs: it trains on without compiling.
+    step(restored.model, restored.opt_state, *batch)
     assert step.jitted._cache_size() == 1
 
 

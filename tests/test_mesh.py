@@ -37,7 +37,7 @@ X = jnp.linspace(-1.0, 1.0, 8 * 16).reshape(8, 16)
 
 
 def _mesh(axis_type: AxisType):
-    return jax.make_mesh((4,), ("x",), axis_types=(axis_type,))
+    return jax.make_mesh((8,), ("x",), axis_types=(axis_type,))
 
 
 def _fsdp(model: Net, mesh, spec=P(None, "x")) -> Net:
@@ -73,7 +73,7 @@ def test_a_partly_sharded_model_trains_like_one_device(axis_type, preset):
     # plain arrays, which `place` replicates over the mesh (as a jit would).
     model = eo.place(_fsdp(Net(key=jax.random.key(0)), mesh), policy)
     shardings = [x.sharding for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
-    assert all(len(s.device_set) == 4 for s in shardings)
+    assert all(len(s.device_set) == 8 for s in shardings)
     opt_state = eo.init_opt_state(OPTIMIZER, model, policy)
     step = eo.train_step(loss_fn, OPTIMIZER, policy)
     batch = jax.device_put(X, NamedSharding(mesh, P()))

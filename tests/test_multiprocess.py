@@ -61,6 +61,14 @@ def test_two_processes_train_and_resume_like_one(tmp_path):
         assert result["saved_step"] == 4
         assert result["memory_kinds"] == ["pinned_host"]
         assert result["compiles"] == 1
+        # Loaded into an abstract model laid out like the saved one: every leaf in
+        # its spec and memory kind, as in one process.
+        assert result["restored_layouts"] == result["saved_layouts"]
+        assert result["restored_layouts"] == one["restored_layouts"]
+    layouts = {(spec, kind) for _, spec, kind in one["restored_layouts"]}
+    assert ("P(None, 'fsdp')", "pinned_host") in layouts  # sharded, on the host
+    assert ("P()", "device") in layouts  # Adam's step count
+    assert one["restored_layouts"] == one["saved_layouts"]
     assert one["verified"] and one["errors"] == {}  # one process: nothing refused
     for result in two:
         assert result["verified"]

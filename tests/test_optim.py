@@ -27,7 +27,7 @@ def test_parameter_shaped_state_goes_where_the_policy_says(kind, getkey):
 
 
 def test_state_keeps_each_parameters_sharding(getkey):
-    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     sharding = jax.sharding.NamedSharding(mesh, jax.P(None, "x"))
     model = Model(key=getkey())
     model = eqx.tree_at(

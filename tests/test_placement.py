@@ -82,7 +82,10 @@ def test_most_specific_pattern_wins_and_ties_must_agree(getkey):
 
 def test_sharding_is_kept_and_values_unchanged():
     mesh = jax.make_mesh(
-        (2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+        (2, 2),
+        ("a", "b"),
+        axis_types=(jax.sharding.AxisType.Auto,) * 2,
+        devices=jax.devices()[:4],
     )
     x = jax.device_put(jnp.arange(16.0).reshape(4, 4), NamedSharding(mesh, P("a", "b")))
     placed = eo.place({"x": x}, eo.Policy(params="pinned_host"))["x"]

@@ -178,7 +178,7 @@ def test_unknown_target():
 
 
 def test_report_of_a_sharded_model(getkey):
-    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     x = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("x")))
     report = eo.memory_report(lambda x: x * 2, x)
     assert report.arguments == {"argument 0": {"device": x.nbytes}}
@@ -289,7 +289,12 @@ def test_single_device_leaves_get_no_sharding_constraint():
 
     mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     one = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(mesh, P()))
-    mesh4 = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh4 = jax.make_mesh(
+        (4,),
+        ("x",),
+        axis_types=(jax.sharding.AxisType.Auto,),
+        devices=jax.devices()[:4],
+    )
     four = jax.device_put(jnp.ones(4), NamedSharding(mesh4, P("x")))
     assert _mesh_shardings([one, four, None]) == (None, four.sharding, None)
 

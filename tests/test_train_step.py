@@ -238,7 +238,7 @@ def test_non_trainable_leaves_pass_through(getkey):
 
 
 def test_model_sharded_over_a_mesh_compiles_once(getkey):
-    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     shard = jax.sharding.NamedSharding(mesh, jax.P(None, "x"))
     replicate = jax.sharding.NamedSharding(mesh, jax.P())
     model = Model(dim=16, key=getkey())
