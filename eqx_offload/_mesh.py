@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from . import _paths
 
@@ -39,20 +39,21 @@ def tree_mesh(tree: Any, abstract: bool = False) -> Any:
     return None if found is None else found[1]
 
 
-def _explicit_mesh(trees: Any) -> Mesh | None:
+def _context_mesh(trees: Any) -> Mesh | None:
     for x in jax.tree.leaves(trees):
         named = _named(x)
-        if named is not None and isinstance(named.mesh, Mesh):
-            if AxisType.Explicit in named.mesh.axis_types:
-                return named.mesh
+        if named is not None and isinstance(named.mesh, Mesh) and named.mesh.size > 1:
+            return named.mesh
     return None
 
 
 @contextlib.contextmanager
 def context(*trees: Any) -> Iterator[None]:
-    """`jax.set_mesh` of the mesh `trees` are laid out on if it has `Explicit` axes
-    (JAX then needs it to trace ops that make new arrays); otherwise nothing."""
-    mesh = _explicit_mesh(trees)
+    """`jax.set_mesh` of the mesh `trees` are laid out on, if any: JAX needs it to
+    trace ops that make new arrays under `Explicit` axes, and a loss may name
+    mesh axes (`with_sharding_constraint(x, PartitionSpec("data"))`) under either
+    axis type; otherwise nothing."""
+    mesh = _context_mesh(trees)
     if mesh is None:
         yield
         return

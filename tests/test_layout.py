@@ -223,3 +223,25 @@ def test_verify_with_declared_layouts():
     opt_state = eo.init_opt_state(optimizer, model, policy)
     report = eo.verify(loss_fn, optimizer, policy, model, opt_state, X)
     assert report.microbatch == 4
+
+
+def test_a_loss_may_name_mesh_axes_under_auto_axes():
+    """`train_step` and `memory_report` enter the model's mesh whatever its axis
+    types, so a loss may constrain its activations with a bare `PartitionSpec`."""
+
+    def pinned_loss(model: Net, x: Float[Array, "n 16"]) -> Float[Array, ""]:
+        y = jax.lax.with_sharding_constraint(jax.vmap(model)(x), P("data"))
+        return jnp.mean(y**2)
+
+    policy = eo.Policy.offload_all(shard=eo.FSDP("data", min_size=300), batch="data")
+    with jax.set_mesh(_mesh((8,), ("data",))):
+        model = eo.place(Net(key=jax.random.key(0)), policy)
+    optimizer = optax.sgd(0.1)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(pinned_loss, optimizer, policy)
+    report = eo.memory_report(step, model, opt_state, X)
+    assert report.host_bytes > 0
+    _, _, loss = step(model, opt_state, X)
+    np.testing.assert_allclose(
+        float(loss), float(loss_fn(Net(key=jax.random.key(0)), X)), rtol=1e-5
+    )
