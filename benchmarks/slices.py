@@ -15,6 +15,16 @@ leaf split along the one mesh axis) and the batch split the same way:
 - FSDP + `Policy.offload_residuals()`: the carry entering each layer on the host;
 - FSDP + `Policy.offload_all()`: parameters and optimizer state on the host too.
 
+The model pins its activations to the batch layout (`with_sharding_constraint`
+after the embedding, the blocks and the head): left to itself, sharding
+propagation replicated the batch's activations on every chip, and the device
+bytes per chip grew with the chip count. `Auto` mesh axes (`--axis-type explicit`
+needs the model's embedding lookup written for explicit sharding).
+
+Host memory per host: a 2x2 slice runs on one 4-chip VM with 192 GB of RAM, larger
+slices on 8-chip VMs with 384 GB (Cloud TPU's v5e VM types), so "host GiB/host" is
+the per-chip host bytes times 4 or 8, and "fits" needs both the HBM and that RAM.
+
 Nothing is allocated: the model is abstract (`eqx.filter_eval_shape`), laid out on
 an `AbstractMesh` of the slice's shape, and only compiled with libtpu.
 """
@@ -29,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from _common import parser, table, write_json
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 import eqx_offload as eo
@@ -39,6 +49,13 @@ VOCAB, DIM, HEADS, HIDDEN, DEPTH, SEQ = 32768, 4096, 32, 5 * 4096, 32, 2048
 TOPOLOGIES = ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
 POLICIES = ("remat", "offload_residuals", "offload_all")
 GIB = 2**30
+GB = 10**9
+# Cloud TPU v5e VMs (Google's v5e page, "VM types"): a 2x2 slice runs on a 4-chip VM
+# with 192 GB of RAM (ct5lp-hightpu-4t); larger training slices on 8-chip VMs with
+# 384 GB (ct5lp-hightpu-8t), one per 8 chips. libtpu's compile models 4 chips per
+# process either way; the host bytes of one chip are the same.
+VM_CHIPS = {"2x2": 4}
+VM_RAM = {4: 192 * GB, 8: 384 * GB}
 
 
 class Block(eqx.Module):
@@ -74,13 +91,22 @@ class GPT(eqx.Module):
         self.norm = eqx.nn.LayerNorm(DIM)
         self.head = eqx.nn.Linear(DIM, VOCAB, use_bias=False, key=k3)
 
-    def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
-        x = self.blocks(jax.vmap(self.embed)(tokens))
-        return jax.vmap(self.head)(jax.vmap(self.norm)(x))
+    def __call__(self, tokens: Int[Array, "b seq"]) -> Float[Array, "b seq vocab"]:
+        # Batch-level, with the activations pinned to the batch layout: left to
+        # itself, sharding propagation lays the embedding's output out like the
+        # (vocabulary-sharded) table and replicates the batch on every chip.
+        x = _batch_sharded(self.embed.weight[tokens])
+        x = _batch_sharded(jax.vmap(self.blocks)(x))
+        x = jax.vmap(jax.vmap(self.norm))(x)
+        return _batch_sharded(jnp.einsum("bsd,vd->bsv", x, self.head.weight))
+
+
+def _batch_sharded(x: Array) -> Array:
+    return jax.lax.with_sharding_constraint(x, P("fsdp"))
 
 
 def loss_fn(model: GPT, tokens: Int[Array, "b seq"], targets: Int[Array, "b seq"]):
-    logits = jax.vmap(model)(tokens)
+    logits = model(tokens)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
@@ -91,9 +117,9 @@ def chips(topology: str) -> int:
     return out
 
 
-def report(topology: str, preset: str) -> eo.MemoryReport:
+def report(topology: str, preset: str, axis_type: AxisType) -> eo.MemoryReport:
     n = chips(topology)
-    mesh = AbstractMesh((n,), ("fsdp",))
+    mesh = AbstractMesh((n,), ("fsdp",), axis_types=(axis_type,))
     policy = getattr(eo.Policy, preset)(shard="fsdp", batch=P("fsdp"))
     optimizer = optax.adamw(1e-4)
     abstract = eqx.filter_eval_shape(GPT, key=jax.random.key(0))
@@ -110,7 +136,9 @@ def main():
     p = parser(__doc__)
     p.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES))
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    p.add_argument("--axis-type", choices=["explicit", "auto"], default="auto")
     args = p.parse_args()
+    axis_type = AxisType.Explicit if args.axis_type == "explicit" else AxisType.Auto
     params = sum(
         x.size
         for x in jax.tree.leaves(eqx.filter_eval_shape(GPT, key=jax.random.key(0)))
@@ -124,7 +152,7 @@ def main():
             row: dict[str, Any] = {"policy": preset, "topology": topology}
             row["chips"] = chips(topology)
             try:
-                r = report(topology, preset)
+                r = report(topology, preset, axis_type)
             except eo.DoesNotFit as e:
                 found = re.search(r"\(([\d.]+G)\) exceeds available HBM", str(e))
                 row.update(
@@ -132,17 +160,21 @@ def main():
                         "device GiB/chip": None,
                         "host GiB/chip": None,
                         "host GiB/host": None,
+                        "host RAM GiB": None,
                         "fits": False,
                         "note": f"needs {found[1] if found else '?'} of HBM",
                     }
                 )
             else:
+                vm = VM_CHIPS.get(topology, 8)
+                host = r.host_bytes * vm
                 row.update(
                     {
                         "device GiB/chip": r.device_bytes / GIB,
                         "host GiB/chip": r.host_bytes / GIB,
-                        "host GiB/host": r.host_bytes_per_host / GIB,
-                        "fits": r.fits,
+                        "host GiB/host": host / GIB,
+                        "host RAM GiB": VM_RAM[vm] / GIB,
+                        "fits": bool(r.fits) and host <= VM_RAM[vm],
                         "note": "",
                     }
                 )
