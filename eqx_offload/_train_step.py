@@ -14,7 +14,7 @@ from jaxtyping import PyTree
 
 from . import _diagnose, _layout, _mesh, _optim, _paths
 from ._diagnose import DoesNotCompile
-from ._memory_kinds import is_arraylike, kind_of, to_space
+from ._memory_kinds import is_arraylike, is_host, kind_of, to_space
 from ._placement import place_batch, resolve
 from ._policy import check_policy, Policy, PolicyArg
 from ._state_tree import check_matches
@@ -59,7 +59,12 @@ def _place_outputs(tree: Any, kinds: list, shardings: tuple) -> Any:
         if eqx.is_array(x):
             (leaf, kind), sharding = kinds[position], array_shardings[position]
             position += 1
-            if sharding is not None:
+            if sharding is not None and is_host(x):
+                # Constrained where it is: a round trip through the device (which
+                # the compiler folds into a host-side copy) costs a copy of the
+                # leaf in host memory.
+                x = jax.lax.with_sharding_constraint(x, sharding)
+            elif sharding is not None:
                 plain = NamedSharding(sharding.mesh, sharding.spec)
                 x = jax.lax.with_sharding_constraint(to_space(x, "device", ""), plain)
             x = to_space(x, kind, leaf.path)

@@ -289,4 +289,10 @@ def test_fsdp_under_explicit_axes_streams_like_auto(width):
         x = jax.ShapeDtypeStruct((16, width), jnp.float32)
         report = eo.memory_report(step, model, opt_state, x, target=TARGET)
         host[axis_type] = report.host
-    assert host[AxisType.Explicit] == host[AxisType.Auto]
+    explicit, auto = host[AxisType.Explicit], host[AxisType.Auto]
+    assert {k: v for k, v in explicit.items() if k != "temp"} == {
+        k: v for k, v in auto.items() if k != "temp"
+    }
+    # Hoisted, the gathers held every layer's whole weights in host memory (more
+    # than twice `Auto`'s temporaries at these widths).
+    assert explicit["temp"] <= 1.25 * auto["temp"]
