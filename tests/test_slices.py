@@ -296,3 +296,40 @@ def test_fsdp_under_explicit_axes_streams_like_auto(width):
     # Hoisted, the gathers held every layer's whole weights in host memory (more
     # than twice `Auto`'s temporaries at these widths).
     assert explicit["temp"] <= 1.25 * auto["temp"]
+
+
+class _Square(eqx.Module):
+    blocks: eo.Stacked[eqx.nn.Linear]
+
+    def __init__(self, *, key: PRNGKeyArray):
+        self.blocks = eo.Stacked.from_fn(
+            lambda k: eqx.nn.Linear(256, 256, use_bias=False, key=k), 8, key=key
+        )
+
+    def __call__(self, x: Float[Array, " 256"]) -> Float[Array, " 256"]:
+        return self.blocks(x)
+
+
+def _square_loss(model: _Square, x: Float[Array, "b 256"]) -> Float[Array, ""]:
+    return jnp.mean(jax.vmap(model)(x) ** 2)
+
+
+def test_host_outputs_are_not_copied_on_the_host():
+    """A step over several chips constrains its host-resident outputs (parameters,
+    AdamW's moments) to their sharding in host memory. Sent through the device
+    for it, each became a host-side copy: host temporaries three times the
+    state's shard, against the gradient's one."""
+    mesh = AbstractMesh((8,), ("fsdp",))
+    policy = eo.Policy.offload_all(shard=eo.FSDP("fsdp", min_size=0), batch="fsdp")
+    model = eo.place(
+        eqx.filter_eval_shape(_Square, key=jax.random.key(0)), policy, mesh=mesh
+    )
+    optimizer = optax.adamw(0.1)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(_square_loss, optimizer, policy)
+    x = jax.ShapeDtypeStruct((16, 256), jnp.float32)
+    report = eo.memory_report(step, model, opt_state, x, target=TARGET)
+    shard = 8 * 256 * 256 * F32 // 8  # one chip's slice of the weights: 256 KiB
+    assert report.host["argument"] == 3 * shard  # weights and two moments
+    # The weight gradient, accumulated in host memory, and the offloaded carries.
+    assert report.host["temp"] <= 1.25 * shard
