@@ -126,7 +126,7 @@ def leaves_in_message(message: str, paths: Sequence[str]) -> list[str]:
     """The leaf paths named in the `op_name`s of a compiler message (the streamed
     update tags each leaf's slices and transfers with `jax.named_scope`)."""
     names = " ".join(re.findall(r'op_name="([^"]*)"', message))
-    return [p for p in paths if p and p in names]
+    return list(dict.fromkeys(p for p in paths if p and p in names))
 
 
 def explain(
@@ -166,9 +166,10 @@ def explain(
     )
     return (
         f"{what}: the compiler rejected it: {_first_line(message)}.{hint} Ways out: "
-        "`Policy(update='whole')` (the optimizer update on whole leaves), or keep the "
-        "leaves it names on the device with `Policy(params={..., path: 'device'}, "
-        "opt_state={..., path: 'device'})`."
+        "keep the leaves it names on the device with `Policy(params={..., path: "
+        "'device'}, opt_state={..., path: 'device'})`; or, if the operation it "
+        "names is in the optimizer update (not the forward or backward pass), "
+        "`Policy(update='whole')` (the update on whole leaves)."
     )
 
 

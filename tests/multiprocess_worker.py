@@ -5,7 +5,8 @@
 
 With NPROC=2: two processes on this machine, two CPU devices each, one 4-device
 global mesh (gloo collectives). With NPROC=1: one process with four devices, the
-reference. Each lays the model out FSDP-style by hand, trains 4 steps under
+reference. Each lays the model out with the policy's FSDP rule (`eo.place` builds
+global arrays from the same values in every process), trains 4 steps under
 `Policy.offload_all()`, saves, loads into an abstract model, trains one more
 step, and writes its losses and the layouts (spec, memory kind) of what it saved
 and loaded to OUTDIR/result_<NPROC>_<PROCESS_ID>.json.
@@ -66,33 +67,6 @@ def loss_fn(model: Model, x: Float[Array, "b dim"], y: Float[Array, "b 1"]):
     return jnp.mean((jax.vmap(model)(x) - y) ** 2)
 
 
-def fsdp_spec(shape: tuple[int, ...], stacked: bool) -> P:
-    """The first axis divisible by the mesh (never a `Stacked`'s layer axis)."""
-    for axis in range(1 if stacked else 0, len(shape)):
-        if shape[axis] % 4 == 0:
-            return P(*[("fsdp" if a == axis else None) for a in range(len(shape))])
-    return P()
-
-
-def lay_out(model: Model) -> Model:
-    """Every array leaf as a global array laid out over the mesh, from the same
-    values in every process; every `jax.ShapeDtypeStruct` leaf with that layout."""
-
-    def put(x, stacked: bool):
-        if isinstance(x, jax.ShapeDtypeStruct):
-            sharding = NamedSharding(MESH, fsdp_spec(x.shape, stacked))
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-        if not eqx.is_array(x):
-            return x
-        data = np.asarray(x)
-        sharding = NamedSharding(MESH, fsdp_spec(data.shape, stacked))
-        return jax.make_array_from_callback(data.shape, sharding, lambda i: data[i])
-
-    blocks = jax.tree.map(lambda x: put(x, True), model.blocks)
-    head = jax.tree.map(lambda x: put(x, False), model.head)
-    return eqx.tree_at(lambda m: (m.blocks, m.head), model, (blocks, head))
-
-
 def batch(i: int) -> tuple[jax.Array, jax.Array]:
     """Batch `i`, split over the processes along the batch axis."""
     rng = np.random.default_rng(i)
@@ -121,9 +95,10 @@ def layouts(tree) -> list[list[str]]:
 
 
 def main() -> None:
-    policy = eo.Policy.offload_all()
+    policy = eo.Policy.offload_all(shard=eo.FSDP("fsdp", min_size=0))
     optimizer = optax.adamw(1e-2)
-    model = eo.place(lay_out(Model(key=jax.random.key(0))), policy)
+    with jax.set_mesh(MESH):
+        model = eo.place(Model(key=jax.random.key(0)), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(loss_fn, optimizer, policy)
     losses = []
@@ -139,7 +114,7 @@ def main() -> None:
     saved_layouts = layouts((model, opt_state))
     eo.save(directory, model, opt_state, step=4)
     abstract = eqx.filter_eval_shape(Model, key=jax.random.key(0))
-    abstract = eo.place(lay_out(abstract), policy)
+    abstract = eo.place(abstract, policy, mesh=MESH)
     like = (abstract, eo.init_opt_state(optimizer, abstract, policy))
     restored, restored_state, saved_step = eo.load(directory, like, policy)
     restored_layouts = layouts((restored, restored_state))
@@ -161,7 +136,7 @@ def main() -> None:
     # device only: refused on every process, before orbax is asked.
     bare = eqx.filter_eval_shape(Model, key=jax.random.key(0))
     try:
-        eo.load(directory, (bare, like[1]), policy)
+        eo.load(directory, (bare, like[1]), eo.Policy.offload_all())
     except ValueError as e:
         result["errors"]["load"] = str(e)
     try:  # a process-local PRNG key cannot be saved by orbax in such a run
