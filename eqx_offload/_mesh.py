@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
 from . import _paths
 
@@ -39,21 +39,24 @@ def tree_mesh(tree: Any, abstract: bool = False) -> Any:
     return None if found is None else found[1]
 
 
-def _context_mesh(trees: Any) -> Mesh | None:
+def _context_mesh(trees: Any, explicit_only: bool) -> Mesh | None:
     for x in jax.tree.leaves(trees):
         named = _named(x)
         if named is not None and isinstance(named.mesh, Mesh) and named.mesh.size > 1:
-            return named.mesh
+            if not explicit_only or AxisType.Explicit in named.mesh.axis_types:
+                return named.mesh
     return None
 
 
 @contextlib.contextmanager
-def context(*trees: Any) -> Iterator[None]:
+def context(*trees: Any, explicit_only: bool = False) -> Iterator[None]:
     """`jax.set_mesh` of the mesh `trees` are laid out on, if any: JAX needs it to
     trace ops that make new arrays under `Explicit` axes, and a loss may name
     mesh axes (`with_sharding_constraint(x, PartitionSpec("data"))`) under either
-    axis type; otherwise nothing."""
-    mesh = _context_mesh(trees)
+    axis type; otherwise nothing. `explicit_only`: only a mesh with `Explicit`
+    axes (under an `Auto` mesh in context, a jitted function returns arrays of a
+    partly laid out tree on the mesh, which `init_opt_state` does not want)."""
+    mesh = _context_mesh(trees, explicit_only)
     if mesh is None:
         yield
         return

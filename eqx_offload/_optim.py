@@ -167,7 +167,7 @@ def init_opt_state(optimizer: Optimizer, model: PyTree, policy: PolicyArg) -> Py
         # Eager ops on host-resident arrays fail ("Memory kind mismatch"); jitted
         # ones work, and return the state on the default device.
         _mesh.check_devices({"model": params}, "`init_opt_state`")
-        with _mesh.context(params):
+        with _mesh.context(params, explicit_only=True):
             state = jax.jit(optimizer.init)(params)
     return _place_state(
         optimizer, state, params, policy, "`eqx_offload.init_opt_state`"
