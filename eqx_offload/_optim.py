@@ -1,5 +1,7 @@
 """Optimizer state: where it lives (`init_opt_state`) and how a step updates it."""
 
+import copy
+from collections.abc import Callable
 from typing import Any, TYPE_CHECKING
 
 import equinox as eqx
@@ -309,6 +311,10 @@ def update(
         for x in jtu.tree_leaves((grads, opt_state, params))
         if eqx.is_array(x)
     )
+    if policy.update == "auto" and host:
+        return _update_by_platform(
+            optimizer, grads, opt_state, model, policy, model_kinds, opt_kinds
+        )
     if policy.update == "streamed" and host:
         kind_by_path = {leaf.path: kind for leaf, kind in model_kinds}
         leaves = _paths.leaves(params)
@@ -351,6 +357,61 @@ def update(
         to_device(grads), to_device(opt_state), trainable(model)
     )
     return eqx.apply_updates(model, updates), opt_state
+
+
+# Where the update runs whole: backends whose memory kinds share one memory, where
+# streaming saves nothing and costs time (`docs/benchmarks.md` §3).
+WHOLE_ON = ("cpu",)
+
+
+def _with_update(policy: Policy, how: str) -> Policy:
+    chosen = copy.copy(policy)
+    object.__setattr__(chosen, "update", how)
+    return chosen
+
+
+def _update_by_platform(
+    optimizer: optax.GradientTransformation,
+    grads: PyTree,
+    opt_state: PyTree,
+    model: PyTree,
+    policy: Policy,
+    model_kinds: list[tuple[_paths.Leaf, str]],
+    opt_kinds: list[tuple[_paths.Leaf, str]],
+) -> tuple[PyTree, PyTree]:
+    """`Policy(update="auto")`: the streamed update, and the whole one on the
+    backends of `WHOLE_ON`, chosen inside the one traced program
+    (`jax.lax.platform_dependent`), so that a step traced here and compiled for a
+    TPU streams. Both give every leaf back in its memory kind."""
+    kinds = iter([kind for _, kind in model_kinds] + [kind for _, kind in opt_kinds])
+    targets = [
+        next(kinds) if is_arraylike(x) else None
+        for x in jtu.tree_leaves((model, opt_state))
+    ]
+    # Only arrays pass through `platform_dependent`; the rest is closed over.
+    arrays, static = eqx.partition((grads, opt_state, model), is_arraylike)
+
+    def branch(how: str) -> Callable[[PyTree], PyTree]:
+        chosen = _with_update(policy, how)
+
+        def run(arrays: PyTree) -> PyTree:
+            grads, opt_state, model = eqx.combine(arrays, static)
+            new_model, new_state = update(
+                optimizer, grads, opt_state, model, chosen, model_kinds, opt_kinds
+            )
+            leaves, treedef = jtu.tree_flatten((new_model, new_state))
+            leaves = [
+                x if kind is None else to_space(x, kind, "")
+                for x, kind in zip(leaves, targets, strict=True)
+            ]
+            return eqx.filter(jtu.tree_unflatten(treedef, leaves), is_arraylike)
+
+        return run
+
+    whole = {platform: branch("whole") for platform in WHOLE_ON}
+    new = jax.lax.platform_dependent(arrays, **whole, default=branch("streamed"))
+    rest = eqx.filter((model, opt_state), is_arraylike, inverse=True)
+    return eqx.combine(new, rest)
 
 
 def streamed_leaves(

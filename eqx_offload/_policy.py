@@ -56,7 +56,7 @@ def _params(value: Any, argument: str = "params") -> ParamsSpec:
 
 
 if TYPE_CHECKING:
-    UpdateArg = Literal["streamed", "whole"]
+    UpdateArg = Literal["auto", "streamed", "whole"]
 else:
     UpdateArg = str  # checked in `__check_init__`, with the valid values
 
@@ -89,7 +89,7 @@ class Policy(eqx.Module):
     offload: tuple[str, ...] = eqx.field(static=True)
     offload_dst: MemoryKind = eqx.field(static=True)
     opt_state: str | tuple[tuple[str, str], ...] = eqx.field(static=True)
-    update: Literal["streamed", "whole"] = eqx.field(static=True)
+    update: Literal["auto", "streamed", "whole"] = eqx.field(static=True)
     shard: Rules | None = eqx.field(static=True)
     batch: PartitionSpec | None = eqx.field(static=True)
 
@@ -101,7 +101,7 @@ class Policy(eqx.Module):
         offload: Sequence[str] = (),
         offload_dst: KindArg = "pinned_host",
         opt_state: KindArg | Mapping[str, KindArg] = "device",
-        update: UpdateArg = "streamed",
+        update: UpdateArg = "auto",
         shard: None | RuleArg | Mapping[str, RuleArg] = None,
         batch: None | PartitionSpec | str = None,
     ):
@@ -127,7 +127,12 @@ class Policy(eqx.Module):
             device). `{"**": "pinned_host", "blocks.norm.weight": "device"}` keeps
             one parameter's state on the device and the rest on the host.
         - `update`: how `train_step` applies the optimizer when parameters,
-            gradients or state are on the host. `"streamed"`: one layer of each
+            gradients or state are on the host. `"auto"` (the default):
+            `"streamed"` where host memory is its own (TPU, GPU), `"whole"` on the
+            CPU, whose memory kinds share one memory, so streaming saves nothing
+            there and costs time; chosen inside the one traced program
+            (`jax.lax.platform_dependent`), so a report compiled for a TPU shows
+            the streamed update. `"streamed"`: one layer of each
             `Stacked` (or one block of rows of a large leaf) on the device at a
             time, with the same result as optax's whole-tree update; an update that
             cannot be split that way is an error naming the operation. `"whole"`:
@@ -168,10 +173,10 @@ class Policy(eqx.Module):
                 "offloaded to 'pinned_host' (JAX 0.10 leaves them on the device for "
                 "'unpinned_host'); to keep them on the device, list them in `save=`."
             )
-        if self.update not in ("streamed", "whole"):
+        if self.update not in ("auto", "streamed", "whole"):
             raise ValueError(
-                f"`Policy(update={self.update!r})`: valid values are 'streamed' and "
-                "'whole'."
+                f"`Policy(update={self.update!r})`: valid values are 'auto', "
+                "'streamed' and 'whole'."
             )
         if self.save == "all" and self.offload:
             raise ValueError(

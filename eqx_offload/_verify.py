@@ -348,10 +348,11 @@ def _loss(value: Any, has_aux: bool) -> Any:
 
 
 def _streams(policy: Policy, model: PyTree, opt_state: PyTree) -> bool:
-    """Whether `train_step` streams this update (`_optim.update`)."""
+    """Whether `train_step` streams this update (`_optim.update`) on some backend
+    (`"auto"` streams on all but the CPU)."""
     leaves = jtu.tree_leaves((trainable(model), opt_state))
     host = any(kind_of(x) != "device" for x in leaves if eqx.is_array(x))
-    return policy.update == "streamed" and host
+    return policy.update in ("streamed", "auto") and host
 
 
 def verify(

@@ -182,7 +182,7 @@ def lay_out(model: Net, mesh: Mesh, specs: dict[str, P]) -> Net:
 def _by_hand(
     model: Net, mesh: Mesh, specs: dict[str, P], preset: str
 ) -> tuple[Net, eo.Policy]:
-    policy = getattr(eo.Policy, preset)()
+    policy = getattr(eo.Policy, preset)(update="streamed")  # the streamed loop
     return eo.place(lay_out(model, mesh, specs), policy), policy
 
 
@@ -196,7 +196,7 @@ def _declared(
         if path.startswith("blocks.layers."):
             path, spec = path.replace("blocks.layers.", "blocks."), P(*tuple(spec)[1:])
         rules[path] = spec
-    policy = getattr(eo.Policy, preset)(shard=rules)
+    policy = getattr(eo.Policy, preset)(shard=rules, update="streamed")
     return eo.place(model, policy, mesh=mesh), policy
 
 

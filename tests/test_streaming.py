@@ -251,7 +251,8 @@ def update_jaxpr(policy, key):
 
 
 def test_one_layer_of_state_on_the_device_at_a_time(getkey):
-    jaxpr, model, opt_state = update_jaxpr(eo.Policy.offload_all(), getkey())
+    policy = eo.Policy.offload_all(update="streamed")  # not the CPU's whole update
+    jaxpr, model, opt_state = update_jaxpr(policy, getkey())
     mu = opt_state[1][0].mu.blocks.layers
     # Weights stream a layer at a time; biases and LayerNorm scales (one row per
     # layer, which a TPU cannot slice from the host: `_tiling.py`) move whole.
@@ -355,9 +356,10 @@ def test_bfloat16_layers_stream_and_match_the_device_step(getkey):
 
 
 def test_each_leafs_transfers_are_named_after_it(getkey):
-    step = eo.train_step(cross_entropy, optax.adam(1e-3), eo.Policy.offload_all())
-    model = eo.place(Model(depth=4, key=getkey()), eo.Policy.offload_all())
-    opt_state = eo.init_opt_state(optax.adam(1e-3), model, eo.Policy.offload_all())
+    policy = eo.Policy.offload_all(update="streamed")  # not the CPU's whole update
+    step = eo.train_step(cross_entropy, optax.adam(1e-3), policy)
+    model = eo.place(Model(depth=4, key=getkey()), policy)
+    opt_state = eo.init_opt_state(optax.adam(1e-3), model, policy)
     dynamic, statics = step.split(model, opt_state, *next(batches()))
     text = step.jitted.trace(*dynamic, statics).lower().as_text(debug_info=True)
     for name in ("blocks.mlp.layers[0].weight", "opt_state.blocks.attn"):

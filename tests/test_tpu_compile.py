@@ -99,3 +99,26 @@ def test_tiling_rules():
     assert _tiling.row_blocks((40, 1024), bf16, 8 * 1024) == 1  # 16-row tiles
     assert _tiling.row_blocks((48, 1024), bf16, 8 * 1024) == 3
     assert _tiling.row_blocks((6, 64, 128), f32, 64 * 1024) == 3  # any rows
+
+
+@pytest.mark.parametrize("arch, width", [("gpt", 64), ("dict", 256)])
+def test_the_default_update_streams_on_a_tpu(arch, width, monkeypatch):
+    """`Policy(update="auto")` runs the whole update on the CPU, but the program it
+    traces compiles for a TPU exactly as `update="streamed"` does."""
+    monkeypatch.setattr(_streaming, "PIECE_BYTES", 32 * 1024)
+    model, loss, batch = cm.case(arch, width, 4, jnp.float32)
+    optimizer = optax.adam(1e-3)
+    figures = {}
+    for update in ("auto", "streamed", "whole"):
+        policy = eo.Policy.offload_all(update=update)
+        if arch == "dict":
+            policy = eo.Policy(
+                params="pinned_host", opt_state="pinned_host", update=update
+            )
+        placed = eo.place(model, policy)
+        opt_state = eo.init_opt_state(optimizer, placed, policy)
+        step = eo.train_step(loss, optimizer, policy)
+        report = eo.memory_report(step, placed, opt_state, *batch, target="tpu-v5e")
+        figures[update] = (report.device, report.host)
+    assert figures["auto"] == figures["streamed"]
+    assert figures["auto"] != figures["whole"]
