@@ -223,26 +223,9 @@ def _fsdp_spec(
 def rule_of(
     path: str, rules: Rules, used: dict[str, bool] | None = None
 ) -> tuple[str, Rule] | None:
-    """The (pattern, rule) that applies to the leaf at `path`: of the patterns that
-    match it, the one with the most literal characters; two equally specific ones
-    that disagree are a `ValueError`. Marks the matching patterns in `used`."""
-    best: tuple[str, Rule] | None = None
-    best_len = -1
-    for pattern, rule in rules:
-        if _paths.prefix_match(pattern, path) is None:
-            continue
-        if used is not None:
-            used[pattern] = True
-        length = _paths.specificity(pattern)
-        if length > best_len:
-            best, best_len = (pattern, rule), length
-        elif length == best_len and best is not None and rule != best[1]:
-            raise ValueError(
-                f"`Policy(shard=...)`: patterns {best[0]!r} and {pattern!r} both "
-                f"match leaf {path!r} equally well but give {best[1]} and {rule}; "
-                "make one of them more specific."
-            )
-    return best
+    """The (pattern, rule) of `Policy(shard=...)` that applies to the leaf at
+    `path` (`_paths.best_match`)."""
+    return _paths.best_match(path, rules, "`Policy(shard=...)`", used)
 
 
 def gather_fsdp(tree: Any, prefix: str, rules: Rules | None) -> Any:
@@ -325,12 +308,7 @@ def specs(
                 check_spec(rule, shape, mesh, what)
                 spec = rule
         out.append(normalise(spec, len(shape)))
-    unused = [p for p, hit in used.items() if not hit]
-    if unused:
-        raise ValueError(
-            f"`Policy(shard=...)`: pattern(s) {_paths.quoted(unused)} match no leaf; "
-            f"array leaves are: {_paths.quoted([leaf.path for leaf in leaves])}."
-        )
+    _paths.check_used(used, [leaf.path for leaf in leaves], "`Policy(shard=...)`")
     if undivided and warn:
         warn_at_caller(
             f"`Policy(shard=...)`: `FSDP` leaves {_paths.quoted(undivided)} "

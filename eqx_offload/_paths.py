@@ -14,7 +14,7 @@ brackets included, is literal.
 import dataclasses
 import functools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax.tree_util as jtu
@@ -144,6 +144,45 @@ def prefix_match(pattern: str, path: str) -> int | None:
 def specificity(pattern: str) -> int:
     """How many literal (non-`*`) characters a pattern has."""
     return len(pattern.replace("*", ""))
+
+
+def best_match(
+    path: str,
+    items: Sequence[tuple[str, Any]],
+    where: str,
+    used: dict[str, bool] | None = None,
+) -> tuple[str, Any] | None:
+    """The (pattern, value) of `items` that applies to the leaf at `path`: of the
+    patterns that match it or a dotted prefix of it, the one with the most literal
+    characters. Two equally specific ones that disagree are a `ValueError`. Marks
+    the matching patterns in `used`."""
+    best: tuple[str, Any] | None = None
+    best_len = -1
+    for pattern, value in items:
+        if prefix_match(pattern, path) is None:
+            continue
+        if used is not None:
+            used[pattern] = True
+        length = specificity(pattern)
+        if length > best_len:
+            best, best_len = (pattern, value), length
+        elif length == best_len and best is not None and value != best[1]:
+            raise ValueError(
+                f"{where}: patterns {best[0]!r} and {pattern!r} both match leaf "
+                f"{path!r} equally well but give {best[1]!r} and {value!r}; make one "
+                "of them more specific."
+            )
+    return best
+
+
+def check_used(used: dict[str, bool], paths: Sequence[str], where: str) -> None:
+    """Raises a `ValueError` naming the patterns of `used` that matched no leaf."""
+    unused = [p for p, hit in used.items() if not hit]
+    if unused:
+        raise ValueError(
+            f"{where}: pattern(s) {quoted(unused)} match no leaf; array leaves are: "
+            f"{quoted(paths)}."
+        )
 
 
 def is_literal(pattern: str) -> bool:

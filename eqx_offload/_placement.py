@@ -70,27 +70,9 @@ def match_params(
     used = {pattern: False for pattern, _ in params}
     out: list[str | None] = []
     for leaf in leaves:
-        best, best_len = None, -1
-        for pattern, kind in params:
-            if _paths.prefix_match(pattern, leaf.path) is None:
-                continue
-            used[pattern] = True
-            length = _paths.specificity(pattern)
-            if length > best_len:
-                best, best_len = (pattern, kind), length
-            elif length == best_len and best is not None and kind != best[1]:
-                raise ValueError(
-                    f"{where}: patterns {best[0]!r} and {pattern!r} both match leaf "
-                    f"{leaf.path!r} equally well but give {best[1]!r} and {kind!r}; "
-                    "make one of them more specific."
-                )
+        best = _paths.best_match(leaf.path, params, where, used)
         out.append(None if best is None else best[1])
-    unused = [p for p, hit in used.items() if not hit]
-    if unused:
-        raise ValueError(
-            f"{where}: pattern(s) {_paths.quoted(unused)} match no leaf; array leaves "
-            f"are: {_paths.quoted([leaf.path for leaf in leaves])}."
-        )
+    _paths.check_used(used, [leaf.path for leaf in leaves], where)
     return out
 
 

@@ -221,17 +221,19 @@ class _TrainStep(eqx.Module):
     def split(self, model: PyTree, opt_state: PyTree, *batch: Any) -> tuple:
         """The arguments of `jitted` (and `fun`): the array leaves of the model, the
         optimizer state and the batch, and the static rest."""
-        if self.policy.batch is not None:
-            mesh = _mesh.tree_mesh(model, abstract=True)
-            batch = place_batch(batch, self.policy.batch, mesh, "`train_step`")
         model_dynamic, model_static = split(model)
+        model_shardings = _mesh_shardings(model_dynamic)
+        if self.policy.batch is not None:
+            meshes = (s.mesh for s in model_shardings if s is not None)
+            mesh = next(meshes, None)
+            batch = place_batch(batch, self.policy.batch, mesh, "`train_step`")
         opt_dynamic, opt_static = split(opt_state)
         batch_dynamic, batch_static = split(batch)
         statics = (
             model_static,
             opt_static,
             batch_static,
-            _mesh_shardings(model_dynamic),
+            model_shardings,
             _mesh_shardings(opt_dynamic),
         )
         return (model_dynamic, opt_dynamic, batch_dynamic), statics
