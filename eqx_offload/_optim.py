@@ -11,7 +11,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxtyping import PyTree
 
-from . import _diagnose, _mesh, _paths, _streaming, _tiling
+from . import _diagnose, _mesh, _mixed_precision, _paths, _streaming, _tiling
 from ._memory_kinds import (
     backend_kinds,
     is_arraylike,
@@ -163,6 +163,8 @@ def init_opt_state(optimizer: Optimizer, model: PyTree, policy: PolicyArg) -> Py
     optimizer = as_transformation(optimizer, "`init_opt_state(optimizer=...)`")
     check_policy(policy, "`init_opt_state(policy=...)`")
     params = trainable(model)
+    _mixed_precision.check_keep_dtype(params, policy, "`init_opt_state`")
+    optimizer = _mixed_precision.for_policy(optimizer, params, policy)
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves(params)):
         state = jax.eval_shape(optimizer.init, params)
     else:
@@ -217,6 +219,7 @@ def place_opt_state(
     """
     optimizer = as_transformation(optimizer, "`place_opt_state(optimizer=...)`")
     check_policy(policy, "`place_opt_state(policy=...)`")
+    optimizer = _mixed_precision.for_policy(optimizer, trainable(model), policy)
     check_matches(optimizer, opt_state, trainable(model), "`place_opt_state`")
     return _place_state(
         optimizer,

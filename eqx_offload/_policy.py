@@ -4,6 +4,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TYPE_CHECKING
 
 import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from . import _paths
@@ -55,6 +57,21 @@ def _params(value: Any, argument: str = "params") -> ParamsSpec:
     return items
 
 
+def _compute_dtype(value: Any) -> np.dtype | None:
+    if value is None:
+        return None
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"`Policy(compute_dtype={value!r})` must be a floating-point dtype such "
+            "as `jnp.bfloat16`, or None."
+        )
+    return dtype
+
+
 if TYPE_CHECKING:
     UpdateArg = Literal["auto", "streamed", "whole"]
 else:
@@ -92,6 +109,8 @@ class Policy(eqx.Module):
     update: Literal["auto", "streamed", "whole"] = eqx.field(static=True)
     shard: Rules | None = eqx.field(static=True)
     batch: PartitionSpec | None = eqx.field(static=True)
+    compute_dtype: np.dtype | None = eqx.field(static=True)
+    keep_dtype: tuple[str, ...] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -104,6 +123,8 @@ class Policy(eqx.Module):
         update: UpdateArg = "auto",
         shard: None | RuleArg | Mapping[str, RuleArg] = None,
         batch: None | PartitionSpec | str = None,
+        compute_dtype: Any = None,
+        keep_dtype: Sequence[str] = (),
     ):
         """**Arguments:**
 
@@ -149,6 +170,18 @@ class Policy(eqx.Module):
         - `batch`: the `PartitionSpec` of the batch arguments' leading dimensions
             (`PartitionSpec("data")`, or just `"data"`): `train_step` lays out
             batch arrays not yet on the mesh this way (scalars are replicated).
+        - `compute_dtype`: the dtype the loss computes with (`jnp.bfloat16`), or
+            `None`: the parameters' own. The parameters stay in their dtype (the
+            fp32 master) where `params` puts them, and the optimizer updates them
+            with fp32 gradients. Each host-resident parameter gets a persistent
+            copy in `compute_dtype`, kept in the optimizer state (where
+            `opt_state` puts that parameter's state) and rewritten by every
+            update, so that half the bytes move to the device; parameters on the
+            device are cast where the loss uses them.
+        - `keep_dtype`: leaf-path patterns of parameters the loss uses in their
+            own dtype under `compute_dtype` (e.g. `("**.norm.*",)` keeps
+            LayerNorm weights fp32). A pattern that matches no trainable leaf is
+            a `ValueError` when the policy is applied.
         """
         self.params = _params(params)
         self.save = "all" if save == "all" else _names(save, "save")
@@ -164,6 +197,14 @@ class Policy(eqx.Module):
         self.update = update
         self.shard = check_rules(shard)
         self.batch = check_batch(batch)
+        self.compute_dtype = _compute_dtype(compute_dtype)
+        self.keep_dtype = _names(keep_dtype, "keep_dtype")
+        if self.keep_dtype and self.compute_dtype is None:
+            raise ValueError(
+                f"`Policy(keep_dtype={self.keep_dtype!r})` has no effect without "
+                "`compute_dtype`; give `compute_dtype=jnp.bfloat16` too, or drop "
+                "`keep_dtype`."
+            )
 
     def __check_init__(self):
         check_kind(self.offload_dst, "`Policy(offload_dst=...)`")

@@ -13,7 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType
 from jaxtyping import PRNGKeyArray, PyTree
 
-from . import _layout, _names, _paths, _residuals, _tiling
+from . import _accumulate, _layout, _names, _paths, _residuals, _tiling
 from ._memory_kinds import is_arraylike, is_host
 from ._policy import Policy
 from ._warn import warn_at_caller
@@ -243,7 +243,16 @@ class Stacked(eqx.Module, Generic[_Layer]):
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
         dynamic = jtu.tree_map(_whole_to_device, dynamic)
         if self._scan is not None:
-            body = _offload_body(self._scan, f, static, carry, dynamic, xs)
+            # Each leaf with a gradient tap (`_accumulate.py`) is scanned over with
+            # its accumulator, and tapped as its layer slice reaches the device.
+            taps = _layer_taps(self._scan.path, dynamic)
+            accs = None
+            if taps is not None:
+                accs = [None if t is None else _whole_to_device(t.acc) for t in taps]
+                taps = [None if t is None else (t.dtype, t.read) for t in taps]
+            layers = (dynamic, accs)
+            body = _offload_body(self._scan, f, static, carry, layers, xs, taps)
+            return jax.lax.scan(body, carry, (layers, xs), length=len(self))
         elif _names.is_inside():
             raise ValueError(
                 "A `Stacked` without the configuration `filter_offload` gives it was "
@@ -322,6 +331,13 @@ def _check_bypass(config: _ScanConfig, layers: Any, how: str) -> None:
     path, policy = config
     host = _host_leaves(config, layers)
     keep = f"`Policy(params={{{path!r}: 'device'}})`"
+    if _layer_taps(path, layers) is not None:
+        raise ValueError(
+            f"{how}: a layer is taken out of the `Stacked` at {path!r} in a step with "
+            "micro-batches or a compute dtype, whose gradients are taken where each "
+            "`Stacked` applies its layers: a layer used outside its scan would get "
+            f"none. Apply the layers with `{path}(x)` or `{path}.scan(f, carry)`."
+        )
     if host:
         raise ValueError(
             f"{how}: the layers of the `Stacked` at {path!r} are host-resident "
@@ -454,11 +470,41 @@ def _plain_body(f: Callable, static: Any) -> Callable:
     return body
 
 
+def _layer_taps(path: str, layers: Any) -> list[_accumulate.Tap | None] | None:
+    """The gradient tap of each array leaf of the layers of the `Stacked` at
+    `path` (in `jax.tree.leaves` order), or None when there are none."""
+    if _accumulate.current() is None:
+        return None
+    found = [
+        _accumulate.lookup(_paths.join(path, leaf.path))
+        for leaf in _paths.leaves(layers)
+        if eqx.is_array(leaf.value)
+    ]
+    return found if any(t is not None for t in found) else None
+
+
+def _tap_layer(layer_arrays: Any, accs: list, taps: list) -> Any:
+    """One layer's arrays, on the device, each seen through its tap."""
+    leaves, treedef = jtu.tree_flatten(layer_arrays)
+    tapped = [
+        x if t is None else _accumulate.tap(x, acc, *t)
+        for x, acc, t in zip(leaves, accs, taps, strict=True)
+    ]
+    return jtu.tree_unflatten(treedef, tapped)
+
+
 def _offload_body(
-    config: _ScanConfig, f: Callable, static: Any, carry: Any, dynamic: Any, xs: Any
+    config: _ScanConfig,
+    f: Callable,
+    static: Any,
+    carry: Any,
+    dynamic: Any,
+    xs: Any,
+    taps: list | None = None,
 ) -> Callable:
-    """The configured scan body: host slices to the device, the carry named, output
-    of named submodules named, and `jax.checkpoint` with the policy's names."""
+    """The configured scan body: host slices to the device (each through its
+    gradient tap, if any), the carry named, output of named submodules named, and
+    `jax.checkpoint` with the policy's names."""
     path, policy = config
     if isinstance(static, Stacked):
         raise ValueError(
@@ -479,15 +525,19 @@ def _offload_body(
         return module
 
     def body(c: Any, inputs: Any) -> Any:
-        layer_arrays, x = inputs
+        (layer_arrays, accs), x = inputs
         if policy.save != "all":
             # Named first, before any use: a name on anything downstream of the
             # carry (e.g. the previous layer's output) is not a residual here.
             c = jtu.tree_map(lambda v: checkpoint_name(v, carry_name), c)
-        layer_arrays = _layout.gather_fsdp(_to_device(layer_arrays), path, policy.shard)
+        layer_arrays = _to_device(layer_arrays)
+        if taps is not None:
+            layer_arrays = _tap_layer(layer_arrays, accs, taps)
+        layer_arrays = _layout.gather_fsdp(layer_arrays, path, policy.shard)
         layer = eqx.combine(layer_arrays, static)
         layer = _map_submodules(layer, path, configure_inside)
-        new, y = f(layer, c, x)
+        with _accumulate.taps(None):  # a nested `Stacked`'s leaves are tapped here
+            new, y = f(layer, c, x)
         return _keep_carry_sharding(new, c), y
 
     if policy.save == "all":  # no checkpoint, so names would mean nothing

@@ -1,7 +1,7 @@
 """`train_step`: loss, gradients, optimizer update and placements in one jitted step."""
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -12,7 +12,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
-from . import _diagnose, _layout, _mesh, _optim, _paths
+from . import _diagnose, _layout, _mesh, _microbatch, _mixed_precision, _optim, _paths
 from ._diagnose import DoesNotCompile
 from ._memory_kinds import is_arraylike, is_host, kind_of, to_space
 from ._placement import place_batch, resolve
@@ -145,6 +145,8 @@ def _step(
     optimizer: optax.GradientTransformation,
     policy: Policy,
     has_aux: bool,
+    microbatches: int,
+    unsplit: tuple[int, ...],
     model_dynamic: list,
     opt_dynamic: list,
     batch_dynamic: list,
@@ -156,11 +158,26 @@ def _step(
     batch = join(batch_dynamic, batch_static)
     model_kinds = _check_model(model, policy)
     _check_layout(model, policy, model_shardings)
-    check_matches(optimizer, opt_state, _optim.trainable(model), "`train_step`")
+    params = _optim.trainable(model)
+    optimizer = _mixed_precision.for_policy(optimizer, params, policy)
+    check_matches(optimizer, opt_state, params, "`train_step`")
     opt_kinds = _optim.check_state(optimizer, opt_state, model, policy)
 
     loss = filter_offload(loss_fn, policy)
-    value, grads = eqx.filter_value_and_grad(loss, has_aux=has_aux)(model, *batch)
+    if microbatches == 1 and policy.compute_dtype is None:
+        value, grads = eqx.filter_value_and_grad(loss, has_aux=has_aux)(model, *batch)
+    else:
+        _mixed_precision.check_keep_dtype(params, policy, "`train_step`")
+        value, grads = _microbatch.value_and_grad(
+            loss,
+            _mixed_precision.sources(model, params, opt_state),
+            params,
+            _mixed_precision.compute_dtypes(params, policy),
+            batch,
+            microbatches,
+            unsplit,
+            has_aux,
+        )
     model, opt_state = _optim.update(
         optimizer, grads, opt_state, model, policy, model_kinds, opt_kinds
     )
@@ -179,6 +196,8 @@ class _TrainStep(eqx.Module):
     optimizer: optax.GradientTransformation
     policy: Policy
     has_aux: bool
+    microbatches: int
+    unsplit: tuple[int, ...]
     fun: Callable  # the step on flattened arguments, before `jax.jit`
     jitted: Callable
 
@@ -227,6 +246,8 @@ class _TrainStep(eqx.Module):
             meshes = (s.mesh for s in model_shardings if s is not None)
             mesh = next(meshes, None)
             batch = place_batch(batch, self.policy.batch, mesh, "`train_step`")
+        if self.microbatches > 1:
+            _microbatch.check(batch, self.microbatches, self.unsplit, "`train_step`")
         opt_dynamic, opt_static = split(opt_state)
         batch_dynamic, batch_static = split(batch)
         statics = (
@@ -245,6 +266,8 @@ def train_step(
     policy: PolicyArg,
     *,
     has_aux: bool = False,
+    microbatches: int = 1,
+    unsplit: Sequence[int] = (),
 ) -> Callable[..., tuple[PyTree, PyTree, Any]]:
     """A jitted training step that applies `policy` to a model and its optimizer.
 
@@ -264,6 +287,19 @@ def train_step(
     - `policy`: an `eqx_offload.Policy`.
     - `has_aux`: whether `loss_fn` returns `(loss, aux)`; `aux` must be a pytree of
         arrays.
+    - `microbatches`: split the batch into this many micro-batches along the
+        leading axis of every batch array, and accumulate their gradients inside
+        the one compiled step (a `lax.scan`), each parameter's accumulator in the
+        memory kind of its gradient. Micro-batch `i` holds examples `i, i + k,
+        i + 2k, ...`. The loss and gradient are the mean over micro-batches, so
+        they equal the whole batch's for a loss that is a mean over examples (a
+        loss that sums over examples comes out divided by `k`). With
+        `has_aux=True` the aux of every micro-batch comes back stacked (leading
+        axis `k`). A batch whose leading axis does not split into `k` parts is
+        a `ValueError`.
+    - `unsplit`: positions (among the batch arguments, 0 for the first after the
+        optimizer state) of arguments passed whole to every micro-batch: a PRNG
+        key, a mask shared by all examples.
 
     **Returns:**
 
@@ -286,6 +322,11 @@ def train_step(
         raise TypeError(f"`train_step(loss_fn=...)` must be callable, got {loss_fn!r}.")
     optimizer = _optim.as_transformation(optimizer, "`train_step(optimizer=...)`")
     check_policy(policy, "`train_step(policy=...)`")
-    fun = functools.partial(_step, loss_fn, optimizer, policy, has_aux)
+    unsplit = _microbatch.check_unsplit(unsplit, microbatches, "`train_step`")
+    fun = functools.partial(
+        _step, loss_fn, optimizer, policy, has_aux, microbatches, unsplit
+    )
     jitted = jax.jit(fun, static_argnums=(3,), donate_argnums=(0, 1))
-    return _TrainStep(loss_fn, optimizer, policy, has_aux, fun, jitted)
+    return _TrainStep(
+        loss_fn, optimizer, policy, has_aux, microbatches, unsplit, fun, jitted
+    )

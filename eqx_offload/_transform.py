@@ -9,7 +9,7 @@ import jax
 import jax.extend.core as jex
 import jax.tree_util as jtu
 
-from . import _layout, _names, _paths, _tiling
+from . import _accumulate, _layout, _names, _paths, _tiling
 from ._memory_kinds import is_host
 from ._policy import check_policy, Policy, PolicyArg
 from ._stacked import configure, Stacked
@@ -60,10 +60,12 @@ def _configure_all(args: tuple, kwargs: dict, policy: Policy) -> tuple[tuple, di
             elif eqx.is_array(x):
                 if is_host(x):
                     x = jax.device_put(x, jax.memory.Space.Device)
-                if (
-                    argument == "argument 0"
-                ):  # the model, as `Policy(shard=...)` sees it
-                    x = _layout.gather_fsdp(x, _paths.join("", keys), policy.shard)
+                if argument == "argument 0":  # the model, as `Policy` sees it
+                    path = _paths.join("", keys)
+                    found = _accumulate.lookup(path)
+                    if found is not None:
+                        x = _accumulate.tap(x, found.acc, found.dtype, found.read)
+                    x = _layout.gather_fsdp(x, path, policy.shard)
             out.append(x)
         return jtu.tree_unflatten(treedef, out)
 

@@ -1,0 +1,158 @@
+"""Gradient taps: where a parameter enters the computation, the value the loss sees
+(cast to the compute dtype) and the gradient that leaves it (added to an
+accumulator, in the master dtype).
+
+A step with micro-batches or a compute dtype differentiates its loss not with
+respect to the model but with respect to one *accumulator* per trainable leaf. The
+loss sees each parameter through `tap(value, acc)`, which returns `value` in the
+compute dtype; its gradient rule sends the parameter's gradient, cast to the
+accumulator's dtype and (after the first micro-batch) added to the accumulator's
+old value, to `acc`. The tap sits right after the parameter is moved to the device:
+for a leaf of a `Stacked`, inside the scan body, one layer at a time. So a
+host-resident accumulator is read and written one layer at a time, in the backward
+pass, on the device (host memory cannot be computed on), and a bf16 copy is what
+moves to the device, not the fp32 master.
+
+The taps of a call are a table from leaf path to `Tap`, made current with `taps(...)`
+while the loss is traced; `filter_offload` (`_transform.py`) applies them to the
+model's leaves outside any `Stacked`, and a configured `Stacked` (`_stacked.py`) to
+its layers' leaves, one layer slice at a time.
+"""
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _tiling
+from ._memory_kinds import is_host, to_space
+
+
+# A host accumulator this large (or larger) is added to in blocks of this size.
+PIECE_BYTES = 32 * 2**20
+
+
+@dataclasses.dataclass
+class Tap:
+    """How the loss sees one trainable leaf, and where its gradient goes."""
+
+    acc: Any  # receives the gradient (its cotangent); the leaf's shape
+    dtype: Any  # what the loss computes with
+    read: bool  # add the gradient to `acc`'s value (else: replace it)
+    used: bool = False
+
+
+@dataclasses.dataclass
+class Table:
+    taps: dict[str, Tap]
+
+
+_CURRENT: contextvars.ContextVar[Table | None] = contextvars.ContextVar(
+    "eqx_offload_taps", default=None
+)
+
+
+@contextlib.contextmanager
+def taps(table: dict[str, Tap] | None) -> Iterator[None]:
+    """Makes `table` the current taps (None: none, e.g. inside a layer body, whose
+    leaves the enclosing `Stacked` has tapped already)."""
+    token = _CURRENT.set(None if table is None else Table(table))
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def current() -> Table | None:
+    return _CURRENT.get()
+
+
+def lookup(path: str) -> Tap | None:
+    """The tap of the leaf at `path`, marking it used, or None."""
+    table = _CURRENT.get()
+    found = None if table is None else table.taps.get(path)
+    if found is not None:
+        found.used = True
+    return found
+
+
+def unused() -> list[str]:
+    """Paths of the current taps no parameter went through."""
+    table = _CURRENT.get()
+    return [] if table is None else [p for p, t in table.taps.items() if not t.used]
+
+
+def tap(value: Any, acc: Any, dtype: Any, read: bool) -> Any:
+    """`value` cast to `dtype`; its gradient, cast to `acc.dtype` (plus `acc` if
+    `read`), becomes the gradient of `acc`, and `value` gets none.
+
+    `value` is on the device, `acc` of the same shape and sharding (one layer's
+    slice, for a `Stacked`) in its memory kind: a host-resident `acc` is read onto
+    the device in the backward pass, when its gradient is known, and the new value
+    goes back to the host."""
+    return _tap(read, jnp.dtype(dtype), jnp.dtype(acc.dtype), value, acc)
+
+
+def _forward(read: bool, dtype: Any, acc_dtype: Any, value: Any, acc: Any) -> Any:
+    del read, acc_dtype, acc
+    return value.astype(dtype)
+
+
+def _forward_rule(
+    read: bool, dtype: Any, acc_dtype: Any, value: Any, acc: Any
+) -> tuple[Any, Any]:
+    out = _forward(read, dtype, acc_dtype, value, acc)
+    return out, (acc if read else None, is_host(acc))
+
+
+def _backward_rule(
+    read: bool, dtype: Any, acc_dtype: Any, residual: tuple, g: Any
+) -> tuple[None, Any]:
+    del dtype
+    acc, host = residual
+    g = g.astype(acc_dtype)
+    if not read:
+        return None, to_space(g, "pinned_host" if host else "device", "")
+    # Read when the gradient is known: without the barrier the compiler starts
+    # the transfer with the forward pass and keeps it on the device throughout.
+    g, acc = jax.lax.optimization_barrier((g, acc))
+    if not host:
+        return None, g + acc
+    blocks = _tiling.row_blocks(acc.shape, acc.dtype, PIECE_BYTES)
+    if acc.ndim < 2 or acc.size * acc.dtype.itemsize < 2 * PIECE_BYTES or blocks < 2:
+        return None, to_space(g + to_space(acc, "device", ""), "pinned_host", "")
+    whole = {p: _add_whole for p in WHOLE_ON}
+    by_blocks = functools.partial(_add_by_blocks, blocks=blocks)
+    return None, jax.lax.platform_dependent(g, acc, **whole, default=by_blocks)
+
+
+# Backends whose memory kinds share one memory: a large host accumulator is added
+# to whole there (block by block, XLA's CPU backend copies it at every block).
+WHOLE_ON = ("cpu",)
+
+
+def _add_whole(g: Any, acc: Any) -> Any:
+    return to_space(g + to_space(acc, "device", ""), "pinned_host", "")
+
+
+def _add_by_blocks(g: Any, acc: Any, blocks: int) -> Any:
+    """`g + acc` written into the host-resident `acc`, one block of rows on the
+    device at a time (a large leaf outside any `Stacked`: an embedding)."""
+    rows = acc.shape[0] // blocks
+
+    def body(acc: Any, index: Any) -> tuple[Any, None]:
+        piece = to_space(_tiling.read(acc, index, rows), "device", "")
+        piece = piece + jax.lax.dynamic_slice_in_dim(g, index * rows, rows)
+        piece = to_space(piece, "pinned_host", "")
+        return _tiling.write(acc, piece, index, rows), None
+
+    return jax.lax.scan(body, acc, jnp.arange(blocks))[0]
+
+
+_tap = jax.custom_vjp(_forward, nondiff_argnums=(0, 1, 2))
+_tap.defvjp(_forward_rule, _backward_rule)

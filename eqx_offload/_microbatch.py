@@ -1,0 +1,196 @@
+"""The gradient of a step taken in micro-batches, or in a compute dtype: the batch
+split along its leading axis, a `lax.scan` over the parts, and each parameter's
+gradient accumulated where it lives (`_accumulate.py`).
+
+Micro-batch `i` of `k` holds the examples `i, i + k, i + 2k, ...`: with the batch
+laid out over a mesh in contiguous blocks, each device then keeps its share of
+every micro-batch, and nothing moves between devices to split it.
+"""
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax.sharding import NamedSharding
+from jaxtyping import PyTree
+
+from . import _accumulate, _paths
+from ._memory_kinds import is_arraylike, is_host
+
+
+def check_unsplit(unsplit: Any, microbatches: Any, where: str) -> tuple[int, ...]:
+    """Validates `train_step`'s `microbatches` and `unsplit` arguments."""
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int):
+        raise TypeError(
+            f"{where}: `microbatches` must be a positive int, got {microbatches!r}."
+        )
+    if microbatches < 1:
+        raise ValueError(f"{where}: `microbatches` must be >= 1, got {microbatches}.")
+    if isinstance(unsplit, int):
+        unsplit = (unsplit,)
+    if not isinstance(unsplit, Sequence) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in unsplit
+    ):
+        raise TypeError(
+            f"{where}: `unsplit` must be a sequence of batch argument positions "
+            f"(0 for the first argument after the optimizer state), got {unsplit!r}."
+        )
+    if unsplit and microbatches == 1:
+        raise ValueError(
+            f"{where}: `unsplit={tuple(unsplit)!r}` has no effect without "
+            "`microbatches`; drop it, or give `microbatches=k` with k > 1."
+        )
+    return tuple(unsplit)
+
+
+def _parts(x: Any) -> int:
+    """How many blocks a leaf's leading axis is laid out in over its mesh."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or not sharding.spec:
+        return 1
+    first = sharding.spec[0]
+    axes = () if first is None else (first,) if isinstance(first, str) else first
+    return math.prod(sharding.mesh.shape[a] for a in axes)
+
+
+def check(batch: tuple, k: int, unsplit: tuple[int, ...], where: str) -> None:
+    """Raises, naming the argument and the fix, unless every array of the batch
+    arguments not in `unsplit` splits into `k` micro-batches (each of whole
+    blocks, for an array laid out over a mesh)."""
+    for i in unsplit:
+        if i >= len(batch):
+            raise ValueError(
+                f"{where}: `unsplit` names batch argument {i}, but the step was "
+                f"given {len(batch)} batch argument(s)."
+            )
+    for position, arg in enumerate(batch):
+        if position in unsplit:
+            continue
+        for leaf in _paths.leaves(arg):
+            x = leaf.value
+            if not is_arraylike(x):
+                continue
+            name = f"batch argument {position}"
+            name += f" ({leaf.path})" if leaf.path else ""
+            if x.ndim == 0:
+                raise ValueError(
+                    f"{where}: {name} is a scalar, with no leading axis to split into "
+                    f"{k} micro-batches; pass it whole to every micro-batch with "
+                    f"`unsplit=({position},)`."
+                )
+            parts = _parts(x)
+            if x.shape[0] % (k * parts):
+                laid = f" (laid out in {parts} blocks)" if parts > 1 else ""
+                raise ValueError(
+                    f"{where}: {name} has leading axis {x.shape[0]}{laid}, which does "
+                    f"not split into {k} micro-batches"
+                    + (f" of whole blocks" if parts > 1 else "")
+                    + f"; give a batch whose size is a multiple of {k * parts}, "
+                    "another `microbatches`, or pass the argument whole with "
+                    f"`unsplit=({position},)`."
+                )
+
+
+def split(batch: tuple, k: int, unsplit: tuple[int, ...]) -> tuple[tuple, tuple]:
+    """`(first, rest)`: the first micro-batch's arguments, and the others' with a
+    leading axis of `k - 1` (scan inputs; None for the arguments in `unsplit`,
+    which are whole in `first`)."""
+
+    def strided(x: Any) -> Any:
+        if not is_arraylike(x):
+            return x
+        y = x.reshape((x.shape[0] // k, k) + x.shape[1:])
+        return jnp.moveaxis(y, 1, 0)
+
+    first, rest = [], []
+    for position, arg in enumerate(batch):
+        if position in unsplit:
+            first.append(arg)
+            rest.append(None)
+            continue
+        parts = jtu.tree_map(strided, arg)
+        first.append(jtu.tree_map(lambda y: y[0] if is_arraylike(y) else y, parts))
+        rest.append(jtu.tree_map(lambda y: y[1:] if is_arraylike(y) else y, parts))
+    return tuple(first), tuple(rest)
+
+
+def value_and_grad(
+    loss: Callable,
+    sources: PyTree,
+    params: PyTree,
+    dtypes: list,
+    batch: tuple,
+    k: int,
+    unsplit: tuple[int, ...],
+    has_aux: bool,
+) -> tuple[Any, PyTree]:
+    """The loss and its gradient with respect to `params` (the trainable part of
+    the model), over `k` micro-batches of `batch`. The loss sees the model
+    `sources` (the model, with compute copies in place of their parameters), each
+    trainable leaf in its dtype from `dtypes` (one per array leaf of `params`).
+
+    A host-resident parameter's gradient is accumulated where the loss uses the
+    parameter, through a tap (`_accumulate.py`): one layer at a time, read from
+    and written back to the host. A parameter on the device is differentiated as
+    usual and its gradient added to a device accumulator.
+
+    The gradient of each leaf is in its dtype and memory kind; the loss (and its
+    gradient) is the mean over micro-batches, each weighted `1 / k`; with
+    `has_aux` the aux of every micro-batch comes back stacked (leading axis `k`)
+    when `k > 1`.
+    """
+    leaves = [leaf for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
+    host = [is_host(leaf.value) for leaf in leaves]
+    tapped = [(leaf, d) for leaf, d, h in zip(leaves, dtypes, host) if h]
+    plain = [(leaf, d) for leaf, d, h in zip(leaves, dtypes, host) if not h]
+    model_leaves = _paths.leaves(sources)
+    treedef = jtu.tree_structure(sources)
+
+    def run(wrt: tuple, arguments: tuple, read: bool) -> tuple[Any, Any]:
+        accs, device_params = wrt
+        table = {
+            leaf.path: _accumulate.Tap(acc, dtype, read)
+            for (leaf, dtype), acc in zip(tapped, accs, strict=True)
+        }
+        cast = {
+            leaf.path: x.astype(dtype)
+            for (leaf, dtype), x in zip(plain, device_params, strict=True)
+        }
+        model = jtu.tree_unflatten(
+            treedef, [cast.get(leaf.path, leaf.value) for leaf in model_leaves]
+        )
+        with _accumulate.taps(table):
+            out = loss(model, *arguments)
+        value, aux = out if has_aux else (out, None)
+        return value / k, (value, aux)
+
+    grad = jax.value_and_grad(run, has_aux=True)
+    device_params = [leaf.value for leaf, _ in plain]
+    masters = [leaf.value for leaf, _ in tapped]
+    first, rest = split(batch, k, unsplit) if k > 1 else (batch, None)
+    (_, (value, aux)), grads = grad((masters, device_params), first, False)
+    if k > 1:
+
+        def body(carry: tuple, part: tuple) -> tuple:
+            (accs, device_grads), total = carry
+            arguments = tuple(
+                whole if p is None else p for whole, p in zip(first, part, strict=True)
+            )
+            (_, (value, aux)), (accs, new) = grad((accs, device_params), arguments, True)
+            device_grads = [a + b for a, b in zip(device_grads, new, strict=True)]
+            return ((accs, device_grads), total + value), aux
+
+        # Unsplit arguments are closed over; only the split ones are scanned.
+        (grads, total), auxs = jax.lax.scan(body, (grads, value), rest)
+        value = total / k
+        if has_aux:
+            aux = jtu.tree_map(lambda a, b: jnp.concatenate([a[None], b]), aux, auxs)
+    by_path = dict(
+        zip([leaf.path for leaf, _ in tapped + plain], grads[0] + grads[1], strict=True)
+    )
+    flat = [by_path[leaf.path] for leaf in leaves]
+    tree = jtu.tree_unflatten(jtu.tree_structure(params), flat)
+    return ((value, aux) if has_aux else value), tree

@@ -1,0 +1,145 @@
+"""Mixed precision, `Policy(compute_dtype=...)`: the master parameters keep their
+dtype (fp32) where the policy puts them, and the loss computes with a
+`compute_dtype` (bf16) view of them.
+
+Host memory cannot be computed on, so a host-resident parameter cannot be cast
+where it lives: casting on the device would move the fp32 master there first. Each
+such parameter gets a persistent *compute copy* in the compute dtype, kept in the
+optimizer state: the optimizer is wrapped (`with_compute_copies`) so that its
+update also writes the new parameter's copy, piece by piece in the streamed
+update, next to the new master. The loss then reads the copies, and half the bytes
+move to the device. Parameters on the device are cast where the loss uses them
+(`_accumulate.tap`), with no copy.
+"""
+
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import optax
+from jaxtyping import PyTree
+
+from . import _paths
+from ._memory_kinds import is_arraylike, kind_of
+from ._policy import Policy
+
+
+class ComputeCopyState(NamedTuple):
+    """The optimizer state under `Policy(compute_dtype=...)`: the wrapped
+    optimizer's own state, and the compute-dtype copy of every host-resident
+    parameter (`optax.MaskedNode()` for the others)."""
+
+    inner: PyTree
+    copies: PyTree
+
+
+def _is_masked(x: Any) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def _floating(x: Any) -> bool:
+    return is_arraylike(x) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def compute_dtypes(params: PyTree, policy: Policy) -> list[Any]:
+    """The dtype the loss computes with for each array leaf of `params` (the
+    trainable part of the model), in `jax.tree.leaves` order."""
+    out = []
+    for leaf in _paths.leaves(params):
+        x = leaf.value
+        if not is_arraylike(x):
+            continue
+        keep = policy.compute_dtype is None or not _floating(x)
+        keep = keep or any(_paths.matches(p, leaf.path) for p in policy.keep_dtype)
+        out.append(x.dtype if keep else jnp.dtype(policy.compute_dtype))
+    return out
+
+
+def copy_mask(params: PyTree, policy: Policy) -> PyTree:
+    """`params` with each array leaf replaced by whether it gets a compute copy:
+    host-resident, and computed with in another dtype."""
+    dtypes = iter(compute_dtypes(params, policy))
+
+    def wants(x: Any) -> bool:
+        dtype = next(dtypes)
+        return dtype != x.dtype and kind_of(x) != "device"
+
+    return jtu.tree_map(wants, params)
+
+
+def check_keep_dtype(params: PyTree, policy: Policy, where: str) -> None:
+    """Raises if a `Policy(keep_dtype=...)` pattern matches no trainable leaf."""
+    paths = [leaf.path for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
+    for pattern in policy.keep_dtype:
+        if not any(_paths.matches(pattern, p) for p in paths):
+            raise ValueError(
+                f"{where}: `Policy(keep_dtype=...)` has {pattern!r}, which matches no "
+                f"trainable leaf; leaves include {_paths.quoted(paths, 5)}."
+            )
+
+
+def _cast(x: Any, dtype: Any) -> Any:
+    # `optax.tree_utils.tree_map_params` calls `init` on placeholders: keep them.
+    return x.astype(dtype) if hasattr(x, "astype") else x
+
+
+def with_compute_copies(
+    optimizer: optax.GradientTransformation, mask: PyTree, dtype: Any
+) -> optax.GradientTransformation:
+    """`optimizer`, whose state also holds a `dtype` copy of each parameter `mask`
+    selects, which its update rewrites from the new parameter: `params + updates`,
+    the value `eqx.apply_updates` gives."""
+
+    def init(params: PyTree) -> ComputeCopyState:
+        copies = jtu.tree_map(
+            lambda p, m: _cast(p, dtype) if m else optax.MaskedNode(), params, mask
+        )
+        return ComputeCopyState(optimizer.init(params), copies)
+
+    def update(
+        grads: PyTree, state: ComputeCopyState, params: PyTree = None
+    ) -> tuple[PyTree, ComputeCopyState]:
+        if params is None:
+            raise ValueError(
+                "`Policy(compute_dtype=...)`: the optimizer update needs the "
+                "parameters, to write their compute copies."
+            )
+        grads = jtu.tree_map(lambda g, p: g.astype(p.dtype), grads, params)
+        updates, inner = optimizer.update(grads, state.inner, params)
+
+        def copy(c: Any, p: Any, u: Any) -> Any:
+            return c if _is_masked(c) else (p + u).astype(c.dtype)
+
+        copies = jtu.tree_map(copy, state.copies, params, updates, is_leaf=_is_masked)
+        return updates, ComputeCopyState(inner, copies)
+
+    return optax.GradientTransformation(init, update)  # pyright: ignore
+
+
+def for_policy(
+    optimizer: optax.GradientTransformation, params: PyTree, policy: Policy
+) -> optax.GradientTransformation:
+    """The optimizer a step runs for `policy`: wrapped to keep compute copies when
+    some parameter needs one, else `optimizer` itself."""
+    if policy.compute_dtype is None:
+        return optimizer
+    mask = copy_mask(params, policy)
+    if not any(jtu.tree_leaves(mask)):
+        return optimizer
+    return with_compute_copies(optimizer, mask, jnp.dtype(policy.compute_dtype))
+
+
+def sources(model: PyTree, params: PyTree, opt_state: PyTree) -> PyTree:
+    """`model` with each parameter that has a compute copy in `opt_state` replaced
+    by the copy: what the loss reads."""
+    if not isinstance(opt_state, ComputeCopyState):
+        return model
+    copies = jtu.tree_leaves(opt_state.copies, is_leaf=_is_masked)
+    arrays = [leaf for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
+    by_path = {
+        leaf.path: c
+        for leaf, c in zip(arrays, copies, strict=True)
+        if not _is_masked(c)
+    }
+    leaves = [by_path.get(leaf.path, leaf.value) for leaf in _paths.leaves(model)]
+    return jtu.tree_unflatten(jtu.tree_structure(model), leaves)
