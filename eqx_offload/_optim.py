@@ -241,6 +241,8 @@ def place_state(
     restores against the checkpoint). Without an optimizer, the parameter-shaped
     state is the subtrees of `opt_state` with the structure of the model's
     trainable leaves."""
+    if optimizer is not None:
+        optimizer = _mixed_precision.for_policy(optimizer, trainable(model), policy)
     return _place_state(optimizer, opt_state, trainable(model), policy, where)
 
 

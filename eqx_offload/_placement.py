@@ -260,8 +260,11 @@ def place_batch(batch: _T, spec: PartitionSpec | None, mesh: Any, where: str) ->
             isinstance(named, NamedSharding)
             and named.mesh.shape == mesh.shape
             and named.mesh.axis_names == mesh.axis_names
+            and any(entry is not None for entry in named.spec)
         ):
-            return x  # laid out by hand on the mesh: kept
+            # Laid out by hand on the mesh: kept. (Replicated is what an array
+            # made inside `jax.set_mesh` gets, not a layout: it is laid out.)
+            return x
         shape = tuple(x.shape)
         leaf_spec = PartitionSpec()
         if not _is_key(x):

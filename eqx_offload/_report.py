@@ -369,10 +369,6 @@ def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
     )
 
 
-import os
-_DEBUG_OPTIONS = {"xla_dump_to": os.environ["EO_DUMP"]} if "EO_DUMP" in os.environ else None
-
-
 def _has_aux(fn: Any, args: tuple, kwargs: dict) -> bool:
     """Whether a `filter_offload` function returns `loss` or `(loss, aux)`."""
     out = eqx.filter_eval_shape(fn, *args, **kwargs)
@@ -536,7 +532,7 @@ def memory_report(
         return bytes_by_kind(tree, per_chip=where.mesh is not None)
 
     try:
-        stats = lowered.compile(_DEBUG_OPTIONS).memory_analysis()
+        stats = lowered.compile().memory_analysis()
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" in str(e):
             raise _does_not_fit(plan, residuals, count, what, where, str(e)) from e

@@ -1,0 +1,233 @@
+"""`train_step(..., microbatches=k)`: the batch split in `k`, gradients accumulated
+inside the one compiled step, equal to the whole batch's step."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+
+import eqx_offload as eo
+
+from .helpers import batches, cross_entropy, memory_kind, Model
+
+
+def _reference(model, optimizer, steps, loss_fn=cross_entropy):
+    """Plain Equinox + optax on the device, the whole batch at once."""
+    params = eqx.filter(model, eqx.is_inexact_array)
+    state = optimizer.init(params)
+
+    @eqx.filter_jit
+    def step(model, state, *batch):
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, *batch)
+        updates, state = optimizer.update(grads, state, model)
+        return eqx.apply_updates(model, updates), state, loss
+
+    losses = []
+    for batch in steps:
+        model, state, loss = step(model, state, *batch)
+        losses.append(float(loss))
+    return model, losses
+
+
+def _arrays(tree):
+    return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+
+
+def _close(a, b, rtol):
+    for x, y in zip(_arrays(a), _arrays(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "preset, update",
+    [
+        ("none", "auto"),
+        ("remat", "auto"),
+        ("offload_residuals", "auto"),
+        ("offload_all", "auto"),
+        ("offload_all", "streamed"),
+    ],
+)
+def test_equals_the_whole_batch_step(getkey, preset, update):
+    key = getkey()
+    optimizer = optax.sgd(0.1)
+    data = list(zip(range(3), batches(batch=8)))
+    steps = [b for _, b in data]
+    ref_model, ref_losses = _reference(Model(key=key), optimizer, steps)
+
+    policy = getattr(eo.Policy, preset)(update=update)
+    model = eo.place(Model(key=key), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(cross_entropy, optimizer, policy, microbatches=4)
+    losses = []
+    for batch in steps:
+        model, opt_state, loss = step(model, opt_state, *batch)
+        losses.append(float(loss))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    _close(eo.place(model, eo.Policy(params="device")), ref_model, rtol=1e-5)
+    assert step.jitted._cache_size() == 1  # pyright: ignore
+    kind = "pinned_host" if preset == "offload_all" else "device"
+    assert {memory_kind(x) for x in _arrays(model)} == {kind}
+
+
+def test_adamw_state_and_parameters_follow_the_whole_batch(getkey):
+    key = getkey()
+    optimizer = optax.adamw(1e-2)
+    steps = [b for _, b in zip(range(3), batches(batch=6))]
+    ref_model, ref_losses = _reference(Model(key=key), optimizer, steps)
+    policy = eo.Policy.offload_all(update="streamed")
+    model = eo.place(Model(key=key), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(cross_entropy, optimizer, policy, microbatches=3)
+    losses = []
+    for batch in steps:
+        model, opt_state, loss = step(model, opt_state, *batch)
+        losses.append(float(loss))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    # After AdamW, parameters are within a small multiple of lr of the reference
+    # (its update divides by sqrt(nu), which amplifies rounding in tiny gradients).
+    for x, y in zip(
+        _arrays(eo.place(model, eo.Policy(params="device"))), _arrays(ref_model)
+    ):
+        assert np.abs(np.asarray(x) - np.asarray(y)).max() <= 0.1 * 1e-2 * 3
+
+
+def test_aux_comes_back_per_micro_batch_and_unsplit_arguments_are_whole(getkey):
+    key = getkey()
+    tokens, targets = next(batches(batch=4))
+    weights = jnp.linspace(0.5, 1.5, tokens.shape[1])
+
+    def loss_fn(model, tokens, targets, weights):
+        logits = jax.vmap(model)(tokens)
+        per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        loss = jnp.mean(per_token * weights)
+        return loss, {"first": tokens[:, 0], "loss": loss}
+
+    optimizer = optax.sgd(0.1)
+    policy = eo.Policy.offload_all()
+    model = eo.place(Model(key=key), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(
+        loss_fn, optimizer, policy, has_aux=True, microbatches=2, unsplit=(2,)
+    )
+    _, _, (loss, aux) = step(model, opt_state, tokens, targets, weights)
+    # Micro-batch i holds examples i, i + 2.
+    np.testing.assert_array_equal(aux["first"], tokens[jnp.array([[0, 2], [1, 3]]), 0])
+    assert aux["loss"].shape == (2,)
+    np.testing.assert_allclose(loss, aux["loss"].mean(), rtol=1e-6)
+    ref = loss_fn(Model(key=key), tokens, targets, weights)[0]
+    np.testing.assert_allclose(loss, ref, rtol=1e-5)
+
+
+def test_bad_arguments_name_the_fix(getkey):
+    optimizer = optax.sgd(0.1)
+    policy = eo.Policy.offload_all()
+    model = eo.place(Model(key=getkey()), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    tokens, targets = next(batches(batch=6))
+    step = eo.train_step(cross_entropy, optimizer, policy, microbatches=4)
+    with pytest.raises(ValueError, match=r"leading axis 6.*multiple of 4"):
+        step(model, opt_state, tokens, targets)
+
+    def with_key(model, tokens, targets, key):
+        del key
+        return cross_entropy(model, tokens, targets)
+
+    step = eo.train_step(with_key, optimizer, policy, microbatches=2)
+    with pytest.raises(ValueError, match=r"batch argument 2 is a scalar.*unsplit=\(2,\)"):
+        step(model, opt_state, tokens, targets, jax.random.key(0))
+    step = eo.train_step(with_key, optimizer, policy, microbatches=2, unsplit=(5,))
+    with pytest.raises(ValueError, match="`unsplit` names batch argument 5"):
+        step(model, opt_state, tokens, targets, jax.random.key(0))
+    with pytest.raises(ValueError, match="no effect without `microbatches`"):
+        eo.train_step(with_key, optimizer, policy, unsplit=(2,))
+    with pytest.raises(ValueError, match="must be >= 1"):
+        eo.train_step(with_key, optimizer, policy, microbatches=0)
+    with pytest.raises(TypeError, match="microbatches"):
+        eo.train_step(with_key, optimizer, policy, microbatches=2.0)  # pyright: ignore
+
+
+def test_a_layer_taken_out_of_its_stack(getkey):
+    """Host-resident layers get their gradients where the `Stacked` applies them:
+    one taken out is an error; on the device it trains like the whole batch."""
+
+    def by_hand(model, tokens, targets):
+        first = model.blocks[0]
+        x = jax.vmap(lambda t: first(jax.vmap(model.embed)(t)))(tokens)
+        return jnp.mean(x**2)
+
+    optimizer = optax.sgd(0.1)
+    tokens, targets = next(batches(batch=2))
+    policy = eo.Policy.offload_all()
+    model = eo.place(Model(key=getkey()), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(by_hand, optimizer, policy, microbatches=2)
+    with pytest.raises(ValueError, match=r"Apply the layers with `blocks\(x\)`"):
+        step(model, opt_state, tokens, targets)
+
+    key = getkey()
+    ref_model, _ = _reference(Model(key=key), optimizer, [(tokens, targets)], by_hand)
+    policy = eo.Policy.remat()
+    model = eo.place(Model(key=key), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(by_hand, optimizer, policy, microbatches=2)
+    with pytest.warns(UserWarning, match="outside its scan"):
+        model, _, _ = step(model, opt_state, tokens, targets)
+    _close(model, ref_model, rtol=1e-5)
+
+
+def test_on_a_mesh_with_a_laid_out_batch(getkey):
+    """FSDP over 4 devices, the batch over the same axis, 2 micro-batches: the
+    same losses and parameters as one device and the whole batch."""
+    key = getkey()
+    optimizer = optax.sgd(0.1)
+    steps = [b for _, b in zip(range(2), batches(batch=8))]
+    ref_model, ref_losses = _reference(Model(key=key), optimizer, steps)
+    mesh = jax.make_mesh(
+        (4,), ("fsdp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4]
+    )
+    policy = eo.Policy.offload_all(shard=eo.FSDP("fsdp", min_size=64), batch="fsdp")
+    with jax.set_mesh(mesh):
+        model = eo.place(Model(key=key), policy)
+        opt_state = eo.init_opt_state(optimizer, model, policy)
+        step = eo.train_step(cross_entropy, optimizer, policy, microbatches=2)
+        losses = []
+        for batch in steps:
+            model, opt_state, loss = step(model, opt_state, *batch)
+            losses.append(float(loss))
+        with pytest.raises(ValueError, match=r"laid out in 4 blocks.*multiple of 8"):
+            step(model, opt_state, *next(batches(batch=4)))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    _close(model, ref_model, rtol=1e-5)
+    specs = {x.sharding.spec for x in _arrays(model)}
+    assert any("fsdp" in str(s) for s in specs)
+
+
+@pytest.mark.parametrize("dim", [40, 72])
+def test_compiles_for_tpu_at_small_and_odd_widths(dim):
+    """On `tpu-v5e`, at small and odd widths, the micro-batched `offload_all` step
+    compiles, with and without a compute dtype; the compute copies are on the
+    host. (How device memory falls with `k` is in `benchmarks/microbatch.py`.)"""
+    optimizer = optax.adamw(1e-3)
+    abstract = eqx.filter_eval_shape(Model, 64, dim, 3, key=jax.random.key(0))
+    tokens = jax.ShapeDtypeStruct((8, 64), jnp.int32)
+    host = {}
+    for dtype in (None, jnp.bfloat16):
+        policy = eo.Policy.offload_all(compute_dtype=dtype)
+        model = eo.place(abstract, policy)
+        opt_state = eo.init_opt_state(optimizer, model, policy)
+        step = eo.train_step(cross_entropy, optimizer, policy, microbatches=4)
+        report = eo.memory_report(
+            step, model, opt_state, tokens, tokens, target="tpu-v5e"
+        )
+        host[dtype] = report.opt_state["pinned_host"]  # pyright: ignore
+    params = sum(
+        x.size * x.dtype.itemsize
+        for x in jax.tree.leaves(abstract)
+        if isinstance(x, jax.ShapeDtypeStruct)
+    )
+    # The bf16 copy of every parameter (all are on the host) is optimizer state.
+    assert host[jnp.bfloat16] - host[None] == params // 2
