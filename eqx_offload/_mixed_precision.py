@@ -41,6 +41,12 @@ def _floating(x: Any) -> bool:
     return is_arraylike(x) and jnp.issubdtype(x.dtype, jnp.floating)
 
 
+def _kept(path: str, policy: Policy) -> bool:
+    """Whether a `keep_dtype` pattern matches the leaf path or a dotted prefix of
+    it (as `params` patterns do: `"head"` keeps every leaf under `head`)."""
+    return any(_paths.prefix_match(p, path) is not None for p in policy.keep_dtype)
+
+
 def compute_dtypes(params: PyTree, policy: Policy) -> list[Any]:
     """The dtype the loss computes with for each array leaf of `params` (the
     trainable part of the model), in `jax.tree.leaves` order."""
@@ -50,7 +56,7 @@ def compute_dtypes(params: PyTree, policy: Policy) -> list[Any]:
         if not is_arraylike(x):
             continue
         keep = policy.compute_dtype is None or not _floating(x)
-        keep = keep or any(_paths.matches(p, leaf.path) for p in policy.keep_dtype)
+        keep = keep or _kept(leaf.path, policy)
         out.append(x.dtype if keep else jnp.dtype(policy.compute_dtype))
     return out
 
@@ -71,7 +77,7 @@ def check_keep_dtype(params: PyTree, policy: Policy, where: str) -> None:
     """Raises if a `Policy(keep_dtype=...)` pattern matches no trainable leaf."""
     paths = [leaf.path for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
     for pattern in policy.keep_dtype:
-        if not any(_paths.matches(pattern, p) for p in paths):
+        if not any(_paths.prefix_match(pattern, p) is not None for p in paths):
             raise ValueError(
                 f"{where}: `Policy(keep_dtype=...)` has {pattern!r}, which matches no "
                 f"trainable leaf; leaves include {_paths.quoted(paths, 5)}."

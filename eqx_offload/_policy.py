@@ -179,8 +179,8 @@ class Policy(eqx.Module):
             update, so that half the bytes move to the device; parameters on the
             device are cast where the loss uses them.
         - `keep_dtype`: leaf-path patterns of parameters the loss uses in their
-            own dtype under `compute_dtype` (e.g. `("**.norm.*",)` keeps
-            LayerNorm weights fp32). A pattern that matches no trainable leaf is
+            own dtype under `compute_dtype`, matched as in `params` (e.g.
+            `("**.norm*",)` keeps every LayerNorm's weight and bias fp32). A pattern that matches no trainable leaf is
             a `ValueError` when the policy is applied.
         """
         self.params = _params(params)
