@@ -4,6 +4,7 @@ activations offloaded to pinned host memory, on built-in synthetic data.
     bash scripts/quickstart.sh                  # or: python examples/quickstart.py
     python examples/quickstart.py --policy remat --steps 100
     python examples/quickstart.py --target tpu-v5e   # also compiled for a TPU v5e chip
+    python examples/quickstart.py --bf16 --microbatches 4  # bf16 compute, 4 parts
 
 The task: each sequence counts up from a random start with a random stride (mod the
 vocabulary), so predicting the next token needs the stride, read from the context
@@ -73,7 +74,7 @@ class GPT(eqx.Module):
 def loss_fn(
     model: GPT, tokens: Int[Array, "batch seq"], targets: Int[Array, "batch seq"]
 ) -> Float[Array, ""]:
-    logits = jax.vmap(model)(tokens)
+    logits = jax.vmap(model)(tokens).astype(jnp.float32)  # the loss in fp32
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
@@ -112,16 +113,30 @@ def main():
         default="offload_all",
         choices=["none", "remat", "offload_residuals", "offload_all"],
     )
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="compute in bfloat16 with fp32 master parameters (LayerNorms in fp32)",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=1,
+        help="split each batch into this many parts inside the step",
+    )
     args = parser.parse_args()
     vocab = 64
 
-    policy = getattr(eo.Policy, args.policy)()
+    precision = {}
+    if args.bf16:
+        precision = {"compute_dtype": jnp.bfloat16, "keep_dtype": ("**.norm*",)}
+    policy = getattr(eo.Policy, args.policy)(**precision)
     optimizer = optax.adamw(3e-3)
     model = eo.place(
         GPT(vocab, args.dim, args.depth, args.seq, key=jax.random.key(0)), policy
     )
     opt_state = eo.init_opt_state(optimizer, model, policy)
-    step = eo.train_step(loss_fn, optimizer, policy)
+    step = eo.train_step(loss_fn, optimizer, policy, microbatches=args.microbatches)
 
     rng = np.random.default_rng(0)
     batch = counting_sequences(rng, args.batch, args.seq, vocab)
@@ -143,7 +158,7 @@ def main():
     print(f"\nloss: first step {losses[0]:.3f}, last step {losses[-1]:.3f}")
     print(
         f"after training, parameters live in {kinds(model)}, "
-        f"optimizer state in {kinds(opt_state)}"
+        f"optimizer state in {kinds(opt_state)} (the step count stays on the device)"
     )
 
 

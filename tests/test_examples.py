@@ -27,6 +27,30 @@ def test_quickstart_trains_and_prints_where_memory_lives():
     assert last < first / 2
 
 
+def test_quickstart_in_bf16_with_micro_batches():
+    result = subprocess.run(
+        [
+            sys.executable,
+            "examples/quickstart.py",
+            "--steps",
+            "30",
+            "--bf16",
+            "--microbatches",
+            "4",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    match = re.search(r"loss: first step ([\d.]+), last step ([\d.]+)", result.stdout)
+    assert match, result.stdout
+    assert float(match[2]) < float(match[1]) / 2
+    assert "bfloat16" in result.stdout
+
+
 def test_readme_example_runs():
     readme = (ROOT / "README.md").read_text()
     code = readme.split("```python\n")[1].split("```")[0]
