@@ -135,6 +135,27 @@ def for_policy(
     return with_compute_copies(optimizer, mask, jnp.dtype(policy.compute_dtype))
 
 
+def check_state(wants: bool, opt_state: PyTree, where: str) -> None:
+    """Raises if `opt_state` has compute copies and the step keeps none (`wants`),
+    or the other way round."""
+    has = isinstance(opt_state, ComputeCopyState)
+    if wants and not has:
+        raise ValueError(
+            f"{where}: `Policy(compute_dtype=...)` keeps a compute copy of each "
+            "host-resident parameter in the optimizer state, and this state has "
+            "none (it was built for a policy without `compute_dtype`). Build it "
+            "with `eqx_offload.init_opt_state(optimizer, model, policy)` for this "
+            "policy, or restore it with `eqx_offload.load(..., policy)`."
+        )
+    if has and not wants:
+        raise ValueError(
+            f"{where}: this optimizer state holds compute copies "
+            "(`eqx_offload.ComputeCopyState`), but the policy has no "
+            "`compute_dtype` (or no host-resident parameter to copy); use the "
+            "policy it was built for, or keep just `opt_state.inner`."
+        )
+
+
 def sources(model: PyTree, params: PyTree, opt_state: PyTree) -> PyTree:
     """`model` with each parameter that has a compute copy in `opt_state` replaced
     by the copy: what the loss reads."""

@@ -159,7 +159,10 @@ def _step(
     model_kinds = _check_model(model, policy)
     _check_layout(model, policy, model_shardings)
     params = _optim.trainable(model)
-    optimizer = _mixed_precision.for_policy(optimizer, params, policy)
+    wrapped = _mixed_precision.for_policy(optimizer, params, policy)
+    copies = wrapped is not optimizer
+    _mixed_precision.check_state(copies, opt_state, "`train_step`")
+    optimizer = wrapped
     check_matches(optimizer, opt_state, params, "`train_step`")
     opt_kinds = _optim.check_state(optimizer, opt_state, model, policy)
 

@@ -181,5 +181,9 @@ def test_bad_arguments_name_the_fix(getkey):
     plain = eo.init_opt_state(optax.sgd(0.1), model, eo.Policy.offload_all())
     good = eo.Policy.offload_all(compute_dtype=jnp.bfloat16)
     step = eo.train_step(cross_entropy, optax.sgd(0.1), good)
-    with pytest.raises(ValueError, match="structure"):
+    with pytest.raises(ValueError, match="this state has none"):
         step(model, plain, *next(batches()))
+    copies = eo.init_opt_state(optax.sgd(0.1), model, good)
+    step = eo.train_step(cross_entropy, optax.sgd(0.1), eo.Policy.offload_all())
+    with pytest.raises(ValueError, match="holds compute copies"):
+        step(model, copies, *next(batches()))
