@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType
 
 import eqx_offload as eo
 
@@ -187,3 +188,64 @@ def test_bad_arguments_name_the_fix(getkey):
     step = eo.train_step(cross_entropy, optax.sgd(0.1), eo.Policy.offload_all())
     with pytest.raises(ValueError, match="holds compute copies"):
         step(model, copies, *next(batches()))
+
+
+class _Block(eqx.Module):
+    weight: jax.Array
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.weight)
+
+
+class _Small(eqx.Module):
+    w_in: jax.Array
+    blocks: eo.Stacked[_Block]
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.w_in = jax.random.normal(k1, (16, 64)) / 4
+        self.blocks = eo.Stacked(_Block(jax.random.normal(k2, (3, 64, 64)) / 8))
+
+    def __call__(self, x):
+        return self.blocks(x @ self.w_in)
+
+
+def _mse(model, x, y):
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_on_a_mesh_under_both_axis_types(getkey, axis_type):
+    """FSDP over 4 devices, the batch over the same axis, bf16 and 2 micro-batches:
+    the losses and masters of the same policy on one device (bf16 sums in
+    another order on the mesh; after Adam the masters are within 0.1 x lr x
+    steps)."""
+    key = getkey()
+    x = jax.random.normal(getkey(), (8, 16))
+    y = jax.random.normal(getkey(), (8, 64))
+    optimizer = optax.adam(1e-2)
+
+    def run(policy):
+        model = eo.place(_Small(key), policy)
+        opt_state = eo.init_opt_state(optimizer, model, policy)
+        step = eo.train_step(_mse, optimizer, policy, microbatches=2)
+        losses = []
+        for _ in range(3):
+            model, opt_state, loss = step(model, opt_state, x, y)
+            losses.append(float(loss))
+        return model, losses
+
+    one, one_losses = run(eo.Policy.offload_all(compute_dtype=jnp.bfloat16))
+    mesh = jax.make_mesh(
+        (4,), ("fsdp",), axis_types=(axis_type,), devices=jax.devices()[:4]
+    )
+    policy = eo.Policy.offload_all(
+        shard=eo.FSDP("fsdp", min_size=64), batch="fsdp", compute_dtype=jnp.bfloat16
+    )
+    with jax.set_mesh(mesh):
+        model, losses = run(policy)
+    np.testing.assert_allclose(losses, one_losses, rtol=1e-4)
+    for a, b in zip(_arrays(model), _arrays(one), strict=True):
+        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 0.1 * 1e-2 * 3
+    assert "fsdp" in str(model.blocks.layers.weight.sharding.spec)
+    assert memory_kind(model.blocks.layers.weight) == "pinned_host"
