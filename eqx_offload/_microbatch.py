@@ -87,7 +87,7 @@ def check(batch: tuple, k: int, unsplit: tuple[int, ...], where: str) -> None:
                 raise ValueError(
                     f"{where}: {name} has leading axis {x.shape[0]}{laid}, which does "
                     f"not split into {k} micro-batches"
-                    + (f" of whole blocks" if parts > 1 else "")
+                    + (" of whole blocks" if parts > 1 else "")
                     + f"; give a batch whose size is a multiple of {k * parts}, "
                     "another `microbatches`, or pass the argument whole with "
                     f"`unsplit=({position},)`."
@@ -179,7 +179,9 @@ def value_and_grad(
             arguments = tuple(
                 whole if p is None else p for whole, p in zip(first, part, strict=True)
             )
-            (_, (value, aux)), (accs, new) = grad((accs, device_params), arguments, True)
+            (_, (value, aux)), (accs, new) = grad(
+                (accs, device_params), arguments, True
+            )
             device_grads = [a + b for a, b in zip(device_grads, new, strict=True)]
             return ((accs, device_grads), total + value), aux
 

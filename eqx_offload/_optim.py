@@ -358,9 +358,9 @@ def update(
         )
 
     model = to_device(model)
-    updates, opt_state = optimizer.update(
-        to_device(grads), to_device(opt_state), trainable(model)
-    )
+    with jax.named_scope("grad"):  # named for `memory_report`'s traffic
+        grads = to_device(grads)
+    updates, opt_state = optimizer.update(grads, to_device(opt_state), trainable(model))
     return eqx.apply_updates(model, updates), opt_state
 
 
@@ -405,9 +405,17 @@ def _update_by_platform(
                 optimizer, grads, opt_state, model, chosen, model_kinds, opt_kinds
             )
             leaves, treedef = jtu.tree_flatten((new_model, new_state))
+            n_model = len(jtu.tree_leaves(new_model))
+
+            def back(i: int, x: Any, kind: str | None) -> Any:
+                if kind is None:
+                    return x
+                with jax.named_scope("params" if i < n_model else "opt_state"):
+                    return to_space(x, kind, "")
+
             leaves = [
-                x if kind is None else to_space(x, kind, "")
-                for x, kind in zip(leaves, targets, strict=True)
+                back(i, x, kind)
+                for i, (x, kind) in enumerate(zip(leaves, targets, strict=True))
             ]
             return eqx.filter(jtu.tree_unflatten(treedef, leaves), is_arraylike)
 

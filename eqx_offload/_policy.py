@@ -180,8 +180,9 @@ class Policy(eqx.Module):
             device are cast where the loss uses them.
         - `keep_dtype`: leaf-path patterns of parameters the loss uses in their
             own dtype under `compute_dtype`, matched as in `params` (e.g.
-            `("**.norm*",)` keeps every LayerNorm's weight and bias fp32). A pattern that matches no trainable leaf is
-            a `ValueError` when the policy is applied.
+            `("**.norm*",)` keeps every LayerNorm's weight and bias fp32). A
+            pattern that matches no trainable leaf is a `ValueError` when the
+            policy is applied.
         """
         self.params = _params(params)
         self.save = "all" if save == "all" else _names(save, "save")

@@ -6,7 +6,7 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -14,10 +14,11 @@ import jax.tree_util as jtu
 from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
-from . import _mesh, _residuals, _targets
+from . import _mesh, _paths, _residuals, _targets, _traffic
 from ._diagnose import DoesNotCompile
 from ._memory_kinds import is_arraylike, kind_of
 from ._targets import abstract, HBM_BYTES, TargetArg
+from ._traffic import Transfer
 from ._train_step import _TrainStep, join, split
 from ._transform import _OffloadWrapper, filter_offload
 
@@ -159,6 +160,35 @@ class MemoryReport(eqx.Module):
     residuals: tuple[ResidualRow, ...] | None = None
     chips: int | None = None  # devices compiled for (TPU targets)
     chips_per_host: int | None = None  # of them, how many one host serves
+    transfers: tuple[Transfer, ...] | None = None
+
+    @property
+    def host_to_device_bytes(self) -> int:
+        """Bytes moved from host to device memory per step (`transfers`)."""
+        return self.transfer_bytes("host_to_device")
+
+    @property
+    def device_to_host_bytes(self) -> int:
+        """Bytes moved from device to host memory per step (`transfers`)."""
+        return self.transfer_bytes("device_to_host")
+
+    def transfer_bytes(
+        self,
+        direction: Literal["host_to_device", "device_to_host"],
+        *,
+        phase: Literal["forward/backward", "update"] | None = None,
+        what: str | None = None,
+    ) -> int:
+        """The bytes of `transfers` in one direction, of one phase and kind of
+        value if given (`what`: `"params"`, `"opt_state"`, `"gradients"`,
+        `"residuals"`, `"batch"` or `"other"`)."""
+        return sum(
+            t.bytes
+            for t in self.transfers or ()
+            if t.direction == direction
+            and (phase is None or t.phase == phase)
+            and (what is None or t.what == what)
+        )
 
     @property
     def device_bytes(self) -> int:
@@ -204,6 +234,11 @@ class MemoryReport(eqx.Module):
             "chips": self.chips,
             "chips_per_host": self.chips_per_host,
             "host_bytes_per_host": self.host_bytes_per_host,
+            "host_to_device_bytes": self.host_to_device_bytes,
+            "device_to_host_bytes": self.device_to_host_bytes,
+            "transfers": None
+            if self.transfers is None
+            else [t._asdict() for t in self.transfers],
         }
 
     def __str__(self) -> str:
@@ -267,7 +302,24 @@ class MemoryReport(eqx.Module):
             lines.append("arguments")
             for name, by_kind in self.arguments.items():
                 row(f"  {name}", by_kind.get("device", 0), _host(by_kind))
+        if self.transfers:
+            lines += _transfer_lines(self.transfers)
         return "\n".join(lines)
+
+
+def _transfer_lines(transfers: tuple[Transfer, ...]) -> list[str]:
+    """The traffic section of the table: bytes per step by phase and kind."""
+    header = f"{'moved per step (as traced)':<34}{'to device':>14}{'to host':>14}"
+    lines = [header, "-" * len(header)]
+    totals: dict[tuple[str, str], dict[str, int]] = defaultdict(dict)
+    for t in transfers:
+        by = totals[t.phase, t.what]
+        by[t.direction] = by.get(t.direction, 0) + t.bytes
+    for (phase, what), by in totals.items():
+        label = f"  {what} ({'update' if phase == 'update' else 'fwd/bwd'})"
+        h2d, d2h = by.get("host_to_device", 0), by.get("device_to_host", 0)
+        lines.append(f"{label:<34}{_size(h2d):>14}{_size(d2h):>14}")
+    return lines
 
 
 def _host(by_kind: dict[str, int]) -> int:
@@ -524,8 +576,11 @@ def memory_report(
             plan = _train_step_plan(fn, args, kwargs)
         else:
             plan = _function_plan(fn, args, kwargs)
-        lowered = plan.trace().lower()
+        traced = plan.trace()
+        lowered = traced.lower()
         residuals = None if plan.residuals is None else plan.residuals()
+        platform = "tpu" if where.mesh is not None else jax.default_backend()
+        transfers = _traffic.count(traced.jaxpr, _inputs(plan), platform)
     what = _DESCRIPTIONS[plan.kind]
 
     def count(tree: Any) -> dict[str, int]:
@@ -566,7 +621,26 @@ def memory_report(
         residuals=residuals,
         chips=where.chips,
         chips_per_host=where.chips_per_host,
+        transfers=transfers,
     )
+
+
+def _inputs(plan: _Plan) -> list[tuple[str, str]]:
+    """What each input of the traced program is, for `_traffic.count`: the array
+    leaves of the arguments in order (a parameter, optimizer state or batch leaf
+    of a `train_step`; of another function, the leaves of its first argument are
+    parameters)."""
+    kinds = {"model": "params", "opt_state": "opt_state", "batch": "batch"}
+    out = []
+    for i, (name, tree) in enumerate(plan.arguments.items()):
+        what = kinds.get(name, "params" if i == 0 else "batch")
+        prefix = "" if name in kinds else f"{name}."
+        out += [
+            (what, prefix + leaf.path if prefix else leaf.path)
+            for leaf in _paths.leaves(tree)
+            if is_arraylike(leaf.value)
+        ]
+    return out
 
 
 class _Where(NamedTuple):

@@ -391,7 +391,12 @@ def _scan_pieces(
     def loop(read_ahead: bool) -> Callable[[list, list], tuple[list, list]]:
         def run(fulls: list, others: list) -> tuple[list, list]:
             def current(fulls: list, index: Any) -> list:
-                return [piece_of(f, index, i) for f, i in zip(fulls, carried)]
+                # A leaf whose new value does not read the old (a compute copy)
+                # is written without being read.
+                return [
+                    piece_of(f, index, i) if piece.ins[i] in used else None
+                    for f, i in zip(fulls, carried)
+                ]
 
             def body(carry: Any, index: Any) -> tuple[Any, list]:
                 if not read_ahead:

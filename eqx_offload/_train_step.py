@@ -12,7 +12,16 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
-from . import _diagnose, _layout, _mesh, _microbatch, _mixed_precision, _optim, _paths
+from . import (
+    _diagnose,
+    _layout,
+    _mesh,
+    _microbatch,
+    _mixed_precision,
+    _optim,
+    _paths,
+    _traffic,
+)
 from ._diagnose import DoesNotCompile
 from ._memory_kinds import is_arraylike, is_host, kind_of, to_space
 from ._placement import place_batch, resolve
@@ -181,14 +190,16 @@ def _step(
             unsplit,
             has_aux,
         )
-    model, opt_state = _optim.update(
-        optimizer, grads, opt_state, model, policy, model_kinds, opt_kinds
-    )
-
-    # Outputs go back where they live, with `device_put` to a memory space inside the
-    # traced function: the same trace then compiles for any backend.
-    model = _place_outputs(model, model_kinds, model_shardings)
-    opt_state = _place_outputs(opt_state, opt_kinds, opt_shardings)
+    with jax.named_scope(_traffic.UPDATE_SCOPE):
+        model, opt_state = _optim.update(
+            optimizer, grads, opt_state, model, policy, model_kinds, opt_kinds
+        )
+        # Outputs go back where they live, with `device_put` to a memory space
+        # inside the traced function: the same trace then compiles for any backend.
+        with jax.named_scope("params"):
+            model = _place_outputs(model, model_kinds, model_shardings)
+        with jax.named_scope("opt_state"):
+            opt_state = _place_outputs(opt_state, opt_kinds, opt_shardings)
     return split(model)[0], split(opt_state)[0], value
 
 

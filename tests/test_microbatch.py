@@ -137,7 +137,9 @@ def test_bad_arguments_name_the_fix(getkey):
         return cross_entropy(model, tokens, targets)
 
     step = eo.train_step(with_key, optimizer, policy, microbatches=2)
-    with pytest.raises(ValueError, match=r"batch argument 2 is a scalar.*unsplit=\(2,\)"):
+    with pytest.raises(
+        ValueError, match=r"batch argument 2 is a scalar.*unsplit=\(2,\)"
+    ):
         step(model, opt_state, tokens, targets, jax.random.key(0))
     step = eo.train_step(with_key, optimizer, policy, microbatches=2, unsplit=(5,))
     with pytest.raises(ValueError, match="`unsplit` names batch argument 5"):

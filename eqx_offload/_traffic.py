@@ -1,0 +1,237 @@
+"""Host <-> device traffic of one step: every `device_put` between memory spaces in
+the traced program, times the length of the scans around it, with what it moves.
+
+Counted on the traced program (the jaxpr `memory_report` compiles), for the
+platform it is compiled for: of a `jax.lax.platform_dependent` choice (the
+optimizer update, the read-ahead loop), only the branch that platform runs is
+counted. Each transfer is attributed by following its operand back to where it
+came from: a parameter, optimizer state or batch leaf of the step's arguments
+(through the slicing of scans and of the streamed update), or a residual saved
+under a checkpoint name (`Policy(offload=...)`); what is computed in the step (a
+gradient, an accumulator, a new parameter written back) is attributed by the
+phase it moves in and the named scope around it.
+"""
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.extend.core as jex
+import numpy as np
+
+
+Direction = Literal["host_to_device", "device_to_host"]
+# The named scope around a step's optimizer update (`_train_step.py`).
+UPDATE_SCOPE = "optimizer_update"
+
+
+class Transfer(NamedTuple):
+    """Bytes moved per step in one direction, for one kind of value."""
+
+    direction: Direction
+    phase: Literal["forward/backward", "update"]
+    what: str  # "params", "opt_state", "gradients", "residuals", "batch", "other"
+    name: str  # a leaf path, a checkpoint name, or ""
+    bytes: int
+
+
+class _Origin(NamedTuple):
+    what: str
+    name: str
+
+
+_UNKNOWN = _Origin("", "")
+# Operations whose result is (a piece of) their first operand.
+_SLICING = {
+    "dynamic_slice",
+    "dynamic_update_slice",
+    "slice",
+    "squeeze",
+    "reshape",
+    "expand_dims",
+    "broadcast_in_dim",
+    "copy",
+    "copy_p",
+    "convert_element_type",
+}
+
+
+def count(
+    closed: Any, inputs: Sequence[tuple[str, str]], platform: str
+) -> tuple[Transfer, ...]:
+    """The transfers of the program `closed` (a `ClosedJaxpr`) run on `platform`
+    ("tpu", "cpu", ...), whose inputs are `inputs` (what, name) in order, summed
+    by direction, phase, what and name."""
+    totals: dict[tuple, int] = defaultdict(int)
+    jaxpr = closed.jaxpr
+    origins: dict[Any, _Origin] = {}
+    if len(inputs) == len(jaxpr.invars):
+        origins = {v: _Origin(*i) for v, i in zip(jaxpr.invars, inputs)}
+    _walk(jaxpr, origins, 1, platform, totals)
+    rows = [
+        Transfer(direction, phase, what, name, n)
+        for (direction, phase, what, name), n in totals.items()
+        if n
+    ]
+    return tuple(sorted(rows, key=lambda t: (t.direction, t.phase, t.what, t.name)))
+
+
+def _is_host(aval: Any) -> bool:
+    return getattr(aval, "memory_space", None) == jax.memory.Space.Host
+
+
+def _nbytes(aval: Any) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def _scope(eqn: Any) -> str:
+    return str(eqn.source_info.name_stack)
+
+
+def _get(origins: dict, v: Any) -> _Origin:
+    if isinstance(v, jex.Literal):
+        return _UNKNOWN
+    return origins.get(v, _UNKNOWN)
+
+
+def _walk(
+    jaxpr: Any,
+    origins: dict,
+    times: int,
+    platform: str,
+    totals: dict,
+    update: bool = False,
+) -> None:
+    """Counts the transfers of `jaxpr` into `totals`, `times` times each (the
+    scans around it); `update`: inside the optimizer update."""
+    branch_of: dict[Any, int] = {}  # platform_index outputs: the branch taken
+    for eqn in jaxpr.eqns:
+        name, params = eqn.primitive.name, eqn.params
+        ins = [_get(origins, v) for v in eqn.invars]
+        # Sub-programs are traced with name stacks of their own.
+        inside = update or UPDATE_SCOPE in _scope(eqn)
+        if name == "platform_index":
+            found = _branch(params, platform)
+            if found is not None:
+                branch_of[eqn.outvars[0]] = found
+            continue
+        if name == "device_put":
+            _count_puts(eqn, ins, times, totals, inside)
+            for out, origin in zip(eqn.outvars, ins):
+                origins[out] = origin
+            continue
+        if name == "optimization_barrier":
+            for out, origin in zip(eqn.outvars, ins):
+                origins[out] = origin
+            continue
+        if name == "name" and eqn.invars:
+            for out in eqn.outvars:
+                origins[out] = _Origin("residuals", str(params.get("name", "")))
+            continue
+        if name == "scan":
+            body = params["jaxpr"].jaxpr
+            inner = dict(zip(body.invars, ins))
+            _walk(body, inner, times * int(params["length"]), platform, totals, inside)
+            _pass_out(body, inner, eqn, origins)
+            continue
+        if name == "cond":
+            branches = params["branches"]
+            index = branch_of.get(eqn.invars[0])
+            if params.get("branches_platforms"):
+                platforms = {"platforms": params["branches_platforms"]}
+                index = _branch(platforms, platform)
+            # A conditional that is not a platform's choice: its largest branch.
+            best: tuple[int, dict, dict] | None = None
+            for i, branch in enumerate(branches):
+                if index is not None and i != index:
+                    continue
+                inner = dict(zip(branch.jaxpr.invars, ins[1:]))
+                mine: dict[tuple, int] = defaultdict(int)
+                _walk(branch.jaxpr, inner, times, platform, mine, inside)
+                if best is None or sum(mine.values()) > sum(best[1].values()):
+                    best = (i, mine, inner)
+            if best is not None:
+                i, mine, inner = best
+                for key, n in mine.items():
+                    totals[key] += n
+                _pass_out(branches[i].jaxpr, inner, eqn, origins)
+            continue
+        subs = list(jex.jaxprs_in_params(params))
+        if name == "while":  # not made by this library; counted once
+            body = params["body_jaxpr"].jaxpr
+            inner = dict(zip(body.invars, ins[params["cond_nconsts"] :]))
+            _walk(body, inner, times, platform, totals, inside)
+            continue
+        if len(subs) >= 1 and len(subs[0].invars) == len(eqn.invars):
+            inner = dict(zip(subs[0].invars, ins))
+            _walk(subs[0], inner, times, platform, totals, inside)
+            _pass_out(subs[0], inner, eqn, origins)
+            continue
+        if name in _SLICING and ins and ins[0] != _UNKNOWN:
+            for out in eqn.outvars:
+                origins[out] = ins[0]
+
+
+def _branch(params: dict, platform: str) -> int | None:
+    """The branch `jax.lax.platform_dependent` takes on `platform`."""
+    default = None
+    for i, group in enumerate(params.get("platforms", ())):
+        if group is None:
+            default = i
+        elif platform in group:
+            return i
+    return default
+
+
+def _pass_out(sub: Any, inner: dict, eqn: Any, origins: dict) -> None:
+    for out, v in zip(eqn.outvars, sub.outvars):
+        found = _get(inner, v)
+        if found != _UNKNOWN:
+            origins[out] = found
+
+
+def _count_puts(eqn: Any, ins: list, times: int, totals: dict, update: bool) -> None:
+    phase = "update" if update else "forward/backward"
+    label = _label(_scope(eqn))
+    for v, origin, where in zip(eqn.invars, ins, eqn.params["devices"]):
+        aval = v.aval
+        if not isinstance(where, jax.memory.Space):
+            continue
+        src_host, dst_host = _is_host(aval), where == jax.memory.Space.Host
+        if src_host == dst_host:
+            continue
+        direction = "device_to_host" if dst_host else "host_to_device"
+        what, name = origin
+        if not what:
+            what, name = _guess(label, direction, update)
+        elif what == "opt_state" and not update and name.startswith("copies."):
+            what, name = "params", name[len("copies.") :]  # a compute copy
+        totals[direction, phase, what, name] += _nbytes(aval) * times
+
+
+def _label(scope: str) -> str:
+    """The innermost named scope that is a leaf label (`grad.<path>`,
+    `opt_state.<path>` or a path), without JAX's transformation wrappers."""
+    for part in reversed(scope.split("/")):
+        part = part.strip()
+        while "(" in part and part.endswith(")"):
+            part = part[part.index("(") + 1 : -1]
+        if part and part not in (UPDATE_SCOPE, "rematted_computation"):
+            return part
+    return ""
+
+
+def _guess(label: str, direction: str, update: bool) -> tuple[str, str]:
+    """What a computed value moving is, from the named scope around it: the
+    streamed update's labels (`grad.<path>`, `opt_state.<path>`, `<path>`) and
+    the step's (`grad`, `params`, `opt_state`)."""
+    del direction
+    for prefix, what in (("grad", "gradients"), ("opt_state", "opt_state")):
+        if label == prefix or label.startswith(prefix + "."):
+            return what, label[len(prefix) + 1 :]
+    if update:
+        return "params", "" if label == "params" else label
+    # Computed in the forward or backward pass and moved: a gradient written to
+    # the host, or an accumulator read back (micro-batches).
+    return "gradients", label
