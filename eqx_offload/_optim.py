@@ -20,7 +20,7 @@ from ._memory_kinds import (
     ParamsSpec,
     to_space,
 )
-from ._placement import match_params, move
+from ._placement import match_params, move, resolve
 from ._policy import check_policy, Policy, PolicyArg
 from ._state_tree import check_matches, map_state, state_owners
 
@@ -272,11 +272,30 @@ def _place_state(
     return map_state(optimizer, state, like_param, other, params, kinds)
 
 
+def check_model(
+    model: PyTree, policy: Policy, where: str
+) -> list[tuple[_paths.Leaf, str]]:
+    """Each leaf of `model` with the memory kind the policy gives it; raises if a
+    leaf is elsewhere."""
+    kinds = resolve(model, policy.params, where)
+    for leaf, kind in kinds:
+        if kind == "unpinned_host":
+            to_space(leaf.value, kind, leaf.path)  # raises: jit can't keep it there
+        if kind_of(leaf.value) != kind:
+            raise ValueError(
+                f"{where}: model leaf {leaf.path!r} is in {kind_of(leaf.value)!r} "
+                f"but should live in {kind!r}; place the model first with "
+                "`model = eqx_offload.place(model, policy)`."
+            )
+    return kinds
+
+
 def check_state(
     optimizer: optax.GradientTransformation,
     opt_state: PyTree,
     model: PyTree,
     policy: Policy,
+    where: str = "`train_step`",
 ) -> list[tuple[_paths.Leaf, str]]:
     """The kinds `opt_state` should be in; raises if a leaf is elsewhere."""
     kinds = state_kinds(optimizer, opt_state, trainable(model), policy.opt_state)
@@ -285,7 +304,7 @@ def check_state(
             to_space(leaf.value, kind, f"opt_state.{leaf.path}")  # raises
         if kind_of(leaf.value) != kind:
             raise ValueError(
-                f"`train_step`: optimizer state leaf {leaf.path!r} is in "
+                f"{where}: optimizer state leaf {leaf.path!r} is in "
                 f"{kind_of(leaf.value)!r} but the policy puts it in {kind!r}; move it "
                 "there, keeping its values, with `opt_state = "
                 "eqx_offload.place_opt_state(optimizer, opt_state, model, policy)` "
@@ -303,13 +322,17 @@ def update(
     policy: Policy,
     model_kinds: list[tuple[_paths.Leaf, str]],
     opt_kinds: list[tuple[_paths.Leaf, str]],
-) -> tuple[PyTree, PyTree]:
-    """One optimizer update, returning the new model and state in their memory kinds.
+    metrics: bool = False,
+) -> tuple[PyTree, PyTree, dict[str, Any] | None]:
+    """One optimizer update, returning the new model and state in their memory
+    kinds, and (with `metrics`) the global norms of the gradients, the updates and
+    the new parameters (`_streaming.norms`), else None.
 
     With `policy.update == "streamed"` and anything parameter-shaped on the host,
     the update streams (`_streaming.py`): one layer of each `Stacked`, or one block
-    of rows of each large leaf, on the device at a time. Otherwise gradients, state
-    and parameters are brought to the device and updated there all at once."""
+    of rows of each large leaf, on the device at a time, and the norms are
+    streamed reductions. Otherwise gradients, state and parameters are brought to
+    the device and updated there all at once."""
     params = trainable(model)
     host = any(
         is_host(x)
@@ -318,7 +341,7 @@ def update(
     )
     if policy.update == "auto" and host:
         return _update_by_platform(
-            optimizer, grads, opt_state, model, policy, model_kinds, opt_kinds
+            optimizer, grads, opt_state, model, policy, model_kinds, opt_kinds, metrics
         )
     if policy.update == "streamed" and host:
         kind_by_path = {leaf.path: kind for leaf, kind in model_kinds}
@@ -331,7 +354,7 @@ def update(
             [k for _, k in opt_kinds],
         )
         try:
-            new_params, opt_state = _streaming.update(
+            new_params, opt_state, norms = _streaming.update(
                 optimizer,
                 grads,
                 opt_state,
@@ -339,6 +362,7 @@ def update(
                 layers,
                 kinds,
                 [leaf.path for leaf in leaves],
+                metrics,
             )
         except _streaming.NotStreamable as e:
             raise ValueError(
@@ -348,9 +372,8 @@ def update(
                 "(more device memory), or keep it there with "
                 "`Policy(opt_state='device')`."
             ) from e
-        return eqx.combine(new_params, eqx.filter(model, is_trainable, inverse=True)), (
-            opt_state
-        )
+        rest = eqx.filter(model, is_trainable, inverse=True)
+        return eqx.combine(new_params, rest), opt_state, norms
 
     def to_device(tree: PyTree) -> PyTree:
         return jtu.tree_map(
@@ -361,7 +384,9 @@ def update(
     with jax.named_scope("grad"):  # named for `memory_report`'s traffic
         grads = to_device(grads)
     updates, opt_state = optimizer.update(grads, to_device(opt_state), trainable(model))
-    return eqx.apply_updates(model, updates), opt_state
+    model = eqx.apply_updates(model, updates)
+    norms = _streaming.norms(grads, updates, trainable(model)) if metrics else None
+    return model, opt_state, norms
 
 
 # Where the update runs whole: backends whose memory kinds share one memory, where
@@ -383,7 +408,8 @@ def _update_by_platform(
     policy: Policy,
     model_kinds: list[tuple[_paths.Leaf, str]],
     opt_kinds: list[tuple[_paths.Leaf, str]],
-) -> tuple[PyTree, PyTree]:
+    metrics: bool,
+) -> tuple[PyTree, PyTree, dict[str, Any] | None]:
     """`Policy(update="auto")`: the streamed update, and the whole one on the
     backends of `WHOLE_ON`, chosen inside the one traced program
     (`jax.lax.platform_dependent`), so that a step traced here and compiled for a
@@ -401,8 +427,15 @@ def _update_by_platform(
 
         def run(arrays: PyTree) -> PyTree:
             grads, opt_state, model = eqx.combine(arrays, static)
-            new_model, new_state = update(
-                optimizer, grads, opt_state, model, chosen, model_kinds, opt_kinds
+            new_model, new_state, norms = update(
+                optimizer,
+                grads,
+                opt_state,
+                model,
+                chosen,
+                model_kinds,
+                opt_kinds,
+                metrics,
             )
             leaves, treedef = jtu.tree_flatten((new_model, new_state))
             n_model = len(jtu.tree_leaves(new_model))
@@ -417,14 +450,16 @@ def _update_by_platform(
                 back(i, x, kind)
                 for i, (x, kind) in enumerate(zip(leaves, targets, strict=True))
             ]
-            return eqx.filter(jtu.tree_unflatten(treedef, leaves), is_arraylike)
+            new = eqx.filter(jtu.tree_unflatten(treedef, leaves), is_arraylike)
+            return new, norms
 
         return run
 
     whole = {platform: branch("whole") for platform in WHOLE_ON}
-    new = jax.lax.platform_dependent(arrays, **whole, default=branch("streamed"))
+    new, norms = jax.lax.platform_dependent(arrays, **whole, default=branch("streamed"))
     rest = eqx.filter((model, opt_state), is_arraylike, inverse=True)
-    return eqx.combine(new, rest)
+    new_model, new_state = eqx.combine(new, rest)
+    return new_model, new_state, norms
 
 
 def streamed_leaves(

@@ -58,14 +58,18 @@ def update(
     stacked: list[int | None],
     out_kinds: tuple[list[str], list[str]],
     paths: list[str],
-) -> tuple[Any, Any]:
+    metrics: bool = False,
+) -> tuple[Any, Any, dict[str, Any] | None]:
     """`optax.apply_updates(params, optimizer.update(grads, opt_state, params))`,
     streamed. `params` is the trainable part of the model; `stacked[i]` is the
     number of layers of the `Stacked` holding trainable leaf `i` (or None);
     `out_kinds` the memory kind of each new parameter and state leaf; `paths` the
-    path of each trainable leaf (for named scopes).
+    path of each trainable leaf (for named scopes); `metrics`: also the global
+    norms of the gradients, the updates and the new parameters, streamed
+    reductions like any global value of the update.
 
-    **Returns:** the new parameters and optimizer state, in their memory kinds.
+    **Returns:** the new parameters and optimizer state, in their memory kinds,
+    and the metrics (on the device) or None.
     """
     p_leaves, p_def = jtu.tree_flatten(params)
     g_leaves = jtu.tree_leaves(grads)
@@ -103,7 +107,11 @@ def update(
             grads, jtu.tree_unflatten(s_def, s), jtu.tree_unflatten(p_def, p)
         )
         new = eqx.apply_updates(jtu.tree_unflatten(p_def, p), updates)
-        return jtu.tree_leaves(new) + jtu.tree_leaves(state)
+        extra = []
+        if metrics:  # per leaf and row: piecewise, computed in the update's loops
+            for tree in (grads, updates, new):
+                extra += [_row_squares(x) for x in jtu.tree_leaves(tree)]
+        return jtu.tree_leaves(new) + jtu.tree_leaves(state) + extra
 
     n_g, n_s = len(g_leaves), len(s_leaves)
 
@@ -141,9 +149,36 @@ def update(
             for g in group_of
         ],
     )
-    return _execute(
+    new_params, new_state, extra = _execute(
         plan, inputs, labels, groups, group_of, p_def, s_def, len(p_leaves), out_kinds
     )
+    if not metrics:
+        return new_params, new_state, None
+    n = len(p_leaves)
+    sums = [
+        jnp.sqrt(sum(jnp.sum(x) for x in extra[i * n : (i + 1) * n]))
+        for i in range(len(METRICS))
+    ]
+    return new_params, new_state, dict(zip(METRICS, sums))
+
+
+def _row_squares(x: Any) -> Any:
+    """The sum of squares of each row of `x` (of `x` itself, for a scalar)."""
+    return jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim)))
+
+
+METRICS = ("grad_norm", "update_norm", "param_norm")
+
+
+def norms(grads: Any, updates: Any, params: Any) -> dict[str, Any]:
+    """The global L2 norms of the gradients, the updates and the (new)
+    parameters, over all their array leaves, in float32."""
+
+    def norm(tree: Any) -> Any:
+        leaves = [x.astype(jnp.float32) for x in jtu.tree_leaves(tree)]
+        return optax.global_norm(leaves)
+
+    return dict(zip(METRICS, (norm(grads), norm(updates), norm(params))))
 
 
 def pieces(leaf: Any, layers: int | None, index: int) -> tuple[Any, int, int] | None:
@@ -172,9 +207,11 @@ def _execute(
     s_def: Any,
     n_params: int,
     out_kinds: tuple[list[str], list[str]],
-) -> tuple[Any, Any]:
+) -> tuple[Any, Any, list]:
     whole, piece = plan.whole, plan.piece
     kinds = out_kinds[0] + out_kinds[1]
+    # Outputs past the new parameters and state: metrics (scalars, on the device).
+    n_extra = len(whole.outs) - len(kinds)
     env: dict[int, Any] = dict(whole.consts)
 
     # Shared inputs (small leaves, counts) to the device, where they are computed on.
@@ -213,18 +250,24 @@ def _execute(
 
     outs: list = [None] * len(whole.outs)
     out_labels = labels[-n_params:] + labels[n_params : len(labels) - n_params]
+    out_labels += ["metrics"] * n_extra
+    all_kinds = kinds + ["device"] * n_extra  # metrics: per-row partial sums
     for position, ref in enumerate(whole.outs):
         if isinstance(ref, _update_plan.Literal):
             outs[position] = ref.value
         elif not is_piecewise(ref):
             with jax.named_scope(out_labels[position]):
-                outs[position] = to_space(env[ref], kinds[position], "")
+                outs[position] = to_space(env[ref], all_kinds[position], "")
     # Each piecewise output is computed in the loop over its group: the one its
     # value comes from, or (for a value made afresh, such as zeros of a piece's
     # shape) the one of the leaf it replaces.
     out_group = {
         position: plan.kinds[ref].group
-        or group_of[_source(position, n_params, len(kinds))]
+        or (
+            group_of[_source(position, n_params, len(kinds))]
+            if position < len(kinds)
+            else None
+        )
         for position, ref in enumerate(whole.outs)
         if isinstance(ref, int) and is_piecewise(ref)
     }
@@ -240,7 +283,9 @@ def _execute(
             continue
         piece_outs = [piece.outs[position] for position, _ in wanted]
         overwrite = [
-            _overwritable(position, ref, inputs, whole, kinds, n_params, group)
+            None
+            if position >= len(kinds)
+            else _overwritable(position, ref, inputs, whole, kinds, n_params, group)
             for position, ref in wanted
         ]
         results = _scan_pieces(
@@ -251,14 +296,15 @@ def _execute(
             env,
             [ref for _, ref in wanted],
             piece_outs,
-            [kinds[position] for position, _ in wanted],
+            [all_kinds[position] for position, _ in wanted],
             overwrite,
+            [position >= len(kinds) for position, _ in wanted],
         )
         for (position, ref), value in zip(wanted, results):
             outs[position] = value
     new_params = jtu.tree_unflatten(p_def, outs[:n_params])
-    new_state = jtu.tree_unflatten(s_def, outs[n_params:])
-    return new_params, new_state
+    new_state = jtu.tree_unflatten(s_def, outs[n_params : len(kinds)])
+    return new_params, new_state, outs[len(kinds) :]
 
 
 def _source(position: int, n_params: int, n_outputs: int) -> int:
@@ -313,6 +359,7 @@ def _scan_pieces(
     piece_outs: list,
     out_kinds: list[str] | None,
     overwrite: list | None = None,
+    summed: list[bool] | None = None,
 ) -> list:
     """Runs the `piece` program over the pieces of `group` in a `lax.scan` and
     returns the values of `piece_outs` (the `piece` counterparts of the
@@ -322,7 +369,9 @@ def _scan_pieces(
 
     An output with an `overwrite` input position is written piece by piece into
     that input (a loop carry: with the input donated, the update happens in place)
-    and comes back whole. The others come back as scan outputs, with a leading
+    and comes back whole. A `summed` output is added up over the pieces, in the
+    loop's carry, and comes back as its sum. The others come back as scan
+    outputs, with a leading
     axis of pieces (a piece of one row, a layer, without its row axis: stacked,
     they are the whole leaf).
 
@@ -366,6 +415,7 @@ def _scan_pieces(
     carried = [i for i in group.inputs if i in targets_of]
     streamed = [i for i in group.inputs if i not in targets_of and piece.ins[i] in used]
     kinds = out_kinds or [None] * len(piece_outs)
+    sums = summed or [False] * len(piece_outs)
 
     def step(index: Any, others: list, current: list, fulls: list) -> tuple:
         """One piece: its new values, written into `fulls` or returned as `ys`."""
@@ -376,8 +426,14 @@ def _scan_pieces(
             local[piece.ins[position]] = x
         _update_plan.run(piece, wanted, local)
         fulls, ys = list(fulls), []
-        for r, kind, target in zip(piece_outs, kinds, targets_of):
+        n_sums = 0
+        for r, kind, target, add in zip(piece_outs, kinds, targets_of, sums):
             value = local[r] if isinstance(r, int) else r.value
+            if add:
+                k = len(carried) + n_sums
+                fulls[k] = fulls[k] + jnp.sum(value)
+                n_sums += 1
+                continue
             if target is None:
                 if kind is not None:  # a layer: stacked by the scan into the leaf
                     value = _tiling.lower(value, rows)
@@ -414,7 +470,9 @@ def _scan_pieces(
 
         return run
 
-    fulls = [inputs[i] for i in carried]
+    fulls = [inputs[i] for i in carried] + [
+        jnp.zeros((), jnp.float32) for s in sums if s
+    ]
     others = [inputs[i] for i in streamed]
     if carried:
         direct = {platform: loop(False) for platform in READ_IN_STEP}
@@ -424,7 +482,11 @@ def _scan_pieces(
     else:
         fulls, ys = loop(False)(fulls, others)
     ys, outs = iter(ys), []
-    for target, kind in zip(targets_of, kinds):
+    totals = iter(fulls[len(carried) :])
+    for target, kind, add in zip(targets_of, kinds, sums):
+        if add:
+            outs.append(next(totals))
+            continue
         if target is not None:
             outs.append(fulls[carried.index(target)])
             continue

@@ -23,8 +23,8 @@ from . import (
     _traffic,
 )
 from ._diagnose import DoesNotCompile
-from ._memory_kinds import is_arraylike, is_host, kind_of, to_space
-from ._placement import place_batch, resolve
+from ._memory_kinds import is_arraylike, is_host, to_space
+from ._placement import place_batch
 from ._policy import check_policy, Policy, PolicyArg
 from ._state_tree import check_matches
 from ._transform import filter_offload
@@ -100,20 +100,6 @@ def _raise_deleted(model: PyTree, opt_state: PyTree) -> None:
                 )
 
 
-def _check_model(model: PyTree, policy: Policy) -> list:
-    kinds = resolve(model, policy.params, "`train_step`")
-    for leaf, kind in kinds:
-        if kind == "unpinned_host":
-            to_space(leaf.value, kind, leaf.path)  # raises: jit can't keep it there
-        if kind_of(leaf.value) != kind:
-            raise ValueError(
-                f"`train_step`: model leaf {leaf.path!r} is in {kind_of(leaf.value)!r} "
-                f"but should live in {kind!r}; place the model first with "
-                "`model = eqx_offload.place(model, policy)`."
-            )
-    return kinds
-
-
 def _check_layout(model: PyTree, policy: Policy, shardings: tuple) -> None:
     """Raises, naming the leaf, if a model leaf is not laid out as
     `Policy(shard=...)` declares (at trace time, from the input shardings)."""
@@ -156,16 +142,17 @@ def _step(
     has_aux: bool,
     microbatches: int,
     unsplit: tuple[int, ...],
+    metrics: bool,
     model_dynamic: list,
     opt_dynamic: list,
     batch_dynamic: list,
     statics: tuple,
-) -> tuple[list, list, Any]:
+) -> tuple[list, list, Any, dict[str, Any] | None]:
     model_static, opt_static, batch_static, model_shardings, opt_shardings = statics
     model = join(model_dynamic, model_static)
     opt_state = join(opt_dynamic, opt_static)
     batch = join(batch_dynamic, batch_static)
-    model_kinds = _check_model(model, policy)
+    model_kinds = _optim.check_model(model, policy, "`train_step`")
     _check_layout(model, policy, model_shardings)
     params = _optim.trainable(model)
     wrapped = _mixed_precision.for_policy(optimizer, params, policy)
@@ -191,8 +178,8 @@ def _step(
             has_aux,
         )
     with jax.named_scope(_traffic.UPDATE_SCOPE):
-        model, opt_state = _optim.update(
-            optimizer, grads, opt_state, model, policy, model_kinds, opt_kinds
+        model, opt_state, norms = _optim.update(
+            optimizer, grads, opt_state, model, policy, model_kinds, opt_kinds, metrics
         )
         # Outputs go back where they live, with `device_put` to a memory space
         # inside the traced function: the same trace then compiles for any backend.
@@ -200,7 +187,7 @@ def _step(
             model = _place_outputs(model, model_kinds, model_shardings)
         with jax.named_scope("opt_state"):
             opt_state = _place_outputs(opt_state, opt_kinds, opt_shardings)
-    return split(model)[0], split(opt_state)[0], value
+    return split(model)[0], split(opt_state)[0], value, norms
 
 
 class _TrainStep(eqx.Module):
@@ -212,6 +199,7 @@ class _TrainStep(eqx.Module):
     has_aux: bool
     microbatches: int
     unsplit: tuple[int, ...]
+    metrics: bool
     fun: Callable  # the step on flattened arguments, before `jax.jit`
     jitted: Callable
 
@@ -221,7 +209,8 @@ class _TrainStep(eqx.Module):
             _raise_deleted(model, opt_state)
         try:
             with _mesh.context(dynamic):
-                model_dynamic, opt_dynamic, value = self.jitted(*dynamic, statics)
+                outputs = self.jitted(*dynamic, statics)
+                model_dynamic, opt_dynamic, value, norms = outputs
         except ValueError as e:
             if "incompatible devices" in str(e):  # name the leaves, not positions
                 where = "`train_step`"
@@ -236,7 +225,15 @@ class _TrainStep(eqx.Module):
             mesh = Mesh(np.array(jax.devices()[:1]), ("chip",))
             raise self.rejected("`train_step`", str(e), mesh, model, opt_state) from e
         model_static, opt_static = statics[:2]
-        return join(model_dynamic, model_static), join(opt_dynamic, opt_static), value
+        model, opt_state = (
+            join(model_dynamic, model_static),
+            join(opt_dynamic, opt_static),
+        )
+        return (
+            (model, opt_state, value, norms)
+            if self.metrics
+            else (model, opt_state, value)
+        )
 
     def rejected(
         self, what: str, message: str, mesh: Mesh, model: PyTree, opt_state: PyTree
@@ -282,7 +279,8 @@ def train_step(
     has_aux: bool = False,
     microbatches: int = 1,
     unsplit: Sequence[int] = (),
-) -> Callable[..., tuple[PyTree, PyTree, Any]]:
+    metrics: bool = False,
+) -> Callable[..., tuple]:
     """A jitted training step that applies `policy` to a model and its optimizer.
 
     `step(model, opt_state, *batch)` computes `loss_fn(model, *batch)` and its
@@ -314,12 +312,21 @@ def train_step(
     - `unsplit`: positions (among the batch arguments, 0 for the first after the
         optimizer state) of arguments passed whole to every micro-batch: a PRNG
         key, a mask shared by all examples.
+    - `metrics`: also return a dict of float32 scalars (on the device): the
+        global L2 norms of the gradients (`"grad_norm"`, as the optimizer gets
+        them: the mean over micro-batches, fp32 under a compute dtype), of the
+        updates (`"update_norm"`) and of the new parameters (`"param_norm"`).
+        Under the streamed update they are streamed reductions, computed a
+        layer at a time like the update: no host-resident array is brought to
+        the device whole.
 
     **Returns:**
 
-    The step function. Inputs must already be where the policy says (use
-    `eqx_offload.place` and `eqx_offload.init_opt_state`); a leaf found elsewhere
-    is a `ValueError` naming it.
+    The step function: `step(model, opt_state, *batch)` returns `(model,
+    opt_state, loss)`, or `(model, opt_state, loss, metrics)` with `metrics=True`
+    (`loss` is `(loss, aux)` with `has_aux=True`). Inputs must already be where
+    the policy says (use `eqx_offload.place` and `eqx_offload.init_opt_state`); a
+    leaf found elsewhere is a `ValueError` naming it.
 
     !!! Example
 
@@ -338,9 +345,17 @@ def train_step(
     check_policy(policy, "`train_step(policy=...)`")
     unsplit = _microbatch.check_unsplit(unsplit, microbatches, "`train_step`")
     fun = functools.partial(
-        _step, loss_fn, optimizer, policy, has_aux, microbatches, unsplit
+        _step, loss_fn, optimizer, policy, has_aux, microbatches, unsplit, metrics
     )
     jitted = jax.jit(fun, static_argnums=(3,), donate_argnums=(0, 1))
     return _TrainStep(
-        loss_fn, optimizer, policy, has_aux, microbatches, unsplit, fun, jitted
+        loss_fn,
+        optimizer,
+        policy,
+        has_aux,
+        microbatches,
+        unsplit,
+        metrics,
+        fun,
+        jitted,
     )

@@ -62,3 +62,33 @@ def test_readme_example_runs():
     report = namespace["report"]  # compiled for tpu-v5e
     assert not report.estimate and report.target == "tpu-v5e"
     assert report.device_bytes > 0 and report.host_bytes > 0
+
+
+def test_own_step_matches_train_step():
+    """`examples/own_step.py`: a hand-written step with `eo.optimizer_update`
+    trains like `eo.train_step` and needs the same memory on a TPU v5e chip."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "examples/own_step.py",
+            "--steps",
+            "5",
+            "--dim",
+            "512",
+            "--target",
+            "tpu-v5e",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "largest difference between their losses: 0.00e+00" in out
+    rows = re.findall(r"(own step|train_step)\s+([\d,]+)\s+([\d,]+)", out)
+    (_, own_device, own_host), (_, device, host) = rows
+    assert own_host == host
+    own_device, device = int(own_device.replace(",", "")), int(device.replace(",", ""))
+    assert abs(own_device - device) <= 0.005 * device

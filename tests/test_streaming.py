@@ -64,7 +64,8 @@ def streamed_steps(optimizer, params, grads, steps=3):
     @jax.jit
     def step(params, state, grads):
         paths = sorted(params)
-        return _streaming.update(optimizer, grads, state, params, layers, kinds, paths)
+        new = _streaming.update(optimizer, grads, state, params, layers, kinds, paths)
+        return new[:2]
 
     params, state, grads = host(params), host(state), host(grads)
     for _ in range(steps):

@@ -196,9 +196,9 @@ def test_a_corrupted_streamed_update_is_named(monkeypatch, getkey):
     update = _streaming.update
 
     def corrupted(*args, **kwargs):
-        params, state = update(*args, **kwargs)
+        params, state, norms = update(*args, **kwargs)
         head = params.head.weight
-        return eqx.tree_at(lambda p: p.head.weight, params, head + 1e-3), state
+        return eqx.tree_at(lambda p: p.head.weight, params, head + 1e-3), state, norms
 
     monkeypatch.setattr(_streaming, "update", corrupted)
     with pytest.raises(

@@ -1,0 +1,102 @@
+"""`optimizer_update`: the optimizer update of `train_step`, for a step you write
+yourself."""
+
+import jax
+import jax.tree_util as jtu
+from jaxtyping import PyTree
+
+from . import _mixed_precision, _optim, _traffic
+from ._memory_kinds import is_arraylike, to_space
+from ._policy import check_policy, PolicyArg
+from ._state_tree import check_matches
+
+
+def optimizer_update(
+    optimizer: _optim.Optimizer,
+    grads: PyTree,
+    opt_state: PyTree,
+    model: PyTree,
+    policy: PolicyArg,
+    *,
+    metrics: bool = False,
+) -> tuple[PyTree, ...]:
+    """Applies `optimizer` to `model` inside your own jitted step, as
+    `eqx_offload.train_step` does: parameters, gradients and optimizer state on
+    the host are updated piece by piece on the device — one layer of each
+    `Stacked`, one block of rows of each large leaf — and written back in place
+    (`Policy(update=...)`), and every leaf comes back in the memory kind the
+    policy gives it.
+
+    Call it inside a jitted function (`eqx.filter_jit`), with the gradients of
+    `eqx.filter_value_and_grad(eqx_offload.filter_offload(loss_fn, policy))`, and
+    donate the model and state (`donate="all-except-first"` with the batch last,
+    or `donate="all"`) so that the update happens in place.
+
+    **Arguments:**
+
+    - `optimizer`: an `optax.GradientTransformation` (or `optax.MultiSteps`).
+    - `grads`: the gradients, with the structure of
+        `eqx.filter(model, eqx.is_inexact_array)`.
+    - `opt_state`: from `eqx_offload.init_opt_state(optimizer, model, policy)`.
+    - `model`: the model, placed with `eqx_offload.place(model, policy)`.
+    - `policy`: the `eqx_offload.Policy` the model and state are placed with.
+    - `metrics`: also return the global norms of the gradients, the updates and
+        the new parameters, as `train_step(..., metrics=True)` does.
+
+    **Returns:**
+
+    `(model, opt_state)`, or `(model, opt_state, metrics)` with `metrics=True`.
+
+    **Raises:**
+
+    `ValueError` if it is called outside a jitted function, or a leaf is not
+    where the policy puts it (naming the leaf and the fix).
+
+    !!! Example
+
+        ```python
+        @eqx.filter_jit(donate="all-except-first")
+        def step(batch, model, opt_state):
+            loss, grads = eqx.filter_value_and_grad(eo.filter_offload(loss_fn, policy))(
+                model, *batch
+            )
+            model, opt_state = eo.optimizer_update(
+                optimizer, grads, opt_state, model, policy
+            )
+            return loss, model, opt_state
+        ```
+    """
+    where = "`optimizer_update`"
+    optimizer = _optim.as_transformation(optimizer, f"`{where[1:-1]}(optimizer=...)`")
+    check_policy(policy, "`optimizer_update(policy=...)`")
+    arrays = [x for x in jtu.tree_leaves((model, opt_state)) if is_arraylike(x)]
+    if arrays and not any(isinstance(x, jax.core.Tracer) for x in arrays):
+        raise ValueError(
+            f"{where} is called outside a jitted function: the update moves pieces "
+            "of host-resident arrays to the device, which only a traced program "
+            "can do. Call it inside your step, e.g. under `eqx.filter_jit`."
+        )
+    params = _optim.trainable(model)
+    wrapped = _mixed_precision.for_policy(optimizer, params, policy)
+    _mixed_precision.check_state(wrapped is not optimizer, opt_state, where)
+    check_matches(wrapped, opt_state, params, where)
+    model_kinds = _optim.check_model(model, policy, where)
+    opt_kinds = _optim.check_state(wrapped, opt_state, model, policy, where)
+    with jax.named_scope(_traffic.UPDATE_SCOPE):
+        model, opt_state, norms = _optim.update(
+            wrapped, grads, opt_state, model, policy, model_kinds, opt_kinds, metrics
+        )
+        model = _back(model, [kind for _, kind in model_kinds], "params")
+        opt_state = _back(opt_state, [kind for _, kind in opt_kinds], "opt_state")
+    return (model, opt_state, norms) if metrics else (model, opt_state)
+
+
+def _back(tree: PyTree, kinds: list[str], scope: str) -> PyTree:
+    """Every array leaf of `tree` in its memory kind (in order)."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    found = iter(kinds)
+    with jax.named_scope(scope):
+        leaves = [
+            to_space(x, next(found), "") if is_arraylike(x) else x for x in leaves
+        ]
+    return jtu.tree_unflatten(treedef, leaves)
