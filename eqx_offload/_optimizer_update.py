@@ -2,6 +2,7 @@
 yourself."""
 
 import jax
+import jax.core
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 

@@ -74,7 +74,7 @@ def data(rng: np.random.Generator, batch: int, dim: int):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="Your own step, next to train_step.")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--depth", type=int, default=4)
