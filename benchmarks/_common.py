@@ -13,6 +13,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 RESULTS = Path(__file__).parent / "results"
 MIB = 2**20
+GIB = 2**30
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:

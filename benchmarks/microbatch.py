@@ -6,7 +6,9 @@ whole `train_step` compiled for k = 1, 2, 4, 8 micro-batches under `remat`,
     python benchmarks/microbatch.py [--ks 1 2 4 8] [--json FILE]
 
 Nothing is allocated: the model is abstract and only compiled. Device and host
-bytes are the compiled step's footprint per chip (`memory_report`).
+bytes are the compiled step's footprint per chip; the traffic columns are the
+bytes moved per step (`memory_report`'s transfers): parameters host -> device in
+the forward and backward passes, and everything host <-> device.
 """
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
@@ -53,6 +55,12 @@ def main():
                         "microbatches": k,
                         "device MiB": r.device_bytes / MIB,
                         "host MiB": r.host_bytes / MIB,
+                        "params H2D fwd/bwd MiB": r.transfer_bytes(
+                            "host_to_device", phase="forward/backward", what="params"
+                        )
+                        / MIB,
+                        "H2D MiB": r.host_to_device_bytes / MIB,
+                        "D2H MiB": r.device_to_host_bytes / MIB,
                     }
                 )
                 print(rows[-1], flush=True)

@@ -14,6 +14,7 @@ from ._checkpoint import (
     Saving as Saving,
     wait_until_finished as wait_until_finished,
 )
+from ._cross_entropy import chunked_cross_entropy as chunked_cross_entropy
 from ._diagnose import DoesNotCompile as DoesNotCompile
 from ._layer_paths import (
     LeafIndex as LeafIndex,
@@ -35,6 +36,7 @@ from ._report import (
     MemoryReport as MemoryReport,
 )
 from ._stacked import Stacked as Stacked
+from ._traffic import Transfer as Transfer
 from ._train_step import train_step as train_step
 from ._transform import filter_offload as filter_offload
 from ._verify import (

@@ -43,7 +43,7 @@ class Tap:
 
     acc: Any  # receives the gradient (its cotangent); the leaf's shape
     dtype: Any  # what the loss computes with
-    read: bool  # add the gradient to `acc`'s value (else: replace it)
+    read: Any  # False, or a traced bool: add the gradient to `acc`'s value
     used: bool = False
 
 
@@ -87,48 +87,55 @@ def unused() -> list[str]:
     return [] if table is None else [p for p, t in table.taps.items() if not t.used]
 
 
-def tap(value: Any, acc: Any, dtype: Any, read: bool) -> Any:
+def tap(value: Any, acc: Any, dtype: Any, read: Any) -> Any:
     """`value` cast to `dtype`; its gradient, cast to `acc.dtype` (plus `acc` if
     `read`), becomes the gradient of `acc`, and `value` gets none.
 
     `value` is on the device, `acc` of the same shape and sharding (one layer's
     slice, for a `Stacked`) in its memory kind: a host-resident `acc` is read onto
     the device in the backward pass, when its gradient is known, and the new value
-    goes back to the host."""
-    return _tap(read, jnp.dtype(dtype), jnp.dtype(acc.dtype), value, acc)
+    goes back to the host. `read` is `False` (never read: the first micro-batch,
+    or a step without micro-batches) or a traced boolean (read when true, inside
+    the loop over micro-batches)."""
+    reads = read is not False
+    flag = jnp.asarray(read if reads else False)
+    return _tap(reads, jnp.dtype(dtype), jnp.dtype(acc.dtype), value, acc, flag)
 
 
-def _forward(read: bool, dtype: Any, acc_dtype: Any, value: Any, acc: Any) -> Any:
-    del read, acc_dtype, acc
+def _forward(
+    reads: bool, dtype: Any, acc_dtype: Any, value: Any, acc: Any, flag: Any
+) -> Any:
+    del reads, acc_dtype, acc, flag
     return value.astype(dtype)
 
 
 def _forward_rule(
-    read: bool, dtype: Any, acc_dtype: Any, value: Any, acc: Any
+    reads: bool, dtype: Any, acc_dtype: Any, value: Any, acc: Any, flag: Any
 ) -> tuple[Any, Any]:
-    out = _forward(read, dtype, acc_dtype, value, acc)
-    return out, (acc if read else None, is_host(acc))
+    out = _forward(reads, dtype, acc_dtype, value, acc, flag)
+    return out, (acc if reads else None, flag, is_host(acc))
 
 
 def _backward_rule(
-    read: bool, dtype: Any, acc_dtype: Any, residual: tuple, g: Any
-) -> tuple[None, Any]:
+    reads: bool, dtype: Any, acc_dtype: Any, residual: tuple, g: Any
+) -> tuple[None, Any, None]:
     del dtype
-    acc, host = residual
+    acc, flag, host = residual
     g = g.astype(acc_dtype)
-    if not read:
-        return None, to_space(g, "pinned_host" if host else "device", "")
+    if not reads:
+        return None, to_space(g, "pinned_host" if host else "device", ""), None
     # Read when the gradient is known: without the barrier the compiler starts
     # the transfer with the forward pass and keeps it on the device throughout.
     g, acc = jax.lax.optimization_barrier((g, acc))
     if not host:
-        return None, g + acc
+        return None, g + jnp.where(flag, acc, 0), None
     blocks = _tiling.row_blocks(acc.shape, acc.dtype, PIECE_BYTES)
     if acc.ndim < 2 or acc.size * acc.dtype.itemsize < 2 * PIECE_BYTES or blocks < 2:
-        return None, to_space(g + to_space(acc, "device", ""), "pinned_host", "")
+        return None, _add_whole(g, acc, flag), None
     whole = {p: _add_whole for p in WHOLE_ON}
     by_blocks = functools.partial(_add_by_blocks, blocks=blocks)
-    return None, jax.lax.platform_dependent(g, acc, **whole, default=by_blocks)
+    total = jax.lax.platform_dependent(g, acc, flag, **whole, default=by_blocks)
+    return None, total, None
 
 
 # Backends whose memory kinds share one memory: a large host accumulator is added
@@ -136,17 +143,19 @@ def _backward_rule(
 WHOLE_ON = ("cpu",)
 
 
-def _add_whole(g: Any, acc: Any) -> Any:
-    return to_space(g + to_space(acc, "device", ""), "pinned_host", "")
+def _add_whole(g: Any, acc: Any, flag: Any) -> Any:
+    acc = jnp.where(flag, to_space(acc, "device", ""), 0)
+    return to_space(g + acc, "pinned_host", "")
 
 
-def _add_by_blocks(g: Any, acc: Any, blocks: int) -> Any:
+def _add_by_blocks(g: Any, acc: Any, flag: Any, blocks: int) -> Any:
     """`g + acc` written into the host-resident `acc`, one block of rows on the
     device at a time (a large leaf outside any `Stacked`: an embedding)."""
     rows = acc.shape[0] // blocks
 
     def body(acc: Any, index: Any) -> tuple[Any, None]:
         piece = to_space(_tiling.read(acc, index, rows), "device", "")
+        piece = jnp.where(flag, piece, 0)
         piece = piece + jax.lax.dynamic_slice_in_dim(g, index * rows, rows)
         piece = to_space(piece, "pinned_host", "")
         return _tiling.write(acc, piece, index, rows), None

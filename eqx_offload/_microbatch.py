@@ -94,10 +94,9 @@ def check(batch: tuple, k: int, unsplit: tuple[int, ...], where: str) -> None:
                 )
 
 
-def split(batch: tuple, k: int, unsplit: tuple[int, ...]) -> tuple[tuple, tuple]:
-    """`(first, rest)`: the first micro-batch's arguments, and the others' with a
-    leading axis of `k - 1` (scan inputs; None for the arguments in `unsplit`,
-    which are whole in `first`)."""
+def split(batch: tuple, k: int, unsplit: tuple[int, ...]) -> tuple:
+    """The batch arguments with a leading axis of `k` micro-batches (scan
+    inputs), None for the arguments in `unsplit` (passed whole to each)."""
 
     def strided(x: Any) -> Any:
         if not is_arraylike(x):
@@ -105,16 +104,10 @@ def split(batch: tuple, k: int, unsplit: tuple[int, ...]) -> tuple[tuple, tuple]
         y = x.reshape((x.shape[0] // k, k) + x.shape[1:])
         return jnp.moveaxis(y, 1, 0)
 
-    first, rest = [], []
-    for position, arg in enumerate(batch):
-        if position in unsplit:
-            first.append(arg)
-            rest.append(None)
-            continue
-        parts = jtu.tree_map(strided, arg)
-        first.append(jtu.tree_map(lambda y: y[0] if is_arraylike(y) else y, parts))
-        rest.append(jtu.tree_map(lambda y: y[1:] if is_arraylike(y) else y, parts))
-    return tuple(first), tuple(rest)
+    return tuple(
+        None if position in unsplit else jtu.tree_map(strided, arg)
+        for position, arg in enumerate(batch)
+    )
 
 
 def value_and_grad(
@@ -149,7 +142,7 @@ def value_and_grad(
     model_leaves = _paths.leaves(sources)
     treedef = jtu.tree_structure(sources)
 
-    def run(wrt: tuple, arguments: tuple, read: bool) -> tuple[Any, Any]:
+    def run(wrt: tuple, arguments: tuple, read: Any) -> tuple[Any, Any]:
         accs, device_params = wrt
         table = {
             leaf.path: _accumulate.Tap(acc, dtype, read)
@@ -170,26 +163,29 @@ def value_and_grad(
     grad = jax.value_and_grad(run, has_aux=True)
     device_params = [leaf.value for leaf, _ in plain]
     masters = [leaf.value for leaf, _ in tapped]
-    first, rest = split(batch, k, unsplit) if k > 1 else (batch, None)
-    (_, (value, aux)), grads = grad((masters, device_params), first, False)
-    if k > 1:
+    if k == 1:
+        (_, (value, aux)), grads = grad((masters, device_params), batch, False)
+    else:
+        # One loop over every micro-batch. The first does not read the host
+        # accumulators (they start as the masters: any value of their shape and
+        # placement), so nothing is zero-initialised on the host.
+        parts = split(batch, k, unsplit)
 
         def body(carry: tuple, part: tuple) -> tuple:
-            (accs, device_grads), total = carry
+            (accs, device_grads), total, index = carry
             arguments = tuple(
-                whole if p is None else p for whole, p in zip(first, part, strict=True)
+                whole if p is None else p for whole, p in zip(batch, part, strict=True)
             )
             (_, (value, aux)), (accs, new) = grad(
-                (accs, device_params), arguments, True
+                (accs, device_params), arguments, index > 0
             )
             device_grads = [a + b for a, b in zip(device_grads, new, strict=True)]
-            return ((accs, device_grads), total + value), aux
+            return ((accs, device_grads), total + value, index + 1), aux
 
-        # Unsplit arguments are closed over; only the split ones are scanned.
-        (grads, total), auxs = jax.lax.scan(body, (grads, value), rest)
+        zeros = [jnp.zeros(x.shape, x.dtype) for x in device_params]
+        init = ((masters, zeros), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+        (grads, total, _), aux = jax.lax.scan(body, init, parts)
         value = total / k
-        if has_aux:
-            aux = jtu.tree_map(lambda a, b: jnp.concatenate([a[None], b]), aux, auxs)
     by_path = dict(
         zip([leaf.path for leaf, _ in tapped + plain], grads[0] + grads[1], strict=True)
     )

@@ -131,7 +131,12 @@ def _walk(
             continue
         if name == "scan":
             body = params["jaxpr"].jaxpr
+            # A carry is the leaf it starts as only in the first iteration: it
+            # is not followed (the streamed update names what it carries).
+            first, n_carry = params["num_consts"], params["num_carry"]
             inner = dict(zip(body.invars, ins))
+            for v in body.invars[first : first + n_carry]:
+                inner.pop(v, None)
             _walk(body, inner, times * int(params["length"]), platform, totals, inside)
             _pass_out(body, inner, eqn, origins)
             continue

@@ -33,8 +33,10 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("update", ["auto", "streamed", "whole"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize(
+    "update, name",
+    [("streamed", "sgd"), ("streamed", "adamw+clip"), ("auto", "adamw+clip")],
+)
 def test_norms_equal_plain_optax(getkey, update, name):
     key = getkey()
     optimizer = OPTIMIZERS[name]()
@@ -113,7 +115,7 @@ def test_own_step_with_optimizer_update(getkey):
         wrong(device, opt_state)
 
 
-@pytest.mark.parametrize("dim", [256, 40])
+@pytest.mark.parametrize("dim", [40])
 def test_streamed_on_tpu_without_more_traffic(dim):
     """On `tpu-v5e`, metrics add no traffic: the norms are partial sums carried
     through the update's own loops. (The compiler then keeps a few more pieces

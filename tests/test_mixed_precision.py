@@ -53,7 +53,7 @@ def _reference(model, optimizer, steps, microbatches=1):
             )
             g = jax.tree.map(lambda x: x.astype(jnp.float32) / k, g)
             grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-            total = total + value
+            total = total + value.astype(jnp.float32)
         updates, state = optimizer.update(grads, state, params)
         return optax.apply_updates(params, updates), state, total / k
 
@@ -80,7 +80,6 @@ def _train(model, optimizer, policy, steps, microbatches=1):
     "preset, update, microbatches",
     [
         ("offload_all", "auto", 1),
-        ("offload_all", "streamed", 1),
         ("offload_all", "streamed", 2),
         ("remat", "auto", 1),
     ],

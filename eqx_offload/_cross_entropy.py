@@ -1,0 +1,151 @@
+"""`chunked_cross_entropy`: a language-model head and its cross-entropy that never
+hold the whole `[tokens, vocab]` logits.
+
+The tokens are cut into chunks; a `lax.scan` computes one chunk's logits, its
+log-sum-exp and its loss at a time, and the backward pass (a `jax.custom_vjp`)
+computes each chunk's logits again rather than keeping them. Device memory for the
+head is then one chunk of logits (and its gradient) instead of all of them: for a
+128k vocabulary and 8 x 1024 tokens in fp32, 4 GiB become `chunk x 128256 x 4` B.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, Real
+
+
+def chunked_cross_entropy(
+    hidden: Float[Array, "*tokens dim"],
+    weight: Float[Array, "vocab dim"],
+    targets: Int[Array, "*tokens"],
+    *,
+    mask: Bool[Array, "*tokens"] | Real[Array, "*tokens"] | None = None,
+    chunk: int = 1024,
+) -> Float[Array, ""]:
+    """The mean cross-entropy of the logits `hidden @ weight.T` against `targets`,
+    computed `chunk` tokens at a time, so that the whole logits never exist.
+
+    Equal to `optax.softmax_cross_entropy_with_integer_labels(hidden @ weight.T,
+    targets)` averaged over the (unmasked) tokens, with the same gradients for
+    `hidden` and `weight`; the backward pass recomputes each chunk's logits.
+    Logits are computed and reduced in float32 whatever the inputs' dtype.
+
+    **Arguments:**
+
+    - `hidden`: the last hidden states, any leading (token) axes, e.g.
+        `[batch, seq, dim]`.
+    - `weight`: the output projection, `[vocab, dim]`: a tied embedding's table,
+        or a head's weight (`eqx.nn.Linear(dim, vocab).weight` has this layout).
+    - `targets`: integer labels, with `hidden`'s token axes.
+    - `mask`: which tokens count (booleans), or per-token weights; `None`: all.
+        The loss is the weighted mean `sum(mask * loss) / sum(mask)`.
+    - `chunk`: tokens per chunk. Token counts that are not a multiple are padded
+        (the padding has no weight).
+
+    **Returns:**
+
+    The scalar loss.
+
+    !!! Example
+
+        ```python
+        def loss_fn(model, tokens, targets):
+            hidden = jax.vmap(model.trunk)(tokens)           # [batch, seq, dim]
+            return eo.chunked_cross_entropy(hidden, model.embed.weight, targets)
+        ```
+    """
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(
+            f"`chunked_cross_entropy(chunk={chunk!r})` must be a positive int "
+            "(tokens per chunk)."
+        )
+    if weight.ndim != 2 or hidden.shape[-1:] != weight.shape[1:]:
+        raise ValueError(
+            "`chunked_cross_entropy`: `weight` must be `[vocab, dim]` with the "
+            f"`dim` of `hidden`; got hidden {tuple(hidden.shape)} and weight "
+            f"{tuple(weight.shape)} (an `eqx.nn.Linear(dim, vocab)` weight has "
+            "this layout; transpose a `[dim, vocab]` matrix)."
+        )
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            "`chunked_cross_entropy`: `targets` must have the token axes of "
+            f"`hidden` {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}."
+        )
+    if not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise ValueError(
+            "`chunked_cross_entropy`: `targets` must be integer labels, got "
+            f"{targets.dtype}."
+        )
+    if mask is not None and tuple(mask.shape) != tuple(targets.shape):
+        raise ValueError(
+            "`chunked_cross_entropy`: `mask` must have the shape of `targets` "
+            f"{tuple(targets.shape)}, got {tuple(mask.shape)}."
+        )
+    dim = hidden.shape[-1]
+    h = hidden.reshape(-1, dim)
+    t = targets.reshape(-1)
+    w = jnp.ones(t.shape, jnp.float32) if mask is None else mask.reshape(-1)
+    w = w.astype(jnp.float32)
+    n = h.shape[0]
+    size = min(chunk, n)
+    pad = -n % size
+    if pad:
+        h = jnp.concatenate([h, jnp.zeros((pad, dim), h.dtype)])
+        t = jnp.concatenate([t, jnp.zeros((pad,), t.dtype)])
+        w = jnp.concatenate([w, jnp.zeros((pad,), w.dtype)])
+    chunks = h.shape[0] // size
+    total = _weighted_sum(
+        h.reshape(chunks, size, dim),
+        weight,
+        t.reshape(chunks, size),
+        w.reshape(chunks, size),
+    )
+    return total / jnp.sum(w)
+
+
+def _logits(h: Any, weight: Any) -> Any:
+    return jnp.einsum("td,vd->tv", h, weight, preferred_element_type=jnp.float32)
+
+
+def _chunk_losses(h: Any, weight: Any, t: Any) -> tuple[Any, Any]:
+    """One chunk: each token's loss, and its log-sum-exp."""
+    logits = _logits(h, weight)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    correct = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
+    return lse - correct, lse
+
+
+@jax.custom_vjp
+def _weighted_sum(h: Any, weight: Any, t: Any, w: Any) -> Any:
+    return _forward(h, weight, t, w)[0]
+
+
+def _forward(h: Any, weight: Any, t: Any, w: Any) -> tuple[Any, Any]:
+    def body(total: Any, chunk: tuple) -> tuple[Any, Any]:
+        hc, tc, wc = chunk
+        losses, lse = _chunk_losses(hc, weight, tc)
+        return total + jnp.sum(wc * losses), lse
+
+    total, lse = jax.lax.scan(body, jnp.zeros((), jnp.float32), (h, t, w))
+    return total, (h, weight, t, w, lse)
+
+
+def _backward(residuals: tuple, g: Any) -> tuple:
+    h, weight, t, w, lse = residuals
+
+    def body(dweight: Any, chunk: tuple) -> tuple[Any, Any]:
+        hc, tc, wc, lsec = chunk
+        probs = jnp.exp(_logits(hc, weight) - lsec[:, None])
+        onehot = jax.nn.one_hot(tc, weight.shape[0], dtype=jnp.float32)
+        dlogits = (probs - onehot) * (g * wc)[:, None]
+        dh = jnp.einsum("tv,vd->td", dlogits, weight.astype(jnp.float32))
+        dweight = dweight + jnp.einsum("tv,td->vd", dlogits, hc.astype(jnp.float32))
+        return dweight, dh.astype(hc.dtype)
+
+    zero = jnp.zeros(weight.shape, jnp.float32)
+    dweight, dh = jax.lax.scan(body, zero, (h, t, w, lse))
+    return dh, dweight.astype(weight.dtype), None, None
+
+
+_weighted_sum.defvjp(_forward, _backward)
