@@ -307,8 +307,8 @@ def train_step(
         they equal the whole batch's for a loss that is a mean over examples (a
         loss that sums over examples comes out divided by `k`), summed in
         float32. With `has_aux=True` the aux of every micro-batch comes back
-        stacked (leading axis `k`). A batch whose leading axis does not split into `k` parts is
-        a `ValueError`.
+        stacked (leading axis `k`). A batch whose leading axis does not split
+        into `k` parts is a `ValueError`.
     - `unsplit`: positions (among the batch arguments, 0 for the first after the
         optimizer state) of arguments passed whole to every micro-batch: a PRNG
         key, a mask shared by all examples.

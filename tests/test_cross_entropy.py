@@ -49,9 +49,9 @@ def test_bf16_inputs_within_bf16_rounding(getkey):
         lambda h, w: eo.chunked_cross_entropy(h, w, targets, chunk=16), (0, 1)
     )
     value, (dh, dw) = fn(hidden, weight)
-    ref, (rh, rw) = jax.value_and_grad(
-        lambda h, w: _plain(h, w, targets), (0, 1)
-    )(hidden.astype(jnp.float32), weight.astype(jnp.float32))
+    ref, (rh, rw) = jax.value_and_grad(lambda h, w: _plain(h, w, targets), (0, 1))(
+        hidden.astype(jnp.float32), weight.astype(jnp.float32)
+    )
     assert dh.dtype == dw.dtype == jnp.bfloat16
     np.testing.assert_allclose(value, ref, rtol=1e-5)
     np.testing.assert_allclose(dh.astype(jnp.float32), rh, rtol=1e-2, atol=1e-3)
@@ -78,7 +78,9 @@ class _LM(eqx.Module):
     def __init__(self, vocab, dim, key):
         k1, k2 = jax.random.split(key)
         self.embed = jax.random.normal(k1, (vocab, dim)) * 0.02
-        self.blocks = eo.Stacked.from_fn(lambda k: eqx.nn.Linear(dim, dim, key=k), 2, key=k2)
+        self.blocks = eo.Stacked.from_fn(
+            lambda k: eqx.nn.Linear(dim, dim, key=k), 2, key=k2
+        )
 
     def hidden(self, tokens):
         return jax.vmap(lambda t: self.blocks(self.embed[t]))(tokens)
@@ -107,7 +109,9 @@ def test_saves_the_logits_on_tpu(dim):
     device = {}
     for name, fn in (("plain", plain), ("chunked", chunked)):
         step = eo.train_step(fn, optimizer, policy)
-        report = eo.memory_report(step, model, opt_state, tokens, tokens, target="tpu-v5e")
+        report = eo.memory_report(
+            step, model, opt_state, tokens, tokens, target="tpu-v5e"
+        )
         device[name] = report.device_bytes
     logits = batch * seq * vocab * 4
     assert device["plain"] - device["chunked"] >= 0.9 * logits
