@@ -44,7 +44,6 @@ class Tap:
     acc: Any  # receives the gradient (its cotangent); the leaf's shape
     dtype: Any  # what the loss computes with
     read: Any  # False, or a traced bool: add the gradient to `acc`'s value
-    used: bool = False
 
 
 @dataclasses.dataclass
@@ -73,18 +72,10 @@ def current() -> Table | None:
 
 
 def lookup(path: str) -> Tap | None:
-    """The tap of the leaf at `path`, marking it used, or None."""
+    """The tap of the leaf at `path`, or None. (A leaf the loss never reaches
+    through its tap gets a zero gradient, as it would without one.)"""
     table = _CURRENT.get()
-    found = None if table is None else table.taps.get(path)
-    if found is not None:
-        found.used = True
-    return found
-
-
-def unused() -> list[str]:
-    """Paths of the current taps no parameter went through."""
-    table = _CURRENT.get()
-    return [] if table is None else [p for p, t in table.taps.items() if not t.used]
+    return None if table is None else table.taps.get(path)
 
 
 def tap(value: Any, acc: Any, dtype: Any, read: Any) -> Any:

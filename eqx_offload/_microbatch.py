@@ -182,7 +182,7 @@ def value_and_grad(
             device_grads = [a + b for a, b in zip(device_grads, new, strict=True)]
             return ((accs, device_grads), total + value, index + 1), aux
 
-        zeros = [jnp.zeros(x.shape, x.dtype) for x in device_params]
+        zeros = [jnp.zeros_like(x) for x in device_params]
         init = ((masters, zeros), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
         (grads, total, _), aux = jax.lax.scan(body, init, parts)
         value = total / k

@@ -176,7 +176,7 @@ def norms(grads: Any, updates: Any, params: Any) -> dict[str, Any]:
 
     def norm(tree: Any) -> Any:
         leaves = [x.astype(jnp.float32) for x in jtu.tree_leaves(tree)]
-        return optax.global_norm(leaves)
+        return optax.tree.norm(leaves)
 
     return dict(zip(METRICS, (norm(grads), norm(updates), norm(params))))
 

@@ -19,9 +19,9 @@ def _reference(model, optimizer, batch):
     updates, _ = optimizer.update(grads, optimizer.init(params), params)
     new = eqx.apply_updates(params, updates)
     return {
-        "grad_norm": optax.global_norm(grads),
-        "update_norm": optax.global_norm(updates),
-        "param_norm": optax.global_norm(new),
+        "grad_norm": optax.tree.norm(grads),
+        "update_norm": optax.tree.norm(updates),
+        "param_norm": optax.tree.norm(new),
     }
 
 

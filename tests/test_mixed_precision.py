@@ -213,8 +213,15 @@ def _mse(model, x, y):
     return jnp.mean((jax.vmap(model)(x) - y) ** 2)
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
-def test_on_a_mesh_under_both_axis_types(getkey, axis_type):
+@pytest.mark.parametrize(
+    "axis_type, preset",
+    [
+        (AxisType.Auto, "offload_all"),
+        (AxisType.Explicit, "offload_all"),
+        (AxisType.Explicit, "remat"),
+    ],
+)
+def test_on_a_mesh_under_both_axis_types(getkey, axis_type, preset):
     """FSDP over 4 devices, the batch over the same axis, bf16 and 2 micro-batches:
     the losses and masters of the same policy on one device (bf16 sums in
     another order on the mesh; after Adam the masters are within 0.1 x lr x
@@ -234,11 +241,12 @@ def test_on_a_mesh_under_both_axis_types(getkey, axis_type):
             losses.append(float(loss))
         return model, losses
 
-    one, one_losses = run(eo.Policy.offload_all(compute_dtype=jnp.bfloat16))
+    make = getattr(eo.Policy, preset)
+    one, one_losses = run(make(compute_dtype=jnp.bfloat16))
     mesh = jax.make_mesh(
         (4,), ("fsdp",), axis_types=(axis_type,), devices=jax.devices()[:4]
     )
-    policy = eo.Policy.offload_all(
+    policy = make(
         shard=eo.FSDP("fsdp", min_size=64), batch="fsdp", compute_dtype=jnp.bfloat16
     )
     with jax.set_mesh(mesh):
@@ -247,4 +255,5 @@ def test_on_a_mesh_under_both_axis_types(getkey, axis_type):
     for a, b in zip(_arrays(model), _arrays(one), strict=True):
         assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 0.1 * 1e-2 * 3
     assert "fsdp" in str(model.blocks.layers.weight.sharding.spec)
-    assert memory_kind(model.blocks.layers.weight) == "pinned_host"
+    kind = "pinned_host" if preset == "offload_all" else "device"
+    assert memory_kind(model.blocks.layers.weight) == kind
