@@ -17,9 +17,10 @@ def _names(value: Any, argument: str) -> tuple[str, ...]:
     if isinstance(value, str):
         value = (value,)
     if not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
+        what = "leaf-path patterns" if argument == "keep_dtype" else "checkpoint names"
         raise TypeError(
-            f"`Policy({argument}=...)` must be a sequence of checkpoint names or "
-            f"patterns (strings), got {value!r}."
+            f"`Policy({argument}=...)` must be a sequence of {what} or patterns "
+            f"(strings), got {value!r}."
         )
     for name in value:
         if not name or name != name.strip():
