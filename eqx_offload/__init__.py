@@ -16,6 +16,7 @@ from ._checkpoint import (
 )
 from ._cross_entropy import chunked_cross_entropy as chunked_cross_entropy
 from ._diagnose import DoesNotCompile as DoesNotCompile
+from ._embedding import embed as embed
 from ._layer_paths import (
     LeafIndex as LeafIndex,
     load_state_dict as load_state_dict,

@@ -104,7 +104,10 @@ def _forward_rule(
     reads: bool, dtype: Any, acc_dtype: Any, value: Any, acc: Any, flag: Any
 ) -> tuple[Any, Any]:
     out = _forward(reads, dtype, acc_dtype, value, acc, flag)
-    return out, (acc if reads else None, flag, is_host(acc))
+    # A streamed table's gradient arrives on the host: it is cast (and added) into
+    # `acc` block by block, so `acc` is kept as the buffer.
+    keep = reads or is_host(value)
+    return out, (acc if keep else None, flag, is_host(acc))
 
 
 def _backward_rule(
@@ -112,6 +115,8 @@ def _backward_rule(
 ) -> tuple[None, Any, None]:
     del dtype
     acc, flag, host = residual
+    if is_host(g):
+        return None, _add_host(g, acc, flag if reads else False), None
     g = g.astype(acc_dtype)
     if not reads:
         return None, to_space(g, "pinned_host" if host else "device", ""), None
@@ -148,6 +153,24 @@ def _add_by_blocks(g: Any, acc: Any, flag: Any, blocks: int) -> Any:
         piece = to_space(_tiling.read(acc, index, rows), "device", "")
         piece = jnp.where(flag, piece, 0)
         piece = piece + jax.lax.dynamic_slice_in_dim(g, index * rows, rows)
+        piece = to_space(piece, "pinned_host", "")
+        return _tiling.write(acc, piece, index, rows), None
+
+    return jax.lax.scan(body, acc, jnp.arange(blocks))[0]
+
+
+def _add_host(g: Any, acc: Any, flag: Any) -> Any:
+    """`g` (host-resident: a table streamed by `Policy(stream=...)`) cast to
+    `acc`'s dtype, plus `acc` where `flag`, written into `acc` block by block."""
+    blocks = _tiling.row_blocks(acc.shape, g.dtype, PIECE_BYTES)
+    rows = acc.shape[0] // blocks
+
+    def body(acc: Any, index: Any) -> tuple[Any, None]:
+        piece = to_space(_tiling.read(g, index, rows), "device", "")
+        piece = piece.astype(acc.dtype)
+        if flag is not False:
+            old = to_space(_tiling.read(acc, index, rows), "device", "")
+            piece = piece + jnp.where(flag, old, 0)
         piece = to_space(piece, "pinned_host", "")
         return _tiling.write(acc, piece, index, rows), None
 

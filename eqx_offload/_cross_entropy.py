@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Real
 
+from . import _vocab_blocks
+
 
 def chunked_cross_entropy(
     hidden: Float[Array, "*tokens dim"],
@@ -41,7 +43,13 @@ def chunked_cross_entropy(
     - `mask`: which tokens count (booleans), or per-token weights; `None`: all.
         The loss is the weighted mean `sum(mask * loss) / sum(mask)`.
     - `chunk`: tokens per chunk. Token counts that are not a multiple are padded
-        (the padding has no weight).
+        (the padding has no weight). Not used for a streamed `weight`.
+
+    **A weight streamed from the host.** A `weight` the step keeps in host memory
+    (`Policy(stream=("embed",))`) is read one block of rows at a time instead:
+    each block's logits for all tokens, a running log-sum-exp in the forward pass,
+    and in the backward pass the block's gradient, written back to the host. For a
+    tied embedding pass the table that `eo.embed` returned.
 
     **Returns:**
 
@@ -87,6 +95,10 @@ def chunked_cross_entropy(
     t = targets.reshape(-1)
     w = jnp.ones(t.shape, jnp.float32) if mask is None else mask.reshape(-1)
     w = w.astype(jnp.float32)
+    if _vocab_blocks.streams(weight):
+        _vocab_blocks.check(weight, "chunked_cross_entropy")
+        with jax.named_scope(_vocab_blocks.SCOPE):
+            return _streamed_sum(h, weight, t, w) / jnp.sum(w)
     n = h.shape[0]
     size = min(chunk, n)
     pad = -n % size
@@ -149,3 +161,63 @@ def _backward(residuals: tuple, g: Any) -> tuple:
 
 
 _weighted_sum.defvjp(_forward, _backward)
+
+
+@jax.custom_vjp
+def _streamed_sum(h: Any, table: Any, t: Any, w: Any) -> Any:
+    return _streamed_forward(h, table, t, w)[0]
+
+
+def _streamed_forward(h: Any, table: Any, t: Any, w: Any) -> tuple[Any, Any]:
+    """The weighted sum of the losses, one block of the host `table` at a time:
+    a running maximum and sum of exponentials per token, and the target's logit
+    from the block that holds it."""
+    rows = _vocab_blocks.rows_per_block(table, h.shape[0])
+
+    def body(carry: tuple, index: Any, start: Any) -> tuple:
+        top, sums, correct = carry
+        logits = _logits(h, _vocab_blocks.read(table, index, rows))
+        new_top = jnp.maximum(top, jnp.max(logits, axis=-1))
+        sums = sums * jnp.exp(top - new_top) + jnp.sum(
+            jnp.exp(logits - new_top[:, None]), axis=-1
+        )
+        local = t - start
+        hit = (local >= 0) & (local < rows)
+        picked = jnp.take_along_axis(logits, jnp.clip(local, 0, rows - 1)[:, None], 1)
+        return new_top, sums, jnp.where(hit, picked[:, 0], correct)
+
+    n = h.shape[0]
+    start = (
+        jnp.full((n,), -jnp.inf, jnp.float32),
+        jnp.zeros((n,), jnp.float32),
+        jnp.zeros((n,), jnp.float32),
+    )
+    top, sums, correct = _vocab_blocks.loop(body, start, table, rows)
+    lse = top + jnp.log(sums)
+    return jnp.sum(w * (lse - correct)), (h, table, t, w, lse)
+
+
+def _streamed_backward(residuals: tuple, g: Any) -> tuple:
+    h, table, t, w, lse = residuals
+    rows = _vocab_blocks.rows_per_block(table, h.shape[0])
+    scale = (g * w)[:, None]
+    h32 = h.astype(jnp.float32)
+
+    def body(carry: tuple, index: Any, start: Any) -> tuple:
+        dh, dtable = carry
+        block = _vocab_blocks.read(table, index, rows)
+        probs = jnp.exp(_logits(h, block) - lse[:, None])
+        onehot = (t - start)[:, None] == jnp.arange(rows)[None, :]
+        dlogits = (probs - onehot) * scale
+        dh = dh + jnp.einsum("tv,vd->td", dlogits, block.astype(jnp.float32))
+        dblock = jnp.einsum("tv,td->vd", dlogits, h32).astype(table.dtype)
+        return dh, _vocab_blocks.write(dtable, dblock, index, rows)
+
+    # Every block of the gradient is written, so the table's buffer serves.
+    zero = jnp.zeros(h.shape, jnp.float32)
+    with jax.named_scope(_vocab_blocks.SCOPE):
+        dh, dtable = _vocab_blocks.loop(body, (zero, table), table, rows)
+    return dh.astype(h.dtype), dtable, None, None
+
+
+_streamed_sum.defvjp(_streamed_forward, _streamed_backward)

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
 from . import _accumulate, _paths
-from ._memory_kinds import is_arraylike, is_host
+from ._memory_kinds import is_arraylike, is_host, to_space
 
 
 def check_unsplit(unsplit: Any, microbatches: Any, where: str) -> tuple[int, ...]:
@@ -160,7 +160,13 @@ def value_and_grad(
         value, aux = out if has_aux else (out, None)
         return value / k, (value, aux)
 
-    grad = jax.value_and_grad(run, has_aux=True)
+    def grad(wrt: tuple, arguments: tuple, read: Any) -> tuple:
+        out, (accs, new) = jax.value_and_grad(run, has_aux=True)(wrt, arguments, read)
+        # A leaf the loss never reaches gets a zero gradient from JAX, on the
+        # device: put it where its accumulator lives.
+        accs = [to_space(a, "pinned_host", "") for a in accs]
+        return out, (accs, new)
+
     device_params = [leaf.value for leaf, _ in plain]
     masters = [leaf.value for leaf, _ in tapped]
     if k == 1:

@@ -17,7 +17,8 @@ def _names(value: Any, argument: str) -> tuple[str, ...]:
     if isinstance(value, str):
         value = (value,)
     if not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
-        what = "leaf-path patterns" if argument == "keep_dtype" else "checkpoint names"
+        paths = argument in ("keep_dtype", "stream")
+        what = "leaf-path patterns" if paths else "checkpoint names"
         raise TypeError(
             f"`Policy({argument}=...)` must be a sequence of {what} or patterns "
             f"(strings), got {value!r}."
@@ -112,6 +113,7 @@ class Policy(eqx.Module):
     batch: PartitionSpec | None = eqx.field(static=True)
     compute_dtype: np.dtype | None = eqx.field(static=True)
     keep_dtype: tuple[str, ...] = eqx.field(static=True)
+    stream: tuple[str, ...] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -126,6 +128,7 @@ class Policy(eqx.Module):
         batch: None | PartitionSpec | str = None,
         compute_dtype: Any = None,
         keep_dtype: Sequence[str] = (),
+        stream: Sequence[str] = (),
     ):
         """**Arguments:**
 
@@ -184,6 +187,15 @@ class Policy(eqx.Module):
             `("**.norm*",)` keeps every LayerNorm's weight and bias fp32). A
             pattern that matches no trainable leaf is a `ValueError` when the
             policy is applied.
+        - `stream`: leaf-path patterns of large `[vocab, dim]` tables (an
+            embedding, an output projection) that stay in host memory inside the
+            step, rather than moving to the device whole where it starts:
+            `eo.embed` and `eo.chunked_cross_entropy` read them one block of rows
+            at a time and write their gradients back the same way. Such a leaf
+            must be host-resident (`params`), outside any `Stacked`, and used
+            only by those two functions (anything else is an error naming the
+            leaf); a pattern that matches no host-resident leaf is a
+            `ValueError`. E.g. `Policy.offload_all(stream=("embed",))`.
         """
         self.params = _params(params)
         self.save = "all" if save == "all" else _names(save, "save")
@@ -201,6 +213,7 @@ class Policy(eqx.Module):
         self.batch = check_batch(batch)
         self.compute_dtype = _compute_dtype(compute_dtype)
         self.keep_dtype = _names(keep_dtype, "keep_dtype")
+        self.stream = _names(stream, "stream")
         if self.keep_dtype and self.compute_dtype is None:
             raise ValueError(
                 f"`Policy(keep_dtype={self.keep_dtype!r})` has no effect without "

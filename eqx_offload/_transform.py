@@ -9,7 +9,7 @@ import jax
 import jax.extend.core as jex
 import jax.tree_util as jtu
 
-from . import _accumulate, _layout, _names, _paths, _tiling
+from . import _accumulate, _layout, _names, _paths, _tiling, _vocab_blocks
 from ._memory_kinds import is_host
 from ._policy import check_policy, Policy, PolicyArg
 from ._stacked import configure, Stacked
@@ -26,9 +26,12 @@ def _named_arguments(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
     ]
 
 
-def _configure_all(args: tuple, kwargs: dict, policy: Policy) -> tuple[tuple, dict]:
+def _configure_all(
+    args: tuple, kwargs: dict, policy: Policy, streamed: set[str]
+) -> tuple[tuple, dict]:
     """Replaces every top-level `Stacked` in the arguments by its configured view,
-    and moves host-resident leaves outside any `Stacked` to the device.
+    and moves host-resident leaves outside any `Stacked` to the device, except the
+    model's `streamed` ones.
 
     Every half of an `eqx.partition`ed model is configured alike, so `eqx.combine`
     inside `fun` sees matching pytrees. Two halves may share a path; two different
@@ -58,14 +61,17 @@ def _configure_all(args: tuple, kwargs: dict, policy: Policy) -> tuple[tuple, di
                 owners[path] = (argument, arrays | other_arrays)
                 x = configure(x, path, policy)
             elif eqx.is_array(x):
-                if is_host(x):
+                path = _paths.join("", keys)
+                # The model (argument 0) is what `Policy` describes.
+                stays = argument == "argument 0" and path in streamed
+                if is_host(x) and not stays:
                     x = jax.device_put(x, jax.memory.Space.Device)
-                if argument == "argument 0":  # the model, as `Policy` sees it
-                    path = _paths.join("", keys)
+                if argument == "argument 0":
                     found = _accumulate.lookup(path)
                     if found is not None:
                         x = _accumulate.tap(x, found.acc, found.dtype, found.read)
-                    x = _layout.gather_fsdp(x, path, policy.shard)
+                    if not stays:
+                        x = _layout.gather_fsdp(x, path, policy.shard)
             out.append(x)
         return jtu.tree_unflatten(treedef, out)
 
@@ -76,12 +82,48 @@ def _configure_all(args: tuple, kwargs: dict, policy: Policy) -> tuple[tuple, di
     return args, kwargs
 
 
+def _streamed_paths(model: Any, policy: Policy) -> set[str]:
+    """The paths of the model's leaves that `Policy(stream=...)` keeps on the host
+    inside the step. Each pattern must match a host-resident `[vocab, dim]` leaf
+    outside any `Stacked`."""
+    if not policy.stream:
+        return set()
+    flat = jtu.tree_flatten_with_path(model, is_leaf=_is_stacked)[0]
+    arrays = {
+        _paths.join("", keys): x
+        for keys, x in flat
+        if eqx.is_array(x) and not isinstance(x, Stacked)
+    }
+    found = set()
+    for pattern in policy.stream:
+        matched = {p for p in arrays if _paths.prefix_match(pattern, p) is not None}
+        if not matched:
+            raise ValueError(
+                f"`Policy(stream=...)` has {pattern!r}, which matches no leaf of the "
+                "model outside a `Stacked` (layers are streamed by their scan "
+                f"already); leaves include {_paths.quoted(sorted(arrays), 5)}."
+            )
+        for path in sorted(matched):
+            x = arrays[path]
+            if not is_host(x) or x.ndim != 2:
+                where = "on the device" if not is_host(x) else f"of shape {x.shape}"
+                raise ValueError(
+                    f"`Policy(stream=...)`: leaf {path!r} is {where}; a streamed "
+                    "leaf is a host-resident `[vocab, dim]` table. Place it on the "
+                    f"host (`Policy(params={{{path!r}: 'pinned_host'}})` or "
+                    "`offload_all`) or drop the pattern."
+                )
+        found |= matched
+    return found
+
+
 class _Watched(NamedTuple):
     """A host-resident stacked leaf as it flows through a jaxpr."""
 
     argument: str
     leaf: _paths.Leaf
     is_slice: bool  # one layer's slice, inside a scan over the whole leaf
+    streamed: bool = False  # a `Policy(stream=...)` table (or one `embed` returned)
 
 
 def _sub_jaxprs(eqn: Any) -> list[tuple[Any, list[int], bool]] | None:
@@ -125,6 +167,7 @@ def _find_misuse(
     The whole leaf may flow through calls and control flow and be scanned over; its
     slice, inside such a scan, may only be moved to the device.
     """
+    consumed: dict[Any, str] = {}  # streamed table -> the block loop that read it
     for eqn in jaxpr.eqns:
         used = {
             i: watched[v]
@@ -132,6 +175,19 @@ def _find_misuse(
             if not isinstance(v, jex.Literal) and v in watched
         }
         if not used:
+            continue
+        if all(w.streamed for w in used.values()) and _vocab_blocks.SCOPE in str(
+            eqn.source_info.name_stack
+        ):
+            # `embed` / `chunked_cross_entropy` reading the table by blocks. Each
+            # table is read by one of them: two would sum two host gradients.
+            for i, w in used.items():
+                if eqn.invars[i] in consumed:
+                    return w, "twice"
+                consumed[eqn.invars[i]] = eqn.primitive.name
+            for out in eqn.outvars:  # the table `embed` hands on
+                if _host_table(out.aval):
+                    watched[out] = next(iter(used.values()))
             continue
         if eqn.primitive.name == "device_put":
             for i, w in used.items():
@@ -158,10 +214,39 @@ def _find_misuse(
             found = _find_misuse(sub, inner) if inner else None
             if found is not None:
                 return found
+            if not sliced and len(sub.outvars) == len(eqn.outvars):
+                # A call that returns a watched value as it is (a gradient tap of
+                # the same dtype, an inner `jax.jit`) hands it on.
+                for inner_out, out in zip(sub.outvars, eqn.outvars):
+                    if inner_out in inner and inner[inner_out].streamed:
+                        watched[out] = inner[inner_out]
     return None
 
 
+def _host_table(aval: Any) -> bool:
+    host = getattr(aval, "memory_space", None) == jax.memory.Space.Host
+    return host and getattr(aval, "ndim", 0) == 2
+
+
 def _misuse_error(w: _Watched, primitive: str) -> ValueError:
+    if w.streamed and primitive == "twice":
+        return ValueError(
+            f"`filter_offload`: the streamed table {w.leaf.path!r} of {w.argument} "
+            "is read by two of `eo.embed` / `eo.chunked_cross_entropy`, whose two "
+            "host-resident gradients cannot be added. For a tied embedding, pass "
+            "the table `eo.embed` returns to the output projection: "
+            "`h, table = eo.embed(model.embed, tokens)`, then "
+            "`eo.chunked_cross_entropy(hidden, table, targets)`."
+        )
+    if w.streamed:
+        return ValueError(
+            f"`filter_offload`: leaf {w.leaf.path!r} of {w.argument} is streamed "
+            "from the host (`Policy(stream=...)`), so only `eo.embed` and "
+            "`eo.chunked_cross_entropy` can read it, block by block; here it is "
+            f"computed on by `{primitive}`, on the host, which no backend can do. "
+            "Use those two functions, or drop the leaf from `Policy(stream=...)` "
+            "so that it moves to the device whole."
+        )
     keep = (
         "Policy(params='device')"
         if not w.leaf.stacked
@@ -213,17 +298,25 @@ def _trace(fun: Callable, args: tuple, kwargs: dict) -> _Traced:
     return _Traced(closed, dynamic, positions, rebuild)
 
 
-def _check_host_leaves(traced: _Traced, args: tuple, kwargs: dict) -> None:
-    """Host-resident stacked leaves must only be used inside their scans."""
+def _check_host_leaves(
+    traced: _Traced, args: tuple, kwargs: dict, streamed: set[str]
+) -> None:
+    """Host-resident stacked leaves must only be used inside their scans, streamed
+    tables only by the functions that read them by blocks."""
     info = [
         (argument, leaf)
         for argument, arg in _named_arguments(args, kwargs)
         for leaf in _paths.leaves(arg)
     ]
+
+    def stream(argument: str, leaf: _paths.Leaf) -> bool:
+        return argument == "argument 0" and leaf.path in streamed
+
     watched = {
-        var: _Watched(*info[i], is_slice=False)
+        var: _Watched(*info[i], is_slice=False, streamed=stream(*info[i]))
         for var, i in zip(traced.closed.jaxpr.invars, traced.positions)
-        if info[i][1].stacked is not None and is_host(info[i][1].value)
+        if (info[i][1].stacked is not None or stream(*info[i]))
+        and is_host(info[i][1].value)
     }
     misuse = _find_misuse(traced.closed.jaxpr, watched)
     if misuse is not None:
@@ -239,8 +332,9 @@ class _OffloadWrapper(eqx.Module):
         return self._fun
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = _configure_all(args, kwargs, self._policy)
-        host_stacked = any(
+        streamed = _streamed_paths(args[0] if args else None, self._policy)
+        args, kwargs = _configure_all(args, kwargs, self._policy, streamed)
+        host_stacked = bool(streamed) or any(
             leaf.stacked is not None
             and eqx.is_array(leaf.value)
             and is_host(leaf.value)
@@ -251,7 +345,7 @@ class _OffloadWrapper(eqx.Module):
                 # Checking needs the jaxpr before any outer transformation sees it:
                 # trace, check, then evaluate it, so `fun` still runs once.
                 traced = _trace(self._fun, args, kwargs)
-                _check_host_leaves(traced, args, kwargs)
+                _check_host_leaves(traced, args, kwargs, streamed)
                 _names.check(self._policy, _names.NameLog.of(traced.closed))
                 outputs = jex.jaxpr_as_fun(traced.closed)(*traced.dynamic)
                 return traced.rebuild(outputs)

@@ -1,0 +1,121 @@
+"""`embed`: an embedding lookup that also works on a table streamed from the host,
+and hands the table on to a tied output projection."""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+from jaxtyping import Array, Float, Int
+
+from . import _vocab_blocks
+
+
+def embed(
+    table: Float[Array, "vocab dim"], tokens: Int[Array, "*tokens"]
+) -> tuple[Float[Array, "*tokens dim"], Float[Array, "vocab dim"]]:
+    """The rows of `table` at `tokens`, and `table` itself, for a tied output
+    projection.
+
+    On a device-resident table this is `(table[tokens], table)`. A table the
+    step keeps in host memory (`Policy(stream=("embed",))`) is read one block of
+    rows at a time, so it never exists whole on the device; its gradient is
+    written back to the host block by block.
+
+    **Tied embeddings.** Pass the *returned* table to the output projection
+    (`eo.chunked_cross_entropy(hidden, table, targets)`): the projection's
+    gradient then flows into this lookup's backward pass, which adds its own rows
+    to it in place. Using `model.embed` a second time instead would add two
+    host-resident gradients, which no backend can compute; the step raises an
+    error naming the leaf.
+
+    Call it on the whole batch (`tokens` may have any shape), not inside
+    `jax.vmap`.
+
+    **Arguments:**
+
+    - `table`: the embedding, `[vocab, dim]`.
+    - `tokens`: integer token ids, any shape. Ids outside `[0, vocab)` give zeros
+        on a streamed table (no block holds them).
+
+    **Returns:**
+
+    `(embeddings, table)`: `[*tokens, dim]` in `table`'s dtype, and the table.
+
+    !!! Example
+
+        ```python
+        def loss_fn(model, tokens, targets):
+            h, table = eo.embed(model.embed, tokens)   # [batch, seq, dim]
+            hidden = jax.vmap(model.trunk)(h)
+            return eo.chunked_cross_entropy(hidden, table, targets)
+        ```
+    """
+    if table.ndim != 2:
+        raise ValueError(
+            f"`embed`: `table` must be `[vocab, dim]`, got shape {tuple(table.shape)}."
+        )
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"`embed`: `tokens` must be integer ids, got {tokens.dtype}.")
+    if not _vocab_blocks.streams(table):
+        return table[tokens], table
+    _vocab_blocks.check(table, "embed")
+    with jax.named_scope(_vocab_blocks.SCOPE):
+        return _streamed(table, tokens)
+
+
+def _lookup(table: Any, tokens: Any) -> Any:
+    flat = tokens.reshape(-1)
+    rows = _vocab_blocks.rows_per_block(table, flat.size)
+
+    def body(out: Any, index: Any, start: Any) -> Any:
+        block = _vocab_blocks.read(table, index, rows)
+        local = flat - start
+        hit = (local >= 0) & (local < rows)
+        found = jnp.take(block, jnp.clip(local, 0, rows - 1), axis=0)
+        return jnp.where(hit[:, None], found, out)
+
+    zero = jnp.zeros((flat.size, table.shape[1]), table.dtype)
+    out = _vocab_blocks.loop(body, zero, table, rows)
+    return out.reshape(*tokens.shape, table.shape[1])
+
+
+@jax.custom_vjp
+def _streamed(table: Any, tokens: Any) -> tuple[Any, Any]:
+    return _lookup(table, tokens), table
+
+
+def _forward(table: Any, tokens: Any) -> tuple[tuple[Any, Any], tuple]:
+    return (_lookup(table.value, tokens.value), table.value), (
+        table.value,
+        tokens.value,
+    )
+
+
+def _backward(residuals: tuple, cotangents: tuple) -> tuple[Any, None]:
+    table, tokens = residuals
+    d_out, d_table = cotangents
+    flat = tokens.reshape(-1)
+    rows = _vocab_blocks.rows_per_block(table, flat.size)
+    # No tied projection: every block is written, so the table's buffer serves.
+    first = isinstance(d_table, SymbolicZero)
+    buffer = table if first else d_table
+    if isinstance(d_out, SymbolicZero):
+        return (None if first else d_table), None
+    d_flat = d_out.reshape(flat.size, -1).astype(table.dtype)
+
+    def body(buffer: Any, index: Any, start: Any) -> Any:
+        local = flat - start
+        local = jnp.where((local >= 0) & (local < rows), local, rows)  # dropped
+        if first:
+            block = jnp.zeros((rows, table.shape[1]), table.dtype)
+        else:
+            block = _vocab_blocks.read(buffer, index, rows)
+        block = block.at[local].add(d_flat, mode="drop")
+        return _vocab_blocks.write(buffer, block, index, rows)
+
+    with jax.named_scope(_vocab_blocks.SCOPE):
+        return _vocab_blocks.loop(body, buffer, table, rows), None
+
+
+_streamed.defvjp(_forward, _backward, symbolic_zeros=True)
