@@ -14,7 +14,7 @@ import jax.tree_util as jtu
 from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
-from . import _mesh, _paths, _residuals, _targets, _traffic
+from . import _compiled_traffic, _mesh, _paths, _residuals, _targets, _traffic
 from ._diagnose import DoesNotCompile
 from ._memory_kinds import is_arraylike, kind_of
 from ._targets import abstract, HBM_BYTES, TargetArg
@@ -141,6 +141,16 @@ class MemoryReport(eqx.Module):
     - `estimate`: `True` on the CPU backend, whose compiler does not tell host from
         device memory: the split there follows the leaves' memory kinds, and
         temporaries are counted as device memory.
+    - `transfers`: the bytes moved host <-> device per step that the traced
+        program asks for (`eo.Transfer` rows by direction, phase, what and name:
+        each parameter, optimizer-state leaf and checkpoint name).
+    - `compiled_transfers`: the same read from the compiled program, on a TPU
+        target (`None` otherwise): what the compiler kept (it drops the moves of
+        values nothing uses). A move of a value computed in the step that no named
+        scope describes (a gradient, a residual, an accumulator) is `"computed"`.
+    - `host_to_device_bytes`, `device_to_host_bytes`: the totals per step, from
+        `compiled_transfers` where there are some, else from `transfers`;
+        `transfer_bytes(direction, *, phase, what, compiled)` for a part.
 
     The compiler's `host["temp"]` is what it allocates in host memory for one chip
     while the step runs (e.g. a gradient gathered on the host before it is written
@@ -161,16 +171,24 @@ class MemoryReport(eqx.Module):
     chips: int | None = None  # devices compiled for (TPU targets)
     chips_per_host: int | None = None  # of them, how many one host serves
     transfers: tuple[Transfer, ...] | None = None
+    compiled_transfers: tuple[Transfer, ...] | None = None
 
     @property
     def host_to_device_bytes(self) -> int:
-        """Bytes moved from host to device memory per step (`transfers`)."""
-        return self.transfer_bytes("host_to_device")
+        """Bytes moved from host to device memory per step: what the compiled
+        program moves (`compiled_transfers`) on a TPU target, else what the traced
+        program asks for (`transfers`)."""
+        return self.transfer_bytes("host_to_device", compiled=self._compiled)
 
     @property
     def device_to_host_bytes(self) -> int:
-        """Bytes moved from device to host memory per step (`transfers`)."""
-        return self.transfer_bytes("device_to_host")
+        """Bytes moved from device to host memory per step, counted as
+        `host_to_device_bytes` is."""
+        return self.transfer_bytes("device_to_host", compiled=self._compiled)
+
+    @property
+    def _compiled(self) -> bool:
+        return self.compiled_transfers is not None
 
     def transfer_bytes(
         self,
@@ -178,13 +196,23 @@ class MemoryReport(eqx.Module):
         *,
         phase: Literal["forward/backward", "update"] | None = None,
         what: str | None = None,
+        compiled: bool = False,
     ) -> int:
-        """The bytes of `transfers` in one direction, of one phase and kind of
+        """The bytes moved per step in one direction, of one phase and kind of
         value if given (`what`: `"params"`, `"opt_state"`, `"gradients"`,
-        `"residuals"`, `"batch"` or `"other"`)."""
+        `"residuals"`, `"batch"`, `"other"`; in the compiled program also
+        `"computed"`), from `transfers`, or from `compiled_transfers` if
+        `compiled` (a TPU target's report has them)."""
+        rows = self.compiled_transfers if compiled else self.transfers
+        if compiled and rows is None:
+            raise ValueError(
+                "`MemoryReport.transfer_bytes(compiled=True)`: this report has no "
+                "compiled transfers (they are read from a TPU compile: "
+                "`memory_report(..., target='tpu-v5e')`)."
+            )
         return sum(
             t.bytes
-            for t in self.transfers or ()
+            for t in rows or ()
             if t.direction == direction
             and (phase is None or t.phase == phase)
             and (what is None or t.what == what)
@@ -239,6 +267,9 @@ class MemoryReport(eqx.Module):
             "transfers": None
             if self.transfers is None
             else [t._asdict() for t in self.transfers],
+            "compiled_transfers": None
+            if self.compiled_transfers is None
+            else [t._asdict() for t in self.compiled_transfers],
         }
 
     def __str__(self) -> str:
@@ -303,13 +334,15 @@ class MemoryReport(eqx.Module):
             for name, by_kind in self.arguments.items():
                 row(f"  {name}", by_kind.get("device", 0), _host(by_kind))
         if self.transfers:
-            lines += _transfer_lines(self.transfers)
+            lines += _transfer_lines(self.transfers, "as traced")
+        if self.compiled_transfers:
+            lines += _transfer_lines(self.compiled_transfers, "as compiled")
         return "\n".join(lines)
 
 
-def _transfer_lines(transfers: tuple[Transfer, ...]) -> list[str]:
-    """The traffic section of the table: bytes per step by phase and kind."""
-    header = f"{'moved per step (as traced)':<34}{'to device':>14}{'to host':>14}"
+def _transfer_lines(transfers: tuple[Transfer, ...], how: str) -> list[str]:
+    """A traffic section of the table: bytes per step by phase and kind."""
+    header = f"{f'moved per step ({how})':<34}{'to device':>14}{'to host':>14}"
     lines = [header, "-" * len(header)]
     totals: dict[tuple[str, str], dict[str, int]] = defaultdict(dict)
     for t in transfers:
@@ -587,7 +620,8 @@ def memory_report(
         return bytes_by_kind(tree, per_chip=where.mesh is not None)
 
     try:
-        stats = lowered.compile().memory_analysis()
+        compiled = lowered.compile()
+        stats = compiled.memory_analysis()
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" in str(e):
             raise _does_not_fit(plan, residuals, count, what, where, str(e)) from e
@@ -622,6 +656,11 @@ def memory_report(
         chips=where.chips,
         chips_per_host=where.chips_per_host,
         transfers=transfers,
+        compiled_transfers=_compiled_traffic.count(
+            compiled.as_text(), _inputs(plan), _outputs(plan), transfers
+        )
+        if platform == "tpu"
+        else None,
     )
 
 
@@ -641,6 +680,14 @@ def _inputs(plan: _Plan) -> list[tuple[str, str]]:
             if is_arraylike(leaf.value)
         ]
     return out
+
+
+def _outputs(plan: _Plan) -> list[tuple[str, str]]:
+    """What the first outputs of the compiled program are: a `train_step` returns
+    the new parameters and optimizer state first, leaf for leaf."""
+    if plan.kind != "train_step":
+        return []
+    return [i for i in _inputs(plan) if i[0] in ("params", "opt_state")]
 
 
 class _Where(NamedTuple):

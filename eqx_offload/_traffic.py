@@ -10,6 +10,9 @@ came from: a parameter, optimizer state or batch leaf of the step's arguments
 under a checkpoint name (`Policy(offload=...)`); what is computed in the step (a
 gradient, an accumulator, a new parameter written back) is attributed by the
 phase it moves in and the named scope around it.
+
+This is what the program asks for; `_compiled_traffic.py` reads what a TPU
+compiler kept of it.
 """
 
 from collections import defaultdict
@@ -198,7 +201,7 @@ def _pass_out(sub: Any, inner: dict, eqn: Any, origins: dict) -> None:
 
 def _count_puts(eqn: Any, ins: list, times: int, totals: dict, update: bool) -> None:
     phase = "update" if update else "forward/backward"
-    label = _label(_scope(eqn))
+    scope_label = label(_scope(eqn))
     for v, origin, where in zip(eqn.invars, ins, eqn.params["devices"]):
         aval = v.aval
         if not isinstance(where, jax.memory.Space):
@@ -209,13 +212,13 @@ def _count_puts(eqn: Any, ins: list, times: int, totals: dict, update: bool) -> 
         direction = "device_to_host" if dst_host else "host_to_device"
         what, name = origin
         if not what:
-            what, name = _guess(label, direction, update)
+            what, name = guess(scope_label, update)
         elif what == "opt_state" and not update and name.startswith("copies."):
             what, name = "params", name[len("copies.") :]  # a compute copy
         totals[direction, phase, what, name] += _nbytes(aval) * times
 
 
-def _label(scope: str) -> str:
+def label(scope: str) -> str:
     """The innermost named scope that is a leaf label (`grad.<path>`,
     `opt_state.<path>` or a path), without JAX's transformation wrappers."""
     for part in reversed(scope.split("/")):
@@ -227,11 +230,10 @@ def _label(scope: str) -> str:
     return ""
 
 
-def _guess(label: str, direction: str, update: bool) -> tuple[str, str]:
+def guess(label: str, update: bool) -> tuple[str, str]:
     """What a computed value moving is, from the named scope around it: the
     streamed update's labels (`grad.<path>`, `opt_state.<path>`, `<path>`) and
     the step's (`grad`, `params`, `opt_state`)."""
-    del direction
     for prefix, what in (("grad", "gradients"), ("opt_state", "opt_state")):
         if label == prefix or label.startswith(prefix + "."):
             return what, label[len(prefix) + 1 :]

@@ -68,9 +68,20 @@ def test_offload_all_by_hand(target, dim):
     assert moved("host_to_device", "update", "gradients") == stacked + w_in
     assert moved("host_to_device", "update", "params") == stacked + w_in
     assert moved("device_to_host", "update", "params") == stacked + w_in
-    assert r.host_to_device_bytes == 2 * stacked + w_in + LAYERS * carry + 2 * (
-        stacked + w_in
-    )
+    traced_h2d = 2 * stacked + w_in + LAYERS * carry + 2 * (stacked + w_in)
+    assert r.transfer_bytes("host_to_device") == traced_h2d
+    if target is not None:
+        # The compiled program streams the layers as traced, and writes as much
+        # back; it may read less (here it keeps `w_in`'s gradient on the device
+        # for the update, where the traced program reads back what it wrote).
+        def compiled(direction, phase=None, what=None):
+            return r.transfer_bytes(direction, phase=phase, what=what, compiled=True)
+
+        assert compiled("host_to_device", fb, "params") == 2 * stacked + w_in
+        assert compiled("device_to_host") == r.transfer_bytes("device_to_host")
+        assert traced_h2d - w_in <= r.host_to_device_bytes <= traced_h2d
+        assert r.host_to_device_bytes == compiled("host_to_device")
+        assert "moved per step (as compiled)" in str(r)
     names = {t.name for t in r.transfers or () if t.what == "residuals"}
     assert names == {"blocks.input"}
     text = str(r)
