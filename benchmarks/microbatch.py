@@ -7,8 +7,9 @@ whole `train_step` compiled for k = 1, 2, 4, 8 micro-batches under `remat`,
 
 Nothing is allocated: the model is abstract and only compiled. Device and host
 bytes are the compiled step's footprint per chip; the traffic columns are the
-bytes moved per step (`memory_report`'s transfers): parameters host -> device in
-the forward and backward passes, and everything host <-> device.
+bytes moved per step, as the compiled program moves them (`memory_report`'s
+`compiled_transfers`): parameters host -> device in the forward and backward
+passes, and everything host <-> device.
 """
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
@@ -56,7 +57,10 @@ def main():
                         "device MiB": r.device_bytes / MIB,
                         "host MiB": r.host_bytes / MIB,
                         "params H2D fwd/bwd MiB": r.transfer_bytes(
-                            "host_to_device", phase="forward/backward", what="params"
+                            "host_to_device",
+                            phase="forward/backward",
+                            what="params",
+                            compiled=True,
                         )
                         / MIB,
                         "H2D MiB": r.host_to_device_bytes / MIB,
