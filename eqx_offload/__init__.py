@@ -27,6 +27,10 @@ from ._layer_paths import (
 from ._layout import FSDP as FSDP
 from ._memory_kinds import MemoryKind as MemoryKind
 from ._mixed_precision import ComputeCopyState as ComputeCopyState
+from ._name_listing import (
+    checkpoint_names as checkpoint_names,
+    CheckpointName as CheckpointName,
+)
 from ._optim import init_opt_state as init_opt_state, place_opt_state as place_opt_state
 from ._optimizer_update import optimizer_update as optimizer_update
 from ._placement import field as field, place as place

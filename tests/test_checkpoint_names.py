@@ -1,0 +1,62 @@
+"""`eo.checkpoint_names` lists the names a policy can select, with the bytes
+`memory_report` counts for each."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import eqx_offload as eo
+
+from .helpers import Block, cross_entropy, Model
+
+
+def _model(getkey):
+    return Model(dim=16, depth=3, key=getkey())
+
+
+def _batch():
+    tokens = jnp.arange(16).reshape(2, 8) % 32
+    return tokens, (tokens + 1) % 32
+
+
+def test_names_and_bytes_match_memory_report(getkey):
+    model = _model(getkey)
+    x, y = _batch()
+    rows = eo.checkpoint_names(cross_entropy, model, x, y)
+    names = [r.name for r in rows]
+    assert names[0] == "blocks.input"
+    assert len(set(names)) == len(names)
+    residual = [r for r in rows if r.residual]
+    assert residual and all(r.bytes > 0 for r in residual)
+    assert all(r.bytes == 0 for r in rows if not r.residual)
+    for row in residual:
+        loss = eo.filter_offload(cross_entropy, eo.Policy.remat(save=(row.name,)))
+        report = eo.memory_report(loss, model, x, y)
+        assert report.residuals is not None
+        saved = {r.name: r.bytes for r in report.residuals}
+        assert saved[row.name] == row.bytes, row.name
+    for row in rows:
+        if not row.residual:
+            loss = eo.filter_offload(cross_entropy, eo.Policy.remat(save=(row.name,)))
+            with pytest.raises(ValueError, match="not saved for the backward pass"):
+                eqx.filter_grad(loss)(model, x, y)
+
+
+def test_abstract_arguments_and_wrapped_functions(getkey):
+    model = _model(getkey)
+    abstract = eqx.filter_eval_shape(lambda: model)
+    x = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    concrete = eo.checkpoint_names(cross_entropy, model, *_batch())
+    assert eo.checkpoint_names(cross_entropy, abstract, x, x) == concrete
+    wrapped = eo.filter_offload(cross_entropy, eo.Policy.offload_residuals())
+    assert eo.checkpoint_names(wrapped, abstract, x, x) == concrete
+
+
+def test_no_stacked_is_an_error(getkey):
+    block = Block(16, 2, key=getkey())
+    x = jnp.ones((8, 16))
+    with pytest.raises(ValueError, match=r"hold no `Stacked`"):
+        eo.checkpoint_names(lambda m, x: jnp.sum(m(x)), block, x)
+    with pytest.raises(TypeError, match="needs `fn`'s arguments"):
+        eo.checkpoint_names(cross_entropy)
