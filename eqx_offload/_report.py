@@ -5,7 +5,7 @@ import functools
 import math
 import re
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
@@ -14,7 +14,15 @@ import jax.tree_util as jtu
 from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
-from . import _compiled_traffic, _mesh, _paths, _residuals, _targets, _traffic
+from . import (
+    _compiled_traffic,
+    _mesh,
+    _paths,
+    _plot,
+    _residuals,
+    _targets,
+    _traffic,
+)
 from ._diagnose import DoesNotCompile
 from ._memory_kinds import is_arraylike, kind_of
 from ._targets import abstract, HBM_BYTES, TargetArg
@@ -271,6 +279,38 @@ class MemoryReport(eqx.Module):
             if self.compiled_transfers is None
             else [t._asdict() for t in self.compiled_transfers],
         }
+
+    def plot(
+        self,
+        *others: "MemoryReport",
+        labels: Sequence[str] | None = None,
+        ax: Any = None,
+        unit: Literal["GiB", "MiB", "KiB", "B"] = "GiB",
+        title: str | None = None,
+    ) -> Any:
+        """Draws where the memory lives: for this report and each of `others`, side
+        by side, a stacked bar for the device and one for the host (per chip on a
+        TPU), split into parameters, optimizer state, other arguments (the batch),
+        saved activations by checkpoint name (as traced; one-chip reports), the
+        rest of the temporaries, and outputs not written in place. A device bar
+        within half of the chip's capacity shows the capacity as a dashed line.
+
+        Needs matplotlib (`pip install 'eqx_offload[plot]'`).
+
+        **Arguments:**
+
+        - `*others`: more reports to draw next to this one (presets, depths, chip
+            counts...).
+        - `labels`: one label per report, this one first (default: the targets).
+        - `ax`: a matplotlib `Axes` to draw on (default: a new figure).
+        - `unit`: `"GiB"`, `"MiB"`, `"KiB"` or `"B"`.
+        - `title`: the axes' title.
+
+        **Returns:**
+
+        The matplotlib `Axes`; `ax.figure.savefig("memory.png")` saves it.
+        """
+        return _plot.plot((self, *others), labels, ax=ax, unit=unit, title=title)
 
     def __str__(self) -> str:
         what = _DESCRIPTIONS[self.kind]

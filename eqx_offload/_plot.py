@@ -1,0 +1,152 @@
+"""Pictures of memory reports: device and host bytes by category, stacked bars,
+several reports side by side (matplotlib, the `plot` extra)."""
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any, TYPE_CHECKING
+
+
+if TYPE_CHECKING:
+    from ._report import MemoryReport
+
+_MEMORIES = ("device", "host")
+_UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
+# Fixed colours per category; saved activations take shades of one hue by name.
+_COLOURS = {
+    "parameters": "#4c72b0",
+    "optimizer state": "#dd8452",
+    "other arguments": "#8c8c8c",
+    "temporaries": "#c7c7c7",
+    "new outputs": "#937860",
+}
+
+
+def categories(report: "MemoryReport", memory: str) -> dict[str, int]:
+    """The footprint of one memory (`"device"` or `"host"`) of a report, split so
+    that the parts add up to it: parameters, optimizer state, other arguments,
+    saved activations by checkpoint name (`"saved: <name>"`, as traced; one-chip
+    reports only; on the CPU, whose estimate counts temporaries as device memory,
+    all of them on the device), the rest of the temporaries, and outputs not
+    written in place."""
+    parts = report.device if memory == "device" else report.host
+
+    def of(by_kind: dict[str, int] | None) -> int:
+        if by_kind is None:
+            return 0
+        if memory == "device":
+            return by_kind.get("device", 0)
+        return sum(v for k, v in by_kind.items() if k != "device")
+
+    params, opt_state = of(report.params), of(report.opt_state)
+    argument = parts["argument"]
+    # The compiler pads arrays to its tiles: clamp so that no part is negative.
+    params = min(params, argument)
+    opt_state = min(opt_state, argument - params)
+    out = {
+        "parameters": params,
+        "optimizer state": opt_state,
+        "other arguments": argument - params - opt_state,
+    }
+    temp = parts["temp"]
+    if report.residuals is not None and (report.chips or 1) == 1:
+        saved: dict[str, int] = defaultdict(int)
+        for r in report.residuals:
+            # The CPU's estimate counts every temporary as device memory.
+            on_device = report.estimate or r.memory_kind == "device"
+            if on_device == (memory == "device"):
+                saved[r.name] += r.bytes
+        for name, n in saved.items():
+            n = min(n, temp)
+            out[f"saved: {name}"] = n
+            temp -= n
+    out["temporaries"] = temp
+    out["new outputs"] = max(parts["output"] - parts["alias"], 0)
+    return out
+
+
+def _near(report: "MemoryReport", device: float | int) -> bool:
+    """Whether a device bar comes within half of the chip's capacity (only then is
+    the capacity drawn: far above the bars it would flatten them)."""
+    return report.capacity is not None and device >= report.capacity / 2
+
+
+def plot(
+    reports: Sequence["MemoryReport"],
+    labels: Sequence[str] | None = None,
+    *,
+    ax: Any = None,
+    unit: str = "GiB",
+    title: str | None = None,
+) -> Any:
+    """Draws `reports` side by side (see `MemoryReport.plot`); returns the axes."""
+    try:
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError as e:
+        raise ImportError(
+            "`MemoryReport.plot` draws with matplotlib, which is not installed: "
+            "`pip install 'eqx_offload[plot]'` (or `pip install matplotlib`)."
+        ) from e
+    if unit not in _UNITS:
+        raise ValueError(
+            f"`MemoryReport.plot(unit=...)` must be one of {', '.join(_UNITS)}, got "
+            f"{unit!r}."
+        )
+    if labels is None:
+        labels = [r.target for r in reports]
+        if len(set(labels)) < len(labels):
+            labels = [f"{i}: {r.target}" for i, r in enumerate(reports)]
+    labels = list(labels)
+    if len(labels) != len(reports):
+        raise ValueError(
+            f"`MemoryReport.plot(labels=...)` has {len(labels)} labels for "
+            f"{len(reports)} reports; give one label per report."
+        )
+    scale = _UNITS[unit]
+    split = [{m: categories(r, m) for m in _MEMORIES} for r in reports]
+    names = list(dict.fromkeys(k for s in split for m in _MEMORIES for k in s[m]))
+    saved = [n for n in names if n.startswith("saved: ")]
+    cmap = plt.get_cmap("Greens")
+    colours: dict[str, Any] = dict(_COLOURS)
+    for i, n in enumerate(saved):
+        colours[n] = cmap(0.35 + 0.55 * i / max(len(saved) - 1, 1))
+    if ax is None:
+        width = max(4.0, 1.6 * len(reports) + 2.5)
+        _, ax = plt.subplots(figsize=(width, 4.5), layout="constrained")
+    positions, ticks = [], []
+    for i, (report, s) in enumerate(zip(reports, split)):
+        for j, memory in enumerate(_MEMORIES):
+            x = 3 * i + j
+            positions.append(x)
+            ticks.append(memory)
+            bottom = 0.0
+            for name in names:
+                height = s[memory].get(name, 0) / scale
+                if height > 0:
+                    ax.bar(x, height, bottom=bottom, color=colours[name], width=0.8)
+                    bottom += height
+            capacity = report.capacity
+            if memory == "device" and capacity and _near(report, bottom * scale):
+                ax.hlines(
+                    capacity / scale, x - 0.45, x + 0.45, colors="#c44e52",
+                    linestyles="dashed",
+                )  # fmt: skip
+    ax.set_xticks(positions, ticks)
+    for i, label in enumerate(labels):
+        ax.annotate(
+            label, xy=(3 * i + 0.5, 0), xycoords=("data", "axes fraction"),
+            xytext=(0, -24), textcoords="offset points", ha="center", va="top",
+        )  # fmt: skip
+    ax.set_ylabel(f"{unit} per chip" if reports[0].chips else unit)
+    used = [
+        n for n in names if any(s[m].get(n, 0) > 0 for s in split for m in _MEMORIES)
+    ]
+    handles = [Patch(color=colours[n], label=n) for n in reversed(used)]
+    if any(_near(r, r.device_bytes) for r in reports):
+        handles.append(
+            Patch(facecolor="none", edgecolor="#c44e52", label="chip capacity")
+        )
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    if title is not None:
+        ax.set_title(title)
+    return ax

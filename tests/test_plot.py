@@ -1,0 +1,50 @@
+"""`MemoryReport.plot`: the parts it draws add up to the footprints."""
+
+import matplotlib
+import optax
+import pytest
+
+
+matplotlib.use("Agg")
+
+import eqx_offload as eo  # noqa: E402
+from eqx_offload._plot import categories  # noqa: E402
+
+from .helpers import batches, cross_entropy, Model  # noqa: E402
+
+
+def _report(getkey, preset: str, target: str | None = None) -> eo.MemoryReport:
+    policy = getattr(eo.Policy, preset)()
+    optimizer = optax.adam(1e-3)
+    model = eo.place(Model(depth=2, key=getkey()), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    return eo.memory_report(step, model, opt_state, *next(batches()), target=target)
+
+
+@pytest.mark.parametrize("target", [None, "tpu-v5e"])
+def test_parts_add_up_to_the_footprints(getkey, target):
+    report = _report(getkey, "offload_all", target)
+    device, host = categories(report, "device"), categories(report, "host")
+    assert sum(device.values()) == report.device_bytes
+    assert sum(host.values()) == report.host_bytes
+    assert all(v >= 0 for v in (*device.values(), *host.values()))
+    assert host["parameters"] == (report.params or {})["pinned_host"]
+    assert device["parameters"] == 0
+    # The offloaded carries, as traced (temporaries of the device on the CPU).
+    saved = (device if target is None else host)["saved: blocks.input"]
+    assert saved > 0
+
+
+def test_several_reports_side_by_side(getkey, tmp_path):
+    reports = [_report(getkey, p) for p in ("remat", "offload_all")]
+    ax = reports[0].plot(reports[1], labels=["remat", "offload_all"], unit="KiB")
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["device", "host"] * 2
+    labels = {t.get_text() for t in ax.get_legend().get_texts()}
+    assert {"parameters", "optimizer state", "saved: blocks.input"} <= labels
+    ax.figure.savefig(tmp_path / "memory.png")
+    assert (tmp_path / "memory.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="2 reports; give one label per report"):
+        reports[0].plot(reports[1], labels=["one"])
+    with pytest.raises((ValueError, TypeError), match="unit"):
+        reports[0].plot(unit="GB")  # type: ignore[arg-type]
