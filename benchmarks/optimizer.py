@@ -98,9 +98,15 @@ def main():
             extra = {"offload": ()} if name.startswith("dict") else {}
             row: dict[str, object] = {"model": name, "preset": preset, "note": ""}
             for label, overrides in (
-                ("state on device", {"opt_state": "device"}),
-                ("host, whole", {"opt_state": "pinned_host", "update": "whole"}),
-                ("host, streamed", {"opt_state": "pinned_host", "update": "streamed"}),
+                ("device, state on device", {"opt_state": "device"}),
+                (
+                    "device, state on host, whole",
+                    {"opt_state": "pinned_host", "update": "whole"},
+                ),
+                (
+                    "device, state on host, streamed",
+                    {"opt_state": "pinned_host", "update": "streamed"},
+                ),
             ):
                 policy = getattr(eo.Policy, preset)(**{**extra, **overrides})
                 try:
@@ -109,12 +115,13 @@ def main():
                     row[f"{label} GiB"], row["note"] = None, "does not fit in HBM"
                     continue
                 row[f"{label} GiB"] = r.device_bytes / MIB / 1024
-                if label == "host, streamed":
+                if label == "device, state on host, streamed":
                     host_state = (r.opt_state or {}).get("pinned_host", 0)
                     host_params = (r.params or {}).get("pinned_host", 0)
                     row["host alias GiB"] = r.host["alias"] / MIB / 1024
                     row["host state GiB"] = host_state / MIB / 1024
                     row["host params GiB"] = host_params / MIB / 1024
+                    row["host temporaries GiB"] = r.host["temp"] / MIB / 1024
             results.append(row)
             print(f"  {name}, {preset} done", flush=True)
     headers = list(results[0])
