@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one test command: creates .venv if missing, installs the project with its test
-# extras, then runs ruff, pyright and pytest. `.ci/run` calls exactly this.
+# extras, then runs ruff, pyright, the docs site build and pytest. `.ci/run` calls exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
@@ -11,5 +11,7 @@ echo "== ruff"
 .venv/bin/ruff format --check .
 echo "== pyright"
 .venv/bin/pyright
+echo "== docs site (mkdocs build --strict)"
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 echo "== pytest"
 .venv/bin/pytest -q "$@"
