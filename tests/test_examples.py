@@ -92,3 +92,34 @@ def test_own_step_matches_train_step():
     assert own_host == host
     own_device, device = int(own_device.replace(",", "")), int(device.replace(",", ""))
     assert abs(own_device - device) <= 0.005 * device
+
+
+def _run(args: list[str], cwd: Path) -> str:
+    result = subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_char_gpt_trains_samples_and_resumes(tmp_path):
+    tiny = [
+        str(ROOT / "examples" / "char_gpt.py"),
+        *("--dim", "32", "--depth", "2", "--seq", "32", "--batch", "4"),
+        *("--eval-batches", "1", "--sample", "20", "--save-every", "3"),
+    ]
+    out = _run([*tiny, "--steps", "6"], tmp_path)
+    assert "compiled for tpu-v5e" in out and "blocks.input" in out
+    before = float(re.search(r"held-out loss at step 0: ([\d.]+)", out)[1])
+    after = float(re.search(r"held-out loss at step 6: ([\d.]+)", out)[1])
+    assert after < before
+    assert "steps [3, 6]" in out
+    assert re.search(r"sample:\nAnd God said.{20}", out, re.S)
+    assert (tmp_path / "char_gpt_memory.png").stat().st_size > 0
+    out = _run([*tiny, "--steps", "8", "--target", "none"], tmp_path)
+    assert "at step 6" in out and "held-out loss at step 8" in out
