@@ -16,6 +16,18 @@ MIB = 2**20
 GIB = 2**30
 
 
+def example(name: str):
+    """`examples/<name>.py`, imported by path (examples/ is not a package)."""
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def parser(doc: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
     p.add_argument("--json", type=Path, help="also write the results to this file")

@@ -13,7 +13,6 @@ live model, bit for bit.
 """
 
 import ctypes
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -25,19 +24,9 @@ import equinox as eqx
 import jax
 import numpy as np
 import optax
-from _common import MIB, parser, table, write_json
+from _common import example, MIB, parser, table, write_json
 
 import eqx_offload as eo
-
-
-def _quickstart():
-    """examples/quickstart.py, imported by path (examples/ is not a package)."""
-    path = Path(__file__).parents[1] / "examples" / "quickstart.py"
-    spec = importlib.util.spec_from_file_location("quickstart", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def rss() -> int:
@@ -97,7 +86,7 @@ def main():
         "--directory", help="checkpoint directory (default: a temporary one)"
     )
     args = p.parse_args()
-    qs = _quickstart()
+    qs = example("quickstart")
     vocab, dim, depth, seq, batch_size = 64, 64, 4, 32, 16
 
     policy = eo.Policy.offload_all()

@@ -6,20 +6,25 @@ and for one TPU v5e chip.
 
 The tutorial's printed figures come from a GPU; the baselines here are its recipes
 recompiled with `eo.memory_report`. Its `out_shardings=s_host` is written as a
-`device_put` to `jax.memory.Space.Host` at the end of the step (DESIGN.md §4.9), so
-that one recipe compiles for every target.
+`device_put` to `jax.memory.Space.Host` at the end of the step so that one recipe
+compiles for every target. The eqx_offload models and losses are those of
+`examples/offloading_tutorial.py`.
 """
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from _common import MIB, parser, table, write_json
+from _common import example, MIB, parser, table, write_json
 from jax.ad_checkpoint import checkpoint_name
-from jaxtyping import Array, Float
 
 import eqx_offload as eo
+
+
+_tutorial = example("offloading_tutorial")
+TwoLayers, stacked_loss = _tutorial.TwoLayers, _tutorial.stacked_loss
+optimizer, compute_loss = _tutorial.optimizer, _tutorial.compute_loss
+gelu = _tutorial.gelu
 
 
 # --- Experiments 1 and 2: a 10-layer scan of two matmuls -----------------------
@@ -70,18 +75,6 @@ def tutorial_parameter_offload(w, x):
     return jnp.sum(jax.lax.scan(remat_layer, x, w)[0])
 
 
-class TwoLayers(eqx.Module):
-    w1: Float[Array, "in hidden"]
-    w2: Float[Array, "hidden in"]
-
-    def __call__(self, x: Float[Array, "n in"]) -> Float[Array, "n in"]:
-        return (x @ self.w1) @ self.w2
-
-
-def eqx_loss(stacked: eo.Stacked[TwoLayers], x):
-    return jnp.sum(stacked(x))
-
-
 def experiments_1_and_2():
     """(name, experiment, function, arguments), all gradients of the same loss."""
     w = (w1, w2)
@@ -91,7 +84,7 @@ def experiments_1_and_2():
     )
     stacked_host = eo.place(stacked, eo.Policy(params="pinned_host"))
     eqx_grad = jax.jit(
-        jax.grad(eo.filter_offload(eqx_loss, eo.Policy.offload_residuals()))
+        jax.grad(eo.filter_offload(stacked_loss, eo.Policy.offload_residuals()))
     )
     return [
         (
@@ -130,24 +123,6 @@ def experiments_1_and_2():
 # --- Experiment 3: a dict of four 7168x7168 weights, clip + Adam ---------------
 
 DIM = 7168
-optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(learning_rate=0.1))
-
-
-def gelu(x):
-    return 0.5 * x * (1 + jnp.tanh(jnp.sqrt(2 / jnp.pi) * (x + 0.044715 * x**3)))
-
-
-def forward(params, x):
-    for i in range(1, 5):
-        x = gelu(x @ params[f"w{i}"])
-    return x
-
-
-def compute_loss(params, inputs):
-    outputs = forward(params, inputs)
-    loss = jnp.mean((outputs - inputs) ** 2)
-    l2_reg = 0.001 * sum(jnp.sum(w**2) for w in jax.tree_util.tree_leaves(params))
-    return loss + l2_reg
 
 
 def tutorial_step(params, opt_state, inputs):

@@ -82,7 +82,7 @@ def held_out_loss(
 
 @eqx.filter_jit
 def next_token(
-    model: GPT, window: Int[Array, " seq"], position: Int[Array, ""], key: PRNGKeyArray
+    model: GPT, window: Int[Array, " seq"], position: int, key: PRNGKeyArray
 ) -> Int[Array, ""]:
     logits = model(window)[position]
     return jax.random.categorical(key, logits / 0.8)  # temperature 0.8
@@ -101,7 +101,7 @@ def generate(model: GPT, prompt: list[int], length: int, seq: int, key) -> list[
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description="A character-level offloaded GPT.")
     p.add_argument("--steps", type=int, default=1500, help="train until this step")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--depth", type=int, default=4)
@@ -124,7 +124,7 @@ def main():
     text = TEXT.read_text()
     split = int(0.9 * len(text))
     chars = Characters(text)
-    train, held_out = chars.tokens[:split], chars.tokens[split:]
+    train, held_out_tokens = chars.tokens[:split], chars.tokens[split:]
     print(f"{TEXT.name}: {len(text):,} characters, {chars.vocab} distinct")
 
     policy = eo.Policy.offload_all()
@@ -163,9 +163,13 @@ def main():
         ax.figure.savefig(args.plot, dpi=120)
         print(f"saved {args.plot}")
 
-    print(f"held-out loss at step {start}: "
-          f"{held_out_loss(evaluate, model, held_out, args.batch, args.seq, args.eval_batches):.3f}"
-          f" (uniform guess: {math.log(chars.vocab):.3f})")  # fmt: skip
+    def held_out() -> float:
+        return held_out_loss(
+            evaluate, model, held_out_tokens, args.batch, args.seq, args.eval_batches
+        )
+
+    uniform = math.log(chars.vocab)
+    print(f"held-out loss at step {start}: {held_out():.3f} (uniform: {uniform:.3f})")
     running = None
     with tqdm(range(start, args.steps), desc="training", unit="step") as bar:
         for step in bar:
@@ -178,15 +182,17 @@ def main():
                 eo.save(checkpoint, model, opt_state, step=step + 1, keep=2)
     eo.wait_until_finished()
     end = max(start, args.steps)
-    loss = held_out_loss(evaluate, model, held_out, args.batch, args.seq, args.eval_batches)  # fmt: skip
-    print(f"held-out loss at step {end}: {loss:.3f}")
+    print(f"held-out loss at step {end}: {held_out():.3f}")
     print(f"checkpoint: {checkpoint} (steps {eo.saved_steps(checkpoint)})")
 
     prompt = "And God said"
     sample = generate(
-        model, [chars.index[c] for c in prompt], args.sample, args.seq,
+        model,
+        [chars.index[c] for c in prompt],
+        args.sample,
+        args.seq,
         jax.random.key(end),
-    )  # fmt: skip
+    )
     print(f"\nsample:\n{prompt}{chars.decode(sample)}")
 
 
