@@ -131,3 +131,15 @@ def test_offloading_tutorial_prints_the_three_tables(tmp_path):
         assert table in out
     assert "input" in out and "on pinned_host" in out and "tpu-v5e device" in out
     assert (tmp_path / "offloading_tutorial_memory.png").stat().st_size > 0
+
+
+def test_vit_port_matches_the_original_and_trains(tmp_path):
+    out = _run(
+        [str(ROOT / "examples" / "vit.py"), "--steps", "3", "--dim", "32"]
+        + ["--depth", "2", "--test", "16"],
+        tmp_path,
+    )
+    difference = re.search(r"largest logit difference: ([\d.e+-]+)", out)
+    assert difference and float(difference[1]) < 1e-5
+    assert "compiled for tpu-v5e" in out and "held-out accuracy after 3 steps" in out
+    assert (tmp_path / "vit_memory.png").stat().st_size > 0
