@@ -128,15 +128,23 @@ def plot(
             capacity = report.capacity
             if memory == "device" and capacity and _near(report, bottom * scale):
                 ax.hlines(
-                    capacity / scale, x - 0.45, x + 0.45, colors="#c44e52",
+                    capacity / scale,
+                    x - 0.45,
+                    x + 0.45,
+                    colors="#c44e52",
                     linestyles="dashed",
-                )  # fmt: skip
+                )
     ax.set_xticks(positions, ticks)
     for i, label in enumerate(labels):
         ax.annotate(
-            label, xy=(3 * i + 0.5, 0), xycoords=("data", "axes fraction"),
-            xytext=(0, -24), textcoords="offset points", ha="center", va="top",
-        )  # fmt: skip
+            label,
+            xy=(3 * i + 0.5, 0),
+            xycoords=("data", "axes fraction"),
+            xytext=(0, -24),
+            textcoords="offset points",
+            ha="center",
+            va="top",
+        )
     ax.set_ylabel(f"{unit} per chip" if reports[0].chips else unit)
     used = [
         n for n in names if any(s[m].get(n, 0) > 0 for s in split for m in _MEMORIES)

@@ -143,3 +143,29 @@ def test_vit_port_matches_the_original_and_trains(tmp_path):
     assert difference and float(difference[1]) < 1e-5
     assert "compiled for tpu-v5e" in out and "held-out accuracy after 3 steps" in out
     assert (tmp_path / "vit_memory.png").stat().st_size > 0
+
+
+def test_sharded_run_matches_one_device(tmp_path):
+    out = _run(
+        [str(ROOT / "examples" / "sharded.py"), "--steps", "3", "--dim", "64"]
+        + ["--depth", "2", "--seq", "16"],
+        tmp_path,
+    )
+    assert "mesh: {'fsdp': 8}" in out and "compiled for tpu-v5e:2x4" in out
+    difference = re.search(r"two runs' losses: ([\d.e+-]+)", out)
+    assert difference and float(difference[1]) < 1e-4
+    assert (tmp_path / "sharded_memory.png").stat().st_size > 0
+
+
+def test_bf16_microbatches_run(tmp_path):
+    out = _run(
+        [str(ROOT / "examples" / "bf16_microbatches.py"), "--steps", "4"]
+        + ["--dim", "64", "--depth", "2", "--seq", "16", "--batch", "8"],
+        tmp_path,
+    )
+    rows = dict(
+        re.findall(r"^(fp32|bf16)\s+[\d.]+ MiB\s+[\d.]+ MiB\s+([\d.]+) MiB", out, re.M)
+    )
+    assert float(rows["bf16"]) <= 0.55 * float(rows["fp32"])  # half the weights' bytes
+    assert "masters: float32 on pinned_host" in out
+    assert (tmp_path / "bf16_microbatches_memory.png").stat().st_size > 0
