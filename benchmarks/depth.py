@@ -61,9 +61,10 @@ def main():
                 row["note"] = (
                     "exceeds the 16 GiB of HBM" if report.fits is False else ""
                 )
+                row["report"] = report.to_dict()  # for `benchmarks/plot.py`
             results.append(row)
             print(f"  {preset}, {depth} layers done", flush=True)
-    headers = list(results[0])
+    headers = ["preset", "layers", "device MiB", "host MiB", "note"]
     print(f"\nGradient computation compiled for {args.target}:")
     print(table(headers, [[r[h] for h in headers] for r in results]))
     growth = []

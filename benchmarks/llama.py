@@ -207,6 +207,7 @@ def main():
     headers = list(rows[0])
     print(table(headers, [[row.get(h) for h in headers] for row in rows]))
     found = {r["loss"]: r["device GiB"] for r in rows if r["preset"] == "offload_all"}
+    summary = {}
     if {"plain", "streamed", "trunk only"} <= found.keys():
         saved = found["plain"] - found["streamed"]
         most = found["plain"] - found["trunk only"]
@@ -216,10 +217,23 @@ def main():
             f"all would save {most:.2f} GiB ({most * GIB / logits:.3f}x), so the "
             f"streamed head costs {found['streamed'] - found['trunk only']:.3f} GiB"
         )
+        summary = {
+            "saved GiB": saved,
+            "saved / logits": saved * GIB / logits,
+            "most any loss can save GiB": most,
+            "most / logits": most * GIB / logits,
+            "streamed head GiB": found["streamed"] - found["trunk only"],
+        }
     write_json(
         args.json,
         "llama",
-        {"target": args.target, "parameters": n, "logits_bytes": logits, "rows": rows},
+        {
+            "target": args.target,
+            "parameters": n,
+            "logits_bytes": logits,
+            "rows": rows,
+            "summary": summary,
+        },
     )
 
 

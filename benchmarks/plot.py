@@ -1,7 +1,10 @@
-"""Plots the depth-scaling results: device and host memory of the gradient
-computation per preset and depth.
+"""Draws the depth-scaling figure with `MemoryReport.plot`: for each preset, the
+device and host memory of the gradient computation at each depth, by category.
 
     python benchmarks/plot.py [benchmarks/results/depth.json] [docs/depth.png]
+
+The reports are read back from the JSON `benchmarks/depth.py` writes
+(`MemoryReport.from_dict`).
 """
 
 import json
@@ -14,38 +17,50 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+import eqx_offload as eo  # noqa: E402
+
 
 def main():
     source = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/depth.json")
     target = Path(sys.argv[2] if len(sys.argv) > 2 else "docs/depth.png")
     rows = json.loads(source.read_text())["results"]
     presets = list(dict.fromkeys(r["preset"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
-    for preset in presets:
-        mine = [
-            r for r in rows if r["preset"] == preset and r["device MiB"] is not None
+    fig, axes = plt.subplots(
+        1,
+        len(presets),
+        figsize=(5.2 * len(presets), 4.8),
+        sharey=True,
+        layout="constrained",
+    )
+    for ax, preset in zip(axes, presets):
+        mine = [r for r in rows if r["preset"] == preset and r.get("report")]
+        reports = [eo.MemoryReport.from_dict(r["report"]) for r in mine]
+        labels = [f"{r['layers']} layers" for r in mine]
+        reports[0].plot(*reports[1:], labels=labels, ax=ax, title=f"Policy.{preset}()")
+        if ax is not axes[-1]:
+            ax.get_legend().remove()  # one legend, on the right
+        missing = [
+            str(r["layers"])
+            for r in rows
+            if r["preset"] == preset and not r.get("report")
         ]
-        layers = [r["layers"] for r in mine]
-        for ax, key in zip(axes, ("device MiB", "host MiB")):
-            ax.plot(layers, [r[key] / 1024 for r in mine], marker="o", label=preset)
-    for ax, title in zip(axes, ("device (HBM)", "pinned host")):
-        ax.set_title(f"{title} memory")
-        ax.set_xlabel("layers")
-        ax.set_ylabel("GiB")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks([4, 8, 16, 32], ["4", "8", "16", "32"])
-        ax.grid(alpha=0.3)
-    axes[0].axhline(15.75, color="grey", linestyle="--", linewidth=1)
-    axes[0].text(4, 15.75, " v5e HBM", va="bottom", fontsize=8, color="grey")
-    axes[0].legend(title="Policy")
+        if missing:
+            ax.text(
+                0.98,
+                0.98,
+                f"{', '.join(missing)} layers: does not compile",
+                transform=ax.transAxes,
+                ha="right",
+                va="top",
+                fontsize=8,
+            )
     fig.suptitle(
         "Gradient of a GPT-style stack (dim 1024, seq 1024, batch 8, vocab 32768), "
         "compiled for one TPU v5e chip",
         fontsize=10,
     )
-    fig.tight_layout()
     target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, dpi=120)
+    fig.savefig(target, dpi=110)
     print(f"wrote {target}")
 
 

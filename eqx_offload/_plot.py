@@ -125,16 +125,9 @@ def plot(
                 if height > 0:
                     ax.bar(x, height, bottom=bottom, color=colours[name], width=0.8)
                     bottom += height
-            capacity = report.capacity
-            if memory == "device" and capacity and _near(report, bottom * scale):
-                ax.hlines(
-                    capacity / scale,
-                    x - 0.45,
-                    x + 0.45,
-                    colors="#c44e52",
-                    linestyles="dashed",
-                )
-    ax.set_xticks(positions, ticks)
+    for capacity in sorted({r.capacity for r in reports if _near(r, r.device_bytes)}):
+        ax.axhline(capacity / scale, color="#c44e52", linestyle="dashed", linewidth=1)
+    ax.set_xticks(positions, ticks, fontsize=10 if len(reports) <= 3 else 8)
     for i, label in enumerate(labels):
         ax.annotate(
             label,

@@ -280,6 +280,38 @@ class MemoryReport(eqx.Module):
             else [t._asdict() for t in self.compiled_transfers],
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "MemoryReport":
+        """The report `to_dict()` gave (read back from JSON, say): its derived
+        figures (`device_bytes`, `fits`, ...) are computed again."""
+        missing = {"target", "kind", "estimate", "device", "host"} - set(data)
+        if missing:
+            raise ValueError(
+                "`MemoryReport.from_dict(data)` takes what `MemoryReport.to_dict()` "
+                f"returns; `data` lacks {', '.join(sorted(missing))}."
+            )
+
+        def rows(key: str, row: type) -> Any:
+            value = data.get(key)
+            return None if value is None else tuple(row(**r) for r in value)
+
+        return cls(
+            target=data["target"],
+            kind=data["kind"],
+            estimate=data["estimate"],
+            capacity=data.get("capacity"),
+            device=dict(data["device"]),
+            host=dict(data["host"]),
+            arguments={k: dict(v) for k, v in data.get("arguments", {}).items()},
+            params=data.get("params"),
+            opt_state=data.get("opt_state"),
+            residuals=rows("residuals", ResidualRow),
+            chips=data.get("chips"),
+            chips_per_host=data.get("chips_per_host"),
+            transfers=rows("transfers", Transfer),
+            compiled_transfers=rows("compiled_transfers", Transfer),
+        )
+
     def plot(
         self,
         *others: "MemoryReport",
@@ -292,8 +324,9 @@ class MemoryReport(eqx.Module):
         by side, a stacked bar for the device and one for the host (per chip on a
         TPU), split into parameters, optimizer state, other arguments (the batch),
         saved activations by checkpoint name (as traced; one-chip reports), the
-        rest of the temporaries, and outputs not written in place. A device bar
-        within half of the chip's capacity shows the capacity as a dashed line.
+        rest of the temporaries, and outputs not written in place. When a device
+        bar comes within half of the chip's capacity, the capacity is drawn as a
+        dashed line.
 
         Needs matplotlib (`pip install 'eqx_offload[plot]'`).
 

@@ -48,3 +48,14 @@ def test_several_reports_side_by_side(getkey, tmp_path):
         reports[0].plot(reports[1], labels=["one"])
     with pytest.raises((ValueError, TypeError), match="unit"):
         reports[0].plot(unit="GB")  # type: ignore[arg-type]
+
+
+def test_a_report_read_back_from_json_draws_the_same(getkey):
+    import json
+
+    report = _report(getkey, "offload_all", "tpu-v5e")
+    again = eo.MemoryReport.from_dict(json.loads(json.dumps(report.to_dict())))
+    assert again.to_dict() == report.to_dict()
+    assert categories(again, "device") == categories(report, "device")
+    with pytest.raises(ValueError, match="lacks device, estimate, host"):
+        eo.MemoryReport.from_dict({"target": "tpu-v5e", "kind": "function"})
