@@ -125,7 +125,8 @@ def plot(
                 if height > 0:
                     ax.bar(x, height, bottom=bottom, color=colours[name], width=0.8)
                     bottom += height
-    for capacity in sorted({r.capacity for r in reports if _near(r, r.device_bytes)}):
+    near = {r.capacity for r in reports if r.capacity and _near(r, r.device_bytes)}
+    for capacity in sorted(c for c in near if c is not None):
         ax.axhline(capacity / scale, color="#c44e52", linestyle="dashed", linewidth=1)
     ax.set_xticks(positions, ticks, fontsize=10 if len(reports) <= 3 else 8)
     for i, label in enumerate(labels):
