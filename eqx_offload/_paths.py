@@ -11,6 +11,7 @@ matches no segment at all, so `**.input` matches `input`), and everything else,
 brackets included, is literal.
 """
 
+import abc
 import dataclasses
 import functools
 import re
@@ -44,6 +45,18 @@ def join(prefix: str, keys: tuple[Any, ...] | str) -> str:
     return out[1:] if out.startswith(".") else out
 
 
+class LayerStack(abc.ABC):
+    """A pytree node whose `layers` hold layers stacked along a leading axis.
+
+    `leaves` walks into its `layers` without writing that field into the path and
+    with one more layer axis. `eqx_offload.Stacked` is the implementation; the base
+    lives here so that these path utilities do not depend on it.
+    """
+
+    __slots__ = ()
+    layers: Any
+
+
 class Leaf(NamedTuple):
     """A leaf of a pytree with what `eqx_offload` needs to know about it."""
 
@@ -56,17 +69,15 @@ class Leaf(NamedTuple):
 
 def leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[Leaf]:
     """Flattens `tree` like `jax.tree.leaves`, giving each leaf its dotted path."""
-    from ._stacked import Stacked
-
     out: list[Leaf] = []
 
     def stop(x: Any) -> bool:
-        return isinstance(x, Stacked) or (is_leaf is not None and is_leaf(x))
+        return isinstance(x, LayerStack) or (is_leaf is not None and is_leaf(x))
 
     def visit(
         node: Any, prefix: str, stacked: str | None, meta: Mapping, depth: int = 0
     ) -> None:
-        if isinstance(node, Stacked):
+        if isinstance(node, LayerStack):
             visit(node.layers, prefix, prefix, meta, depth + 1)
             return
         flat, _ = jtu.tree_flatten_with_path(
@@ -75,7 +86,7 @@ def leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[Leaf
         for keys, value in flat:
             path = join(prefix, keys)
             leaf_meta = _field_metadata(node, keys, meta)
-            if isinstance(value, Stacked) and value is not node:
+            if isinstance(value, LayerStack) and value is not node:
                 visit(value, path, stacked, leaf_meta, depth)
             else:
                 out.append(Leaf(path, value, stacked, leaf_meta, depth))

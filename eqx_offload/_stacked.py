@@ -30,7 +30,7 @@ class _ScanConfig(NamedTuple):
     policy: Policy
 
 
-class Stacked(eqx.Module, Generic[_Layer]):
+class Stacked(eqx.Module, _paths.LayerStack, Generic[_Layer]):
     """N structurally identical layers, stored as one layer whose array leaves have a
     leading axis of size N, and applied in order with `jax.lax.scan`.
 
