@@ -12,9 +12,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int, Real
 
-from . import _vocab_blocks
+from . import _mesh, _vocab_blocks
 
 
 def chunked_cross_entropy(
@@ -98,7 +99,8 @@ def chunked_cross_entropy(
     if _vocab_blocks.streams(weight):
         _vocab_blocks.check(weight, "chunked_cross_entropy")
         with jax.named_scope(_vocab_blocks.SCOPE):
-            return _streamed_sum(h, weight, t, w) / jnp.sum(w)
+            total = _mesh.on_auto_axes(_streamed_sum, PartitionSpec())
+            return total(h, weight, t, w) / jnp.sum(w)
     n = h.shape[0]
     size = min(chunk, n)
     pad = -n % size
@@ -107,7 +109,7 @@ def chunked_cross_entropy(
         t = jnp.concatenate([t, jnp.zeros((pad,), t.dtype)])
         w = jnp.concatenate([w, jnp.zeros((pad,), w.dtype)])
     chunks = h.shape[0] // size
-    total = _weighted_sum(
+    total = _mesh.on_auto_axes(_weighted_sum, PartitionSpec())(
         h.reshape(chunks, size, dim),
         weight,
         t.reshape(chunks, size),

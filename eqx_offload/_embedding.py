@@ -6,9 +6,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
-from . import _vocab_blocks
+from . import _mesh, _vocab_blocks
 
 
 def embed(
@@ -57,11 +58,17 @@ def embed(
         )
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"`embed`: `tokens` must be integer ids, got {tokens.dtype}.")
+    found = PartitionSpec(*_mesh.spec(tokens), None)  # laid out as the ids are
     if not _vocab_blocks.streams(table):
-        return table[tokens], table
+        return _mesh.on_auto_axes(_take, found)(table, tokens), table
     _vocab_blocks.check(table, "embed")
     with jax.named_scope(_vocab_blocks.SCOPE):
-        return _streamed(table, tokens)
+        lookup = _mesh.on_auto_axes(_streamed, (found, _mesh.spec(table)))
+        return lookup(table, tokens)
+
+
+def _take(table: Any, tokens: Any) -> Any:
+    return table[tokens]
 
 
 def _lookup(table: Any, tokens: Any) -> Any:

@@ -265,13 +265,22 @@ def gather_fsdp(tree: Any, prefix: str, rules: Rules | None) -> Any:
 
 
 def specs(
-    leaves: list[_paths.Leaf], rules: Rules | None, mesh: AnyMesh, warn: bool = True
+    leaves: list[_paths.Leaf],
+    rules: Rules | None,
+    mesh: AnyMesh,
+    warn: bool = True,
+    streamed: tuple[str, ...] = (),
 ) -> list[PartitionSpec | None]:
     """The spec the rules give each leaf in full spelling (`None`: no rule matches
     it, it keeps its layout). Where several patterns match, the one with the most
     literal characters wins. A pattern that matches no leaf, a spec that cannot
     apply, or (for `FSDP`) a large leaf with no divisible dimension (a warning) are
-    reported naming the leaf."""
+    reported naming the leaf.
+
+    `streamed`: the `Policy(stream=...)` patterns. A table read by blocks of rows
+    from the host stays whole on every device: `FSDP` leaves it replicated, and a
+    spec that splits it is an error (the TPU compiler cannot read row blocks of a
+    host table split over chips)."""
     if rules is None:
         return [None] * len(leaves)
     used = {pattern: False for pattern, _ in rules}
@@ -284,6 +293,21 @@ def specs(
             continue
         shape = tuple(leaf.value.shape)
         rule = best[1]
+        is_streamed = not leaf.layer_axes and any(
+            _paths.prefix_match(p, leaf.path) is not None for p in streamed
+        )
+        if is_streamed:
+            if isinstance(rule, FSDP) or not any(_names(e) for e in rule):
+                out.append(normalise(PartitionSpec(), len(shape)))
+                continue
+            raise ValueError(
+                f"`Policy(shard=...)`: leaf {leaf.path!r} is streamed from the host "
+                f"(`Policy(stream=...)`), but {best[0]!r} splits it with {rule}. A "
+                "streamed table stays whole on every device (the TPU compiler cannot "
+                "read row blocks of a host table split over chips): give it its own "
+                f"rule, `Policy(shard={{..., {leaf.path!r}: PartitionSpec()}})`, or "
+                "drop it from `Policy(stream=...)`."
+            )
         if isinstance(rule, FSDP):
             spec = _fsdp_spec(
                 rule, shape, leaf.value.dtype, leaf.layer_axes, mesh, leaf.path

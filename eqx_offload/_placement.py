@@ -202,10 +202,16 @@ def move_leaves(
 
 
 def layout(
-    tree: Any, kinds: list[tuple[_paths.Leaf, str]], rules: Any, mesh: Any, where: str
+    tree: Any,
+    kinds: list[tuple[_paths.Leaf, str]],
+    rules: Any,
+    mesh: Any,
+    where: str,
+    streamed: tuple[str, ...] = (),
 ) -> tuple[list[PartitionSpec | None] | None, Any]:
     """The spec `rules` (a `Policy(shard=...)`) give each leaf of `kinds` on the mesh
-    (`mesh`, else the one of `jax.set_mesh`, else the tree's), and that mesh."""
+    (`mesh`, else the one of `jax.set_mesh`, else the tree's), and that mesh;
+    `streamed`: the `Policy(stream=...)` patterns (`_layout.specs`)."""
     if rules is None:
         return None, mesh
     if mesh is None:
@@ -232,7 +238,7 @@ def layout(
         )
     # PRNG keys stay replicated.
     leaves = [leaf for leaf, _ in kinds if not _is_key(leaf.value)]
-    found = iter(_layout.specs(leaves, rules, mesh))
+    found = iter(_layout.specs(leaves, rules, mesh, streamed=streamed))
     specs = [None if _is_key(leaf.value) else next(found) for leaf, _ in kinds]
     return specs, mesh
 
@@ -336,5 +342,6 @@ def place(
     params = None if policy is None else policy.params
     kinds = resolve(tree, params)
     rules = None if policy is None else policy.shard
-    specs, mesh = layout(tree, kinds, rules, mesh, "`eqx_offload.place`")
+    streamed = () if policy is None else policy.stream
+    specs, mesh = layout(tree, kinds, rules, mesh, "`eqx_offload.place`", streamed)
     return move_leaves(tree, kinds, specs, mesh)

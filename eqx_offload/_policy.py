@@ -195,7 +195,10 @@ class Policy(eqx.Module):
             must be host-resident (`params`), outside any `Stacked`, and used
             only by those two functions (anything else is an error naming the
             leaf); a pattern that matches no host-resident leaf is a
-            `ValueError`. E.g. `Policy.offload_all(stream=("embed",))`.
+            `ValueError`. E.g. `Policy.offload_all(stream=("embed",))`. Over
+            a mesh a streamed table stays whole on every device: `FSDP` rules
+            leave it replicated, and a spec that splits it is an error (the TPU
+            compiler cannot read row blocks of a host table split over chips).
         """
         self.params = _params(params)
         self.save = "all" if save == "all" else _names(save, "save")

@@ -113,7 +113,13 @@ def _check_layout(model: PyTree, policy: Policy, shardings: tuple) -> None:
         and not jax.dtypes.issubdtype(leaf.value.dtype, jax.dtypes.prng_key)
     ]
     declared = (
-        _layout.specs([leaf for leaf, _ in pairs], policy.shard, meshes[0], False)
+        _layout.specs(
+            [leaf for leaf, _ in pairs],
+            policy.shard,
+            meshes[0],
+            False,
+            policy.stream,
+        )
         if meshes
         else [
             None if _layout.rule_of(leaf.path, policy.shard) is None else P()

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import eqx_offload as eo
 
@@ -64,14 +65,14 @@ def _batch(seed=1, shape=(4, 24)):
     )
 
 
-def _train(loss, policy, steps=3, **kwargs):
+def _train(loss, policy, steps=3, batch=(4, 24), **kwargs):
     optimizer = optax.sgd(0.5)
     model = eo.place(_LM(jax.random.key(0)), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(loss, optimizer, policy, **kwargs)
     losses = []
     for _ in range(steps):
-        model, opt_state, value = step(model, opt_state, *_batch())
+        model, opt_state, value = step(model, opt_state, *_batch(shape=batch))
         losses.append(float(value))
     return model, losses, step
 
@@ -189,3 +190,54 @@ def test_compiles_for_tpu_and_streams_the_table(vocab, dim):
                 assert moved == 3 * table  # as traced, and as compiled
     if table >= 2**28:
         assert device[()] - device[("embed",)] >= table
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+@pytest.mark.parametrize(
+    "tie, stream", [(True, ("embed",)), (False, ()), (False, ("embed", "head"))]
+)
+def test_fsdp_over_8_devices_equals_the_plain_model(axis_type, tie, stream):
+    """`Policy(shard="fsdp", batch="fsdp")` on 8 CPU devices, on `Explicit` and
+    `Auto` axes: `eo.embed` and `eo.chunked_cross_entropy` (streamed or not) give
+    the one-device plain model's losses and parameters; `FSDP` leaves a streamed
+    table whole on every device."""
+    kind = getattr(jax.sharding.AxisType, axis_type)
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(kind,))
+    with jax.set_mesh(mesh):
+        policy = eo.Policy.offload_all(stream=stream, shard="fsdp", batch="fsdp")
+        model, losses, _ = _train(tied if tie else untied, policy, batch=(8, 24))
+    ref, ref_losses, _ = _train(_plain(tie), eo.Policy.none(), batch=(8, 24))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    spec = model.embed.sharding.spec
+    assert all(entry is None for entry in spec) == bool(stream), spec
+
+
+def test_a_spec_that_splits_a_streamed_table_is_an_error():
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    policy = eo.Policy.offload_all(
+        stream=("embed",), shard={"embed": P("fsdp"), "**": "fsdp"}
+    )
+    with pytest.raises(ValueError, match=r"'embed' is streamed.*PartitionSpec\(\)"):
+        eo.place(_LM(jax.random.key(0)), policy, mesh=mesh)
+
+
+def test_fsdp_with_a_streamed_table_compiles_for_a_slice():
+    """`tpu-v5e:2x4` at a small and odd size (vocab 272): the slice compiles (a
+    table split over chips by rows would not), and the table moves block by
+    block."""
+    mesh = jax.sharding.AbstractMesh(
+        (8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,)
+    )
+    policy = eo.Policy.offload_all(stream=("embed",), shard="fsdp", batch="fsdp")
+    abstract = eqx.filter_eval_shape(_LM, jax.random.key(0), 272, 384)
+    model = eo.place(abstract, policy, mesh=mesh)
+    opt_state = eo.init_opt_state(optax.adamw(1e-3), model, policy)
+    step = eo.train_step(tied, optax.adamw(1e-3), policy)
+    tokens = jax.ShapeDtypeStruct((8, 40), jnp.int32)
+    report = eo.memory_report(
+        step, model, opt_state, tokens, tokens, target="tpu-v5e:2x4"
+    )
+    assert report.device_bytes > 0
+    assert model.embed.sharding.spec == P(None, None)
