@@ -8,7 +8,7 @@ a time, in place), next to `eo.train_step` for the same model and policy.
     python examples/own_step.py --target tpu-v5e # and their memory on a TPU v5e chip
 
 The two steps compute the same losses and keep the same bytes on the device and
-the host.
+the host; both reports are drawn side by side in `own_step_memory.png` (`--plot`).
 """
 
 import argparse
@@ -16,6 +16,7 @@ import argparse
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import matplotlib
 import numpy as np
 import optax
 from jaxtyping import Array, Float, PRNGKeyArray
@@ -80,6 +81,11 @@ def main():
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--target", default=None, help="e.g. tpu-v5e (needs libtpu)")
+    parser.add_argument(
+        "--plot",
+        default="own_step_memory.png",
+        help="save a picture of both steps' memory here ('' for none)",
+    )
     args = parser.parse_args()
 
     policy = eo.Policy.offload_all()
@@ -109,14 +115,20 @@ def main():
     print(f"train_step: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     print(f"largest difference between their losses: {gap:.2e}")
 
-    if args.target:
-        model, opt_state = fresh()
-        batch = batches[0]
-        mine = eo.memory_report(own, batch, model, opt_state, target=args.target)
-        theirs = eo.memory_report(step, model, opt_state, *batch, target=args.target)
-        print(f"\ncompiled for {args.target}:{'device':>16}{'host':>16}")
-        for name, r in (("own step", mine), ("train_step", theirs)):
-            print(f"  {name:<22}{r.device_bytes:>16,}{r.host_bytes:>16,}")
+    model, opt_state = fresh()
+    batch = batches[0]
+    target = args.target or "this machine"
+    mine = eo.memory_report(own, batch, model, opt_state, target=args.target)
+    theirs = eo.memory_report(step, model, opt_state, *batch, target=args.target)
+    print(f"\ncompiled for {target}:{'device':>16}{'host':>16}")
+    for name, r in (("own step", mine), ("train_step", theirs)):
+        print(f"  {name:<22}{r.device_bytes:>16,}{r.host_bytes:>16,}")
+    if args.plot:
+        matplotlib.use("Agg")  # draw to a file, no window
+        title = f"one step, compiled for {target}"
+        ax = mine.plot(theirs, labels=["own step", "train_step"], title=title)
+        ax.figure.savefig(args.plot, dpi=120)
+        print(f"saved {args.plot}")
 
 
 if __name__ == "__main__":

@@ -8,9 +8,17 @@ from pathlib import Path
 ROOT = Path(__file__).parent.parent
 
 
-def test_quickstart_trains_and_prints_where_memory_lives():
+def test_quickstart_trains_and_prints_where_memory_lives(tmp_path):
+    picture = tmp_path / "memory.png"
     result = subprocess.run(
-        [sys.executable, "examples/quickstart.py", "--steps", "40"],
+        [
+            sys.executable,
+            "examples/quickstart.py",
+            "--steps",
+            "40",
+            "--plot",
+            str(picture),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -25,6 +33,7 @@ def test_quickstart_trains_and_prints_where_memory_lives():
     assert match, out
     first, last = float(match[1]), float(match[2])
     assert last < first / 2
+    assert picture.stat().st_size > 0
 
 
 def test_quickstart_in_bf16_with_micro_batches():
@@ -37,6 +46,8 @@ def test_quickstart_in_bf16_with_micro_batches():
             "--bf16",
             "--microbatches",
             "4",
+            "--plot",
+            "",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -64,7 +75,7 @@ def test_readme_example_runs():
     assert report.device_bytes > 0 and report.host_bytes > 0
 
 
-def test_own_step_matches_train_step():
+def test_own_step_matches_train_step(tmp_path):
     """`examples/own_step.py`: a hand-written step with `eo.optimizer_update`
     trains like `eo.train_step` and needs the same memory on a TPU v5e chip."""
     result = subprocess.run(
@@ -77,6 +88,8 @@ def test_own_step_matches_train_step():
             "512",
             "--target",
             "tpu-v5e",
+            "--plot",
+            str(tmp_path / "memory.png"),
         ],
         cwd=ROOT,
         capture_output=True,
@@ -92,6 +105,7 @@ def test_own_step_matches_train_step():
     assert own_host == host
     own_device, device = int(own_device.replace(",", "")), int(device.replace(",", ""))
     assert abs(own_device - device) <= 0.005 * device
+    assert (tmp_path / "memory.png").stat().st_size > 0
 
 
 def _run(args: list[str], cwd: Path) -> str:
