@@ -15,7 +15,7 @@ _UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
 _COLOURS = {
     "parameters": "#4c72b0",
     "optimizer state": "#dd8452",
-    "other arguments": "#8c8c8c",
+    "other arguments, tile padding": "#8c8c8c",
     "temporaries": "#c7c7c7",
     "new outputs": "#937860",
 }
@@ -23,7 +23,9 @@ _COLOURS = {
 
 def categories(report: "MemoryReport", memory: str) -> dict[str, int]:
     """The footprint of one memory (`"device"` or `"host"`) of a report, split so
-    that the parts add up to it: parameters, optimizer state, other arguments,
+    that the parts add up to it: parameters, optimizer state, other arguments
+    (the batch; on a TPU also the padding of every argument to the compiler's
+    tiles, which the parameter and state figures, as traced, do not count),
     saved activations by checkpoint name (`"saved: <name>"`, as traced; one-chip
     reports only; on the CPU, whose estimate counts temporaries as device memory,
     all of them on the device), the rest of the temporaries, and outputs not
@@ -45,7 +47,7 @@ def categories(report: "MemoryReport", memory: str) -> dict[str, int]:
     out = {
         "parameters": params,
         "optimizer state": opt_state,
-        "other arguments": argument - params - opt_state,
+        "other arguments, tile padding": argument - params - opt_state,
     }
     temp = parts["temp"]
     if report.residuals is not None and (report.chips or 1) == 1:

@@ -322,7 +322,8 @@ class MemoryReport(eqx.Module):
     ) -> Any:
         """Draws where the memory lives: for this report and each of `others`, side
         by side, a stacked bar for the device and one for the host (per chip on a
-        TPU), split into parameters, optimizer state, other arguments (the batch),
+        TPU), split into parameters, optimizer state, other arguments (the batch;
+        on a TPU also the padding of arrays to the compiler's tiles),
         saved activations by checkpoint name (as traced; one-chip reports), the
         rest of the temporaries, and outputs not written in place. When a device
         bar comes within half of the chip's capacity, the capacity is drawn as a
