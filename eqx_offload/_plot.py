@@ -77,7 +77,7 @@ def plot(
     labels: Sequence[str] | None = None,
     *,
     ax: Any = None,
-    unit: str = "GiB",
+    unit: str | None = None,
     title: str | None = None,
 ) -> Any:
     """Draws `reports` side by side (see `MemoryReport.plot`); returns the axes."""
@@ -89,7 +89,7 @@ def plot(
             "`MemoryReport.plot` draws with matplotlib, which is not installed: "
             "`pip install 'eqx_offload[plot]'` (or `pip install matplotlib`)."
         ) from e
-    if unit not in _UNITS:
+    if unit is not None and unit not in _UNITS:
         raise ValueError(
             f"`MemoryReport.plot(unit=...)` must be one of {', '.join(_UNITS)}, got "
             f"{unit!r}."
@@ -104,8 +104,11 @@ def plot(
             f"`MemoryReport.plot(labels=...)` has {len(labels)} labels for "
             f"{len(reports)} reports; give one label per report."
         )
-    scale = _UNITS[unit]
     split = [{m: categories(r, m) for m in _MEMORIES} for r in reports]
+    if unit is None:  # the largest unit in which the tallest bar is at least 1
+        tallest = max(sum(s[m].values()) for s in split for m in _MEMORIES)
+        unit = next((u for u, n in _UNITS.items() if tallest >= n), "B")
+    scale = _UNITS[unit]
     names = list(dict.fromkeys(k for s in split for m in _MEMORIES for k in s[m]))
     saved = [n for n in names if n.startswith("saved: ")]
     cmap = plt.get_cmap("Greens")

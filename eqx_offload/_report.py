@@ -317,7 +317,7 @@ class MemoryReport(eqx.Module):
         *others: "MemoryReport",
         labels: Sequence[str] | None = None,
         ax: Any = None,
-        unit: Literal["GiB", "MiB", "KiB", "B"] = "GiB",
+        unit: Literal["GiB", "MiB", "KiB", "B"] | None = None,
         title: str | None = None,
     ) -> Any:
         """Draws where the memory lives: for this report and each of `others`, side
@@ -337,7 +337,8 @@ class MemoryReport(eqx.Module):
             counts...).
         - `labels`: one label per report, this one first (default: the targets).
         - `ax`: a matplotlib `Axes` to draw on (default: a new figure).
-        - `unit`: `"GiB"`, `"MiB"`, `"KiB"` or `"B"`.
+        - `unit`: `"GiB"`, `"MiB"`, `"KiB"` or `"B"`; by default the largest in
+            which the tallest bar is at least 1.
         - `title`: the axes' title.
 
         **Returns:**

@@ -48,6 +48,12 @@ def test_several_reports_side_by_side(getkey, tmp_path):
         reports[0].plot(reports[1], labels=["one"])
     with pytest.raises((ValueError, TypeError), match="unit"):
         reports[0].plot(unit="GB")  # type: ignore[arg-type]
+    # By default, the largest unit in which the tallest bar is at least 1.
+    tallest = max(max(r.device_bytes, r.host_bytes) for r in reports)
+    unit = next(
+        u for u, n in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 1024)) if tallest >= n
+    )
+    assert reports[0].plot(reports[1]).get_ylabel() == unit
 
 
 def test_a_report_read_back_from_json_draws_the_same(getkey):
