@@ -32,13 +32,15 @@ def main():
         sharey=True,
         layout="constrained",
     )
+    handles = {}
     for ax, preset in zip(axes, presets):
         mine = [r for r in rows if r["preset"] == preset and r.get("report")]
         reports = [eo.MemoryReport.from_dict(r["report"]) for r in mine]
         labels = [f"{r['layers']} layers" for r in mine]
         reports[0].plot(*reports[1:], labels=labels, ax=ax, title=f"Policy.{preset}()")
-        if ax is not axes[-1]:
-            ax.get_legend().remove()  # one legend, on the right
+        for handle in ax.get_legend().legend_handles:  # one legend for all panels
+            handles.setdefault(handle.get_label(), handle)
+        ax.get_legend().remove()
         missing = [
             str(r["layers"])
             for r in rows
@@ -54,6 +56,7 @@ def main():
                 va="top",
                 fontsize=8,
             )
+    fig.legend(handles=list(handles.values()), loc="outside right upper", fontsize=8)
     fig.suptitle(
         "Gradient of a GPT-style stack (dim 1024, seq 1024, batch 8, vocab 32768), "
         "compiled for one TPU v5e chip",

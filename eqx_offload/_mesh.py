@@ -1,6 +1,7 @@
 """The device mesh a pytree is laid out on: found from its leaves' `NamedSharding`s,
 entered as JAX's mesh context where a jitted computation needs it (meshes with
-`Explicit` axes), and checked for leaves on other devices."""
+`Explicit` axes), and checked for leaves on other devices; and, inside a trace over
+`Explicit` axes, running a piece of code on `Auto` ones."""
 
 import contextlib
 from collections.abc import Iterator

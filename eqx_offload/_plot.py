@@ -1,6 +1,7 @@
 """Pictures of memory reports: device and host bytes by category, stacked bars,
 several reports side by side (matplotlib, the `plot` extra)."""
 
+import zlib
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, TYPE_CHECKING
@@ -18,6 +19,9 @@ _COLOURS = {
     "other arguments, tile padding": "#8c8c8c",
     "temporaries": "#c7c7c7",
     "new outputs": "#937860",
+    # Saved activations without a checkpoint name; named ones are shades of green.
+    "saved: (other)": "#b5cf6b",
+    "saved: (unnamed, in stacked layers)": "#8172b2",
 }
 
 
@@ -110,11 +114,11 @@ def plot(
         unit = next((u for u, n in _UNITS.items() if tallest >= n), "B")
     scale = _UNITS[unit]
     names = list(dict.fromkeys(k for s in split for m in _MEMORIES for k in s[m]))
-    saved = [n for n in names if n.startswith("saved: ")]
     cmap = plt.get_cmap("Greens")
     colours: dict[str, Any] = dict(_COLOURS)
-    for i, n in enumerate(saved):
-        colours[n] = cmap(0.35 + 0.55 * i / max(len(saved) - 1, 1))
+    for n in names:
+        if n not in colours:  # a checkpoint name: the same shade in every figure
+            colours[n] = cmap(0.4 + 0.5 * (zlib.crc32(n.encode()) % 1000) / 999)
     if ax is None:
         width = max(4.0, 1.6 * len(reports) + 2.5)
         _, ax = plt.subplots(figsize=(width, 4.5), layout="constrained")

@@ -48,6 +48,15 @@ def test_several_reports_side_by_side(getkey, tmp_path):
         reports[0].plot(reports[1], labels=["one"])
     with pytest.raises((ValueError, TypeError), match="unit"):
         reports[0].plot(unit="GB")  # type: ignore[arg-type]
+
+    # A category has one colour in every figure (panels drawn apart can share a legend).
+    def colours(ax):
+        return {
+            h.get_label(): h.get_facecolor() for h in ax.get_legend().legend_handles
+        }
+
+    one, both = colours(reports[1].plot()), colours(ax)
+    assert all(both[name] == colour for name, colour in one.items())
     # By default, the largest unit in which the tallest bar is at least 1.
     tallest = max(max(r.device_bytes, r.host_bytes) for r in reports)
     unit = next(
