@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int, Real
 
-from . import _mesh, _vocab_blocks
+from . import _layout, _vocab_blocks
 
 
 def chunked_cross_entropy(
@@ -99,7 +99,7 @@ def chunked_cross_entropy(
     if _vocab_blocks.streams(weight):
         _vocab_blocks.check(weight, "chunked_cross_entropy")
         with jax.named_scope(_vocab_blocks.SCOPE):
-            total = _mesh.on_auto_axes(_streamed_sum, PartitionSpec())
+            total = _layout.on_auto_axes(_streamed_sum, PartitionSpec())
             return total(h, weight, t, w) / jnp.sum(w)
     n = h.shape[0]
     size = min(chunk, n)
@@ -109,7 +109,7 @@ def chunked_cross_entropy(
         t = jnp.concatenate([t, jnp.zeros((pad,), t.dtype)])
         w = jnp.concatenate([w, jnp.zeros((pad,), w.dtype)])
     chunks = h.shape[0] // size
-    total = _mesh.on_auto_axes(_weighted_sum, PartitionSpec())(
+    total = _layout.on_auto_axes(_weighted_sum, PartitionSpec())(
         h.reshape(chunks, size, dim),
         weight,
         t.reshape(chunks, size),

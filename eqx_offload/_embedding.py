@@ -9,7 +9,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
-from . import _mesh, _vocab_blocks
+from . import _layout, _vocab_blocks
 
 
 def embed(
@@ -58,12 +58,12 @@ def embed(
         )
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"`embed`: `tokens` must be integer ids, got {tokens.dtype}.")
-    found = PartitionSpec(*_mesh.spec(tokens), None)  # laid out as the ids are
+    found = PartitionSpec(*_layout.traced_spec(tokens), None)  # laid out as the ids are
     if not _vocab_blocks.streams(table):
-        return _mesh.on_auto_axes(_take, found)(table, tokens), table
+        return _layout.on_auto_axes(_take, found)(table, tokens), table
     _vocab_blocks.check(table, "embed")
     with jax.named_scope(_vocab_blocks.SCOPE):
-        lookup = _mesh.on_auto_axes(_streamed, (found, _mesh.spec(table)))
+        lookup = _layout.on_auto_axes(_streamed, (found, _layout.traced_spec(table)))
         return lookup(table, tokens)
 
 

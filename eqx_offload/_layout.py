@@ -228,14 +228,34 @@ def rule_of(
     return _paths.best_match(path, rules, "`Policy(shard=...)`", used)
 
 
+def explicit_axes() -> bool:
+    """Whether the current trace runs over a mesh with `Explicit` axes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and AxisType.Explicit in mesh.axis_types
+
+
+def traced_spec(x: Any) -> PartitionSpec:
+    """The spec of `x` inside a trace, in full spelling."""
+    return normalise(jax.typeof(x).sharding.spec, x.ndim)
+
+
+def on_auto_axes(fn: Any, out_sharding: Any) -> Any:
+    """`fn`, to be called inside a trace: over a mesh with `Explicit` axes, run on
+    `Auto` axes instead (the partitioner lays out its loops, which index and add
+    with ids split over the batch axes) and returning `out_sharding` (one
+    `PartitionSpec` per output); anywhere else, `fn` itself."""
+    if not explicit_axes():
+        return fn
+    return jax.sharding.auto_axes(fn, out_sharding=out_sharding)
+
+
 def gather_fsdp(tree: Any, prefix: str, rules: Rules | None) -> Any:
     """Inside a trace over a mesh with `Explicit` axes: the array leaves of `tree`
     (at paths under `prefix`) that an `FSDP` rule shards, resharded without the FSDP
     axes, as FSDP computes with whole weights (their gradients come back sharded,
     by the transpose: a reduce-scatter). Under `Auto` axes the partitioner decides,
     and nothing changes."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if rules is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
+    if rules is None or not explicit_axes():
         return tree
     if not any(isinstance(rule, FSDP) for _, rule in rules):
         return tree

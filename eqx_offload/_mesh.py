@@ -1,7 +1,6 @@
 """The device mesh a pytree is laid out on: found from its leaves' `NamedSharding`s,
 entered as JAX's mesh context where a jitted computation needs it (meshes with
-`Explicit` axes), and checked for leaves on other devices; and, inside a trace over
-`Explicit` axes, running a piece of code on `Auto` ones."""
+`Explicit` axes), and checked for leaves on other devices."""
 
 import contextlib
 from collections.abc import Iterator
@@ -87,20 +86,3 @@ def check_devices(named_trees: dict[str, Any], where: str) -> None:
                     "NamedSharding(mesh, PartitionSpec()))`; `eqx_offload.place` "
                     "does that for arrays not yet committed to devices."
                 )
-
-
-def on_auto_axes(fn: Any, out_sharding: Any) -> Any:
-    """`fn`, to be called inside a trace: over a mesh with `Explicit` axes, run on
-    `Auto` axes instead (the partitioner lays out its loops, which index and add
-    with sharded ids) and returning `out_sharding` (`PartitionSpec`s, one per
-    output); anywhere else, `fn` itself."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or AxisType.Explicit not in mesh.axis_types:
-        return fn
-    return jax.sharding.auto_axes(fn, out_sharding=out_sharding)
-
-
-def spec(x: Any) -> Any:
-    """The `PartitionSpec` of `x` inside a trace (one entry per axis)."""
-    found = tuple(jax.typeof(x).sharding.spec)
-    return jax.sharding.PartitionSpec(*found, *(None,) * (x.ndim - len(found)))

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import AxisType
 from jaxtyping import PRNGKeyArray, PyTree
 
 from . import _accumulate, _layout, _names, _paths, _residuals, _tiling
@@ -447,8 +446,7 @@ def _keep_carry_sharding(new: Any, old: Any) -> Any:
     input's sharding: a scan carry must keep its type, and a layer whose weights
     are sharded (FSDP, tensor parallelism) changes the sharding of what it
     computes. Under `Auto` axes the partitioner does this by itself."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or AxisType.Explicit not in mesh.axis_types:
+    if not _layout.explicit_axes():
         return new
 
     def reshard(n: Any, o: Any) -> Any:

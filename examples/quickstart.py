@@ -160,7 +160,7 @@ def main():
         matplotlib.use("Agg")  # draw to a file, no window
         labels = ["this machine"] + [args.target] * (len(reports) - 1)
         title = f"quickstart GPT, Policy.{args.policy}(): one train step"
-        ax = reports[0].plot(*reports[1:], labels=labels, unit="KiB", title=title)
+        ax = reports[0].plot(*reports[1:], labels=labels, title=title)
         ax.figure.savefig(args.plot, dpi=120)
         print(f"\nsaved {args.plot}")
     print()
