@@ -1,6 +1,7 @@
 """`checkpoint_names`: the names a model offers to `Policy(save=...)` and
 `Policy(offload=...)`, with what each would save."""
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -9,8 +10,12 @@ import jax
 import jax.tree_util as jtu
 
 from . import _names, _residuals
+from ._memory_kinds import abstract_sharding, is_arraylike
+from ._mixed_precision import compute_dtypes
+from ._optim import is_trainable, trainable
 from ._policy import Policy
-from ._transform import _OffloadWrapper, filter_offload
+from ._train_step import _TrainStep
+from ._transform import _OffloadWrapper
 
 
 class CheckpointName(NamedTuple):
@@ -34,9 +39,12 @@ def checkpoint_names(
 ) -> tuple[CheckpointName, ...]:
     """The checkpoint names `fn` offers, traced (never run) on its arguments.
 
-    `fn` is a loss, `loss_fn(model, *batch)`, or a `filter_offload` function; its
-    arguments may be arrays or `jax.ShapeDtypeStruct`s. Every `Stacked` in them
-    offers `"<path>.input"` (the carry entering each layer) and the outputs of its
+    `fn` is a loss, `loss_fn(model, *batch)`, a `filter_offload` function, or a
+    `train_step` (given as it is called, `checkpoint_names(step, model,
+    opt_state, *batch)`: its loss on one micro-batch, with the model in the
+    policy's `compute_dtype`, as the step computes it); the arguments may be
+    arrays or `jax.ShapeDtypeStruct`s. Every `Stacked` in them offers
+    `"<path>.input"` (the carry entering each layer) and the outputs of its
     layer's submodules (`"<path>.<submodule>"`), and every `checkpoint_name` you
     call inside a layer. Each is traced as `Policy.remat(save=(name,))` would trace
     it, and reported with the bytes the backward pass then keeps under that name,
@@ -46,7 +54,7 @@ def checkpoint_names(
     **Arguments:**
 
     - `fn`: the function whose gradient with respect to its first argument a
-        policy would checkpoint.
+        policy would checkpoint, or a `train_step`.
     - `*args`, `**kwargs`: its arguments.
 
     **Returns:**
@@ -66,8 +74,12 @@ def checkpoint_names(
             print(row.name, row.residual, row.bytes)
         ```
     """
+    base = Policy()
     if isinstance(fn, _OffloadWrapper):
         fn = fn.__wrapped__
+    elif isinstance(fn, _TrainStep):
+        base = fn.policy
+        fn, args = fn.loss_fn, _as_the_step_calls_it(fn, args, kwargs)
     if not callable(fn):
         raise TypeError(f"`checkpoint_names(fn=...)` must be callable, got {fn!r}.")
     if not args:
@@ -77,10 +89,10 @@ def checkpoint_names(
         )
     try:
         # Every name occurs when a pattern matches every submodule.
-        everything = filter_offload(fn, Policy(save=("**",)))
-        closed = eqx.filter_make_jaxpr(everything)(*args, **kwargs)[0]
-    except ValueError as e:
-        if "never occurred" not in str(e):
+        everything = _OffloadWrapper(fn, _saving(base, "**"))
+        closed = eqx.filter_make_jaxpr(everything._call)(args, kwargs)[0]
+    except _names.UnusedName as e:
+        if not e.never_occurred:
             raise
         raise ValueError(
             "`checkpoint_names(fn, ...)`: `fn`'s arguments hold no `Stacked` "
@@ -90,24 +102,68 @@ def checkpoint_names(
     # Whether a value is saved depends on what else is (two names of one value,
     # say), so each name is traced as a policy saving it alone would trace it.
     return tuple(
-        _alone(fn, name, args, kwargs) for name in _names.NameLog.of(closed).names
+        _alone(fn, _saving(base, name), name, args, kwargs)
+        for name in _names.NameLog.of(closed).names
     )
 
 
-def _alone(fn: Callable, name: str, args: tuple, kwargs: dict) -> CheckpointName:
-    loss = filter_offload(fn, Policy(save=(name,)))
+def _saving(base: Policy, name: str) -> Policy:
+    """`base` (its streamed tables and layout) saving `name` alone, offloading
+    nothing."""
+    return dataclasses.replace(base, save=(name,), offload=())
+
+
+def _as_the_step_calls_it(step: _TrainStep, args: tuple, kwargs: dict) -> tuple:
+    """The arguments a train step gives its loss: the model, its trainable
+    floating-point leaves in the policy's compute dtype (as abstract values), and
+    one micro-batch of the batch (the first `1/k` of each split argument)."""
+    if kwargs or len(args) < 2:
+        raise TypeError(
+            "`checkpoint_names(step, ...)`: give a train step the arguments it is "
+            "called with, `checkpoint_names(step, model, opt_state, *batch)`."
+        )
+    model, _, *batch = args
+    dtypes = iter(compute_dtypes(trainable(model), step.policy))
+
+    def abstract(x: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+        sharding = abstract_sharding(getattr(x, "sharding", None))
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    def in_compute_dtype(x: Any) -> Any:
+        if not is_trainable(x):
+            return x
+        dtype = next(dtypes)
+        return x if dtype == x.dtype else abstract(x, x.shape, dtype)
+
+    def one_part(x: Any) -> Any:
+        if not is_arraylike(x) or step.microbatches == 1:
+            return x
+        shape = (x.shape[0] // step.microbatches, *x.shape[1:])
+        return abstract(x, shape, x.dtype)
+
+    batch = [
+        arg if i in step.unsplit else jax.tree.map(one_part, arg)
+        for i, arg in enumerate(batch)
+    ]
+    return (jax.tree.map(in_compute_dtype, model), *batch)
+
+
+def _alone(
+    fn: Callable, policy: Policy, name: str, args: tuple, kwargs: dict
+) -> CheckpointName:
+    loss = _OffloadWrapper(fn, policy)
 
     def wrt_first(first: Any, *rest: Any, **kw: Any) -> Any:
         rest, kw = jtu.tree_map(
             lambda x: jax.lax.stop_gradient(x) if eqx.is_array(x) else x, (rest, kw)
         )
-        out = loss(first, *rest, **kw)
+        out = loss._call((first, *rest), kw)
         return out[0] if isinstance(out, tuple) else out
 
     try:
         saved = _residuals.saved_residuals(wrt_first, *args, **kwargs)
-    except ValueError as e:
-        if "not saved for the backward pass" not in str(e):
+    except _names.UnusedName as e:
+        if e.never_occurred:
             raise
         return CheckpointName(name, False, 0)
     total = sum(r.nbytes for r in saved if r.name == name and r.source != "argument")

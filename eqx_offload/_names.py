@@ -25,7 +25,6 @@ class Occurrence(NamedTuple):
     stacked: str  # path of the `Stacked`
     names: tuple[str, ...]  # checkpoint names inside the layer body
     residual_names: tuple[str, ...]  # those of them the backward pass needs
-    nameable: tuple[str, ...]  # submodule paths a pattern could name
 
 
 _ATTRIBUTE = "eqx_offload_occurrence"
@@ -69,38 +68,71 @@ class NameLog:
             dict.fromkeys(n for o in self.occurrences for n in o.residual_names)
         )
 
+
+class UnusedName(ValueError):
+    """A `save`/`offload` entry of a policy that would do nothing: it matches no
+    name that occurred (`matched` is empty), or only names that are not saved for
+    the backward pass. `offered` are names a policy can select instead (residual
+    names), when known."""
+
+    def __init__(
+        self,
+        argument: str,
+        pattern: str,
+        matched: tuple[str, ...],
+        seen: tuple[str, ...],
+        offered: tuple[str, ...],
+    ):
+        self.argument, self.pattern, self.matched = argument, pattern, matched
+        self.seen, self.offered = seen, offered
+        super().__init__(self._message())
+
     @property
-    def nameable(self) -> list[str]:
-        return list(dict.fromkeys(n for o in self.occurrences for n in o.nameable))
+    def never_occurred(self) -> bool:
+        return not self.matched
+
+    def with_offered(self, offered: tuple[str, ...]) -> "UnusedName":
+        """The same error, listing `offered` as the names that can be used."""
+        return UnusedName(self.argument, self.pattern, self.matched, self.seen, offered)
+
+    def _message(self) -> str:
+        entry = f"`Policy({self.argument}=...)` names {self.pattern!r}"
+        usable = (
+            f"Names this model offers (saved for the backward pass, so a policy can "
+            f"select them): {_paths.quoted(self.offered, 12)}; "
+            "`eqx_offload.checkpoint_names(loss_fn, *args)` lists them with their "
+            "bytes."
+        )
+        if not self.offered:
+            usable = (
+                "Names are dotted paths from the argument holding the `Stacked` "
+                "(e.g. 'blocks.input')."
+            )
+        if self.never_occurred:
+            seen = _paths.quoted(self.seen) if self.seen else "(none: no `Stacked`)"
+            return f"{entry}, which never occurred; names seen: {seen}. {usable}"
+        return (
+            f"{entry}, which occurred ({_paths.quoted(self.matched)}) but is not "
+            "saved for the backward pass, so listing it does nothing. A layer's "
+            "output is not one of its residuals (the next layer saves it as its "
+            f"input, `<path>.input`). {usable}"
+        )
 
 
 def check(policy: Policy, log: NameLog) -> None:
     """Every `save`/`offload` entry of `policy` must match a name that occurred, and
-    one of its matches must be a residual: otherwise it would silently do nothing."""
-    seen = log.names
+    one of its matches must be a residual: otherwise it would silently do nothing
+    (`UnusedName`, listing the residual names this trace found)."""
+    seen = tuple(log.names)
     residuals = set(log.residual_names)
+    offered = tuple(log.residual_names)
     entries = [("offload", p) for p in policy.offload]
     if policy.save != "all":
         entries = [("save", p) for p in policy.save] + entries
     for argument, pattern in entries:
-        matched = [n for n in seen if _paths.matches(pattern, n)]
-        if not matched:
-            hint = ""
-            if log.nameable:
-                hint = f"; names that can be used: {_paths.quoted(log.nameable)}"
-            raise ValueError(
-                f"`Policy({argument}=...)` names {pattern!r}, which never occurred; "
-                f"names seen: {_paths.quoted(seen)}{hint}. Names are dotted paths from "
-                "the argument holding the `Stacked` (e.g. 'blocks.input')."
-            )
-        if not residuals.intersection(matched):
-            raise ValueError(
-                f"`Policy({argument}=...)` names {pattern!r}, which occurred "
-                f"({_paths.quoted(matched)}) but is not saved for the backward pass, "
-                f"so listing it does nothing. A layer's output is not one of its "
-                f"residuals; the carry entering the layer is. Names that are "
-                f"residuals: {_paths.quoted(log.residual_names)}."
-            )
+        matched = tuple(n for n in seen if _paths.matches(pattern, n))
+        if not matched or not residuals.intersection(matched):
+            raise UnusedName(argument, pattern, matched, seen, offered)
 
 
 _log: contextvars.ContextVar[NameLog | None] = contextvars.ContextVar(

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec
 from . import _paths
 from ._layout import check_batch, check_rules, RuleArg, Rules
 from ._memory_kinds import check_kind, KindArg, MemoryKind, ParamsSpec
+from ._warn import warn_at_caller
 
 
 def _names(value: Any, argument: str) -> tuple[str, ...]:
@@ -295,7 +296,8 @@ class Policy(eqx.Module):
         in the forward pass and brought back for the backward pass; the rest of the
         layer is recomputed. Device memory for activations no longer grows with
         depth."""
-        return cls(**{"offload": ("**.input",), **overrides})
+        _check_replaced("offload_residuals", overrides)
+        return cls(**{"offload": _LAYER_INPUTS, **overrides})
 
     @classmethod
     def offload_all(cls, **overrides: Any) -> "Policy":
@@ -303,13 +305,39 @@ class Policy(eqx.Module):
         optimizer state kept in pinned host memory between steps; each stacked
         layer's parameters are brought to the device inside the scan, one layer at
         a time."""
+        _check_replaced("offload_all", overrides)
         return cls(
             **{
                 "params": "pinned_host",
-                "offload": ("**.input",),
+                "offload": _LAYER_INPUTS,
                 "opt_state": "pinned_host",
                 **overrides,
             }
+        )
+
+
+_LAYER_INPUTS = ("**.input",)
+
+
+def _check_replaced(preset: str, overrides: dict[str, Any]) -> None:
+    """Warns when `offload=` replaces a preset's `("**.input",)` without keeping
+    it: the preset then no longer offloads the carry entering each layer, which
+    is easy to miss."""
+    given = overrides.get("offload", _LAYER_INPUTS)
+    given = (given,) if isinstance(given, str) else given
+    if isinstance(given, Sequence) and _LAYER_INPUTS[0] not in given:
+        names = tuple(given)
+        written = {
+            "offload_all": "Policy(params='pinned_host', opt_state='pinned_host', "
+            f"offload={names!r})",
+            "offload_residuals": f"Policy(offload={names!r})",
+        }[preset]
+        warn_at_caller(
+            f"`Policy.{preset}(offload={names!r})` replaces the preset's "
+            f"`offload={_LAYER_INPUTS!r}`: the carry entering each layer "
+            "('<path>.input') is no longer offloaded but kept on the device. To "
+            f"offload both, write `offload=({_LAYER_INPUTS[0]!r}, ...)`; to "
+            f"offload only these names, write the policy out: `{written}`."
         )
 
 

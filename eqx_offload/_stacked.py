@@ -551,7 +551,7 @@ def _offload_body(
         offload_src="device",
         offload_dst=policy.offload_dst,
     )
-    occurrence = _names.Occurrence(path, names, residual_names, (carry_name, *nameable))
+    occurrence = _names.Occurrence(path, names, residual_names)
     _names.attach(checkpoint_policy, occurrence)
     _names.record(occurrence)
     return jax.checkpoint(body, policy=checkpoint_policy, prevent_cse=False)

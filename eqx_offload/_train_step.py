@@ -6,6 +6,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.tree_util as jtu
 import numpy as np
 import optax
@@ -82,7 +83,8 @@ def _place_outputs(tree: Any, kinds: list, shardings: tuple) -> Any:
 
 
 def _deleted(x: Any) -> bool:
-    return isinstance(x, jax.Array) and x.is_deleted()
+    concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    return concrete and x.is_deleted()
 
 
 def _raise_deleted(model: PyTree, opt_state: PyTree) -> None:
@@ -141,6 +143,63 @@ def _check_layout(model: PyTree, policy: Policy, shardings: tuple) -> None:
             )
 
 
+def _describe(out: Any) -> str:
+    """What a loss returned, for an error message: `float32[8]`, `(float32[],
+    {'acc': float32[]})`."""
+
+    def one(x: Any) -> str:
+        if is_arraylike(x):
+            return f"{jax.numpy.dtype(x.dtype).name}{list(x.shape)}"
+        return type(x).__name__
+
+    leaves, treedef = jtu.tree_flatten(out, is_leaf=lambda x: x is None)
+    text = str(jtu.tree_unflatten(treedef, [_Text(one(x)) for x in leaves]))
+    return text
+
+
+class _Text(str):
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _is_loss(x: Any) -> bool:
+    return (
+        is_arraylike(x)
+        and x.shape == ()
+        and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+    )
+
+
+def checked_loss(loss_fn: Callable, has_aux: bool, where: str) -> Callable:
+    """`loss_fn`, raising a `ValueError` that names `has_aux` and the fix when it
+    returns something other than what the step differentiates: a floating-point
+    scalar, or `(loss, aux)` with `has_aux=True`."""
+
+    @functools.wraps(loss_fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        out = loss_fn(*args, **kwargs)
+        pair = isinstance(out, tuple | list) and len(out) == 2
+        if has_aux and pair and _is_loss(out[0]):
+            return out
+        if not has_aux and _is_loss(out):
+            return out
+        got = f"`loss_fn` returned {_describe(out)}"
+        if not has_aux and pair and _is_loss(out[0]):
+            fix = "for `(loss, aux)`, pass `has_aux=True`"
+        elif has_aux and _is_loss(out):
+            fix = "it returns the loss alone: drop `has_aux=True`"
+        elif has_aux:
+            fix = "with `has_aux=True` it returns `(loss, aux)`, `loss` a scalar"
+        else:
+            fix = (
+                "the loss must be one floating-point scalar (e.g. `jnp.mean` over "
+                "the examples); for `(loss, aux)`, pass `has_aux=True`"
+            )
+        raise ValueError(f"{where}: {got}; {fix}.")
+
+    return checked
+
+
 def _step(
     loss_fn: Callable,
     optimizer: optax.GradientTransformation,
@@ -168,7 +227,7 @@ def _step(
     check_matches(optimizer, opt_state, params, "`train_step`")
     opt_kinds = _optim.check_state(optimizer, opt_state, model, policy)
 
-    loss = filter_offload(loss_fn, policy)
+    loss = filter_offload(checked_loss(loss_fn, has_aux, "`train_step`"), policy)
     if microbatches == 1 and policy.compute_dtype is None:
         value, grads = eqx.filter_value_and_grad(loss, has_aux=has_aux)(model, *batch)
     else:
@@ -209,7 +268,17 @@ class _TrainStep(eqx.Module):
     fun: Callable  # the step on flattened arguments, before `jax.jit`
     jitted: Callable
 
-    def __call__(self, model: PyTree, opt_state: PyTree, *batch: Any) -> tuple:
+    def __call__(
+        self, model: PyTree, opt_state: PyTree, *batch: Any, **keywords: Any
+    ) -> tuple:
+        if keywords:
+            raise TypeError(
+                "`train_step`: the step takes the batch by position, "
+                "`step(model, opt_state, *batch)` in `loss_fn`'s order (it splits "
+                "and lays out each batch argument by position); got keyword "
+                f"argument(s) {_paths.quoted(keywords)}. Pass them by position, or "
+                "bind constants into the loss: `functools.partial(loss_fn, ...)`."
+            )
         dynamic, statics = self.split(model, opt_state, *batch)
         if any(_deleted(x) for x in dynamic[0] + dynamic[1]):
             _raise_deleted(model, opt_state)
@@ -332,7 +401,10 @@ def train_step(
     opt_state, loss)`, or `(model, opt_state, loss, metrics)` with `metrics=True`
     (`loss` is `(loss, aux)` with `has_aux=True`). Inputs must already be where
     the policy says (use `eqx_offload.place` and `eqx_offload.init_opt_state`); a
-    leaf found elsewhere is a `ValueError` naming it.
+    leaf found elsewhere is a `ValueError` naming it. The batch is passed by
+    position, in `loss_fn`'s order. The step is jitted: inside another transform
+    (`eqx.filter_jit(step)`, a scan over steps) it runs as part of that program,
+    which then decides donation.
 
     !!! Example
 

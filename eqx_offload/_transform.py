@@ -1,5 +1,6 @@
 """`filter_offload`: the filtered transform that configures every `Stacked`."""
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -218,6 +219,8 @@ def _find_misuse(
                 # A call that returns a watched value as it is (a gradient tap of
                 # the same dtype, an inner `jax.jit`) hands it on.
                 for inner_out, out in zip(sub.outvars, eqn.outvars):
+                    if isinstance(inner_out, jex.Literal):  # a constant output
+                        continue
                     if inner_out in inner and inner[inner_out].streamed:
                         watched[out] = inner[inner_out]
     return None
@@ -331,7 +334,22 @@ class _OffloadWrapper(eqx.Module):
     def __wrapped__(self) -> Callable:
         return self._fun
 
+    def __get__(self, instance: Any, owner: Any) -> Any:
+        # A decorated method: bound to its instance, as `eqx.filter_jit` binds.
+        if instance is None:
+            return self
+        return jtu.Partial(self, instance)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._call(args, kwargs)
+        except _names.UnusedName as e:
+            # The names this trace saw are only those the policy asked for: list
+            # every residual name the model offers instead (one more trace, only
+            # on this error).
+            raise e.with_offered(_offered(self, args, kwargs) or e.offered) from None
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         streamed = _streamed_paths(args[0] if args else None, self._policy)
         args, kwargs = _configure_all(args, kwargs, self._policy, streamed)
         host_stacked = bool(streamed) or any(
@@ -353,12 +371,24 @@ class _OffloadWrapper(eqx.Module):
         if self._policy.checkpoint_patterns:
             try:
                 _names.check(self._policy, log)
-            except ValueError:
+            except _names.UnusedName:
                 # Scans served from an inner `jax.jit`'s cache were not traced now,
                 # so they recorded nothing; the jaxpr has them all.
                 traced = _trace(self._fun, args, kwargs)
                 _names.check(self._policy, _names.NameLog.of(traced.closed))
         return out
+
+
+def _offered(wrapper: _OffloadWrapper, args: tuple, kwargs: dict) -> tuple[str, ...]:
+    """The residual names `wrapper`'s function offers on these arguments: traced
+    (never run) under a policy that saves every name. Empty if that trace fails
+    (e.g. there is no `Stacked`)."""
+    everything = dataclasses.replace(wrapper._policy, save=("**",), offload=())
+    try:
+        traced = _trace(_OffloadWrapper(wrapper._fun, everything), args, kwargs)
+    except Exception:  # only a hint for the error being raised: that error wins
+        return ()
+    return tuple(_names.NameLog.of(traced.closed).residual_names)
 
 
 def filter_offload(fun: Callable | None = None, policy: PolicyArg | None = None) -> Any:

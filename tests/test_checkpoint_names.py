@@ -4,6 +4,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 import eqx_offload as eo
@@ -60,3 +61,46 @@ def test_no_stacked_is_an_error(getkey):
         eo.checkpoint_names(lambda m, x: jnp.sum(m(x)), block, x)
     with pytest.raises(TypeError, match="needs `fn`'s arguments"):
         eo.checkpoint_names(cross_entropy)
+
+
+class _Small(eqx.Module):
+    embed: eqx.nn.Embedding
+    blocks: eo.Stacked[eqx.nn.MLP]
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.embed = eqx.nn.Embedding(32, 8, key=k1)
+        self.blocks = eo.Stacked.from_fn(
+            lambda k: eqx.nn.MLP(8, 8, 16, 1, key=k), 2, key=k2
+        )
+
+    def __call__(self, tokens):
+        return self.embed.weight @ self.blocks(self.embed(tokens))
+
+
+def _small_loss(model, tokens, targets):
+    logits = jax.vmap(jax.vmap(model))(tokens)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def test_a_train_step_is_read_as_it_calls_its_loss(getkey):
+    model = _Small(getkey())
+    x, y = _batch()
+    plain = eo.checkpoint_names(_small_loss, model, x, y)
+    assert [r.name for r in plain if r.residual] == ["blocks.input", "blocks.layers[0]"]
+    optimizer = optax.sgd(0.1)
+    policy = eo.Policy.remat()
+    step = eo.train_step(_small_loss, optimizer, policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    assert eo.checkpoint_names(step, model, opt_state, x, y) == plain
+    # In bf16, in two micro-batches: a quarter of the bytes.
+    policy = eo.Policy.offload_all(compute_dtype=jnp.bfloat16)
+    host = eo.place(model, policy)
+    step = eo.train_step(_small_loss, optimizer, policy, microbatches=2)
+    rows = eo.checkpoint_names(
+        step, host, eo.init_opt_state(optimizer, host, policy), x, y
+    )
+    assert [(r.name, r.residual) for r in rows] == [(r.name, r.residual) for r in plain]
+    assert [r.bytes for r in rows] == [r.bytes // 4 for r in plain]
+    with pytest.raises(TypeError, match=r"checkpoint_names\(step, model, opt_state"):
+        eo.checkpoint_names(step, host)

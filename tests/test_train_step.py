@@ -332,3 +332,123 @@ def test_optimizer_wrappers_with_host_state(optimizer, getkey):
     )
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_same_params(ours, ref)
+
+
+# --- Equinox code as people write it ------------------------------------------------
+
+
+def _maybe(decorator, apply: bool):
+    return decorator if apply else (lambda f: f)
+
+
+def _jitted_model_class(jit: bool) -> type[Model]:
+    """The tests' `Model`, with its methods under `eqx.filter_jit` and a `jax.jit`
+    that returns a constant next to the layers' output, as Equinox code often
+    has them; or (`jit=False`) the same model without any of them."""
+
+    @_maybe(jax.jit, jit)
+    def scale(x):
+        return x, jnp.float32(1.0)  # a constant output of a jitted function
+
+    class Jitted(Model):
+        @_maybe(eqx.filter_jit, jit)
+        def features(self, tokens):
+            return self.blocks(jax.vmap(self.embed)(tokens))
+
+        @_maybe(eqx.filter_jit, jit)
+        def __call__(self, tokens):
+            x, one = scale(self.features(tokens))
+            return jax.vmap(self.head)(x) * one
+
+    return Jitted
+
+
+@pytest.fixture(scope="module")
+def plain_run():
+    model = _jitted_model_class(jit=False)(dim=8, depth=2, key=jax.random.key(3))
+    return offload_run(model, cross_entropy, optax.sgd(0.1), eo.Policy.none(), 2)
+
+
+@pytest.mark.parametrize(
+    "preset", ["none", "remat", "offload_residuals", "offload_all"]
+)
+def test_inner_jits_train_like_the_plain_model(preset, plain_run):
+    model = _jitted_model_class(jit=True)(dim=8, depth=2, key=jax.random.key(3))
+    policy = getattr(eo.Policy, preset)()
+    ours, _, losses = offload_run(model, cross_entropy, optax.sgd(0.1), policy, 2)
+    ref, _, ref_losses = plain_run
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    ours, ref = eqx.filter((ours, ref), eqx.is_array)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_the_step_inside_another_jit_runs_as_part_of_it(getkey):
+    policy = eo.Policy.offload_all()
+    optimizer = optax.sgd(0.1)
+    model = eo.place(Model(dim=8, depth=2, key=getkey()), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    batch = next(batches())
+    copy = jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, model)
+    outer = eqx.filter_jit(step)(copy, opt_state, *batch)
+    direct = step(model, opt_state, *batch)
+    outer, direct = eqx.filter((outer, direct), eqx.is_array)
+    for a, b in zip(jax.tree.leaves(outer), jax.tree.leaves(direct), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert memory_kind(a) == memory_kind(b)
+    assert memory_kind(outer[0].blocks.layers.mlp.layers[0].weight) == "pinned_host"
+
+
+def test_what_the_loss_returns_is_checked(getkey):
+    policy = eo.Policy.remat()
+    optimizer = optax.sgd(0.1)
+    model = eo.place(Model(dim=8, depth=2, key=getkey()), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    batch = next(batches())
+
+    def with_aux(model, tokens, targets):
+        return cross_entropy(model, tokens, targets), {"n": tokens.size}
+
+    def per_example(model, tokens, targets):
+        return jnp.mean(jax.vmap(model)(tokens), axis=(1, 2))
+
+    mistakes = [
+        (
+            with_aux,
+            False,
+            r"returned \(float32\[\], \{'n': int\}\); for `\(loss, aux\)`, "
+            r"pass `has_aux=True`",
+        ),
+        (
+            per_example,
+            False,
+            r"returned float32\[2\]; the loss must be one "
+            r"floating-point scalar \(e\.g\. `jnp\.mean`",
+        ),
+        (
+            cross_entropy,
+            True,
+            r"returned float32\[\]; it returns the loss alone: drop "
+            r"`has_aux=True`",
+        ),
+    ]
+    for loss_fn, has_aux, message in mistakes:
+        step = eo.train_step(loss_fn, optimizer, policy, has_aux=has_aux)
+        with pytest.raises(ValueError, match=r"`train_step`: `loss_fn` " + message):
+            step(model, opt_state, *batch)
+
+
+def test_keyword_batch_arguments_are_refused(getkey):
+    policy = eo.Policy.remat()
+    optimizer = optax.sgd(0.1)
+    model = eo.place(Model(dim=8, depth=2, key=getkey()), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    tokens, targets = next(batches())
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    with pytest.raises(
+        TypeError,
+        match=r"takes the batch by position, `step\(model, opt_state, \*batch\)`.*"
+        r"got keyword argument\(s\) 'targets'",
+    ):
+        step(model, opt_state, tokens, targets=targets)

@@ -1,3 +1,5 @@
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -7,6 +9,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import eqx_offload as eo
+from eqx_offload._names import UnusedName
 from eqx_offload._residuals import saved_residuals
 
 from .helpers import (
@@ -61,7 +64,7 @@ def test_composes_with_jax_grad_jit_and_as_a_decorator(getkey):
 
     # The two halves of a partitioned model are both arguments, so both are
     # configured and `eqx.combine` sees matching pytrees.
-    @eo.filter_offload(policy=eo.Policy.offload_residuals(offload=("input",)))
+    @eo.filter_offload(policy=eo.Policy(offload=("input",)))
     def f(params, static, x):
         return jnp.sum(jnp.tanh(eqx.combine(params, static)(x)))
 
@@ -165,10 +168,16 @@ def test_name_that_never_occurs_lists_the_names_that_did(getkey):
     with pytest.raises(
         ValueError,
         match=r"`Policy\(offload=\.\.\.\)` names 'blok\.input', which never occurred; "
-        r"names seen: 'blocks\.input'; names that can be used: 'blocks\.input', "
-        r"'blocks\.attn'",
-    ):
+        r"names seen: 'blocks\.input'\. Names this model offers \(saved for the "
+        r"backward pass, so a policy can select them\): 'blocks\.input', "
+        r"'blocks\.norm1', .*'blocks\.mlp\.layers\[0\]'; `eqx_offload\.checkpoint",
+    ) as error:
         eqx.filter_grad(fn)(Model(key=getkey()), *next(batches()))
+    # Only residuals are offered: the MLP's output and its last layer's are not.
+    assert "'blocks.mlp'" not in str(error.value)
+    assert "'blocks.mlp.layers[1]'" not in str(error.value)
+    assert isinstance(error.value, UnusedName)  # the names as data, too
+    assert error.value.offered[:2] == ("blocks.input", "blocks.norm1")
 
 
 def test_pattern_that_never_occurs_is_an_error(getkey):
@@ -181,20 +190,45 @@ def test_pattern_that_never_occurs_is_an_error(getkey):
 
 def test_policy_names_without_any_stacked_is_an_error():
     fn = eo.filter_offload(lambda x: jnp.sum(x**2), eo.Policy.offload_residuals())
-    with pytest.raises(ValueError, match=r"never occurred; names seen: \(none\)"):
+    with pytest.raises(
+        ValueError, match=r"never occurred; names seen: \(none: no `Stacked`\)"
+    ):
         jax.grad(fn)(jnp.ones(3))
 
 
 def test_name_that_is_not_a_residual_is_an_error(getkey):
     # A block's output (here: the MLP's, added to the residual stream) is not a
-    # residual of that block: offloading it would silently do nothing.
+    # residual of that block: offloading it would silently do nothing. The error
+    # lists every residual name the model offers, not only the ones traced.
     fn = eo.filter_offload(cross_entropy, eo.Policy(offload=("blocks.mlp",)))
     with pytest.raises(
         ValueError,
         match=r"names 'blocks\.mlp', which occurred \('blocks\.mlp'\) but is not saved "
-        r"for the backward pass.*Names that are residuals: 'blocks\.input'",
+        r"for the backward pass.*Names this model offers.*'blocks\.input', "
+        r"'blocks\.norm1', .*'blocks\.attn', 'blocks\.norm2', "
+        r"'blocks\.mlp\.layers\[0\]';",
     ):
         eqx.filter_grad(fn)(Model(key=getkey()), *next(batches()))
+    # ... and each of them works.
+    fn = eo.filter_offload(cross_entropy, eo.Policy(offload=("blocks.mlp.layers[0]",)))
+    eqx.filter_grad(fn)(Model(key=getkey()), *next(batches()))
+
+
+def test_a_preset_whose_offload_is_replaced_says_so():
+    with pytest.warns(
+        UserWarning,
+        match=r"`Policy\.offload_all\(offload=\('blocks\.mlp\.layers\[0\]',\)\)` "
+        r"replaces the preset's `offload=\('\*\*\.input',\)`: the carry entering each "
+        r"layer .* is no longer offloaded .*`Policy\(params='pinned_host', "
+        r"opt_state='pinned_host', offload=\('blocks\.mlp\.layers\[0\]',\)\)`",
+    ) as got:
+        policy = eo.Policy.offload_all(offload=("blocks.mlp.layers[0]",))
+    assert got[0].filename == __file__
+    assert policy.offload == ("blocks.mlp.layers[0]",)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eo.Policy.offload_residuals(offload=("**.input", "blocks.mlp.layers[0]"))
+        eo.Policy(offload=("blocks.mlp.layers[0]",))
 
 
 def test_same_path_in_two_arguments_is_an_error(getkey):
@@ -314,6 +348,23 @@ def test_host_leaves_outside_stacked_are_moved_at_the_start(getkey):
     jaxpr = eqx.filter_make_jaxpr(eqx.filter_grad(fn))(model, *next(batches()))[0]
     first_ops = [e.primitive.name for e in jaxpr.jaxpr.eqns[:3]]
     assert first_ops == ["device_put"] * 3  # embed.weight, head.weight, head.bias
+
+
+def test_decorates_a_method(getkey):
+    class Trainer(eqx.Module):
+        model: Model
+
+        @eo.filter_offload(policy=eo.Policy.offload_residuals())
+        def loss(self, tokens, targets):
+            return cross_entropy(self.model, tokens, targets)
+
+    trainer = Trainer(Model(dim=8, depth=2, key=getkey()))
+    batch = next(batches())
+    grads = eqx.filter_jit(eqx.filter_grad(lambda t, *b: t.loss(*b)))(trainer, *batch)
+    ref = eqx.filter_jit(eqx.filter_grad(cross_entropy))(trainer.model, *batch)
+    assert_trees_close(grads.model, ref)
+    assert per_layer_residuals_on_host(lambda t, *b: t.loss(*b), trainer, *batch)
+    assert Trainer.loss.__name__ == "loss"
 
 
 def test_policy_is_required():
