@@ -93,7 +93,11 @@ class VerifyReport(eqx.Module):
         those after the whole update, or `None` when not checked: the step does
         not stream (`Policy(update="whole")`, or nothing parameter-shaped on the
         host), or the loss or gradients already differ.
-    - `layers`, `microbatch`: the slice checked (`None`: all of it).
+    - `layers`, `microbatch`: the slice checked (`None`: all of it): the layers
+        kept of each `Stacked`, and the examples kept of the batch (fewer than
+        `verify(microbatch=...)` asked for when the batch is smaller).
+    - `examples`: how many examples the checked batch holds (its leading axis;
+        `None` for a batch without one).
     """
 
     loss: Difference
@@ -101,6 +105,7 @@ class VerifyReport(eqx.Module):
     update: Difference | None
     layers: int | None
     microbatch: int | None
+    examples: int | None = None
 
     @property
     def passed(self) -> bool:
@@ -118,8 +123,9 @@ class VerifyReport(eqx.Module):
             difference, tolerance = f"{check.difference:.3g}", f"{check.tolerance:.3g}"
             rows.append((name, check.leaf, difference, tolerance, verdict))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        where = _slice_text(self.layers, self.microbatch, self.examples)
         lines = [
-            f"eqx_offload.verify: {_slice_text(self.layers, self.microbatch)}",
+            f"eqx_offload.verify: {where}",
             *(
                 "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4]
                 for row in rows
@@ -128,12 +134,16 @@ class VerifyReport(eqx.Module):
         return "\n".join(line.rstrip() for line in lines)
 
 
-def _slice_text(layers: int | None, microbatch: int | None) -> str:
+def _slice_text(
+    layers: int | None, microbatch: int | None, examples: int | None = None
+) -> str:
     def first(n: int, noun: str) -> str:
         return f"the first {noun}" if n == 1 else f"the first {n} {noun}s"
 
     where = "every layer" if layers is None else first(layers, "layer")
     what = "the whole batch" if microbatch is None else first(microbatch, "example")
+    if microbatch is None and examples is not None:
+        what += f" ({examples} example{'' if examples == 1 else 's'})"
     return f"{where} of each `Stacked`, {what}"
 
 
@@ -264,6 +274,70 @@ def _batch_sizes(batch: tuple, microbatch: int | None) -> list[tuple[int, ...] |
         else:
             out.append((min(x.shape[0], microbatch),) + tuple(x.shape[1:]))
     return out
+
+
+def _examples(batch: tuple) -> int | None:
+    """The leading axis of the batch's arrays (the largest, if they differ)."""
+    sizes = [x.shape[0] for x in jtu.tree_leaves(batch) if eqx.is_array(x) and x.ndim]
+    return max(sizes, default=None)
+
+
+def _abstract(tree: Any) -> Any:
+    """`tree` with its arrays as device-resident `jax.ShapeDtypeStruct`s."""
+    return jtu.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x,
+        tree,
+    )
+
+
+def _traces(loss_fn: Callable, model: Any, batch: tuple) -> bool:
+    """Whether `loss_fn` traces on (abstract, device-resident) `model` and `batch`."""
+    try:
+        eqx.filter_eval_shape(loss_fn, _abstract(model), *_abstract(batch))
+    except Exception:  # whatever the loss raises: it does not trace
+        return False
+    return True
+
+
+def _cut_error(
+    loss_fn: Callable,
+    model: Any,
+    batch: tuple,
+    small: Any,
+    small_batch: tuple,
+    layers: int | None,
+    microbatch: int | None,
+    error: Exception,
+) -> ValueError | None:
+    """Why the loss fails on the slice `verify` cut, when it traces on the whole
+    model and batch (and so the cut is to blame), as an error naming `verify`'s
+    argument and the fix; `None` when the cut is not to blame."""
+    if (layers is None and microbatch is None) or not _traces(loss_fn, model, batch):
+        return None
+    if _traces(loss_fn, small, small_batch):
+        return None  # it traces on the slice too: the cut is not to blame
+    if layers is not None and not _traces(loss_fn, small, batch):
+        what = f"the model cut to the first {layers} layer(s) of each `Stacked`"
+        how = (
+            "it sizes something by the model's configured depth (e.g. one KV cache "
+            "per layer from `config.n_layers`) rather than by the `Stacked` it "
+            "gets. Size it by `len(model.blocks)` (or `stacked.scan` over "
+            "per-layer inputs cut with it), or verify every layer with "
+            "`verify(..., layers=None)`"
+        )
+        argument = f"layers={layers}"
+    else:
+        what = f"the batch cut to its first {microbatch} example(s)"
+        how = (
+            "it depends on the batch size (e.g. a shape from a config). Make it "
+            "follow the batch's shape, or verify the whole batch with "
+            "`verify(..., microbatch=None)`"
+        )
+        argument = f"microbatch={microbatch}"
+    return ValueError(
+        f"`verify({argument})`: `loss_fn` fails on {what}, though it traces on the "
+        f"whole model and batch: {how}. It raised {type(error).__name__}: {error}"
+    )
 
 
 def _tolerance(dtype: Any, rtol: float | None, atol: float | None) -> tuple:
@@ -426,9 +500,13 @@ def verify(
 
     **Raises:**
 
-    `eqx_offload.DoesNotMatch` (a `ValueError`) naming the first check that fails
-    (loss, gradients, update), its leaf, the difference and the tolerance;
-    `error.report` has all of them.
+    - `eqx_offload.DoesNotMatch` (a `ValueError`) naming the first check that
+        fails (loss, gradients, update), its leaf, the difference and the
+        tolerance; `error.report` has all of them.
+    - `ValueError` naming `layers=` (or `microbatch=`) when `loss_fn` fails on
+        the slice but traces on the whole model and batch: a loss that sizes
+        something by the configured depth (one KV cache per layer from a
+        config) rather than by the `Stacked` it gets.
 
     !!! Example
 
@@ -453,8 +531,21 @@ def verify(
     small_state = _cut(opt_state, state_sizes)
     microbatch = _whole_parts(microbatch, policy, model)
     small_batch = _cut(batch, _batch_sizes(batch, microbatch))
+    examples = _examples(small_batch)
+    if examples == _examples(batch):
+        microbatch = None  # the whole batch, whatever was asked
+    if _model_sizes(model, None) == model_sizes:
+        layers = None  # every layer
 
-    ref_value, ref_grads = _reference(loss_fn, has_aux, small, small_batch)
+    try:
+        ref_value, ref_grads = _reference(loss_fn, has_aux, small, small_batch)
+    except Exception as e:  # the loss's own error, explained if the cut caused it
+        cut = _cut_error(
+            loss_fn, model, batch, small, small_batch, layers, microbatch, e
+        )
+        if cut is None:
+            raise
+        raise cut from e
     ref_loss = _loss(ref_value, has_aux)
     value, grads = _offloaded(
         loss_fn, policy, has_aux, _copy_into(small, model), small_batch
@@ -533,6 +624,7 @@ def verify(
         update=update,
         layers=layers,
         microbatch=microbatch,
+        examples=examples,
     )
     _raise_if_failed(report)
     return report
@@ -567,7 +659,8 @@ def _raise_if_failed(report: VerifyReport) -> None:
             f"`verify`: {subject} differs between the offloaded step and {against} "
             f"by {check.difference:.3g}, beyond the tolerance {check.tolerance:.3g} "
             f"(`atol + rtol * scale`, scale {check.scale:.3g}: {_SCALES[name]}). "
-            f"Checked on {_slice_text(report.layers, report.microbatch)}. "
+            "Checked on "
+            f"{_slice_text(report.layers, report.microbatch, report.examples)}. "
             f"{_UPSTREAM}\n{report}",
             report,
         )

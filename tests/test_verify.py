@@ -231,3 +231,47 @@ def test_counts_must_be_positive(argument, getkey):
             targets,
             **kwargs,
         )
+
+
+def test_a_loss_sized_by_the_configured_depth_names_layers(getkey):
+    policy = eo.Policy.remat()
+    optimizer, model, opt_state, tokens, targets = setup(
+        policy, getkey(), optimizer=optax.sgd(0.1)
+    )
+    n_layers = len(model.blocks)  # as a config would hold it
+
+    def one_cache_per_layer(model, tokens, targets):
+        caches = jnp.zeros((n_layers, tokens.shape[-1]))
+        x = jax.vmap(model.embed)(tokens[0])
+
+        def layer(block, x, cache):
+            return jax.vmap(block)(x) + cache[:, None], None
+
+        return jnp.mean(model.blocks.scan(layer, x, caches)[0] ** 2)
+
+    args = (optimizer, policy, model, opt_state, tokens, targets)
+    with pytest.raises(
+        ValueError,
+        match=r"`verify\(layers=2\)`: `loss_fn` fails on the model cut to the first 2 "
+        r"layer\(s\) of each `Stacked`, though it traces on the whole model.*"
+        r"configured depth.*`verify\(\.\.\., layers=None\)`\. It raised ValueError: "
+        r"scan got `length`",
+    ):
+        eo.verify(one_cache_per_layer, *args)
+    report = eo.verify(one_cache_per_layer, *args, layers=None)
+    assert (report.layers, report.microbatch, report.examples) == (None, 2, 2)
+    assert "every layer of each `Stacked`, the first 2 examples" in str(report)
+
+
+def test_the_report_says_how_many_examples_it_checked(getkey):
+    policy = eo.Policy.remat()
+    optimizer, model, opt_state, tokens, targets = setup(
+        policy, getkey(), optimizer=optax.sgd(0.1)
+    )
+    report = eo.verify(
+        cross_entropy, optimizer, policy, model, opt_state, tokens[:1], targets[:1]
+    )
+    assert (report.microbatch, report.examples) == (None, 1)
+    assert "the first 2 layers of each `Stacked`, the whole batch (1 example)" in str(
+        report
+    )
