@@ -200,8 +200,11 @@ class Stacked(eqx.Module, _paths.LayerStack, Generic[_Layer]):
         - `x`: the carry (an array or pytree); each layer returns one of the same
             structure, shapes and dtypes.
         - `*args`, `**kwargs`: passed unchanged to every layer (e.g. a mask).
-        - `key`: if given, split into one key per layer and passed as `key=` (e.g.
-            for `eqx.nn.Dropout`).
+        - `key`: if given, split into one key per layer (`jax.random.split(key,
+            n)`) and passed as `key=` (e.g. for `eqx.nn.Dropout`). A per-layer
+            loop that chains `key, k = jax.random.split(key)` draws other keys;
+            to keep its chain, carry the key through `scan` (docs: concepts,
+            "Dropout keys when porting a loop").
 
         **Returns:**
 

@@ -85,7 +85,7 @@ def _is_host(aval: Any) -> bool:
 
 
 def _nbytes(aval: Any) -> int:
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    return int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
 
 
 def _scope(eqn: Any) -> str:

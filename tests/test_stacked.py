@@ -4,6 +4,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import eqx_offload as eo
@@ -191,3 +192,57 @@ def test_host_resident_layers_are_moved_one_slice_at_a_time(getkey):
     np.testing.assert_allclose(call(host, x), stacked(x), rtol=1e-6)
     grads = eqx.filter_jit(eqx.filter_grad(lambda s: jnp.sum(s(x))))(host)
     assert grads.layers.weight.sharding.memory_kind == "pinned_host"
+
+
+def test_a_ported_loop_keeps_its_key_chain_through_scan(getkey):
+    # `Stacked.__call__` splits the key one per layer; a loop that chains
+    # `key, k = split(key)` is reproduced by carrying the key through `scan`, and
+    # such a carry trains and is reported under the offloading presets.
+    class Noisy(eqx.Module):
+        linear: eqx.nn.Linear
+        dropout: eqx.nn.Dropout
+
+        def __call__(self, x, *, key):
+            return self.dropout(jax.nn.relu(self.linear(x)), key=key)
+
+    layers = [
+        Noisy(eqx.nn.Linear(8, 8, key=k), eqx.nn.Dropout(0.5))
+        for k in jax.random.split(getkey(), 3)
+    ]
+
+    def chained(layer, carry, _):
+        x, key = carry
+        key, k = jax.random.split(key)
+        return (layer(x, key=k), key), None
+
+    def loss(stacked, x, key):
+        return jnp.sum(stacked.scan(chained, (x, key))[0][0] ** 2)
+
+    def reference(layers, x, key):
+        for layer in layers:
+            key, k = jax.random.split(key)
+            x = layer(x, key=k)
+        return jnp.sum(x**2)
+
+    x, key = jnp.ones(8), getkey()
+    value, grads = eqx.filter_value_and_grad(reference)(layers, x, key)
+    policy = eo.Policy.offload_residuals()
+    stacked = eo.Stacked.from_layers(layers)
+    ours, our_grads = eqx.filter_value_and_grad(eo.filter_offload(loss, policy))(
+        stacked, x, key
+    )
+    np.testing.assert_allclose(ours, value, rtol=1e-6)
+    expected = eo.Stacked.from_layers(grads).layers
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(our_grads.layers, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(expected, eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    optimizer = optax.sgd(0.1)
+    opt_state = eo.init_opt_state(optimizer, stacked, policy)
+    step = eo.train_step(loss, optimizer, policy)
+    report = eo.memory_report(step, stacked, opt_state, x, key)
+    assert report.residuals is not None
+    saved = {(r.name, r.memory_kind): r.bytes for r in report.residuals}
+    assert saved["input", "pinned_host"] == 3 * (8 * 4 + 8)  # the key is offloaded too
