@@ -39,6 +39,8 @@ from ._report import (
     DoesNotFit as DoesNotFit,
     memory_report as memory_report,
     MemoryReport as MemoryReport,
+    ResidualRow as ResidualRow,
+    UnnamedResidual as UnnamedResidual,
 )
 from ._stacked import Stacked as Stacked
 from ._traffic import Transfer as Transfer
@@ -51,5 +53,47 @@ from ._verify import (
     VerifyReport as VerifyReport,
 )
 
+
+__all__ = [
+    "checkpoint_names",
+    "CheckpointName",
+    "chunked_cross_entropy",
+    "ComputeCopyState",
+    "Difference",
+    "DoesNotCompile",
+    "DoesNotFit",
+    "DoesNotMatch",
+    "embed",
+    "field",
+    "filter_offload",
+    "FSDP",
+    "init_opt_state",
+    "LeafIndex",
+    "load",
+    "load_state_dict",
+    "memory_report",
+    "MemoryKind",
+    "MemoryReport",
+    "optimizer_update",
+    "place",
+    "place_opt_state",
+    "Policy",
+    "ResidualRow",
+    "Restored",
+    "RestoredWithExtra",
+    "save",
+    "saved_steps",
+    "Saving",
+    "Stacked",
+    "state_dict",
+    "state_dict_key",
+    "state_dict_keys",
+    "train_step",
+    "Transfer",
+    "UnnamedResidual",
+    "verify",
+    "VerifyReport",
+    "wait_until_finished",
+]
 
 __version__ = "0.1.0"

@@ -116,6 +116,26 @@ class ResidualRow(NamedTuple):
     bytes: int
 
 
+class UnnamedResidual(NamedTuple):
+    """Values saved for the backward pass without a checkpoint name, computed on
+    one line of your code: one of the largest parts of `MemoryReport.residuals`'
+    `"(other)"` (outside every `Stacked`) or `"(unnamed, in stacked layers)"`
+    rows."""
+
+    group: str  # "(other)" or "(unnamed, in stacked layers)"
+    memory_kind: str
+    where: str | None  # `file.py:80 (loss_fn) > softmax_cross_entropy`, if known
+    operations: tuple[str, ...]  # what computed them (`exp`, `mul`, ...)
+    count: int  # how many values
+    shape: tuple[int, ...]  # of the largest (over all layers, in stacked layers)
+    dtype: str  # of the largest
+    bytes: int  # of all of them
+
+
+_UNNAMED = ("(other)", "(unnamed, in stacked layers)")
+_LARGEST = 3  # unnamed residuals shown per group
+
+
 class MemoryReport(eqx.Module):
     """Where the memory of one compiled step lives. Print it for a table.
 
@@ -141,6 +161,10 @@ class MemoryReport(eqx.Module):
         kind, as traced (`train_step` and `filter_offload` objects; `None`
         otherwise): whole arrays, summed over the chips of a slice. The compiler may
         still place a small residual elsewhere.
+    - `largest_unnamed`: the largest values saved without a checkpoint name
+        (`eo.UnnamedResidual` rows, up to three for each of `"(other)"`, outside
+        every `Stacked`, and `"(unnamed, in stacked layers)"`), each with its
+        shape, dtype, the operation and the line of your code that computed it.
     - `capacity`, `fits`: the device memory the compiler lets a program use on one
         chip of the target (15.75 GiB of a v5e's 16) and whether the device
         footprint fits in it; `None` on the CPU.
@@ -176,6 +200,7 @@ class MemoryReport(eqx.Module):
     params: dict[str, int] | None = None
     opt_state: dict[str, int] | None = None
     residuals: tuple[ResidualRow, ...] | None = None
+    largest_unnamed: tuple[UnnamedResidual, ...] | None = None
     chips: int | None = None  # devices compiled for (TPU targets)
     chips_per_host: int | None = None  # of them, how many one host serves
     transfers: tuple[Transfer, ...] | None = None
@@ -267,6 +292,9 @@ class MemoryReport(eqx.Module):
             "residuals": None
             if self.residuals is None
             else [r._asdict() for r in self.residuals],
+            "largest_unnamed": None
+            if self.largest_unnamed is None
+            else [r._asdict() | {"shape": list(r.shape)} for r in self.largest_unnamed],
             "chips": self.chips,
             "chips_per_host": self.chips_per_host,
             "host_bytes_per_host": self.host_bytes_per_host,
@@ -291,7 +319,7 @@ class MemoryReport(eqx.Module):
                 f"returns; `data` lacks {', '.join(sorted(missing))}."
             )
 
-        def rows(key: str, row: type) -> Any:
+        def rows(key: str, row: Callable[..., Any]) -> Any:
             value = data.get(key)
             return None if value is None else tuple(row(**r) for r in value)
 
@@ -306,6 +334,7 @@ class MemoryReport(eqx.Module):
             params=data.get("params"),
             opt_state=data.get("opt_state"),
             residuals=rows("residuals", ResidualRow),
+            largest_unnamed=rows("largest_unnamed", _unnamed_row),
             chips=data.get("chips"),
             chips_per_host=data.get("chips_per_host"),
             transfers=rows("transfers", Transfer),
@@ -402,8 +431,10 @@ class MemoryReport(eqx.Module):
                 totals[r.name][r.memory_kind] = r.bytes
             for name, by_kind in totals.items():
                 row(f"  {name}", by_kind.get("device", 0), _host(by_kind))
+                lines += _unnamed_lines(self.largest_unnamed or (), name)
             if not totals:
                 lines.append("  (nothing)")
+            lines += _unnamed_hints({name for name in totals if name in _UNNAMED})
         if self.params is None:
             lines.append("arguments")
             for name, by_kind in self.arguments.items():
@@ -413,6 +444,50 @@ class MemoryReport(eqx.Module):
         if self.compiled_transfers:
             lines += _transfer_lines(self.compiled_transfers, "as compiled")
         return "\n".join(lines)
+
+
+def _unnamed_row(**fields: Any) -> UnnamedResidual:
+    """An `UnnamedResidual` from JSON (lists for tuples)."""
+    fields = dict(fields)
+    fields["shape"] = tuple(fields["shape"])
+    fields["operations"] = tuple(fields["operations"])
+    return UnnamedResidual(**fields)
+
+
+def _unnamed_lines(largest: tuple[UnnamedResidual, ...], group: str) -> list[str]:
+    """Under an unnamed group's row: the lines of code that save the most in it."""
+    lines = []
+    for r in largest:
+        if r.group != group:
+            continue
+        value = f"{r.dtype}[{','.join(map(str, r.shape))}]"
+        what = f"    {value}" if r.count == 1 else f"    {r.count} values, {value}"
+        device, host = (r.bytes, 0) if r.memory_kind == "device" else (0, r.bytes)
+        lines.append(f"{what:<34}{_size(device):>14}{_size(host):>14}")
+        if r.where is None and r.operations == ("device_put",):
+            lines.append("      host-resident leaves, on the device for the step")
+        else:
+            where = r.where or "(no line of yours)"
+            lines.append(f"      {where}: {', '.join(r.operations)}")
+    return lines
+
+
+def _unnamed_hints(groups: set[str]) -> list[str]:
+    """How to shrink the unnamed groups the table shows."""
+    hints = {
+        "(other)": [
+            "  (other) is saved outside every `Stacked`, where no policy applies:",
+            "    recompute it (`eqx.filter_checkpoint` around that code), or for "
+            "logits",
+            "    use `eo.chunked_cross_entropy`",
+        ],
+        "(unnamed, in stacked layers)": [
+            "  (unnamed, in stacked layers): name a value inside the layer",
+            "    (`jax.ad_checkpoint.checkpoint_name(x, 'h')`), then save or offload",
+            "    it by name (`Policy(offload=('blocks.h',))`), or recompute it",
+        ],
+    }
+    return [line for group in _UNNAMED if group in groups for line in hints[group]]
 
 
 def _transfer_lines(transfers: tuple[Transfer, ...], how: str) -> list[str]:
@@ -460,21 +535,51 @@ def bytes_by_kind(tree: PyTree, per_chip: bool = False) -> dict[str, int]:
     return dict(out)
 
 
-def residual_rows(fun: Callable, *args: Any, **kwargs: Any) -> tuple[ResidualRow, ...]:
-    """What `fun` saves for its backward pass, by checkpoint name and memory kind;
-    its arguments (already counted) are left out."""
+def _label(r: _residuals.Residual) -> str:
+    if r.name is not None:
+        return r.name
+    return _UNNAMED[1] if r.per_iteration else _UNNAMED[0]
+
+
+class _Saved(NamedTuple):
+    """What a function saves for its backward pass, as the report shows it."""
+
+    rows: tuple[ResidualRow, ...]
+    largest_unnamed: tuple[UnnamedResidual, ...]
+
+
+def saved_for_backward(fun: Callable, *args: Any, **kwargs: Any) -> _Saved:
+    """What `fun` saves for its backward pass, by checkpoint name and memory kind,
+    and the lines of code that save the most without a name; its arguments
+    (already counted) are left out."""
     totals: dict[tuple[str, str], int] = defaultdict(int)
+    unnamed: dict[tuple, list[_residuals.Residual]] = defaultdict(list)
     for r in _residuals.saved_residuals(fun, *args, **kwargs):
         if r.source == "argument":
             continue
-        if r.name is not None:
-            label = r.name
-        elif r.per_iteration:
-            label = "(unnamed, in stacked layers)"
-        else:
-            label = "(other)"
-        totals[label, "pinned_host" if r.host else "device"] += r.nbytes
-    return tuple(ResidualRow(name, kind, n) for (name, kind), n in totals.items())
+        kind = "pinned_host" if r.host else "device"
+        totals[_label(r), kind] += r.nbytes
+        if r.name is None:
+            unnamed[_label(r), kind, r.where].append(r)
+    rows = tuple(ResidualRow(name, kind, n) for (name, kind), n in totals.items())
+    parts = []
+    for (group, kind, where), found in unnamed.items():
+        largest = max(found, key=lambda r: r.nbytes)
+        operations = tuple(dict.fromkeys(r.source for r in found))
+        shape, dtype = tuple(largest.aval.shape), jax.numpy.dtype(largest.aval.dtype)
+        total = sum(r.nbytes for r in found)
+        parts.append(
+            UnnamedResidual(
+                group, kind, where, operations, len(found), shape, dtype.name, total
+            )
+        )
+    parts.sort(key=lambda p: -p.bytes)
+    kept = [
+        p
+        for group in _UNNAMED
+        for p in [q for q in parts if q.group == group][:_LARGEST]
+    ]
+    return _Saved(rows, tuple(kept))
 
 
 class _Plan(NamedTuple):
@@ -485,7 +590,7 @@ class _Plan(NamedTuple):
     arguments: dict[str, Any]
     params: Any = None
     opt_state: Any = None
-    residuals: Callable[[], tuple[ResidualRow, ...]] | None = None
+    residuals: Callable[[], _Saved] | None = None
     # (what, compiler message, mesh) -> the error naming the leaves at fault
     rejected: Callable[[str, str, Any], DoesNotCompile] | None = None
 
@@ -506,7 +611,7 @@ def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
     )
     loss = filter_offload(step.loss_fn, step.policy)
 
-    def residuals() -> tuple[ResidualRow, ...]:
+    def residuals() -> _Saved:
         def wrt_model(model: Any, *batch: Any) -> Any:
             batch = jtu.tree_map(
                 lambda x: jax.lax.stop_gradient(x) if eqx.is_array(x) else x, batch
@@ -514,7 +619,7 @@ def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
             out = loss(model, *batch)
             return out[0] if step.has_aux else out
 
-        return residual_rows(wrt_model, model, *batch)
+        return saved_for_backward(wrt_model, model, *batch)
 
     return _Plan(
         lambda: jitted.trace(*dynamic, statics),
@@ -562,7 +667,7 @@ def _function_plan(fn: Any, args: tuple, kwargs: dict) -> _Plan:
     kind = "function"
     if isinstance(fn, _OffloadWrapper):
         kind = "filter_offload"
-        residuals = functools.partial(residual_rows, fn, *args, **kwargs)
+        residuals = functools.partial(saved_for_backward, fn, *args, **kwargs)
         fn = eqx.filter_value_and_grad(fn, has_aux=_has_aux(fn, args, kwargs))
     first, first_static = split(args[:1])
     rest, rest_static = split((args[1:], kwargs))
@@ -686,7 +791,8 @@ def memory_report(
             plan = _function_plan(fn, args, kwargs)
         traced = plan.trace()
         lowered = traced.lower()
-        residuals = None if plan.residuals is None else plan.residuals()
+        saved = None if plan.residuals is None else plan.residuals()
+        residuals = None if saved is None else saved.rows
         platform = "tpu" if where.mesh is not None else jax.default_backend()
         transfers = _traffic.count(traced.jaxpr, _inputs(plan), platform)
     what = _DESCRIPTIONS[plan.kind]
@@ -728,6 +834,7 @@ def memory_report(
         params=None if plan.params is None else count(plan.params),
         opt_state=None if plan.opt_state is None else count(plan.opt_state),
         residuals=residuals,
+        largest_unnamed=None if saved is None else saved.largest_unnamed,
         chips=where.chips,
         chips_per_host=where.chips_per_host,
         transfers=transfers,

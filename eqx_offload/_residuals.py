@@ -3,15 +3,22 @@
 This is `jax.ad_checkpoint.print_saved_residuals` as data, built from public APIs
 only (`jax.make_jaxpr` of `jax.vjp`): each residual's abstract value (which carries
 its memory space, `f32<host>[...]`) and where it came from, including the checkpoint
-name when it is the output of `checkpoint_name`.
+name when it is the output of `checkpoint_name`, and the line of the user's code
+that computed it (from the equation's traceback).
 """
 
+import os
+import sysconfig
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import beartype
 import equinox as eqx
 import jax
 import jax.extend.core as jex
+import jaxlib
+import jaxtyping
+import optax
 
 
 class Residual(NamedTuple):
@@ -21,6 +28,7 @@ class Residual(NamedTuple):
     source: str  # "argument", "constant", "literal", "named" or a primitive's name
     name: str | None = None  # the checkpoint name, when `source == "named"`
     per_iteration: bool = False  # stacked over a scan's iterations (one per layer)
+    where: str | None = None  # the user's line that computed it, if known
 
     @property
     def host(self) -> bool:
@@ -68,8 +76,12 @@ def _origin(v: Any, jaxpr: Any, producers: dict[int, dict]) -> Residual:
     enclosing: list[tuple[Any, Any]] = []  # (outer jaxpr, jit or scan equation)
     per_iteration = False
 
-    def residual(source: str, name: str | None = None) -> Residual:
-        return Residual(v.aval, source, name, per_iteration)
+    def residual(source: str, name: str | None = None, eqn: Any = None) -> Residual:
+        # An equation inside a `jit` keeps only the frames below that call: the
+        # calls around it have the rest.
+        calls = [eqn] + [call for _, call in reversed(enclosing)]
+        where = None if eqn is None else _user_line([e.source_info for e in calls])
+        return Residual(v.aval, source, name, per_iteration, where)
 
     while True:
         if isinstance(v, jex.Literal):
@@ -112,9 +124,45 @@ def _origin(v: Any, jaxpr: Any, producers: dict[int, dict]) -> Residual:
             source = _producers(jaxpr, producers).get(eqn.invars[index])
             if source is not None and source.primitive.name == "name":
                 return residual("named", source.params["name"])
-            return residual(name)
+            return residual(name, eqn=eqn)
         else:
-            return residual(name)
+            return residual(name, eqn=eqn)
+
+
+# Code that is not the user's: JAX, the libraries a model is built from, this one,
+# and Python's own.
+_NOT_THE_USERS = tuple(
+    os.path.dirname(m.__file__ or "") + os.sep
+    for m in (jax, jaxlib, eqx, optax, jaxtyping, beartype)
+) + (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    sysconfig.get_paths()["stdlib"] + os.sep,
+)
+
+
+def _user_line(source_infos: list[Any]) -> str | None:
+    """`file.py:80 (loss_fn)`: the innermost frame of the user's code in the
+    tracebacks of an equation and of the calls around it (innermost first), and
+    `> softmax_cross_entropy` for the library function it called, if one's."""
+    frames = [
+        frame
+        for info in source_infos
+        for frame in getattr(getattr(info, "traceback", None), "frames", None) or ()
+    ]
+    internal = (*_NOT_THE_USERS[:2], *_NOT_THE_USERS[-2:])  # JAX, this, Python
+    called = next((f for f in frames if not f.file_name.startswith(internal)), None)
+    user = next((f for f in frames if not f.file_name.startswith(_NOT_THE_USERS)), None)
+    if user is None:
+        return None
+    line = f"{os.path.basename(user.file_name)}:{user.line_num} ({_name(user)})"
+    if called is not None and called is not user:
+        line += f" > {_name(called)}"
+    return line
+
+
+def _name(frame: Any) -> str:
+    """A frame's function, without the functions it is nested in."""
+    return frame.function_name.rsplit("<locals>.", 1)[-1]
 
 
 def _producers(jaxpr: Any, cache: dict[int, dict]) -> dict:

@@ -23,3 +23,21 @@ def test_every_catalogued_mistake_names_an_existing_test():
         for file, test in refs:
             source = (ROOT / "tests" / file).read_text()
             assert re.search(rf"^def {test}\(", source, re.M), f"{file}::{test}"
+
+
+def test_every_public_name_is_in_all_and_in_the_reference():
+    import types
+
+    import eqx_offload as eo
+
+    public = {
+        name
+        for name, value in vars(eo).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
+    assert set(eo.__all__) == public
+    reference = (ROOT / "docs" / "reference.md").read_text()
+    overview = (ROOT / "docs" / "api.md").read_text()
+    for name in eo.__all__:
+        assert f"::: eqx_offload.{name}\n" in reference, name
+        assert f"eo.{name}" in overview, name

@@ -118,6 +118,28 @@ def test_str_and_to_dict():
     data = json.loads(json.dumps(report.to_dict()))
     assert data["device_bytes"] == report.device_bytes
     assert data["residuals"][0].keys() == {"name", "memory_kind", "bytes"}
+    assert eo.MemoryReport.from_dict(data).largest_unnamed == report.largest_unnamed
+
+
+def test_unnamed_residuals_are_broken_down_by_line():
+    # What the head and the loss save (outside the `Stacked`): the report names
+    # the lines of code that save it.
+    report = eo.memory_report(*make_step(eo.Policy.remat()), *next(batches()))
+    assert report.residuals is not None and report.largest_unnamed is not None
+    other = sum(r.bytes for r in report.residuals if r.name == "(other)")
+    parts = [r for r in report.largest_unnamed if r.group == "(other)"]
+    assert 0 < sum(r.bytes for r in parts) <= other
+    assert parts == sorted(parts, key=lambda r: -r.bytes)
+    line = cross_entropy.__code__.co_firstlineno + 2  # `softmax_cross_entropy...`
+    loss = next(r for r in parts if r.where and r.where.startswith("helpers.py"))
+    assert loss.where == (
+        f"helpers.py:{line} (cross_entropy) > softmax_cross_entropy_with_integer_labels"
+    )
+    assert loss.dtype == "float32" and loss.shape == (2, 8, 32)  # the logits' shape
+    assert "exp" in loss.operations
+    text = str(report)
+    assert f"      {loss.where}: " in text
+    assert "(other) is saved outside every `Stacked`" in text
 
 
 def test_tpu_target_matches_a_direct_compile():
