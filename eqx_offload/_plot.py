@@ -91,7 +91,8 @@ def plot(
     except ImportError as e:
         raise ImportError(
             "`MemoryReport.plot` draws with matplotlib, which is not installed: "
-            "`pip install 'eqx_offload[plot]'` (or `pip install matplotlib`)."
+            "`pip install matplotlib` (from a clone of eqx_offload, its `plot` extra: "
+            "`pip install -e '.[plot]'`)."
         ) from e
     if unit is not None and unit not in _UNITS:
         raise ValueError(

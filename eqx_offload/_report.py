@@ -358,7 +358,7 @@ class MemoryReport(eqx.Module):
         bar comes within half of the chip's capacity, the capacity is drawn as a
         dashed line.
 
-        Needs matplotlib (`pip install 'eqx_offload[plot]'`).
+        Needs matplotlib (`pip install matplotlib`; from a clone, the `plot` extra).
 
         **Arguments:**
 

@@ -67,8 +67,10 @@ def _import_libtpu() -> None:
     except ImportError as e:
         raise ImportError(
             "`memory_report(target=...)` compiles for a TPU with libtpu, which is not "
-            "installed. Install the `tpu` extra: `pip install 'eqx_offload[tpu]'` "
-            "(about 140 MB; Linux x86_64)."
+            f"installed. Install it: `pip install 'jax[tpu]=={jax.__version__}'` (the "
+            "libtpu of this JAX, about 140 MB; Linux x86_64), or from a clone of "
+            "eqx_offload, its `tpu` extra: `pip install -e '.[tpu]'`. On a machine "
+            "without TPUs, run with `JAX_PLATFORMS=cpu`."
         ) from e
 
 

@@ -41,3 +41,27 @@ def test_every_public_name_is_in_all_and_in_the_reference():
     for name in eo.__all__:
         assert f"::: eqx_offload.{name}\n" in reference, name
         assert f"eo.{name}" in overview, name
+
+
+def test_the_site_navigates_when_opened_from_disk(tmp_path):
+    """`site/index.html` opened in a browser: every link between pages names a
+    file (`api.html`), not a directory, whose listing a browser would show."""
+    import os
+    import subprocess
+    import sys
+    from urllib.parse import unquote, urlparse
+
+    mkdocs = Path(sys.executable).parent / "mkdocs"
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    command = [str(mkdocs), "build", "--strict", "--quiet", "-d", str(tmp_path)]
+    subprocess.run(command, cwd=ROOT, env=env, check=True)
+    # (404.html is only served, never opened: its links are absolute.)
+    pages = sorted(set(tmp_path.rglob("*.html")) - {tmp_path / "404.html"})
+    assert (tmp_path / "index.html") in pages and len(pages) > 15
+    for page in pages:
+        for href in re.findall(r'href="([^"]+)"', page.read_text()):
+            link = urlparse(href)
+            if link.scheme or link.netloc or not link.path:
+                continue  # another site, or an anchor on this page
+            target = (page.parent / unquote(link.path)).resolve()
+            assert target.is_file(), f"{page.relative_to(tmp_path)}: {href}"

@@ -188,7 +188,11 @@ def test_without_libtpu_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "libtpu", None)  # `import libtpu` fails
     _targets.chip_mesh.cache_clear()
     try:
-        with pytest.raises(ImportError, match=r"eqx_offload\[tpu\]"):
+        with pytest.raises(
+            ImportError,
+            match=rf"`pip install 'jax\[tpu\]=={jax.__version__}'`.*a clone of "
+            r"eqx_offload, its `tpu` extra: `pip install -e '\.\[tpu\]'`",
+        ):
             eo.memory_report(lambda x: x * 2, jnp.ones(3), target="tpu-v5e")
     finally:
         _targets.chip_mesh.cache_clear()
