@@ -468,7 +468,8 @@ def _unnamed_lines(largest: tuple[UnnamedResidual, ...], group: str) -> list[str
             lines.append("      host-resident leaves, on the device for the step")
         else:
             where = r.where or "(no line of yours)"
-            lines.append(f"      {where}: {', '.join(r.operations)}")
+            shown = r.operations[:4] + (("...",) if len(r.operations) > 4 else ())
+            lines.append(f"      {where}: {', '.join(shown)}")
     return lines
 
 

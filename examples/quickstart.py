@@ -173,7 +173,7 @@ def main():
             losses.append(float(loss))
             if i % 10 == 0:
                 bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    print(f"\nloss: first step {losses[0]:.3f}, last step {losses[-1]:.3f}")
+    print(f"loss: first step {losses[0]:.3f}, last step {losses[-1]:.3f}")
     print(
         f"after training, parameters live in {kinds(model)}, "
         f"optimizer state in {kinds(opt_state)} (the step count stays on the device)"
