@@ -252,32 +252,6 @@ class Policy(eqx.Module):
                     "a residual is either kept on the device or offloaded, not both."
                 )
 
-    @property
-    def checkpoint_patterns(self) -> tuple[str, ...]:
-        """Every pattern in `save` and `offload`."""
-        save = () if self.save == "all" else self.save
-        return save + self.offload
-
-    def split_names(self, names: Sequence[str]) -> tuple[list[str], list[str]]:
-        """The occurring `names` to save and to offload. A name matched by a `save`
-        pattern and an `offload` pattern is a `ValueError`."""
-        save = () if self.save == "all" else self.save
-        to_save, to_offload = [], []
-        for name in names:
-            s = [p for p in save if _paths.matches(p, name)]
-            o = [p for p in self.offload if _paths.matches(p, name)]
-            if s and o:
-                raise ValueError(
-                    f"`Policy`: checkpoint name {name!r} matches `save` pattern "
-                    f"{s[0]!r} and `offload` pattern {o[0]!r}; make the patterns "
-                    "disjoint."
-                )
-            if s:
-                to_save.append(name)
-            elif o:
-                to_offload.append(name)
-        return to_save, to_offload
-
     @classmethod
     def none(cls, **overrides: Any) -> "Policy":
         """No offloading and no rematerialisation: every residual stays on the
@@ -314,6 +288,33 @@ class Policy(eqx.Module):
                 **overrides,
             }
         )
+
+
+def checkpoint_patterns(policy: Policy) -> tuple[str, ...]:
+    """Every pattern in `policy.save` and `policy.offload`."""
+    save = () if policy.save == "all" else policy.save
+    return save + policy.offload
+
+
+def split_names(policy: Policy, names: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The occurring `names` to save and to offload. A name matched by a `save`
+    pattern and an `offload` pattern is a `ValueError`."""
+    save = () if policy.save == "all" else policy.save
+    to_save, to_offload = [], []
+    for name in names:
+        s = [p for p in save if _paths.matches(p, name)]
+        o = [p for p in policy.offload if _paths.matches(p, name)]
+        if s and o:
+            raise ValueError(
+                f"`Policy`: checkpoint name {name!r} matches `save` pattern "
+                f"{s[0]!r} and `offload` pattern {o[0]!r}; make the patterns "
+                "disjoint."
+            )
+        if s:
+            to_save.append(name)
+        elif o:
+            to_offload.append(name)
+    return to_save, to_offload
 
 
 _LAYER_INPUTS = ("**.input",)

@@ -14,7 +14,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from . import _accumulate, _layout, _names, _paths, _residuals, _tiling
 from ._memory_kinds import is_arraylike, is_host
-from ._policy import Policy
+from ._policy import checkpoint_patterns, Policy, split_names
 from ._warn import warn_at_caller
 
 
@@ -514,7 +514,7 @@ def _offload_body(
             "the layer a module that holds the inner `Stacked` as a field."
         )
     carry_name = _paths.join(path, "input")
-    patterns = policy.checkpoint_patterns
+    patterns = checkpoint_patterns(policy)
     nameable = sorted(_paths.join(path, p) for p in _submodule_paths(static))
     to_name = {p for p in nameable if any(_paths.matches(q, p) for q in patterns)}
 
@@ -547,7 +547,7 @@ def _offload_body(
     residual_names: tuple[str, ...] = ()
     if patterns:
         names, residual_names = _probe_names(body, carry, dynamic, xs)
-    save, offload = policy.split_names(names)
+    save, offload = split_names(policy, names)
     checkpoint_policy = jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=save,
         names_which_can_be_offloaded=offload,

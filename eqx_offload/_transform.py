@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 
 from . import _accumulate, _layout, _names, _paths, _tiling, _vocab_blocks
 from ._memory_kinds import is_host
-from ._policy import check_policy, Policy, PolicyArg
+from ._policy import check_policy, checkpoint_patterns, Policy, PolicyArg
 from ._stacked import configure, Stacked
 
 
@@ -368,7 +368,7 @@ class _OffloadWrapper(eqx.Module):
                 outputs = jex.jaxpr_as_fun(traced.closed)(*traced.dynamic)
                 return traced.rebuild(outputs)
             out = self._fun(*args, **kwargs)
-        if self._policy.checkpoint_patterns:
+        if checkpoint_patterns(self._policy):
             try:
                 _names.check(self._policy, log)
             except _names.UnusedName:
