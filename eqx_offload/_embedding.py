@@ -21,7 +21,9 @@ def embed(
     On a device-resident table this is `(table[tokens], table)`. A table the
     step keeps in host memory (`Policy(stream=("embed",))`) is read one block of
     rows at a time, so it never exists whole on the device; its gradient is
-    written back to the host block by block.
+    written back to the host block by block. Outside a step, a host-resident table
+    is an error: run the model with `eqx.filter_jit(eo.filter_offload(fn, policy))`
+    (see the how-to "Evaluate and sample").
 
     **Tied embeddings.** Pass the *returned* table to the output projection
     (`eo.chunked_cross_entropy(hidden, table, targets)`): the projection's

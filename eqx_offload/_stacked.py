@@ -39,7 +39,9 @@ class Stacked(eqx.Module, _paths.LayerStack, Generic[_Layer]):
     offloads parameters only when scanning over axis 0.
 
     Outside `filter_offload`, calling a `Stacked` is a plain `lax.scan` (host-resident
-    layer slices are still moved to the device one at a time). Inside, the transform
+    layer slices are still moved to the device one at a time, with a warning: a
+    host-resident model is run with `eqx.filter_jit(eo.filter_offload(fn, policy))`,
+    see the how-to "Evaluate and sample"). Inside, the transform
     substitutes a configured view, itself a `Stacked`, that also names the carry
     entering each layer `"<path>.input"` and applies the policy's `jax.checkpoint`.
 
@@ -264,8 +266,34 @@ class Stacked(eqx.Module, _paths.LayerStack, Generic[_Layer]):
                 "`filter_offload(loss_fn, policy)(model, *batch)`."
             )
         else:
+            _warn_host_outside(self.layers)
             body = _plain_body(f, static)
         return jax.lax.scan(body, carry, (dynamic, xs), length=len(self))
+
+
+def _warn_host_outside(layers: Any) -> None:
+    """A `Stacked` with host-resident layers applied outside `filter_offload` works
+    (its scan moves them to the device one layer at a time), but it is usually a
+    host-resident model run outside the step, whose other host-resident leaves
+    cannot be computed on there, and no policy applies to it."""
+    host = [
+        leaf.path
+        for leaf in _paths.leaves(layers)
+        if eqx.is_array(leaf.value) and is_host(leaf.value)
+    ]
+    if host:
+        warn_at_caller(
+            "A `Stacked` whose layers are host-resident "
+            f"({_paths.quoted(host, 3)}) is applied outside `filter_offload`: its "
+            "scan moves them to the device one layer at a time, but no `Policy` "
+            "applies (no `jax.checkpoint`, no offloading: under a gradient every "
+            "layer's activations stay on the device), and the model's other "
+            "host-resident leaves cannot be computed on here (JAX: `memory_space of "
+            "all inputs passed to ... must be the same`). To evaluate or sample, "
+            "call the model inside `eqx.filter_jit(eo.filter_offload(fn, policy))`; "
+            "or, if it fits, put it on the device with "
+            "`eo.place(model, eo.Policy(params='device'))`."
+        )
 
 
 def _check_carry(carry: PyTree, out: PyTree) -> None:

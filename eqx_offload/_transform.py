@@ -407,6 +407,8 @@ def filter_offload(fun: Callable | None = None, policy: PolicyArg | None = None)
     Host-resident leaves outside any `Stacked` are moved to the device where `fun`
     starts. `filter_offload` does not compile by itself: compose it with `jax.jit`,
     `eqx.filter_jit`, `jax.grad`, `eqx.filter_value_and_grad`, ... as usual.
+    Without a gradient, `eqx.filter_jit(filter_offload(fn, policy))` is how a
+    host-resident model is evaluated or sampled outside the step.
 
     **Arguments:**
 

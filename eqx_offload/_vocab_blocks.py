@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _tiling
+from . import _names, _tiling
 from ._memory_kinds import is_host, to_space
 
 
@@ -36,6 +36,20 @@ def streams(table: Any) -> bool:
 
 
 def check(table: Any, where: str) -> None:
+    """Raises unless `table` can be read by blocks here: inside a `filter_offload`
+    function (a step), as a `[vocab, dim]` table of whole tiles."""
+    if not _names.is_inside():
+        # Outside a step no `Policy(stream=...)` asked for streaming, and the rest of
+        # a host-resident model cannot be computed on there either.
+        raise ValueError(
+            f"`{where}` was given a host-resident table of shape "
+            f"{tuple(table.shape)} outside `filter_offload` (and `train_step`). A "
+            "host-resident model is run outside the step with "
+            "`eqx.filter_jit(eo.filter_offload(fn, policy))`, which moves the table "
+            "to the device where `fn` starts (or reads it by blocks, as the step "
+            "does, if `Policy(stream=...)` names it); or, if it fits, put the model "
+            "on the device with `eo.place(model, eo.Policy(params='device'))`."
+        )
     if table.ndim != 2:
         raise ValueError(
             f"`{where}`: a host-resident table must be `[vocab, dim]`, got shape "

@@ -80,24 +80,43 @@ def held_out_loss(
     return sum(losses) / len(losses)
 
 
-@eqx.filter_jit
-def next_token(
-    model: GPT, window: Int[Array, " seq"], position: int, key: PRNGKeyArray
-) -> Int[Array, ""]:
-    logits = model(window)[position]
-    return jax.random.categorical(key, logits / 0.8)  # temperature 0.8
+def sample(
+    model: GPT,
+    buffer: Int[Array, " total"],
+    start: Int[Array, ""],
+    end: Int[Array, ""],
+    key: PRNGKeyArray,
+) -> Int[Array, " total"]:
+    """Fills `buffer[start:end]` one token at a time, each drawn from the logits at
+    the last position of the window of (up to) `seq` tokens before it.
+
+    The whole loop is one `lax.fori_loop` whose position `i` is a traced value, so
+    `eqx.filter_jit(eo.filter_offload(sample, policy))` compiles it once per buffer
+    length, not once per position. Under `filter_offload` the model's host-resident
+    leaves outside its `Stacked` (embedding, head) move to the device once, where
+    the function starts; its layers stream from the host for every token."""
+    seq = model.pos.shape[0]
+
+    def body(i: Int[Array, ""], buffer: Int[Array, " total"]) -> Int[Array, " total"]:
+        first = jnp.maximum(i - seq, 0)
+        window = jax.lax.dynamic_slice_in_dim(buffer, first, seq)
+        logits = model(window)[i - 1 - first]  # causal: the tokens after it are unseen
+        token = jax.random.categorical(jax.random.fold_in(key, i), logits / 0.8)
+        return buffer.at[i].set(token)
+
+    return jax.lax.fori_loop(start, end, body, buffer)
 
 
-def generate(model: GPT, prompt: list[int], length: int, seq: int, key) -> list[int]:
-    """Samples `length` tokens after `prompt`, a window of `seq` at a time."""
-    model = eo.place(model, eo.Policy(params="device"))  # a device copy to sample
-    out = list(prompt)
-    for key in jax.random.split(key, length):
-        window = out[-seq:]
-        position = len(window) - 1
-        window = window + [0] * (seq - len(window))  # causal: the padding is unseen
-        out.append(int(next_token(model, jnp.array(window), position, key)))
-    return out[len(prompt) :]
+def generate(
+    sample_fn, model: GPT, prompt: list[int], length: int, seq: int, key: PRNGKeyArray
+) -> list[int]:
+    """Samples `length` tokens after `prompt` with `sample_fn` (a jitted `sample`)."""
+    end = len(prompt) + length
+    buffer = np.zeros(max(end, seq), np.int32)  # at least one window
+    buffer[: len(prompt)] = prompt
+    start = jnp.int32(len(prompt))  # arrays, not Python ints: traced, not static
+    out = sample_fn(model, jnp.asarray(buffer), start, jnp.int32(end), key)
+    return np.asarray(out)[len(prompt) : end].tolist()
 
 
 def main():
@@ -131,7 +150,9 @@ def main():
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, 50, 5000)
     optimizer = optax.adamw(schedule, weight_decay=0.01)
     step_fn = eo.train_step(loss_fn, optimizer, policy)
+    # The host-resident model outside the step: the step's transform, no gradient.
     evaluate = eqx.filter_jit(eo.filter_offload(loss_fn, policy))
+    sample_fn = eqx.filter_jit(eo.filter_offload(sample, policy))
 
     def make_model(key: PRNGKeyArray) -> GPT:
         return GPT(chars.vocab, args.dim, args.depth, args.seq, key=key)
@@ -186,14 +207,15 @@ def main():
     print(f"checkpoint: {checkpoint} (steps {eo.saved_steps(checkpoint)})")
 
     prompt = "And God said"
-    sample = generate(
+    generated = generate(
+        sample_fn,
         model,
         [chars.index[c] for c in prompt],
         args.sample,
         args.seq,
         jax.random.key(end),
     )
-    print(f"\nsample:\n{prompt}{chars.decode(sample)}")
+    print(f"\nsample:\n{prompt}{chars.decode(generated)}")
 
 
 if __name__ == "__main__":

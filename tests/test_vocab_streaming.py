@@ -154,8 +154,10 @@ def test_a_table_without_row_blocks_is_an_error():
         table,
         jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"),
     )
+    policy = eo.Policy(stream=("table",))
+    lookup = eo.filter_offload(lambda m, ids: eo.embed(m["table"], ids)[0], policy)
     with pytest.raises(ValueError, match="pad the vocabulary"):
-        jax.jit(lambda t: eo.embed(t, jnp.zeros((3,), jnp.int32))[0])(host)
+        eqx.filter_jit(lookup)({"table": host}, jnp.zeros((3,), jnp.int32))
 
 
 @pytest.mark.parametrize("vocab, dim", [(272, 384), (262144, 256)])
