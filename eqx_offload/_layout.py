@@ -228,10 +228,14 @@ def rule_of(
     return _paths.best_match(path, rules, "`Policy(shard=...)`", used)
 
 
+def explicit_mesh(mesh: AnyMesh) -> bool:
+    """Whether `mesh` has `Explicit` axes."""
+    return not mesh.empty and AxisType.Explicit in mesh.axis_types
+
+
 def explicit_axes() -> bool:
     """Whether the current trace runs over a mesh with `Explicit` axes."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and AxisType.Explicit in mesh.axis_types
+    return explicit_mesh(jax.sharding.get_abstract_mesh())
 
 
 def traced_spec(x: Any) -> PartitionSpec:
