@@ -332,6 +332,9 @@ class _OffloadWrapper(eqx.Module):
         return self._fun
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._policy.loss_axes == "auto" and _layout.explicit_axes():
+            # `Policy(loss_axes="auto")`: this call again, on `Auto` axes.
+            return _layout.call_on_auto_axes(self, args, kwargs)
         streamed = _streamed_paths(args[0] if args else None, self._policy)
         args, kwargs = _configure_all(args, kwargs, self._policy, streamed)
         host_stacked = bool(streamed) or any(

@@ -181,8 +181,9 @@ def test_train_step_refuses_a_model_not_laid_out_as_declared():
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_fsdp_trains_like_one_device_on_both_axis_types(axis_type):
-    """Under `Explicit` axes the library gathers each FSDP-sharded layer before use
-    (JAX would otherwise refuse the sharded contraction)."""
+    """With `Policy(loss_axes="explicit")`, under `Explicit` axes the library
+    gathers each FSDP-sharded layer before use (JAX would otherwise refuse the
+    sharded contraction)."""
     optimizer = optax.sgd(0.1)
     reference = Net(key=jax.random.key(0))
     state = optimizer.init(eqx.filter(reference, eqx.is_array))
@@ -193,7 +194,9 @@ def test_fsdp_trains_like_one_device_on_both_axis_types(axis_type):
         reference = eqx.apply_updates(reference, updates)
         expected.append(float(loss))
 
-    policy = eo.Policy.offload_all(shard=eo.FSDP("data", min_size=0), batch="data")
+    policy = eo.Policy.offload_all(
+        shard=eo.FSDP("data", min_size=0), batch="data", loss_axes="explicit"
+    )
     with jax.set_mesh(_mesh((8,), ("data",), axis_type)):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # head.bias (4,): replicated
