@@ -440,7 +440,8 @@ def test_an_unmodified_model_trains_on_explicit_axes_as_on_auto_axes():
     """`Policy(loss_axes="auto")`, the default: on a mesh with `Explicit` axes the
     loss runs on `Auto` axes inside the step, so the model above trains under a
     declared FSDP layout with `offload_all` as it does on an `Auto` mesh (SGD:
-    the parameters agree to rounding). Its `aux` comes back replicated."""
+    the parameters agree to rounding). Its `aux` comes back replicated; the
+    backward pass saves what it saves there; `verify` passes."""
     rng = np.random.default_rng(0)
     data = [
         tuple(rng.integers(0, 32, (BATCH, SEQ)).astype(np.int32) for _ in "xy")
@@ -479,6 +480,12 @@ def test_an_unmodified_model_trains_on_explicit_axes_as_on_auto_axes():
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(aux), np.asarray(auto_aux), rtol=1e-5)
     assert aux.sharding.spec == P(None)  # replicated
+
+    # `verify` runs the loss (and its plain reference) as the step does.
+    whole = eo.Policy.offload_all(
+        shard=eo.FSDP("fsdp", min_size=0), batch="fsdp", update="whole"
+    )
+    eo.verify(lm_loss, optimizer, whole, model, opt_state, *data[0], has_aux=True)
 
     # Opted in to `Explicit` axes inside the loss: JAX's refusal, as in plain JAX.
     policy = eo.Policy.offload_all(
