@@ -25,10 +25,16 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import (
+    AbstractMesh,
+    Mesh,
+    NamedSharding,
+    PartitionSpec,
+    SingleDeviceSharding,
+)
 from jaxtyping import Array, PyTree
 
-from . import _paths, _tiling
+from . import _layout, _paths, _tiling
 from ._memory_kinds import is_arraylike, is_host, kind_of, to_space
 from ._stacked import Stacked
 
@@ -298,6 +304,7 @@ class _Layout(NamedTuple):
     dtype: Any
     depth: int
     kind: str
+    spec: PartitionSpec  # over the mesh in context (none: ignored)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -305,7 +312,15 @@ def _join_layers(layout: _Layout, old: Any, pieces: list[Any]) -> Any:
     """The stacked leaf with layer `i` replaced by `pieces[i]` (kept where `None`),
     in the leaf's memory. A host-resident leaf with one layer axis of at least 3
     dimensions is written on the host one layer at a time, as the streamed update
-    writes it (`_tiling`); any other leaf is assembled on the device."""
+    writes it (`_tiling`); any other leaf is assembled on the device. Over a mesh
+    with `Explicit` axes (in context: `_join_mesh`) it is assembled on `Auto`
+    axes, which lay out the writes of a layer into the stack, and returned as
+    `layout.spec`."""
+    join = functools.partial(_join, layout)
+    return _layout.on_auto_axes(join, layout.spec)(old, pieces)
+
+
+def _join(layout: _Layout, old: Any, pieces: list[Any]) -> Any:
     host = layout.kind != "device"
     on_host = host and layout.depth == 1 and _tiling.slices_by_layer(layout.shape)
     if old is None:
@@ -334,11 +349,38 @@ def _piece_sharding(sharding: Any, depth: int, kind: str) -> Any:
     return SingleDeviceSharding(device, memory_kind=kind)
 
 
-def _target_sharding(x: Any) -> Any:
+def _target_sharding(x: Any, path: str) -> Any:
+    """Where the array of leaf `x` (at `path`) is created: its sharding, with the
+    mesh of `jax.set_mesh` for an `AbstractMesh` (an abstract model made under
+    `jax.set_mesh`), which has no devices."""
     sharding = getattr(x, "sharding", None)
     if sharding is None:
-        sharding = SingleDeviceSharding(jax.devices()[0], memory_kind="device")
-    return sharding
+        return SingleDeviceSharding(jax.devices()[0], memory_kind="device")
+    if not isinstance(sharding, NamedSharding) or not isinstance(
+        sharding.mesh, AbstractMesh
+    ):
+        return sharding
+    abstract = sharding.mesh
+    mesh = jax.sharding.get_mesh()
+    same = lambda m: (m.axis_names, m.axis_sizes, m.axis_types)  # noqa: E731
+    if mesh.empty or same(mesh) != same(abstract):
+        context = "none" if mesh.empty else dict(mesh.shape)
+        raise ValueError(
+            f"`eqx_offload.load_state_dict`: leaf {path!r} is laid out on an "
+            f"`AbstractMesh` {dict(abstract.shape)}, which has no devices to create "
+            f"its array on, and the mesh of `jax.set_mesh` is {context}. Call "
+            "`load_state_dict` inside `with jax.set_mesh(mesh):`, `mesh` a "
+            "`jax.sharding.Mesh` with the same axes (as when the model was made)."
+        )
+    return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+
+
+def _join_mesh(sharding: Any) -> Mesh | None:
+    """The mesh `_join_layers` runs in for a leaf of `sharding`: the leaf's if it
+    has `Explicit` axes (JAX traces their sharding types under it), else none
+    (not the one a caller set: a leaf on one device is not on it)."""
+    mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+    return mesh if isinstance(mesh, Mesh) and _layout.explicit_mesh(mesh) else None
 
 
 def _check_value(key: str, value: Any, shape: tuple, dtype: Any) -> None:
@@ -443,7 +485,7 @@ def load_state_dict(
         for key in keys:
             if key in state_dict:
                 _check_value(key, state_dict[key], layer_shape, x.dtype)
-        sharding = _target_sharding(x)
+        sharding = _target_sharding(x, entry.path)
         if not entry.depth:
             value = state_dict.get(keys[0])
             out.append(
@@ -460,8 +502,10 @@ def load_state_dict(
             # otherwise all go to the device at once, the whole stacked leaf.
             target = _piece_sharding(sharding, entry.depth, kind)
             pieces = [None if p is None else jax.device_put(p, target) for p in pieces]
-        layout = _Layout(tuple(x.shape), x.dtype, entry.depth, kind)
+        spec = getattr(sharding, "spec", PartitionSpec())
+        layout = _Layout(tuple(x.shape), x.dtype, entry.depth, kind, spec)
         old = x if eqx.is_array(x) else None
-        new = _join_layers(layout, old, pieces)
+        with jax.set_mesh(_join_mesh(sharding)):
+            new = _join_layers(layout, old, pieces)
         out.append(jax.device_put(new, sharding))
     return jtu.tree_unflatten(treedef, out)

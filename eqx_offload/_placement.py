@@ -243,10 +243,18 @@ def layout(
     return specs, mesh
 
 
-def place_batch(batch: _T, spec: PartitionSpec | None, mesh: Any, where: str) -> _T:
-    """The array leaves of `batch` not yet laid out on `mesh` (NumPy arrays, arrays
-    on one device, unsharded `jax.ShapeDtypeStruct`s) laid out as `spec` on it: the
-    leading dimensions split, scalars and PRNG keys replicated."""
+def place_batch(
+    batch: tuple,
+    spec: PartitionSpec | None,
+    mesh: Any,
+    where: str,
+    unsplit: tuple[int, ...] = (),
+) -> tuple:
+    """The array leaves of the batch arguments `batch` not yet laid out on `mesh`
+    (NumPy arrays, arrays on one device, unsharded `jax.ShapeDtypeStruct`s) laid
+    out as `spec` on it: the leading dimensions split (a PRNG key array with a
+    leading axis too: per-example keys), scalars replicated, and so are the
+    arguments at the positions in `unsplit` (passed whole to every micro-batch)."""
     if spec is None:
         return batch
     if mesh is None:
@@ -259,7 +267,7 @@ def place_batch(batch: _T, spec: PartitionSpec | None, mesh: Any, where: str) ->
             "`with jax.set_mesh(mesh):`."
         )
 
-    def lay_out(leaf: _paths.Leaf) -> Any:
+    def lay_out(leaf: _paths.Leaf, whole: bool) -> Any:
         x = leaf.value
         named = getattr(x, "sharding", None)
         if isinstance(x, jax.core.Tracer) or (
@@ -273,15 +281,16 @@ def place_batch(batch: _T, spec: PartitionSpec | None, mesh: Any, where: str) ->
             return x
         shape = tuple(x.shape)
         leaf_spec = PartitionSpec()
-        if not _is_key(x):
+        if not whole:
             leaf_spec = _layout.batch_spec(spec, shape)
             what = f"{where}: batch leaf {'batch' + leaf.path!r}"
             _layout.check_spec(leaf_spec, shape, mesh, what)
         return move(x, "device", leaf.path, NamedSharding(mesh, leaf_spec))
 
+    positions = [i for i, arg in enumerate(batch) for _ in jax.tree.leaves(arg)]
     flat = [
-        lay_out(leaf) if is_arraylike(leaf.value) else leaf.value
-        for leaf in _paths.leaves(batch)
+        lay_out(leaf, i in unsplit) if is_arraylike(leaf.value) else leaf.value
+        for leaf, i in zip(_paths.leaves(batch), positions, strict=True)
     ]
     return jax.tree.unflatten(jax.tree.structure(batch), flat)
 

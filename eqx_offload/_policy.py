@@ -77,8 +77,10 @@ def _compute_dtype(value: Any) -> np.dtype | None:
 
 if TYPE_CHECKING:
     UpdateArg = Literal["auto", "streamed", "whole"]
+    LossAxesArg = Literal["auto", "explicit"]
 else:
     UpdateArg = str  # checked in `__check_init__`, with the valid values
+    LossAxesArg = str
 
 
 class Policy(eqx.Module):
@@ -115,6 +117,7 @@ class Policy(eqx.Module):
     compute_dtype: np.dtype | None = eqx.field(static=True)
     keep_dtype: tuple[str, ...] = eqx.field(static=True)
     stream: tuple[str, ...] = eqx.field(static=True)
+    loss_axes: Literal["auto", "explicit"] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -130,6 +133,7 @@ class Policy(eqx.Module):
         compute_dtype: Any = None,
         keep_dtype: Sequence[str] = (),
         stream: Sequence[str] = (),
+        loss_axes: LossAxesArg = "auto",
     ):
         """**Arguments:**
 
@@ -200,6 +204,22 @@ class Policy(eqx.Module):
             a mesh a streamed table stays whole on every device: `FSDP` rules
             leave it replicated, and a spec that splits it is an error (the TPU
             compiler cannot read row blocks of a host table split over chips).
+        - `loss_axes`: the mesh axis types the loss (the function `filter_offload`
+            wraps) is traced under when the model's mesh has `Explicit` axes.
+            `"auto"` (the default): on `Auto` axes (`jax.sharding.auto_axes`), as
+            plain JAX code is written: an unmodified model runs (an
+            `eqx.nn.Embedding` lookup of token ids split over the batch, a cache
+            written with `.at[i].set`), the partitioner lays out what it
+            computes, the gradients come back laid out like the parameters, and
+            the loss and `aux` come back replicated over the mesh. Arrays enter
+            the loss through its arguments: one it closes over, traced under
+            `Explicit` axes, is refused by JAX. `"explicit"`:
+            the mesh's `Explicit` axes are kept inside the loss, for a model
+            written for explicit sharding (`out_sharding=`,
+            `jax.sharding.reshard`); the step then gathers each `FSDP`-sharded
+            weight before use, one layer at a time, and gives each layer's
+            output carry the sharding of its input. On a mesh with `Auto` axes
+            (or none) both are the same.
         """
         self.params = _params(params)
         self.save = "all" if save == "all" else _names(save, "save")
@@ -218,6 +238,7 @@ class Policy(eqx.Module):
         self.compute_dtype = _compute_dtype(compute_dtype)
         self.keep_dtype = _names(keep_dtype, "keep_dtype")
         self.stream = _names(stream, "stream")
+        self.loss_axes = loss_axes
         if self.keep_dtype and self.compute_dtype is None:
             raise ValueError(
                 f"`Policy(keep_dtype={self.keep_dtype!r})` has no effect without "
@@ -237,6 +258,11 @@ class Policy(eqx.Module):
             raise ValueError(
                 f"`Policy(update={self.update!r})`: valid values are 'auto', "
                 "'streamed' and 'whole'."
+            )
+        if self.loss_axes not in ("auto", "explicit"):
+            raise ValueError(
+                f"`Policy(loss_axes={self.loss_axes!r})`: valid values are 'auto' "
+                "and 'explicit'."
             )
         if self.save == "all" and self.offload:
             raise ValueError(

@@ -71,8 +71,9 @@ def trace_vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[list, A
 
 def _origin(v: Any, jaxpr: Any, producers: dict[int, dict]) -> Residual:
     """Where residual `v` of `jaxpr` comes from. Looks through `jit` calls,
-    `reduce_precision`, the `device_put` that offloads a named value, and into the
-    body of a scan whose per-iteration output (one slice per layer) it is."""
+    `reduce_precision`, a cast onto `Auto` axes, the `device_put` that offloads a
+    named value, and into the body of a scan whose per-iteration output (one slice
+    per layer) it is."""
     enclosing: list[tuple[Any, Any]] = []  # (outer jaxpr, jit or scan equation)
     per_iteration = False
 
@@ -106,7 +107,7 @@ def _origin(v: Any, jaxpr: Any, producers: dict[int, dict]) -> Residual:
             continue
         name = eqn.primitive.name
         index = eqn.outvars.index(v)
-        if name == "reduce_precision":
+        if name == "reduce_precision" or (name == "reshard" and _to_auto(eqn)):
             v = eqn.invars[0]
         elif name in ("jit", "closed_call") and "jaxpr" in eqn.params:
             enclosing.append((jaxpr, eqn))
@@ -163,6 +164,14 @@ def _user_line(source_infos: list[Any]) -> str | None:
 def _name(frame: Any) -> str:
     """A frame's function, without the functions it is nested in."""
     return frame.function_name.rsplit("<locals>.", 1)[-1]
+
+
+def _to_auto(eqn: Any) -> bool:
+    """Whether a `reshard` casts onto a mesh of `Auto` axes only (the way into
+    `jax.sharding.auto_axes`, `Policy(loss_axes="auto")`): the same buffer, in the
+    layout it had (JAX emits no sharding constraint for it)."""
+    mesh = eqn.params["dst_sharding"].mesh
+    return all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
 
 def _producers(jaxpr: Any, cache: dict[int, dict]) -> dict:

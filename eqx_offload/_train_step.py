@@ -331,7 +331,9 @@ class _TrainStep(eqx.Module):
         if self.policy.batch is not None:
             meshes = (s.mesh for s in model_shardings if s is not None)
             mesh = next(meshes, None)
-            batch = place_batch(batch, self.policy.batch, mesh, "`train_step`")
+            batch = place_batch(
+                batch, self.policy.batch, mesh, "`train_step`", self.unsplit
+            )
         if self.microbatches > 1:
             _microbatch.check(batch, self.microbatches, self.unsplit, "`train_step`")
         opt_dynamic, opt_static = split(opt_state)

@@ -341,6 +341,9 @@ class _OffloadWrapper(eqx.Module):
         return jtu.Partial(self, instance)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._policy.loss_axes == "auto" and _layout.explicit_axes():
+            # `Policy(loss_axes="auto")`: this call again, on `Auto` axes.
+            return _layout.call_on_auto_axes(self, args, kwargs)
         try:
             return self._call(args, kwargs)
         except _names.UnusedName as e:

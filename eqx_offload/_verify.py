@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from jaxtyping import PyTree
 
-from . import _mesh, _paths, _tiling
+from . import _layout, _mesh, _paths, _tiling
 from ._layer_paths import layer_axes
 from ._memory_kinds import is_host, kind_of, to_space
 from ._optim import as_transformation, is_trainable, Optimizer, trainable
@@ -403,9 +403,19 @@ def _array_leaves(tree: Any) -> list[_paths.Leaf]:
 
 
 @eqx.filter_jit
-def _reference(loss_fn: Callable, has_aux: bool, model: Any, batch: tuple) -> Any:
-    """Plain `value_and_grad`: no transform, so every `Stacked` is a plain scan."""
-    return eqx.filter_value_and_grad(loss_fn, has_aux=has_aux)(model, *batch)
+def _reference(
+    loss_fn: Callable, loss_axes: str, has_aux: bool, model: Any, batch: tuple
+) -> Any:
+    """Plain `value_and_grad`: no transform, so every `Stacked` is a plain scan. On
+    the axis types the step runs the loss on: `Auto` ones over a mesh with
+    `Explicit` axes under `Policy(loss_axes="auto")`."""
+
+    def loss(model: Any, *batch: Any) -> Any:
+        if loss_axes == "auto" and _layout.explicit_axes():
+            return _layout.call_on_auto_axes(loss_fn, (model, *batch), {})
+        return loss_fn(model, *batch)
+
+    return eqx.filter_value_and_grad(loss, has_aux=has_aux)(model, *batch)
 
 
 @eqx.filter_jit
@@ -537,19 +547,23 @@ def verify(
     if _model_sizes(model, None) == model_sizes:
         layers = None  # every layer
 
-    try:
-        ref_value, ref_grads = _reference(loss_fn, has_aux, small, small_batch)
-    except Exception as e:  # the loss's own error, explained if the cut caused it
-        cut = _cut_error(
-            loss_fn, model, batch, small, small_batch, layers, microbatch, e
+    # In the model's mesh, as `train_step` traces the loss.
+    with _mesh.context(small, small_batch):
+        try:
+            ref_value, ref_grads = _reference(
+                loss_fn, policy.loss_axes, has_aux, small, small_batch
+            )
+        except Exception as e:  # the loss's own error, explained if the cut did it
+            cut = _cut_error(
+                loss_fn, model, batch, small, small_batch, layers, microbatch, e
+            )
+            if cut is None:
+                raise
+            raise cut from e
+        value, grads = _offloaded(
+            loss_fn, policy, has_aux, _copy_into(small, model), small_batch
         )
-        if cut is None:
-            raise
-        raise cut from e
     ref_loss = _loss(ref_value, has_aux)
-    value, grads = _offloaded(
-        loss_fn, policy, has_aux, _copy_into(small, model), small_batch
-    )
     losses = [("loss", _loss(value, has_aux), ref_loss, ref_loss, 0.0)]
     gradients = [
         (r.path, o.value, r.value, r.value, 0.0)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from equinox.nn import MLP
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 import eqx_offload as eo
@@ -202,6 +203,65 @@ def test_abstract_model_is_created_from_the_state_dict(getkey):
     assert memory_kind(loaded.blocks.layers.layers[0].weight) == "pinned_host"
     assert memory_kind(loaded.head.weight) == "device"
     assert_trees_equal(loaded.blocks, eo.Stacked.from_layers(old.blocks))
+
+
+def _layouts(model) -> list:
+    return [
+        (getattr(x.sharding, "spec", None), x.sharding.memory_kind)
+        for x in jax.tree.leaves(model)
+        if isinstance(x, jax.Array | jax.ShapeDtypeStruct)
+    ]
+
+
+def test_loads_into_an_fsdp_model_on_an_explicit_mesh(getkey):
+    """Each layer written into its stack on the leaf's mesh: on `Explicit` axes the
+    join runs on `Auto` ones (JAX's types refused writing a split layer into a
+    stack made whole)."""
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    policy = eo.Policy.offload_all(shard=eo.FSDP("fsdp", min_size=0))
+    old = per_layer_model(getkey())
+    weights = eo.state_dict(old)
+    key = getkey()
+    with jax.set_mesh(mesh):
+        model = eo.place(eqx.filter_eval_shape(Net, key=key), policy)
+    assert model.blocks.layers.layers[0].weight.sharding.spec == P(None, "fsdp", None)
+    loaded = eo.load_state_dict(model, weights)
+    assert _layouts(loaded) == _layouts(model)
+    assert loaded.head.weight.sharding.mesh == mesh
+    assert_trees_equal(loaded.blocks, eo.Stacked.from_layers(old.blocks))
+    assert_trees_equal((loaded.embed, loaded.head), (old.embed, old.head))
+    # And back, a host-resident layer at a time.
+    for key, value in eo.state_dict(loaded).items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(weights[key]))
+
+
+def test_loads_into_a_model_made_under_an_explicit_mesh(getkey):
+    """`eqx.filter_eval_shape` under `jax.set_mesh` lays leaves out on the
+    `AbstractMesh`; their arrays are created on the mesh in context."""
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    old = per_layer_model(getkey())
+    weights = eo.state_dict(old)
+    key = getkey()
+    with jax.set_mesh(mesh):
+        abstract = eqx.filter_eval_shape(Net, key=key)
+        hosted = eo.place(abstract, eo.Policy(params={"blocks": "pinned_host"}))
+        assert isinstance(abstract.head.weight.sharding.mesh, AbstractMesh)
+        for model, kind in ((abstract, "device"), (hosted, "pinned_host")):
+            loaded = eo.load_state_dict(model, weights)
+            weight = loaded.blocks.layers.layers[0].weight
+            assert weight.sharding == NamedSharding(
+                mesh, P(None, None, None), memory_kind=kind
+            )
+            assert loaded.head.weight.sharding.mesh == mesh
+            assert_trees_equal(loaded.blocks, eo.Stacked.from_layers(old.blocks))
+            assert_trees_equal(loaded.head, old.head)
+    with pytest.raises(
+        ValueError,
+        match=r"leaf 'embed.weight' is laid out on an `AbstractMesh` \{'fsdp': 8\}.*"
+        r"`jax.set_mesh` is none\. Call `load_state_dict` inside `with "
+        r"jax.set_mesh\(mesh\):`",
+    ):
+        eo.load_state_dict(abstract, weights)
 
 
 def test_loaded_arrays_are_copies(getkey):

@@ -168,6 +168,75 @@ def test_batch_spec():
         step(model, opt_state, X[:6])
 
 
+def _replicated(x) -> bool:
+    return all(entry is None for entry in x.sharding.spec)
+
+
+def test_per_example_keys_are_laid_out_with_the_batch():
+    """A PRNG key array with a leading axis is batch data (per-example keys, as the
+    guide recommends): split like the inputs, so that a loss with `Explicit` axes
+    can `jax.vmap` over both. A scalar key and the arguments passed whole to every
+    micro-batch (`unsplit`) are replicated."""
+
+    def noisy_loss(model: Net, x: Float[Array, "n 16"], keys: PRNGKeyArray):
+        def one(x, key):
+            return model(x + 0.1 * jax.random.normal(key, x.shape))
+
+        return jnp.mean(jax.vmap(one)(x, keys) ** 2)
+
+    net, keys = Net(key=jax.random.key(0)), jax.random.split(jax.random.key(1), 8)
+    expected = eqx.filter_jit(noisy_loss)(net, X, keys)
+    mesh = _mesh((8,), ("data",), AxisType.Explicit)
+    policy = eo.Policy.offload_all(
+        shard=eo.FSDP("data", min_size=300), batch="data", loss_axes="explicit"
+    )
+    model = eo.place(net, policy, mesh=mesh)
+    optimizer = optax.sgd(0.1)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(noisy_loss, optimizer, policy)
+    (_, _, (x, laid_out)), _ = step.split(model, opt_state, np.asarray(X), keys)
+    assert x.sharding.spec[0] == laid_out.sharding.spec[0] == "data"
+    _, _, loss = step(model, opt_state, X, keys)
+    np.testing.assert_allclose(float(loss), float(expected), rtol=1e-5)
+
+    def shared_loss(model: Net, x, keys, scale, key) -> Float[Array, ""]:
+        return noisy_loss(model, x * scale, keys) + jax.random.uniform(key)
+
+    step = eo.train_step(shared_loss, optimizer, policy, microbatches=2, unsplit=(2, 3))
+    batch = (np.ones((16, 16)), jax.random.split(keys[0], 16), np.ones(16), keys[0])
+    (_, _, (x, split_keys, scale, key)), _ = step.split(model, opt_state, *batch)
+    assert x.sharding.spec[0] == split_keys.sharding.spec[0] == "data"
+    assert _replicated(scale) and _replicated(key) and key.sharding.mesh == mesh
+
+
+def test_a_loss_closing_over_an_array_traced_on_explicit_axes():
+    """`Policy(loss_axes="auto")` casts what enters the loss through its arguments
+    onto `Auto` axes; an array the loss closes over, traced under `Explicit` axes
+    (a batch captured by a `lambda` in a step of your own), cannot enter: JAX's
+    error. Passed as an argument, it works."""
+    net = Net(key=jax.random.key(0))
+    expected = eqx.filter_jit(loss_fn)(net, X)
+    mesh = _mesh((8,), ("data",), AxisType.Explicit)
+    policy = eo.Policy(shard=eo.FSDP("data", min_size=300), batch="data")
+    model = eo.place(net, policy, mesh=mesh)
+    x = jax.device_put(X, NamedSharding(mesh, P("data")))
+
+    @eqx.filter_jit
+    def closed_over(model: Net, x: Float[Array, "n 16"]) -> Float[Array, ""]:
+        return eo.filter_offload(lambda m: loss_fn(m, x), policy)(model)
+
+    @eqx.filter_jit
+    def passed(model: Net, x: Float[Array, "n 16"]) -> Float[Array, ""]:
+        return eo.filter_offload(loss_fn, policy)(model, x)
+
+    with jax.set_mesh(mesh):
+        with pytest.raises(
+            ValueError, match=r"context mesh .*Auto.* should match the aval mesh"
+        ):
+            closed_over(model, x)
+        np.testing.assert_allclose(float(passed(model, x)), expected, rtol=1e-5)
+
+
 def test_train_step_refuses_a_model_not_laid_out_as_declared():
     policy = eo.Policy(shard=TP)
     optimizer = optax.sgd(0.1)
@@ -181,8 +250,9 @@ def test_train_step_refuses_a_model_not_laid_out_as_declared():
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_fsdp_trains_like_one_device_on_both_axis_types(axis_type):
-    """Under `Explicit` axes the library gathers each FSDP-sharded layer before use
-    (JAX would otherwise refuse the sharded contraction)."""
+    """With `Policy(loss_axes="explicit")`, under `Explicit` axes the library
+    gathers each FSDP-sharded layer before use (JAX would otherwise refuse the
+    sharded contraction)."""
     optimizer = optax.sgd(0.1)
     reference = Net(key=jax.random.key(0))
     state = optimizer.init(eqx.filter(reference, eqx.is_array))
@@ -193,7 +263,9 @@ def test_fsdp_trains_like_one_device_on_both_axis_types(axis_type):
         reference = eqx.apply_updates(reference, updates)
         expected.append(float(loss))
 
-    policy = eo.Policy.offload_all(shard=eo.FSDP("data", min_size=0), batch="data")
+    policy = eo.Policy.offload_all(
+        shard=eo.FSDP("data", min_size=0), batch="data", loss_axes="explicit"
+    )
     with jax.set_mesh(_mesh((8,), ("data",), axis_type)):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # head.bias (4,): replicated

@@ -8,7 +8,12 @@ device's shard at a time, never a gathered stack.
 
 The model is laid out in each of the ways in `LAYOUTS`: by hand (`lay_out`, one
 `device_put` per leaf) and declared (`Policy(shard=...)`); another way is one more
-entry there and a few rows of `CASES`."""
+entry there and a few rows of `CASES`. By hand, the loss keeps `Explicit` axes
+(`Policy(loss_axes="explicit")`, which `Net` is written for); declared, it runs
+on `Auto` ones (the default).
+
+Last, a model written for one device (an embedding lookup, a cache written with
+`.at[].set`) trains on `Explicit` axes as on `Auto` ones."""
 
 import contextlib
 import functools
@@ -23,9 +28,12 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
-from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 import eqx_offload as eo
+from eqx_offload._report import residual_rows
+
+from .test_layer_paths import Net as LM  # embedding, `Stacked` MLPs, head
 
 
 WIDTH, HIDDEN, DEPTH, OUT, BATCH, STEPS = 16, 32, 3, 4, 8, 5
@@ -182,7 +190,10 @@ def lay_out(model: Net, mesh: Mesh, specs: dict[str, P]) -> Net:
 def _by_hand(
     model: Net, mesh: Mesh, specs: dict[str, P], preset: str
 ) -> tuple[Net, eo.Policy]:
-    policy = getattr(eo.Policy, preset)(update="streamed")  # the streamed loop
+    policy = getattr(eo.Policy, preset)(
+        update="streamed",  # the streamed loop
+        loss_axes="explicit",  # `Net` is written for explicit sharding
+    )
     return eo.place(lay_out(model, mesh, specs), policy), policy
 
 
@@ -196,6 +207,8 @@ def _declared(
         if path.startswith("blocks.layers."):
             path, spec = path.replace("blocks.layers.", "blocks."), P(*tuple(spec)[1:])
         rules[path] = spec
+    # `loss_axes="auto"` (the default): on `Explicit` axes the loss runs on `Auto`
+    # ones, where `Net`'s own resharding is a no-op.
     policy = getattr(eo.Policy, preset)(shard=rules, update="streamed")
     return eo.place(model, policy, mesh=mesh), policy
 
@@ -401,3 +414,83 @@ def test_trains_like_one_device(
         model, opt_state, _ = step(model, opt_state, *wide)
         model, opt_state, _ = step(model, opt_state, *data[0])
         assert step.jitted._cache_size() == 2
+
+
+# --- An unmodified model on `Explicit` axes -------------------------------------
+
+SEQ = 4
+
+
+def lm_loss(
+    model: LM, tokens: Int[Array, "n seq"], targets: Int[Array, "n seq"]
+) -> tuple[Float[Array, ""], Float[Array, " n"]]:
+    """The loss of a language model written for one device, with nothing about
+    meshes in it: `jax.vmap(self.embed)(tokens)` in the model, and its logits
+    written into a cache one position at a time with `.at[].set`, as a decoder
+    fills its KV cache. Under `Explicit` axes JAX refuses both (a lookup of token
+    ids split over the batch; a split row written into a cache made whole)."""
+    logits = jax.vmap(model)(tokens)
+    cache = jnp.zeros(logits.shape)
+    cache = jax.lax.fori_loop(0, SEQ, lambda i, c: c.at[:, i].set(logits[:, i]), cache)
+    losses = optax.softmax_cross_entropy_with_integer_labels(cache, targets)
+    return losses.mean(), losses.mean(axis=1)
+
+
+def test_an_unmodified_model_trains_on_explicit_axes_as_on_auto_axes():
+    """`Policy(loss_axes="auto")`, the default: on a mesh with `Explicit` axes the
+    loss runs on `Auto` axes inside the step, so the model above trains under a
+    declared FSDP layout with `offload_all` as it does on an `Auto` mesh (SGD:
+    the parameters agree to rounding). Its `aux` comes back replicated; the
+    backward pass saves what it saves there; `verify` passes."""
+    rng = np.random.default_rng(0)
+    data = [
+        tuple(rng.integers(0, 32, (BATCH, SEQ)).astype(np.int32) for _ in "xy")
+        for _ in range(STEPS)
+    ]
+    net = LM(key=jax.random.key(0))
+    optimizer = optax.sgd(0.5)
+    policy = eo.Policy.offload_all(shard=eo.FSDP("fsdp", min_size=0), batch="fsdp")
+    runs = {}
+    for axis in ("Auto", "Explicit"):
+        mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(getattr(AxisType, axis),))
+        model = eo.place(net, policy, mesh=mesh)
+        opt_state = eo.init_opt_state(optimizer, model, policy)
+        before = shardings((model, opt_state))
+        step = eo.train_step(lm_loss, optimizer, policy, has_aux=True)
+        losses = []
+        for tokens, targets in data:
+            model, opt_state, (loss, aux) = step(model, opt_state, tokens, targets)
+            losses.append(float(loss))
+        assert step.jitted._cache_size() == 1
+        assert shardings((model, opt_state)) == before
+        params = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+        assert {x.sharding.memory_kind for x in params} == {"pinned_host"}
+        # What the backward pass saves, as `memory_report` lists it.
+        loss = eo.filter_offload(lambda *a: lm_loss(*a)[0], policy)
+        with jax.set_mesh(mesh):
+            saved = residual_rows(loss, model, tokens, targets)
+        runs[axis] = losses, [np.asarray(x) for x in params], aux, saved
+    (auto_losses, auto_params, auto_aux, auto_saved), (losses, params, aux, saved) = (
+        runs.values()
+    )
+    # The parameters cast onto `Auto` axes are the same buffers, not residuals.
+    assert saved == auto_saved
+    np.testing.assert_allclose(losses, auto_losses, rtol=1e-5)
+    for ours, theirs in zip(params, auto_params, strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(aux), np.asarray(auto_aux), rtol=1e-5)
+    assert aux.sharding.spec == P(None)  # replicated
+
+    # `verify` runs the loss (and its plain reference) as the step does.
+    whole = eo.Policy.offload_all(
+        shard=eo.FSDP("fsdp", min_size=0), batch="fsdp", update="whole"
+    )
+    eo.verify(lm_loss, optimizer, whole, model, opt_state, *data[0], has_aux=True)
+
+    # Opted in to `Explicit` axes inside the loss: JAX's refusal, as in plain JAX.
+    policy = eo.Policy.offload_all(
+        shard=eo.FSDP("fsdp", min_size=0), batch="fsdp", loss_axes="explicit"
+    )
+    step = eo.train_step(lm_loss, optimizer, policy, has_aux=True)
+    with pytest.raises(Exception, match=r"out_sharding"):
+        step(model, opt_state, *data[0])

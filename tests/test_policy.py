@@ -48,6 +48,10 @@ def test_policy_is_hashable_and_static():
         ({"params": {"": "device"}}, "non-empty leaf path patterns"),
         ({"offload_dst": "device"}, "offload_dst='device'.*only be"),
         ({"offload": ("",)}, "non-empty"),
+        (
+            {"loss_axes": "Explicit"},
+            r"Policy\(loss_axes='Explicit'\)`: valid values are 'auto' and 'explicit'",
+        ),
     ],
 )
 def test_bad_policies(kwargs, match):

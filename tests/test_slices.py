@@ -273,14 +273,17 @@ def _loss(model: _MLPStack, x: Float[Array, "b w"]) -> Float[Array, ""]:
 
 @pytest.mark.parametrize("width", [40, 200])
 def test_fsdp_under_explicit_axes_streams_like_auto(width):
-    """Under `Explicit` axes the step gathers each FSDP-sharded layer itself, inside
-    the scan: the compiler must not hoist that gather out of the loop, which would
-    gather every layer at once in host memory (the host temporaries were then the
-    whole stacked weight)."""
+    """Under `Explicit` axes kept inside the loss (`Policy(loss_axes="explicit")`)
+    the step gathers each FSDP-sharded layer itself, inside the scan: the compiler
+    must not hoist that gather out of the loop, which would gather every layer at
+    once in host memory (the host temporaries were then the whole stacked
+    weight)."""
     host = {}
     for axis_type in (AxisType.Auto, AxisType.Explicit):
         mesh = AbstractMesh((8,), ("fsdp",), axis_types=(axis_type,))
-        policy = eo.Policy.offload_all(shard=eo.FSDP("fsdp", min_size=0), batch="fsdp")
+        policy = eo.Policy.offload_all(
+            shard=eo.FSDP("fsdp", min_size=0), batch="fsdp", loss_axes="explicit"
+        )
         abstract = eqx.filter_eval_shape(_MLPStack, width, key=jax.random.key(0))
         model = eo.place(abstract, policy, mesh=mesh)
         optimizer = optax.adamw(0.1)
