@@ -31,7 +31,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 import eqx_offload as eo
-from eqx_offload._report import residual_rows
+from eqx_offload._report import saved_for_backward
 
 from .test_layer_paths import Net as LM  # embedding, `Stacked` MLPs, head
 
@@ -468,7 +468,7 @@ def test_an_unmodified_model_trains_on_explicit_axes_as_on_auto_axes():
         # What the backward pass saves, as `memory_report` lists it.
         loss = eo.filter_offload(lambda *a: lm_loss(*a)[0], policy)
         with jax.set_mesh(mesh):
-            saved = residual_rows(loss, model, tokens, targets)
+            saved = saved_for_backward(loss, model, tokens, targets).rows
         runs[axis] = losses, [np.asarray(x) for x in params], aux, saved
     (auto_losses, auto_params, auto_aux, auto_saved), (losses, params, aux, saved) = (
         runs.values()
