@@ -11,13 +11,14 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jaxtyping import PyTree
 
 from . import _optim, _paths
 from ._placement import place
-from ._policy import check_policy, PolicyArg
+from ._policy import check_policy, Policy
 
 
 # Bumped if the layout of a step's directory changes.
@@ -291,9 +292,9 @@ def _save_args(
 def load(
     path: str | os.PathLike,
     like: tuple[PyTree, PyTree],
-    policy: PolicyArg,
+    policy: Policy,
     *,
-    optimizer: _optim.Optimizer | None = None,
+    optimizer: optax.GradientTransformation | optax.MultiSteps | None = None,
     step: int | None = None,
     extra: None = None,
 ) -> Restored: ...
@@ -303,9 +304,9 @@ def load(
 def load(
     path: str | os.PathLike,
     like: tuple[PyTree, PyTree],
-    policy: PolicyArg,
+    policy: Policy,
     *,
-    optimizer: _optim.Optimizer | None = None,
+    optimizer: optax.GradientTransformation | optax.MultiSteps | None = None,
     step: int | None = None,
     extra: PyTree,
 ) -> RestoredWithExtra: ...
@@ -314,9 +315,9 @@ def load(
 def load(
     path: str | os.PathLike,
     like: tuple[PyTree, PyTree],
-    policy: PolicyArg,
+    policy: Policy,
     *,
-    optimizer: _optim.Optimizer | None = None,
+    optimizer: optax.GradientTransformation | optax.MultiSteps | None = None,
     step: int | None = None,
     extra: PyTree = None,
 ) -> Restored | RestoredWithExtra:

@@ -4,7 +4,7 @@ that name the leaf when a spec cannot apply."""
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, cast, TYPE_CHECKING
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -58,10 +58,6 @@ class FSDP(eqx.Module):
 
 Rule = PartitionSpec | FSDP
 Rules = tuple[tuple[str, Rule], ...]
-if TYPE_CHECKING:
-    RuleArg = PartitionSpec | FSDP | str
-else:
-    RuleArg = Any  # checked in `check_rules`, with the valid forms in the message
 AnyMesh = Mesh | AbstractMesh
 
 

@@ -1,6 +1,6 @@
 """Memory kinds: the names, what the backend has, and where a leaf is now."""
 
-from typing import Any, get_args, Literal, TYPE_CHECKING
+from typing import Any, get_args, Literal
 
 import equinox as eqx
 import jax
@@ -11,12 +11,6 @@ from . import _paths
 
 MemoryKind = Literal["device", "pinned_host", "unpinned_host"]
 MEMORY_KINDS: tuple[str, ...] = get_args(MemoryKind)
-if TYPE_CHECKING:
-    KindArg = MemoryKind
-else:
-    # Any string at run time, so that an unknown kind meets our `ValueError` (naming
-    # the argument, the leaf and the valid kinds) even under a runtime type checker.
-    KindArg = str
 # What a `Policy(params=...)` may say: one kind for every leaf, or pattern -> kind.
 ParamsSpec = None | str | tuple[tuple[str, str], ...]
 

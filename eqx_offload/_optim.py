@@ -2,7 +2,7 @@
 
 import copy
 from collections.abc import Callable
-from typing import Any, TYPE_CHECKING
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -21,20 +21,12 @@ from ._memory_kinds import (
     to_space,
 )
 from ._placement import match_params, move, resolve
-from ._policy import check_policy, Policy, PolicyArg
+from ._policy import check_policy, Policy
 from ._state_tree import check_matches, map_state, state_owners
 
 
 # What `init_opt_state` and `train_step` accept. `optax.MultiSteps` is a class of its
 # own, not a `GradientTransformation`; it is used through the one it wraps itself in.
-if TYPE_CHECKING:
-    Optimizer = optax.GradientTransformation | optax.MultiSteps
-else:
-    # Anything at run time, so that a wrong argument (`optax.adamw` not called)
-    # meets `as_transformation`'s error even under a runtime type checker.
-    Optimizer = Any
-
-
 def as_transformation(optimizer: Any, where: str) -> optax.GradientTransformation:
     """The `GradientTransformation` an optimizer argument stands for, or a
     `TypeError` naming the argument and the fix."""
@@ -132,7 +124,11 @@ def _state_device_sharding(params: PyTree) -> Any:
     return SingleDeviceSharding(jax.devices()[0])
 
 
-def init_opt_state(optimizer: Optimizer, model: PyTree, policy: PolicyArg) -> PyTree:
+def init_opt_state(
+    optimizer: optax.GradientTransformation | optax.MultiSteps,
+    model: PyTree,
+    policy: Policy,
+) -> PyTree:
     """Initialises `optimizer` for `model`'s trainable leaves and puts the state where
     `policy.opt_state` says.
 
@@ -179,7 +175,10 @@ def init_opt_state(optimizer: Optimizer, model: PyTree, policy: PolicyArg) -> Py
 
 
 def place_opt_state(
-    optimizer: Optimizer, opt_state: PyTree, model: PyTree, policy: PolicyArg
+    optimizer: optax.GradientTransformation | optax.MultiSteps,
+    opt_state: PyTree,
+    model: PyTree,
+    policy: Policy,
 ) -> PyTree:
     """Moves an existing optimizer state where `init_opt_state` would have put it,
     keeping its values.

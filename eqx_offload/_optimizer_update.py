@@ -4,20 +4,21 @@ yourself."""
 import jax
 import jax.core
 import jax.tree_util as jtu
+import optax
 from jaxtyping import PyTree
 
 from . import _mixed_precision, _optim, _traffic
 from ._memory_kinds import is_arraylike, to_space
-from ._policy import check_policy, PolicyArg
+from ._policy import check_policy, Policy
 from ._state_tree import check_matches
 
 
 def optimizer_update(
-    optimizer: _optim.Optimizer,
+    optimizer: optax.GradientTransformation | optax.MultiSteps,
     grads: PyTree,
     opt_state: PyTree,
     model: PyTree,
-    policy: PolicyArg,
+    policy: Policy,
     *,
     metrics: bool = False,
 ) -> tuple[PyTree, ...]:

@@ -6,28 +6,34 @@ import equinox as eqx
 import jax
 import jax.core
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import (
+    AbstractMesh,
+    AxisType,
+    Mesh,
+    NamedSharding,
+    PartitionSpec,
+    SingleDeviceSharding,
+)
 from jaxtyping import PyTree
 
 from . import _layout, _mesh, _paths
-from ._layout import AnyMesh
 from ._memory_kinds import (
     abstract_sharding,
     backend_kinds,
     check_kind,
     is_arraylike,
     kind_of,
-    KindArg,
+    MemoryKind,
     ParamsSpec,
     to_space,
 )
-from ._policy import check_policy, PolicyArg
+from ._policy import check_policy, Policy
 
 
 _T = TypeVar("_T")
 
 
-def field(*, memory_kind: KindArg, **kwargs: Any) -> Any:
+def field(*, memory_kind: MemoryKind, **kwargs: Any) -> Any:
     """An `equinox.field` whose array leaves live in `memory_kind` between steps.
 
     **Arguments:**
@@ -296,7 +302,10 @@ def place_batch(
 
 
 def place(
-    tree: PyTree, policy: PolicyArg | None = None, *, mesh: AnyMesh | None = None
+    tree: PyTree,
+    policy: Policy | None = None,
+    *,
+    mesh: Mesh | AbstractMesh | None = None,
 ) -> PyTree:
     """Moves every array leaf of `tree` to the memory kind it should live in.
 

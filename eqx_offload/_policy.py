@@ -1,7 +1,7 @@
 """`Policy`: where parameters, residuals and optimizer state live."""
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, TYPE_CHECKING
+from typing import Any, Literal
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -9,8 +9,8 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from . import _paths
-from ._layout import check_batch, check_rules, RuleArg, Rules
-from ._memory_kinds import check_kind, KindArg, MemoryKind, ParamsSpec
+from ._layout import check_batch, check_rules, FSDP, Rules
+from ._memory_kinds import check_kind, MemoryKind, ParamsSpec
 from ._warn import warn_at_caller
 
 
@@ -75,14 +75,6 @@ def _compute_dtype(value: Any) -> np.dtype | None:
     return dtype
 
 
-if TYPE_CHECKING:
-    UpdateArg = Literal["auto", "streamed", "whole"]
-    LossAxesArg = Literal["auto", "explicit"]
-else:
-    UpdateArg = str  # checked in `__check_init__`, with the valid values
-    LossAxesArg = str
-
-
 class Policy(eqx.Module):
     """Where parameters, saved activations ("residuals") and optimizer state live.
 
@@ -122,18 +114,22 @@ class Policy(eqx.Module):
     def __init__(
         self,
         *,
-        params: None | KindArg | Mapping[str, KindArg] = None,
+        params: None | MemoryKind | Mapping[str, MemoryKind] = None,
         save: Literal["all"] | Sequence[str] = (),
         offload: Sequence[str] = (),
-        offload_dst: KindArg = "pinned_host",
-        opt_state: KindArg | Mapping[str, KindArg] = "device",
-        update: UpdateArg = "auto",
-        shard: None | RuleArg | Mapping[str, RuleArg] = None,
+        offload_dst: MemoryKind = "pinned_host",
+        opt_state: MemoryKind | Mapping[str, MemoryKind] = "device",
+        update: Literal["auto", "streamed", "whole"] = "auto",
+        shard: PartitionSpec
+        | FSDP
+        | str
+        | Mapping[str, PartitionSpec | FSDP | str]
+        | None = None,
         batch: None | PartitionSpec | str = None,
         compute_dtype: Any = None,
         keep_dtype: Sequence[str] = (),
         stream: Sequence[str] = (),
-        loss_axes: LossAxesArg = "auto",
+        loss_axes: Literal["auto", "explicit"] = "auto",
     ):
         """**Arguments:**
 
@@ -367,13 +363,6 @@ def _check_replaced(preset: str, overrides: dict[str, Any]) -> None:
             f"offload only these names, write the policy out: `{written}`."
         )
 
-
-if TYPE_CHECKING:
-    PolicyArg = Policy
-else:
-    # Anything at run time, so that a wrong argument (a preset's name, a preset not
-    # called) meets `check_policy`'s error even under a runtime type checker.
-    PolicyArg = Any
 
 PRESETS = ("none", "remat", "offload_residuals", "offload_all")
 

@@ -25,7 +25,7 @@ from . import (
 )
 from ._diagnose import DoesNotCompile
 from ._memory_kinds import is_arraylike, kind_of
-from ._targets import abstract, HBM_BYTES, TargetArg
+from ._targets import abstract, HBM_BYTES
 from ._traffic import Transfer
 from ._train_step import _TrainStep, join, split
 from ._transform import _OffloadWrapper, filter_offload
@@ -699,7 +699,7 @@ def _unwrap_filter_jit(fn: Any) -> Any:
 
 
 def memory_report(
-    fn: Callable, *args: Any, target: TargetArg | None = None, **kwargs: Any
+    fn: Callable, *args: Any, target: str | None = None, **kwargs: Any
 ) -> MemoryReport:
     """Compiles `fn(*args, **kwargs)` (without running it) and reports where its
     memory lives.

@@ -39,8 +39,6 @@ HBM_BYTES = {
 # A target is a chip name, or a chip name and a slice's topology: "tpu-v5e:4x4".
 # Checked by `parse`, with the valid forms in the message (a `Literal` cannot spell
 # the topologies).
-TargetArg = str
-
 _TARGET = re.compile(r"(?P<chip>[\w-]+?)(?::(?P<topology>\d+(?:x\d+)+))?")
 _FORMS = (
     f"None (this backend), {_paths.quoted(TOPOLOGIES)} (one chip), or a whole slice "

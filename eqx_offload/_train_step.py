@@ -26,7 +26,7 @@ from . import (
 from ._diagnose import DoesNotCompile
 from ._memory_kinds import is_arraylike, is_host, to_space
 from ._placement import place_batch
-from ._policy import check_policy, Policy, PolicyArg
+from ._policy import check_policy, Policy
 from ._state_tree import check_matches
 from ._transform import filter_offload
 
@@ -350,8 +350,8 @@ class _TrainStep(eqx.Module):
 
 def train_step(
     loss_fn: Callable[..., Any],
-    optimizer: _optim.Optimizer,
-    policy: PolicyArg,
+    optimizer: optax.GradientTransformation | optax.MultiSteps,
+    policy: Policy,
     *,
     has_aux: bool = False,
     microbatches: int = 1,

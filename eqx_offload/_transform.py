@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 
 from . import _accumulate, _layout, _names, _paths, _tiling, _vocab_blocks
 from ._memory_kinds import is_host
-from ._policy import check_policy, checkpoint_patterns, Policy, PolicyArg
+from ._policy import check_policy, checkpoint_patterns, Policy
 from ._stacked import configure, Stacked
 
 
@@ -394,7 +394,7 @@ def _offered(wrapper: _OffloadWrapper, args: tuple, kwargs: dict) -> tuple[str, 
     return tuple(_names.NameLog.of(traced.closed).residual_names)
 
 
-def filter_offload(fun: Callable | None = None, policy: PolicyArg | None = None) -> Any:
+def filter_offload(fun: Callable | None = None, policy: Policy | None = None) -> Any:
     """Applies an offloading `Policy` to `fun`, the way `eqx.filter_jit` applies
     `jax.jit`: array leaves of the arguments are traced, everything else is static.
 

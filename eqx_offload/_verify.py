@@ -18,8 +18,8 @@ from jaxtyping import PyTree
 from . import _layout, _mesh, _paths, _tiling
 from ._layer_paths import layer_axes
 from ._memory_kinds import is_host, kind_of, to_space
-from ._optim import as_transformation, is_trainable, Optimizer, trainable
-from ._policy import check_policy, Policy, PolicyArg
+from ._optim import as_transformation, is_trainable, trainable
+from ._policy import check_policy, Policy
 from ._train_step import train_step
 from ._transform import filter_offload
 
@@ -441,8 +441,8 @@ def _streams(policy: Policy, model: PyTree, opt_state: PyTree) -> bool:
 
 def verify(
     loss_fn: Callable[..., Any],
-    optimizer: Optimizer,
-    policy: PolicyArg,
+    optimizer: optax.GradientTransformation | optax.MultiSteps,
+    policy: Policy,
     model: PyTree,
     opt_state: PyTree,
     *batch: Any,

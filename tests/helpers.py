@@ -1,11 +1,13 @@
 """Models and references shared by the tests."""
 
+import contextlib
 from collections.abc import Iterator
 
 import equinox as eqx
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import optax
 from jaxtyping import Array, Float, Int, PRNGKeyArray
@@ -93,6 +95,19 @@ def batches(vocab: int = 32, batch: int = 2, seq: int = 8, seed: int = 0) -> Ite
     while True:
         tokens = rng.integers(0, vocab, size=(batch, seq + 1))
         yield jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
+
+
+@contextlib.contextmanager
+def unchecked() -> Iterator[None]:
+    """Calls as most users make them, without the runtime type checker these tests
+    run the library under (jaxtyping's import hook, `pyproject.toml`): an argument
+    of the wrong type then meets the library's own check, whose error says the fix
+    (with the checker on, the checker's error comes first)."""
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
 
 
 def memory_kind(x) -> str:

@@ -7,7 +7,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_offload as eo
 
-from .helpers import memory_kind, Model, same_place
+from .helpers import memory_kind, Model, same_place, unchecked
 
 
 class Annotated(eqx.Module):
@@ -111,7 +111,10 @@ def test_unknown_kind_names_the_leaf():
 
     with pytest.raises(ValueError, match=r"leaf 'w'.*'hbm'.*valid kinds"):
         eo.place(Bad(jnp.ones(2)))
-    with pytest.raises(ValueError, match=r"field\(memory_kind=\.\.\.\)`.*valid kinds"):
+    with (
+        unchecked(),
+        pytest.raises(ValueError, match=r"field\(memory_kind=\.\.\.\)`.*valid kinds"),
+    ):
         eo.field(memory_kind="hbm")  # pyright: ignore[reportArgumentType]
 
 

@@ -93,9 +93,12 @@ def test_typechecking_catches_a_wrong_shape(getkey):
 
 
 def test_library_functions_are_checked_at_run_time():
-    # The tests run with `--jaxtyping-packages=eqx_offload,beartype.beartype`.
-    # (`policy` and `optimizer` arguments are checked by the library itself, so
-    # that a preset's name or an uncalled `optax.adamw` gets the fix in the error.)
+    # The tests run with `--jaxtyping-packages=eqx_offload,beartype.beartype`; the
+    # public signatures say the real types (a policy is a `Policy`), so the checker
+    # names a wrong argument first. (Without it, the library's own check does, with
+    # the fix: `test_mistakes.py::test_a_policy_that_is_not_a_policy`.)
+    with pytest.raises(jaxtyping.TypeCheckError, match="policy"):
+        eo.train_step(lambda m: m, optax.sgd(0.1), "offload_all")  # pyright: ignore
     with pytest.raises(jaxtyping.TypeCheckError, match="has_aux"):
         eo.train_step(
             lambda m: m,
