@@ -36,32 +36,6 @@ def test_quickstart_prints_what_the_readme_shows(tmp_path, monkeypatch, capsys):
     assert losses.sub("loss: ...", out) == losses.sub("loss: ...", shown)
 
 
-def test_quickstart_in_bf16_with_micro_batches():
-    result = subprocess.run(
-        [
-            sys.executable,
-            "examples/quickstart.py",
-            "--steps",
-            "30",
-            "--bf16",
-            "--microbatches",
-            "4",
-            "--plot",
-            "",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr
-    match = re.search(r"loss: first step ([\d.]+), last step ([\d.]+)", result.stdout)
-    assert match, result.stdout
-    assert float(match[2]) < float(match[1]) / 2
-    assert "bfloat16" in result.stdout
-
-
 def test_own_step_matches_train_step(tmp_path):
     """`examples/own_step.py`: a hand-written step with `eo.optimizer_update`
     trains like `eo.train_step` and needs the same memory on a TPU v5e chip."""
