@@ -1,7 +1,6 @@
 """`checkpoint_names`: the names a model offers to `Policy(save=...)` and
 `Policy(offload=...)`, with what each would save."""
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -13,7 +12,7 @@ from . import _names, _residuals
 from ._memory_kinds import abstract_sharding, is_arraylike
 from ._mixed_precision import compute_dtypes
 from ._optim import is_trainable, trainable
-from ._policy import Policy
+from ._policy import Policy, replace
 from ._train_step import _TrainStep
 from ._transform import _OffloadWrapper
 
@@ -110,7 +109,7 @@ def checkpoint_names(
 def _saving(base: Policy, name: str) -> Policy:
     """`base` (its streamed tables and layout) saving `name` alone, offloading
     nothing."""
-    return dataclasses.replace(base, save=(name,), offload=())
+    return replace(base, save=(name,), offload=())
 
 
 def _as_the_step_calls_it(step: _TrainStep, args: tuple, kwargs: dict) -> tuple:

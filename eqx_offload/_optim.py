@@ -1,6 +1,5 @@
 """Optimizer state: where it lives (`init_opt_state`) and how a step updates it."""
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +20,7 @@ from ._memory_kinds import (
     to_space,
 )
 from ._placement import match_params, move, resolve
-from ._policy import check_policy, Policy
+from ._policy import check_policy, Policy, replace
 from ._state_tree import check_matches, map_state, state_owners
 
 
@@ -394,9 +393,7 @@ WHOLE_ON = ("cpu",)
 
 
 def _with_update(policy: Policy, how: str) -> Policy:
-    chosen = copy.copy(policy)
-    object.__setattr__(chosen, "update", how)
-    return chosen
+    return replace(policy, update=how)
 
 
 def _update_by_platform(

@@ -1,5 +1,6 @@
 """`Policy`: where parameters, residuals and optimizer state live."""
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -310,6 +311,16 @@ class Policy(eqx.Module):
                 **overrides,
             }
         )
+
+
+def replace(policy: Policy, **changes: Any) -> Policy:
+    """`policy` with some fields changed, as `dataclasses.replace` would give it,
+    but with its patterns given back to `Policy(...)` as the mappings it takes."""
+    fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
+    for name in ("params", "opt_state", "shard"):
+        if isinstance(fields[name], tuple):
+            fields[name] = dict(fields[name])
+    return Policy(**(fields | changes))
 
 
 def checkpoint_patterns(policy: Policy) -> tuple[str, ...]:

@@ -1,6 +1,5 @@
 """`filter_offload`: the filtered transform that configures every `Stacked`."""
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -12,7 +11,7 @@ import jax.tree_util as jtu
 
 from . import _accumulate, _layout, _names, _paths, _tiling, _vocab_blocks
 from ._memory_kinds import is_host
-from ._policy import check_policy, checkpoint_patterns, Policy
+from ._policy import check_policy, checkpoint_patterns, Policy, replace
 from ._stacked import configure, Stacked
 
 
@@ -386,7 +385,7 @@ def _offered(wrapper: _OffloadWrapper, args: tuple, kwargs: dict) -> tuple[str, 
     """The residual names `wrapper`'s function offers on these arguments: traced
     (never run) under a policy that saves every name. Empty if that trace fails
     (e.g. there is no `Stacked`)."""
-    everything = dataclasses.replace(wrapper._policy, save=("**",), offload=())
+    everything = replace(wrapper._policy, save=("**",), offload=())
     try:
         traced = _trace(_OffloadWrapper(wrapper._fun, everything), args, kwargs)
     except Exception:  # only a hint for the error being raised: that error wins

@@ -1,7 +1,6 @@
 """`verify`: an offloaded train step checked against the plain one, on a slice of
 the model small enough to run both."""
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from . import _layout, _mesh, _paths, _tiling
 from ._layer_paths import layer_axes
 from ._memory_kinds import is_host, kind_of, to_space
 from ._optim import as_transformation, is_trainable, trainable
-from ._policy import check_policy, Policy
+from ._policy import check_policy, Policy, replace
 from ._train_step import train_step
 from ._transform import filter_offload
 
@@ -584,7 +583,7 @@ def verify(
             step = train_step(
                 loss_fn,
                 optimizer,
-                dataclasses.replace(policy, update=mode),
+                replace(policy, update=mode),
                 has_aux=has_aux,
             )
             new_model, new_state, value = step(
