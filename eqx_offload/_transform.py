@@ -386,8 +386,10 @@ def _offered(wrapper: _OffloadWrapper, args: tuple, kwargs: dict) -> tuple[str, 
     (never run) under a policy that saves every name. Empty if that trace fails
     (e.g. there is no `Stacked`)."""
     everything = replace(wrapper._policy, save=("**",), offload=())
+    probe = _OffloadWrapper(wrapper._fun, everything)
     try:
-        traced = _trace(_OffloadWrapper(wrapper._fun, everything), args, kwargs)
+        # `_call`, not the probe itself: its own error must not ask for a hint.
+        traced = _trace(lambda *a, **k: probe._call(a, k), args, kwargs)
     except Exception:  # only a hint for the error being raised: that error wins
         return ()
     return tuple(_names.NameLog.of(traced.closed).residual_names)

@@ -189,11 +189,21 @@ def test_pattern_that_never_occurs_is_an_error(getkey):
 
 
 def test_policy_names_without_any_stacked_is_an_error():
-    fn = eo.filter_offload(lambda x: jnp.sum(x**2), eo.Policy.offload_residuals())
+    traces = []
+
+    def loss(x):
+        traces.append(x.shape)
+        return jnp.sum(x**2)
+
+    fn = eo.filter_offload(loss, eo.Policy.offload_residuals())
     with pytest.raises(
         ValueError, match=r"never occurred; names seen: \(none: no `Stacked`\)"
     ):
         jax.grad(fn)(jnp.ones(3))
+    # Traced for the call, and again for the names it could offer (each time once
+    # more from the jaxpr, for scans an inner jit's cache served); the hint's own
+    # error asks for no hint of its own.
+    assert len(traces) == 4
 
 
 def test_name_that_is_not_a_residual_is_an_error(getkey):
