@@ -2,12 +2,13 @@
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, cast, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.extend.core as jex
 import jax.tree_util as jtu
+from jax.sharding import PartitionSpec
 
 from . import _accumulate, _layout, _names, _paths, _tiling, _vocab_blocks
 from ._memory_kinds import is_host
@@ -115,6 +116,45 @@ def _streamed_paths(model: Any, policy: Policy) -> set[str]:
                 )
         found |= matched
     return found
+
+
+def call_on_auto_axes(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """`fn(*args, **kwargs)` inside a trace over a mesh with `Explicit` axes, run on
+    `Auto` axes (`jax.sharding.auto_axes`), as plain JAX code is written: the
+    partitioner lays out what `fn` computes (a gather of token ids split over the
+    batch, a scatter into a cache) where JAX's sharding types would refuse it.
+
+    The array leaves of the arguments enter laid out as they are (a cast onto
+    `Auto` axes, which moves nothing), so their cotangents come back laid out like
+    them: a gradient like its parameter. The array leaves of the output come back
+    replicated over the mesh. So do the arrays of `fn` itself (an `eqx.Module`)
+    and the gradient taps of the current step (`_accumulate.py`: accumulators the
+    loss reaches through a context); arrays closed over otherwise cannot enter."""
+    table = _accumulate.current()
+    taps = None
+    if table is not None:
+        taps = {path: (t.acc, t.dtype, t.read) for path, t in table.taps.items()}
+    dynamic, static = eqx.partition((fn, args, kwargs, taps), eqx.is_array)
+    flat, treedef = jtu.tree_flatten(dynamic)
+    out_static = []
+
+    def inner(*flat: Any) -> list:
+        dynamic = jtu.tree_unflatten(treedef, flat)
+        fn, args, kwargs, taps = eqx.combine(dynamic, static)
+        inside = None
+        if taps is not None:
+            inside = {path: _accumulate.Tap(*tap) for path, tap in taps.items()}
+        with _accumulate.taps(inside):
+            out = fn(*args, **kwargs)
+        out_dynamic, rest = eqx.partition(out, eqx.is_array)
+        leaves, out_treedef = jtu.tree_flatten(out_dynamic)
+        out_static.append((out_treedef, rest))
+        return leaves
+
+    on_auto = jax.sharding.auto_axes(inner, out_sharding=PartitionSpec())
+    leaves = cast(list, on_auto(*flat))
+    out_treedef, rest = out_static[0]
+    return eqx.combine(jtu.tree_unflatten(out_treedef, leaves), rest)
 
 
 class _Watched(NamedTuple):
@@ -342,7 +382,7 @@ class _OffloadWrapper(eqx.Module):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._policy.loss_axes == "auto" and _layout.explicit_axes():
             # `Policy(loss_axes="auto")`: this call again, on `Auto` axes.
-            return _layout.call_on_auto_axes(self, args, kwargs)
+            return call_on_auto_axes(self, args, kwargs)
         try:
             return self._call(args, kwargs)
         except _names.UnusedName as e:

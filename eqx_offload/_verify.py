@@ -20,7 +20,7 @@ from ._memory_kinds import is_host, kind_of, to_space
 from ._optim import as_transformation, is_trainable, trainable
 from ._policy import check_policy, Policy, replace
 from ._train_step import train_step
-from ._transform import filter_offload
+from ._transform import call_on_auto_axes, filter_offload
 
 
 # Default tolerances by the compared leaf's floating-point width (bytes): see
@@ -411,7 +411,7 @@ def _reference(
 
     def loss(model: Any, *batch: Any) -> Any:
         if loss_axes == "auto" and _layout.explicit_axes():
-            return _layout.call_on_auto_axes(loss_fn, (model, *batch), {})
+            return call_on_auto_axes(loss_fn, (model, *batch), {})
         return loss_fn(model, *batch)
 
     return eqx.filter_value_and_grad(loss, has_aux=has_aux)(model, *batch)
