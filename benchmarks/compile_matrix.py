@@ -150,9 +150,13 @@ POLICIES: dict[str, tuple[str, dict[str, Any]]] = {
 def policy_for(arch: str, name: str) -> eo.Policy:
     preset, overrides = POLICIES[name]
     if arch == "dict":  # no `Stacked`: no checkpoint name, no "blocks"
-        overrides = dict(overrides, offload=())
+        overrides = dict(overrides)
         if "params" in overrides or preset == "offload_all":
             overrides["params"] = "pinned_host"
+        if preset == "offload_all":
+            overrides["opt_state"] = "pinned_host"
+        if preset in ("offload_residuals", "offload_all"):
+            preset = "remat"  # the presets without their `offload=("**.input",)`
     return getattr(eo.Policy, preset)(**overrides)
 
 
