@@ -5,7 +5,27 @@ scanned one at a time, and `filter_offload`/`train_step` insert the checkpoint
 names, remat policy and `device_put` transfers that are otherwise written by hand.
 """
 
-from ._checkpoint import (
+from ._checkpoint_names import (
+    checkpoint_names as checkpoint_names,
+    CheckpointName as CheckpointName,
+)
+from ._cross_entropy import chunked_cross_entropy as chunked_cross_entropy
+from ._diagnose import DoesNotCompile as DoesNotCompile
+from ._embedding import embed as embed
+from ._layout import FSDP as FSDP
+from ._memory_kinds import MemoryKind as MemoryKind
+from ._mixed_precision import ComputeCopyState as ComputeCopyState
+from ._placement import field as field, place as place
+from ._policy import Policy as Policy
+from ._report import (
+    DoesNotFit as DoesNotFit,
+    memory_report as memory_report,
+    MemoryReport as MemoryReport,
+    ResidualRow as ResidualRow,
+    Transfer as Transfer,
+    UnnamedResidual as UnnamedResidual,
+)
+from ._saving import (
     load as load,
     Restored as Restored,
     RestoredWithExtra as RestoredWithExtra,
@@ -14,38 +34,21 @@ from ._checkpoint import (
     Saving as Saving,
     wait_until_finished as wait_until_finished,
 )
-from ._cross_entropy import chunked_cross_entropy as chunked_cross_entropy
-from ._diagnose import DoesNotCompile as DoesNotCompile
-from ._embedding import embed as embed
-from ._layer_paths import (
+from ._stacked import Stacked as Stacked
+from ._state_dict import (
     LeafIndex as LeafIndex,
     load_state_dict as load_state_dict,
     state_dict as state_dict,
     state_dict_key as state_dict_key,
     state_dict_keys as state_dict_keys,
 )
-from ._layout import FSDP as FSDP
-from ._memory_kinds import MemoryKind as MemoryKind
-from ._mixed_precision import ComputeCopyState as ComputeCopyState
-from ._name_listing import (
-    checkpoint_names as checkpoint_names,
-    CheckpointName as CheckpointName,
-)
-from ._optim import init_opt_state as init_opt_state, place_opt_state as place_opt_state
-from ._optimizer_update import optimizer_update as optimizer_update
-from ._placement import field as field, place as place
-from ._policy import Policy as Policy
-from ._report import (
-    DoesNotFit as DoesNotFit,
-    memory_report as memory_report,
-    MemoryReport as MemoryReport,
-    ResidualRow as ResidualRow,
-    UnnamedResidual as UnnamedResidual,
-)
-from ._stacked import Stacked as Stacked
-from ._traffic import Transfer as Transfer
 from ._train_step import train_step as train_step
 from ._transform import filter_offload as filter_offload
+from ._update import (
+    init_opt_state as init_opt_state,
+    optimizer_update as optimizer_update,
+    place_opt_state as place_opt_state,
+)
 from ._verify import (
     Difference as Difference,
     DoesNotMatch as DoesNotMatch,

@@ -13,22 +13,13 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
-from . import (
-    _diagnose,
-    _layout,
-    _mesh,
-    _microbatch,
-    _mixed_precision,
-    _optim,
-    _paths,
-    _traffic,
-)
+from . import _diagnose, _layout, _mesh, _microbatch, _mixed_precision, _paths, _update
 from ._diagnose import DoesNotCompile
 from ._memory_kinds import is_arraylike, is_host, to_space
 from ._placement import place_batch
 from ._policy import check_policy, Policy
-from ._state_tree import check_matches
 from ._transform import filter_offload
+from ._update import check_matches
 
 
 def split(tree: Any) -> tuple[list, tuple]:
@@ -217,15 +208,15 @@ def _step(
     model = join(model_dynamic, model_static)
     opt_state = join(opt_dynamic, opt_static)
     batch = join(batch_dynamic, batch_static)
-    model_kinds = _optim.check_model(model, policy, "`train_step`")
+    model_kinds = _update.check_model(model, policy, "`train_step`")
     _check_layout(model, policy, model_shardings)
-    params = _optim.trainable(model)
+    params = _update.trainable(model)
     wrapped = _mixed_precision.for_policy(optimizer, params, policy)
     copies = wrapped is not optimizer
     _mixed_precision.check_state(copies, opt_state, "`train_step`")
     optimizer = wrapped
     check_matches(optimizer, opt_state, params, "`train_step`")
-    opt_kinds = _optim.check_state(optimizer, opt_state, model, policy)
+    opt_kinds = _update.check_state(optimizer, opt_state, model, policy)
 
     loss = filter_offload(checked_loss(loss_fn, has_aux, "`train_step`"), policy)
     if microbatches == 1 and policy.compute_dtype is None:
@@ -242,8 +233,8 @@ def _step(
             unsplit,
             has_aux,
         )
-    with jax.named_scope(_traffic.UPDATE_SCOPE):
-        model, opt_state, norms = _optim.update(
+    with jax.named_scope(_update.UPDATE_SCOPE):
+        model, opt_state, norms = _update.update(
             optimizer, grads, opt_state, model, policy, model_kinds, opt_kinds, metrics
         )
         # Outputs go back where they live, with `device_put` to a memory space
@@ -315,7 +306,7 @@ class _TrainStep(eqx.Module):
     ) -> DoesNotCompile:
         """The error for a step the compiler for `mesh` rejected with `message`:
         the host-resident leaves it cannot stream, compiled alone, and a way out."""
-        leaves = _optim.streamed_leaves(self.optimizer, model, opt_state)
+        leaves = _update.streamed_leaves(self.optimizer, model, opt_state)
         policy = self.policy
         return DoesNotCompile(
             _diagnose.explain(
@@ -421,7 +412,7 @@ def train_step(
     """
     if not callable(loss_fn):
         raise TypeError(f"`train_step(loss_fn=...)` must be callable, got {loss_fn!r}.")
-    optimizer = _optim.as_transformation(optimizer, "`train_step(optimizer=...)`")
+    optimizer = _update.as_transformation(optimizer, "`train_step(optimizer=...)`")
     check_policy(policy, "`train_step(policy=...)`")
     unsplit = _microbatch.check_unsplit(unsplit, microbatches, "`train_step`")
     fun = functools.partial(

@@ -10,10 +10,11 @@ import jax.extend.core as jex
 import jax.tree_util as jtu
 from jax.sharding import PartitionSpec
 
-from . import _accumulate, _layout, _names, _paths, _tiling, _vocab_blocks
+from . import _accumulate, _layout, _paths, _remat_names, _tiling, _vocab_blocks
 from ._memory_kinds import is_host
 from ._policy import check_policy, checkpoint_patterns, Policy, replace
-from ._stacked import configure, Stacked
+from ._scan_body import configure
+from ._stacked import Stacked
 
 
 def _is_stacked(x: Any) -> bool:
@@ -385,7 +386,7 @@ class _OffloadWrapper(eqx.Module):
             return call_on_auto_axes(self, args, kwargs)
         try:
             return self._call(args, kwargs)
-        except _names.UnusedName as e:
+        except _remat_names.UnusedName as e:
             # The names this trace saw are only those the policy asked for: list
             # every residual name the model offers instead (one more trace, only
             # on this error).
@@ -400,24 +401,24 @@ class _OffloadWrapper(eqx.Module):
             and is_host(leaf.value)
             for leaf in _paths.leaves((args, kwargs))
         )
-        with _names.collecting() as log:
+        with _remat_names.collecting() as log:
             if host_stacked:
                 # Checking needs the jaxpr before any outer transformation sees it:
                 # trace, check, then evaluate it, so `fun` still runs once.
                 traced = _trace(self._fun, args, kwargs)
                 _check_host_leaves(traced, args, kwargs, streamed)
-                _names.check(self._policy, _names.NameLog.of(traced.closed))
+                _remat_names.check(self._policy, _remat_names.NameLog.of(traced.closed))
                 outputs = jex.jaxpr_as_fun(traced.closed)(*traced.dynamic)
                 return traced.rebuild(outputs)
             out = self._fun(*args, **kwargs)
         if checkpoint_patterns(self._policy):
             try:
-                _names.check(self._policy, log)
-            except _names.UnusedName:
+                _remat_names.check(self._policy, log)
+            except _remat_names.UnusedName:
                 # Scans served from an inner `jax.jit`'s cache were not traced now,
                 # so they recorded nothing; the jaxpr has them all.
                 traced = _trace(self._fun, args, kwargs)
-                _names.check(self._policy, _names.NameLog.of(traced.closed))
+                _remat_names.check(self._policy, _remat_names.NameLog.of(traced.closed))
         return out
 
 
@@ -432,7 +433,7 @@ def _offered(wrapper: _OffloadWrapper, args: tuple, kwargs: dict) -> tuple[str, 
         traced = _trace(lambda *a, **k: probe._call(a, k), args, kwargs)
     except Exception:  # only a hint for the error being raised: that error wins
         return ()
-    return tuple(_names.NameLog.of(traced.closed).residual_names)
+    return tuple(_remat_names.NameLog.of(traced.closed).residual_names)
 
 
 def filter_offload(fun: Callable | None = None, policy: Policy | None = None) -> Any:

@@ -15,12 +15,12 @@ import optax
 from jaxtyping import PyTree
 
 from . import _layout, _mesh, _paths, _tiling
-from ._layer_paths import layer_axes
 from ._memory_kinds import is_host, kind_of, to_space
-from ._optim import as_transformation, is_trainable, trainable
 from ._policy import check_policy, Policy, replace
+from ._state_dict import layer_axes
 from ._train_step import train_step
 from ._transform import call_on_auto_axes, filter_offload
+from ._update import as_transformation, is_trainable, trainable
 
 
 # Default tolerances by the compared leaf's floating-point width (bytes): see
@@ -431,7 +431,7 @@ def _loss(value: Any, has_aux: bool) -> Any:
 
 
 def _streams(policy: Policy, model: PyTree, opt_state: PyTree) -> bool:
-    """Whether `train_step` streams this update (`_optim.update`) on some backend
+    """Whether `train_step` streams this update (`_update.update`) on some backend
     (`"auto"` streams on all but the CPU)."""
     leaves = jtu.tree_leaves((trainable(model), opt_state))
     host = any(kind_of(x) != "device" for x in leaves if eqx.is_array(x))

@@ -3,8 +3,8 @@
 into and out of memory space 5, times the trip counts of the loops around them,
 attributed to the step's arguments."""
 
-from eqx_offload import _compiled_traffic
-from eqx_offload._traffic import Transfer
+from eqx_offload._report import _compiled_traffic
+from eqx_offload._report._traffic import Transfer
 
 
 # A loop of 3 trips that reads one layer of a host-resident stack (parameter 0)

@@ -31,9 +31,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 import eqx_offload as eo
-from eqx_offload._report import saved_for_backward
+from eqx_offload._report._memory_report import saved_for_backward
 
-from .test_layer_paths import Net as LM  # embedding, `Stacked` MLPs, head
+from .test_state_dict import Net as LM  # embedding, `Stacked` MLPs, head
 
 
 WIDTH, HIDDEN, DEPTH, OUT, BATCH, STEPS = 16, 32, 3, 4, 8, 5

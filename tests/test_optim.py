@@ -56,7 +56,7 @@ def test_abstract_model_gives_abstract_state(getkey):
 
 
 def test_kind_missing_on_backend(monkeypatch, getkey):
-    monkeypatch.setattr(eo._optim, "backend_kinds", lambda: ("device",))
+    monkeypatch.setattr(eo._update._optim, "backend_kinds", lambda: ("device",))
     with pytest.raises(
         ValueError,
         match=r"state of 'embed.weight'.*'pinned_host'.*opt_state.*valid kinds here",

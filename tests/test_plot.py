@@ -8,7 +8,7 @@ import pytest
 matplotlib.use("Agg")
 
 import eqx_offload as eo  # noqa: E402
-from eqx_offload._plot import categories  # noqa: E402
+from eqx_offload._report._plot import categories
 
 from .helpers import batches, cross_entropy, Model  # noqa: E402
 

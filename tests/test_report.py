@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_offload as eo
-from eqx_offload import _targets
+from eqx_offload._report import _targets
 
 from .helpers import batches, cross_entropy, Model
 
@@ -326,7 +326,7 @@ def test_single_device_leaves_get_no_sharding_constraint():
 
 
 def test_the_compilers_out_of_memory_figures_are_read():
-    from eqx_offload._report import _compiler_sizes
+    from eqx_offload._report._memory_report import _compiler_sizes
 
     message = (
         "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "

@@ -14,7 +14,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as
 from jaxtyping import Array, Float, PRNGKeyArray
 
 import eqx_offload as eo
-from eqx_offload import _targets
+from eqx_offload._report import _targets
 
 
 pytest.importorskip("libtpu")

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import eqx_offload as eo
-from eqx_offload import _streaming
+from eqx_offload._update import _streaming
 
 from .helpers import all_eqns, batches, cross_entropy, Model, unchecked
 

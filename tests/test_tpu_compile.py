@@ -13,7 +13,8 @@ import optax
 import pytest
 
 import eqx_offload as eo
-from eqx_offload import _streaming, _tiling
+from eqx_offload import _tiling
+from eqx_offload._update import _streaming
 
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))

@@ -11,11 +11,12 @@ import optax
 import pytest
 
 import eqx_offload as eo
-from eqx_offload import _names, _stacked, _streaming, _verify
+from eqx_offload import _remat_names, _scan_body, _verify
 from eqx_offload._memory_kinds import is_host
+from eqx_offload._update import _streaming
 
 from .helpers import batches, memory_kind
-from .test_layer_paths import make_nested, Net
+from .test_state_dict import make_nested, Net
 
 
 def cross_entropy(model, tokens, targets):
@@ -134,7 +135,7 @@ def test_a_loss_that_differs_under_the_transform_is_named(getkey):
     # Under the offloaded transform only, the loss is shifted and the head gets no
     # gradient: the loss is reported first, and the report names the gradient too.
     def loss_fn(model, tokens, targets):
-        if _names.is_inside():
+        if _remat_names.is_inside():
             head = jax.lax.stop_gradient(model.head.weight)
             model = eqx.tree_at(lambda m: m.head.weight, model, head)
             return cross_entropy(model, tokens, targets) + 1.0
@@ -167,7 +168,7 @@ def test_a_corrupted_transfer_in_the_backward_pass_is_named(monkeypatch, getkey)
         return x
 
     corrupt.defvjp(lambda x: (x, None), lambda _, g: (2.0 * g,))
-    to_device = _stacked._to_device
+    to_device = _scan_body.to_device
 
     def corrupted(layer_arrays):
         def one(x):
@@ -175,7 +176,7 @@ def test_a_corrupted_transfer_in_the_backward_pass_is_named(monkeypatch, getkey)
 
         return to_device(jax.tree.map(one, layer_arrays))
 
-    monkeypatch.setattr(_stacked, "_to_device", corrupted)
+    monkeypatch.setattr(_scan_body, "to_device", corrupted)
 
     def loss_fn(*args):  # its own: no program traced before the patch is reused
         return cross_entropy(*args)

@@ -10,7 +10,7 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import PyTree
 
-from . import _paths
+from .. import _paths
 
 
 def _is_masked(x: Any) -> bool:

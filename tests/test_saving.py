@@ -1,7 +1,7 @@
 """Checkpoints: `save` / `load` resume training exactly, in a new process too.
 
 The file is also the script the tests run in a new process (`python
-tests/test_checkpoint.py resume ...`), so it imports nothing from `tests`.
+tests/test_saving.py resume ...`), so it imports nothing from `tests`.
 """
 
 import glob
@@ -24,7 +24,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 import eqx_offload as eo
-from eqx_offload import _checkpoint as ck
+from eqx_offload import _saving as ck
 
 
 if __name__ == "__main__":  # run by a test in a new process: set up as conftest.py

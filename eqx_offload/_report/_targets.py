@@ -12,8 +12,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from . import _paths
-from ._memory_kinds import abstract_sharding, kind_of
+from .. import _paths
+from .._memory_kinds import abstract_sharding, kind_of
 
 
 # The chips, and the smallest topology libtpu accepts for each ("1x1" is rejected):

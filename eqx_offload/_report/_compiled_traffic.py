@@ -18,7 +18,9 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
-from . import _traffic, _vocab_blocks
+from .. import _vocab_blocks
+from .._update import UPDATE_SCOPE
+from . import _traffic
 from ._traffic import Transfer
 
 
@@ -324,7 +326,7 @@ def count(
                 continue
             direction, nbytes, source = moved
             scope = _op_name(inst.attrs) or _users_scope(comp, inst.name)
-            update = _traffic.UPDATE_SCOPE in scope
+            update = UPDATE_SCOPE in scope
             number = walker.origin(comp, source)
             found = (
                 inputs[number] if number is not None and number < len(inputs) else None
@@ -399,7 +401,7 @@ def _label(op_name: str) -> str:
     for part in reversed(parts):
         while "(" in part and part.endswith(")") and not part.startswith("jit("):
             part = part[part.index("(") + 1 : -1]
-        if part and not _STRUCTURE.match(part) and part != _traffic.UPDATE_SCOPE:
+        if part and not _STRUCTURE.match(part) and part != UPDATE_SCOPE:
             return part
     return ""
 

@@ -2,7 +2,7 @@
 the device one piece at a time — one layer of a `Stacked`, or one block of rows of a
 large leaf — inside a `lax.scan` whose transfers the compiler cannot hoist.
 
-The optimizer is applied to pieces without changing its result: `_update_plan.py`
+The optimizer is applied to pieces without changing its result: `_plan.py`
 reads from its jaxpr which values are shared, piecewise or global, and this module
 runs it: global reductions first, from per-piece partials, then one loop per group
 of pieces that writes every new piece into its (donated) leaf in place.
@@ -27,10 +27,11 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
 
-from . import _tiling, _update_plan
-from ._memory_kinds import is_host, to_space
+from .. import _tiling
+from .._memory_kinds import is_host, to_space
+from . import _plan
+from ._plan import NotStreamable
 from ._state_tree import state_owners
-from ._update_plan import NotStreamable
 
 
 # A leaf this large (or larger) is streamed in blocks of rows of at most this size.
@@ -130,7 +131,7 @@ def update(
     def trace(chunked: bool) -> Any:
         return jax.make_jaxpr(lambda *xs: apply(*split(list(xs))))(*avals(chunked))
 
-    whole = _update_plan.flatten(trace(False))
+    whole = _plan.flatten(trace(False))
     try:
         traced = trace(True)
     except Exception as e:  # e.g. state whose shape follows the parameter's
@@ -138,14 +139,12 @@ def update(
         raise NotStreamable(
             f"traced on one piece of each leaf, it fails ({type(e).__name__}: {first})"
         ) from e
-    piece = _update_plan.flatten(traced)
-    plan = _update_plan.Plan(
+    piece = _plan.flatten(traced)
+    plan = _plan.Plan(
         whole,
         piece,
         [
-            _update_plan.Kind(_update_plan.SHARED)
-            if g is None
-            else _update_plan.Kind(_update_plan.PIECEWISE, g)
+            _plan.Kind(_plan.SHARED) if g is None else _plan.Kind(_plan.PIECEWISE, g)
             for g in group_of
         ],
     )
@@ -198,7 +197,7 @@ def pieces(leaf: Any, layers: int | None, index: int) -> tuple[Any, int, int] | 
 
 
 def _execute(
-    plan: _update_plan.Plan,
+    plan: _plan.Plan,
     inputs: list,
     labels: list[str],
     groups: dict,
@@ -216,7 +215,7 @@ def _execute(
 
     # Shared inputs (small leaves, counts) to the device, where they are computed on.
     def is_piecewise(r: int) -> bool:
-        return plan.kinds[r].what == _update_plan.PIECEWISE
+        return plan.kinds[r].what == _plan.PIECEWISE
 
     for i, x, label in zip(whole.ins, inputs, labels):
         if not is_piecewise(i):
@@ -253,7 +252,7 @@ def _execute(
     out_labels += ["metrics"] * n_extra
     all_kinds = kinds + ["device"] * n_extra  # metrics: per-row partial sums
     for position, ref in enumerate(whole.outs):
-        if isinstance(ref, _update_plan.Literal):
+        if isinstance(ref, _plan.Literal):
             outs[position] = ref.value
         elif not is_piecewise(ref):
             with jax.named_scope(out_labels[position]):
@@ -320,7 +319,7 @@ def _overwritable(
     position: int,
     ref: int,
     inputs: list,
-    whole: _update_plan.Program,
+    whole: _plan.Program,
     kinds: list[str],
     n_params: int,
     group: _Group,
@@ -334,23 +333,23 @@ def _overwritable(
     return source if same and same_kind and source in group.inputs else None
 
 
-def _run_shared(plan: _update_plan.Plan, env: dict, level: int | None) -> None:
+def _run_shared(plan: _plan.Plan, env: dict, level: int | None) -> None:
     """Evaluates (on whole values) every shared or global value whose inputs are
     known, up to `level` rounds of global reductions (all of them with None)."""
     whole = plan.whole
     for n, e in enumerate(whole.eqns):
         if all(o in env for o in e.outs) or n in plan.roots:
             continue
-        if any(plan.kinds[o].what == _update_plan.PIECEWISE for o in e.outs):
+        if any(plan.kinds[o].what == _plan.PIECEWISE for o in e.outs):
             continue  # computed piece by piece, in the loops
         if level is not None and any(plan.kinds[o].level > level for o in e.outs):
             continue
         if all(r in env for r in e.ins if isinstance(r, int)):
-            _update_plan.run(whole, [n], env)
+            _plan.run(whole, [n], env)
 
 
 def _scan_pieces(
-    plan: _update_plan.Plan,
+    plan: _plan.Plan,
     group: _Group,
     inputs: list,
     labels: list[str],
@@ -387,7 +386,7 @@ def _scan_pieces(
     rows = group.rows
 
     def is_shared(r: Any) -> bool:
-        return plan.kinds[r].what != _update_plan.PIECEWISE
+        return plan.kinds[r].what != _plan.PIECEWISE
 
     wanted = plan.needed(targets, is_shared)
     known = dict(piece.consts)
@@ -424,7 +423,7 @@ def _scan_pieces(
             local[piece.ins[position]] = piece_of(x, index, position)
         for position, x in zip(carried, current):
             local[piece.ins[position]] = x
-        _update_plan.run(piece, wanted, local)
+        _plan.run(piece, wanted, local)
         fulls, ys = list(fulls), []
         n_sums = 0
         for r, kind, target, add in zip(piece_outs, kinds, targets_of, sums):

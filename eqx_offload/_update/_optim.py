@@ -10,8 +10,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxtyping import PyTree
 
-from . import _diagnose, _mesh, _mixed_precision, _paths, _streaming, _tiling
-from ._memory_kinds import (
+from .. import _diagnose, _mesh, _mixed_precision, _paths, _tiling
+from .._memory_kinds import (
     backend_kinds,
     is_arraylike,
     is_host,
@@ -19,9 +19,14 @@ from ._memory_kinds import (
     ParamsSpec,
     to_space,
 )
-from ._placement import match_params, move, resolve
-from ._policy import check_policy, Policy, replace
+from .._placement import match_params, move, resolve
+from .._policy import check_policy, Policy, replace
+from . import _streaming
 from ._state_tree import check_matches, map_state, state_owners
+
+
+# The named scope around a step's optimizer update (`_train_step.py`).
+UPDATE_SCOPE = "optimizer_update"
 
 
 # What `init_opt_state` and `train_step` accept. `optax.MultiSteps` is a class of its

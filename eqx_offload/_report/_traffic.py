@@ -23,10 +23,10 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
+from .._update import UPDATE_SCOPE
+
 
 Direction = Literal["host_to_device", "device_to_host"]
-# The named scope around a step's optimizer update (`_train_step.py`).
-UPDATE_SCOPE = "optimizer_update"
 
 
 class Transfer(NamedTuple):

@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jaxtyping import PyTree
 
-from . import _optim, _paths
+from . import _paths, _update
 from ._placement import place
 from ._policy import check_policy, Policy
 
@@ -382,7 +382,7 @@ def load(
     """
     directory = _directory(path, "`load(path=...)`")
     if optimizer is not None:
-        optimizer = _optim.as_transformation(optimizer, "`load(optimizer=...)`")
+        optimizer = _update.as_transformation(optimizer, "`load(optimizer=...)`")
     check_policy(policy, "`load(policy=...)`")
     if not isinstance(like, tuple | list) or len(like) != 2:
         raise TypeError(
@@ -411,7 +411,7 @@ def load(
 
     _check_global(like, extra, "load")
     model = place(_abstract(like[0]), policy)
-    opt_state = _optim.place_state(
+    opt_state = _update.place_state(
         optimizer, _abstract(like[1]), model, policy, "`eqx_offload.load`"
     )
     targets = {"model": model, "opt_state": opt_state}

@@ -8,7 +8,7 @@ from typing import Any, TYPE_CHECKING
 
 
 if TYPE_CHECKING:
-    from ._report import MemoryReport
+    from ._record import MemoryReport
 
 _MEMORIES = ("device", "host")
 _UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}

@@ -1,0 +1,19 @@
+"""Measuring and reporting: where each byte of a step lives, compiled for this
+backend or a TPU target, and what moves between host and device.
+
+`_memory_report` compiles the step and builds the `MemoryReport`, `_targets` makes
+the compile targets, `_traffic` reads transfers from the traced program,
+`_compiled_traffic` from the compiler's optimised program, and `_plot` draws reports.
+"""
+
+from ._memory_report import (
+    DoesNotFit as DoesNotFit,
+    memory_report as memory_report,
+    saved_for_backward as saved_for_backward,
+)
+from ._record import (
+    MemoryReport as MemoryReport,
+    ResidualRow as ResidualRow,
+    UnnamedResidual as UnnamedResidual,
+)
+from ._traffic import Transfer as Transfer

@@ -1,0 +1,429 @@
+"""`MemoryReport` and its rows: where a step's bytes live, as figures and as the
+table `str(report)` prints (`memory_report` in `_memory_report.py` builds it)."""
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple
+
+import equinox as eqx
+
+from . import _plot
+from ._traffic import Transfer
+
+
+PARTS = ("argument", "output", "temp", "alias")
+DESCRIPTIONS = {
+    "train_step": "a train step",
+    "filter_offload": "the gradient of a filter_offload function",
+    "function": "a function",
+}
+
+
+class ResidualRow(NamedTuple):
+    """Bytes saved for the backward pass under one checkpoint name and memory kind."""
+
+    name: str  # a checkpoint name, or "(unnamed, in stacked layers)", "(other)"
+    memory_kind: str
+    bytes: int
+
+
+class UnnamedResidual(NamedTuple):
+    """Values saved for the backward pass without a checkpoint name, computed on
+    one line of your code: one of the largest parts of `MemoryReport.residuals`'
+    `"(other)"` (outside every `Stacked`) or `"(unnamed, in stacked layers)"`
+    rows."""
+
+    group: str  # "(other)" or "(unnamed, in stacked layers)"
+    memory_kind: str
+    where: str | None  # `file.py:80 (loss_fn) > softmax_cross_entropy`, if known
+    operations: tuple[str, ...]  # what computed them (`exp`, `mul`, ...)
+    count: int  # how many values
+    shape: tuple[int, ...]  # of the largest (over all layers, in stacked layers)
+    dtype: str  # of the largest
+    bytes: int  # of all of them
+
+
+UNNAMED = ("(other)", "(unnamed, in stacked layers)")
+LARGEST = 3  # unnamed residuals shown per group
+
+
+class MemoryReport(eqx.Module):
+    """Where the memory of one compiled step lives. Print it for a table.
+
+    Compiled for a TPU (one chip or a whole slice), every byte count is **per
+    chip**: the step is one SPMD program, and each chip runs it on its own shards.
+
+    - `device_bytes`, `host_bytes`: the footprints of one chip, `argument + output +
+        temp - alias` of each memory (`device` and `host` hold the parts, as the
+        compiler counts them: each array as the shard one chip holds, padded to the
+        tiled layout the compiler chose; a replicated array whole).
+    - `chips`, `chips_per_host`: the devices the step was compiled for (1 for
+        `"tpu-v5e"`, 16 for `"tpu-v5e:4x4"`) and how many of them one host serves
+        (libtpu's layout of the slice: 4 for v5e, v6e and v5p; 8 TensorCores, four
+        chips, for v4); `None` on this backend.
+    - `host_bytes_per_host`: the host memory of one host, `host_bytes *
+        chips_per_host`: each chip's host-resident shards (and its own copy of each
+        replicated host-resident array) are separate buffers in the RAM of the host
+        that serves it. On this backend, `host_bytes`.
+    - `params`, `opt_state`: bytes by memory kind between steps (`train_step` and
+        `filter_offload` objects; `None` otherwise); on a TPU, the unpadded bytes of
+        one chip's shards.
+    - `residuals`: bytes saved for the backward pass, by checkpoint name and memory
+        kind, as traced (`train_step` and `filter_offload` objects; `None`
+        otherwise): whole arrays, summed over the chips of a slice. The compiler may
+        still place a small residual elsewhere.
+    - `largest_unnamed`: the largest values saved without a checkpoint name
+        (`eo.UnnamedResidual` rows, up to three for each of `"(other)"`, outside
+        every `Stacked`, and `"(unnamed, in stacked layers)"`), each with its
+        shape, dtype, the operation and the line of your code that computed it.
+    - `capacity`, `fits`: the device memory the compiler lets a program use on one
+        chip of the target (15.75 GiB of a v5e's 16) and whether the device
+        footprint fits in it; `None` on the CPU.
+    - `arguments`: bytes of each argument by memory kind (per chip on a TPU, as
+        `params`).
+    - `estimate`: `True` on the CPU backend, whose compiler does not tell host from
+        device memory: the split there follows the leaves' memory kinds, and
+        temporaries are counted as device memory.
+    - `transfers`: the bytes moved host <-> device per step that the traced
+        program asks for (`eo.Transfer` rows by direction, phase, what and name:
+        each parameter, optimizer-state leaf and checkpoint name).
+    - `compiled_transfers`: the same read from the compiled program, on a TPU
+        target (`None` otherwise): what the compiler kept (it drops the moves of
+        values nothing uses). A move of a value computed in the step that no named
+        scope describes (a gradient, a residual, an accumulator) is `"computed"`.
+    - `host_to_device_bytes`, `device_to_host_bytes`: the totals per step, from
+        `compiled_transfers` where there are some, else from `transfers`;
+        `transfer_bytes(direction, *, phase, what, compiled)` for a part.
+
+    The compiler's `host["temp"]` is what it allocates in host memory for one chip
+    while the step runs (e.g. a gradient gathered on the host before it is written
+    back); like every figure here it is per chip, and it is not checked against
+    anything the library computes.
+    """
+
+    target: str
+    kind: str  # what was compiled: "train_step", "filter_offload" or "function"
+    estimate: bool
+    capacity: int | None  # device memory of one chip of the target, if known
+    device: dict[str, int]
+    host: dict[str, int]
+    arguments: dict[str, dict[str, int]]
+    params: dict[str, int] | None = None
+    opt_state: dict[str, int] | None = None
+    residuals: tuple[ResidualRow, ...] | None = None
+    largest_unnamed: tuple[UnnamedResidual, ...] | None = None
+    chips: int | None = None  # devices compiled for (TPU targets)
+    chips_per_host: int | None = None  # of them, how many one host serves
+    transfers: tuple[Transfer, ...] | None = None
+    compiled_transfers: tuple[Transfer, ...] | None = None
+
+    @property
+    def host_to_device_bytes(self) -> int:
+        """Bytes moved from host to device memory per step: what the compiled
+        program moves (`compiled_transfers`) on a TPU target, else what the traced
+        program asks for (`transfers`)."""
+        return self.transfer_bytes("host_to_device", compiled=self._compiled)
+
+    @property
+    def device_to_host_bytes(self) -> int:
+        """Bytes moved from device to host memory per step, counted as
+        `host_to_device_bytes` is."""
+        return self.transfer_bytes("device_to_host", compiled=self._compiled)
+
+    @property
+    def _compiled(self) -> bool:
+        return self.compiled_transfers is not None
+
+    def transfer_bytes(
+        self,
+        direction: Literal["host_to_device", "device_to_host"],
+        *,
+        phase: Literal["forward/backward", "update"] | None = None,
+        what: str | None = None,
+        compiled: bool = False,
+    ) -> int:
+        """The bytes moved per step in one direction, of one phase and kind of
+        value if given (`what`: `"params"`, `"opt_state"`, `"gradients"`,
+        `"residuals"`, `"batch"`, `"other"`; in the compiled program also
+        `"computed"`), from `transfers`, or from `compiled_transfers` if
+        `compiled` (a TPU target's report has them)."""
+        rows = self.compiled_transfers if compiled else self.transfers
+        if compiled and rows is None:
+            raise ValueError(
+                "`MemoryReport.transfer_bytes(compiled=True)`: this report has no "
+                "compiled transfers (they are read from a TPU compile: "
+                "`memory_report(..., target='tpu-v5e')`)."
+            )
+        return sum(
+            t.bytes
+            for t in rows or ()
+            if t.direction == direction
+            and (phase is None or t.phase == phase)
+            and (what is None or t.what == what)
+        )
+
+    @property
+    def device_bytes(self) -> int:
+        d = self.device
+        return d["argument"] + d["output"] + d["temp"] - d["alias"]
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the device footprint fits in one chip's memory (`None` if the
+        target's capacity is not known, as on the CPU)."""
+        return None if self.capacity is None else self.device_bytes <= self.capacity
+
+    @property
+    def host_bytes(self) -> int:
+        h = self.host
+        return h["argument"] + h["output"] + h["temp"] - h["alias"]
+
+    @property
+    def host_bytes_per_host(self) -> int:
+        """The host memory of one host: `host_bytes` of each of the
+        `chips_per_host` chips it serves (on this backend, `host_bytes`: the whole
+        program runs on this machine)."""
+        return self.host_bytes * (self.chips_per_host or 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-serialisable data (bytes as ints)."""
+        return {
+            "target": self.target,
+            "kind": self.kind,
+            "estimate": self.estimate,
+            "capacity": self.capacity,
+            "fits": self.fits,
+            "device_bytes": self.device_bytes,
+            "host_bytes": self.host_bytes,
+            "device": dict(self.device),
+            "host": dict(self.host),
+            "arguments": {k: dict(v) for k, v in self.arguments.items()},
+            "params": None if self.params is None else dict(self.params),
+            "opt_state": None if self.opt_state is None else dict(self.opt_state),
+            "residuals": None
+            if self.residuals is None
+            else [r._asdict() for r in self.residuals],
+            "largest_unnamed": None
+            if self.largest_unnamed is None
+            else [r._asdict() | {"shape": list(r.shape)} for r in self.largest_unnamed],
+            "chips": self.chips,
+            "chips_per_host": self.chips_per_host,
+            "host_bytes_per_host": self.host_bytes_per_host,
+            "host_to_device_bytes": self.host_to_device_bytes,
+            "device_to_host_bytes": self.device_to_host_bytes,
+            "transfers": None
+            if self.transfers is None
+            else [t._asdict() for t in self.transfers],
+            "compiled_transfers": None
+            if self.compiled_transfers is None
+            else [t._asdict() for t in self.compiled_transfers],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "MemoryReport":
+        """The report `to_dict()` gave (read back from JSON, say): its derived
+        figures (`device_bytes`, `fits`, ...) are computed again."""
+        missing = {"target", "kind", "estimate", "device", "host"} - set(data)
+        if missing:
+            raise ValueError(
+                "`MemoryReport.from_dict(data)` takes what `MemoryReport.to_dict()` "
+                f"returns; `data` lacks {', '.join(sorted(missing))}."
+            )
+
+        def rows(key: str, row: Callable[..., Any]) -> Any:
+            value = data.get(key)
+            return None if value is None else tuple(row(**r) for r in value)
+
+        return cls(
+            target=data["target"],
+            kind=data["kind"],
+            estimate=data["estimate"],
+            capacity=data.get("capacity"),
+            device=dict(data["device"]),
+            host=dict(data["host"]),
+            arguments={k: dict(v) for k, v in data.get("arguments", {}).items()},
+            params=data.get("params"),
+            opt_state=data.get("opt_state"),
+            residuals=rows("residuals", ResidualRow),
+            largest_unnamed=rows("largest_unnamed", _unnamed_row),
+            chips=data.get("chips"),
+            chips_per_host=data.get("chips_per_host"),
+            transfers=rows("transfers", Transfer),
+            compiled_transfers=rows("compiled_transfers", Transfer),
+        )
+
+    def plot(
+        self,
+        *others: "MemoryReport",
+        labels: Sequence[str] | None = None,
+        ax: Any = None,
+        unit: Literal["GiB", "MiB", "KiB", "B"] | None = None,
+        title: str | None = None,
+    ) -> Any:
+        """Draws where the memory lives: for this report and each of `others`, side
+        by side, a stacked bar for the device and one for the host (per chip on a
+        TPU), split into parameters, optimizer state, other arguments (the batch;
+        on a TPU also the padding of arrays to the compiler's tiles),
+        saved activations by checkpoint name (as traced; one-chip reports), the
+        rest of the temporaries, and outputs not written in place. When a device
+        bar comes within half of the chip's capacity, the capacity is drawn as a
+        dashed line.
+
+        Needs matplotlib (`pip install matplotlib`; from a clone, the `plot` extra).
+
+        **Arguments:**
+
+        - `*others`: more reports to draw next to this one (presets, depths, chip
+            counts...).
+        - `labels`: one label per report, this one first (default: the targets).
+        - `ax`: a matplotlib `Axes` to draw on (default: a new figure).
+        - `unit`: `"GiB"`, `"MiB"`, `"KiB"` or `"B"`; by default the largest in
+            which the tallest bar is at least 1.
+        - `title`: the axes' title.
+
+        **Returns:**
+
+        The matplotlib `Axes`; `ax.figure.savefig("memory.png")` saves it.
+        """
+        return _plot.plot((self, *others), labels, ax=ax, unit=unit, title=title)
+
+    def __str__(self) -> str:
+        what = DESCRIPTIONS[self.kind]
+        if self.estimate:
+            lines = [
+                f"Memory report for {what}, compiled for this CPU backend",
+                "(an estimate: XLA's CPU compiler has one memory, so the split follows "
+                "the leaves' memory kinds",
+                "and temporaries count as device memory)",
+            ]
+        elif self.chips is not None and self.chips > 1:
+            hosts = self.chips // (self.chips_per_host or self.chips)
+            lines = [
+                f"Memory report for {what}, compiled for {self.target}: "
+                f"{self.chips} chips, {self.chips_per_host} per host ({hosts} hosts)"
+            ]
+        else:
+            lines = [f"Memory report for {what}, compiled for {self.target}"]
+        per_chip = "per chip" if self.chips is not None else ""
+        header = f"{per_chip:<34}{'device':>14}{'host':>14}"
+        lines += [header, "-" * len(header)]
+
+        def row(label: str, device: int | None, host: int) -> None:
+            shown = "" if device is None else size_text(device)
+            lines.append(f"{label:<34}{shown:>14}{size_text(host):>14}")
+
+        row("footprint", self.device_bytes, self.host_bytes)
+        for part, label in zip(PARTS, ("arguments", "outputs", "temporaries")):
+            row(f"  {label}", self.device[part], self.host[part])
+        row(
+            "  aliased (donated, counted once)",
+            -self.device["alias"],
+            -self.host["alias"],
+        )
+        if self.capacity is not None:
+            verdict = "fits" if self.fits else "does NOT fit"
+            lines.append(f"  {verdict} in the {size_text(self.capacity)} of one chip")
+        if self.chips is not None and self.chips > 1:
+            label = f"host memory of a host ({self.chips_per_host} chips)"
+            row(label, None, self.host_bytes_per_host)
+        for label, by_kind in (
+            ("parameters", self.params),
+            ("optimizer state", self.opt_state),
+        ):
+            if by_kind is not None:
+                row(label, by_kind.get("device", 0), host_total(by_kind))
+        if self.residuals is not None:
+            if self.chips is not None and self.chips > 1:
+                lines.append("saved for the backward pass (as traced, whole arrays)")
+            else:
+                lines.append("saved for the backward pass (as traced)")
+            totals: dict[str, dict[str, int]] = defaultdict(dict)
+            for r in self.residuals:
+                totals[r.name][r.memory_kind] = r.bytes
+            for name, by_kind in totals.items():
+                row(f"  {name}", by_kind.get("device", 0), host_total(by_kind))
+                lines += _unnamed_lines(self.largest_unnamed or (), name)
+            if not totals:
+                lines.append("  (nothing)")
+            lines += _unnamed_hints({name for name in totals if name in UNNAMED})
+        if self.params is None:
+            lines.append("arguments")
+            for name, by_kind in self.arguments.items():
+                row(f"  {name}", by_kind.get("device", 0), host_total(by_kind))
+        if self.transfers:
+            lines += _transfer_lines(self.transfers, "as traced")
+        if self.compiled_transfers:
+            lines += _transfer_lines(self.compiled_transfers, "as compiled")
+        return "\n".join(lines)
+
+
+def _unnamed_row(**fields: Any) -> UnnamedResidual:
+    """An `UnnamedResidual` from JSON (lists for tuples)."""
+    fields = dict(fields)
+    fields["shape"] = tuple(fields["shape"])
+    fields["operations"] = tuple(fields["operations"])
+    return UnnamedResidual(**fields)
+
+
+def _unnamed_lines(largest: tuple[UnnamedResidual, ...], group: str) -> list[str]:
+    """Under an unnamed group's row: the lines of code that save the most in it."""
+    lines = []
+    for r in largest:
+        if r.group != group:
+            continue
+        value = f"{r.dtype}[{','.join(map(str, r.shape))}]"
+        what = f"    {value}" if r.count == 1 else f"    {r.count} values, {value}"
+        device, host = (r.bytes, 0) if r.memory_kind == "device" else (0, r.bytes)
+        lines.append(f"{what:<34}{size_text(device):>14}{size_text(host):>14}")
+        if r.where is None and r.operations == ("device_put",):
+            lines.append("      host-resident leaves, on the device for the step")
+        else:
+            where = r.where or "(no line of yours)"
+            shown = r.operations[:4] + (("...",) if len(r.operations) > 4 else ())
+            lines.append(f"      {where}: {', '.join(shown)}")
+    return lines
+
+
+def _unnamed_hints(groups: set[str]) -> list[str]:
+    """How to shrink the unnamed groups the table shows."""
+    hints = {
+        "(other)": [
+            "  (other) is saved outside every `Stacked`, where no policy applies:",
+            "    recompute it (`eqx.filter_checkpoint` around that code), or for "
+            "logits",
+            "    use `eo.chunked_cross_entropy`",
+        ],
+        "(unnamed, in stacked layers)": [
+            "  (unnamed, in stacked layers): name a value inside the layer",
+            "    (`jax.ad_checkpoint.checkpoint_name(x, 'h')`), then save or offload",
+            "    it by name (`Policy(offload=('blocks.h',))`), or recompute it",
+        ],
+    }
+    return [line for group in UNNAMED if group in groups for line in hints[group]]
+
+
+def _transfer_lines(transfers: tuple[Transfer, ...], how: str) -> list[str]:
+    """A traffic section of the table: bytes per step by phase and kind."""
+    header = f"{f'moved per step ({how})':<34}{'to device':>14}{'to host':>14}"
+    lines = [header, "-" * len(header)]
+    totals: dict[tuple[str, str], dict[str, int]] = defaultdict(dict)
+    for t in transfers:
+        by = totals[t.phase, t.what]
+        by[t.direction] = by.get(t.direction, 0) + t.bytes
+    for (phase, what), by in totals.items():
+        label = f"  {what} ({'update' if phase == 'update' else 'fwd/bwd'})"
+        h2d, d2h = by.get("host_to_device", 0), by.get("device_to_host", 0)
+        lines.append(f"{label:<34}{size_text(h2d):>14}{size_text(d2h):>14}")
+    return lines
+
+
+def host_total(by_kind: dict[str, int]) -> int:
+    return sum(v for k, v in by_kind.items() if k != "device")
+
+
+def size_text(n: int) -> str:
+    sign, n = ("-" if n < 0 else ""), abs(n)
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{sign}{n / scale:.2f} {unit}"
+    return f"{sign}{n} B"

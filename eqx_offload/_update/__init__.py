@@ -1,0 +1,24 @@
+"""The optimizer update: where optimizer state lives, and the update applied whole or
+streamed, one layer or row block of the parameters on the device at a time.
+
+`_optim` places the state and dispatches the update, `_state_tree` pairs state leaves
+with the parameters they mirror, `_plan` reads the update's jaxpr (which values are
+shared, piecewise or global), `_streaming` runs it piece by piece, and
+`_optimizer_update` is the public update for a hand-written step.
+"""
+
+from ._optim import (
+    as_transformation as as_transformation,
+    check_model as check_model,
+    check_state as check_state,
+    init_opt_state as init_opt_state,
+    is_trainable as is_trainable,
+    place_opt_state as place_opt_state,
+    place_state as place_state,
+    streamed_leaves as streamed_leaves,
+    trainable as trainable,
+    update as update,
+    UPDATE_SCOPE as UPDATE_SCOPE,
+)
+from ._optimizer_update import optimizer_update as optimizer_update
+from ._state_tree import check_matches as check_matches
