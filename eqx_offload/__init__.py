@@ -13,6 +13,11 @@ from ._cross_entropy import chunked_cross_entropy as chunked_cross_entropy
 from ._diagnose import DoesNotCompile as DoesNotCompile
 from ._embedding import embed as embed
 from ._layout import FSDP as FSDP
+from ._loading import (
+    load as load,
+    Restored as Restored,
+    RestoredWithExtra as RestoredWithExtra,
+)
 from ._memory_kinds import MemoryKind as MemoryKind
 from ._mixed_precision import ComputeCopyState as ComputeCopyState
 from ._placement import field as field, place as place
@@ -26,9 +31,6 @@ from ._report import (
     UnnamedResidual as UnnamedResidual,
 )
 from ._saving import (
-    load as load,
-    Restored as Restored,
-    RestoredWithExtra as RestoredWithExtra,
     save as save,
     saved_steps as saved_steps,
     Saving as Saving,

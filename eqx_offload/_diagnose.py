@@ -9,7 +9,6 @@ host-offload passes cannot slice the layout it picked, even in a hand-written sc
 when it and its optimizer state stay on the device.
 """
 
-import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -17,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import _paths, _tiling
+from . import _compiler, _paths, _tiling
 from ._memory_kinds import ParamsSpec
 
 
@@ -125,7 +124,7 @@ def way_out(params: ParamsSpec, opt_state: ParamsSpec, paths: list[str]) -> str:
 def leaves_in_message(message: str, paths: Sequence[str]) -> list[str]:
     """The leaf paths named in the `op_name`s of a compiler message (the streamed
     update tags each leaf's slices and transfers with `jax.named_scope`)."""
-    names = " ".join(re.findall(r'op_name="([^"]*)"', message))
+    names = " ".join(_compiler.op_names(message))
     return list(dict.fromkeys(p for p in paths if p and p in names))
 
 

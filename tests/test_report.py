@@ -325,19 +325,6 @@ def test_single_device_leaves_get_no_sharding_constraint():
     assert _mesh_shardings([one, four, None]) == (None, four.sharding, None)
 
 
-def test_the_compilers_out_of_memory_figures_are_read():
-    from eqx_offload._report._memory_report import _compiler_sizes
-
-    message = (
-        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
-        "HLO temporaries (36.51G) exceeds available HBM (15.75G)."
-    )
-    assert _compiler_sizes(message) == (int(36.51 * 2**30), int(15.75 * 2**30))
-    used = "Ran out of memory in memory space hbm. Used 20.50G of 15.75G hbm."
-    assert _compiler_sizes(used) == (int(20.5 * 2**30), int(15.75 * 2**30))
-    assert _compiler_sizes("something else") == (None, None)
-
-
 def test_capacities_are_what_the_compiler_allows():
     # As libtpu 0.0.42 states them ("exceeds available HBM (15.75G)").
     assert _targets.HBM_BYTES == {

@@ -24,7 +24,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 import eqx_offload as eo
-from eqx_offload import _saving as ck
+from eqx_offload import _loading
 
 
 if __name__ == "__main__":  # run by a test in a new process: set up as conftest.py
@@ -477,7 +477,9 @@ def test_place_opt_state_keeps_values(getkey):
     for x, y in zip(bits(placed), before):
         np.testing.assert_array_equal(x, y)
     step(model, placed, *data(getkey()))  # accepted
-    abstract = eo.place_opt_state(OPTIMIZER, ck._abstract(opt_state), model, policy)
+    abstract = eo.place_opt_state(
+        OPTIMIZER, _loading._abstract(opt_state), model, policy
+    )
     assert [x.sharding.memory_kind for x in jax.tree.leaves(abstract)] == [
         x.sharding.memory_kind for x in jax.tree.leaves(opt_state)
     ]

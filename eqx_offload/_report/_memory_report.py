@@ -3,7 +3,6 @@ a TPU chip or a whole TPU slice, without running anything."""
 
 import functools
 import math
-import re
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -14,7 +13,7 @@ import jax.tree_util as jtu
 from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
-from .. import _mesh, _paths, _residuals
+from .. import _compat, _compiler, _mesh, _paths, _residuals
 from .._diagnose import DoesNotCompile
 from .._memory_kinds import is_arraylike, kind_of
 from .._train_step import _TrainStep, join, split
@@ -76,33 +75,13 @@ class DoesNotFit(ValueError):
         super().__init__(message)
         self.target = target
         self.compiler_message = compiler_message
-        self.required_bytes, self.available_bytes = _compiler_sizes(compiler_message)
+        self.required_bytes, self.available_bytes = _compiler.oom_sizes(
+            compiler_message
+        )
         self.arguments = arguments
         self.params = params
         self.opt_state = opt_state
         self.residuals = residuals
-
-
-_SIZE = r"([0-9.]+)\s*([KMGT]?)i?B?"
-
-
-def _compiler_sizes(message: str) -> tuple[int | None, int | None]:
-    """The required and available bytes in a TPU compiler's out-of-memory message
-    ("... required for HLO temporaries (20.00G) exceeds available HBM (15.75G)",
-    or "Used 20.00G of 15.75G hbm")."""
-
-    def nbytes(number: str, unit: str) -> int:
-        return int(float(number) * 1024 ** "_KMGT".index(unit or "_"))
-
-    used = re.search(rf"Used {_SIZE} of {_SIZE} hbm", message)
-    if used:
-        return nbytes(*used.group(1, 2)), nbytes(*used.group(3, 4))
-    required = re.search(rf"required for [^(]*\({_SIZE}\)", message)
-    available = re.search(rf"available HBM \({_SIZE}\)", message)
-    return (
-        nbytes(*required.group(1, 2)) if required else None,
-        nbytes(*available.group(1, 2)) if available else None,
-    )
 
 
 def _nbytes(x: Any, per_chip: bool = False) -> int:
@@ -247,8 +226,8 @@ def _function_plan(fn: Any, args: tuple, kwargs: dict) -> _Plan:
         return _Plan(lambda: fn.trace(*args, **kwargs), "function", named)
     # `eqx.filter_jit` functions are re-jitted from the function they wrap (they
     # treat `ShapeDtypeStruct`s as static), keeping their donation.
-    donate_first = getattr(fn, "donate_first", False)
-    donate_rest = getattr(fn, "donate_rest", False)
+    parts = _compat.filter_jit_parts(fn)
+    donate = () if parts is None else parts.donated
     fn = _unwrap_filter_jit(fn)
     kind = "function"
     if isinstance(fn, _OffloadWrapper):
@@ -263,7 +242,6 @@ def _function_plan(fn: Any, args: tuple, kwargs: dict) -> _Plan:
         more, k = join(rest, statics[1])
         return eqx.filter(fn(*a, *more, **k), is_arraylike)  # arrays only, as jit needs
 
-    donate = tuple(i for i, d in ((0, donate_first), (1, donate_rest)) if d)
     jitted = jax.jit(call, static_argnums=2, donate_argnums=donate, keep_unused=True)
     trace = lambda: jitted.trace(first, rest, (first_static, rest_static))  # noqa: E731
     if kind == "function":
@@ -273,13 +251,11 @@ def _function_plan(fn: Any, args: tuple, kwargs: dict) -> _Plan:
 
 def _unwrap_filter_jit(fn: Any) -> Any:
     """The function inside an `eqx.filter_jit`."""
-    while (
-        not isinstance(fn, (_TrainStep, _OffloadWrapper))
-        and not hasattr(fn, "trace")
-        and hasattr(fn, "lower")
-        and getattr(fn, "__wrapped__", None) is not None
-    ):
-        fn = fn.__wrapped__
+    while not isinstance(fn, (_TrainStep, _OffloadWrapper)):
+        parts = _compat.filter_jit_parts(fn)
+        if parts is None:
+            break
+        fn = parts.fun
     return fn
 
 
@@ -554,7 +530,7 @@ def _split_estimate(stats: Any, lowered: Any) -> tuple[dict[str, int], dict[str,
     the memory kinds of the compiled signature, temporaries on the device, and as
     aliased only the donated inputs that share an output's memory kind (a device
     with two memories cannot alias across them)."""
-    arg_kinds, aliases, out_kinds = _signature(lowered.as_text())
+    arg_kinds, aliases, out_kinds = _compiler.signature(lowered.as_text())
     arg_bytes = [_nbytes(a) for a in jtu.tree_leaves(lowered.args_info)]
     out_bytes = [_nbytes(o) for o in jtu.tree_leaves(lowered.out_info)]
     parts = {
@@ -570,57 +546,3 @@ def _split_estimate(stats: Any, lowered: Any) -> tuple[dict[str, int], dict[str,
             parts[arg_kinds[i]]["alias"] += arg_bytes[i]
     parts["device"]["temp"] = int(stats.temp_size_in_bytes)
     return parts["device"], parts["host"]
-
-
-def _signature(text: str) -> tuple[list[str], dict[int, int], list[str]]:
-    """From the StableHLO of a lowered function: each argument's memory kind, which
-    output each donated argument aliases, and each output's memory kind."""
-    start = text.index("func.func public @main(")
-    body = text[start : text.index(") {", text.index(") -> (", start)) + 1]
-    args_text, outs_text = body.split(") -> (", 1)
-
-    def attributes(part: str, marker: str) -> list[str]:
-        out = []
-        for match in re.finditer(marker, part):
-            i = match.end()
-            depth, j, quoted = 0, i, False
-            while j < len(part) and (quoted or depth or part[j] not in ",)"):
-                if part[j] == '"' and part[j - 1] != "\\":
-                    quoted = not quoted  # a sharding string: "{devices=[8]<=[8]}"
-                elif not quoted:
-                    depth += {"<": 1, ">": -1, "{": 1, "}": -1}.get(part[j], 0)
-                j += 1
-            out.append(part[i:j])
-        return out
-
-    def kind(attrs: str) -> str:
-        found = re.search(r'mhlo\.memory_kind = "(\w+)"', attrs)
-        return "host" if found and found[1] != "device" else "device"
-
-    arg_attrs = attributes(args_text, r"%arg\d+: ")
-    out_attrs = attributes(outs_text, r"(?:^|, )(?=tensor<)")
-    arg_kinds, out_kinds = [kind(a) for a in arg_attrs], [kind(a) for a in out_attrs]
-    aliases = {}
-    for i, attrs in enumerate(arg_attrs):
-        found = re.search(r"tf\.aliasing_output = (\d+)", attrs)
-        if found:
-            aliases[i] = int(found[1])
-    # A program over a mesh marks donated arguments `jax.buffer_donor` and lets the
-    # compiler pick the output each one aliases: the first free output of the same
-    # type in the same memory.
-    taken = set(aliases.values())
-    for i, attrs in enumerate(arg_attrs):
-        if i in aliases or "jax.buffer_donor = true" not in attrs:
-            continue
-        for j, out in enumerate(out_attrs):
-            same = _tensor_type(out) == _tensor_type(attrs)
-            if j not in taken and same and out_kinds[j] == arg_kinds[i]:
-                aliases[i] = j
-                taken.add(j)
-                break
-    return arg_kinds, aliases, out_kinds
-
-
-def _tensor_type(attrs: str) -> str:
-    """The `tensor<...>` type at the start of an argument's or output's text."""
-    return attrs.split(" ", 1)[0]

@@ -1,0 +1,66 @@
+"""The private parts of JAX and Equinox that eqx_offload relies on, in one place.
+
+Checked against jax 0.10.2, jaxlib 0.10.2 (libtpu 0.0.42.1) and equinox 0.13.8:
+`tests/test_compat.py` fails, rather than letting a fallback hide it, when one of
+them stops working. The compiler's text (HLO, StableHLO, error messages) is read
+in `_compiler.py`.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+
+
+JAX_VERSION = "0.10.2"
+EQUINOX_VERSION = "0.13.8"
+
+
+def retype_in_host_memory(x: jax.Array) -> jax.Array:
+    """The buffers of `x`, a host-resident array whose type says device memory, as
+    an array whose type says host memory (no copy).
+
+    JAX 0.10 builds the arrays orbax restores (`make_array_from_single_device_arrays`)
+    with a device-memory type whatever their sharding's memory kind, and `jax.jit`
+    traces arrays by type. No public function changes an array's type without
+    copying it.
+
+    **Raises:**
+
+    `NotImplementedError` if this JAX no longer allows it (the caller copies).
+    """
+    try:
+        from jax._src import array, core
+
+        host = jax.memory.Space.Host
+        aval = core.ShapedArray(x.shape, x.dtype, memory_space=host)
+        buffers = getattr(x, "_arrays")
+        out = array.ArrayImpl(aval, x.sharding, buffers, committed=True)
+    except (ImportError, AttributeError, TypeError) as e:
+        raise NotImplementedError(f"{type(e).__name__}: {e}") from e
+    if jax.typeof(out).memory_space != host:
+        raise NotImplementedError("the new array's type still says device memory")
+    return out
+
+
+class FilterJit(NamedTuple):
+    """What an `eqx.filter_jit` function is made of."""
+
+    fun: Callable  # the function it wraps
+    # What it donates: 0, its first argument's arrays; 1, those of the others.
+    donated: tuple[int, ...]
+
+
+def filter_jit_parts(fn: Any) -> FilterJit | None:
+    """The function inside an `eqx.filter_jit` and its donation, or None if `fn` is
+    not one. Equinox keeps both on its private wrapper (`equinox._jit._JitWrapper`:
+    `__wrapped__`, `donate_first`, `donate_rest`), whose public `lower` treats
+    `jax.ShapeDtypeStruct`s as static, so it cannot compile abstract arguments."""
+    if hasattr(fn, "trace") or not hasattr(fn, "lower"):
+        return None  # a `jax.jit` function, or no jitted function at all
+    fun = getattr(fn, "__wrapped__", None)
+    if fun is None:
+        return None
+    first = getattr(fn, "donate_first", False)
+    rest = getattr(fn, "donate_rest", False)
+    return FilterJit(fun, tuple(i for i, d in enumerate((first, rest)) if d))

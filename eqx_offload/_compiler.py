@@ -1,0 +1,329 @@
+"""Reading the compiler's text: the StableHLO of a lowered function, the HLO of a
+compiled one (the TPU compiler's, after optimisation), and its error messages.
+
+None of these texts is a stable interface. Checked against jax 0.10.2, jaxlib
+0.10.2 and libtpu 0.0.42.1: samples captured with them are in
+`tests/fixtures/0.10.2/`, which `tests/test_compiler.py` parses, and compares
+with what this installation's compiler writes, so an upgrade that changes the
+text fails there. The private Python parts of JAX and Equinox are in
+`_compat.py`.
+"""
+
+import re
+from typing import NamedTuple
+
+
+# Checked against (`tests/fixtures/<JAX_VERSION>/`).
+JAX_VERSION = "0.10.2"
+LIBTPU_VERSION = "0.0.42.1"
+
+
+# Error messages.
+
+_SIZE = r"([0-9.]+)\s*([KMGT]?)i?B?"
+
+
+def oom_sizes(message: str) -> tuple[int | None, int | None]:
+    """The required and available bytes in a TPU compiler's out-of-memory message
+    ("... required for HLO temporaries (20.00G) exceeds available HBM (15.75G)",
+    or "Used 20.00G of 15.75G hbm"); `None` for a figure it does not give."""
+
+    def nbytes(number: str, unit: str) -> int:
+        return int(float(number) * 1024 ** "_KMGT".index(unit or "_"))
+
+    used = re.search(rf"Used {_SIZE} of {_SIZE} hbm", message)
+    if used:
+        return nbytes(*used.group(1, 2)), nbytes(*used.group(3, 4))
+    required = re.search(rf"required for [^(]*\({_SIZE}\)", message)
+    available = re.search(rf"available HBM \({_SIZE}\)", message)
+    return (
+        nbytes(*required.group(1, 2)) if required else None,
+        nbytes(*available.group(1, 2)) if available else None,
+    )
+
+
+def op_names(text: str) -> list[str]:
+    """The `op_name`s of the instructions quoted in a compiler message (or HLO)."""
+    return re.findall(r'op_name="([^"]*)"', text)
+
+
+# Parts of an `op_name` that are JAX's structure, not a named scope.
+_STRUCTURE = re.compile(
+    r"^(while|body|cond|closed_call|checkpoint|remat|rematted_computation"
+    r"|branch_\d+_fun|jit\(.*\)|vmap\(.*\)|pjit|scan|.*_p)$"
+)
+
+
+def named_scopes(op_name: str) -> list[str]:
+    """The `jax.named_scope`s of an `op_name`, outermost first: without the jitted
+    function's name, the operation's own name, and JAX's transformations and
+    control flow (`jvp(...)`, `while/body`, ...)."""
+    out = []
+    for part in op_name.split("/")[1:-1]:
+        while "(" in part and part.endswith(")") and not part.startswith("jit("):
+            part = part[part.index("(") + 1 : -1]
+        if part and not _STRUCTURE.match(part):
+            out.append(part)
+    return out
+
+
+# StableHLO (`jax.jit(f).lower(...).as_text()`).
+
+
+class Signature(NamedTuple):
+    """The signature of a lowered function's `main`."""
+
+    arg_kinds: list[str]  # "device" or "host", per argument
+    aliases: dict[int, int]  # donated argument -> the output it aliases
+    out_kinds: list[str]  # "device" or "host", per output
+
+
+def signature(text: str) -> Signature:
+    """From the StableHLO of a lowered function: each argument's memory kind, which
+    output each donated argument aliases, and each output's memory kind."""
+    start = text.index("func.func public @main(")
+    body = text[start : text.index(") {", text.index(") -> (", start)) + 1]
+    args_text, outs_text = body.split(") -> (", 1)
+
+    def attributes(part: str, marker: str) -> list[str]:
+        out = []
+        for match in re.finditer(marker, part):
+            i = match.end()
+            depth, j, quoted = 0, i, False
+            while j < len(part) and (quoted or depth or part[j] not in ",)"):
+                if part[j] == '"' and part[j - 1] != "\\":
+                    quoted = not quoted  # a sharding string: "{devices=[8]<=[8]}"
+                elif not quoted:
+                    depth += {"<": 1, ">": -1, "{": 1, "}": -1}.get(part[j], 0)
+                j += 1
+            out.append(part[i:j])
+        return out
+
+    def kind(attrs: str) -> str:
+        found = re.search(r'mhlo\.memory_kind = "(\w+)"', attrs)
+        return "host" if found and found[1] != "device" else "device"
+
+    arg_attrs = attributes(args_text, r"%arg\d+: ")
+    out_attrs = attributes(outs_text, r"(?:^|, )(?=tensor<)")
+    arg_kinds, out_kinds = [kind(a) for a in arg_attrs], [kind(a) for a in out_attrs]
+    aliases = {}
+    for i, attrs in enumerate(arg_attrs):
+        found = re.search(r"tf\.aliasing_output = (\d+)", attrs)
+        if found:
+            aliases[i] = int(found[1])
+    # A program over a mesh marks donated arguments `jax.buffer_donor` and lets the
+    # compiler pick the output each one aliases: the first free output of the same
+    # type in the same memory.
+    taken = set(aliases.values())
+    for i, attrs in enumerate(arg_attrs):
+        if i in aliases or "jax.buffer_donor = true" not in attrs:
+            continue
+        for j, out in enumerate(out_attrs):
+            same = _tensor_type(out) == _tensor_type(attrs)
+            if j not in taken and same and out_kinds[j] == arg_kinds[i]:
+                aliases[i] = j
+                taken.add(j)
+                break
+    return Signature(arg_kinds, aliases, out_kinds)
+
+
+def _tensor_type(attrs: str) -> str:
+    """The `tensor<...>` type at the start of an argument's or output's text."""
+    return attrs.split(" ", 1)[0]
+
+
+# HLO (`compiled.as_text()`), where host memory is memory space 5 (`S(5)`).
+
+_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+}
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+_INTEGER = re.compile(r"-?\d+")
+
+
+class Array(NamedTuple):
+    """One array of an HLO shape."""
+
+    nbytes: int
+    host: bool  # in host memory (memory space 5)
+
+
+class Instruction(NamedTuple):
+    """One instruction of an HLO computation, as written:
+    `%name = shape opcode(args), attrs`."""
+
+    name: str
+    shape: str  # an array type, or a tuple of them: "(f32[8]{0}, s32[])"
+    opcode: str
+    args: str  # the text between the parentheses (a constant's value)
+    operands: list[str]
+    attrs: str
+
+    def computation(self, key: str) -> str | None:
+        """The computation an attribute names (`body`, `condition`, `calls`, ...)."""
+        found = re.search(rf"\b{key}=%([^\s,}}]+)", self.attrs)
+        return found[1] if found else None
+
+    @property
+    def branches(self) -> list[str]:
+        """A `conditional`'s branch computations, in order."""
+        found = re.search(r"branch_computations=\{([^}]*)\}", self.attrs)
+        names = re.findall(r"%([^\s,}]+)", found[1]) if found else []
+        true = self.computation("true_computation")
+        false = self.computation("false_computation")
+        return names + [n for n in (true, false) if n]
+
+    @property
+    def known_trip_count(self) -> int | None:
+        """A `while` loop's trip count, where the compiler knows it."""
+        found = re.search(r'"known_trip_count":\{"n":"(\d+)"', self.attrs)
+        return int(found[1]) if found else None
+
+    @property
+    def direction(self) -> str | None:
+        """A `compare`'s direction: "LT", "GE", ..."""
+        found = re.search(r"\bdirection=(\w+)", self.attrs)
+        return found[1] if found else None
+
+    @property
+    def index(self) -> int | None:
+        """A `get-tuple-element`'s index."""
+        found = re.search(r"index=(\d+)", self.attrs)
+        return int(found[1]) if found else None
+
+    @property
+    def op_name(self) -> str:
+        """The `op_name` of its metadata (JAX's name for it), or ""."""
+        found = op_names(self.attrs)
+        return found[0] if found else ""
+
+    @property
+    def constant(self) -> int | None:
+        """A `constant`'s value, if it is one integer."""
+        return self._integer() if self.opcode == "constant" else None
+
+    @property
+    def parameter_number(self) -> int | None:
+        """A `parameter`'s number."""
+        return self._integer() if self.opcode == "parameter" else None
+
+    def _integer(self) -> int | None:
+        text = self.args.strip()
+        return int(text) if _INTEGER.fullmatch(text) else None
+
+
+class Computation(NamedTuple):
+    name: str
+    insts: dict[str, Instruction]
+    params: dict[int, str]  # parameter number -> instruction name
+    root: str
+
+
+class HloModule(NamedTuple):
+    computations: dict[str, Computation]
+    entry: str  # the entry computation's name
+
+
+def arrays(shape: str) -> list[Array]:
+    """The arrays of a shape (one, or a tuple's), skipping tokens and opaque types."""
+    out = []
+    for dtype, dims, layout in _ARRAY.findall(shape):
+        if dtype not in _BYTES and not dtype.startswith(("f8", "s4", "u4")):
+            continue
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        size = _BYTES.get(dtype, 1)
+        out.append(Array(n * size, "S(5)" in (layout or "")))
+    return out
+
+
+def tuple_elements(shape: str) -> list[str]:
+    """The top-level elements of a tuple shape `(a, b, ...)`."""
+    out, depth, start = [], 0, 1
+    for i, ch in enumerate(shape):
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+        if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+            out.append(shape[start:i].strip())
+            start = i + 1
+    return out
+
+
+def _closing(text: str, start: int) -> int:
+    """The index of the parenthesis closing the one at `start`."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "(":
+            depth += 1
+        elif text[i] == ")":
+            depth -= 1
+            if depth == 0:
+                return i
+    return len(text) - 1
+
+
+def _instruction(line: str) -> Instruction | None:
+    line = line.strip()
+    if line.startswith("ROOT "):
+        line = line[5:]
+    if not line.startswith("%") or " = " not in line:
+        return None
+    name, rest = line[1:].split(" = ", 1)
+    if rest.startswith("("):
+        end = _closing(rest, 0)
+        shape, rest = rest[: end + 1], rest[end + 1 :].lstrip()
+    else:
+        shape, _, rest = rest.partition(" ")
+    paren = rest.find("(")
+    if paren < 0:
+        return None
+    opcode = rest[:paren]
+    end = _closing(rest, paren)
+    args = rest[paren + 1 : end]
+    operands = re.findall(r"%([^\s,()]+)", args)
+    return Instruction(name, shape, opcode, args, operands, rest[end + 1 :])
+
+
+def parse_hlo(text: str) -> HloModule:
+    """The computations of an HLO module's text, and the entry's name."""
+    comps: dict[str, Computation] = {}
+    entry = ""
+    current: Computation | None = None
+    for line in text.splitlines():
+        header = re.match(r"^(ENTRY )?%(\S+) \(.*\{\s*$", line)
+        if header:
+            current = Computation(header[2], {}, {}, "")
+            if header[1]:
+                entry = header[2]
+            continue
+        if line.startswith("}"):
+            if current is not None:
+                comps[current.name] = current
+            current = None
+            continue
+        if current is None:
+            continue
+        inst = _instruction(line)
+        if inst is None:
+            continue
+        current.insts[inst.name] = inst
+        if line.strip().startswith("ROOT "):
+            current = current._replace(root=inst.name)
+        if inst.parameter_number is not None:
+            current.params[inst.parameter_number] = inst.name
+    return HloModule(comps, entry)
