@@ -8,7 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.ad_checkpoint import checkpoint_name
+from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 
 import eqx_offload as eo
 from eqx_offload._residuals import checkpoint_names, saved_residuals
@@ -44,7 +44,7 @@ def jax_saved_residuals(fn, *args):
     prints, one `type description` line per residual."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        jax.ad_checkpoint.print_saved_residuals(fn, *args)
+        print_saved_residuals(fn, *args)
     return [line.split(" ", 1) for line in out.getvalue().splitlines()]
 
 
