@@ -63,3 +63,10 @@ def test_filter_jit_parts(donate, donated):
 def test_filter_jit_parts_of_other_functions():
     assert _compat.filter_jit_parts(f) is None
     assert _compat.filter_jit_parts(jax.jit(f)) is None
+
+
+def test_checked_against_this_equinox():
+    assert _compat.EQUINOX_VERSION == eqx.__version__, (
+        f"equinox {eqx.__version__} is installed; `_compat.py` was checked against "
+        f"{_compat.EQUINOX_VERSION}: check `filter_jit_parts`, then update it."
+    )
