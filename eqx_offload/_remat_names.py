@@ -13,9 +13,7 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-import jax.extend.core as jex
-
-from . import _paths
+from . import _jaxpr, _paths
 from ._policy import Policy
 
 
@@ -45,17 +43,11 @@ class NameLog:
     def of(cls, closed_jaxpr: Any) -> "NameLog":
         """The occurrences inside a jaxpr, nested jaxprs included."""
         log = cls()
-
-        def visit(jaxpr: Any) -> None:
-            for eqn in jaxpr.eqns:
-                policy = eqn.params.get("policy")
-                occurrence = getattr(policy, _ATTRIBUTE, None)
-                if occurrence is not None:
-                    log.occurrences.append(occurrence)
-                for sub in jex.jaxprs_in_params(eqn.params):
-                    visit(sub)
-
-        visit(closed_jaxpr.jaxpr)
+        for eqn in _jaxpr.equations(closed_jaxpr):
+            policy = _jaxpr.checkpoint_policy_of(eqn)
+            occurrence = getattr(policy, _ATTRIBUTE, None)
+            if occurrence is not None:
+                log.occurrences.append(occurrence)
         return log
 
     @property

@@ -15,10 +15,11 @@ from typing import Any, NamedTuple
 import beartype
 import equinox as eqx
 import jax
-import jax.extend.core as jex
 import jaxlib
 import jaxtyping
 import optax
+
+from . import _jaxpr
 
 
 class Residual(NamedTuple):
@@ -85,7 +86,7 @@ def _origin(v: Any, jaxpr: Any, producers: dict[int, dict]) -> Residual:
         return Residual(v.aval, source, name, per_iteration, where)
 
     while True:
-        if isinstance(v, jex.Literal):
+        if _jaxpr.is_literal(v):
             return residual("literal")
         eqn = _producers(jaxpr, producers).get(v)
         if eqn is None:
@@ -93,41 +94,42 @@ def _origin(v: Any, jaxpr: Any, producers: dict[int, dict]) -> Residual:
                 return residual("argument" if v in jaxpr.invars else "constant")
             outer, call = enclosing.pop()
             position = jaxpr.invars.index(v)
-            if call.primitive.name == "scan":
-                first_carry = call.params["num_consts"]
-                if first_carry <= position < first_carry + call.params["num_carry"]:
+            if _jaxpr.is_scan(call):
+                scan = _jaxpr.scan_layout(call)
+                if scan.consts <= position < scan.consts + scan.carry:
                     # The carry entering an iteration (a layer's input), saved.
                     names = [
-                        e.params["name"]
+                        _jaxpr.checkpoint_name_of(e)
                         for e in jaxpr.eqns
-                        if e.primitive.name == "name" and e.invars[0] is v
+                        if _jaxpr.is_checkpoint_name(e) and e.invars[0] is v
                     ]
                     return residual("named", names[0]) if names else residual("carry")
             v, jaxpr = call.invars[position], outer
             continue
-        name = eqn.primitive.name
         index = eqn.outvars.index(v)
-        if name == "reduce_precision" or (name == "reshard" and _to_auto(eqn)):
+        body = _jaxpr.jit_body(eqn)
+        if _jaxpr.is_reduce_precision(eqn) or (
+            _jaxpr.is_reshard(eqn) and _to_auto(eqn)
+        ):
             v = eqn.invars[0]
-        elif name in ("jit", "closed_call") and "jaxpr" in eqn.params:
+        elif body is not None:
             enclosing.append((jaxpr, eqn))
-            inner = eqn.params["jaxpr"]
-            jaxpr = getattr(inner, "jaxpr", inner)
+            jaxpr = body
             v = jaxpr.outvars[index]
-        elif name == "scan" and index >= eqn.params["num_carry"]:
+        elif _jaxpr.is_scan(eqn) and index >= _jaxpr.scan_layout(eqn).carry:
             enclosing.append((jaxpr, eqn))
             per_iteration = True
-            jaxpr = eqn.params["jaxpr"].jaxpr
+            jaxpr = _jaxpr.scan_layout(eqn).body
             v = jaxpr.outvars[index]
-        elif name == "name":
-            return residual("named", eqn.params["name"])
-        elif name == "device_put":
+        elif _jaxpr.is_checkpoint_name(eqn):
+            return residual("named", _jaxpr.checkpoint_name_of(eqn))
+        elif _jaxpr.is_device_put(eqn):
             source = _producers(jaxpr, producers).get(eqn.invars[index])
-            if source is not None and source.primitive.name == "name":
-                return residual("named", source.params["name"])
-            return residual(name, eqn=eqn)
+            if source is not None and _jaxpr.is_checkpoint_name(source):
+                return residual("named", _jaxpr.checkpoint_name_of(source))
+            return residual(_jaxpr.primitive_name(eqn), eqn=eqn)
         else:
-            return residual(name, eqn=eqn)
+            return residual(_jaxpr.primitive_name(eqn), eqn=eqn)
 
 
 # Code that is not the user's: JAX, the libraries a model is built from, this one,
@@ -170,7 +172,7 @@ def _to_auto(eqn: Any) -> bool:
     """Whether a `reshard` casts onto a mesh of `Auto` axes only (the way into
     `jax.sharding.auto_axes`, `Policy(loss_axes="auto")`): the same buffer, in the
     layout it had (JAX emits no sharding constraint for it)."""
-    mesh = eqn.params["dst_sharding"].mesh
+    mesh = _jaxpr.reshard_destination(eqn).mesh
     return all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
 
@@ -188,13 +190,7 @@ def checkpoint_names(closed: Any) -> list[str]:
     """Every `checkpoint_name` in a (closed) jaxpr, nested jaxprs included, in order
     of first occurrence."""
     seen: dict[str, None] = {}
-
-    def visit(jaxpr: Any) -> None:
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "name":
-                seen.setdefault(eqn.params["name"], None)
-            for sub in jex.jaxprs_in_params(eqn.params):
-                visit(sub)
-
-    visit(getattr(closed, "jaxpr", closed))
+    for eqn in _jaxpr.equations(closed):
+        if _jaxpr.is_checkpoint_name(eqn):
+            seen.setdefault(_jaxpr.checkpoint_name_of(eqn), None)
     return list(seen)

@@ -15,7 +15,7 @@ import jax
 import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name
 
-from . import _accumulate, _layout, _paths, _remat_names, _residuals
+from . import _accumulate, _jaxpr, _layout, _paths, _remat_names, _residuals
 from ._memory_kinds import is_arraylike, is_host
 from ._policy import checkpoint_patterns, Policy, split_names
 from ._stacked import (
@@ -227,7 +227,7 @@ def _probe_names(
 
 
 def _save_every_name(primitive: Any, *_: Any, **__: Any) -> bool:
-    return primitive.name == "name"
+    return _jaxpr.is_checkpoint_name(primitive)
 
 
 def _submodule_paths(module: Any) -> list[str]:

@@ -10,7 +10,7 @@ import jax.extend.core as jex
 import jax.tree_util as jtu
 from jax.sharding import PartitionSpec
 
-from . import _accumulate, _layout, _paths, _remat_names, _tiling, _vocab_blocks
+from . import _accumulate, _jaxpr, _layout, _paths, _remat_names, _tiling, _vocab_blocks
 from ._memory_kinds import is_host
 from ._policy import check_policy, checkpoint_patterns, Policy, replace
 from ._scan_body import configure
@@ -167,38 +167,6 @@ class _Watched(NamedTuple):
     streamed: bool = False  # a `Policy(stream=...)` table (or one `embed` returned)
 
 
-def _sub_jaxprs(eqn: Any) -> list[tuple[Any, list[int], bool]] | None:
-    """How a higher-order equation passes its operands on: for each sub-jaxpr, which
-    operand feeds each of its inputs, and whether those are sliced (scan `xs`).
-    `None` for an equation that computes on its operands."""
-    name, params = eqn.primitive.name, eqn.params
-    n = len(eqn.invars)
-    if name == "scan":
-        body = params["jaxpr"].jaxpr
-        first_x = params["num_consts"] + params["num_carry"]
-        return [
-            (body, list(range(first_x)), False),
-            (body, list(range(first_x, n)), True),
-        ]
-    if name == "cond":
-        return [(b.jaxpr, list(range(1, n)), False) for b in params["branches"]]
-    if name == "while":
-        cond_n, body_n = params["cond_nconsts"], params["body_nconsts"]
-        carry = list(range(cond_n + body_n, n))
-        return [
-            (params["cond_jaxpr"].jaxpr, list(range(cond_n)) + carry, False),
-            (
-                params["body_jaxpr"].jaxpr,
-                list(range(cond_n, cond_n + body_n)) + carry,
-                False,
-            ),
-        ]
-    subs = list(jex.jaxprs_in_params(params))
-    if len(subs) == 1 and len(subs[0].invars) == n:  # jit, checkpoint, custom_jvp, ...
-        return [(subs[0], list(range(n)), False)]
-    return None
-
-
 def _find_misuse(
     jaxpr: Any, watched: dict[Any, _Watched]
 ) -> tuple[_Watched, str] | None:
@@ -213,7 +181,7 @@ def _find_misuse(
         used = {
             i: watched[v]
             for i, v in enumerate(eqn.invars)
-            if not isinstance(v, jex.Literal) and v in watched
+            if not _jaxpr.is_literal(v) and v in watched
         }
         if not used:
             continue
@@ -225,33 +193,32 @@ def _find_misuse(
             for i, w in used.items():
                 if eqn.invars[i] in consumed:
                     return w, "twice"
-                consumed[eqn.invars[i]] = eqn.primitive.name
+                consumed[eqn.invars[i]] = _jaxpr.primitive_name(eqn)
             for out in eqn.outvars:  # the table `embed` hands on
                 if _host_table(out.aval):
                     watched[out] = next(iter(used.values()))
             continue
-        if eqn.primitive.name == "device_put":
+        if _jaxpr.is_device_put(eqn):
+            destinations = _jaxpr.device_put_destinations(eqn)
             for i, w in used.items():
                 # A slice inside the scan, or (for a leaf the TPU compiler cannot
                 # slice on the host) the whole leaf, moved to the device by the scan.
                 whole_ok = not _tiling.slices_by_layer(w.leaf.value.shape)
                 if (
                     not (w.is_slice or whole_ok)
-                    or eqn.params["devices"][i] != jax.memory.Space.Device
+                    or destinations[i] != jax.memory.Space.Device
                 ):
                     return w, "device_put"
             continue
-        subs = _sub_jaxprs(eqn)
+        subs = _jaxpr.sub_jaxprs(eqn)
         if subs is None:
-            return next(iter(used.values())), eqn.primitive.name
-        for sub, positions, sliced in subs:
-            offset = len(sub.invars) - len(positions) if sliced else 0
+            return next(iter(used.values())), _jaxpr.primitive_name(eqn)
+        for sub, operands, sliced in subs:
             inner = {}
-            for j, i in enumerate(positions):
+            for i, k in operands.items():
                 if i in used:
                     w = used[i]
-                    var = sub.invars[offset + j] if sliced else sub.invars[j]
-                    inner[var] = w._replace(is_slice=True) if sliced else w
+                    inner[sub.invars[k]] = w._replace(is_slice=True) if sliced else w
             found = _find_misuse(sub, inner) if inner else None
             if found is not None:
                 return found
@@ -259,7 +226,7 @@ def _find_misuse(
                 # A call that returns a watched value as it is (a gradient tap of
                 # the same dtype, an inner `jax.jit`) hands it on.
                 for inner_out, out in zip(sub.outvars, eqn.outvars):
-                    if isinstance(inner_out, jex.Literal):  # a constant output
+                    if _jaxpr.is_literal(inner_out):  # a constant output
                         continue
                     if inner_out in inner and inner[inner_out].streamed:
                         watched[out] = inner[inner_out]

@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
-import jax.extend.core as jex
+import jax.extend.core.primitives as primitives
 import numpy as np
 
+from .. import _jaxpr
 from .._update import UPDATE_SCOPE
 
 
@@ -47,16 +48,14 @@ class _Origin(NamedTuple):
 _UNKNOWN = _Origin("", "")
 # Operations whose result is (a piece of) their first operand.
 _SLICING = {
-    "dynamic_slice",
-    "dynamic_update_slice",
-    "slice",
-    "squeeze",
-    "reshape",
-    "expand_dims",
-    "broadcast_in_dim",
-    "copy",
-    "copy_p",
-    "convert_element_type",
+    primitives.dynamic_slice_p,
+    primitives.dynamic_update_slice_p,
+    primitives.slice_p,
+    primitives.squeeze_p,
+    primitives.reshape_p,
+    primitives.broadcast_in_dim_p,
+    primitives.copy_p,
+    primitives.convert_element_type_p,
 }
 
 
@@ -93,7 +92,7 @@ def _scope(eqn: Any) -> str:
 
 
 def _get(origins: dict, v: Any) -> _Origin:
-    if isinstance(v, jex.Literal):
+    if _jaxpr.is_literal(v):
         return _UNKNOWN
     return origins.get(v, _UNKNOWN)
 
@@ -110,44 +109,43 @@ def _walk(
     scans around it); `update`: inside the optimizer update."""
     branch_of: dict[Any, int] = {}  # platform_index outputs: the branch taken
     for eqn in jaxpr.eqns:
-        name, params = eqn.primitive.name, eqn.params
         ins = [_get(origins, v) for v in eqn.invars]
         # Sub-programs are traced with name stacks of their own.
         inside = update or UPDATE_SCOPE in _scope(eqn)
-        if name == "platform_index":
-            found = _branch(params, platform)
+        if _jaxpr.is_platform_index(eqn):
+            found = _branch(_jaxpr.platform_index_platforms(eqn), platform)
             if found is not None:
                 branch_of[eqn.outvars[0]] = found
             continue
-        if name == "device_put":
+        if _jaxpr.is_device_put(eqn):
             _count_puts(eqn, ins, times, totals, inside)
             for out, origin in zip(eqn.outvars, ins):
                 origins[out] = origin
             continue
-        if name == "optimization_barrier":
+        if _jaxpr.is_optimization_barrier(eqn):
             for out, origin in zip(eqn.outvars, ins):
                 origins[out] = origin
             continue
-        if name == "name" and eqn.invars:
+        if _jaxpr.is_checkpoint_name(eqn) and eqn.invars:
             for out in eqn.outvars:
-                origins[out] = _Origin("residuals", str(params.get("name", "")))
+                origins[out] = _Origin("residuals", _jaxpr.checkpoint_name_of(eqn))
             continue
-        if name == "scan":
-            body = params["jaxpr"].jaxpr
+        if _jaxpr.is_scan(eqn):
+            scan = _jaxpr.scan_layout(eqn)
+            body = scan.body
             # A carry is the leaf it starts as only in the first iteration: it
             # is not followed (the streamed update names what it carries).
-            first, n_carry = params["num_consts"], params["num_carry"]
             inner = dict(zip(body.invars, ins))
-            for v in body.invars[first : first + n_carry]:
+            for v in body.invars[scan.consts : scan.consts + scan.carry]:
                 inner.pop(v, None)
-            _walk(body, inner, times * int(params["length"]), platform, totals, inside)
+            _walk(body, inner, times * scan.length, platform, totals, inside)
             _pass_out(body, inner, eqn, origins)
             continue
-        if name == "cond":
-            branches = params["branches"]
+        if _jaxpr.is_cond(eqn):
+            branches = _jaxpr.cond_branches(eqn)
             index = branch_of.get(eqn.invars[0])
-            if params.get("branches_platforms"):
-                platforms = {"platforms": params["branches_platforms"]}
+            platforms = _jaxpr.cond_platforms(eqn)
+            if platforms:
                 index = _branch(platforms, platform)
             # A conditional that is not a platform's choice: its largest branch.
             best: tuple[int, dict, dict] | None = None
@@ -165,26 +163,28 @@ def _walk(
                     totals[key] += n
                 _pass_out(branches[i].jaxpr, inner, eqn, origins)
             continue
-        subs = list(jex.jaxprs_in_params(params))
-        if name == "while":  # not made by this library; counted once
-            body = params["body_jaxpr"].jaxpr
-            inner = dict(zip(body.invars, ins[params["cond_nconsts"] :]))
-            _walk(body, inner, times, platform, totals, inside)
+        if _jaxpr.is_while(eqn):  # not made by this library; counted once
+            loop = _jaxpr.while_layout(eqn)
+            inner = dict(zip(loop.body.invars, ins[loop.cond_consts :]))
+            _walk(loop.body, inner, times, platform, totals, inside)
             continue
-        if len(subs) >= 1 and len(subs[0].invars) == len(eqn.invars):
-            inner = dict(zip(subs[0].invars, ins))
-            _walk(subs[0], inner, times, platform, totals, inside)
-            _pass_out(subs[0], inner, eqn, origins)
+        subs = _jaxpr.sub_jaxprs(eqn)
+        if subs is not None:  # a call: `jax.jit`, `jax.checkpoint`, ...
+            (sub,) = subs
+            inner = {sub.jaxpr.invars[k]: ins[i] for i, k in sub.operands.items()}
+            _walk(sub.jaxpr, inner, times, platform, totals, inside)
+            _pass_out(sub.jaxpr, inner, eqn, origins)
             continue
-        if name in _SLICING and ins and ins[0] != _UNKNOWN:
+        if eqn.primitive in _SLICING and ins and ins[0] != _UNKNOWN:
             for out in eqn.outvars:
                 origins[out] = ins[0]
 
 
-def _branch(params: dict, platform: str) -> int | None:
-    """The branch `jax.lax.platform_dependent` takes on `platform`."""
+def _branch(platforms: tuple, platform: str) -> int | None:
+    """The branch `jax.lax.platform_dependent` takes on `platform`, of branches
+    for `platforms` (`None`: the default)."""
     default = None
-    for i, group in enumerate(params.get("platforms", ())):
+    for i, group in enumerate(platforms):
         if group is None:
             default = i
         elif platform in group:
@@ -202,7 +202,8 @@ def _pass_out(sub: Any, inner: dict, eqn: Any, origins: dict) -> None:
 def _count_puts(eqn: Any, ins: list, times: int, totals: dict, update: bool) -> None:
     phase = "update" if update else "forward/backward"
     scope_label = label(_scope(eqn))
-    for v, origin, where in zip(eqn.invars, ins, eqn.params["devices"]):
+    destinations = _jaxpr.device_put_destinations(eqn)
+    for v, origin, where in zip(eqn.invars, ins, destinations):
         aval = v.aval
         if not isinstance(where, jax.memory.Space):
             continue

@@ -23,93 +23,85 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import jax.extend.core as jex
-import jax.extend.core.primitives as jex_primitives
+import jax.extend.core.primitives as primitives
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _jaxpr
+
 
 _ELEMENTWISE = {
-    "abs",
-    "acos",
-    "acosh",
-    "add",
-    "and",
-    "asin",
-    "asinh",
-    "atan",
-    "atan2",
-    "atanh",
-    "cbrt",
-    "ceil",
-    "clamp",
-    "convert_element_type",
-    "copy",
-    "copy_p",
-    "cos",
-    "cosh",
-    "div",
-    "eq",
-    "erf",
-    "erf_inv",
-    "erfc",
-    "exp",
-    "exp2",
-    "expm1",
-    "floor",
-    "ge",
-    "gt",
-    "imag",
-    "integer_pow",
-    "is_finite",
-    "le",
-    "lgamma",
-    "digamma",
-    "log",
-    "log1p",
-    "logistic",
-    "lt",
-    "max",
-    "min",
-    "mul",
-    "ne",
-    "neg",
-    "nextafter",
-    "not",
-    "or",
-    "pow",
-    "real",
-    "reduce_precision",
-    "rem",
-    "round",
-    "rsqrt",
-    "select_n",
-    "sign",
-    "sin",
-    "sinh",
-    "sqrt",
-    "square",
-    "stop_gradient",
-    "sub",
-    "tan",
-    "tanh",
-    "xor",
+    primitives.abs_p,
+    primitives.acos_p,
+    primitives.acosh_p,
+    primitives.add_p,
+    primitives.and_p,
+    primitives.asin_p,
+    primitives.asinh_p,
+    primitives.atan_p,
+    primitives.atan2_p,
+    primitives.atanh_p,
+    primitives.cbrt_p,
+    primitives.ceil_p,
+    primitives.clamp_p,
+    primitives.convert_element_type_p,
+    primitives.copy_p,
+    primitives.cos_p,
+    primitives.cosh_p,
+    primitives.div_p,
+    primitives.eq_p,
+    primitives.erf_p,
+    primitives.erf_inv_p,
+    primitives.erfc_p,
+    primitives.exp_p,
+    primitives.exp2_p,
+    primitives.expm1_p,
+    primitives.floor_p,
+    primitives.ge_p,
+    primitives.gt_p,
+    primitives.imag_p,
+    primitives.integer_pow_p,
+    primitives.is_finite_p,
+    primitives.le_p,
+    primitives.lgamma_p,
+    primitives.digamma_p,
+    primitives.log_p,
+    primitives.log1p_p,
+    primitives.logistic_p,
+    primitives.lt_p,
+    primitives.max_p,
+    primitives.min_p,
+    primitives.mul_p,
+    primitives.ne_p,
+    primitives.neg_p,
+    primitives.nextafter_p,
+    primitives.not_p,
+    primitives.or_p,
+    primitives.pow_p,
+    primitives.real_p,
+    primitives.reduce_precision_p,
+    primitives.rem_p,
+    primitives.round_p,
+    primitives.rsqrt_p,
+    primitives.select_n_p,
+    primitives.sign_p,
+    primitives.sin_p,
+    primitives.sinh_p,
+    primitives.sqrt_p,
+    primitives.square_p,
+    primitives.stop_gradient_p,
+    primitives.sub_p,
+    primitives.tan_p,
+    primitives.tanh_p,
+    primitives.xor_p,
 }
 _REDUCTIONS = {
-    "reduce_sum": jnp.sum,
-    "reduce_max": jnp.max,
-    "reduce_min": jnp.min,
-    "reduce_and": jnp.all,
-    "reduce_or": jnp.any,
-    "reduce_prod": jnp.prod,
-}
-_CALLS = {
-    "jit",
-    "pjit",
-    "closed_call",
-    "core_call",
-    "custom_jvp_call",
-    "custom_vjp_call",
+    primitives.reduce_sum_p: jnp.sum,
+    primitives.reduce_max_p: jnp.max,
+    primitives.reduce_min_p: jnp.min,
+    primitives.reduce_and_p: jnp.all,
+    primitives.reduce_or_p: jnp.any,
+    primitives.reduce_prod_p: jnp.prod,
 }
 
 
@@ -162,30 +154,31 @@ def flatten(closed: Any) -> Program:
         env.update(zip(jaxpr.invars, ins))
 
         def read(v: Any) -> Any:
-            return Literal(v.val) if isinstance(v, jex.Literal) else env[v]
+            return Literal(v.val) if _jaxpr.is_literal(v) else env[v]
 
         for eqn in jaxpr.eqns:
             args = [read(v) for v in eqn.invars]
-            sub = _call_body(eqn)
+            sub = _jaxpr.call_body(eqn)
             if sub is not None:
                 outs = inline(sub.jaxpr, sub.consts, args)
                 env.update(zip(eqn.outvars, outs))
                 continue
-            if eqn.primitive.name == "cond":
+            if _jaxpr.is_cond(eqn):
                 # Both branches, then a `select_n` on the index per output: the
                 # same values, and branches that hold global reductions or span
                 # several groups of pieces (`optax.MultiSteps`) stream like the rest.
                 # The branch not taken is computed too (its values are discarded).
                 index, operands = args[0], args[1:]
                 branches = [
-                    inline(b.jaxpr, b.consts, operands) for b in eqn.params["branches"]
+                    inline(b.jaxpr, b.consts, operands)
+                    for b in _jaxpr.cond_branches(eqn)
                 ]
                 outs = [new(v.aval) for v in eqn.outvars]
                 for k, (out, var) in enumerate(zip(outs, eqn.outvars)):
                     cases = [branch[k] for branch in branches]
                     eqns.append(
                         Eqn(
-                            jex_primitives.select_n_p,
+                            primitives.select_n_p,
                             {},
                             [index, *cases],
                             [out],
@@ -210,18 +203,6 @@ def flatten(closed: Any) -> Program:
     ins = [new(v.aval) for v in closed.jaxpr.invars]
     outs = inline(closed.jaxpr, closed.consts, ins)
     return Program(ins, outs, eqns, consts, avals)
-
-
-def _call_body(eqn: Any) -> Any:
-    """The closed jaxpr a call-like equation runs on its operands, if it is one."""
-    if eqn.primitive.name not in _CALLS:
-        return None
-    for value in eqn.params.values():
-        if isinstance(value, jex.ClosedJaxpr) and len(value.jaxpr.invars) == len(
-            eqn.invars
-        ):
-            return value
-    return None
 
 
 # --- What every value is: shared, piecewise or global --------------------------
@@ -250,9 +231,7 @@ class Plan:
 
     def __init__(self, whole: Program, piece: Program, inputs: list[Kind]):
         self.whole, self.piece = whole, piece
-        if [e.primitive.name for e in whole.eqns] != [
-            e.primitive.name for e in piece.eqns
-        ]:
+        if [e.primitive for e in whole.eqns] != [e.primitive for e in piece.eqns]:
             raise NotStreamable(
                 "its computation depends on the shapes of the leaves (traced on one "
                 "piece, it does different operations)"
@@ -274,7 +253,7 @@ class Plan:
             raise NotStreamable("it closes over a constant that depends on the leaves")
 
     def _classify(self, n: int, e: Eqn, p: Eqn) -> None:
-        name = e.primitive.name
+        name = _jaxpr.primitive_name(e)
         kinds = [self.kind(r) for r in e.ins]
         pieces = [k for k in kinds if k.what == PIECEWISE]
         groups = {k.group for k in pieces if k.group is not None}
@@ -302,24 +281,24 @@ class Plan:
             raise NotStreamable(
                 f"`{name}` uses a constant that depends on the piece size"
             )
-        if name in _REDUCTIONS and pieces:
-            axes = tuple(e.params["axes"])
-            if axes != tuple(p.params["axes"]):
+        if e.primitive in _REDUCTIONS and pieces:
+            axes = _jaxpr.reduction_axes(e)
+            if axes != _jaxpr.reduction_axes(p):
                 raise NotStreamable(f"`{name}` reduces different axes on a piece")
             if 0 in axes:  # over the pieces: a global value, from partials
                 if group is None or any(reshaped):
                     raise NotStreamable(f"`{name}` reduces a constant over the pieces")
-                self.roots[n] = Root(n, group, _REDUCTIONS[name])
+                self.roots[n] = Root(n, group, _REDUCTIONS[e.primitive])
                 self.kinds[e.outs[0]] = Kind(GLOBAL, None, level + 1)
                 return
-        elif name == "broadcast_in_dim":
+        elif e.primitive is primitives.broadcast_in_dim_p:
             dims_e, dims_p = (
-                e.params["broadcast_dimensions"],
-                p.params["broadcast_dimensions"],
+                _jaxpr.broadcast_dimensions(e),
+                _jaxpr.broadcast_dimensions(p),
             )
             if dims_e != dims_p or (pieces and (not dims_e or dims_e[0] != 0)):
                 raise NotStreamable("`broadcast_in_dim` moves the leading axis")
-        elif name not in _ELEMENTWISE:
+        elif e.primitive not in _ELEMENTWISE:
             raise NotStreamable(f"`{name}` mixes the pieces of a leaf")
         elif e.params != p.params:
             raise NotStreamable(

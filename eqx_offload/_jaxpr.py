@@ -1,0 +1,255 @@
+"""Reading jaxprs: the one place that knows how JAX lays out the parameters and
+operands of its equations, and which primitive is which.
+
+Checked against jax 0.10.2 (`tests/test_jaxpr.py` pins every layout read here, so
+a JAX upgrade that changes one fails there first). Every other module that walks a
+jaxpr asks this one: which primitive an equation is (by the primitive objects JAX
+exports, not by name, where it exports one), which sub-jaxprs it runs on which of
+its operands, and the few parameters the library reads.
+"""
+
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.extend.core as jex
+import jax.extend.core.primitives as _p
+
+
+# Primitives JAX does not export in 0.10.2, matched by name: the only names here.
+_UNEXPORTED = {
+    "platform_index": "platform_index",  # `jax.lax.platform_dependent`'s choice
+    "reshard": "reshard",  # `jax.sharding.reshard`, `jax.sharding.auto_axes`
+}
+
+# Call-like primitives whose body runs on all of the equation's operands.
+_CALLS = (_p.jit_p, _p.closed_call_p, _p.custom_jvp_call_p, _p.custom_vjp_call_p)
+
+
+def _primitive(x: Any) -> Any:
+    """The primitive of an equation (anything with `.primitive`), or `x` itself."""
+    return getattr(x, "primitive", x)
+
+
+def _is_unexported(x: Any, key: str) -> bool:
+    return _primitive(x).name == _UNEXPORTED[key]
+
+
+# --- Which primitive: each takes an equation or a primitive --------------------
+
+
+def is_scan(x: Any) -> bool:
+    return _primitive(x) is _p.scan_p
+
+
+def is_cond(x: Any) -> bool:
+    return _primitive(x) is _p.cond_p
+
+
+def is_while(x: Any) -> bool:
+    return _primitive(x) is _p.while_p
+
+
+def is_jit(x: Any) -> bool:
+    return _primitive(x) is _p.jit_p
+
+
+def is_checkpoint_name(x: Any) -> bool:
+    """`jax.ad_checkpoint.checkpoint_name`."""
+    return _primitive(x) is _p.name_p
+
+
+def is_device_put(x: Any) -> bool:
+    return _primitive(x) is _p.device_put_p
+
+
+def is_optimization_barrier(x: Any) -> bool:
+    return _primitive(x) is jax.lax.optimization_barrier_p
+
+
+def is_reduce_precision(x: Any) -> bool:
+    return _primitive(x) is _p.reduce_precision_p
+
+
+def is_platform_index(x: Any) -> bool:
+    """The index of the branch `jax.lax.platform_dependent` takes."""
+    return _is_unexported(x, "platform_index")
+
+
+def is_reshard(x: Any) -> bool:
+    return _is_unexported(x, "reshard")
+
+
+def primitive_name(x: Any) -> str:
+    """The primitive's name, for messages and reports (never to identify one)."""
+    return _primitive(x).name
+
+
+def is_literal(v: Any) -> bool:
+    """Whether an operand is a constant written into the jaxpr, not a variable."""
+    return isinstance(v, jex.Literal)
+
+
+# --- Walking --------------------------------------------------------------------
+
+
+def equations(jaxpr: Any) -> Iterator[Any]:
+    """Every equation of a (closed) jaxpr, nested jaxprs included: each equation
+    before the equations of the jaxprs in its parameters."""
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        yield eqn
+        for sub in jex.jaxprs_in_params(eqn.params):
+            yield from equations(sub)
+
+
+class SubJaxpr(NamedTuple):
+    """A jaxpr an equation runs, and which of the equation's operands feed it."""
+
+    jaxpr: Any  # a `jax.extend.core.Jaxpr`
+    operands: dict[int, int]  # operand index -> input index of `jaxpr`
+    sliced: bool  # the operands are sliced per iteration (a scan's `xs`)
+
+
+class ScanLayout(NamedTuple):
+    """A scan's operands are `consts + carry + xs`; its body's inputs the same
+    (one slice of each `xs`), its outputs `carry + ys` and the scan's `carry + ys`
+    stacked over `length` iterations."""
+
+    body: Any  # the body `jax.extend.core.Jaxpr`
+    consts: int
+    carry: int
+    xs: int
+    length: int
+
+
+class WhileLayout(NamedTuple):
+    """A while loop's operands are `cond_consts + body_consts + carry`."""
+
+    cond: Any  # `jax.extend.core.Jaxpr`: `cond_consts + carry -> bool`
+    body: Any  # `jax.extend.core.Jaxpr`: `body_consts + carry -> carry`
+    cond_consts: int
+    body_consts: int
+
+
+def scan_layout(eqn: Any) -> ScanLayout:
+    params = eqn.params
+    consts, carry = params["num_consts"], params["num_carry"]
+    xs = len(eqn.invars) - consts - carry
+    return ScanLayout(params["jaxpr"].jaxpr, consts, carry, xs, int(params["length"]))
+
+
+def while_layout(eqn: Any) -> WhileLayout:
+    params = eqn.params
+    return WhileLayout(
+        params["cond_jaxpr"].jaxpr,
+        params["body_jaxpr"].jaxpr,
+        params["cond_nconsts"],
+        params["body_nconsts"],
+    )
+
+
+def cond_branches(eqn: Any) -> tuple[Any, ...]:
+    """The branches (`jax.extend.core.ClosedJaxpr`s) of a `cond`, whose first
+    operand is the branch index and the rest the branches' inputs."""
+    return tuple(eqn.params["branches"])
+
+
+def cond_platforms(eqn: Any) -> tuple | None:
+    """For a `cond` made by `jax.lax.platform_dependent`, the platforms of each
+    branch (a tuple of names, or `None` for the default); else `None`."""
+    return eqn.params.get("branches_platforms") or None
+
+
+def platform_index_platforms(eqn: Any) -> tuple:
+    """The platforms of each branch a `platform_index` chooses from (as
+    `cond_platforms`)."""
+    return tuple(eqn.params.get("platforms", ()))
+
+
+def sub_jaxprs(eqn: Any) -> list[SubJaxpr] | None:
+    """How a higher-order equation passes its operands on: each sub-jaxpr it runs,
+    with the operands that feed its inputs. `None` for an equation that computes on
+    its operands (or whose sub-jaxprs' inputs are not known here)."""
+    n = len(eqn.invars)
+    if is_scan(eqn):
+        scan = scan_layout(eqn)
+        first_x = scan.consts + scan.carry
+        return [
+            SubJaxpr(scan.body, {i: i for i in range(first_x)}, False),
+            SubJaxpr(scan.body, {i: i for i in range(first_x, n)}, True),
+        ]
+    if is_cond(eqn):
+        inputs = {i: i - 1 for i in range(1, n)}
+        return [SubJaxpr(b.jaxpr, inputs, False) for b in cond_branches(eqn)]
+    if is_while(eqn):
+        loop = while_layout(eqn)
+        first_carry = loop.cond_consts + loop.body_consts
+        cond = {i: i for i in range(loop.cond_consts)}
+        body = {loop.cond_consts + i: i for i in range(loop.body_consts)}
+        for k, i in enumerate(range(first_carry, n)):
+            cond[i] = loop.cond_consts + k
+            body[i] = loop.body_consts + k
+        return [SubJaxpr(loop.cond, cond, False), SubJaxpr(loop.body, body, False)]
+    subs = list(jex.jaxprs_in_params(eqn.params))
+    if len(subs) == 1 and len(subs[0].invars) == n:  # jit, checkpoint, custom_jvp...
+        return [SubJaxpr(subs[0], {i: i for i in range(n)}, False)]
+    return None
+
+
+def call_body(eqn: Any) -> Any:
+    """The `jax.extend.core.ClosedJaxpr` a call (`jax.jit`, `closed_call`,
+    `custom_jvp`/`custom_vjp` functions) runs on all its operands; `None` for
+    other equations."""
+    if _primitive(eqn) not in _CALLS:
+        return None
+    for value in eqn.params.values():
+        if isinstance(value, jex.ClosedJaxpr) and len(value.jaxpr.invars) == len(
+            eqn.invars
+        ):
+            return value
+    return None
+
+
+def jit_body(eqn: Any) -> Any:
+    """The `jax.extend.core.Jaxpr` an inner `jax.jit` runs; `None` for other
+    equations."""
+    if not is_jit(eqn):
+        return None
+    inner = eqn.params["jaxpr"]
+    return getattr(inner, "jaxpr", inner)
+
+
+# --- Parameters -----------------------------------------------------------------
+
+
+def checkpoint_name_of(eqn: Any) -> str:
+    """The name of a `checkpoint_name` equation."""
+    return eqn.params["name"]
+
+
+def checkpoint_policy_of(eqn: Any) -> Any:
+    """The policy of a `jax.checkpoint` equation (`None` if it has none or it is
+    another equation)."""
+    return eqn.params.get("policy") if _primitive(eqn) is _p.remat_p else None
+
+
+def device_put_destinations(eqn: Any) -> tuple:
+    """Where a `device_put` moves each of its operands: a `jax.memory.Space`, a
+    device or sharding, or `None`."""
+    return tuple(eqn.params["devices"])
+
+
+def reshard_destination(eqn: Any) -> Any:
+    """The sharding a `reshard` casts its operand onto."""
+    return eqn.params["dst_sharding"]
+
+
+def reduction_axes(eqn: Any) -> tuple[int, ...]:
+    """The axes a `reduce_sum`/`reduce_max`/... reduces (works on any object with
+    the equation's `params`)."""
+    return tuple(eqn.params["axes"])
+
+
+def broadcast_dimensions(eqn: Any) -> tuple[int, ...]:
+    """Where a `broadcast_in_dim` puts its operand's axes in its output."""
+    return tuple(eqn.params["broadcast_dimensions"])
