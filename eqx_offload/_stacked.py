@@ -83,6 +83,10 @@ class Stacked(eqx.Module, _paths.LayerStack, Generic[_Layer]):
         self._scan = _scan
 
     def __check_init__(self):
+        if self._scan is not None:
+            # A configured view: its layers were checked when the user built them,
+            # and the view of one half of an `eqx.partition`ed model holds no arrays.
+            return
         sizes = [
             (leaf.path, leaf.value.shape[0] if leaf.value.ndim else None)
             for leaf in _paths.leaves(self.layers)
