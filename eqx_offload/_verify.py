@@ -257,8 +257,7 @@ def _whole_parts(microbatch: int | None, policy: Any, model: PyTree) -> int | No
         return microbatch
     if mesh is None:
         return microbatch
-    entry = policy.batch[0]
-    names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    names = _layout.axis_names(policy.batch[0])
     parts = math.prod(dict(mesh.shape).get(n, 1) for n in names)
     return -(-microbatch // parts) * parts
 

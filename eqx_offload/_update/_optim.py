@@ -392,11 +392,6 @@ def update(
     return model, opt_state, norms
 
 
-# Where the update runs whole: backends whose memory kinds share one memory, where
-# streaming saves nothing and costs time (`docs/benchmarks.md` §3).
-WHOLE_ON = ("cpu",)
-
-
 def _with_update(policy: Policy, how: str) -> Policy:
     return replace(policy, update=how)
 
@@ -412,7 +407,7 @@ def _update_by_platform(
     metrics: bool,
 ) -> tuple[PyTree, PyTree, dict[str, Any] | None]:
     """`Policy(update="auto")`: the streamed update, and the whole one on the
-    backends of `WHOLE_ON`, chosen inside the one traced program
+    backends of `_tiling.WHOLE_ON`, chosen inside the one traced program
     (`jax.lax.platform_dependent`), so that a step traced here and compiled for a
     TPU streams. Both give every leaf back in its memory kind."""
     kinds = iter([kind for _, kind in model_kinds] + [kind for _, kind in opt_kinds])
@@ -456,7 +451,7 @@ def _update_by_platform(
 
         return run
 
-    whole = {platform: branch("whole") for platform in WHOLE_ON}
+    whole = {platform: branch("whole") for platform in _tiling.WHOLE_ON}
     new, norms = jax.lax.platform_dependent(arrays, **whole, default=branch("streamed"))
     rest = eqx.filter((model, opt_state), is_arraylike, inverse=True)
     new_model, new_state = eqx.combine(new, rest)

@@ -34,8 +34,6 @@ from ._plan import NotStreamable
 from ._state_tree import state_owners
 
 
-# A leaf this large (or larger) is streamed in blocks of rows of at most this size.
-PIECE_BYTES = 32 * 2**20
 # Backends on which step `k` of a streamed loop reads piece `k` of the arrays it
 # updates in place; the others read one piece ahead (`_scan_pieces`).
 READ_IN_STEP = ("tpu",)
@@ -183,16 +181,16 @@ def norms(grads: Any, updates: Any, params: Any) -> dict[str, Any]:
 def pieces(leaf: Any, layers: int | None, index: int) -> tuple[Any, int, int] | None:
     """How a trainable leaf is streamed: `(group key, pieces, rows per piece)`, or
     None if it is updated whole. One piece per layer of its `Stacked`, or blocks of
-    rows of at most `PIECE_BYTES` for a large leaf, where `_tiling` says the TPU
+    rows of at most `_tiling.PIECE_BYTES` for a large leaf, where `_tiling` says the TPU
     compiler can cut it that way."""
     shape = tuple(leaf.shape)
     if layers is not None:
         if layers > 1 and _tiling.slices_by_layer(shape):
             return ("stacked", layers), layers, 1
         return None
-    if math.prod(shape) * leaf.dtype.itemsize < 2 * PIECE_BYTES:
+    if math.prod(shape) * leaf.dtype.itemsize < 2 * _tiling.PIECE_BYTES:
         return None
-    count = _tiling.row_blocks(shape, leaf.dtype, PIECE_BYTES)
+    count = _tiling.row_blocks(shape, leaf.dtype, _tiling.PIECE_BYTES)
     return (("leaf", index), count, shape[0] // count) if count > 1 else None
 
 
