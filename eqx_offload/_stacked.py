@@ -382,7 +382,7 @@ def _check_same_layer(layer0: Any, layer: Any, i: int) -> None:
 def _same(a: Any, b: Any) -> bool:
     try:
         return bool(a == b)
-    except Exception:
+    except (TypeError, ValueError):  # arrays, tracers: no single truth value
         return a is b
 
 

@@ -277,16 +277,16 @@ class _TrainStep(eqx.Module):
             with _mesh.context(dynamic):
                 outputs = self.jitted(*dynamic, statics)
                 model_dynamic, opt_dynamic, value, norms = outputs
-        except ValueError as e:
-            if "incompatible devices" in str(e):  # name the leaves, not positions
-                where = "`train_step`"
-                trees = {"model": model, "opt_state": opt_state, "batch": batch}
-                _mesh.check_devices(trees, where)
+        except ValueError:
+            # JAX names argument positions for leaves on incompatible devices:
+            # name the leaves instead, if that is what went wrong.
+            trees = {"model": model, "opt_state": opt_state, "batch": batch}
+            _mesh.check_devices(trees, "`train_step`")
             raise
         except jax.errors.JaxRuntimeError as e:
             # On a TPU the compiler may reject streaming a leaf of some shapes
             # (`_diagnose.py`): name the leaves and the way out.
-            if jax.default_backend() != "tpu" or "RESOURCE_EXHAUSTED" in str(e):
+            if jax.default_backend() != "tpu" or _diagnose.out_of_memory(e):
                 raise
             mesh = Mesh(np.array(jax.devices()[:1]), ("chip",))
             raise self.rejected("`train_step`", str(e), mesh, model, opt_state) from e

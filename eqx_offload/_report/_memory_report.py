@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
 from .. import _mesh, _paths, _residuals
-from .._diagnose import DoesNotCompile
+from .._diagnose import DoesNotCompile, out_of_memory
 from .._memory_kinds import is_arraylike, kind_of
 from .._train_step import _TrainStep, join, split
 from .._transform import _OffloadWrapper, filter_offload
@@ -390,7 +390,7 @@ def memory_report(
         compiled = lowered.compile()
         stats = compiled.memory_analysis()
     except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" in str(e):
+        if out_of_memory(e):
             raise _does_not_fit(plan, residuals, count, what, where, str(e)) from e
         if where.mesh is not None and plan.rejected is not None:
             message = f"`memory_report`: {what}, compiled for {where.name}"

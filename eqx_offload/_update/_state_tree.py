@@ -43,6 +43,8 @@ def map_state(
                 transform_non_params=lambda v: jtu.tree_map(on_others, v),
                 is_leaf=is_masked,
             )
+        # Broad on purpose: the user's `init`, run on a placeholder, may raise
+        # anything; the fallback below is the documented answer, not a guess.
         except Exception:
             pass
     structure = jtu.tree_structure(params[0])

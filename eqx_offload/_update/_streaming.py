@@ -132,7 +132,10 @@ def update(
     whole = _plan.flatten(trace(False))
     try:
         traced = trace(True)
-    except Exception as e:  # e.g. state whose shape follows the parameter's
+    # Broad on purpose: the user's optimizer, traced on one piece, may raise anything
+    # (e.g. state whose shape follows the parameter's); the error is kept as the
+    # cause and named in the message.
+    except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise NotStreamable(
             f"traced on one piece of each leaf, it fails ({type(e).__name__}: {first})"
