@@ -392,10 +392,6 @@ def update(
     return model, opt_state, norms
 
 
-def _with_update(policy: Policy, how: str) -> Policy:
-    return replace(policy, update=how)
-
-
 def _update_by_platform(
     optimizer: optax.GradientTransformation,
     grads: PyTree,
@@ -419,7 +415,7 @@ def _update_by_platform(
     arrays, static = eqx.partition((grads, opt_state, model), is_arraylike)
 
     def branch(how: str) -> Callable[[PyTree], PyTree]:
-        chosen = _with_update(policy, how)
+        chosen = replace(policy, update=how)
 
         def run(arrays: PyTree) -> PyTree:
             grads, opt_state, model = eqx.combine(arrays, static)
