@@ -8,6 +8,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
+from jax.typing import DTypeLike
 
 from . import _paths
 from ._layout import check_batch, check_rules, FSDP, Rules
@@ -127,7 +128,7 @@ class Policy(eqx.Module):
         | Mapping[str, PartitionSpec | FSDP | str]
         | None = None,
         batch: None | PartitionSpec | str = None,
-        compute_dtype: Any = None,
+        compute_dtype: DTypeLike | None = None,
         keep_dtype: Sequence[str] = (),
         stream: Sequence[str] = (),
         loss_axes: Literal["auto", "explicit"] = "auto",
