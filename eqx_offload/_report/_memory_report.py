@@ -189,13 +189,13 @@ def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
         )
     model, opt_state, *batch = args
     dynamic, statics = step.split(model, opt_state, *batch)
-    batch = join(dynamic[2], statics[2])  # as laid out by `Policy(batch=...)`
+    batch = join(dynamic[2], statics.batch)  # as laid out by `Policy(batch=...)`
     # `keep_unused`: the compiled signature then lists every argument, which is
     # how `_split_estimate` matches arguments to their memory kinds.
     jitted = jax.jit(
         step.fun, static_argnums=3, donate_argnums=(0, 1), keep_unused=True
     )
-    loss = filter_offload(step.loss_fn, step.policy)
+    loss = filter_offload(step.config.loss_fn, step.config.policy)
 
     def residuals() -> _Saved:
         def wrt_model(model: Any, *batch: Any) -> Any:
@@ -203,7 +203,7 @@ def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
                 lambda x: jax.lax.stop_gradient(x) if eqx.is_array(x) else x, batch
             )
             out = loss(model, *batch)
-            return out[0] if step.has_aux else out
+            return out[0] if step.config.has_aux else out
 
         return saved_for_backward(wrt_model, model, *batch)
 
@@ -356,7 +356,9 @@ def memory_report(
     """
     where = _where(target, (args, kwargs))
     lays_out_batch = (
-        isinstance(fn, _TrainStep) and fn.policy.batch is not None and where.is_slice
+        isinstance(fn, _TrainStep)
+        and fn.config.policy.batch is not None
+        and where.is_slice
     )
 
     def to_abstract(tree: Any, replicate: bool = True) -> Any:
