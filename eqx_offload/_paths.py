@@ -11,13 +11,13 @@ matches no segment at all, so `**.input` matches `input`), and everything else,
 brackets included, is literal.
 """
 
-import abc
 import dataclasses
 import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import equinox as eqx
 import jax.tree_util as jtu
 
 
@@ -60,16 +60,15 @@ def join(prefix: str, keys: tuple[Any, ...] | str) -> str:
     return out[1:] if out.startswith(".") else out
 
 
-class LayerStack(abc.ABC):
-    """A pytree node whose `layers` hold layers stacked along a leading axis.
+class LayerStack(eqx.Module):
+    """A module whose `layers` hold layers stacked along a leading axis.
 
     `leaves` walks into its `layers` without writing that field into the path and
     with one more layer axis. `eqx_offload.Stacked` is the implementation; the base
     lives here so that these path utilities do not depend on it.
     """
 
-    __slots__ = ()
-    layers: Any
+    layers: eqx.AbstractVar[Any]
 
 
 class Leaf(NamedTuple):

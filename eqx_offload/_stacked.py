@@ -43,7 +43,7 @@ class AbstractScan(eqx.Module):
         """Raises, or warns, when a layer is taken out of the scan (`stacked[i]`)."""
 
 
-class Stacked(eqx.Module, _paths.LayerStack, Generic[_Layer]):
+class Stacked(_paths.LayerStack, Generic[_Layer]):
     """N structurally identical layers, stored as one layer whose array leaves have a
     leading axis of size N, and applied in order with `jax.lax.scan`.
 
