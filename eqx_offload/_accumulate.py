@@ -33,10 +33,6 @@ from . import _tiling
 from ._memory_kinds import is_host, to_space
 
 
-# A host accumulator this large (or larger) is added to in blocks of this size.
-PIECE_BYTES = 32 * 2**20
-
-
 @dataclasses.dataclass
 class Tap:
     """How the loss sees one trainable leaf, and where its gradient goes."""
@@ -125,18 +121,14 @@ def _backward_rule(
     g, acc = jax.lax.optimization_barrier((g, acc))
     if not host:
         return None, g + jnp.where(flag, acc, 0), None
-    blocks = _tiling.row_blocks(acc.shape, acc.dtype, PIECE_BYTES)
-    if acc.ndim < 2 or acc.size * acc.dtype.itemsize < 2 * PIECE_BYTES or blocks < 2:
+    piece_bytes = _tiling.PIECE_BYTES
+    blocks = _tiling.row_blocks(acc.shape, acc.dtype, piece_bytes)
+    if acc.ndim < 2 or acc.size * acc.dtype.itemsize < 2 * piece_bytes or blocks < 2:
         return None, _add_whole(g, acc, flag), None
-    whole = {p: _add_whole for p in WHOLE_ON}
+    whole = {p: _add_whole for p in _tiling.WHOLE_ON}
     by_blocks = functools.partial(_add_by_blocks, blocks=blocks)
     total = jax.lax.platform_dependent(g, acc, flag, **whole, default=by_blocks)
     return None, total, None
-
-
-# Backends whose memory kinds share one memory: a large host accumulator is added
-# to whole there (block by block, XLA's CPU backend copies it at every block).
-WHOLE_ON = ("cpu",)
 
 
 def _add_whole(g: Any, acc: Any, flag: Any) -> Any:
@@ -162,7 +154,7 @@ def _add_by_blocks(g: Any, acc: Any, flag: Any, blocks: int) -> Any:
 def _add_host(g: Any, acc: Any, flag: Any) -> Any:
     """`g` (host-resident: a table streamed by `Policy(stream=...)`) cast to
     `acc`'s dtype, plus `acc` where `flag`, written into `acc` block by block."""
-    blocks = _tiling.row_blocks(acc.shape, g.dtype, PIECE_BYTES)
+    blocks = _tiling.row_blocks(acc.shape, g.dtype, _tiling.PIECE_BYTES)
     rows = acc.shape[0] // blocks
 
     def body(acc: Any, index: Any) -> tuple[Any, None]:

@@ -77,8 +77,8 @@ def checkpoint_names(
     if isinstance(fn, _OffloadWrapper):
         fn = fn.__wrapped__
     elif isinstance(fn, _TrainStep):
-        base = fn.policy
-        fn, args = fn.loss_fn, _as_the_step_calls_it(fn, args, kwargs)
+        base = fn.config.policy
+        fn, args = fn.config.loss_fn, _as_the_step_calls_it(fn, args, kwargs)
     if not callable(fn):
         raise TypeError(f"`checkpoint_names(fn=...)` must be callable, got {fn!r}.")
     if not args:
@@ -122,7 +122,7 @@ def _as_the_step_calls_it(step: _TrainStep, args: tuple, kwargs: dict) -> tuple:
             "called with, `checkpoint_names(step, model, opt_state, *batch)`."
         )
     model, _, *batch = args
-    dtypes = iter(compute_dtypes(trainable(model), step.policy))
+    dtypes = iter(compute_dtypes(trainable(model), step.config.policy))
 
     def abstract(x: Any, shape: tuple[int, ...], dtype: Any) -> Any:
         sharding = abstract_sharding(getattr(x, "sharding", None))
@@ -135,13 +135,13 @@ def _as_the_step_calls_it(step: _TrainStep, args: tuple, kwargs: dict) -> tuple:
         return x if dtype == x.dtype else abstract(x, x.shape, dtype)
 
     def one_part(x: Any) -> Any:
-        if not is_arraylike(x) or step.microbatches == 1:
+        if not is_arraylike(x) or step.config.microbatches == 1:
             return x
-        shape = (x.shape[0] // step.microbatches, *x.shape[1:])
+        shape = (x.shape[0] // step.config.microbatches, *x.shape[1:])
         return abstract(x, shape, x.dtype)
 
     batch = [
-        arg if i in step.unsplit else jax.tree.map(one_part, arg)
+        arg if i in step.config.unsplit else jax.tree.map(one_part, arg)
         for i, arg in enumerate(batch)
     ]
     return (jax.tree.map(in_compute_dtype, model), *batch)

@@ -26,6 +26,12 @@ class DoesNotCompile(ValueError):
     it could not stream and a policy that keeps them on the device."""
 
 
+def out_of_memory(e: RuntimeError) -> bool:
+    """Whether a `jax.errors.JaxRuntimeError` has the status code for running out of
+    memory (the program does not fit), rather than a rejection of the program."""
+    return getattr(e, "error_code_string", None) == "RESOURCE_EXHAUSTED"
+
+
 class Streamed(NamedTuple):
     """A host-resident leaf as the step streams it."""
 
@@ -76,12 +82,15 @@ def _probe(leaf: Streamed, mesh: Mesh) -> str | None:
     def state(w: Any) -> Any:
         return update(w, jax.device_put(jnp.ones(leaf.shape, leaf.dtype), Host))
 
+    if leaf.gradient:
+        traced = jax.jit(step, donate_argnums=0).trace(w, x)
+    else:
+        traced = jax.jit(state, donate_argnums=0).trace(w)
     try:
-        if leaf.gradient:
-            jax.jit(step, donate_argnums=0).trace(w, x).lower().compile()
-        else:
-            jax.jit(state, donate_argnums=0).trace(w).lower().compile()
-    except Exception as e:  # the compiler's own errors have no common type
+        traced.lower().compile()
+    # XLA's rejections are `JaxRuntimeError`s; JAX's lowering of memory kinds raises
+    # `ValueError`/`NotImplementedError`. Our own bugs (in tracing) propagate.
+    except (jax.errors.JaxRuntimeError, ValueError, NotImplementedError) as e:
         return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return None
 

@@ -15,6 +15,14 @@ from . import _paths, _tiling
 from ._warn import warn_at_caller
 
 
+def axis_names(entry: Any) -> tuple[str, ...]:
+    """The mesh axes one entry of a `PartitionSpec` (or `FSDP(axis=...)`) names:
+    `None`, one name, or a tuple of names."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 class FSDP(eqx.Module):
     """Fully sharded data parallelism for the leaves a rule matches: each leaf is
     split along `axis` of the mesh over one of its dimensions.
@@ -40,7 +48,7 @@ class FSDP(eqx.Module):
     min_size: int = eqx.field(static=True, default=2**12)
 
     def __check_init__(self):
-        names = (self.axis,) if isinstance(self.axis, str) else self.axis
+        names = axis_names(self.axis)
         if not names or not all(isinstance(n, str) and n for n in names):
             raise ValueError(
                 f"`FSDP(axis={self.axis!r})`: give a mesh axis name, or a tuple of "
@@ -53,7 +61,7 @@ class FSDP(eqx.Module):
 
     @property
     def axes(self) -> tuple[str, ...]:
-        return (self.axis,) if isinstance(self.axis, str) else self.axis
+        return axis_names(self.axis)
 
 
 Rule = PartitionSpec | FSDP
@@ -124,12 +132,6 @@ def _sizes(mesh: AnyMesh) -> dict[str, int]:
     return dict(mesh.shape)
 
 
-def _names(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def normalise(spec: PartitionSpec, ndim: int, full: bool = True) -> PartitionSpec:
     """`spec` in one spelling, so that equal layouts compare (and hit `jax.jit`'s
     cache) equal: in full, one entry per dimension (`P('x')` of a 3-D leaf is
@@ -156,7 +158,7 @@ def check_spec(
         )
     seen: set[str] = set()
     for dim, entry in enumerate(spec):
-        names = _names(entry)
+        names = axis_names(entry)
         for name in names:
             if name not in sizes:
                 raise ValueError(
@@ -268,7 +270,7 @@ def gather_fsdp(tree: Any, prefix: str, rules: Rules | None) -> Any:
         spec = jax.typeof(x).sharding.spec
         kept = []
         for entry in spec:
-            names = tuple(n for n in _names(entry) if n not in axes)
+            names = tuple(n for n in axis_names(entry) if n not in axes)
             kept.append(None if not names else names[0] if len(names) == 1 else names)
         want = PartitionSpec(*kept)
         if want == spec:
@@ -317,7 +319,7 @@ def specs(
             _paths.prefix_match(p, leaf.path) is not None for p in streamed
         )
         if is_streamed:
-            if isinstance(rule, FSDP) or not any(_names(e) for e in rule):
+            if isinstance(rule, FSDP) or not any(axis_names(e) for e in rule):
                 out.append(normalise(PartitionSpec(), len(shape)))
                 continue
             raise ValueError(

@@ -5,6 +5,7 @@ from typing import Any, get_args, Literal
 import equinox as eqx
 import jax
 import jax.core
+import optax
 
 from . import _paths
 
@@ -18,6 +19,11 @@ ParamsSpec = None | str | tuple[tuple[str, str], ...]
 def is_arraylike(x: Any) -> bool:
     """Arrays, tracers and `jax.ShapeDtypeStruct`s: the leaves that hold memory."""
     return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def is_masked(x: Any) -> bool:
+    """`optax.masked`'s holes in an optimizer state: leaves that hold no memory."""
+    return isinstance(x, optax.MaskedNode)
 
 
 def check_kind(kind: Any, where: str) -> None:
@@ -64,7 +70,12 @@ def abstract_sharding(sharding: Any) -> Any:
 
 def is_host(x: Any) -> bool:
     """Whether an array or tracer lives in host memory, as JAX's tracing sees it."""
-    return jax.typeof(x).memory_space == jax.memory.Space.Host
+    return is_host_aval(jax.typeof(x))
+
+
+def is_host_aval(aval: Any) -> bool:
+    """Whether an abstract value (a jaxpr variable's `aval`) is in host memory."""
+    return getattr(aval, "memory_space", None) == jax.memory.Space.Host
 
 
 def to_space(x: Any, kind: str, path: str) -> Any:

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
 from . import _accumulate, _paths
+from ._layout import axis_names
 from ._memory_kinds import is_arraylike, is_host, to_space
 
 
@@ -51,8 +52,7 @@ def _parts(x: Any) -> int:
     sharding = getattr(x, "sharding", None)
     if not isinstance(sharding, NamedSharding) or not sharding.spec:
         return 1
-    first = sharding.spec[0]
-    axes = () if first is None else (first,) if isinstance(first, str) else first
+    axes = axis_names(sharding.spec[0])
     return math.prod(sharding.mesh.shape[a] for a in axes)
 
 

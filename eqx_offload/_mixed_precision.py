@@ -20,7 +20,7 @@ import optax
 from jaxtyping import PyTree
 
 from . import _paths
-from ._memory_kinds import is_arraylike, kind_of
+from ._memory_kinds import is_arraylike, is_masked, kind_of
 from ._policy import Policy
 
 
@@ -31,10 +31,6 @@ class ComputeCopyState(NamedTuple):
 
     inner: PyTree
     copies: PyTree
-
-
-def _is_masked(x: Any) -> bool:
-    return isinstance(x, optax.MaskedNode)
 
 
 def _floating(x: Any) -> bool:
@@ -114,9 +110,9 @@ def with_compute_copies(
         updates, inner = optimizer.update(grads, state.inner, params)
 
         def copy(c: Any, p: Any, u: Any) -> Any:
-            return c if _is_masked(c) else (p + u).astype(c.dtype)
+            return c if is_masked(c) else (p + u).astype(c.dtype)
 
-        copies = jtu.tree_map(copy, state.copies, params, updates, is_leaf=_is_masked)
+        copies = jtu.tree_map(copy, state.copies, params, updates, is_leaf=is_masked)
         return updates, ComputeCopyState(inner, copies)
 
     return optax.GradientTransformation(init, update)  # pyright: ignore
@@ -161,12 +157,10 @@ def sources(model: PyTree, params: PyTree, opt_state: PyTree) -> PyTree:
     by the copy: what the loss reads."""
     if not isinstance(opt_state, ComputeCopyState):
         return model
-    copies = jtu.tree_leaves(opt_state.copies, is_leaf=_is_masked)
+    copies = jtu.tree_leaves(opt_state.copies, is_leaf=is_masked)
     arrays = [leaf for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
     by_path = {
-        leaf.path: c
-        for leaf, c in zip(arrays, copies, strict=True)
-        if not _is_masked(c)
+        leaf.path: c for leaf, c in zip(arrays, copies, strict=True) if not is_masked(c)
     }
     leaves = [by_path.get(leaf.path, leaf.value) for leaf in _paths.leaves(model)]
     return jtu.tree_unflatten(jtu.tree_structure(model), leaves)

@@ -11,13 +11,13 @@ matches no segment at all, so `**.input` matches `input`), and everything else,
 brackets included, is literal.
 """
 
-import abc
 import dataclasses
 import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import equinox as eqx
 import jax.tree_util as jtu
 
 
@@ -36,6 +36,21 @@ def format_key(key: Any) -> str:
     return str(key)
 
 
+def key_segment(key: Any) -> str:
+    """One key of a JAX key path as a segment of a state-dict key (`_state_dict`):
+    attribute names, dictionary keys and sequence indices alike, without dots or
+    brackets."""
+    if isinstance(key, jtu.GetAttrKey):
+        return key.name
+    if isinstance(key, jtu.DictKey):
+        return str(key.key)
+    if isinstance(key, jtu.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, jtu.FlattenedIndexKey):
+        return str(key.key)
+    return str(key)
+
+
 def join(prefix: str, keys: tuple[Any, ...] | str) -> str:
     """Appends a key path (or an already formatted relative path) to `prefix`."""
     rest = keys if isinstance(keys, str) else "".join(format_key(k) for k in keys)
@@ -45,16 +60,15 @@ def join(prefix: str, keys: tuple[Any, ...] | str) -> str:
     return out[1:] if out.startswith(".") else out
 
 
-class LayerStack(abc.ABC):
-    """A pytree node whose `layers` hold layers stacked along a leading axis.
+class LayerStack(eqx.Module):
+    """A module whose `layers` hold layers stacked along a leading axis.
 
     `leaves` walks into its `layers` without writing that field into the path and
     with one more layer axis. `eqx_offload.Stacked` is the implementation; the base
     lives here so that these path utilities do not depend on it.
     """
 
-    __slots__ = ()
-    layers: Any
+    layers: eqx.AbstractVar[Any]
 
 
 class Leaf(NamedTuple):
@@ -65,33 +79,43 @@ class Leaf(NamedTuple):
     stacked: str | None  # path of the innermost enclosing `Stacked`, if any
     metadata: Mapping[str, Any]  # metadata of the innermost dataclass field above
     layer_axes: int = 0  # leading axes that index layers: one per enclosing `Stacked`
+    # The leaf's state-dict key (`key_segment`s), with `None` where each enclosing
+    # `Stacked`'s layer index goes.
+    segments: tuple[str | None, ...] = ()
 
 
 def leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[Leaf]:
-    """Flattens `tree` like `jax.tree.leaves`, giving each leaf its dotted path."""
+    """Flattens `tree` like `jax.tree.leaves`, giving each leaf its dotted path (and
+    its state-dict key: the one walk over `Stacked` layers both spellings share)."""
     out: list[Leaf] = []
 
     def stop(x: Any) -> bool:
         return isinstance(x, LayerStack) or (is_leaf is not None and is_leaf(x))
 
     def visit(
-        node: Any, prefix: str, stacked: str | None, meta: Mapping, depth: int = 0
+        node: Any,
+        prefix: str,
+        segments: tuple[str | None, ...],
+        stacked: str | None,
+        meta: Mapping,
     ) -> None:
         if isinstance(node, LayerStack):
-            visit(node.layers, prefix, prefix, meta, depth + 1)
+            visit(node.layers, prefix, segments + (None,), prefix, meta)
             return
         flat, _ = jtu.tree_flatten_with_path(
             node, is_leaf=lambda x: x is not node and stop(x)
         )
         for keys, value in flat:
             path = join(prefix, keys)
+            key = segments + tuple(key_segment(k) for k in keys)
             leaf_meta = _field_metadata(node, keys, meta)
             if isinstance(value, LayerStack) and value is not node:
-                visit(value, path, stacked, leaf_meta, depth)
+                visit(value, path, key, stacked, leaf_meta)
             else:
-                out.append(Leaf(path, value, stacked, leaf_meta, depth))
+                depth = sum(s is None for s in key)
+                out.append(Leaf(path, value, stacked, leaf_meta, depth, key))
 
-    visit(tree, "", None, {})
+    visit(tree, "", (), None, {})
     return out
 
 

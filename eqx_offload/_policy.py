@@ -8,6 +8,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
+from jax.typing import DTypeLike
 
 from . import _paths
 from ._layout import check_batch, check_rules, FSDP, Rules
@@ -15,7 +16,7 @@ from ._memory_kinds import check_kind, MemoryKind, ParamsSpec
 from ._warn import warn_at_caller
 
 
-def _names(value: Any, argument: str) -> tuple[str, ...]:
+def _name_patterns(value: Any, argument: str) -> tuple[str, ...]:
     if isinstance(value, str):
         value = (value,)
     if not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
@@ -127,7 +128,7 @@ class Policy(eqx.Module):
         | Mapping[str, PartitionSpec | FSDP | str]
         | None = None,
         batch: None | PartitionSpec | str = None,
-        compute_dtype: Any = None,
+        compute_dtype: DTypeLike | None = None,
         keep_dtype: Sequence[str] = (),
         stream: Sequence[str] = (),
         loss_axes: Literal["auto", "explicit"] = "auto",
@@ -219,8 +220,8 @@ class Policy(eqx.Module):
             (or none) both are the same.
         """
         self.params = _params(params)
-        self.save = "all" if save == "all" else _names(save, "save")
-        self.offload = _names(offload, "offload")
+        self.save = "all" if save == "all" else _name_patterns(save, "save")
+        self.offload = _name_patterns(offload, "offload")
         self.offload_dst = offload_dst
         opt = _params(opt_state, "opt_state")
         if opt is None:
@@ -233,8 +234,8 @@ class Policy(eqx.Module):
         self.shard = check_rules(shard)
         self.batch = check_batch(batch)
         self.compute_dtype = _compute_dtype(compute_dtype)
-        self.keep_dtype = _names(keep_dtype, "keep_dtype")
-        self.stream = _names(stream, "stream")
+        self.keep_dtype = _name_patterns(keep_dtype, "keep_dtype")
+        self.stream = _name_patterns(stream, "stream")
         self.loss_axes = loss_axes
         if self.keep_dtype and self.compute_dtype is None:
             raise ValueError(

@@ -20,6 +20,7 @@ import jaxtyping
 import optax
 
 from . import _jaxpr
+from ._memory_kinds import is_arraylike, is_host_aval
 
 
 class Residual(NamedTuple):
@@ -33,7 +34,7 @@ class Residual(NamedTuple):
 
     @property
     def host(self) -> bool:
-        return getattr(self.aval, "memory_space", None) == jax.memory.Space.Host
+        return is_host_aval(self.aval)
 
     @property
     def nbytes(self) -> int:
@@ -50,7 +51,7 @@ def saved_residuals(f: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Re
 def trace_vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[list, Any]:
     """`saved_residuals`, and the jaxpr of `jax.vjp` they were read from."""
     flat, treedef = jax.tree.flatten((args, kwargs))
-    positions = [i for i, x in enumerate(flat) if _is_array(x)]
+    positions = [i for i, x in enumerate(flat) if is_arraylike(x)]
 
     def flat_f(*xs):
         leaves = list(flat)
@@ -180,10 +181,6 @@ def _producers(jaxpr: Any, cache: dict[int, dict]) -> dict:
     if id(jaxpr) not in cache:
         cache[id(jaxpr)] = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     return cache[id(jaxpr)]
-
-
-def _is_array(x: Any) -> bool:
-    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 def checkpoint_names(closed: Any) -> list[str]:

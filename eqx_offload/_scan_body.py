@@ -284,6 +284,9 @@ def _with_fields(module: Any, changed: dict[str, Any]) -> Any:
 def _with_class(module: Any, cls: type, changed: dict[str, Any] | None = None) -> Any:
     """A copy of `module` as an instance of `cls`, as `jax.tree_util` unflattening
     builds it (no `__init__`), with some fields replaced."""
+    # As Equinox's own unflattening does: a user's `__init__` takes its own
+    # arguments (not the fields) and would rerun `__check_init__` on values that
+    # may be tracers; `cls` may be a subclass made by `_named_class`.
     changed = changed or {}
     out = object.__new__(cls)
     for field in dataclasses.fields(module):

@@ -43,7 +43,7 @@ class AbstractScan(eqx.Module):
         """Raises, or warns, when a layer is taken out of the scan (`stacked[i]`)."""
 
 
-class Stacked(eqx.Module, _paths.LayerStack, Generic[_Layer]):
+class Stacked(_paths.LayerStack, Generic[_Layer]):
     """N structurally identical layers, stored as one layer whose array leaves have a
     leading axis of size N, and applied in order with `jax.lax.scan`.
 
@@ -386,7 +386,7 @@ def _check_same_layer(layer0: Any, layer: Any, i: int) -> None:
 def _same(a: Any, b: Any) -> bool:
     try:
         return bool(a == b)
-    except Exception:
+    except (TypeError, ValueError):  # arrays, tracers: no single truth value
         return a is b
 
 

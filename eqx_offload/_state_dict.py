@@ -36,7 +36,6 @@ from jaxtyping import Array, PyTree
 
 from . import _layout, _paths, _tiling
 from ._memory_kinds import is_arraylike, is_host, kind_of, to_space
-from ._stacked import Stacked
 
 
 class LeafIndex(NamedTuple):
@@ -69,58 +68,22 @@ class _Entry(NamedTuple):
         return ".".join(str(next(layers)) if s is None else s for s in self.segments)
 
 
-def _segment(key: Any) -> str:
-    if isinstance(key, jtu.GetAttrKey):
-        return key.name
-    if isinstance(key, jtu.DictKey):
-        return str(key.key)
-    if isinstance(key, jtu.SequenceKey):
-        return str(key.idx)
-    if isinstance(key, jtu.FlattenedIndexKey):
-        return str(key.key)
-    return str(key)
-
-
 def layer_axes(tree: Any) -> list[int]:
     """For every leaf of `tree` (in `jax.tree.leaves` order), how many `Stacked`
     enclose it: the number of its leading layer axes (axis `k` is the layers of the
     `k`-th enclosing `Stacked`, outermost first)."""
-    return [sum(s is None for s in segments) for segments in _segments(tree)]
-
-
-def _segments(tree: Any) -> list[tuple[str | None, ...]]:
-    out: list[tuple[str | None, ...]] = []
-
-    def visit(node: Any, prefix: tuple[str | None, ...]) -> None:
-        if isinstance(node, Stacked):
-            visit(node.layers, prefix + (None,))
-            return
-        flat, _ = jtu.tree_flatten_with_path(
-            node, is_leaf=lambda x: x is not node and isinstance(x, Stacked)
-        )
-        for keys, value in flat:
-            segments = prefix + tuple(_segment(k) for k in keys)
-            if isinstance(value, Stacked):
-                visit(value, segments)
-            else:
-                out.append(segments)
-
-    visit(tree, ())
-    return out
+    return [leaf.layer_axes for leaf in _paths.leaves(tree)]
 
 
 def _entries(model: Any, where: str) -> list[_Entry | None]:
     """One entry per leaf of `model` (`None` for a leaf that is not an array)."""
-    leaves = _paths.leaves(model)
-    segments = _segments(model)
-    assert len(leaves) == len(segments)
     out: list[_Entry | None] = []
     seen: dict[str, str] = {}
-    for leaf, segs in zip(leaves, segments):
+    for leaf in _paths.leaves(model):
         if not is_arraylike(leaf.value):
             out.append(None)
             continue
-        entry = _Entry(leaf.path, leaf.value, segs)
+        entry = _Entry(leaf.path, leaf.value, leaf.segments)
         key = entry.key((0,) * entry.depth)
         if key in seen:
             raise ValueError(

@@ -37,6 +37,15 @@ import numpy as np
 LANES = 128
 SUBLANES = 8
 
+# A host-resident leaf this large (or larger) is streamed, or added to, in blocks of
+# rows of at most this size. Read at call time (`_tiling.PIECE_BYTES`), so that a
+# test that patches it here reaches every user.
+PIECE_BYTES = 32 * 2**20
+# Backends whose memory kinds share one memory: there a large host-resident leaf is
+# updated, or added to, whole. Streaming it saves nothing and costs time (XLA's CPU
+# backend copies the whole array at every block; `docs/benchmarks.md` §3).
+WHOLE_ON = ("cpu",)
+
 
 def packing(dtype: Any) -> int:
     """How many elements of `dtype` share one 32-bit sublane row."""

@@ -2,7 +2,7 @@
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -191,25 +191,43 @@ def checked_loss(loss_fn: Callable, has_aux: bool, where: str) -> Callable:
     return checked
 
 
+class _Config(eqx.Module):
+    """What `train_step` was given, checked: everything its step is built from."""
+
+    loss_fn: Callable
+    optimizer: optax.GradientTransformation
+    policy: Policy
+    has_aux: bool
+    microbatches: int
+    unsplit: tuple[int, ...]
+    metrics: bool
+
+
+class _Statics(NamedTuple):
+    """The static argument of the jitted step (hashable): the non-array parts of
+    its arguments, and the input shardings its outputs keep."""
+
+    model: tuple
+    opt_state: tuple
+    batch: tuple
+    model_shardings: tuple
+    opt_shardings: tuple
+
+
 def _step(
-    loss_fn: Callable,
-    optimizer: optax.GradientTransformation,
-    policy: Policy,
-    has_aux: bool,
-    microbatches: int,
-    unsplit: tuple[int, ...],
-    metrics: bool,
+    config: _Config,
     model_dynamic: list,
     opt_dynamic: list,
     batch_dynamic: list,
-    statics: tuple,
+    statics: _Statics,
 ) -> tuple[list, list, Any, dict[str, Any] | None]:
-    model_static, opt_static, batch_static, model_shardings, opt_shardings = statics
-    model = join(model_dynamic, model_static)
-    opt_state = join(opt_dynamic, opt_static)
-    batch = join(batch_dynamic, batch_static)
+    optimizer, policy, has_aux = config.optimizer, config.policy, config.has_aux
+    microbatches = config.microbatches
+    model = join(model_dynamic, statics.model)
+    opt_state = join(opt_dynamic, statics.opt_state)
+    batch = join(batch_dynamic, statics.batch)
     model_kinds = _update.check_model(model, policy, "`train_step`")
-    _check_layout(model, policy, model_shardings)
+    _check_layout(model, policy, statics.model_shardings)
     params = _update.trainable(model)
     wrapped = _mixed_precision.for_policy(optimizer, params, policy)
     copies = wrapped is not optimizer
@@ -218,7 +236,7 @@ def _step(
     check_matches(optimizer, opt_state, params, "`train_step`")
     opt_kinds = _update.check_state(optimizer, opt_state, model, policy)
 
-    loss = filter_offload(checked_loss(loss_fn, has_aux, "`train_step`"), policy)
+    loss = filter_offload(checked_loss(config.loss_fn, has_aux, "`train_step`"), policy)
     if microbatches == 1 and policy.compute_dtype is None:
         value, grads = eqx.filter_value_and_grad(loss, has_aux=has_aux)(model, *batch)
     else:
@@ -230,32 +248,33 @@ def _step(
             _mixed_precision.compute_dtypes(params, policy),
             batch,
             microbatches,
-            unsplit,
+            config.unsplit,
             has_aux,
         )
     with jax.named_scope(_update.UPDATE_SCOPE):
         model, opt_state, norms = _update.update(
-            optimizer, grads, opt_state, model, policy, model_kinds, opt_kinds, metrics
+            optimizer,
+            grads,
+            opt_state,
+            model,
+            policy,
+            model_kinds,
+            opt_kinds,
+            config.metrics,
         )
         # Outputs go back where they live, with `device_put` to a memory space
         # inside the traced function: the same trace then compiles for any backend.
         with jax.named_scope("params"):
-            model = _place_outputs(model, model_kinds, model_shardings)
+            model = _place_outputs(model, model_kinds, statics.model_shardings)
         with jax.named_scope("opt_state"):
-            opt_state = _place_outputs(opt_state, opt_kinds, opt_shardings)
+            opt_state = _place_outputs(opt_state, opt_kinds, statics.opt_shardings)
     return split(model)[0], split(opt_state)[0], value, norms
 
 
 class _TrainStep(eqx.Module):
     """The object `train_step` returns; call it as `step(model, opt_state, *batch)`."""
 
-    loss_fn: Callable
-    optimizer: optax.GradientTransformation
-    policy: Policy
-    has_aux: bool
-    microbatches: int
-    unsplit: tuple[int, ...]
-    metrics: bool
+    config: _Config
     fun: Callable  # the step on flattened arguments, before `jax.jit`
     jitted: Callable
 
@@ -277,27 +296,26 @@ class _TrainStep(eqx.Module):
             with _mesh.context(dynamic):
                 outputs = self.jitted(*dynamic, statics)
                 model_dynamic, opt_dynamic, value, norms = outputs
-        except ValueError as e:
-            if "incompatible devices" in str(e):  # name the leaves, not positions
-                where = "`train_step`"
-                trees = {"model": model, "opt_state": opt_state, "batch": batch}
-                _mesh.check_devices(trees, where)
+        except ValueError:
+            # JAX names argument positions for leaves on incompatible devices:
+            # name the leaves instead, if that is what went wrong.
+            trees = {"model": model, "opt_state": opt_state, "batch": batch}
+            _mesh.check_devices(trees, "`train_step`")
             raise
         except jax.errors.JaxRuntimeError as e:
             # On a TPU the compiler may reject streaming a leaf of some shapes
             # (`_diagnose.py`): name the leaves and the way out.
-            if jax.default_backend() != "tpu" or "RESOURCE_EXHAUSTED" in str(e):
+            if jax.default_backend() != "tpu" or _diagnose.out_of_memory(e):
                 raise
             mesh = Mesh(np.array(jax.devices()[:1]), ("chip",))
             raise self.rejected("`train_step`", str(e), mesh, model, opt_state) from e
-        model_static, opt_static = statics[:2]
         model, opt_state = (
-            join(model_dynamic, model_static),
-            join(opt_dynamic, opt_static),
+            join(model_dynamic, statics.model),
+            join(opt_dynamic, statics.opt_state),
         )
         return (
             (model, opt_state, value, norms)
-            if self.metrics
+            if self.config.metrics
             else (model, opt_state, value)
         )
 
@@ -306,30 +324,35 @@ class _TrainStep(eqx.Module):
     ) -> DoesNotCompile:
         """The error for a step the compiler for `mesh` rejected with `message`:
         the host-resident leaves it cannot stream, compiled alone, and a way out."""
-        leaves = _update.streamed_leaves(self.optimizer, model, opt_state)
-        policy = self.policy
+        leaves = _update.streamed_leaves(self.config.optimizer, model, opt_state)
+        policy = self.config.policy
         return DoesNotCompile(
             _diagnose.explain(
                 what, message, leaves, mesh, policy.params, policy.opt_state
             )
         )
 
-    def split(self, model: PyTree, opt_state: PyTree, *batch: Any) -> tuple:
+    def split(
+        self, model: PyTree, opt_state: PyTree, *batch: Any
+    ) -> tuple[tuple[list, list, list], _Statics]:
         """The arguments of `jitted` (and `fun`): the array leaves of the model, the
         optimizer state and the batch, and the static rest."""
+        config = self.config
         model_dynamic, model_static = split(model)
         model_shardings = _mesh_shardings(model_dynamic)
-        if self.policy.batch is not None:
+        if config.policy.batch is not None:
             meshes = (s.mesh for s in model_shardings if s is not None)
             mesh = next(meshes, None)
             batch = place_batch(
-                batch, self.policy.batch, mesh, "`train_step`", self.unsplit
+                batch, config.policy.batch, mesh, "`train_step`", config.unsplit
             )
-        if self.microbatches > 1:
-            _microbatch.check(batch, self.microbatches, self.unsplit, "`train_step`")
+        if config.microbatches > 1:
+            _microbatch.check(
+                batch, config.microbatches, config.unsplit, "`train_step`"
+            )
         opt_dynamic, opt_static = split(opt_state)
         batch_dynamic, batch_static = split(batch)
-        statics = (
+        statics = _Statics(
             model_static,
             opt_static,
             batch_static,
@@ -415,18 +438,11 @@ def train_step(
     optimizer = _update.as_transformation(optimizer, "`train_step(optimizer=...)`")
     check_policy(policy, "`train_step(policy=...)`")
     unsplit = _microbatch.check_unsplit(unsplit, microbatches, "`train_step`")
-    fun = functools.partial(
-        _step, loss_fn, optimizer, policy, has_aux, microbatches, unsplit, metrics
+    config = _Config(
+        loss_fn, optimizer, policy, has_aux, microbatches, unsplit, metrics
     )
+    # The configuration is bound, not a static argument: `loss_fn` may be a
+    # module holding arrays, which are not hashable.
+    fun = functools.partial(_step, config)
     jitted = jax.jit(fun, static_argnums=(3,), donate_argnums=(0, 1))
-    return _TrainStep(
-        loss_fn,
-        optimizer,
-        policy,
-        has_aux,
-        microbatches,
-        unsplit,
-        metrics,
-        fun,
-        jitted,
-    )
+    return _TrainStep(config, fun, jitted)

@@ -11,7 +11,7 @@ import jax.tree_util as jtu
 from jax.sharding import PartitionSpec
 
 from . import _accumulate, _jaxpr, _layout, _paths, _remat_names, _tiling, _vocab_blocks
-from ._memory_kinds import is_host
+from ._memory_kinds import is_host, is_host_aval
 from ._policy import check_policy, checkpoint_patterns, Policy, replace
 from ._scan_body import configure
 from ._stacked import Stacked
@@ -234,8 +234,7 @@ def _find_misuse(
 
 
 def _host_table(aval: Any) -> bool:
-    host = getattr(aval, "memory_space", None) == jax.memory.Space.Host
-    return host and getattr(aval, "ndim", 0) == 2
+    return is_host_aval(aval) and getattr(aval, "ndim", 0) == 2
 
 
 def _misuse_error(w: _Watched, primitive: str) -> ValueError:

@@ -50,13 +50,13 @@ def test_train_step_compiles_for_tpu(
     target, arch, dtype, width, depth, policy, monkeypatch
 ):
     # Small enough leaves of the dict model are streamed in blocks of rows too.
-    monkeypatch.setattr(_streaming, "PIECE_BYTES", 32 * 1024)
+    monkeypatch.setattr(_tiling, "PIECE_BYTES", 32 * 1024)
     result = cm.compile_case(arch, width, depth, cm.DTYPES[dtype], policy, target)
     assert result.outcome == "compiles", result.message
 
 
 def test_row_blocks_are_streamed_in_the_dict_case(monkeypatch):
-    monkeypatch.setattr(_streaming, "PIECE_BYTES", 32 * 1024)
+    monkeypatch.setattr(_tiling, "PIECE_BYTES", 32 * 1024)
     leaf = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)  # 128 KiB: 4 blocks
     cut = _streaming.pieces(leaf, None, 0)
     assert cut is not None and cut[1:] == (4, 64)
@@ -106,7 +106,7 @@ def test_tiling_rules():
 def test_the_default_update_streams_on_a_tpu(arch, width, monkeypatch):
     """`Policy(update="auto")` runs the whole update on the CPU, but the program it
     traces compiles for a TPU exactly as `update="streamed"` does."""
-    monkeypatch.setattr(_streaming, "PIECE_BYTES", 32 * 1024)
+    monkeypatch.setattr(_tiling, "PIECE_BYTES", 32 * 1024)
     model, loss, batch = cm.case(arch, width, 4, jnp.float32)
     optimizer = optax.adam(1e-3)
     figures = {}

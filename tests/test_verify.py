@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import eqx_offload as eo
-from eqx_offload import _remat_names, _scan_body, _verify
+from eqx_offload import _cutting, _remat_names, _scan_body
 from eqx_offload._memory_kinds import is_host
 from eqx_offload._update import _streaming
 
@@ -111,9 +111,9 @@ def test_optimizer_state_is_cut_with_its_parameters(getkey):
     model = Net(key=getkey())
     optimizer = optax.adafactor(1e-2, min_dim_size_to_factor=8)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-    small = _verify._cut(model, _verify._model_sizes(model, 2))
+    small = _cutting.cut(model, _cutting.model_sizes(model, 2))
     assert len(small.blocks) == 2
-    sizes = _verify._state_sizes(
+    sizes = _cutting.state_sizes(
         optimizer, opt_state, eqx.filter(small, eqx.is_inexact_array)
     )
     expected = jax.eval_shape(optimizer.init, eqx.filter(small, eqx.is_inexact_array))
@@ -126,7 +126,7 @@ def test_optimizer_state_is_cut_with_its_parameters(getkey):
 
 def test_nested_stacked_are_cut_too(getkey):
     model = make_nested(key=getkey())  # 2 blocks of 3 linears
-    small = _verify._cut(model, _verify._model_sizes(model, 2))
+    small = _cutting.cut(model, _cutting.model_sizes(model, 2))
     assert small.blocks.layers.linears.layers.weight.shape == (2, 2, 8, 8)
     assert small.blocks.layers.scale.shape == (2, 8)
 

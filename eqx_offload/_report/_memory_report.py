@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
 from .. import _compat, _compiler, _mesh, _paths, _residuals
-from .._diagnose import DoesNotCompile
+from .._diagnose import DoesNotCompile, out_of_memory
 from .._memory_kinds import is_arraylike, kind_of
 from .._train_step import _TrainStep, join, split
 from .._transform import _OffloadWrapper, filter_offload
@@ -168,13 +168,13 @@ def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
         )
     model, opt_state, *batch = args
     dynamic, statics = step.split(model, opt_state, *batch)
-    batch = join(dynamic[2], statics[2])  # as laid out by `Policy(batch=...)`
+    batch = join(dynamic[2], statics.batch)  # as laid out by `Policy(batch=...)`
     # `keep_unused`: the compiled signature then lists every argument, which is
     # how `_split_estimate` matches arguments to their memory kinds.
     jitted = jax.jit(
         step.fun, static_argnums=3, donate_argnums=(0, 1), keep_unused=True
     )
-    loss = filter_offload(step.loss_fn, step.policy)
+    loss = filter_offload(step.config.loss_fn, step.config.policy)
 
     def residuals() -> _Saved:
         def wrt_model(model: Any, *batch: Any) -> Any:
@@ -182,7 +182,7 @@ def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
                 lambda x: jax.lax.stop_gradient(x) if eqx.is_array(x) else x, batch
             )
             out = loss(model, *batch)
-            return out[0] if step.has_aux else out
+            return out[0] if step.config.has_aux else out
 
         return saved_for_backward(wrt_model, model, *batch)
 
@@ -332,7 +332,9 @@ def memory_report(
     """
     where = _where(target, (args, kwargs))
     lays_out_batch = (
-        isinstance(fn, _TrainStep) and fn.policy.batch is not None and where.is_slice
+        isinstance(fn, _TrainStep)
+        and fn.config.policy.batch is not None
+        and where.is_slice
     )
 
     def to_abstract(tree: Any, replicate: bool = True) -> Any:
@@ -366,7 +368,7 @@ def memory_report(
         compiled = lowered.compile()
         stats = compiled.memory_analysis()
     except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" in str(e):
+        if out_of_memory(e):
             raise _does_not_fit(plan, residuals, count, what, where, str(e)) from e
         if where.mesh is not None and plan.rejected is not None:
             message = f"`memory_report`: {what}, compiled for {where.name}"

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any, TYPE_CHECKING
 
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # an import cycle, not a type switch: `MemoryReport.plot` calls us
     from ._record import MemoryReport
 
 _MEMORIES = ("device", "host")

@@ -24,6 +24,7 @@ import jax.extend.core.primitives as primitives
 import numpy as np
 
 from .. import _jaxpr
+from .._memory_kinds import is_host_aval
 from .._update import UPDATE_SCOPE
 
 
@@ -77,10 +78,6 @@ def count(
         if n
     ]
     return tuple(sorted(rows, key=lambda t: (t.direction, t.phase, t.what, t.name)))
-
-
-def _is_host(aval: Any) -> bool:
-    return getattr(aval, "memory_space", None) == jax.memory.Space.Host
 
 
 def _nbytes(aval: Any) -> int:
@@ -207,7 +204,7 @@ def _count_puts(eqn: Any, ins: list, times: int, totals: dict, update: bool) -> 
         aval = v.aval
         if not isinstance(where, jax.memory.Space):
             continue
-        src_host, dst_host = _is_host(aval), where == jax.memory.Space.Host
+        src_host, dst_host = is_host_aval(aval), where == jax.memory.Space.Host
         if src_host == dst_host:
             continue
         direction = "device_to_host" if dst_host else "host_to_device"

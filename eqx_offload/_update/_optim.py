@@ -392,15 +392,6 @@ def update(
     return model, opt_state, norms
 
 
-# Where the update runs whole: backends whose memory kinds share one memory, where
-# streaming saves nothing and costs time (`docs/benchmarks.md` §3).
-WHOLE_ON = ("cpu",)
-
-
-def _with_update(policy: Policy, how: str) -> Policy:
-    return replace(policy, update=how)
-
-
 def _update_by_platform(
     optimizer: optax.GradientTransformation,
     grads: PyTree,
@@ -412,7 +403,7 @@ def _update_by_platform(
     metrics: bool,
 ) -> tuple[PyTree, PyTree, dict[str, Any] | None]:
     """`Policy(update="auto")`: the streamed update, and the whole one on the
-    backends of `WHOLE_ON`, chosen inside the one traced program
+    backends of `_tiling.WHOLE_ON`, chosen inside the one traced program
     (`jax.lax.platform_dependent`), so that a step traced here and compiled for a
     TPU streams. Both give every leaf back in its memory kind."""
     kinds = iter([kind for _, kind in model_kinds] + [kind for _, kind in opt_kinds])
@@ -424,7 +415,7 @@ def _update_by_platform(
     arrays, static = eqx.partition((grads, opt_state, model), is_arraylike)
 
     def branch(how: str) -> Callable[[PyTree], PyTree]:
-        chosen = _with_update(policy, how)
+        chosen = replace(policy, update=how)
 
         def run(arrays: PyTree) -> PyTree:
             grads, opt_state, model = eqx.combine(arrays, static)
@@ -456,7 +447,7 @@ def _update_by_platform(
 
         return run
 
-    whole = {platform: branch("whole") for platform in WHOLE_ON}
+    whole = {platform: branch("whole") for platform in _tiling.WHOLE_ON}
     new, norms = jax.lax.platform_dependent(arrays, **whole, default=branch("streamed"))
     rest = eqx.filter((model, opt_state), is_arraylike, inverse=True)
     new_model, new_state = eqx.combine(new, rest)

@@ -4,17 +4,13 @@ parameter-shaped, and which parameter each of them belongs to."""
 from collections.abc import Callable
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import optax
 from jaxtyping import PyTree
 
 from .. import _paths
-
-
-def _is_masked(x: Any) -> bool:
-    return isinstance(x, optax.MaskedNode)
+from .._memory_kinds import is_arraylike, is_masked
 
 
 def map_state(
@@ -35,7 +31,7 @@ def map_state(
     an `optimizer`."""
 
     def params_leaf(s: Any, *p: Any) -> Any:
-        return s if _is_masked(s) else on_params(s, *p)
+        return s if is_masked(s) else on_params(s, *p)
 
     if optimizer is not None:
         try:
@@ -45,8 +41,10 @@ def map_state(
                 opt_state,
                 *params,
                 transform_non_params=lambda v: jtu.tree_map(on_others, v),
-                is_leaf=_is_masked,
+                is_leaf=is_masked,
             )
+        # Broad on purpose: the user's `init`, run on a placeholder, may raise
+        # anything; the fallback below is the documented answer, not a guess.
         except Exception:
             pass
     structure = jtu.tree_structure(params[0])
@@ -54,12 +52,12 @@ def map_state(
 
     def like_params(x: Any) -> bool:
         if single:  # a lone array: only a state leaf of its shape mirrors it
-            return _is_arraylike(x) and x.shape == params[0].shape
-        return jtu.tree_structure(x, is_leaf=_is_masked) == structure
+            return is_arraylike(x) and x.shape == params[0].shape
+        return jtu.tree_structure(x, is_leaf=is_masked) == structure
 
     def visit(x: Any) -> Any:
         if like_params(x):
-            return jtu.tree_map(params_leaf, x, *params, is_leaf=_is_masked)
+            return jtu.tree_map(params_leaf, x, *params, is_leaf=is_masked)
         return on_others(x)
 
     return jtu.tree_map(visit, opt_state, is_leaf=like_params)
@@ -96,17 +94,13 @@ def check_matches(
             f"model.{detail} {fix}"
         )
     for got, want in zip(got_leaves, want_leaves):
-        if _is_arraylike(got.value) and got.value.shape != want.value.shape:
+        if is_arraylike(got.value) and got.value.shape != want.value.shape:
             raise ValueError(
                 f"{where}: optimizer state leaf {got.path!r} has shape "
                 f"{tuple(got.value.shape)} where `optimizer.init(model)` gives "
                 f"{tuple(want.value.shape)}: the state was built for another model "
                 f"(e.g. of another depth). {fix}"
             )
-
-
-def _is_arraylike(x: Any) -> bool:
-    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 class _Index:
@@ -128,7 +122,7 @@ def state_owners(
     )
 
     def mirrors(s: Any, i: _Index) -> Any:
-        if not _is_arraylike(s):
+        if not is_arraylike(s):
             return s
         assert i.i is not None
         return _Index(i.i if tuple(s.shape) == shapes[i.i] else None)
@@ -137,7 +131,7 @@ def state_owners(
         optimizer,
         opt_state,
         mirrors,
-        lambda s: _Index(None) if _is_arraylike(s) else s,
+        lambda s: _Index(None) if is_arraylike(s) else s,
         indices,
     )
     return [x.i for x in jtu.tree_leaves(mapped) if isinstance(x, _Index)]

@@ -17,9 +17,10 @@ compiler message about one of them names its leaf.
 """
 
 import dataclasses
+import functools
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -34,8 +35,6 @@ from ._plan import NotStreamable
 from ._state_tree import state_owners
 
 
-# A leaf this large (or larger) is streamed in blocks of rows of at most this size.
-PIECE_BYTES = 32 * 2**20
 # Backends on which step `k` of a streamed loop reads piece `k` of the arrays it
 # updates in place; the others read one piece ahead (`_scan_pieces`).
 READ_IN_STEP = ("tpu",)
@@ -134,7 +133,10 @@ def update(
     whole = _plan.flatten(trace(False))
     try:
         traced = trace(True)
-    except Exception as e:  # e.g. state whose shape follows the parameter's
+    # Broad on purpose: the user's optimizer, traced on one piece, may raise anything
+    # (e.g. state whose shape follows the parameter's); the error is kept as the
+    # cause and named in the message.
+    except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise NotStreamable(
             f"traced on one piece of each leaf, it fails ({type(e).__name__}: {first})"
@@ -183,17 +185,30 @@ def norms(grads: Any, updates: Any, params: Any) -> dict[str, Any]:
 def pieces(leaf: Any, layers: int | None, index: int) -> tuple[Any, int, int] | None:
     """How a trainable leaf is streamed: `(group key, pieces, rows per piece)`, or
     None if it is updated whole. One piece per layer of its `Stacked`, or blocks of
-    rows of at most `PIECE_BYTES` for a large leaf, where `_tiling` says the TPU
+    rows of at most `_tiling.PIECE_BYTES` for a large leaf, where `_tiling` says the TPU
     compiler can cut it that way."""
     shape = tuple(leaf.shape)
     if layers is not None:
         if layers > 1 and _tiling.slices_by_layer(shape):
             return ("stacked", layers), layers, 1
         return None
-    if math.prod(shape) * leaf.dtype.itemsize < 2 * PIECE_BYTES:
+    if math.prod(shape) * leaf.dtype.itemsize < 2 * _tiling.PIECE_BYTES:
         return None
-    count = _tiling.row_blocks(shape, leaf.dtype, PIECE_BYTES)
+    count = _tiling.row_blocks(shape, leaf.dtype, _tiling.PIECE_BYTES)
     return (("leaf", index), count, shape[0] // count) if count > 1 else None
+
+
+class _Output(NamedTuple):
+    """One value a loop over the pieces of a group computes, and how it comes back."""
+
+    whole: Any  # the value in the whole program (a reference or a `_plan.Literal`)
+    piece: Any  # its counterpart in the piece program
+    # The memory kind of each new piece, stacked by the loop into the new leaf;
+    # None for partials, which come back with a leading axis of pieces.
+    kind: str | None = None
+    label: str = ""  # the named scope of its transfers
+    overwrite: int | None = None  # the input written piece by piece with it, in place
+    summed: bool = False  # a metric: added up over the pieces, back as its sum
 
 
 def _execute(
@@ -209,14 +224,12 @@ def _execute(
 ) -> tuple[Any, Any, list]:
     whole, piece = plan.whole, plan.piece
     kinds = out_kinds[0] + out_kinds[1]
-    # Outputs past the new parameters and state: metrics (scalars, on the device).
-    n_extra = len(whole.outs) - len(kinds)
     env: dict[int, Any] = dict(whole.consts)
 
-    # Shared inputs (small leaves, counts) to the device, where they are computed on.
-    def is_piecewise(r: int) -> bool:
-        return plan.kinds[r].what == _plan.PIECEWISE
+    def is_piecewise(r: Any) -> bool:
+        return isinstance(r, int) and plan.kinds[r].what == _plan.PIECEWISE
 
+    # Shared inputs (small leaves, counts) to the device, where they are computed on.
     for i, x, label in zip(whole.ins, inputs, labels):
         if not is_piecewise(i):
             with jax.named_scope(label):
@@ -233,74 +246,56 @@ def _execute(
         ]
         for key in dict.fromkeys(r.group for r in roots):
             mine = [r for r in roots if r.group == key]
-            partials = _scan_pieces(
-                plan,
-                groups[key],
-                inputs,
-                labels,
-                env,
-                [whole.eqns[r.eqn].outs[0] for r in mine],
-                [piece.eqns[r.eqn].outs[0] for r in mine],
-                None,
-            )
-            for r, values in zip(mine, partials):
-                env[whole.eqns[r.eqn].outs[0]] = r.combine(values, axis=0)
+            partials = [
+                _Output(whole.eqns[r.eqn].outs[0], piece.eqns[r.eqn].outs[0])
+                for r in mine
+            ]
+            values = _scan_pieces(plan, groups[key], inputs, labels, env, partials)
+            for r, value in zip(mine, values):
+                env[whole.eqns[r.eqn].outs[0]] = r.combine(value, axis=0)
     _run_shared(plan, env, None)
 
-    outs: list = [None] * len(whole.outs)
-    out_labels = labels[-n_params:] + labels[n_params : len(labels) - n_params]
-    out_labels += ["metrics"] * n_extra
-    all_kinds = kinds + ["device"] * n_extra  # metrics: per-row partial sums
-    for position, ref in enumerate(whole.outs):
-        if isinstance(ref, _plan.Literal):
-            outs[position] = ref.value
-        elif not is_piecewise(ref):
-            with jax.named_scope(out_labels[position]):
-                outs[position] = to_space(env[ref], all_kinds[position], "")
-    # Each piecewise output is computed in the loop over its group: the one its
-    # value comes from, or (for a value made afresh, such as zeros of a piece's
-    # shape) the one of the leaf it replaces.
-    out_group = {
-        position: plan.kinds[ref].group
-        or (
-            group_of[_source(position, n_params, len(kinds))]
-            if position < len(kinds)
-            else None
-        )
-        for position, ref in enumerate(whole.outs)
-        if isinstance(ref, int) and is_piecewise(ref)
-    }
-    if None in out_group.values():
-        raise NotStreamable("a new leaf has the shape of a piece but no pieces")
-    for key, group in groups.items():
-        wanted = [
-            (position, whole.outs[position])
-            for position, k in out_group.items()
-            if k == key
-        ]
-        if not wanted:
+    # The outputs: the new parameters, the new state, then the metrics' per-row
+    # partial sums (on the device). Each new leaf replaces an input (`_source`).
+    outputs: list[_Output] = []
+    by_group: dict[Any, list[int]] = {}  # group key -> positions of its outputs
+    for position, (ref, p_ref) in enumerate(zip(whole.outs, piece.outs)):
+        if position >= len(kinds):
+            out = _Output(ref, p_ref, "device", "metrics", summed=True)
+            source = None
+        else:
+            source = _source(position, n_params, len(kinds))
+            out = _Output(ref, p_ref, kinds[position], labels[source])
+        if not is_piecewise(ref):
+            outputs.append(out)
             continue
-        piece_outs = [piece.outs[position] for position, _ in wanted]
-        overwrite = [
-            None
-            if position >= len(kinds)
-            else _overwritable(position, ref, inputs, whole, kinds, n_params, group)
-            for position, ref in wanted
-        ]
-        results = _scan_pieces(
-            plan,
-            group,
-            inputs,
-            labels,
-            env,
-            [ref for _, ref in wanted],
-            piece_outs,
-            [all_kinds[position] for position, _ in wanted],
-            overwrite,
-            [position >= len(kinds) for position, _ in wanted],
-        )
-        for (position, ref), value in zip(wanted, results):
-            outs[position] = value
+        # Computed in the loop over its group: the one its value comes from, or
+        # (for a value made afresh, such as zeros of a piece's shape) the one of
+        # the leaf it replaces.
+        key = plan.kinds[ref].group or (None if source is None else group_of[source])
+        if key is None:
+            raise NotStreamable("a new leaf has the shape of a piece but no pieces")
+        if source is not None and group_of[source] == key:
+            overwrite = _overwritable(inputs[source], whole.avals[ref], out.kind)
+            out = out._replace(overwrite=source if overwrite else None)
+        outputs.append(out)
+        by_group.setdefault(key, []).append(position)
+
+    outs: list = [None] * len(whole.outs)
+    for position, out in enumerate(outputs):
+        if isinstance(out.whole, _plan.Literal):
+            outs[position] = out.whole.value
+        elif not is_piecewise(out.whole):
+            assert out.kind is not None
+            with jax.named_scope(out.label):
+                outs[position] = to_space(env[out.whole], out.kind, "")
+    for key, group in groups.items():
+        positions = by_group.get(key, [])
+        if positions:
+            mine = [outputs[position] for position in positions]
+            values = _scan_pieces(plan, group, inputs, labels, env, mine)
+            for position, value in zip(positions, values):
+                outs[position] = value
     new_params = jtu.tree_unflatten(p_def, outs[:n_params])
     new_state = jtu.tree_unflatten(s_def, outs[n_params : len(kinds)])
     return new_params, new_state, outs[len(kinds) :]
@@ -315,22 +310,11 @@ def _source(position: int, n_params: int, n_outputs: int) -> int:
     return position  # n_params gradients come first, then the state
 
 
-def _overwritable(
-    position: int,
-    ref: int,
-    inputs: list,
-    whole: _plan.Program,
-    kinds: list[str],
-    n_params: int,
-    group: _Group,
-) -> int | None:
-    """The input an output replaces (the old parameter or state leaf), if it can be
-    updated in place: same shape, dtype and memory kind, in the same group."""
-    source = _source(position, n_params, len(kinds))
-    x, aval = inputs[source], whole.avals[ref]
+def _overwritable(x: Any, aval: Any, kind: str | None) -> bool:
+    """Whether an output (of abstract value `aval`, going to `kind`) can be written
+    in place into the input `x` it replaces: same shape, dtype and memory kind."""
     same = x.shape == aval.shape and x.dtype == aval.dtype
-    same_kind = ("pinned_host" if is_host(x) else "device") == kinds[position]
-    return source if same and same_kind and source in group.inputs else None
+    return same and ("pinned_host" if is_host(x) else "device") == kind
 
 
 def _run_shared(plan: _plan.Plan, env: dict, level: int | None) -> None:
@@ -354,25 +338,19 @@ def _scan_pieces(
     inputs: list,
     labels: list[str],
     env: dict,
-    targets: list,
-    piece_outs: list,
-    out_kinds: list[str] | None,
-    overwrite: list | None = None,
-    summed: list[bool] | None = None,
+    outputs: list[_Output],
 ) -> list:
     """Runs the `piece` program over the pieces of `group` in a `lax.scan` and
-    returns the values of `piece_outs` (the `piece` counterparts of the
-    whole-program `targets`), moved to `out_kinds` if given. Each piece's inputs are
-    sliced from their leaves and moved to the device inside the body, so only one
-    piece is there at a time.
+    returns the value of each of `outputs`. Each piece's inputs are sliced from
+    their leaves and moved to the device inside the body, so only one piece is
+    there at a time.
 
     An output with an `overwrite` input position is written piece by piece into
     that input (a loop carry: with the input donated, the update happens in place)
     and comes back whole. A `summed` output is added up over the pieces, in the
     loop's carry, and comes back as its sum. The others come back as scan
-    outputs, with a leading
-    axis of pieces (a piece of one row, a layer, without its row axis: stacked,
-    they are the whole leaf).
+    outputs, with a leading axis of pieces (a piece of one row, a layer, without
+    its row axis: stacked, they are the whole leaf).
 
     How the overwritten inputs are read depends on the backend. On a TPU, step `k`
     reads piece `k` of each and the compiler streams it from the host. Elsewhere,
@@ -382,39 +360,40 @@ def _scan_pieces(
     the arrays it has just written piece `k` into, and carries it to the next step.
     (On a TPU that read-ahead keeps two pieces on the device and costs memory.)"""
     whole, piece = plan.whole, plan.piece
-    targets_of: list = overwrite or [None] * len(piece_outs)
     rows = group.rows
 
     def is_shared(r: Any) -> bool:
         return plan.kinds[r].what != _plan.PIECEWISE
 
-    wanted = plan.needed(targets, is_shared)
+    wanted = plan.needed([o.whole for o in outputs], is_shared)
     known = dict(piece.consts)
     for n in wanted:  # the shared and global values the body reads
         for w_ref, p_ref in zip(whole.eqns[n].ins, piece.eqns[n].ins):
             if isinstance(w_ref, int) and is_shared(w_ref):
                 known[p_ref] = env[w_ref]
 
-    def on_device(x: Any) -> Any:
-        return to_space(x, "device", "") if is_host(x) else x
-
     def piece_of(full: Any, index: Any, position: int) -> Any:
         with jax.named_scope(labels[position]):
-            return _tiling.lift(on_device(_tiling.read(full, index, rows)), rows)
-
-    def write(full: Any, value: Any, index: Any, kind: str | None) -> Any:
-        value = _tiling.lower(value, rows)
-        value = value if kind is None else to_space(value, kind, "")
-        return _tiling.write(full, value, index, rows)
+            value = _tiling.read(full, index, rows)
+            value = to_space(value, "device", "") if is_host(value) else value
+            return _tiling.lift(value, rows)
 
     # Only the pieces the body computes with are read (a global norm's scan
     # needs the gradients, not the moments).
-    refs = [r for n in wanted for r in piece.eqns[n].ins] + list(piece_outs)
+    refs = [r for n in wanted for r in piece.eqns[n].ins] + [o.piece for o in outputs]
     used = {r for r in refs if isinstance(r, int)}
-    carried = [i for i in group.inputs if i in targets_of]
-    streamed = [i for i in group.inputs if i not in targets_of and piece.ins[i] in used]
-    kinds = out_kinds or [None] * len(piece_outs)
-    sums = summed or [False] * len(piece_outs)
+    overwritten = {o.overwrite for o in outputs}
+    carried = [i for i in group.inputs if i in overwritten]
+    streamed = [
+        i for i in group.inputs if i not in overwritten and piece.ins[i] in used
+    ]
+    # The loop's carry: the overwritten inputs, then one running sum per `summed`.
+    sum_slot = dict(
+        zip(
+            [k for k, o in enumerate(outputs) if o.summed],
+            range(len(carried), len(carried) + len(outputs)),
+        )
+    )
 
     def step(index: Any, others: list, current: list, fulls: list) -> tuple:
         """One piece: its new values, written into `fulls` or returned as `ys`."""
@@ -425,72 +404,74 @@ def _scan_pieces(
             local[piece.ins[position]] = x
         _plan.run(piece, wanted, local)
         fulls, ys = list(fulls), []
-        n_sums = 0
-        for r, kind, target, add in zip(piece_outs, kinds, targets_of, sums):
-            value = local[r] if isinstance(r, int) else r.value
-            if add:
-                k = len(carried) + n_sums
-                fulls[k] = fulls[k] + jnp.sum(value)
-                n_sums += 1
-                continue
-            if target is None:
-                if kind is not None:  # a layer: stacked by the scan into the leaf
-                    value = _tiling.lower(value, rows)
-                ys.append(value if kind is None else to_space(value, kind, ""))
-                continue
-            k = carried.index(target)
-            with jax.named_scope(labels[target]):
-                fulls[k] = write(fulls[k], value, index, kind)
+        for k, out in enumerate(outputs):
+            value = local[out.piece] if isinstance(out.piece, int) else out.piece.value
+            if out.summed:
+                fulls[sum_slot[k]] = fulls[sum_slot[k]] + jnp.sum(value)
+            elif out.overwrite is None:  # stacked by the scan
+                if out.kind is not None:  # a new leaf's piece (of a layer: the leaf)
+                    value = to_space(_tiling.lower(value, rows), out.kind, "")
+                ys.append(value)
+            else:
+                c = carried.index(out.overwrite)
+                new = _tiling.lower(value, rows)
+                new = new if out.kind is None else to_space(new, out.kind, "")
+                with jax.named_scope(out.label):
+                    fulls[c] = _tiling.write(fulls[c], new, index, rows)
         return fulls, ys
 
-    def loop(read_ahead: bool) -> Callable[[list, list], tuple[list, list]]:
-        def run(fulls: list, others: list) -> tuple[list, list]:
-            def current(fulls: list, index: Any) -> list:
-                # A leaf whose new value does not read the old (a compute copy)
-                # is written without being read.
-                return [
-                    piece_of(f, index, i) if piece.ins[i] in used else None
-                    for f, i in zip(fulls, carried)
-                ]
+    def current(fulls: list, index: Any) -> list:
+        # A leaf whose new value does not read the old (a compute copy) is written
+        # without being read.
+        return [
+            piece_of(f, index, i) if piece.ins[i] in used else None
+            for f, i in zip(fulls, carried)
+        ]
 
-            def body(carry: Any, index: Any) -> tuple[Any, list]:
-                if not read_ahead:
-                    return step(index, others, current(carry, index), carry)
-                fulls, ys = step(index, others, *carry)
-                ahead = jnp.minimum(index + 1, group.pieces - 1)
-                return (current(fulls, ahead), fulls), ys
-
-            indices = jnp.arange(group.pieces)
+    def loop(fulls: list, others: list, read_ahead: bool) -> tuple[list, list]:
+        def body(carry: Any, index: Any) -> tuple[Any, list]:
             if not read_ahead:
-                return jax.lax.scan(body, fulls, indices)
-            carry = (current(fulls, 0), fulls)
-            (_, fulls), ys = jax.lax.scan(body, carry, indices)
-            return fulls, ys
+                return step(index, others, current(carry, index), carry)
+            fulls, ys = step(index, others, *carry)
+            ahead = jnp.minimum(index + 1, group.pieces - 1)
+            return (current(fulls, ahead), fulls), ys
 
-        return run
+        indices = jnp.arange(group.pieces)
+        if not read_ahead:
+            return jax.lax.scan(body, fulls, indices)
+        (_, fulls), ys = jax.lax.scan(body, (current(fulls, 0), fulls), indices)
+        return fulls, ys
 
-    fulls = [inputs[i] for i in carried] + [
-        jnp.zeros((), jnp.float32) for s in sums if s
-    ]
+    fulls = [inputs[i] for i in carried] + [jnp.zeros((), jnp.float32)] * len(sum_slot)
     others = [inputs[i] for i in streamed]
     if carried:
-        direct = {platform: loop(False) for platform in READ_IN_STEP}
-        fulls, ys = jax.lax.platform_dependent(
-            fulls, others, **direct, default=loop(True)
-        )
+        direct = {p: functools.partial(loop, read_ahead=False) for p in READ_IN_STEP}
+        ahead = functools.partial(loop, read_ahead=True)
+        fulls, ys = jax.lax.platform_dependent(fulls, others, **direct, default=ahead)
     else:
-        fulls, ys = loop(False)(fulls, others)
-    ys, outs = iter(ys), []
-    totals = iter(fulls[len(carried) :])
-    for target, kind, add in zip(targets_of, kinds, sums):
-        if add:
-            outs.append(next(totals))
-            continue
-        if target is not None:
-            outs.append(fulls[carried.index(target)])
-            continue
-        y = next(ys)
-        if kind is not None and rows > 1:
-            y = y.reshape((y.shape[0] * rows,) + y.shape[2:])
-        outs.append(y)
-    return outs
+        fulls, ys = loop(fulls, others, read_ahead=False)
+    return _collect(outputs, fulls, iter(ys), carried, sum_slot, rows)
+
+
+def _collect(
+    outputs: list[_Output],
+    fulls: list,
+    ys: Iterator,
+    carried: list[int],
+    sum_slot: dict[int, int],
+    rows: int,
+) -> list:
+    """The value of each output from what a loop over pieces gave back: its
+    overwritten input or its sum (in the carry), or its stacked pieces."""
+    values = []
+    for k, out in enumerate(outputs):
+        if out.summed:
+            values.append(fulls[sum_slot[k]])
+        elif out.overwrite is not None:
+            values.append(fulls[carried.index(out.overwrite)])
+        else:
+            y = next(ys)
+            if out.kind is not None and rows > 1:  # pieces of rows: one leaf
+                y = y.reshape((y.shape[0] * rows,) + y.shape[2:])
+            values.append(y)
+    return values
