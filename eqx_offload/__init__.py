@@ -10,6 +10,7 @@ from ._checkpoint_names import (
     CheckpointName as CheckpointName,
 )
 from ._cross_entropy import chunked_cross_entropy as chunked_cross_entropy
+from ._custom_types import MemoryKind as MemoryKind
 from ._diagnose import DoesNotCompile as DoesNotCompile
 from ._embedding import embed as embed
 from ._layout import FSDP as FSDP
@@ -18,7 +19,6 @@ from ._loading import (
     Restored as Restored,
     RestoredWithExtra as RestoredWithExtra,
 )
-from ._memory_kinds import MemoryKind as MemoryKind
 from ._mixed_precision import ComputeCopyState as ComputeCopyState
 from ._placement import field as field, place as place
 from ._policy import Policy as Policy

@@ -9,9 +9,10 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
-from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
+from jax.sharding import AxisType, PartitionSpec
 
 from . import _paths, _tiling
+from ._custom_types import AnyMesh as AnyMesh
 from ._warn import warn_at_caller
 
 
@@ -66,7 +67,6 @@ class FSDP(eqx.Module):
 
 Rule = PartitionSpec | FSDP
 Rules = tuple[tuple[str, Rule], ...]
-AnyMesh = Mesh | AbstractMesh
 
 
 def _rule(value: Any, where: str) -> Rule:

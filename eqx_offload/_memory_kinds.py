@@ -1,6 +1,6 @@
 """Memory kinds: the names, what the backend has, and where a leaf is now."""
 
-from typing import Any, get_args, Literal
+from typing import Any, get_args
 
 import equinox as eqx
 import jax
@@ -8,12 +8,10 @@ import jax.core
 import optax
 
 from . import _paths
+from ._custom_types import MemoryKind as MemoryKind, ParamsSpec as ParamsSpec
 
 
-MemoryKind = Literal["device", "pinned_host", "unpinned_host"]
 MEMORY_KINDS: tuple[str, ...] = get_args(MemoryKind)
-# What a `Policy(params=...)` may say: one kind for every leaf, or pattern -> kind.
-ParamsSpec = None | str | tuple[tuple[str, str], ...]
 
 
 def is_arraylike(x: Any) -> bool:

@@ -24,11 +24,9 @@ import jax.extend.core.primitives as primitives
 import numpy as np
 
 from .. import _jaxpr
+from .._custom_types import Direction
 from .._memory_kinds import is_host_aval
 from .._update import UPDATE_SCOPE
-
-
-Direction = Literal["host_to_device", "device_to_host"]
 
 
 class Transfer(NamedTuple):
