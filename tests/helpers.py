@@ -97,6 +97,49 @@ def batches(vocab: int = 32, batch: int = 2, seq: int = 8, seed: int = 0) -> Ite
         yield jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
 
 
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def compiles() -> Iterator[list[str]]:
+    """The names of the programs compiled for a backend inside the block, one per
+    compilation, as JAX reports them through `jax.monitoring` (a program read back
+    from the compilation cache counts too: it was lowered and handed to the
+    backend again)."""
+    names: list[str] = []
+
+    def listen(event: str, duration_secs: float, **kwargs: str | int) -> None:
+        if event == _COMPILE_EVENT:
+            names.append(str(kwargs.get("fun_name")))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+class CountCompiles:
+    """`fn`, counting what each call compiles: `compiled_on` lists the calls (from
+    0) during which anything was compiled. A jitted step that compiles once for N
+    calls has `compiled_on == [0]`; one that compiles once per input shape, called
+    with a second shape at call 3, has `[0, 3]`."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.calls: list[list[str]] = []
+
+    def __call__(self, *args, **kwargs):
+        with compiles() as names:
+            out = self.fn(*args, **kwargs)
+        self.calls.append(names)
+        return out
+
+    @property
+    def compiled_on(self) -> list[int]:
+        return [i for i, names in enumerate(self.calls) if names]
+
+
 @contextlib.contextmanager
 def unchecked() -> Iterator[None]:
     """Calls as most users make them, without the runtime type checker these tests

@@ -43,6 +43,8 @@ from jaxtyping import Array, Float, PRNGKeyArray  # noqa: E402
 
 import eqx_offload as eo  # noqa: E402
 
+from .helpers import CountCompiles  # noqa: E402
+
 
 DIM, HIDDEN, DEPTH, BATCH = 16, 32, 3, 8
 MESH = jax.make_mesh((4,), ("fsdp",), axis_types=(AxisType.Auto,))
@@ -100,7 +102,7 @@ def main() -> None:
     with jax.set_mesh(MESH):
         model = eo.place(Model(key=jax.random.key(0)), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
-    step = eo.train_step(loss_fn, optimizer, policy)
+    step = CountCompiles(eo.train_step(loss_fn, optimizer, policy))
     losses = []
     for i in range(4):
         model, opt_state, loss = step(model, opt_state, *batch(i))
@@ -124,7 +126,7 @@ def main() -> None:
         "loss_after_load": scalar(loss),
         "saved_step": saved_step,
         "memory_kinds": sorted(kinds),
-        "compiles": step.jitted._cache_size(),
+        "compiled_on": step.compiled_on,
         "saved_layouts": saved_layouts,
         "restored_layouts": restored_layouts,
         "errors": {},

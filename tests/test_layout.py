@@ -14,7 +14,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 import eqx_offload as eo
 
-from .helpers import unchecked
+from .helpers import CountCompiles, unchecked
 
 
 class Block(eqx.Module):
@@ -273,13 +273,13 @@ def test_fsdp_trains_like_one_device_on_both_axis_types(axis_type):
             warnings.simplefilter("ignore")  # head.bias (4,): replicated
             model = eo.place(Net(key=jax.random.key(0)), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
-    step = eo.train_step(loss_fn, optimizer, policy)
+    step = CountCompiles(eo.train_step(loss_fn, optimizer, policy))
     losses = []
     for _ in range(3):
         model, opt_state, loss = step(model, opt_state, X)
         losses.append(float(loss))
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
-    assert step.jitted._cache_size() == 1
+    assert step.compiled_on == [0]
     weight = model.blocks.layers.fc1.weight
     assert tuple(weight.sharding.spec)[:2] == (None, "data")
     np.testing.assert_allclose(

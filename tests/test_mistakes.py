@@ -92,29 +92,75 @@ def test_a_slice_of_device_resident_layers_scans_under_the_policy(getkey):
         eo.train_step(_slice_loss, optimizer, policy)(model, opt_state, tokens)
 
 
-@pytest.mark.parametrize("preset", ["remat", "offload_residuals"])
-def test_a_python_loop_under_remat_warns_that_no_checkpoint_applies(getkey, preset):
-    policy = getattr(eo.Policy, preset)()
+_NO_CHECKPOINT = r"`jax\.checkpoint`.*does not apply"
+
+
+def _plain_step(model, optimizer, tokens) -> tuple[np.ndarray, list[np.ndarray]]:
+    """`_loop_loss`'s first step in plain Equinox and Optax: the loss and the new
+    model's arrays (copied: the train step donates `model`'s)."""
+
+    @eqx.filter_jit
+    def step(model, tokens):
+        loss, grads = eqx.filter_value_and_grad(_loop_loss)(model, tokens)
+        params = eqx.filter(model, eqx.is_inexact_array)
+        updates, _ = optimizer.update(grads, optimizer.init(params), params)
+        return loss, eqx.filter(eqx.apply_updates(model, updates), eqx.is_array)
+
+    loss, new = step(model, tokens)
+    return np.asarray(loss), [np.array(x) for x in jax.tree.leaves(new)]
+
+
+def _assert_steps_like_plain_equinox(expected, stepped):
+    """`stepped`, a train step's outputs, is `expected`, `_plain_step`'s."""
+    loss, arrays = expected
+    new_model, _, new_loss = stepped
+    np.testing.assert_allclose(new_loss, loss, rtol=1e-6)
+    new = jax.tree.leaves(eqx.filter(new_model, eqx.is_array))
+    assert len(new) == len(arrays)
+    for a, b in zip(new, arrays):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_python_loop_under_remat_warns_that_no_checkpoint_applies(getkey):
+    """`Policy.remat()`: it warns, pointing at the loop, and trains as plain
+    Equinox does."""
+    policy = eo.Policy.remat()
+    model, opt_state, optimizer = _setup(policy, getkey)
+
+    tokens, _ = next(batches())
+    expected = _plain_step(model, optimizer, tokens)
+    step = eo.train_step(_loop_loss, optimizer, policy)
+    with pytest.warns(UserWarning, match=_NO_CHECKPOINT) as got:
+        stepped = step(model, opt_state, tokens)
+    assert got[0].filename == __file__  # points at the loop, not the library
+    _assert_steps_like_plain_equinox(expected, stepped)
+
+
+def test_a_python_loop_under_offload_residuals_warns_then_names_no_residual(getkey):
+    """`Policy.offload_residuals()`: the same warning, then the error that the name
+    it offloads never occurred (no `Stacked` scan names it)."""
+    policy = eo.Policy.offload_residuals()
     model, opt_state, optimizer = _setup(policy, getkey)
 
     tokens, _ = next(batches())
     step = eo.train_step(_loop_loss, optimizer, policy)
-    with pytest.warns(UserWarning, match=r"`jax\.checkpoint`.*does not apply") as got:
-        try:
+    with pytest.warns(UserWarning, match=_NO_CHECKPOINT) as got:
+        with pytest.raises(ValueError, match="never occurred"):
             step(model, opt_state, tokens)
-        except ValueError as e:  # offload_residuals: its name never occurs
-            assert "never occurred" in str(e)
-    assert got[0].filename == __file__  # points at the loop, not the library
+    assert got[0].filename == __file__
 
 
 def test_a_python_loop_without_remat_is_fine(getkey):
+    """No warning, and it trains as plain Equinox does."""
     policy = eo.Policy.none()
     model, opt_state, optimizer = _setup(policy, getkey)
 
     tokens, _ = next(batches())
+    expected = _plain_step(model, optimizer, tokens)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        eo.train_step(_loop_loss, optimizer, policy)(model, opt_state, tokens)
+        stepped = eo.train_step(_loop_loss, optimizer, policy)(model, opt_state, tokens)
+    _assert_steps_like_plain_equinox(expected, stepped)
 
 
 def test_layers_outside_a_step_index_and_iterate(getkey):

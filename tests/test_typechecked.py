@@ -106,5 +106,5 @@ def test_library_functions_are_checked_at_run_time():
             eo.Policy.none(),
             has_aux="yes",  # pyright: ignore[reportArgumentType]
         )
-    with pytest.raises(jaxtyping.TypeCheckError, match="n"):
+    with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'n'"):
         eo.Stacked.from_fn(lambda k: k, 2.5, key=jax.random.key(0))  # pyright: ignore
