@@ -414,9 +414,10 @@ def _scan_pieces(
                 ys.append(value)
             else:
                 c = carried.index(out.overwrite)
-                new = _tiling.lower(value, rows)
-                new = new if out.kind is None else to_space(new, out.kind, "")
+                # The transfer under the leaf's scope, which names it in reports.
                 with jax.named_scope(out.label):
+                    new = _tiling.lower(value, rows)
+                    new = new if out.kind is None else to_space(new, out.kind, "")
                     fulls[c] = _tiling.write(fulls[c], new, index, rows)
         return fulls, ys
 
