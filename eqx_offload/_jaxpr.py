@@ -71,6 +71,24 @@ def is_reduce_precision(x: Any) -> bool:
     return _primitive(x) is _p.reduce_precision_p
 
 
+# Operations whose result is (a piece of) their first operand.
+_KEEPS_FIRST = {
+    _p.dynamic_slice_p,
+    _p.dynamic_update_slice_p,
+    _p.slice_p,
+    _p.squeeze_p,
+    _p.reshape_p,
+    _p.broadcast_in_dim_p,
+    _p.copy_p,
+    _p.convert_element_type_p,
+}
+
+
+def keeps_first_operand(x: Any) -> bool:
+    """Whether the result is (a piece, a view or a cast of) the first operand."""
+    return _primitive(x) in _KEEPS_FIRST
+
+
 def is_platform_index(x: Any) -> bool:
     """The index of the branch `jax.lax.platform_dependent` takes."""
     return _is_unexported(x, "platform_index")

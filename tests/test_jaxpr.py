@@ -209,3 +209,14 @@ def test_reduction_and_broadcast_parameters():
 def test_identities(predicate, primitive):
     assert predicate(primitive)
     assert not predicate(primitives.add_p)
+
+
+def test_which_operations_keep_their_first_operand():
+    def f(x):
+        y = jax.lax.dynamic_slice_in_dim(x, 1, 2).reshape(1, 2).astype(jnp.bfloat16)
+        return y + 1
+
+    eqns = jax.make_jaxpr(f)(jnp.ones(4)).jaxpr.eqns
+    kept = {e.primitive.name: _jaxpr.keeps_first_operand(e) for e in eqns}
+    assert kept["dynamic_slice"] and kept["reshape"] and kept["convert_element_type"]
+    assert not kept["add"]

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
-import jax.extend.core.primitives as primitives
 import numpy as np
 
 from .. import _jaxpr
@@ -45,17 +44,6 @@ class _Origin(NamedTuple):
 
 
 _UNKNOWN = _Origin("", "")
-# Operations whose result is (a piece of) their first operand.
-_SLICING = {
-    primitives.dynamic_slice_p,
-    primitives.dynamic_update_slice_p,
-    primitives.slice_p,
-    primitives.squeeze_p,
-    primitives.reshape_p,
-    primitives.broadcast_in_dim_p,
-    primitives.copy_p,
-    primitives.convert_element_type_p,
-}
 
 
 def count(
@@ -170,7 +158,7 @@ def _walk(
             _walk(sub.jaxpr, inner, times, platform, totals, inside)
             _pass_out(sub.jaxpr, inner, eqn, origins)
             continue
-        if eqn.primitive in _SLICING and ins and ins[0] != _UNKNOWN:
+        if _jaxpr.keeps_first_operand(eqn) and ins and ins[0] != _UNKNOWN:
             for out in eqn.outvars:
                 origins[out] = ins[0]
 
