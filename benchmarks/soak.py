@@ -45,6 +45,32 @@ def trimmed_rss() -> int:
     return rss()
 
 
+# What `jax.monitoring` reports each time a program is compiled for a backend.
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CountingCompiles:
+    """`fn`, counting the calls during which JAX compiled a program (a step that
+    compiles once, on its first call, counts 1 however often it is called)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiling_calls = 0
+        self._compiled = False
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, event: str, duration_secs: float, **kwargs) -> None:
+        if event == COMPILE_EVENT:
+            self._compiled = True
+
+    def __call__(self, *args):
+        self._compiled = False
+        out = self.fn(*args)
+        self.compiling_calls += self._compiled
+        self._compiled = False
+        return out
+
+
 def disk_use(directory: str) -> int:
     return sum(p.stat().st_size for p in Path(directory).rglob("*") if p.is_file())
 
@@ -93,7 +119,8 @@ def main():
     optimizer = optax.adamw(3e-3)
     model = eo.place(qs.GPT(vocab, dim, depth, seq, key=jax.random.key(0)), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
-    step = eo.train_step(qs.loss_fn, optimizer, policy)
+    train_step = eo.train_step(qs.loss_fn, optimizer, policy)
+    step = CountingCompiles(train_step)
     rng = np.random.default_rng(0)
     directory = args.directory or tempfile.mkdtemp(prefix="soak-")
     shutil.rmtree(directory, ignore_errors=True)
@@ -105,7 +132,7 @@ def main():
         batch = qs.counting_sequences(rng, batch_size, seq, vocab)
         model, opt_state, loss = step(model, opt_state, *batch)
         if args.report_every and (i % args.report_every == 0 or i == 1):
-            eo.memory_report(step, model, opt_state, *batch)
+            eo.memory_report(train_step, model, opt_state, *batch)
             reports += 1
         if i % args.every == 0:
             losses.append(float(loss))
@@ -149,7 +176,7 @@ def main():
             x.nbytes
             for x in jax.tree.leaves(eqx.filter((model, opt_state), eqx.is_array))
         ),
-        "compiles": step.jitted._cache_size(),
+        "compiles": step.compiling_calls,
         "memory_reports": reports,
         "losses_at_checkpoints": losses,
         "restored_step": restored_step,
