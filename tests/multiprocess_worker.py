@@ -18,8 +18,11 @@ import sys
 
 
 NPROC, PROCESS_ID, PORT, OUTDIR = sys.argv[1:5]
+# 4 devices in all; the test run's other flags (`conftest.py`: the CPU compiler's
+# optimizations off) kept.
 os.environ["XLA_FLAGS"] = (
-    f"--xla_force_host_platform_device_count={4 // int(NPROC)}"  # 4 devices in all
+    os.environ.get("XLA_FLAGS", "")
+    + f" --xla_force_host_platform_device_count={4 // int(NPROC)}"
 )
 os.environ["JAX_PLATFORMS"] = "cpu"
 
