@@ -88,35 +88,44 @@ def leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[Leaf
     """Flattens `tree` like `jax.tree.leaves`, giving each leaf its dotted path (and
     its state-dict key: the one walk over `Stacked` layers both spellings share)."""
     out: list[Leaf] = []
-
-    def stop(x: Any) -> bool:
-        return isinstance(x, LayerStack) or (is_leaf is not None and is_leaf(x))
-
-    def visit(
-        node: Any,
-        prefix: str,
-        segments: tuple[str | None, ...],
-        stacked: str | None,
-        meta: Mapping,
-    ) -> None:
-        if isinstance(node, LayerStack):
-            visit(node.layers, prefix, segments + (None,), prefix, meta)
-            return
-        flat, _ = jtu.tree_flatten_with_path(
-            node, is_leaf=lambda x: x is not node and stop(x)
-        )
-        for keys, value in flat:
-            path = join(prefix, keys)
-            key = segments + tuple(key_segment(k) for k in keys)
-            leaf_meta = _field_metadata(node, keys, meta)
-            if isinstance(value, LayerStack) and value is not node:
-                visit(value, path, key, stacked, leaf_meta)
-            else:
-                depth = sum(s is None for s in key)
-                out.append(Leaf(path, value, stacked, leaf_meta, depth, key))
-
-    visit(tree, "", (), None, {})
+    _visit(tree, "", (), None, {}, is_leaf, out)
     return out
+
+
+def _visit(
+    node: Any,
+    prefix: str,
+    segments: tuple[str | None, ...],
+    stacked: str | None,
+    meta: Mapping,
+    is_leaf: Callable[[Any], bool] | None,
+    out: list[Leaf],
+) -> None:
+    """Appends the leaves of `node` to `out` (`leaves`' walk; a module-level function
+    rather than a closure, since it runs for every tree the library looks at)."""
+    if isinstance(node, LayerStack):
+        _visit(node.layers, prefix, segments + (None,), prefix, meta, is_leaf, out)
+        return
+    flat, _ = jtu.tree_flatten_with_path(
+        node, is_leaf=functools.partial(_stops, node=node, is_leaf=is_leaf)
+    )
+    for keys, value in flat:
+        path = join(prefix, keys)
+        key = segments + tuple(key_segment(k) for k in keys)
+        leaf_meta = _field_metadata(node, keys, meta)
+        if isinstance(value, LayerStack) and value is not node:
+            _visit(value, path, key, stacked, leaf_meta, is_leaf, out)
+        else:
+            depth = sum(s is None for s in key)
+            out.append(Leaf(path, value, stacked, leaf_meta, depth, key))
+
+
+def _stops(x: Any, *, node: Any, is_leaf: Callable[[Any], bool] | None) -> bool:
+    """Whether the walk below `node` stops at `x`: a nested `Stacked` (visited on its
+    own) or a leaf by `is_leaf`."""
+    if x is node:
+        return False
+    return isinstance(x, LayerStack) or (is_leaf is not None and is_leaf(x))
 
 
 def _field_metadata(node: Any, keys: tuple[Any, ...], meta: Mapping) -> Mapping:

@@ -78,21 +78,16 @@ def _origin(v: Any, jaxpr: Any, producers: dict[int, dict]) -> Residual:
     per layer) it is."""
     enclosing: list[tuple[Any, Any]] = []  # (outer jaxpr, jit or scan equation)
     per_iteration = False
-
-    def residual(source: str, name: str | None = None, eqn: Any = None) -> Residual:
-        # An equation inside a `jit` keeps only the frames below that call: the
-        # calls around it have the rest.
-        calls = [eqn] + [call for _, call in reversed(enclosing)]
-        where = None if eqn is None else _user_line([e.source_info for e in calls])
-        return Residual(v.aval, source, name, per_iteration, where)
-
+    name, at = None, None  # its checkpoint name; the equation that computes it
     while True:
         if _jaxpr.is_literal(v):
-            return residual("literal")
+            source = "literal"
+            break
         eqn = _producers(jaxpr, producers).get(v)
         if eqn is None:
             if not (enclosing and v in jaxpr.invars):
-                return residual("argument" if v in jaxpr.invars else "constant")
+                source = "argument" if v in jaxpr.invars else "constant"
+                break
             outer, call = enclosing.pop()
             position = jaxpr.invars.index(v)
             if _jaxpr.is_scan(call):
@@ -104,7 +99,8 @@ def _origin(v: Any, jaxpr: Any, producers: dict[int, dict]) -> Residual:
                         for e in jaxpr.eqns
                         if _jaxpr.is_checkpoint_name(e) and e.invars[0] is v
                     ]
-                    return residual("named", names[0]) if names else residual("carry")
+                    source, name = ("named", names[0]) if names else ("carry", None)
+                    break
             v, jaxpr = call.invars[position], outer
             continue
         index = eqn.outvars.index(v)
@@ -122,15 +118,22 @@ def _origin(v: Any, jaxpr: Any, producers: dict[int, dict]) -> Residual:
             per_iteration = True
             jaxpr = _jaxpr.scan_layout(eqn).body
             v = jaxpr.outvars[index]
-        elif _jaxpr.is_checkpoint_name(eqn):
-            return residual("named", _jaxpr.checkpoint_name_of(eqn))
-        elif _jaxpr.is_device_put(eqn):
-            source = _producers(jaxpr, producers).get(eqn.invars[index])
-            if source is not None and _jaxpr.is_checkpoint_name(source):
-                return residual("named", _jaxpr.checkpoint_name_of(source))
-            return residual(_jaxpr.primitive_name(eqn), eqn=eqn)
         else:
-            return residual(_jaxpr.primitive_name(eqn), eqn=eqn)
+            named = eqn
+            if _jaxpr.is_device_put(eqn):  # the offload of a named value?
+                named = _producers(jaxpr, producers).get(eqn.invars[index])
+            if named is not None and _jaxpr.is_checkpoint_name(named):
+                source, name = "named", _jaxpr.checkpoint_name_of(named)
+            else:
+                source, at = _jaxpr.primitive_name(eqn), eqn
+            break
+    # An equation inside a `jit` keeps only the frames below that call: the calls
+    # around it have the rest.
+    where = None
+    if at is not None:
+        calls = [at] + [call for _, call in reversed(enclosing)]
+        where = _user_line([e.source_info for e in calls])
+    return Residual(v.aval, source, name, per_iteration, where)
 
 
 # Code that is not the user's: JAX, the libraries a model is built from, this one,

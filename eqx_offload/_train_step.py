@@ -40,14 +40,14 @@ def join(dynamic: list, static: tuple) -> Any:
 def _mesh_shardings(dynamic: list) -> tuple:
     """The input shardings that sharding propagation might not give back: those of
     leaves laid out over several devices. (A static argument of the jitted step.)"""
+    return tuple(_over_a_mesh(x) for x in dynamic)
 
-    def over_a_mesh(x: Any) -> Any:
-        sharding = getattr(x, "sharding", None)
-        if isinstance(sharding, NamedSharding) and len(sharding.device_set) > 1:
-            return sharding
-        return None
 
-    return tuple(over_a_mesh(x) for x in dynamic)
+def _over_a_mesh(x: Any) -> NamedSharding | None:
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding) and len(sharding.device_set) > 1:
+        return sharding
+    return None
 
 
 def _place_outputs(tree: Any, kinds: list, shardings: tuple) -> Any:

@@ -328,12 +328,9 @@ class Plan:
 
 def run(program: Program, eqns: list[int], env: dict[int, Any]) -> dict[int, Any]:
     """Evaluates some equations of `program` (binding their primitives)."""
-
-    def read(r: Any) -> Any:
-        return r.value if isinstance(r, Literal) else env[r]
-
     for n in eqns:
         e = program.eqns[n]
-        out = e.primitive.bind(*map(read, e.ins), **e.params)
+        args = [r.value if isinstance(r, Literal) else env[r] for r in e.ins]
+        out = e.primitive.bind(*args, **e.params)
         env.update(zip(e.outs, out if e.primitive.multiple_results else [out]))
     return env
