@@ -333,3 +333,26 @@ def test_capacities_are_what_the_compiler_allows():
         "tpu-v5p": int(95.74 * 2**30),
         "tpu-v4": int(15.25 * 2**30),
     }
+
+
+def test_a_saved_prng_key_is_reported_with_its_dtype():
+    """A key saved on a line of its own (the input of a rematerialised block):
+    its row shows the key's dtype, which is no NumPy dtype."""
+
+    def loss(w, key):
+        key = jax.random.fold_in(key, 3)
+
+        @jax.checkpoint
+        def block(x, key):
+            keep = jax.random.bernoulli(key, 0.5, x.shape)
+            return jnp.sin(jnp.where(keep, x, 0.0)) * w
+
+        return block(w * 2, key).sum()
+
+    fn = eo.filter_offload(loss, eo.Policy.none())
+    report = eo.memory_report(fn, jnp.ones(3), jax.random.key(0))
+    assert report.largest_unnamed is not None
+    (saved,) = [r for r in report.largest_unnamed if r.dtype.startswith("key<")]
+    assert saved.shape == () and saved.operations == ("random_fold_in",)
+    assert saved.where is not None and saved.where.endswith("(loss)")
+    assert "key<fry>[]" in str(report)

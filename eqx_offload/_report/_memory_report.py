@@ -133,11 +133,12 @@ def saved_for_backward(fun: Callable, *args: Any, **kwargs: Any) -> _Saved:
     for (group, kind, where), found in unnamed.items():
         largest = max(found, key=lambda r: r.nbytes)
         operations = tuple(dict.fromkeys(r.source for r in found))
-        shape, dtype = tuple(largest.aval.shape), jax.numpy.dtype(largest.aval.dtype)
+        # (`str`: a PRNG key's dtype, `key<fry>`, is no NumPy dtype)
+        shape, dtype = tuple(largest.aval.shape), str(largest.aval.dtype)
         total = sum(r.nbytes for r in found)
         parts.append(
             UnnamedResidual(
-                group, kind, where, operations, len(found), shape, dtype.name, total
+                group, kind, where, operations, len(found), shape, dtype, total
             )
         )
     parts.sort(key=lambda p: -p.bytes)
