@@ -136,15 +136,22 @@ def _origin(v: Any, jaxpr: Any, producers: dict[int, dict]) -> Residual:
     return Residual(v.aval, source, name, per_iteration, where)
 
 
-# Code that is not the user's: JAX, the libraries a model is built from, this one,
-# and Python's own.
-_NOT_THE_USERS = tuple(
-    os.path.dirname(m.__file__ or "") + os.sep
-    for m in (jax, jaxlib, eqx, optax, jaxtyping, beartype)
-) + (
+def _directories(*modules: Any) -> tuple[str, ...]:
+    return tuple(os.path.dirname(m.__file__ or "") + os.sep for m in modules)
+
+
+# Code that is not a library function the user called: JAX, runtime type checkers'
+# wrappers, this library, and Python's own.
+_INTERNAL = (
+    *_directories(jax, jaxlib, jaxtyping, beartype),
     os.path.dirname(os.path.abspath(__file__)) + os.sep,
     sysconfig.get_paths()["stdlib"] + os.sep,
 )
+# Code that is not the user's: that, and the libraries a model is built from.
+_NOT_THE_USERS = _INTERNAL + _directories(eqx, optax)
+# beartype's wrappers are generated code, named `<@beartype(f) at 0x...>` (the
+# code typed at a prompt, `<stdin>`, is the user's).
+_GENERATED = "<@beartype("
 
 
 def _user_line(source_infos: list[Any]) -> str | None:
@@ -156,8 +163,8 @@ def _user_line(source_infos: list[Any]) -> str | None:
         for info in source_infos
         for frame in getattr(getattr(info, "traceback", None), "frames", None) or ()
     ]
-    internal = (*_NOT_THE_USERS[:2], *_NOT_THE_USERS[-2:])  # JAX, this, Python
-    called = next((f for f in frames if not f.file_name.startswith(internal)), None)
+    frames = [f for f in frames if not f.file_name.startswith(_GENERATED)]
+    called = next((f for f in frames if not f.file_name.startswith(_INTERNAL)), None)
     user = next((f for f in frames if not f.file_name.startswith(_NOT_THE_USERS)), None)
     if user is None:
         return None

@@ -150,3 +150,25 @@ def test_policy_none_adds_no_transfers_and_no_remat(with_grad, getkey):
     names = primitive_names(ours_jaxpr)
     assert "device_put" not in names and "remat2" not in names and "name" not in names
     assert str(ours_jaxpr) == str(plain_jaxpr)
+
+
+def test_the_line_saving_a_value_is_the_users_not_a_type_checkers():
+    """`Residual.where`: the innermost frame of the user's code, skipping the
+    wrappers beartype generates (named `<@beartype(...)>`, here one around a
+    function that saves a value); code typed at a prompt (`<stdin>`) is the
+    user's."""
+    source = "def loss(x):\n    return jnp.sum(jnp.sin(x) * x)\n"
+    typed: dict = {"jnp": jnp}
+    exec(compile(source, "<stdin>", "exec"), typed)
+    wrapped: dict = {"jnp": jnp}
+    exec(compile(source, "<@beartype(loss) at 0x7f00>", "exec"), wrapped)
+
+    def f(x):
+        return wrapped["loss"](x)  # the user's line
+
+    for fn, where in [
+        (typed["loss"], "<stdin>:2 (loss)"),
+        (f, f"test_residuals.py:{f.__code__.co_firstlineno + 1} (f)"),
+    ]:
+        (saved,) = [r for r in saved_residuals(fn, jnp.ones(3)) if r.source == "sin"]
+        assert saved.where == where
