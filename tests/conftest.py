@@ -36,6 +36,13 @@ for _flag in (
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from .runtime_typecheck import install  # noqa: E402
+
+
+# The library runs type-checked (jaxtyping + beartype) in every test: see
+# `runtime_typecheck.py`.
+install("eqx_offload")
+
 
 jax.config.update("jax_num_cpu_devices", 8)
 # Standard dtype promotion: strict promotion breaks optax.adam's update.

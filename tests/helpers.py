@@ -143,9 +143,9 @@ class CountCompiles:
 @contextlib.contextmanager
 def unchecked() -> Iterator[None]:
     """Calls as most users make them, without the runtime type checker these tests
-    run the library under (jaxtyping's import hook, `pyproject.toml`): an argument
-    of the wrong type then meets the library's own check, whose error says the fix
-    (with the checker on, the checker's error comes first)."""
+    run the library under (`runtime_typecheck.py`, which honours jaxtyping's
+    switch): an argument of the wrong type then meets the library's own check, whose
+    error says the fix (with the checker on, the checker's error comes first)."""
     jaxtyping.config.update("jaxtyping_disable", True)
     try:
         yield

@@ -7,11 +7,13 @@ import jax.numpy as jnp
 import jaxtyping
 import optax
 import pytest
+from beartype.roar import BeartypeCallHintParamViolation
 from jaxtyping import Array, Float, Int, jaxtyped, PRNGKeyArray
 
 import eqx_offload as eo
 
-from .helpers import batches
+from .helpers import batches, unchecked
+from .runtime_typecheck import check
 
 
 typechecked = jaxtyped(typechecker=beartype.beartype)
@@ -93,7 +95,7 @@ def test_typechecking_catches_a_wrong_shape(getkey):
 
 
 def test_library_functions_are_checked_at_run_time():
-    # The tests run with `--jaxtyping-packages=eqx_offload,beartype.beartype`; the
+    # The tests run the library type-checked (`runtime_typecheck.py`); the
     # public signatures say the real types (a policy is a `Policy`), so the checker
     # names a wrong argument first. (Without it, the library's own check does, with
     # the fix: `test_mistakes.py::test_a_policy_that_is_not_a_policy`.)
@@ -108,3 +110,51 @@ def test_library_functions_are_checked_at_run_time():
         )
     with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'n'"):
         eo.Stacked.from_fn(lambda k: k, 2.5, key=jax.random.key(0))  # pyright: ignore
+
+
+def test_private_helpers_are_checked_too():
+    """Beartype alone checks a signature without array shapes; the error is still
+    jaxtyping's, naming the parameter."""
+    from eqx_offload import _paths
+
+    assert _paths.join("a", ("b",)) == "a.b"
+    with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'prefix'"):
+        _paths.join(3, ("b",))  # pyright: ignore[reportArgumentType]
+
+
+def test_named_dimensions_agree_across_arguments():
+    """A signature with named dimensions keeps jaxtyping's memo: `dim` of `hidden`
+    and of `weight` must agree (each argument alone is well formed)."""
+    hidden, targets = jnp.zeros((4, 8)), jnp.zeros((4,), jnp.int32)
+    eo.chunked_cross_entropy(hidden, jnp.zeros((16, 8)), targets)
+    with pytest.raises(jaxtyping.TypeCheckError, match="dim"):
+        eo.chunked_cross_entropy(hidden, jnp.zeros((16, 7)), targets)
+
+
+def test_the_checker_reports_returns_and_passes_inner_errors_through():
+    """`runtime_typecheck.check`, the decorator on every library function: a wrong
+    return value is jaxtyping's error; the error of a function it calls (here a
+    user's, checked by beartype alone) reaches the caller unchanged, and the outer
+    function runs once; `unchecked()` turns it off."""
+    calls = []
+
+    @beartype.beartype
+    def inner(x: int) -> int:
+        return x
+
+    @check
+    def outer(x: int) -> int:
+        calls.append(x)
+        return inner("one")  # pyright: ignore[reportArgumentType]
+
+    @check
+    def wrong_return(x: int) -> int:
+        return str(x)  # pyright: ignore[reportReturnType]
+
+    with pytest.raises(jaxtyping.TypeCheckError, match="wrong_return"):
+        wrong_return(1)
+    with pytest.raises(BeartypeCallHintParamViolation, match="inner"):
+        outer(1)
+    assert calls == [1]
+    with unchecked():
+        assert wrong_return(1) == "1"
