@@ -49,6 +49,10 @@ def _names_shapes(annotation: object) -> bool:
     return any(_names_shapes(a) for a in typing.get_args(annotation))
 
 
+# Code objects whose functions beartype leaves as they are (nothing to check).
+_NOTHING_TO_CHECK: set = set()
+
+
 def _jaxtyped(obj):
     return jaxtyping.jaxtyped(typechecker=beartype.beartype)(obj)
 
@@ -59,8 +63,13 @@ def check(obj):
         _names_shapes(a) for a in getattr(obj, "__annotations__", {}).values()
     ):
         return _jaxtyped(obj)
+    code = getattr(obj, "__code__", None)
+    if code in _NOTHING_TO_CHECK:  # a nested function, defined again at each call
+        return obj
     fast = beartype.beartype(obj)
-    if fast is obj:  # nothing annotated
+    if fast is obj:  # nothing annotated, or only with `Any`
+        if code is not None:
+            _NOTHING_TO_CHECK.add(code)
         return obj
     checked = _wrapper(obj, fast)
     return functools.wraps(obj)(checked)
