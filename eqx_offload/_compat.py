@@ -6,10 +6,12 @@ them stops working. The compiler's text (HLO, StableHLO, error messages) is read
 in `_compiler.py`.
 """
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
 JAX_VERSION = "0.10.2"
@@ -64,3 +66,90 @@ def filter_jit_parts(fn: Any) -> FilterJit | None:
     first = getattr(fn, "donate_first", False)
     rest = getattr(fn, "donate_rest", False)
     return FilterJit(fun, tuple(i for i, d in enumerate((first, rest)) if d))
+
+
+class _KindSharding(NamedSharding):
+    """A `NamedSharding` that keeps its memory kind on devices that list no memories.
+
+    JAX's compile-only GPU devices (`jax.experimental.topologies` with the CUDA
+    plugin, jax 0.10.2) have no `addressable_memories()`, and a `NamedSharding` built
+    on them with `memory_kind="pinned_host"` reads back `memory_kind=None`: the
+    argument or output is compiled into device memory, without an error. This
+    subclass answers the kind it was given; its own equality and hash keep jit's
+    cache from returning a device-memory compile for it (the C++ equality ignores
+    the subclass)."""
+
+    _eqx_offload_kind: str
+
+    @property
+    def memory_kind(self) -> str:  # pyright: ignore[reportIncompatibleVariableOverride]
+        return self._eqx_offload_kind
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, NamedSharding)
+            and super().__eq__(other)
+            and other.memory_kind == self.memory_kind
+        )
+
+    def __hash__(self) -> int:
+        return hash((super().__hash__(), self._eqx_offload_kind))
+
+
+def named_sharding(mesh: Mesh, spec: PartitionSpec, kind: str) -> NamedSharding:
+    """`NamedSharding(mesh, spec, memory_kind=kind)`, whose memory kind holds also on
+    compile-only devices that list no memories (`_KindSharding`).
+
+    **Raises:**
+
+    `NotImplementedError` if this JAX no longer lets the kind be kept that way.
+    """
+    sharding = NamedSharding(mesh, spec, memory_kind=kind)
+    if sharding.memory_kind == kind or kind == "device":
+        return sharding
+    out = _KindSharding(mesh, spec)
+    out._eqx_offload_kind = kind
+    if out.memory_kind != kind or out == NamedSharding(mesh, spec):
+        raise NotImplementedError("a sharding cannot keep its memory kind here")
+    return out
+
+
+@contextlib.contextmanager
+def host_outputs_kept() -> Iterator[None]:
+    """While compiling for devices that list no memories: outputs given a
+    `_KindSharding` keep it. JAX compares each output's sharding with the one the
+    compiler reports and, the compiler's reading no memory kind, raises "Unexpected
+    XLA sharding override" (`jax._src.interpreters.pxla.
+    _maybe_get_and_check_out_shardings`, jax 0.10.2).
+
+    **Raises:**
+
+    `NotImplementedError` if that function is gone.
+    """
+    try:
+        from jax._src.interpreters import pxla
+
+        check = getattr(pxla, "_maybe_get_and_check_out_shardings")
+    except (ImportError, AttributeError) as e:
+        raise NotImplementedError(f"{type(e).__name__}: {e}") from e
+
+    def kept(executable: Any, out_shardings: Any, *args: Any) -> Any:
+        if any(isinstance(s, _KindSharding) for s in out_shardings):
+            checked = check(executable, [_plain(s) for s in out_shardings], *args)
+            return [
+                s if isinstance(s, _KindSharding) else c
+                for s, c in zip(out_shardings, checked, strict=True)
+            ]
+        return check(executable, out_shardings, *args)
+
+    setattr(pxla, "_maybe_get_and_check_out_shardings", kept)
+    try:
+        yield
+    finally:
+        setattr(pxla, "_maybe_get_and_check_out_shardings", check)
+
+
+def _plain(sharding: Any) -> Any:
+    if isinstance(sharding, _KindSharding):
+        return NamedSharding(sharding.mesh, sharding.spec)
+    return sharding
