@@ -30,7 +30,7 @@ from ._record import (
     UNNAMED,
     UnnamedResidual,
 )
-from ._targets import abstract, HBM_BYTES
+from ._targets import abstract
 
 
 _KINDS = ("device", "pinned_host")
@@ -288,6 +288,11 @@ def memory_report(
             many devices as the slice has chips. Other arguments are replicated on
             every chip, except the batch a `train_step` with `Policy(batch=...)`
             lays out.
+        - `"gpu-h100"`, `"gpu-h200"` (one GPU), `"gpu-h100:8"` (a node of eight),
+            `"gpu-h100:4x8"` (hosts x GPUs per host): compiled with JAX's CUDA
+            plugin (the `gpu-aot` extra), no GPU needed, as a slice is. The
+            capacity is the share of the GPU's memory JAX's allocator takes
+            (`XLA_PYTHON_CLIENT_MEM_FRACTION`, default 0.75).
 
         `target` is reserved: a function argument of that name can be bound with
         `functools.partial`.
@@ -340,7 +345,10 @@ def memory_report(
 
     def to_abstract(tree: Any, replicate: bool = True) -> Any:
         def leaf(x: Any) -> Any:
-            return abstract(x, where.mesh, where.source, replicate)
+            out = abstract(x, where.mesh, where.source, replicate)
+            if replicate and kind_of(out) != kind_of(x):
+                raise _kind_not_kept(where.name, kind_of(x))
+            return out
 
         return jtu.tree_map(lambda x: leaf(x) if is_arraylike(x) else x, tree)
 
@@ -358,7 +366,11 @@ def memory_report(
         lowered = traced.lower()
         saved = None if plan.residuals is None else plan.residuals()
         residuals = None if saved is None else saved.rows
-        platform = "tpu" if where.mesh is not None else jax.default_backend()
+        platform = (
+            jax.default_backend()
+            if where.mesh is None
+            else _targets.platform(where.name)
+        )
         transfers = _traffic.count(traced.jaxpr, _inputs(plan), platform)
     what = DESCRIPTIONS[plan.kind]
 
@@ -366,7 +378,12 @@ def memory_report(
         return bytes_by_kind(tree, per_chip=where.mesh is not None)
 
     try:
-        compiled = lowered.compile()
+        if platform == "gpu":
+            # Compile-only GPU devices list no memories (`_compat.named_sharding`).
+            with _compat.host_outputs_kept():
+                compiled = lowered.compile()
+        else:
+            compiled = lowered.compile()
         stats = compiled.memory_analysis()
     except jax.errors.JaxRuntimeError as e:
         if out_of_memory(e):
@@ -388,7 +405,7 @@ def memory_report(
     else:
         device = {p: int(getattr(stats, f"{p}_size_in_bytes")) for p in PARTS}
         host = {p: int(getattr(stats, f"host_{p}_size_in_bytes")) for p in PARTS}
-    return MemoryReport(
+    report = MemoryReport(
         target=where.name,
         capacity=where.capacity,
         kind=plan.kind,
@@ -406,8 +423,38 @@ def memory_report(
         compiled_transfers=_compiled_traffic.count(
             compiled.as_text(), _inputs(plan), _outputs(plan), transfers
         )
-        if platform == "tpu"
+        if platform in ("tpu", "gpu")
         else None,
+    )
+    if platform == "gpu":
+        _check_host_kept(report, where)
+        if not report.fits:
+            message = (
+                f"the program needs {size_text(report.device_bytes)} of device "
+                f"memory; {where.name} has {size_text(report.capacity or 0)} for it "
+                "(the share JAX's allocator takes, `XLA_PYTHON_CLIENT_MEM_FRACTION`)"
+            )
+            raise _does_not_fit(plan, residuals, count, what, where, message)
+    return report
+
+
+def _check_host_kept(report: MemoryReport, where: "_Where") -> None:
+    """Refuses a GPU compile that counted host-resident arguments as device memory
+    (the trap `_compat.named_sharding` works around) rather than report it."""
+    on_host = sum(host_total(by_kind) for by_kind in report.arguments.values())
+    if on_host > 0 and report.host["argument"] == 0:
+        raise _kind_not_kept(
+            where.name, f"host memory ({size_text(on_host)} of arguments)"
+        )
+
+
+def _kind_not_kept(target: str, kind: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"`memory_report(target={target!r})`: an argument in {kind} would be "
+        f"compiled into device memory (JAX {jax.__version__} keeps no memory kind on "
+        "compile-only GPU devices, and eqx_offload's workaround, checked on jax "
+        f"{_compat.JAX_VERSION}, did not hold here), so the report would be wrong. "
+        "Report for a TPU target, or on the GPU itself (`target=None`)."
     )
 
 
@@ -461,8 +508,8 @@ class _Where(NamedTuple):
 def _where(target: str | None, trees: Any) -> _Where:
     if target is None:
         return _Where(jax.default_backend(), None, None, None, None, None, None)
-    chip, topology = _targets.parse(target)
-    capacity = HBM_BYTES[chip]
+    _, topology = _targets.parse(target)
+    capacity = _targets.capacity(target)
     chip_mesh = _targets.chip_mesh(target)
     if topology is None:
         return _Where(target, chip_mesh, None, chip_mesh, capacity, 1, 1)

@@ -1,10 +1,12 @@
 """Compile targets for `memory_report`: this backend, one chip of a TPU, or a whole
-TPU slice, compiled ahead of time on this machine with libtpu (no TPU needed)."""
+TPU slice, compiled ahead of time on this machine with libtpu; one NVIDIA GPU, a
+node of them or several nodes, with JAX's CUDA plugin (no TPU or GPU needed)."""
 
 import functools
 import os
 import re
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -12,7 +14,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from .. import _paths
+from .. import _compat, _paths
 from .._memory_kinds import abstract_sharding, kind_of
 
 
@@ -36,27 +38,110 @@ HBM_BYTES = {
     "tpu-v4": int(15.25 * 2**30),
 }
 
-# A target is a chip name, or a chip name and a slice's topology: "tpu-v5e:4x4".
+# The GPUs: XLA's target configuration of each (`gpu_specs/`), which states its
+# device memory (`device_memory_size`: 79.1 GiB for an H100 SXM, 141.0 GiB for an
+# H200).
+GPU_SPECS = {"gpu-h100": "h100_sxm.txtpb", "gpu-h200": "h200.txtpb"}
+
+# The share of a GPU's memory JAX's allocator takes (and a program may use): 75% by
+# default, `XLA_PYTHON_CLIENT_MEM_FRACTION` otherwise. The XLA:GPU compiler does not
+# refuse a program too big for the device, so `memory_report` compares with this.
+DEFAULT_MEM_FRACTION = 0.75
+
+# A target is a chip name, or a chip name and a slice's topology: "tpu-v5e:4x4";
+# for GPUs, GPUs per host or hosts x GPUs per host: "gpu-h100:8", "gpu-h100:4x8".
 # Checked by `parse`, with the valid forms in the message (a `Literal` cannot spell
 # the topologies).
-_TARGET = re.compile(r"(?P<chip>[\w-]+?)(?::(?P<topology>\d+(?:x\d+)+))?")
+_TARGET = re.compile(r"(?P<chip>[\w-]+?)(?::(?P<topology>\d+(?:x\d+)*))?")
 _FORMS = (
-    f"None (this backend), {_paths.quoted(TOPOLOGIES)} (one chip), or a whole slice "
+    f"None (this backend), {_paths.quoted(TOPOLOGIES)} (one chip), a whole slice "
     "as chip and topology, e.g. 'tpu-v5e:2x2' ... 'tpu-v5e:16x16', 'tpu-v6e:4x4', "
-    "'tpu-v5p:2x2x2', 'tpu-v4:2x2x2'"
+    f"'tpu-v5p:2x2x2', 'tpu-v4:2x2x2'; {_paths.quoted(GPU_SPECS)} (one GPU), a node "
+    "as GPU and GPUs per host, e.g. 'gpu-h100:8', or several nodes as hosts x GPUs "
+    "per host, e.g. 'gpu-h100:4x8'"
 )
 
 
 def parse(target: str) -> tuple[str, str | None]:
     """The chip and the slice topology of `target`: `("tpu-v5e", "4x4")` for
-    `"tpu-v5e:4x4"`, `("tpu-v5e", None)` for one chip."""
+    `"tpu-v5e:4x4"`, `("tpu-v5e", None)` for one chip, `("gpu-h100", "4x8")` for
+    four hosts of eight H100s, `("gpu-h100", "8")` for one."""
     found = _TARGET.fullmatch(target) if isinstance(target, str) else None
-    if found is None or found["chip"] not in TOPOLOGIES:
+    chip = None if found is None else found["chip"]
+    topology = None if found is None else found["topology"]
+    known = chip in TOPOLOGIES or chip in GPU_SPECS
+    if (
+        found is None
+        or not known
+        or (chip in TOPOLOGIES and topology is not None and "x" not in topology)
+        or (chip in GPU_SPECS and topology is not None and topology.count("x") > 1)
+    ):
         raise ValueError(
             f"`memory_report(target={target!r})`: unknown target; valid targets: "
             f"{_FORMS}."
         )
     return found["chip"], found["topology"]
+
+
+def is_gpu(target: str) -> bool:
+    return parse(target)[0] in GPU_SPECS
+
+
+def platform(target: str) -> str:
+    """The compiler `target` is compiled with: `"tpu"` or `"gpu"`."""
+    return "gpu" if is_gpu(target) else "tpu"
+
+
+def _gpu_spec(chip: str) -> str:
+    return (Path(__file__).parent / "gpu_specs" / GPU_SPECS[chip]).read_text()
+
+
+def capacity(target: str) -> int:
+    """The device memory one program may use on one device of `target`: what libtpu
+    states for a TPU; for a GPU, its memory as its target configuration states it
+    times the share JAX's allocator takes (`XLA_PYTHON_CLIENT_MEM_FRACTION`,
+    default 0.75)."""
+    chip, _ = parse(target)
+    if chip in HBM_BYTES:
+        return HBM_BYTES[chip]
+    found = re.search(r"device_memory_size: (\d+)", _gpu_spec(chip))
+    assert found is not None, GPU_SPECS[chip]
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    try:
+        share = DEFAULT_MEM_FRACTION if fraction is None else float(fraction)
+    except ValueError:
+        share = -1.0
+    if not 0 < share <= 1:
+        raise ValueError(
+            f"`memory_report(target={target!r})`: `XLA_PYTHON_CLIENT_MEM_FRACTION` "
+            f"is {fraction!r}; set it to a fraction in (0, 1], as JAX reads it "
+            "(0.75 when unset)."
+        )
+    return int(int(found[1]) * share)
+
+
+def _import_cuda_plugin() -> None:
+    try:
+        import jax_plugins.xla_cuda12  # noqa: F401  # pyright: ignore[reportMissingImports]
+    except ImportError as e:
+        raise ImportError(
+            "`memory_report(target='gpu-...')` compiles for a GPU with JAX's CUDA "
+            "plugin, which is not installed. Install it (about 175 MB; no GPU or "
+            f"CUDA needed): `pip install jax-cuda12-plugin=={jax.__version__} "
+            f"jax-cuda12-pjrt=={jax.__version__}`, or from a clone of eqx_offload, "
+            "its `gpu-aot` extra: `pip install -e '.[gpu-aot]'`. On a machine "
+            "without GPUs, run with `JAX_PLATFORMS=cpu`."
+        ) from e
+
+
+@functools.cache
+def _gpu_devices(chip: str, hosts: int, per_host: int) -> tuple[Any, ...]:
+    from jax.experimental import topologies
+
+    desc = topologies.get_topology_desc(
+        platform="cuda", target_config=_gpu_spec(chip), topology=f"1x{hosts}x{per_host}"
+    )
+    return tuple(desc.devices)
 
 
 def _import_libtpu() -> None:
@@ -88,9 +173,21 @@ def _topology_devices(name: str) -> tuple[Any, ...]:
 
 
 def devices(target: str) -> tuple[Any, ...]:
-    """The TPU devices `target` compiles for: every device of a slice, or the first
-    chip of the smallest topology."""
+    """The devices `target` compiles for: every device of a slice or of the GPU
+    hosts, or the first chip of the smallest TPU topology, or one GPU."""
     chip, topology = parse(target)
+    if chip in GPU_SPECS:
+        _import_cuda_plugin()
+        sizes = [int(n) for n in (topology or "1").split("x")]
+        hosts, per_host = sizes if len(sizes) == 2 else (1, sizes[0])
+        try:
+            return _gpu_devices(chip, hosts, per_host)
+        except jax.errors.JaxRuntimeError as e:
+            raise ValueError(
+                f"`memory_report(target={target!r})`: the CUDA plugin does not "
+                f"compile for {hosts} host(s) of {per_host} GPUs: {e}. Use one GPU "
+                f"({chip!r}) or one node ('{chip}:8')."
+            ) from e
     _import_libtpu()
     if topology is None:
         return _topology_devices(TOPOLOGIES[chip])[:1]
@@ -174,7 +271,7 @@ def abstract(
     sharding = getattr(x, "sharding", None)
     if isinstance(sharding, NamedSharding):
         if source is not None and sharding.mesh == source:
-            named = NamedSharding(mesh, sharding.spec, memory_kind=kind_of(x))
+            named = _compat.named_sharding(mesh, sharding.spec, kind_of(x))
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named)
     elif mesh.size > 1 and sharding is not None and len(sharding.device_set) > 1:
         raise ValueError(
@@ -185,5 +282,5 @@ def abstract(
         )
     if not replicate:
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    named = NamedSharding(mesh, PartitionSpec(), memory_kind=kind_of(x))
+    named = _compat.named_sharding(mesh, PartitionSpec(), kind_of(x))
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named)
