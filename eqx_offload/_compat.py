@@ -6,8 +6,7 @@ them stops working. The compiler's text (HLO, StableHLO, error messages) is read
 in `_compiler.py`.
 """
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -112,44 +111,3 @@ def named_sharding(mesh: Mesh, spec: PartitionSpec, kind: str) -> NamedSharding:
     if out.memory_kind != kind or out == NamedSharding(mesh, spec):
         raise NotImplementedError("a sharding cannot keep its memory kind here")
     return out
-
-
-@contextlib.contextmanager
-def host_outputs_kept() -> Iterator[None]:
-    """While compiling for devices that list no memories: outputs given a
-    `_KindSharding` keep it. JAX compares each output's sharding with the one the
-    compiler reports and, the compiler's reading no memory kind, raises "Unexpected
-    XLA sharding override" (`jax._src.interpreters.pxla.
-    _maybe_get_and_check_out_shardings`, jax 0.10.2).
-
-    **Raises:**
-
-    `NotImplementedError` if that function is gone.
-    """
-    try:
-        from jax._src.interpreters import pxla
-
-        check = getattr(pxla, "_maybe_get_and_check_out_shardings")
-    except (ImportError, AttributeError) as e:
-        raise NotImplementedError(f"{type(e).__name__}: {e}") from e
-
-    def kept(executable: Any, out_shardings: Any, *args: Any) -> Any:
-        if any(isinstance(s, _KindSharding) for s in out_shardings):
-            checked = check(executable, [_plain(s) for s in out_shardings], *args)
-            return [
-                s if isinstance(s, _KindSharding) else c
-                for s, c in zip(out_shardings, checked, strict=True)
-            ]
-        return check(executable, out_shardings, *args)
-
-    setattr(pxla, "_maybe_get_and_check_out_shardings", kept)
-    try:
-        yield
-    finally:
-        setattr(pxla, "_maybe_get_and_check_out_shardings", check)
-
-
-def _plain(sharding: Any) -> Any:
-    if isinstance(sharding, _KindSharding):
-        return NamedSharding(sharding.mesh, sharding.spec)
-    return sharding

@@ -337,6 +337,9 @@ def memory_report(
         ```
     """
     where = _where(target, (args, kwargs))
+    platform = (
+        jax.default_backend() if where.mesh is None else _targets.platform(where.name)
+    )
     lays_out_batch = (
         isinstance(fn, _TrainStep)
         and fn.config.policy.batch is not None
@@ -346,7 +349,7 @@ def memory_report(
     def to_abstract(tree: Any, replicate: bool = True) -> Any:
         def leaf(x: Any) -> Any:
             out = abstract(x, where.mesh, where.source, replicate)
-            if replicate and kind_of(out) != kind_of(x):
+            if platform == "gpu" and replicate and kind_of(out) != kind_of(x):
                 raise _kind_not_kept(where.name, kind_of(x))
             return out
 
@@ -366,11 +369,6 @@ def memory_report(
         lowered = traced.lower()
         saved = None if plan.residuals is None else plan.residuals()
         residuals = None if saved is None else saved.rows
-        platform = (
-            jax.default_backend()
-            if where.mesh is None
-            else _targets.platform(where.name)
-        )
         transfers = _traffic.count(traced.jaxpr, _inputs(plan), platform)
     what = DESCRIPTIONS[plan.kind]
 
@@ -378,12 +376,7 @@ def memory_report(
         return bytes_by_kind(tree, per_chip=where.mesh is not None)
 
     try:
-        if platform == "gpu":
-            # Compile-only GPU devices list no memories (`_compat.named_sharding`).
-            with _compat.host_outputs_kept():
-                compiled = lowered.compile()
-        else:
-            compiled = lowered.compile()
+        compiled = lowered.compile()
         stats = compiled.memory_analysis()
     except jax.errors.JaxRuntimeError as e:
         if out_of_memory(e):

@@ -83,13 +83,9 @@ def parse(target: str) -> tuple[str, str | None]:
     return found["chip"], found["topology"]
 
 
-def is_gpu(target: str) -> bool:
-    return parse(target)[0] in GPU_SPECS
-
-
 def platform(target: str) -> str:
     """The compiler `target` is compiled with: `"tpu"` or `"gpu"`."""
-    return "gpu" if is_gpu(target) else "tpu"
+    return "gpu" if parse(target)[0] in GPU_SPECS else "tpu"
 
 
 def _gpu_spec(chip: str) -> str:
