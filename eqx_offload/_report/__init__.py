@@ -1,5 +1,5 @@
 """Measuring and reporting: where each byte of a step lives, compiled for this
-backend or a TPU target, and what moves between host and device.
+backend or a TPU or GPU target, and what moves between host and device.
 
 `_memory_report` compiles the step and builds the `MemoryReport`, `_targets` makes
 the compile targets, `_traffic` reads transfers from the traced program,

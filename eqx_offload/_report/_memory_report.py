@@ -1,5 +1,5 @@
 """`memory_report`: where every byte of a step lives, on this backend or compiled for
-a TPU chip or a whole TPU slice, without running anything."""
+a TPU chip or a whole TPU slice, or for NVIDIA GPUs, without running anything."""
 
 import functools
 import math

@@ -50,17 +50,19 @@ LARGEST = 3  # unnamed residuals shown per group
 class MemoryReport(eqx.Module):
     """Where the memory of one compiled step lives. Print it for a table.
 
-    Compiled for a TPU (one chip or a whole slice), every byte count is **per
-    chip**: the step is one SPMD program, and each chip runs it on its own shards.
+    Compiled for a TPU (one chip or a whole slice) or for GPUs (one, a node or
+    several nodes), every byte count is **per chip** (per GPU): the step is one SPMD
+    program, and each chip or GPU runs it on its own shards.
 
     - `device_bytes`, `host_bytes`: the footprints of one chip, `argument + output +
         temp - alias` of each memory (`device` and `host` hold the parts, as the
         compiler counts them: each array as the shard one chip holds, padded to the
         tiled layout the compiler chose; a replicated array whole).
     - `chips`, `chips_per_host`: the devices the step was compiled for (1 for
-        `"tpu-v5e"`, 16 for `"tpu-v5e:4x4"`) and how many of them one host serves
-        (libtpu's layout of the slice: 4 for v5e, v6e and v5p; 8 TensorCores, four
-        chips, for v4); `None` on this backend.
+        `"tpu-v5e"`, 16 for `"tpu-v5e:4x4"`, 32 GPUs for `"gpu-h100:4x8"`) and how
+        many of them one host serves (libtpu's layout of the slice: 4 for v5e, v6e
+        and v5p; 8 TensorCores, four chips, for v4; for GPUs, the GPUs per host of
+        the target); `None` on this backend.
     - `host_bytes_per_host`: the host memory of one host, `host_bytes *
         chips_per_host`: each chip's host-resident shards (and its own copy of each
         replicated host-resident array) are separate buffers in the RAM of the host
@@ -77,8 +79,9 @@ class MemoryReport(eqx.Module):
         every `Stacked`, and `"(unnamed, in stacked layers)"`), each with its
         shape, dtype, the operation and the line of your code that computed it.
     - `capacity`, `fits`: the device memory the compiler lets a program use on one
-        chip of the target (15.75 GiB of a v5e's 16) and whether the device
-        footprint fits in it; `None` on the CPU.
+        chip of the target (15.75 GiB of a v5e's 16; on a GPU, the share of its
+        memory JAX's allocator takes: 75% of an H100's 79.1 GiB by default) and
+        whether the device footprint fits in it; `None` on the CPU.
     - `arguments`: bytes of each argument by memory kind (per chip on a TPU, as
         `params`).
     - `estimate`: `True` on the CPU backend, whose compiler does not tell host from
@@ -87,8 +90,8 @@ class MemoryReport(eqx.Module):
     - `transfers`: the bytes moved host <-> device per step that the traced
         program asks for (`eo.Transfer` rows by direction, phase, what and name:
         each parameter, optimizer-state leaf and checkpoint name).
-    - `compiled_transfers`: the same read from the compiled program, on a TPU
-        target (`None` otherwise): what the compiler kept (it drops the moves of
+    - `compiled_transfers`: the same read from the compiled program, on a TPU or
+        GPU target (`None` otherwise): what the compiler kept (it drops the moves of
         values nothing uses). A move of a value computed in the step that no named
         scope describes (a gradient, a residual, an accumulator) is `"computed"`.
     - `host_to_device_bytes`, `device_to_host_bytes`: the totals per step, from
@@ -112,7 +115,7 @@ class MemoryReport(eqx.Module):
     opt_state: dict[str, int] | None = None
     residuals: tuple[ResidualRow, ...] | None = None
     largest_unnamed: tuple[UnnamedResidual, ...] | None = None
-    chips: int | None = None  # devices compiled for (TPU targets)
+    chips: int | None = None  # devices compiled for (TPU and GPU targets)
     chips_per_host: int | None = None  # of them, how many one host serves
     transfers: tuple[Transfer, ...] | None = None
     compiled_transfers: tuple[Transfer, ...] | None = None
@@ -120,8 +123,8 @@ class MemoryReport(eqx.Module):
     @property
     def host_to_device_bytes(self) -> int:
         """Bytes moved from host to device memory per step: what the compiled
-        program moves (`compiled_transfers`) on a TPU target, else what the traced
-        program asks for (`transfers`)."""
+        program moves (`compiled_transfers`) on a TPU or GPU target, else what the
+        traced program asks for (`transfers`)."""
         return self.transfer_bytes("host_to_device", compiled=self._compiled)
 
     @property
@@ -146,13 +149,13 @@ class MemoryReport(eqx.Module):
         value if given (`what`: `"params"`, `"opt_state"`, `"gradients"`,
         `"residuals"`, `"batch"`, `"other"`; in the compiled program also
         `"computed"`), from `transfers`, or from `compiled_transfers` if
-        `compiled` (a TPU target's report has them)."""
+        `compiled` (a TPU or GPU target's report has them)."""
         rows = self.compiled_transfers if compiled else self.transfers
         if compiled and rows is None:
             raise ValueError(
                 "`MemoryReport.transfer_bytes(compiled=True)`: this report has no "
-                "compiled transfers (they are read from a TPU compile: "
-                "`memory_report(..., target='tpu-v5e')`)."
+                "compiled transfers (they are read from a TPU or GPU compile: "
+                "`memory_report(..., target='tpu-v5e')` or `target='gpu-h100'`)."
             )
         return sum(
             t.bytes
@@ -184,6 +187,11 @@ class MemoryReport(eqx.Module):
         `chips_per_host` chips it serves (on this backend, `host_bytes`: the whole
         program runs on this machine)."""
         return self.host_bytes * (self.chips_per_host or 1)
+
+    @property
+    def _unit(self) -> str:
+        """What one device of the target is called in the table."""
+        return "GPU" if self.target.startswith("gpu-") else "chip"
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-serialisable data (bytes as ints)."""
@@ -300,11 +308,12 @@ class MemoryReport(eqx.Module):
             hosts = self.chips // (self.chips_per_host or self.chips)
             lines = [
                 f"Memory report for {what}, compiled for {self.target}: "
-                f"{self.chips} chips, {self.chips_per_host} per host ({hosts} hosts)"
+                f"{self.chips} {self._unit}s, {self.chips_per_host} per host "
+                f"({hosts} host{'s' if hosts > 1 else ''})"
             ]
         else:
             lines = [f"Memory report for {what}, compiled for {self.target}"]
-        per_chip = "per chip" if self.chips is not None else ""
+        per_chip = f"per {self._unit}" if self.chips is not None else ""
         header = f"{per_chip:<34}{'device':>14}{'host':>14}"
         lines += [header, "-" * len(header)]
 
@@ -322,9 +331,11 @@ class MemoryReport(eqx.Module):
         )
         if self.capacity is not None:
             verdict = "fits" if self.fits else "does NOT fit"
-            lines.append(f"  {verdict} in the {size_text(self.capacity)} of one chip")
+            lines.append(
+                f"  {verdict} in the {size_text(self.capacity)} of one {self._unit}"
+            )
         if self.chips is not None and self.chips > 1:
-            label = f"host memory of a host ({self.chips_per_host} chips)"
+            label = f"host memory of a host ({self.chips_per_host} {self._unit}s)"
             row(label, None, self.host_bytes_per_host)
         for label, by_kind in (
             ("parameters", self.params),

@@ -134,9 +134,21 @@ def _import_cuda_plugin() -> None:
 def _gpu_devices(chip: str, hosts: int, per_host: int) -> tuple[Any, ...]:
     from jax.experimental import topologies
 
-    desc = topologies.get_topology_desc(
-        platform="cuda", target_config=_gpu_spec(chip), topology=f"1x{hosts}x{per_host}"
-    )
+    try:
+        desc = topologies.get_topology_desc(
+            platform="cuda",
+            target_config=_gpu_spec(chip),
+            topology=f"1x{hosts}x{per_host}",
+        )
+    except NotImplementedError as e:
+        # The CUDA plugin registers its compile-only topologies when it loads; on a
+        # machine without CUDA it fails to load unless JAX runs on the CPU alone.
+        raise RuntimeError(
+            "`memory_report(target='gpu-...')`: JAX's CUDA plugin did not load "
+            f"({e}; on a machine without a GPU it looks for CUDA and fails). Run "
+            "with `JAX_PLATFORMS=cpu` in the environment (set before JAX is "
+            "imported): the plugin then compiles for GPUs without one."
+        ) from e
     return tuple(desc.devices)
 
 
