@@ -289,3 +289,16 @@ def test_fsdp_and_offload_all_over_several_nodes():
     assert report.host["argument"] > 0
     assert report.host_bytes_per_host == 8 * report.host_bytes
     assert "host memory of a host (8 GPUs)" in str(report)
+
+
+def test_a_plugin_that_did_not_load_names_jax_platforms(monkeypatch):
+    """Without `JAX_PLATFORMS=cpu` on a machine without CUDA, the plugin fails to
+    load and JAX answers "topology not implemented for cuda"."""
+    from jax.experimental import topologies
+
+    def not_loaded(platform, **kwargs):
+        raise NotImplementedError(f"topology not implemented for {platform}")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", not_loaded)
+    with pytest.raises(RuntimeError, match="JAX_PLATFORMS=cpu"):
+        _targets.devices("gpu-h100:3")  # a topology not compiled (cached) before
