@@ -127,10 +127,14 @@ def test_too_big_for_the_allocators_share_does_not_fit(monkeypatch):
     with pytest.raises(eo.DoesNotFit, match="XLA_PYTHON_CLIENT_MEM_FRACTION") as e:
         eo.memory_report(step, model, opt_state, *batch, target="gpu-h100")
     assert e.value.target == "gpu-h100" and e.value.params is not None
+    assert e.value.available_bytes == int(84942979072 * 1e-9)
+    assert e.value.required_bytes is not None and e.value.required_bytes > 10**5
+    assert "one gpu-h100 GPU" in str(e.value) and "compiler says" not in str(e.value)
 
 
 def test_a_missing_plugin_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "jax_plugins.xla_cuda12", None)
+    monkeypatch.setitem(sys.modules, "jax_plugins.xla_cuda13", None)
     with pytest.raises(ImportError, match=r"pip install -e '\.\[gpu-aot\]'"):
         _targets.devices("gpu-h200:8")
 

@@ -43,7 +43,8 @@ class DoesNotFit(ValueError):
 
     - `target`: what it was compiled for (`"tpu-v5e"`, ...).
     - `required_bytes`, `available_bytes`: the compiler's figures (`None` if its
-        message had none).
+        message had none); for a GPU, the compiled device footprint and the share
+        of the GPU's memory JAX's allocator takes.
     - `params`, `opt_state`: bytes of parameters and optimizer state by memory kind
         (`train_step` and `filter_offload` objects; `None` otherwise).
     - `residuals`: bytes saved for the backward pass by checkpoint name and memory
@@ -71,12 +72,13 @@ class DoesNotFit(ValueError):
         params: dict[str, int] | None = None,
         opt_state: dict[str, int] | None = None,
         residuals: tuple["ResidualRow", ...] | None = None,
+        sizes: tuple[int, int] | None = None,
     ):
         super().__init__(message)
         self.target = target
         self.compiler_message = compiler_message
-        self.required_bytes, self.available_bytes = _compiler.oom_sizes(
-            compiler_message
+        self.required_bytes, self.available_bytes = (
+            _compiler.oom_sizes(compiler_message) if sizes is None else sizes
         )
         self.arguments = arguments
         self.params = params
@@ -421,13 +423,14 @@ def memory_report(
     )
     if platform == "gpu":
         _check_host_kept(report, where)
-        if not report.fits:
+        if report.fits is False:  # (None on a GPU itself: no target capacity)
             message = (
                 f"the program needs {size_text(report.device_bytes)} of device "
                 f"memory; {where.name} has {size_text(report.capacity or 0)} for it "
                 "(the share JAX's allocator takes, `XLA_PYTHON_CLIENT_MEM_FRACTION`)"
             )
-            raise _does_not_fit(plan, residuals, count, what, where, message)
+            sizes = (report.device_bytes, report.capacity or 0)
+            raise _does_not_fit(plan, residuals, count, what, where, message, sizes)
     return report
 
 
@@ -494,8 +497,11 @@ class _Where(NamedTuple):
 
     @property
     def one_chip(self) -> str:
-        """'one tpu-v5e chip', 'one chip of tpu-v5e:4x4'."""
-        return f"one chip of {self.name}" if self.is_slice else f"one {self.name} chip"
+        """'one tpu-v5e chip', 'one chip of tpu-v5e:4x4', 'one GPU of gpu-h100:8'."""
+        unit = "GPU" if self.name.startswith("gpu-") else "chip"
+        return (
+            f"one {unit} of {self.name}" if self.is_slice else f"one {self.name} {unit}"
+        )
 
 
 def _where(target: str | None, trees: Any) -> _Where:
@@ -519,14 +525,18 @@ def _does_not_fit(
     what: str,
     where: _Where,
     message: str,
+    sizes: tuple[int, int] | None = None,
 ) -> DoesNotFit:
     """The error for a program too big for `where`, with what is known of it
-    without compiling: its parameters, optimizer state and saved residuals."""
+    without compiling: its parameters, optimizer state and saved residuals.
+    `message` is the compiler's, or with `sizes` (required, available bytes) the
+    library's own."""
     params = None if plan.params is None else count(plan.params)
     opt_state = None if plan.opt_state is None else count(plan.opt_state)
+    said = "" if sizes is not None else "the compiler says: "
     lines = [
         f"`memory_report`: {what} does not fit in the memory of {where.one_chip}; "
-        f"the compiler says: {message.strip().rstrip('.')}.",
+        f"{said}{message.strip().rstrip('.')}.",
         "What it holds, by memory kind (device / host"
         + (", per chip" if where.mesh is not None else "")
         + "):",
@@ -551,7 +561,8 @@ def _does_not_fit(
             saved[r.memory_kind] += r.bytes
         label = "saved for the backward pass"
         row(label + (" (whole arrays)" if where.is_slice else ""), saved)
-    more = "more chips" if where.is_slice else "a chip with more memory"
+    unit = "GPU" if where.name.startswith("gpu-") else "chip"
+    more = f"more {unit}s" if where.is_slice else f"a {unit} with more memory"
     lines.append(
         "Use a policy that offloads more (`Policy.offload_all()`, host optimizer "
         f"state, offloaded residuals), smaller batches, or {more}; the numbers are "
@@ -565,6 +576,7 @@ def _does_not_fit(
         params=params,
         opt_state=opt_state,
         residuals=residuals,
+        sizes=sizes,
     )
 
 

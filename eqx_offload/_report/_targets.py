@@ -117,8 +117,16 @@ def capacity(target: str) -> int:
 
 
 def _import_cuda_plugin() -> None:
+    # The CUDA 12 plugin (the `gpu-aot` extra) or, on a machine set up for CUDA 13,
+    # that one: both register the same "cuda" platform.
     try:
         import jax_plugins.xla_cuda12  # noqa: F401  # pyright: ignore[reportMissingImports]
+    except ImportError:
+        pass
+    else:
+        return
+    try:
+        import jax_plugins.xla_cuda13  # noqa: F401  # pyright: ignore[reportMissingImports]
     except ImportError as e:
         raise ImportError(
             "`memory_report(target='gpu-...')` compiles for a GPU with JAX's CUDA "
