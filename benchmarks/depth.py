@@ -1,5 +1,6 @@
 """Depth scaling of the gradient computation (`filter_offload` + value_and_grad, no
-optimizer) of a GPT-style stack under each preset, compiled for one TPU v5e chip.
+optimizer) of a GPT-style stack under each preset, compiled for one TPU v5e chip
+(or another target: `--target gpu-h100`).
 
     python benchmarks/depth.py [--depths 4 8 16 32] [--target tpu-v5e] [--json FILE]
 
@@ -9,14 +10,13 @@ batch 8, float32. Nothing is allocated: the model is abstract
 (`eqx.filter_eval_shape`) and only compiled.
 """
 
-import re
 from typing import Any
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from _common import MIB, parser, table, write_json
+from _common import GIB, MIB, parser, table, write_json
 from gpt import GPT, loss_fn
 
 import eqx_offload as eo
@@ -36,6 +36,15 @@ def gradient_report(depth: int, preset: str, target: Any) -> eo.MemoryReport:
     return eo.memory_report(loss, model, tokens, tokens, target=target)
 
 
+def _does_not_fit(e: eo.DoesNotFit) -> str:
+    need, have = e.required_bytes, e.available_bytes
+    if need is None or have is None:
+        return "does not fit"
+    if e.target.startswith("gpu-"):  # the compiled footprint against the allocator's
+        return f"does not fit: needs {need / GIB:.2f}G of {have / GIB:.2f}G"
+    return f"does not compile: {need / GIB:.2f}G of temporaries > {have / GIB:.2f}G HBM"
+
+
 def main():
     p = parser(__doc__)
     p.add_argument("--depths", type=int, nargs="+", default=[4, 8, 16, 32])
@@ -50,16 +59,15 @@ def main():
             try:
                 report = gradient_report(depth, preset, target)
             except eo.DoesNotFit as e:
-                pattern = r"\(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)"
-                found = re.search(pattern, str(e))
-                needed = f"{found[1]} of temporaries > {found[2]} HBM" if found else "?"
                 row["device MiB"] = row["host MiB"] = None
-                row["note"] = f"does not compile: {needed}"
+                row["note"] = _does_not_fit(e)
             else:
                 row["device MiB"] = report.device_bytes / MIB
                 row["host MiB"] = report.host_bytes / MIB
                 row["note"] = (
-                    "exceeds the 16 GiB of HBM" if report.fits is False else ""
+                    f"exceeds the {report.capacity / GIB:.2f} GiB of HBM"
+                    if report.fits is False and report.capacity is not None
+                    else ""
                 )
                 row["report"] = report.to_dict()  # for `benchmarks/plot.py`
             results.append(row)

@@ -1,9 +1,10 @@
 """Optimizer-state offload: the device footprint of a whole train step, compiled
-for one TPU v5e chip, with the optimizer state on the device, on pinned host memory
-updated all at once (`Policy(update="whole")`, the tutorial's recipe), and on pinned
-host memory with the streamed update (the default).
+for one TPU v5e chip (or `--target gpu-h100`), with the optimizer state on the
+device, on pinned host memory updated all at once (`Policy(update="whole")`, the
+tutorial's recipe), and on pinned host memory with the streamed update (the
+default).
 
-    python benchmarks/optimizer.py [--depths 4 32] [--json FILE]
+    python benchmarks/optimizer.py [--depths 4 32] [--target tpu-v5e] [--json FILE]
 
 Three models, all with `optax.chain(optax.clip_by_global_norm(1.0), adam)`:
 
@@ -75,19 +76,20 @@ def gpt_case(depth: int):
     return model, gpt_loss, (tokens, tokens)
 
 
-def report(case, policy: eo.Policy) -> eo.MemoryReport:
+def report(case, policy: eo.Policy, target: str) -> eo.MemoryReport:
     model, loss, batch = case
     if loss is stacked_loss and policy.params == "pinned_host":
         loss = stacked_loss_in_scan
     model = eo.place(model, policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(loss, optimizer, policy)
-    return eo.memory_report(step, model, opt_state, *batch, target="tpu-v5e")
+    return eo.memory_report(step, model, opt_state, *batch, target=target)
 
 
 def main():
     p = parser(__doc__)
     p.add_argument("--depths", type=int, nargs="+", default=[4, 32])
+    p.add_argument("--target", default="tpu-v5e")
     args = p.parse_args()
     cases = {"dict of 4 weights": dict_case(), "4 stacked layers": stacked_case()}
     cases.update({f"GPT, {d} layers": gpt_case(d) for d in args.depths})
@@ -110,7 +112,7 @@ def main():
             ):
                 policy = getattr(eo.Policy, preset)(**{**extra, **overrides})
                 try:
-                    r = report(case, policy)
+                    r = report(case, policy, args.target)
                 except eo.DoesNotFit:
                     row[f"{label} GiB"], row["note"] = None, "does not fit in HBM"
                     continue
@@ -125,7 +127,7 @@ def main():
             results.append(row)
             print(f"  {name}, {preset} done", flush=True)
     headers = list(results[0])
-    print("\nTrain step device footprint, compiled for tpu-v5e (GiB):")
+    print(f"\nTrain step device footprint, compiled for {args.target} (GiB):")
     print(table(headers, [[r.get(h) for h in headers] for r in results]))
     write_json(args.json, "optimizer", results)
 
