@@ -1,8 +1,9 @@
-"""How many TPU v5e chips a GPT-style model of 7.8B parameters needs to train, with and
-without offloading: its train step (AdamW, float32) compiled for v5e slices of 4 to
-256 chips, FSDP over every chip, one sequence of 2048 tokens per chip.
+"""How many TPU v5e chips (or H100 GPUs) a GPT-style model of 7.8B parameters needs to
+train, with and without offloading: its train step (AdamW, float32) compiled for v5e
+slices of 4 to 256 chips, FSDP over every chip, one sequence of 2048 tokens per chip.
 
     python benchmarks/slices.py [--topologies 2x2 2x4 ...] [--json FILE]
+    python benchmarks/slices.py --target gpu-h100 [--topologies 1 2 4 8 2x8] [--json F]
 
 The model: token embedding (vocab 32768, dim 4096), 32 blocks of LayerNorm + causal
 multi-head attention (32 heads) + LayerNorm + MLP (4096 -> 20480 -> 4096), a final
@@ -25,11 +26,17 @@ Host memory per host: a 2x2 slice runs on one 4-chip VM with 192 GB of RAM, larg
 slices on 8-chip VMs with 384 GB (Cloud TPU's v5e VM types), so "host GiB/host" is
 the per-chip host bytes times 4 or 8, and "fits" needs both the HBM and that RAM.
 
+With `--target gpu-h100` the devices are H100 SXM GPUs: "8" is one host of eight,
+"2x8" two such hosts, "1", "2", "4" part of one host; "fits" needs the device bytes
+within the 75% of the GPU's memory JAX's allocator takes, and the host bytes of a
+host's GPUs within its RAM: 2 TB for eight H100s (NVIDIA DGX H100 datasheet, "System
+Memory 2TB"; AWS's p5.48xlarge has 2,048 GiB), whatever share of the host is used.
+
 Nothing is allocated: the model is abstract (`eqx.filter_eval_shape`), laid out on
-an `AbstractMesh` of the slice's shape, and only compiled with libtpu.
+an `AbstractMesh` of the slice's shape, and only compiled with libtpu (the CUDA
+plugin for GPUs).
 """
 
-import re
 import time
 from typing import Any
 
@@ -56,6 +63,9 @@ GB = 10**9
 # process either way; the host bytes of one chip are the same.
 VM_CHIPS = {"2x2": 4}
 VM_RAM = {4: 192 * GB, 8: 384 * GB}
+GPU_TOPOLOGIES = ("1", "2", "4", "8", "2x8")
+GPUS_PER_HOST = 8
+GPU_HOST_RAM = 2 * 10**12  # DGX H100: 2 TB for its eight GPUs
 
 
 class Block(eqx.Module):
@@ -83,9 +93,11 @@ class GPT(eqx.Module):
     blocks: eo.Stacked[Block]
     norm: eqx.nn.LayerNorm
     head: eqx.nn.Linear
+    split: bool = eqx.field(static=True)  # the batch over the "fsdp" mesh axis
 
-    def __init__(self, *, key: PRNGKeyArray):
+    def __init__(self, *, key: PRNGKeyArray, split: bool = True):
         k1, k2, k3 = jax.random.split(key, 3)
+        self.split = split
         self.embed = eqx.nn.Embedding(VOCAB, DIM, key=k1)
         self.blocks = eo.Stacked.from_fn(lambda k: Block(key=k), DEPTH, key=k2)
         self.norm = eqx.nn.LayerNorm(DIM)
@@ -95,14 +107,13 @@ class GPT(eqx.Module):
         # Batch-level, with the activations pinned to the batch layout: left to
         # itself, sharding propagation lays the embedding's output out like the
         # (vocabulary-sharded) table and replicates the batch on every chip.
-        x = _batch_sharded(self.embed.weight[tokens])
-        x = _batch_sharded(jax.vmap(self.blocks)(x))
+        x = self._batch_sharded(self.embed.weight[tokens])
+        x = self._batch_sharded(jax.vmap(self.blocks)(x))
         x = jax.vmap(jax.vmap(self.norm))(x)
-        return _batch_sharded(jnp.einsum("bsd,vd->bsv", x, self.head.weight))
+        return self._batch_sharded(jnp.einsum("bsd,vd->bsv", x, self.head.weight))
 
-
-def _batch_sharded(x: Array) -> Array:
-    return jax.lax.with_sharding_constraint(x, P("fsdp"))
+    def _batch_sharded(self, x: Array) -> Array:
+        return jax.lax.with_sharding_constraint(x, P("fsdp")) if self.split else x
 
 
 def loss_fn(model: GPT, tokens: Int[Array, "b seq"], targets: Int[Array, "b seq"]):
@@ -117,27 +128,45 @@ def chips(topology: str) -> int:
     return out
 
 
-def report(topology: str, preset: str, axis_type: AxisType) -> eo.MemoryReport:
+def report(
+    topology: str, preset: str, axis_type: AxisType, chip: str = "tpu-v5e"
+) -> eo.MemoryReport:
     n = chips(topology)
     mesh = AbstractMesh((n,), ("fsdp",), axis_types=(axis_type,))
+    if n == 1:  # one device: nothing to split
+        policy = getattr(eo.Policy, preset)()
+        return _report(policy, None, n, f"{chip}:{topology}")
     policy = getattr(eo.Policy, preset)(shard="fsdp", batch=P("fsdp"))
+    return _report(policy, mesh, n, f"{chip}:{topology}")
+
+
+def _report(policy: eo.Policy, mesh: Any, n: int, target: str) -> eo.MemoryReport:
     optimizer = optax.adamw(1e-4)
-    abstract = eqx.filter_eval_shape(GPT, key=jax.random.key(0))
+    abstract = eqx.filter_eval_shape(GPT, key=jax.random.key(0), split=n > 1)
     model = eo.place(abstract, policy, mesh=mesh)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(loss_fn, optimizer, policy)
     tokens = jax.ShapeDtypeStruct((n, SEQ), jnp.int32)
-    return eo.memory_report(
-        step, model, opt_state, tokens, tokens, target=f"tpu-v5e:{topology}"
-    )
+    return eo.memory_report(step, model, opt_state, tokens, tokens, target=target)
+
+
+def host(chip: str, topology: str) -> tuple[int, int]:
+    """The devices one host serves, and its RAM in bytes."""
+    if chip.startswith("gpu-"):
+        return min(chips(topology), GPUS_PER_HOST), GPU_HOST_RAM
+    vm = VM_CHIPS.get(topology, 8)
+    return vm, VM_RAM[vm]
 
 
 def main():
     p = parser(__doc__)
-    p.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES))
+    p.add_argument("--target", choices=["tpu-v5e", "gpu-h100"], default="tpu-v5e")
+    p.add_argument("--topologies", nargs="+")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.add_argument("--axis-type", choices=["explicit", "auto"], default="auto")
     args = p.parse_args()
+    gpu = args.target.startswith("gpu-")
+    topologies = args.topologies or list(GPU_TOPOLOGIES if gpu else TOPOLOGIES)
     axis_type = AxisType.Explicit if args.axis_type == "explicit" else AxisType.Auto
     params = sum(
         x.size
@@ -147,14 +176,14 @@ def main():
     print(f"{params / 1e9:.2f}e9 parameters")
     results: list[dict[str, Any]] = []
     for preset in args.policies:
-        for topology in args.topologies:
+        for topology in topologies:
             start = time.perf_counter()
             row: dict[str, Any] = {"policy": preset, "topology": topology}
             row["chips"] = chips(topology)
             try:
-                r = report(topology, preset, axis_type)
+                r = report(topology, preset, axis_type, args.target)
             except eo.DoesNotFit as e:
-                found = re.search(r"\(([\d.]+G)\) exceeds available HBM", str(e))
+                need = e.required_bytes
                 row.update(
                     {
                         "device GiB/chip": None,
@@ -162,19 +191,20 @@ def main():
                         "host GiB/host": None,
                         "host RAM GiB": None,
                         "fits": False,
-                        "note": f"needs {found[1] if found else '?'} of HBM",
+                        "note": f"needs {'?' if need is None else f'{need / GIB:.2f}G'}"
+                        " of HBM",
                     }
                 )
             else:
-                vm = VM_CHIPS.get(topology, 8)
-                host = r.host_bytes * vm
+                per_host, ram = host(args.target, topology)
+                on_host = r.host_bytes * per_host
                 row.update(
                     {
                         "device GiB/chip": r.device_bytes / GIB,
                         "host GiB/chip": r.host_bytes / GIB,
-                        "host GiB/host": host / GIB,
-                        "host RAM GiB": VM_RAM[vm] / GIB,
-                        "fits": bool(r.fits) and host <= VM_RAM[vm],
+                        "host GiB/host": on_host / GIB,
+                        "host RAM GiB": ram / GIB,
+                        "fits": bool(r.fits) and on_host <= ram,
                         "note": "",
                     }
                 )
@@ -182,9 +212,10 @@ def main():
             results.append(row)
             print(row, flush=True)
     headers = list(results[0])
-    print("\nTrain step compiled for TPU v5e slices (FSDP over every chip):")
+    print(f"\nTrain step compiled for {args.target} (FSDP over every device):")
     print(table(headers, [[r[h] for h in headers] for r in results]))
-    write_json(args.json, "slices", {"parameters": params, "rows": results})
+    data = {"target": args.target, "parameters": params, "rows": results}
+    write_json(args.json, "slices", data)
 
 
 if __name__ == "__main__":
