@@ -77,12 +77,17 @@ def test_capacity_is_the_allocators_share_of_the_device(monkeypatch):
         _targets.capacity("gpu-h100")
 
 
-def test_host_leaves_are_counted_on_the_host():
+@pytest.fixture(scope="module")
+def offload_all_report() -> eo.MemoryReport:
+    step, model, opt_state, *batch = _abstract_step(eo.Policy.offload_all())
+    return eo.memory_report(step, model, opt_state, *batch, target="gpu-h100")
+
+
+def test_host_leaves_are_counted_on_the_host(offload_all_report):
     """`offload_all` on one H100: every parameter and optimizer-state leaf the
     policy puts on `pinned_host` is a host argument of the compiled step, and the
     compiled program's transfers are read."""
-    step, model, opt_state, *batch = _abstract_step(eo.Policy.offload_all())
-    report = eo.memory_report(step, model, opt_state, *batch, target="gpu-h100")
+    report = offload_all_report
     assert report.params is not None and report.opt_state is not None
     on_host = report.params["pinned_host"] + report.opt_state["pinned_host"]
     assert on_host > 0 and report.params.get("device", 0) == 0
@@ -139,13 +144,12 @@ def test_a_missing_plugin_names_the_install_command(monkeypatch):
         _targets.devices("gpu-h200:8")
 
 
-def test_a_compile_that_lost_the_host_is_refused():
+def test_a_compile_that_lost_the_host_is_refused(offload_all_report):
     """The second guard, after compiling: host-resident arguments the compiler
     did not count on the host."""
     from eqx_offload._report import _memory_report
 
-    step, model, opt_state, *batch = _abstract_step(eo.Policy.offload_all())
-    report = eo.memory_report(step, model, opt_state, *batch, target="gpu-h100")
+    report = offload_all_report
     where = _memory_report._where("gpu-h100", ())
     _memory_report._check_host_kept(report, where)  # as compiled: fine
     lost = eqx.tree_at(lambda r: r.host, report, {**report.host, "argument": 0})

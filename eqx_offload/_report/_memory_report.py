@@ -43,8 +43,7 @@ class DoesNotFit(ValueError):
 
     - `target`: what it was compiled for (`"tpu-v5e"`, ...).
     - `required_bytes`, `available_bytes`: the compiler's figures (`None` if its
-        message had none); for a GPU, the compiled device footprint and the share
-        of the GPU's memory JAX's allocator takes.
+        message had none); on a GPU, the footprint and the allocator's share.
     - `params`, `opt_state`: bytes of parameters and optimizer state by memory kind
         (`train_step` and `filter_offload` objects; `None` otherwise).
     - `residuals`: bytes saved for the backward pass by checkpoint name and memory
@@ -77,9 +76,8 @@ class DoesNotFit(ValueError):
         super().__init__(message)
         self.target = target
         self.compiler_message = compiler_message
-        self.required_bytes, self.available_bytes = (
-            _compiler.oom_sizes(compiler_message) if sizes is None else sizes
-        )
+        found = sizes or _compiler.oom_sizes(compiler_message)
+        self.required_bytes, self.available_bytes = found
         self.arguments = arguments
         self.params = params
         self.opt_state = opt_state
@@ -339,9 +337,8 @@ def memory_report(
         ```
     """
     where = _where(target, (args, kwargs))
-    platform = (
-        jax.default_backend() if where.mesh is None else _targets.platform(where.name)
-    )
+    on_target = where.mesh is not None
+    platform = _targets.platform(where.name) if on_target else jax.default_backend()
     lays_out_batch = (
         isinstance(fn, _TrainStep)
         and fn.config.policy.batch is not None
@@ -424,12 +421,12 @@ def memory_report(
     if platform == "gpu":
         _check_host_kept(report, where)
         if report.fits is False:  # (None on a GPU itself: no target capacity)
-            message = (
-                f"the program needs {size_text(report.device_bytes)} of device "
-                f"memory; {where.name} has {size_text(report.capacity or 0)} for it "
-                "(the share JAX's allocator takes, `XLA_PYTHON_CLIENT_MEM_FRACTION`)"
-            )
             sizes = (report.device_bytes, report.capacity or 0)
+            message = (
+                f"the program needs {size_text(sizes[0])} of device memory; "
+                f"{where.name} has {size_text(sizes[1])} for it (the share JAX's "
+                "allocator takes, `XLA_PYTHON_CLIENT_MEM_FRACTION`)"
+            )
             raise _does_not_fit(plan, residuals, count, what, where, message, sizes)
     return report
 
@@ -449,8 +446,8 @@ def _kind_not_kept(target: str, kind: str) -> NotImplementedError:
         f"`memory_report(target={target!r})`: an argument in {kind} would be "
         f"compiled into device memory (JAX {jax.__version__} keeps no memory kind on "
         "compile-only GPU devices, and eqx_offload's workaround, checked on jax "
-        f"{_compat.JAX_VERSION}, did not hold here), so the report would be wrong. "
-        "Report for a TPU target, or on the GPU itself (`target=None`)."
+        f"{_compat.JAX_VERSION}, did not hold here), so the report would be wrong: "
+        "report for a TPU target, or on the GPU itself (`target=None`)."
     )
 
 
@@ -496,12 +493,13 @@ class _Where(NamedTuple):
         return self.chips is not None and self.chips > 1
 
     @property
-    def one_chip(self) -> str:
-        """'one tpu-v5e chip', 'one chip of tpu-v5e:4x4', 'one GPU of gpu-h100:8'."""
-        unit = "GPU" if self.name.startswith("gpu-") else "chip"
-        return (
-            f"one {unit} of {self.name}" if self.is_slice else f"one {self.name} {unit}"
-        )
+    def unit(self) -> str:
+        return "GPU" if self.name.startswith("gpu-") else "chip"
+
+    @property
+    def one_chip(self) -> str:  # 'one tpu-v5e chip', 'one GPU of gpu-h100:8'
+        n, u = self.name, self.unit
+        return f"one {u} of {n}" if self.is_slice else f"one {n} {u}"
 
 
 def _where(target: str | None, trees: Any) -> _Where:
@@ -529,8 +527,7 @@ def _does_not_fit(
 ) -> DoesNotFit:
     """The error for a program too big for `where`, with what is known of it
     without compiling: its parameters, optimizer state and saved residuals.
-    `message` is the compiler's, or with `sizes` (required, available bytes) the
-    library's own."""
+    `message` is the compiler's, or with `sizes` (required, available) our own."""
     params = None if plan.params is None else count(plan.params)
     opt_state = None if plan.opt_state is None else count(plan.opt_state)
     said = "" if sizes is not None else "the compiler says: "
@@ -561,8 +558,8 @@ def _does_not_fit(
             saved[r.memory_kind] += r.bytes
         label = "saved for the backward pass"
         row(label + (" (whole arrays)" if where.is_slice else ""), saved)
-    unit = "GPU" if where.name.startswith("gpu-") else "chip"
-    more = f"more {unit}s" if where.is_slice else f"a {unit} with more memory"
+    u = where.unit
+    more = f"more {u}s" if where.is_slice else f"a {u} with more memory"
     lines.append(
         "Use a policy that offloads more (`Policy.offload_all()`, host optimizer "
         f"state, offloaded residuals), smaller batches, or {more}; the numbers are "
