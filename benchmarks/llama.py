@@ -11,8 +11,6 @@ kernel would) and a SwiGLU MLP (8192), RMSNorm, a tied 128256-token embedding;
 (`eqx.filter_eval_shape`) and only compiled: the whole `train_step`.
 """
 
-import re
-
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
 import decoder
 import equinox as eqx
@@ -81,9 +79,11 @@ def main():
             try:
                 r = report(preset, loss, args.target)
             except eo.DoesNotFit as e:
-                found = re.search(r"([\d.]+)G\) exceeds", str(e))
+                need = e.required_bytes
                 row.update({"device GiB": None, "host GiB": None, "fits": False})
-                row["note"] = f"needs {found[1]}G" if found else "does not fit"
+                row["note"] = (
+                    "does not fit" if need is None else f"needs {need / GIB:.2f}G"
+                )
             else:
                 row.update(
                     {

@@ -28,13 +28,16 @@ import tutorial  # noqa: E402
 MIB = 2**20
 
 
-def _abstract_step(policy: eo.Policy):
+def _abstract_step(policy: eo.Policy, *, mesh=None, model=(), batch=(2, 8)):
+    """The test model's train step and abstract arguments: `Model(*model)`, laid
+    out on `mesh` if the policy shards it, and a batch of token ids of that shape."""
     optimizer = optax.adam(1e-3)
-    model = eo.place(eqx.filter_eval_shape(Model, key=jax.random.key(0)), policy)
-    opt_state = eo.init_opt_state(optimizer, model, policy)
-    tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    abstract = eqx.filter_eval_shape(Model, *model, key=jax.random.key(0))
+    placed = eo.place(abstract, policy, mesh=mesh)
+    opt_state = eo.init_opt_state(optimizer, placed, policy)
+    tokens = jax.ShapeDtypeStruct(batch, jnp.int32)
     step = eo.train_step(cross_entropy, optimizer, policy)
-    return step, model, opt_state, tokens, tokens
+    return step, placed, opt_state, tokens, tokens
 
 
 @pytest.mark.parametrize(
@@ -256,14 +259,9 @@ def test_train_step_compiles_for_gpu(arch, dtype, width, depth, policy):
 def _fsdp_report(policy: eo.Policy, target: str, devices: int):
     """The test model's train step over `devices` GPUs, every leaf split FSDP-style
     if the policy says so, and `devices` sequences."""
-    optimizer = optax.adam(1e-3)
     mesh = AbstractMesh((devices,), ("fsdp",)) if devices > 1 else None
-    abstract = eqx.filter_eval_shape(Model, 64, 64, 4, key=jax.random.key(0))
-    model = eo.place(abstract, policy, mesh=mesh)
-    opt_state = eo.init_opt_state(optimizer, model, policy)
-    tokens = jax.ShapeDtypeStruct((devices, 32), jnp.int32)
-    step = eo.train_step(cross_entropy, optimizer, policy)
-    return eo.memory_report(step, model, opt_state, tokens, tokens, target=target)
+    args = _abstract_step(policy, mesh=mesh, model=(64, 64, 4), batch=(devices, 32))
+    return eo.memory_report(*args, target=target)
 
 
 FSDP = eo.FSDP("fsdp", min_size=0)

@@ -21,6 +21,7 @@ from .._transform import _OffloadWrapper, filter_offload
 from . import _compiled_traffic, _targets, _traffic
 from ._record import (
     DESCRIPTIONS,
+    device_word,
     host_total,
     LARGEST,
     MemoryReport,
@@ -493,12 +494,8 @@ class _Where(NamedTuple):
         return self.chips is not None and self.chips > 1
 
     @property
-    def unit(self) -> str:
-        return "GPU" if self.name.startswith("gpu-") else "chip"
-
-    @property
     def one_chip(self) -> str:  # 'one tpu-v5e chip', 'one GPU of gpu-h100:8'
-        n, u = self.name, self.unit
+        n, u = self.name, device_word(self.name)
         return f"one {u} of {n}" if self.is_slice else f"one {n} {u}"
 
 
@@ -558,7 +555,7 @@ def _does_not_fit(
             saved[r.memory_kind] += r.bytes
         label = "saved for the backward pass"
         row(label + (" (whole arrays)" if where.is_slice else ""), saved)
-    u = where.unit
+    u = device_word(where.name)
     more = f"more {u}s" if where.is_slice else f"a {u} with more memory"
     lines.append(
         "Use a policy that offloads more (`Policy.offload_all()`, host optimizer "

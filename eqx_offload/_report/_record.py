@@ -190,8 +190,7 @@ class MemoryReport(eqx.Module):
 
     @property
     def _unit(self) -> str:
-        """What one device of the target is called in the table."""
-        return "GPU" if self.target.startswith("gpu-") else "chip"
+        return device_word(self.target)
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-serialisable data (bytes as ints)."""
@@ -426,6 +425,12 @@ def _transfer_lines(transfers: tuple[Transfer, ...], how: str) -> list[str]:
         h2d, d2h = by.get("host_to_device", 0), by.get("device_to_host", 0)
         lines.append(f"{label:<34}{size_text(h2d):>14}{size_text(d2h):>14}")
     return lines
+
+
+def device_word(target: str) -> str:
+    """What one device of `target` is called in reports and errors: "GPU" for the
+    `gpu-*` targets, "chip" otherwise."""
+    return "GPU" if target.startswith("gpu-") else "chip"
 
 
 def host_total(by_kind: dict[str, int]) -> int:
