@@ -24,9 +24,11 @@ from ._placement import field as field, place as place
 from ._policy import Policy as Policy
 from ._report import (
     DoesNotFit as DoesNotFit,
+    Hardware as Hardware,
     memory_report as memory_report,
     MemoryReport as MemoryReport,
     ResidualRow as ResidualRow,
+    StepTime as StepTime,
     Transfer as Transfer,
     UnnamedResidual as UnnamedResidual,
 )
@@ -72,6 +74,7 @@ __all__ = [
     "field",
     "filter_offload",
     "FSDP",
+    "Hardware",
     "init_opt_state",
     "LeafIndex",
     "load",
@@ -93,6 +96,7 @@ __all__ = [
     "state_dict",
     "state_dict_key",
     "state_dict_keys",
+    "StepTime",
     "train_step",
     "Transfer",
     "UnnamedResidual",

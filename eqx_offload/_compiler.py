@@ -9,6 +9,7 @@ text fails there. The private Python parts of JAX and Equinox are in
 `_compat.py`.
 """
 
+import json
 import re
 from typing import NamedTuple
 
@@ -158,6 +159,9 @@ class Array(NamedTuple):
 
     nbytes: int
     host: bool  # in host memory (memory space 5)
+    # In an on-chip memory (a TPU's VMEM and SMEM: memory spaces other than the
+    # device's 0 and the host's 5), not in device memory (HBM).
+    on_chip: bool = False
 
 
 class Instruction(NamedTuple):
@@ -204,6 +208,77 @@ class Instruction(NamedTuple):
         return int(found[1]) if found else None
 
     @property
+    def dim_labels(self) -> str | None:
+        """A `convolution`'s dimension labels: "bf_io->bf" (lhs, rhs -> result;
+        `b` batch, `f` feature, `i`/`o` the kernel's input/output feature, digits
+        spatial)."""
+        found = re.search(r"\bdim_labels=(\S+?)(?:,|$)", self.attrs)
+        return found[1] if found else None
+
+    def dims(self, key: str) -> list[int]:
+        """The dimension numbers an attribute lists: `lhs_contracting_dims={1}`,
+        `rhs_batch_dims={0}`, ... (empty if absent)."""
+        found = re.search(rf"\b{key}=\{{([0-9,]*)\}}", self.attrs)
+        return [int(d) for d in found[1].split(",") if d] if found else []
+
+    @property
+    def operand_precision(self) -> list[str]:
+        """A `dot`'s or `convolution`'s operand precisions ("highest", "high";
+        empty at the default)."""
+        found = re.search(r"\boperand_precision=\{([a-z,]*)\}", self.attrs)
+        return found[1].split(",") if found else []
+
+    @property
+    def window(self) -> dict[str, list[int]]:
+        """A `convolution`'s window, per spatial dimension: `size`, `stride`,
+        `pad_low`, `pad_high`, `lhs_dilate`, `rhs_dilate` (each present when the
+        text gives it; `{}` for no window)."""
+        found = re.search(r"\bwindow=\{([^}]*)\}", self.attrs)
+        out: dict[str, list[int]] = {}
+        for item in found[1].split() if found else []:
+            key, _, value = item.partition("=")
+            if key == "pad":
+                pairs = [p.split("_") for p in value.split("x")]
+                out["pad_low"] = [int(lo) for lo, _ in pairs]
+                out["pad_high"] = [int(hi) for _, hi in pairs]
+            elif key in ("size", "stride", "lhs_dilate", "rhs_dilate"):
+                out[key] = [int(d) for d in value.split("x")]
+        return out
+
+    def group_count(self, key: str) -> int:
+        """A `convolution`'s `feature_group_count` or `batch_group_count` (1 if
+        absent)."""
+        found = re.search(rf"\b{key}=(\d+)", self.attrs)
+        return int(found[1]) if found else 1
+
+    @property
+    def custom_call_target(self) -> str | None:
+        found = re.search(r'\bcustom_call_target="([^"]*)"', self.attrs)
+        return found[1] if found else None
+
+    @property
+    def backend_config(self) -> dict:
+        """Its `backend_config` (a JSON object), or {}."""
+        start = self.attrs.find("backend_config={")
+        if start < 0:
+            return {}
+        start += len("backend_config=")
+        depth, quoted = 0, False
+        for i in range(start, len(self.attrs)):
+            ch = self.attrs[i]
+            if ch == '"' and self.attrs[i - 1] != "\\":
+                quoted = not quoted
+            elif not quoted and ch in "{}":
+                depth += 1 if ch == "{" else -1
+                if depth == 0:
+                    try:
+                        found = json.loads(self.attrs[start : i + 1])
+                    except ValueError:
+                        return {}
+                    return found if isinstance(found, dict) else {}
+        return {}
+
+    @property
     def op_name(self) -> str:
         """The `op_name` of its metadata (JAX's name for it), or ""."""
         found = op_names(self.attrs)
@@ -246,8 +321,20 @@ def arrays(shape: str) -> list[Array]:
         for d in filter(None, dims.split(",")):
             n *= int(d)
         size = _BYTES.get(dtype, 1)
-        out.append(Array(n * size, "S(5)" in (layout or "")))
+        space = re.search(r"S\((\d+)\)", layout or "")
+        number = int(space[1]) if space else 0
+        out.append(Array(n * size, number == 5, number not in (0, 5)))
     return out
+
+
+def array_type(shape: str) -> tuple[str, list[int]] | None:
+    """The element type and dimensions of a one-array shape: `("f32", [8, 128])`
+    for "f32[8,128]{1,0}"; None for a tuple or a token."""
+    found = _ARRAY.findall(shape)
+    if len(found) != 1 or shape.startswith("("):
+        return None
+    dtype, dims, _ = found[0]
+    return dtype, [int(d) for d in dims.split(",") if d]
 
 
 def tuple_elements(shape: str) -> list[str]:

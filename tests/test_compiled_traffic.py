@@ -4,7 +4,7 @@ into and out of memory space 5, times the trip counts of the loops around them,
 attributed to the step's arguments."""
 
 from eqx_offload import _compiler
-from eqx_offload._report import _compiled_traffic
+from eqx_offload._report import _compiled_traffic, _hlo_program
 from eqx_offload._report._traffic import Transfer
 
 
@@ -78,7 +78,7 @@ def test_counts_loops_and_follows_values_to_arguments():
 
 def test_trip_count_from_the_condition_or_the_known_count():
     comps, entry = _compiler.parse_hlo(HLO)
-    walker = _compiled_traffic._Walker(comps, entry)
+    walker = _hlo_program.Walker(comps, entry)
     times = {comp.name: n for comp, n in walker.visits()}
     assert times["body"] == 3 and times["async_computation"] == 3
     known = HLO.replace(
@@ -86,5 +86,5 @@ def test_trip_count_from_the_condition_or_the_known_count():
         'condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}',
     )
     comps, entry = _compiler.parse_hlo(known)
-    times = {c.name: n for c, n in _compiled_traffic._Walker(comps, entry).visits()}
+    times = {c.name: n for c, n in _hlo_program.Walker(comps, entry).visits()}
     assert times["body"] == 5

@@ -6,8 +6,9 @@ the compile targets, `_traffic` reads transfers from the traced program,
 `_compiled_traffic` from the compiler's optimised program, and `_plot` draws reports.
 """
 
+from ._does_not_fit import DoesNotFit as DoesNotFit
+from ._hardware import Hardware as Hardware
 from ._memory_report import (
-    DoesNotFit as DoesNotFit,
     memory_report as memory_report,
     saved_for_backward as saved_for_backward,
 )
@@ -16,4 +17,5 @@ from ._record import (
     ResidualRow as ResidualRow,
     UnnamedResidual as UnnamedResidual,
 )
+from ._step_time import StepTime as StepTime
 from ._traffic import Transfer as Transfer

@@ -16,149 +16,14 @@ The text is read in `_compiler.py`; this module reads the transfers off it.
 """
 
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from .. import _compiler, _vocab_blocks
 from .._compiler import Computation, Instruction
 from .._update import UPDATE_SCOPE
 from . import _traffic
+from ._hlo_program import moved, Walker
 from ._traffic import Transfer
-
-
-# Operations whose result is (a piece of, a view of) their first operand.
-_PASS = {
-    "bitcast",
-    "copy",
-    "copy-start",
-    "copy-done",
-    "dynamic-slice",
-    "slice",
-    "reshape",
-    "dynamic-update-slice",
-    "async-done",
-    "dynamic-slice-done",
-    "dynamic-update-slice-done",
-    "slice-done",
-}
-
-
-class _Walker:
-    """Visits the computations reachable from the entry, with the number of times
-    each runs per step, and follows values back to the entry's parameters."""
-
-    def __init__(self, comps: dict[str, Computation], entry: str):
-        self.comps = comps
-        self.entry = entry
-        # computation -> (caller computation, calling instruction)
-        self.callers: dict[str, tuple[str, Instruction]] = {}
-
-    def visits(self) -> Iterator[tuple[Computation, int]]:
-        """Each computation once per call (the call graph of an HLO module is a
-        tree, apart from reductions' `to_apply`, which move nothing)."""
-        stack = [(self.entry, 1)]
-        while stack:
-            name, times = stack.pop()
-            comp = self.comps.get(name)
-            if comp is None:
-                continue
-            yield comp, times
-            for inst in comp.insts.values():
-                for callee, n in self._callees(comp, inst):
-                    self.callers.setdefault(callee, (comp.name, inst))
-                    stack.append((callee, times * n))
-
-    def _callees(self, comp: Computation, inst: Instruction) -> list[tuple[str, int]]:
-        if inst.opcode == "while":
-            body = inst.computation("body")
-            trips = self._trips(comp, inst, inst.computation("condition"))
-            return [(body, trips)] if body else []
-        if inst.opcode.endswith(("-done", "-update")):
-            return []  # the computation an asynchronous start called
-        if inst.opcode == "conditional":
-            names = inst.branches
-            # One branch runs; which one the text does not say: the first (the
-            # platform choices the library makes are resolved by then).
-            return [(n, 1) for n in names[:1]]
-        callee = inst.computation("calls")
-        return [(callee, 1)] if callee else []
-
-    def _trips(self, comp: Computation, inst: Instruction, cond: str | None) -> int:
-        """How many times the loop `inst` runs: its known trip count, or `N - i0`
-        for a condition `i < N` on a counter that starts at the constant `i0`
-        (1 if neither is found)."""
-        if inst.known_trip_count is not None:
-            return inst.known_trip_count
-        c = self.comps.get(cond or "")
-        if c is None or not c.root:
-            return 1
-        root = c.insts[c.root]
-        if root.opcode != "compare" or root.direction != "LT":
-            return 1
-        counter, limit = (c.insts.get(o) for o in root.operands[:2])
-        if limit is None or counter is None:
-            return 1
-        value = limit.constant
-        if value is None:
-            return 1
-        start = 0
-        if counter.opcode == "get-tuple-element":
-            index = counter.index
-            init = comp.insts.get(inst.operands[0]) if inst.operands else None
-            if init is not None and init.opcode == "tuple" and index is not None:
-                element = comp.insts.get(init.operands[index])
-                start = (element.constant if element else None) or 0
-        return max(value - start, 0)
-
-    def origin(
-        self, comp: Computation, name: str, index: int | None = None
-    ) -> int | None:
-        """The number of the entry parameter that value `name` of `comp` (tuple
-        element `index`) is, or a piece of; None if it is computed."""
-        for _ in range(200):
-            inst = comp.insts.get(name)
-            if inst is None:
-                return None
-            op = inst.opcode
-            if op == "parameter":
-                if comp.name == self.entry:
-                    return inst.parameter_number
-                caller = self.callers.get(comp.name)
-                if caller is None:
-                    return None
-                caller_comp, call = self.comps[caller[0]], caller[1]
-                number = next((k for k, v in comp.params.items() if v == name), None)
-                if call.opcode == "while":
-                    name = call.operands[0]  # the loop's initial tuple
-                elif number is not None and number < len(call.operands):
-                    name = call.operands[number]
-                else:
-                    return None
-                comp = caller_comp
-                continue
-            if op == "get-tuple-element":
-                name, index = inst.operands[0], inst.index
-                continue
-            if op in ("tuple", "opt-barrier") and index is not None:
-                if op == "opt-barrier":
-                    name = inst.operands[0]
-                    continue
-                if index >= len(inst.operands):
-                    return None
-                name, index = inst.operands[index], None
-                continue
-            if op == "while":
-                name = inst.operands[0]
-                continue
-            if op in _PASS or op.endswith("-done"):
-                if not inst.operands:
-                    return None
-                name, index = inst.operands[0], None
-                continue
-            if op == "async-start" and inst.operands:
-                name, index = inst.operands[0], None
-                continue
-            return None
-        return None
 
 
 def count(
@@ -174,7 +39,7 @@ def count(
     phase a transfer the compiler made (without a named scope) takes when it
     moves the same leaf."""
     comps, entry = _compiler.parse_hlo(text)
-    walker = _Walker(comps, entry)
+    walker = Walker(comps, entry)
     results = _results(comps[entry]) if entry in comps else {}
     phases: dict[tuple, set[str]] = defaultdict(set)
     for t in traced:
@@ -182,10 +47,10 @@ def count(
     totals: dict[tuple, int] = defaultdict(int)
     for comp, times in walker.visits():
         for inst in comp.insts.values():
-            moved = _moved(comp, inst)
-            if moved is None:
+            found_move = moved(comp, inst)
+            if found_move is None:
                 continue
-            direction, nbytes, source = moved
+            direction, nbytes, source = found_move
             scope = inst.op_name or _users_scope(comp, inst.name)
             update = UPDATE_SCOPE in scope
             number = walker.origin(comp, source)
@@ -255,41 +120,3 @@ def _label(op_name: str) -> str:
     ours = (_vocab_blocks.SCOPE, UPDATE_SCOPE)
     scopes = [s for s in _compiler.named_scopes(op_name) if s not in ours]
     return scopes[-1] if scopes else ""
-
-
-_MOVES = ("dynamic-slice", "slice", "copy", "dynamic-update-slice")
-
-
-def _moved(comp: Computation, inst: Instruction) -> tuple[str, int, str] | None:
-    """(direction, bytes, the operand moved) if `inst` moves data between host and
-    device memory: synchronously, or the start of an asynchronous move (whose
-    shape is `(operands, result, context)`; a copy's `(result, operand, ...)`)."""
-    op, shape = inst.opcode, inst.shape
-    if op.endswith("-start") and op[: -len("-start")] in _MOVES:
-        op = op[: -len("-start")]
-        parts = _compiler.tuple_elements(shape)
-        if len(parts) < 2:
-            return None
-        shape = parts[0] if op == "copy" else parts[1]
-    elif op not in _MOVES:
-        return None
-    out = _compiler.arrays(shape)
-    if len(out) != 1:
-        return None
-    operands = [comp.insts.get(o) for o in inst.operands]
-    if not operands or operands[0] is None:
-        return None
-    first = _compiler.arrays(operands[0].shape)
-    if len(first) != 1:
-        return None
-    if op == "dynamic-update-slice":
-        update = operands[1] if len(operands) > 1 else None
-        moved = _compiler.arrays(update.shape) if update is not None else []
-        if out[0].host and len(moved) == 1 and not moved[0].host:
-            return "device_to_host", moved[0].nbytes, inst.operands[0]
-        return None
-    if first[0].host and not out[0].host:
-        return "host_to_device", out[0].nbytes, inst.operands[0]
-    if out[0].host and not first[0].host and op == "copy":
-        return "device_to_host", out[0].nbytes, inst.operands[0]
-    return None

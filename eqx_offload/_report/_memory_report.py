@@ -18,7 +18,9 @@ from .._diagnose import DoesNotCompile, out_of_memory
 from .._memory_kinds import is_arraylike, kind_of
 from .._train_step import _TrainStep, join, split
 from .._transform import _OffloadWrapper, filter_offload
-from . import _compiled_traffic, _targets, _traffic
+from . import _compiled_traffic, _step_time, _targets, _traffic
+from ._does_not_fit import DoesNotFit
+from ._hardware import Hardware
 from ._record import (
     DESCRIPTIONS,
     device_word,
@@ -35,54 +37,6 @@ from ._targets import abstract
 
 
 _KINDS = ("device", "pinned_host")
-
-
-class DoesNotFit(ValueError):
-    """Raised by `memory_report` when the compiler finds the program too big for the
-    target's memory. The message gives the compiler's numbers and what is known
-    without compiling; so do the attributes:
-
-    - `target`: what it was compiled for (`"tpu-v5e"`, ...).
-    - `required_bytes`, `available_bytes`: the compiler's figures (`None` if its
-        message had none); on a GPU, the footprint and the allocator's share.
-    - `params`, `opt_state`: bytes of parameters and optimizer state by memory kind
-        (`train_step` and `filter_offload` objects; `None` otherwise).
-    - `residuals`: bytes saved for the backward pass by checkpoint name and memory
-        kind, as traced (`None` when not a `train_step`/`filter_offload`).
-    - `arguments`: bytes of each argument by memory kind.
-    - `compiler_message`: the compiler's own words.
-    """
-
-    target: str
-    required_bytes: int | None
-    available_bytes: int | None
-    params: dict[str, int] | None
-    opt_state: dict[str, int] | None
-    residuals: tuple["ResidualRow", ...] | None
-    arguments: dict[str, dict[str, int]]
-    compiler_message: str
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        target: str,
-        compiler_message: str,
-        arguments: dict[str, dict[str, int]],
-        params: dict[str, int] | None = None,
-        opt_state: dict[str, int] | None = None,
-        residuals: tuple["ResidualRow", ...] | None = None,
-        sizes: tuple[int, int] | None = None,
-    ):
-        super().__init__(message)
-        self.target = target
-        self.compiler_message = compiler_message
-        found = sizes or _compiler.oom_sizes(compiler_message)
-        self.required_bytes, self.available_bytes = found
-        self.arguments = arguments
-        self.params = params
-        self.opt_state = opt_state
-        self.residuals = residuals
 
 
 def _nbytes(x: Any, per_chip: bool = False) -> int:
@@ -262,7 +216,11 @@ def _unwrap_filter_jit(fn: Any) -> Any:
 
 
 def memory_report(
-    fn: Callable, *args: Any, target: str | None = None, **kwargs: Any
+    fn: Callable,
+    *args: Any,
+    target: str | None = None,
+    hardware: Hardware | None = None,
+    **kwargs: Any,
 ) -> MemoryReport:
     """Compiles `fn(*args, **kwargs)` (without running it) and reports where its
     memory lives.
@@ -295,16 +253,22 @@ def memory_report(
             capacity is the share of the GPU's memory JAX's allocator takes
             (`XLA_PYTHON_CLIENT_MEM_FRACTION`, default 0.75).
 
-        `target` is reserved: a function argument of that name can be bound with
-        `functools.partial`.
+    - `hardware`: the rates the step time (`report.time`) is priced at: by
+        default `eo.Hardware.of(target)` (on a TPU or H100/H200 backend, its
+        entry); pass one to change a figure (`dataclasses.replace`).
+
+    `target` and `hardware` are reserved: a function argument of either name can
+    be bound with `functools.partial`.
 
     **Returns:**
 
     A `MemoryReport`: device and host footprints with their parts (from
     `compiled.memory_analysis()`), per chip on a TPU, the host memory of one host
     of a slice, and, for `train_step` and `filter_offload` objects, the bytes of
-    parameters, optimizer state and saved residuals by memory kind. On the CPU
-    backend the host/device split is an estimate (see `MemoryReport`).
+    parameters, optimizer state and saved residuals by memory kind; for a TPU or
+    GPU, the estimated step time (`report.time`, a `StepTime`). On the CPU
+    backend the host/device split is an estimate (see `MemoryReport`), and there
+    is no step time.
 
     **Raises:**
 
@@ -340,6 +304,7 @@ def memory_report(
     where = _where(target, (args, kwargs))
     on_target = where.mesh is not None
     platform = _targets.platform(where.name) if on_target else jax.default_backend()
+    hardware = _step_time.hardware_for(target, platform, hardware)
     lays_out_batch = (
         isinstance(fn, _TrainStep)
         and fn.config.policy.batch is not None
@@ -398,6 +363,7 @@ def memory_report(
     else:
         device = {p: int(getattr(stats, f"{p}_size_in_bytes")) for p in PARTS}
         host = {p: int(getattr(stats, f"host_{p}_size_in_bytes")) for p in PARTS}
+    text = compiled.as_text() if platform in ("tpu", "gpu") else None
     report = MemoryReport(
         target=where.name,
         capacity=where.capacity,
@@ -413,11 +379,12 @@ def memory_report(
         chips=where.chips,
         chips_per_host=where.chips_per_host,
         transfers=transfers,
-        compiled_transfers=_compiled_traffic.count(
-            compiled.as_text(), _inputs(plan), _outputs(plan), transfers
-        )
-        if platform in ("tpu", "gpu")
-        else None,
+        compiled_transfers=None
+        if text is None
+        else _compiled_traffic.count(text, _inputs(plan), _outputs(plan), transfers),
+        time=None
+        if text is None or hardware is None
+        else _step_time.estimate(text, hardware, platform),
     )
     if platform == "gpu":
         _check_host_kept(report, where)

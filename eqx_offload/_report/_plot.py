@@ -6,6 +6,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, TYPE_CHECKING
 
+from ._step_time import time_text
+
 
 if TYPE_CHECKING:  # an import cycle, not a type switch: `MemoryReport.plot` calls us
     from ._record import MemoryReport
@@ -139,7 +141,10 @@ def plot(
     for capacity in sorted(c for c in near if c is not None):
         ax.axhline(capacity / scale, color="#c44e52", linestyle="dashed", linewidth=1)
     ax.set_xticks(positions, ticks, fontsize=10 if len(reports) <= 3 else 8)
-    for i, label in enumerate(labels):
+    for i, (label, report) in enumerate(zip(labels, reports)):
+        if report.time is not None:  # the estimated step time under the label
+            t = report.time
+            label += f"\n{time_text(t.seconds)} a step ({t.bound})"
         ax.annotate(
             label,
             xy=(3 * i + 0.5, 0),

@@ -7,7 +7,8 @@ from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
 
-from . import _plot
+from . import _plot, _step_time
+from ._step_time import StepTime
 from ._traffic import Transfer
 
 
@@ -94,6 +95,10 @@ class MemoryReport(eqx.Module):
         GPU target (`None` otherwise): what the compiler kept (it drops the moves of
         values nothing uses). A move of a value computed in the step that no named
         scope describes (a gradient, a residual, an accumulator) is `"computed"`.
+    - `time`: the estimated step time on one device of the target (an
+        `eo.StepTime`: compute, HBM and host-link times, what is not hidden, and
+        what bounds it), read from the compiled program; `None` on the CPU
+        backend.
     - `host_to_device_bytes`, `device_to_host_bytes`: the totals per step, from
         `compiled_transfers` where there are some, else from `transfers`;
         `transfer_bytes(direction, *, phase, what, compiled)` for a part.
@@ -119,6 +124,7 @@ class MemoryReport(eqx.Module):
     chips_per_host: int | None = None  # of them, how many one host serves
     transfers: tuple[Transfer, ...] | None = None
     compiled_transfers: tuple[Transfer, ...] | None = None
+    time: StepTime | None = None
 
     @property
     def host_to_device_bytes(self) -> int:
@@ -164,6 +170,31 @@ class MemoryReport(eqx.Module):
             and (phase is None or t.phase == phase)
             and (what is None or t.what == what)
         )
+
+    def transfer_seconds(
+        self,
+        direction: Literal["host_to_device", "device_to_host"],
+        *,
+        phase: Literal["forward/backward", "update"] | None = None,
+        what: str | None = None,
+    ) -> float:
+        """The host-link time of part of the compiled transfers
+        (`transfer_bytes(..., compiled=True)` at the link's rate in `time`): e.g.
+        `transfer_seconds("host_to_device", what="params")`."""
+        if self.time is None:
+            raise ValueError(
+                "`MemoryReport.transfer_seconds`: this report has no step time "
+                "(`time` is estimated for a TPU or GPU target: "
+                "`memory_report(..., target='tpu-v5e')`)."
+            )
+        hw = self.time.hardware
+        rate = (
+            hw.host_to_device_bytes_per_second
+            if direction == "host_to_device"
+            else hw.device_to_host_bytes_per_second
+        )
+        moved = self.transfer_bytes(direction, phase=phase, what=what, compiled=True)
+        return moved / rate
 
     @property
     def device_bytes(self) -> int:
@@ -224,6 +255,7 @@ class MemoryReport(eqx.Module):
             "compiled_transfers": None
             if self.compiled_transfers is None
             else [t._asdict() for t in self.compiled_transfers],
+            "time": None if self.time is None else self.time.to_dict(),
         }
 
     @classmethod
@@ -257,6 +289,7 @@ class MemoryReport(eqx.Module):
             chips_per_host=data.get("chips_per_host"),
             transfers=rows("transfers", Transfer),
             compiled_transfers=rows("compiled_transfers", Transfer),
+            time=None if data.get("time") is None else StepTime.from_dict(data["time"]),
         )
 
     def plot(
@@ -272,7 +305,8 @@ class MemoryReport(eqx.Module):
         TPU), split into parameters, optimizer state, other arguments (the batch;
         on a TPU also the padding of arrays to the compiler's tiles),
         saved activations by checkpoint name (as traced; one-chip reports), the
-        rest of the temporaries, and outputs not written in place. When a device
+        rest of the temporaries, and outputs not written in place; under each
+        label, the estimated step time and what bounds it (`time`). When a device
         bar comes within half of the chip's capacity, the capacity is drawn as a
         dashed line.
 
@@ -364,6 +398,8 @@ class MemoryReport(eqx.Module):
             lines += _transfer_lines(self.transfers, "as traced")
         if self.compiled_transfers:
             lines += _transfer_lines(self.compiled_transfers, "as compiled")
+        if self.time is not None:
+            lines += _step_time.lines(self.time)
         return "\n".join(lines)
 
 

@@ -1,0 +1,295 @@
+"""What each instruction of a compiled program costs: its matmul FLOPs and the
+precision they run at, the bytes it reads and writes in device memory, and the
+bytes it moves between host and device (`_step_time.py` adds them up along the
+schedule). The text is read in `_compiler.py`."""
+
+from collections import defaultdict
+from typing import Any
+
+from .. import _compiler
+from .._compiler import Computation, Instruction
+from ._hlo_program import moved, Walker
+
+
+# Instructions that move or compute nothing.
+FREE = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "opt-barrier",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "add-dependency",
+    "domain",
+}
+_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cudnn$matmul")
+_SLICES = {"dynamic-slice", "slice", "gather"}
+
+
+def precision(
+    dtypes: tuple[str, str], operand_precision: list[str], platform: str
+) -> str:
+    """The precision a dot of operand types `dtypes` runs at (see
+    `_hardware.PRECISIONS`): at the default precision a float32 dot takes one
+    bfloat16 pass on a TPU and runs as TF32 on an H100 (JAX's
+    `jax.lax.Precision`)."""
+    kinds = set(dtypes)
+    if any(d.startswith("f8") for d in kinds):
+        return "fp8"
+    if kinds & {"s8", "u8", "s4", "u4"}:
+        return "int8"
+    if kinds <= {"bf16", "f16"}:
+        return "bf16"
+    if "f64" in kinds:
+        return "f64"
+    level = max(
+        (
+            ("default", "high", "highest").index(p)
+            for p in operand_precision
+            if p in ("default", "high", "highest")
+        ),
+        default=0,
+    )
+    if platform == "tpu":
+        return ("bf16", "bf16x3", "bf16x6")[level]
+    return ("tf32", "tf32", "f32")[level]
+
+
+class Program:
+    """A parsed compiled program and what is known of its computations."""
+
+    def __init__(self, text: str, platform: str):
+        self.comps, self.entry = _compiler.parse_hlo(text)
+        self.walker = Walker(self.comps, self.entry)
+        self.platform = platform
+        self._flops: dict[str, tuple[tuple[str, float], ...]] = {}
+        self._accesses: dict[str, tuple[dict[int, int], int | None]] = {}
+
+    def shape(self, comp: Computation, name: str) -> str:
+        inst = comp.insts.get(name)
+        return inst.shape if inst is not None else ""
+
+    def dot_flops(
+        self, comp: Computation, inst: Instruction
+    ) -> tuple[str, float] | None:
+        """(precision, FLOPs) of a dot, convolution or GEMM library call."""
+        if inst.opcode == "custom-call":
+            return self._gemm_call(comp, inst)
+        if inst.opcode not in ("dot", "convolution") or len(inst.operands) < 2:
+            return None
+        lhs = _compiler.array_type(self.shape(comp, inst.operands[0]))
+        rhs = _compiler.array_type(self.shape(comp, inst.operands[1]))
+        out = _compiler.array_type(inst.shape)
+        if lhs is None or rhs is None or out is None:
+            return None
+        if inst.opcode == "dot":
+            inner = _product(
+                lhs[1][d] for d in inst.dims("lhs_contracting_dims") if d < len(lhs[1])
+            )
+        else:
+            found = _convolution_inner(inst, lhs[1], rhs[1], out[1])
+            if found is None:
+                return None
+            inner = found
+        flops = 2.0 * _product(out[1]) * inner
+        return precision((lhs[0], rhs[0]), inst.operand_precision, self.platform), flops
+
+    def _gemm_call(
+        self, comp: Computation, inst: Instruction
+    ) -> tuple[str, float] | None:
+        if inst.custom_call_target not in _GEMM_TARGETS or len(inst.operands) < 2:
+            return None
+        config = inst.backend_config.get("gemm_backend_config", {})
+        numbers = config.get("dot_dimension_numbers", {})
+        lhs = _compiler.array_type(self.shape(comp, inst.operands[0]))
+        rhs = _compiler.array_type(self.shape(comp, inst.operands[1]))
+        shape = inst.shape
+        if shape.startswith("("):
+            shape = _compiler.tuple_elements(shape)[0]
+        out = _compiler.array_type(shape)
+        if lhs is None or rhs is None or out is None:
+            return None
+        contracting = [int(d) for d in numbers.get("lhs_contracting_dimensions", [])]
+        inner = _product(lhs[1][d] for d in contracting if d < len(lhs[1]))
+        given = config.get("precision_config", {}).get("operand_precision", [])
+        level = [str(p).lower() for p in given]
+        return precision((lhs[0], rhs[0]), level, self.platform), 2.0 * _product(
+            out[1]
+        ) * inner
+
+    def fused_flops(self, name: str) -> tuple[tuple[str, float], ...]:
+        """The dot FLOPs of a fused (or otherwise called) computation, by precision."""
+        if name in self._flops:
+            return self._flops[name]
+        self._flops[name] = ()
+        comp = self.comps.get(name)
+        if comp is None:
+            return ()
+        out: dict[str, float] = defaultdict(float)
+        for inst in comp.insts.values():
+            found = self.dot_flops(comp, inst)
+            if found is not None:
+                out[found[0]] += found[1]
+            callee = inst.computation("calls")
+            if callee is not None:
+                for p, n in self.fused_flops(callee):
+                    out[p] += n
+        self._flops[name] = tuple(out.items())
+        return self._flops[name]
+
+    def device_bytes(self, comp: Computation, inst: Instruction) -> int:
+        """What `inst` reads and writes in device memory: its device-resident
+        operands and result; of an operand a fusion only slices, the slices; of a
+        buffer updated in place, the update."""
+        fused = (
+            self.comps.get(inst.computation("calls") or "")
+            if inst.opcode == "fusion"
+            else None
+        )
+        sliced, in_place = self._access(fused.name) if fused is not None else ({}, None)
+        total = 0
+        for i, name in enumerate(inst.operands):
+            if i == in_place:
+                continue
+            if i in sliced:
+                total += sliced[i]
+                continue
+            total += sum(
+                a.nbytes
+                for a in _compiler.arrays(self.shape(comp, name))
+                if not a.host and not a.on_chip
+            )
+        if inst.opcode == "dynamic-update-slice" and len(inst.operands) > 1:
+            update = self.shape(comp, inst.operands[1])
+            return (
+                total
+                - sum(
+                    a.nbytes
+                    for a in _compiler.arrays(self.shape(comp, inst.operands[0]))
+                    if not a.host and not a.on_chip
+                )
+                + 2
+                * sum(
+                    a.nbytes
+                    for a in _compiler.arrays(update)
+                    if not a.host and not a.on_chip
+                )
+            )
+        if in_place is not None and fused is not None:
+            root = fused.insts.get(fused.root)
+            if root is not None and len(root.operands) > 1:
+                return total + sum(
+                    a.nbytes
+                    for a in _compiler.arrays(self.shape(fused, root.operands[1]))
+                    if not a.host and not a.on_chip
+                )
+        return total + sum(
+            a.nbytes
+            for a in _compiler.arrays(inst.shape)
+            if not a.host and not a.on_chip
+        )
+
+    def _access(self, name: str) -> tuple[dict[int, int], int | None]:
+        """Of a fused computation: the parameters it only slices (number ->
+        bytes of the slices), and the one it updates in place."""
+        if name in self._accesses:
+            return self._accesses[name]
+        comp = self.comps[name]
+        users: dict[str, list[Instruction]] = defaultdict(list)
+        for inst in comp.insts.values():
+            for o in inst.operands:
+                users[o].append(inst)
+        sliced = {}
+        for number, param in comp.params.items():
+            found = users.get(param, [])
+            if found and all(
+                u.opcode in _SLICES and u.operands[:1] == [param] for u in found
+            ):
+                sliced[number] = sum(
+                    a.nbytes for u in found for a in _compiler.arrays(u.shape)
+                )
+        in_place = None
+        root = comp.insts.get(comp.root)
+        if root is not None and root.opcode == "dynamic-update-slice" and root.operands:
+            base = comp.insts.get(root.operands[0])
+            if base is not None and base.parameter_number is not None:
+                in_place = base.parameter_number
+        self._accesses[name] = (sliced, in_place)
+        return sliced, in_place
+
+    def transfer(self, comp: Computation, inst: Instruction) -> tuple[str, int] | None:
+        """(direction, bytes) if `inst` moves data between host and device, or
+        starts an asynchronous computation that does."""
+        found = moved(comp, inst)
+        if found is not None:
+            return found[0], found[1]
+        callee = inst.computation("calls")
+        if not inst.opcode.endswith("-start") or callee is None:
+            return None
+        inner = self.comps.get(callee)
+        if inner is None:
+            return None
+        totals: dict[str, int] = defaultdict(int)
+        for i in inner.insts.values():
+            m = moved(inner, i)
+            if m is not None:
+                totals[m[0]] += m[1]
+        if not totals:
+            return None
+        direction = max(totals, key=lambda d: totals[d])
+        return direction, sum(totals.values())
+
+
+def _convolution_inner(
+    inst: Instruction, lhs: list[int], rhs: list[int], out: list[int]
+) -> float | None:
+    """The multiply-adds per output element of a convolution: the kernel's input
+    features times, per spatial dimension, the window positions that land on the
+    input (not on padding or the holes of a dilated input), averaged over the
+    output positions. (The TPU compiler writes batched matmuls as convolutions
+    whose batch dimensions are spatial, dilated so that one position lands.)"""
+    labels = inst.dim_labels or ""
+    try:
+        lhs_labels, rest = labels.split("_", 1)
+        rhs_labels, out_labels = rest.split("->", 1)
+    except ValueError:
+        return None
+    if (
+        "i" not in rhs_labels
+        or len(rhs_labels) != len(rhs)
+        or len(out_labels) != len(out)
+    ):
+        return None
+    inner = float(rhs[rhs_labels.index("i")])
+    window = inst.window
+    spatial = sorted(c for c in rhs_labels if c.isdigit())
+    for n, digit in enumerate(spatial):
+        if digit not in lhs_labels or digit not in out_labels:
+            return None
+        size = lhs[lhs_labels.index(digit)]
+        outputs = out[out_labels.index(digit)]
+        get = lambda key, default: window.get(key, [default] * len(spatial))[n]  # noqa: E731
+        k, stride = get("size", 1), get("stride", 1)
+        low, base, dilate = (
+            get("pad_low", 0),
+            get("lhs_dilate", 1),
+            get("rhs_dilate", 1),
+        )
+        landed = 0
+        for o in range(outputs):
+            for w in range(k):
+                at = o * stride + w * dilate - low
+                if 0 <= at <= (size - 1) * base and at % base == 0:
+                    landed += 1
+        inner *= landed / max(outputs, 1)
+    return inner
+
+
+def _product(values: Any) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out

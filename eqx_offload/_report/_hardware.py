@@ -1,0 +1,281 @@
+"""`Hardware`: the rates a step-time estimate prices a compiled program at, one
+device of a target: matmul throughput by precision, HBM bandwidth, the host link
+each way, and the host memory behind each device. A table per target, sourced
+below; any figure can be replaced (`dataclasses.replace`)."""
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+
+# Matmul precisions, as the compiled program runs them (`_step_time.precision`):
+# "bf16x3"/"bf16x6" are float32 dots at `Precision.HIGH`/`HIGHEST` on a TPU, which
+# take 3 or 6 bfloat16 passes (JAX's `jax.lax.Precision` docs); "tf32" is a
+# float32 dot at the default (or `HIGH`) precision on an H100, "f32" at `HIGHEST`.
+PRECISIONS = ("fp8", "int8", "bf16", "bf16x3", "bf16x6", "tf32", "f32", "f64")
+
+# A precision the hardware has no rate for runs at the next one listed here (as
+# XLA converts: fp8 and int8 to bfloat16 on chips without them).
+FALLBACK = {
+    "fp8": "bf16",
+    "int8": "bf16",
+    "f64": "f32",
+    "f32": "bf16x6",
+    "tf32": "f32",
+    "bf16x6": "bf16",
+    "bf16x3": "bf16",
+}
+
+_GB = 1e9
+_T = 1e12
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """What one device of a target can do, for `MemoryReport.time`.
+
+    - `name`: e.g. `"tpu-v5e"`.
+    - `matmul_flops`: peak dense matmul FLOP/s by precision (`"bf16"`, `"int8"`,
+        `"fp8"`, `"tf32"`, `"f32"`, and on TPUs `"bf16x3"`/`"bf16x6"`, a float32
+        dot at `HIGH`/`HIGHEST` precision). A precision without a rate runs at a
+        slower one (`fp8`/`int8` at `bf16`, `f32` at `bf16x6`).
+    - `hbm_bytes_per_second`: device memory bandwidth.
+    - `host_to_device_bytes_per_second`, `device_to_host_bytes_per_second`: the
+        host link of one device, each way.
+    - `host_memory_bytes`: host RAM per device (the host's RAM over the devices it
+        serves).
+    - `sources`: where the figures come from.
+
+    `Hardware.of(target)` is the table's entry for a `memory_report` target;
+    replace a figure with `dataclasses.replace(eo.Hardware.of("gpu-h100"),
+    host_to_device_bytes_per_second=25e9)` and pass it as
+    `memory_report(..., hardware=...)`.
+    """
+
+    name: str
+    matmul_flops: Mapping[str, float]
+    hbm_bytes_per_second: float
+    host_to_device_bytes_per_second: float
+    device_to_host_bytes_per_second: float
+    host_memory_bytes: int
+    sources: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        rates: dict[str, Any] = {
+            "hbm_bytes_per_second": self.hbm_bytes_per_second,
+            "host_to_device_bytes_per_second": self.host_to_device_bytes_per_second,
+            "device_to_host_bytes_per_second": self.device_to_host_bytes_per_second,
+            "host_memory_bytes": self.host_memory_bytes,
+        }
+        rates.update({f"matmul_flops[{k!r}]": v for k, v in self.matmul_flops.items()})
+        for field, value in rates.items():
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not math.isfinite(value) or value <= 0:
+                raise ValueError(
+                    f"`Hardware(name={self.name!r})`: `{field}` is {value!r}; give a "
+                    "positive, finite number (per second for rates, bytes for "
+                    "memory)."
+                )
+        unknown = set(self.matmul_flops) - set(PRECISIONS)
+        if unknown or "bf16" not in self.matmul_flops:
+            raise ValueError(
+                f"`Hardware(name={self.name!r})`: `matmul_flops` has "
+                f"{sorted(self.matmul_flops)}; its keys are precisions among "
+                f"{', '.join(PRECISIONS)}, and it needs `'bf16'`."
+            )
+        object.__setattr__(self, "matmul_flops", dict(self.matmul_flops))
+
+    def flops_per_second(self, precision: str) -> tuple[str, float]:
+        """The precision a dot of `precision` runs at here, and its rate."""
+        while precision not in self.matmul_flops:
+            precision = FALLBACK.get(precision, "bf16")
+        return precision, self.matmul_flops[precision]
+
+    @classmethod
+    def of(cls, target: str) -> "Hardware":
+        """The table's entry for one device of `target` (`"tpu-v5e"`,
+        `"tpu-v5e:4x4"`, `"gpu-h100:8"`, ...)."""
+        from . import _targets  # (the target's grammar, and its errors)
+
+        chip, _ = _targets.parse(target)
+        return TABLE[chip]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"matmul_flops": dict(self.matmul_flops)}
+
+
+def _tpu(bf16: float, int8: float | None, **rest: Any) -> dict[str, Any]:
+    flops = {"bf16": bf16, "bf16x3": bf16 / 3, "bf16x6": bf16 / 6}
+    if int8 is not None:
+        flops["int8"] = int8
+    return {"matmul_flops": flops, **rest}
+
+
+_TPU_SPECS = "https://cloud.google.com/tpu/docs/{}"
+_SCALING_BOOK = (
+    "https://jax-ml.github.io/scaling-book/tpus/: host link (PCIe) 16 GB/s each "
+    "way for v4, about 1.5e10 B/s per chip in general, 32 GB/s for v6e"
+)
+_PRECISION = (
+    "https://docs.jax.dev/en/latest/_autosummary/jax.lax.Precision.html: a float32 "
+    "dot takes 1, 3 or 6 bfloat16 passes on a TPU at DEFAULT, HIGH, HIGHEST; TF32 "
+    "on an H100 at DEFAULT and HIGH, float32 at HIGHEST"
+)
+_NVIDIA = (
+    "https://www.nvidia.com/en-us/data-center/{}/ (SXM): tensor-core rates listed "
+    "with sparsity, halved here for dense (bf16 989.4, tf32 494.7, fp8 and int8 "
+    "1979 TFLOP/s), fp32 67 TFLOP/s, PCIe Gen5 128 GB/s (64 each way); not read "
+    "from nvidia.com itself but from copies of it and "
+    "https://jax-ml.github.io/scaling-book/gpus/ (bf16 9.9e14, fp8 2.0e15)"
+)
+
+# One device of each target, and where each figure comes from. Host links are the
+# links' nominal rates: what a program gets is lower (a plain `jax.device_put` to
+# the host measured 2.7 GB/s on an H100 PCIe, jax#21438): override them with
+# what you measure.
+TABLE: dict[str, Hardware] = {
+    "tpu-v5e": Hardware(
+        "tpu-v5e",
+        **_tpu(
+            197 * _T,
+            393 * _T,
+            hbm_bytes_per_second=819 * _GB,
+            host_to_device_bytes_per_second=15 * _GB,
+            device_to_host_bytes_per_second=15 * _GB,
+            host_memory_bytes=48 * 10**9,
+        ),
+        sources=(
+            _TPU_SPECS.format("v5e") + ": 197 TFLOP/s bf16, 393 TOP/s int8, 16 GB "
+            "of HBM at 819 GB/s; VM ct5lp-hightpu-4t: 4 chips, 192 GB of memory "
+            "(48 GB a chip)",
+            _SCALING_BOOK + " (v5e: the general figure; PCIe generation not published)",
+            _PRECISION,
+        ),
+    ),
+    "tpu-v6e": Hardware(
+        "tpu-v6e",
+        **_tpu(
+            918 * _T,
+            1836 * _T,
+            hbm_bytes_per_second=1640 * _GB,
+            host_to_device_bytes_per_second=32 * _GB,
+            device_to_host_bytes_per_second=32 * _GB,
+            host_memory_bytes=180 * 10**9,
+        ),
+        sources=(
+            _TPU_SPECS.format("v6e") + ": 918 TFLOP/s bf16, 1836 TOP/s int8, 32 GB "
+            "of HBM at 1640 GB/s, PCIe Gen5 to the host; VM ct6e-standard-4t: 4 "
+            "chips, 720 GB of memory (180 GB a chip)",
+            _SCALING_BOOK,
+            _PRECISION,
+        ),
+    ),
+    "tpu-v5p": Hardware(
+        "tpu-v5p",
+        **_tpu(
+            459 * _T,
+            918 * _T,
+            hbm_bytes_per_second=2765 * _GB,
+            host_to_device_bytes_per_second=15 * _GB,
+            device_to_host_bytes_per_second=15 * _GB,
+            host_memory_bytes=112 * 10**9,
+        ),
+        sources=(
+            _TPU_SPECS.format("v5p-training") + ": 459 TFLOP/s bf16, 95 GB of HBM "
+            "at 2765 GB/s, a 4-chip VM with 448 GB of RAM (112 GB a chip); int8 "
+            "918 TOP/s from the scaling book",
+            _SCALING_BOOK + " (v5p: the general figure; PCIe generation not published)",
+            _PRECISION,
+        ),
+    ),
+    # A `tpu-v4` device is one TensorCore, half a chip (`_targets.HBM_BYTES`).
+    "tpu-v4": Hardware(
+        "tpu-v4",
+        **_tpu(
+            275 * _T / 2,
+            275 * _T / 2,
+            hbm_bytes_per_second=1200 * _GB / 2,
+            host_to_device_bytes_per_second=8 * _GB,
+            device_to_host_bytes_per_second=8 * _GB,
+            host_memory_bytes=407 * 10**9 // 8,
+        ),
+        sources=(
+            _TPU_SPECS.format("v4") + ": 275 TFLOP/s (bf16 or int8), 32 GiB of HBM "
+            "at 1200 GB/s per chip; VM ct4p-hightpu-4t: 4 chips, 407 GB of memory; "
+            "all halved for one of a chip's two TensorCores",
+            _SCALING_BOOK + " (v4: 16 GB/s a chip, halved)",
+            _PRECISION,
+        ),
+    ),
+    "gpu-h100": Hardware(
+        "gpu-h100",
+        {
+            "fp8": 1979 * _T,
+            "int8": 1979 * _T,
+            "bf16": 989.4 * _T,
+            "tf32": 494.7 * _T,
+            "f32": 67 * _T,
+            "f64": 67 * _T,
+        },
+        hbm_bytes_per_second=3350 * _GB,
+        host_to_device_bytes_per_second=64 * _GB,
+        device_to_host_bytes_per_second=64 * _GB,
+        host_memory_bytes=234 * 10**9,
+        sources=(
+            _NVIDIA.format("h100") + "; 80 GB of HBM3 at 3.35 TB/s",
+            "https://cloud.google.com/compute/docs/gpus: a3-highgpu-8g, 8 H100s "
+            "with 1,872 GB of memory (234 GB a GPU)",
+            _PRECISION,
+        ),
+    ),
+    "gpu-h200": Hardware(
+        "gpu-h200",
+        {
+            "fp8": 1979 * _T,
+            "int8": 1979 * _T,
+            "bf16": 989.4 * _T,
+            "tf32": 494.7 * _T,
+            "f32": 67 * _T,
+            "f64": 67 * _T,
+        },
+        hbm_bytes_per_second=4800 * _GB,
+        host_to_device_bytes_per_second=64 * _GB,
+        device_to_host_bytes_per_second=64 * _GB,
+        host_memory_bytes=256 * 10**9,
+        sources=(
+            _NVIDIA.format("h200") + "; 141 GB of HBM3e at 4.8 TB/s",
+            "NVIDIA's MLPerf Training system description of an 8-H200 node: 2 TB "
+            "of memory (32 x 64 GB; 256 GB a GPU)",
+            _PRECISION,
+        ),
+    ),
+}
+
+
+# `jax.Device.device_kind` of the devices the table describes, for a report
+# compiled on one (`target=None`).
+_DEVICE_KINDS = {
+    "TPU v5 lite": "tpu-v5e",
+    "TPU v5e": "tpu-v5e",
+    "TPU v6 lite": "tpu-v6e",
+    "TPU v6e": "tpu-v6e",
+    "TPU v5": "tpu-v5p",
+    "TPU v5p": "tpu-v5p",
+    "TPU v4": "tpu-v4",
+}
+
+
+def of_this_backend() -> Hardware | None:
+    """The table's entry for this backend's first device (a TPU or an H100/H200
+    it runs on), or None (the CPU, other devices)."""
+    kind = jax.devices()[0].device_kind
+    if kind in _DEVICE_KINDS:
+        return TABLE[_DEVICE_KINDS[kind]]
+    if kind.startswith("NVIDIA H100"):
+        return TABLE["gpu-h100"]
+    if kind.startswith("NVIDIA H200"):
+        return TABLE["gpu-h200"]
+    return None

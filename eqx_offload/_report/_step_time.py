@@ -1,0 +1,354 @@
+"""`StepTime`: an estimate of how long one step takes on a target, read from the
+program `memory_report` compiled, without running it.
+
+The compiled program is scheduled: each computation's instructions are in the
+order one device issues them, and each host transfer the compiler kept is an
+asynchronous start ... done pair (or a synchronous copy). The estimate replays
+that order once per computation, with a clock:
+
+- an instruction that computes (a fusion, a dot, a copy, a collective, ...) takes
+    the longer of its matmul FLOPs at the precision it runs at, and the bytes it
+    reads and writes in device memory at the HBM bandwidth (a roofline per
+    instruction; elementwise work is priced by its bytes);
+- a transfer between host and device memory occupies the host link in its
+    direction (the link is full duplex: the two directions do not wait for each
+    other) for its bytes at the link's rate, from when it is issued; its `done`
+    waits until the link has moved it. What the device waits there is the
+    transfer time not hidden behind the compute issued between start and done;
+    a synchronous transfer is not hidden at all;
+- a `while` loop takes its body's time once per trip (the trip count the compiler
+    knows, else read from the loop's condition), so what is hidden is hidden per
+    iteration, as scheduled; a called computation takes its time where it is
+    called; of a `conditional`, the first branch.
+
+`compiled.cost_analysis()` is not used: it counts a loop's body once, prices host
+transfers as device-memory traffic, and gives negative times for some programs.
+Not modelled: interconnect (collectives are priced as device-memory traffic),
+kernel launch and per-op overheads, caches. The text is read in `_compiler.py`.
+"""
+
+import dataclasses
+from collections import defaultdict
+from typing import Any, Literal
+
+from .._compiler import Computation
+from . import _hardware
+from ._costs import FREE, Program
+from ._hardware import Hardware
+
+
+Bound = Literal["compute", "HBM", "host link"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """How long one step takes on one device of the target, estimated from the
+    compiled program (`MemoryReport.time`; `None` on the CPU backend). Seconds
+    per step; every figure is per device and non-negative.
+
+    - `seconds`: the estimated step time.
+    - `bound`: what most of it is spent on: `"compute"` (instructions limited by
+        their matmul FLOPs), `"HBM"` (limited by device-memory traffic), or
+        `"host link"` (waiting for host transfers).
+    - `compute_seconds`: matmul FLOPs at the hardware's rate for the precision
+        each dot runs at; `flops` their number (with loop trip counts) and
+        `flops_by_precision` by precision (`"bf16"`, `"tf32"`, ...).
+    - `hbm_seconds`: the bytes instructions read and write in device memory
+        (`hbm_bytes`) at the HBM bandwidth.
+    - `host_to_device_seconds`, `device_to_host_seconds`: the host link busy in
+        each direction: `host_to_device_bytes`, `device_to_host_bytes` (what the
+        compiled program moves, as `MemoryReport.compiled_transfers`) at the
+        link's rate.
+    - `exposed_transfer_seconds`: the part of the host-link time the device
+        waits for, not hidden behind the compute scheduled between a transfer's
+        start and its done (a synchronous transfer hides nothing).
+    - `hardware`: the `eo.Hardware` it was priced with.
+    """
+
+    seconds: float
+    bound: Bound
+    compute_seconds: float
+    flops: float
+    flops_by_precision: dict[str, float]
+    hbm_seconds: float
+    hbm_bytes: float
+    host_to_device_seconds: float
+    host_to_device_bytes: int
+    device_to_host_seconds: float
+    device_to_host_bytes: int
+    exposed_transfer_seconds: float
+    hardware: Hardware
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["flops_by_precision"] = dict(self.flops_by_precision)
+        out["hardware"] = self.hardware.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "StepTime":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kept = {k: v for k, v in data.items() if k in fields}
+        hardware = dict(kept["hardware"])
+        hardware["sources"] = tuple(hardware.get("sources", ()))
+        return cls(**(kept | {"hardware": Hardware(**hardware)}))
+
+    def __str__(self) -> str:
+        return "\n".join(lines(self))
+
+
+def lines(t: StepTime) -> list[str]:
+    """The step-time section of a report's table."""
+    by = ", ".join(f"{p} {_flops_text(n)}" for p, n in t.flops_by_precision.items())
+    rows = [
+        ("step time (estimate)", t.seconds, f"{t.bound}-bound"),
+        (
+            "  compute",
+            t.compute_seconds,
+            f"{_flops_text(t.flops)}" + (f": {by}" if by else ""),
+        ),
+        ("  HBM", t.hbm_seconds, f"{_bytes_text(t.hbm_bytes)}"),
+        (
+            "  host link to device",
+            t.host_to_device_seconds,
+            _bytes_text(t.host_to_device_bytes),
+        ),
+        (
+            "  host link to host",
+            t.device_to_host_seconds,
+            _bytes_text(t.device_to_host_bytes),
+        ),
+        ("  transfers not hidden", t.exposed_transfer_seconds, ""),
+    ]
+    header = f"{f'time per step, {t.hardware.name}':<34}{'seconds':>14}"
+    out = [header, "-" * len(header)]
+    for label, seconds, note in rows:
+        out.append(f"{label:<34}{time_text(seconds):>14}  {note}".rstrip())
+    return out
+
+
+def time_text(seconds: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return "0 s" if seconds == 0 else f"{seconds / 1e-9:.3g} ns"
+
+
+def _flops_text(n: float) -> str:
+    for unit, scale in (
+        ("PFLOP", 1e15),
+        ("TFLOP", 1e12),
+        ("GFLOP", 1e9),
+        ("MFLOP", 1e6),
+    ):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.3g} FLOP"
+
+
+def _bytes_text(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclasses.dataclass
+class _Tally:
+    """Time and work of one run of a computation."""
+
+    seconds: float = 0.0
+    compute_bound: float = 0.0
+    hbm_bound: float = 0.0
+    exposed: float = 0.0
+    compute: float = 0.0
+    hbm: float = 0.0
+    hbm_bytes: float = 0.0
+    flops: dict[str, float] = dataclasses.field(
+        default_factory=lambda: defaultdict(float)
+    )
+    link_bytes: dict[str, int] = dataclasses.field(
+        default_factory=lambda: defaultdict(int)
+    )
+
+    def add(self, other: "_Tally", times: int = 1) -> None:
+        for f in (
+            "seconds",
+            "compute_bound",
+            "hbm_bound",
+            "exposed",
+            "compute",
+            "hbm",
+            "hbm_bytes",
+        ):
+            setattr(self, f, getattr(self, f) + times * getattr(other, f))
+        for k, v in other.flops.items():
+            self.flops[k] += times * v
+        for k, v in other.link_bytes.items():
+            self.link_bytes[k] += times * v
+
+
+class _Replay:
+    def __init__(self, program: Program, hardware: Hardware):
+        self.program = program
+        self.hw = hardware
+        self.rate = {
+            "host_to_device": hardware.host_to_device_bytes_per_second,
+            "device_to_host": hardware.device_to_host_bytes_per_second,
+        }
+        self.memo: dict[str, _Tally] = {}
+
+    def run(self, name: str) -> _Tally:
+        if name in self.memo:
+            return self.memo[name]
+        self.memo[name] = _Tally()  # (a cycle, which HLO has not, costs nothing)
+        comp = self.program.comps.get(name)
+        tally = _Tally() if comp is None else self._run(comp)
+        self.memo[name] = tally
+        return tally
+
+    def _run(self, comp: Computation) -> _Tally:
+        t = _Tally()
+        clock = 0.0
+        link_free = {"host_to_device": 0.0, "device_to_host": 0.0}
+        other_free = 0.0
+        pending: dict[str, tuple[float, bool]] = {}  # start -> (finish, on the link)
+
+        def wait(until: float, link: bool) -> None:
+            nonlocal clock
+            if until > clock:
+                if link:
+                    t.exposed += until - clock
+                else:
+                    t.hbm_bound += until - clock
+                clock = until
+
+        for inst in comp.insts.values():
+            op = inst.opcode
+            if op in FREE:
+                continue
+            if op.endswith("-done"):
+                start = inst.operands[0] if inst.operands else ""
+                if start in pending:
+                    wait(*pending.pop(start))
+                continue
+            moving = self.program.transfer(comp, inst)
+            if moving is not None:
+                direction, nbytes = moving
+                t.link_bytes[direction] += nbytes
+                begin = max(clock, link_free[direction])
+                finish = begin + nbytes / self.rate[direction]
+                link_free[direction] = finish
+                if op.endswith("-start"):
+                    pending[inst.name] = (finish, True)
+                else:
+                    wait(finish, True)
+                continue
+            if op == "while":
+                body = inst.computation("body")
+                if body is not None:
+                    trips = self.program.walker.trips(comp, inst)
+                    inner = self.run(body)
+                    t.add(inner, trips)
+                    clock += trips * inner.seconds
+                continue
+            if op == "conditional":
+                branches = inst.branches
+                if branches:
+                    inner = self.run(branches[0])
+                    t.add(inner)
+                    clock += inner.seconds
+                continue
+            if op == "call" and inst.computation("to_apply"):
+                inner = self.run(inst.computation("to_apply") or "")
+                t.add(inner)
+                clock += inner.seconds
+                continue
+            # Work: a fusion, a dot, a copy, a collective, ...
+            flops: dict[str, float] = defaultdict(float)
+            found = self.program.dot_flops(comp, inst)
+            if found is not None:
+                flops[found[0]] += found[1]
+            callee = inst.computation("calls")
+            if callee is not None:
+                for p, n in self.program.fused_flops(callee):
+                    flops[p] += n
+            compute = 0.0
+            for p, n in flops.items():
+                used, rate = self.hw.flops_per_second(p)
+                t.flops[used] += n
+                compute += n / rate
+            nbytes = self.program.device_bytes(comp, inst)
+            memory = nbytes / self.hw.hbm_bytes_per_second
+            t.compute += compute
+            t.hbm += memory
+            t.hbm_bytes += nbytes
+            took = max(compute, memory)
+            if op.endswith("-start"):
+                begin = max(clock, other_free)
+                other_free = begin + took
+                pending[inst.name] = (other_free, False)
+                continue
+            if compute >= memory:
+                t.compute_bound += took
+            else:
+                t.hbm_bound += took
+            clock += took
+        for finish, link in pending.values():  # started, never waited for here
+            wait(finish, link)
+        t.seconds = clock
+        return t
+
+
+def hardware_for(
+    target: str | None, platform: str, hardware: Hardware | None
+) -> Hardware | None:
+    """The rates `memory_report(..., target=target, hardware=hardware)` prices
+    its step at, compiling for `platform`: `hardware`, or the table's entry for
+    the target (or this backend's device); None where there is none."""
+    if hardware is not None and not isinstance(hardware, Hardware):
+        raise TypeError(
+            f"`memory_report(hardware=...)` takes an `eo.Hardware`, not "
+            f"{type(hardware).__name__}: e.g. `dataclasses.replace("
+            "eo.Hardware.of('tpu-v5e'), host_to_device_bytes_per_second=10e9)`."
+        )
+    if platform not in ("tpu", "gpu"):
+        if hardware is not None:
+            raise ValueError(
+                f"`memory_report(hardware=...)`: the step is compiled for this "
+                f"{platform} backend, whose program says nothing of TPU or GPU "
+                "time; pass a `target=` (e.g. 'tpu-v5e', 'gpu-h100') with it."
+            )
+        return None
+    if hardware is not None:
+        return hardware
+    return _hardware.of_this_backend() if target is None else Hardware.of(target)
+
+
+def estimate(text: str, hardware: Hardware, platform: str) -> StepTime:
+    """The step time of a compiled program (`compiled.as_text()`), compiled for
+    `platform` ("tpu" or "gpu"), on `hardware`."""
+    program = Program(text, platform)
+    tally = _Replay(program, hardware).run(program.entry)
+    h2d = tally.link_bytes.get("host_to_device", 0)
+    d2h = tally.link_bytes.get("device_to_host", 0)
+    parts: dict[Bound, float] = {
+        "compute": tally.compute_bound,
+        "HBM": tally.hbm_bound,
+        "host link": tally.exposed,
+    }
+    return StepTime(
+        seconds=tally.seconds,
+        bound=max(parts, key=lambda k: parts[k]),
+        compute_seconds=tally.compute,
+        flops=sum(tally.flops.values()),
+        flops_by_precision={p: n for p, n in tally.flops.items() if n},
+        hbm_seconds=tally.hbm,
+        hbm_bytes=tally.hbm_bytes,
+        host_to_device_seconds=h2d / hardware.host_to_device_bytes_per_second,
+        host_to_device_bytes=h2d,
+        device_to_host_seconds=d2h / hardware.device_to_host_bytes_per_second,
+        device_to_host_bytes=d2h,
+        exposed_transfer_seconds=tally.exposed,
+        hardware=hardware,
+    )
