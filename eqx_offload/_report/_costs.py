@@ -141,56 +141,36 @@ class Program:
         return self._flops[name]
 
     def device_bytes(self, comp: Computation, inst: Instruction) -> int:
-        """What `inst` reads and writes in device memory: its device-resident
-        operands and result; of an operand a fusion only slices, the slices; of a
-        buffer updated in place, the update."""
-        fused = (
-            self.comps.get(inst.computation("calls") or "")
-            if inst.opcode == "fusion"
-            else None
-        )
-        sliced, in_place = self._access(fused.name) if fused is not None else ({}, None)
-        total = 0
-        for i, name in enumerate(inst.operands):
-            if i == in_place:
-                continue
-            if i in sliced:
-                total += sliced[i]
-                continue
-            total += sum(
-                a.nbytes
-                for a in _compiler.arrays(self.shape(comp, name))
-                if not a.host and not a.on_chip
-            )
-        if inst.opcode == "dynamic-update-slice" and len(inst.operands) > 1:
-            update = self.shape(comp, inst.operands[1])
-            return (
-                total
-                - sum(
-                    a.nbytes
-                    for a in _compiler.arrays(self.shape(comp, inst.operands[0]))
-                    if not a.host and not a.on_chip
-                )
-                + 2
-                * sum(
-                    a.nbytes
-                    for a in _compiler.arrays(update)
-                    if not a.host and not a.on_chip
-                )
-            )
-        if in_place is not None and fused is not None:
-            root = fused.insts.get(fused.root)
-            if root is not None and len(root.operands) > 1:
-                return total + sum(
-                    a.nbytes
-                    for a in _compiler.arrays(self.shape(fused, root.operands[1]))
-                    if not a.host and not a.on_chip
-                )
-        return total + sum(
-            a.nbytes
-            for a in _compiler.arrays(inst.shape)
-            if not a.host and not a.on_chip
-        )
+        """What `inst` reads and writes in device memory (HBM): its result and its
+        operands there; of a slice, the slice (read and written); of a buffer
+        updated in place, the update; of an operand a fusion only slices, the
+        slices. (Of an asynchronous start, the result it starts.)"""
+        op = inst.opcode
+        base = op.removesuffix("-start")
+        result = inst.shape
+        if op.endswith("-start"):
+            parts = _compiler.tuple_elements(inst.shape)
+            result = parts[0] if base == "copy" else parts[1] if len(parts) > 1 else ""
+        operands = [self.shape(comp, name) for name in inst.operands]
+        if base in ("slice", "dynamic-slice") and operands:
+            read = _hbm(result) if _hbm(operands[0]) else 0
+            return read + _hbm(result)
+        if base == "dynamic-update-slice" and len(operands) > 1:
+            return 2 * _hbm(operands[1]) if _hbm(operands[0]) else _hbm(operands[1])
+        sliced: dict[int, int] = {}
+        in_place = None
+        if op == "fusion":
+            fused = self.comps.get(inst.computation("calls") or "")
+            if fused is not None:
+                sliced, in_place = self._access(fused.name)
+                root = fused.insts.get(fused.root)
+                if in_place is not None and root is not None and len(root.operands) > 1:
+                    result = self.shape(fused, root.operands[1])  # the update
+        total = _hbm(result)
+        for i, shape in enumerate(operands):
+            if i != in_place:
+                total += sliced[i] if i in sliced else _hbm(shape)
+        return total
 
     def _access(self, name: str) -> tuple[dict[int, int], int | None]:
         """Of a fused computation: the parameters it only slices (number ->
@@ -241,6 +221,13 @@ class Program:
             return None
         direction = max(totals, key=lambda d: totals[d])
         return direction, sum(totals.values())
+
+
+def _hbm(shape: str) -> int:
+    """The bytes of a shape's arrays that are in device memory (HBM)."""
+    return sum(
+        a.nbytes for a in _compiler.arrays(shape) if not a.host and not a.on_chip
+    )
 
 
 def _convolution_inner(

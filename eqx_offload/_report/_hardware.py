@@ -56,10 +56,10 @@ class Hardware:
     """
 
     name: str
-    matmul_flops: Mapping[str, float]
-    hbm_bytes_per_second: float
-    host_to_device_bytes_per_second: float
-    device_to_host_bytes_per_second: float
+    matmul_flops: Mapping[str, float | int]
+    hbm_bytes_per_second: float | int
+    host_to_device_bytes_per_second: float | int
+    device_to_host_bytes_per_second: float | int
     host_memory_bytes: int
     sources: tuple[str, ...] = ()
 

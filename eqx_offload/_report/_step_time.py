@@ -127,14 +127,14 @@ def lines(t: StepTime) -> list[str]:
     return out
 
 
-def time_text(seconds: float) -> str:
+def time_text(seconds: float | int) -> str:
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
         if seconds >= scale:
             return f"{seconds / scale:.3g} {unit}"
     return "0 s" if seconds == 0 else f"{seconds / 1e-9:.3g} ns"
 
 
-def _flops_text(n: float) -> str:
+def _flops_text(n: float | int) -> str:
     for unit, scale in (
         ("PFLOP", 1e15),
         ("TFLOP", 1e12),
@@ -146,7 +146,7 @@ def _flops_text(n: float) -> str:
     return f"{n:.3g} FLOP"
 
 
-def _bytes_text(n: float) -> str:
+def _bytes_text(n: float | int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.3g} {unit}"
