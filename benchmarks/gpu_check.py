@@ -26,8 +26,13 @@ process's memory never counts in another's peak, and a part that fails is record
    report of the GPU's own compile (`memory_report(..., target=None)`), and the
    deviceless `gpu-h200` report compiled without a GPU (`--deviceless` writes
    `benchmarks/results/gpu_check_deviceless.json`, which is read here); the step
-   time, median of 10 after 2 warm-up steps.
-3. **The host link**: pinned host <-> device copies of 1 GiB, median of 5, in GB/s.
+   time, median of 10 after 2 warm-up steps, next to the estimated one
+   (`report.time` of the GPU's own compile, at the hardware table's rates and
+   with the host link as measured in part 3, and of the deviceless compile) and
+   their ratio; and whether the configurations come in the same order by measured
+   and by estimated time (`time order`).
+3. **The host link**: pinned host <-> device copies of 1 GiB, median of 5, in GB/s
+   (measured before part 2, which prices its estimates with it).
 
 Configurations: the four presets, `offload_all` with the streamed and with the whole
 optimizer update (which is faster on a GPU had not been measured).
@@ -120,8 +125,27 @@ def _peak() -> int | None:
     return None if stats is None else int(stats.get("peak_bytes_in_use", 0))
 
 
-def measure(config: str, size: tuple[int, ...], steps: int) -> dict[str, Any]:
-    """One configuration at one size: memory measured and reported, step time."""
+def _link(report: Any, measured: dict[str, Any]) -> Any:
+    """`report`'s hardware with the host link as measured (`bandwidth`), or None."""
+    import dataclasses
+
+    to_device = measured.get("pinned host -> device GB/s")
+    to_host = measured.get("device -> pinned host GB/s")
+    if report.time is None or not to_device or not to_host:
+        return None
+    return dataclasses.replace(
+        report.time.hardware,
+        host_to_device_bytes_per_second=to_device * 1e9,
+        device_to_host_bytes_per_second=to_host * 1e9,
+    )
+
+
+def measure(
+    config: str, size: tuple[int, ...], steps: int, link: dict[str, Any]
+) -> dict[str, Any]:
+    """One configuration at one size: memory measured and reported, step time
+    measured and estimated (`report.time`: at the hardware table's rates, and with
+    the host link `link` measured by `bandwidth`)."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -143,6 +167,15 @@ def measure(config: str, size: tuple[int, ...], steps: int) -> dict[str, Any]:
     out["report device bytes"] = report.device_bytes
     out["report host bytes"] = report.host_bytes
     out["report estimate"] = report.estimate
+    out["estimated step s"] = None if report.time is None else report.time.seconds
+    out["estimate bound"] = None if report.time is None else report.time.bound
+    hardware = _link(report, link)
+    if hardware is not None:
+        again = eo.memory_report(
+            step, model, opt_state, tokens, tokens, hardware=hardware
+        )
+        assert again.time is not None
+        out["estimated step s, measured link"] = again.time.seconds
     times = []
     for i in range(2 + steps):
         start = time.perf_counter()
@@ -152,6 +185,11 @@ def measure(config: str, size: tuple[int, ...], steps: int) -> dict[str, Any]:
             times.append(time.perf_counter() - start)
     out["peak bytes after steps"] = _peak()
     out["step s median"] = statistics.median(times)
+    for key in ("estimated step s", "estimated step s, measured link"):
+        if out.get(key):
+            out[key.replace("estimated step s", "estimate / measured")] = (
+                out[key] / out["step s median"]
+            )
     out["step s min"] = min(times)
     out["loss"] = float(jnp.asarray(loss))
     kinds = {
@@ -189,6 +227,7 @@ def deviceless(configs: list[str], sizes: dict[str, tuple[int, ...]]) -> list[di
                     "config": config,
                     "device bytes": r.device_bytes,
                     "host bytes": r.host_bytes,
+                    "estimated step s": None if r.time is None else r.time.seconds,
                     "jax": jax.__version__,
                 }
             )
@@ -357,7 +396,8 @@ def child(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(HERE))
     kind, *rest = args.child
     if kind == "measure":
-        result: Any = measure(rest[0], tuple(json.loads(rest[1])), args.steps)
+        link = json.loads(rest[2]) if len(rest) > 2 else {}
+        result: Any = measure(rest[0], tuple(json.loads(rest[1])), args.steps, link)
     elif kind == "numerics":
         result = {"numerics": numerics(list(CONFIGS)), **environment()}
     elif kind == "bandwidth":
@@ -394,6 +434,28 @@ def run_child(
             return {"result": json.loads(line[len(MARK) :]), "seconds": seconds}
     tail = (done.stderr or done.stdout).strip().splitlines()[-15:]
     return {"error": "\n".join(tail), "seconds": seconds}
+
+
+def time_order(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per size, the configurations fastest first as measured and as estimated
+    (at the table's rates, and with the measured link), and whether they agree."""
+    out: dict[str, Any] = {}
+    for size in dict.fromkeys(r["size"] for r in runs):
+        mine = [r for r in runs if r["size"] == size and r.get("step s median")]
+        found: dict[str, Any] = {}
+        for key in (
+            "step s median",
+            "estimated step s",
+            "estimated step s, measured link",
+        ):
+            if mine and all(r.get(key) for r in mine):
+                found[key] = [r["config"] for r in sorted(mine, key=lambda r: r[key])]
+        measured = found.get("step s median")
+        for key in ("estimated step s", "estimated step s, measured link"):
+            if measured and key in found:
+                found[f"same order ({key})"] = found[key] == measured
+        out[size] = found
+    return out
 
 
 def versions() -> dict[str, str | None]:
@@ -456,14 +518,20 @@ def main() -> None:
                 row["error"] = f"skipped: past the {args.budget:.0f} s budget"
                 results["runs"].append(row)
                 continue
-            part = run_child(["measure", config, json.dumps(size)], 300)
+            link = json.dumps(results["host link"])
+            part = run_child(["measure", config, json.dumps(size), link], 300)
             row["seconds"] = part["seconds"]
             row.update(part.get("result", {"error": part.get("error")}))
             figure = known.get((name, config))
             row["deviceless gpu-h200 device bytes"] = figure and figure["device bytes"]
             row["deviceless gpu-h200 host bytes"] = figure and figure["host bytes"]
+            row["deviceless gpu-h200 estimated step s"] = figure and figure.get(
+                "estimated step s"
+            )
             results["runs"].append(row)
             print(json.dumps(row), flush=True)
+    results["time order"] = time_order(results["runs"])
+    print(f"presets by time: {results['time order']}", flush=True)
     results["seconds"] = round(time.perf_counter() - start, 1)
     print(f"done in {results['seconds']} s")
     if args.json:
