@@ -6,6 +6,7 @@ the compiler scheduled the step and at the link's physical limit.
 
     python benchmarks/step_time.py [--targets tpu-v5e gpu-h100] [--batches 1 2 4 8 16]
         [--json FILE] [--figure docs/step_time.png]
+    python benchmarks/step_time.py --replot FILE.json --figure docs/step_time.png
 
 The model, loss (`chunked`) and optimizer (AdamW) are `llama.py`'s; sequences of
 1024 tokens, batch 8 for the presets. Only compiled (`memory_report`), never run:
@@ -23,7 +24,9 @@ The break-even batch, two ways:
     optimizer state, both ways) have no compute to hide behind at any batch.
 """
 
+import json
 import time
+from pathlib import Path
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
 import decoder
@@ -149,7 +152,12 @@ def figure(rows: list[dict], sweeps: dict[str, list[dict]], path) -> None:
         for i, r in enumerate(mine):
             if not r.get("seconds"):
                 ax.annotate(
-                    "does not fit", (i, 0), ha="center", va="bottom", rotation=90
+                    "does not fit",
+                    (i, 0.03),
+                    xycoords=("data", "axes fraction"),
+                    ha="center",
+                    va="bottom",
+                    rotation=90,
                 )
         ax.set_title(f"{target}: batch {BATCH} x {SEQ}")
         ax.set_ylabel("estimated seconds per step")
@@ -198,7 +206,11 @@ def main():
     p.add_argument("--targets", nargs="+", default=["tpu-v5e", "gpu-h100"])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     p.add_argument("--figure", help="draw the figure to this file (PNG)")
+    p.add_argument("--replot", help="only draw --figure from this JSON of results")
     args = p.parse_args()
+    if args.replot:
+        done = json.loads(Path(args.replot).read_text())["results"]
+        return figure(done["rows"], done["sweeps"], args.figure)
     print(f"{decoder.parameters(LLAMA_3_2_1B) / 1e9:.3f}e9 parameters")
     rows, sweeps = [], {}
     for target in args.targets:
