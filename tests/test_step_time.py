@@ -327,3 +327,36 @@ def test_hardware_is_sourced_and_checked():
         )
     with pytest.raises(ValueError, match="needs `'bf16'`"):
         dataclasses.replace(eo.Hardware.of("gpu-h100"), matmul_flops={"f32": 1e12})
+
+
+@pytest.mark.parametrize(
+    "target", ["tpu-v6e", "tpu-v5p", "tpu-v4", "tpu-v5e:2x2", "gpu-h200", "gpu-h100:8"]
+)
+def test_every_target_and_kind_of_function_has_a_time(target):
+    """A `filter_offload` gradient on each chip, slice and GPU node: the same
+    per-device FLOPs (replicated, every device runs the whole step), priced with
+    the chip's own entry; a plain jitted function too."""
+    policy = eo.Policy.remat()
+    model = eo.place(eqx.filter_eval_shape(_stack, 2, key=jax.random.key(0)), policy)
+    loss = eo.filter_offload(_loss, policy)
+    x = jax.ShapeDtypeStruct((512, D), jnp.float32)
+    report = eo.memory_report(loss, model, x, target=target)
+    t = report.time
+    assert t is not None and report.kind == "filter_offload"
+    assert t.hardware == eo.Hardware.of(target)
+    assert t.flops == pytest.approx(7 * 2 * (2 * D * H) * 512, rel=0.05)
+    assert t.seconds > 0
+    plain = eo.memory_report(jax.jit(lambda a: a @ a.T), x, target=target).time
+    assert plain is not None and plain.flops == 2 * 512 * 512 * D
+
+
+def test_the_plot_shows_the_time():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    report = _report("offload_all", "gpu-h100")
+    ax = report.plot(labels=["offload_all"])
+    shown = [t.get_text() for t in ax.texts]
+    assert any(s.startswith("offload_all\n") and "(host link)" in s for s in shown)
+    assert _step_time.time_text(report.time.seconds) in " ".join(shown)
