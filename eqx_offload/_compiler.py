@@ -245,12 +245,6 @@ class Instruction(NamedTuple):
                 out[key] = [int(d) for d in value.split("x")]
         return out
 
-    def group_count(self, key: str) -> int:
-        """A `convolution`'s `feature_group_count` or `batch_group_count` (1 if
-        absent)."""
-        found = re.search(rf"\b{key}=(\d+)", self.attrs)
-        return int(found[1]) if found else 1
-
     @property
     def custom_call_target(self) -> str | None:
         found = re.search(r'\bcustom_call_target="([^"]*)"', self.attrs)

@@ -132,6 +132,41 @@ def test_hlo_module():
     assert fusion.computation("calls") == "fused_computation.2.clone.1"
 
 
+def test_dot_and_convolution_attributes():
+    """What the step-time estimate reads of a dot and a convolution (as jax 0.10.2
+    with libtpu 0.0.42.1 and the CUDA plugin write them)."""
+    convolution = _compiler._instruction(
+        "ROOT %convolution-base-dilated.1 = bf16[8,4,256,256]{3,2,1,0:T(8,128)(2,1)} "
+        "convolution(%fusion.1, %fusion.2), window={size=8x4 stride=7x3 pad=0_0x1_2 "
+        "lhs_dilate=8x4}, dim_labels=01bf_01oi->01bf, operand_precision={highest,"
+        'highest}, metadata={op_name="jit(attn)/bhqd,bhkd->bhqk/dot_general"}'
+    )
+    assert convolution is not None
+    assert convolution.dim_labels == "01bf_01oi->01bf"
+    assert convolution.window == {
+        "size": [8, 4],
+        "stride": [7, 3],
+        "pad_low": [0, 1],
+        "pad_high": [0, 2],
+        "lhs_dilate": [8, 4],
+    }
+    assert convolution.operand_precision == ["highest", "highest"]
+    dot = _compiler._instruction(
+        "ROOT %dot.1 = f32[4,512,256]{2,1,0} dot(%parameter_0, %parameter_1), "
+        "lhs_batch_dims={1}, lhs_contracting_dims={2}, rhs_batch_dims={0}, "
+        'rhs_contracting_dims={1}, backend_config={"sizes":["16"],"x":{"y":"}"}}'
+    )
+    assert dot is not None
+    assert dot.dims("lhs_contracting_dims") == [2] and dot.dims("rhs_batch_dims") == [0]
+    assert dot.operand_precision == [] and dot.window == {}
+    assert dot.backend_config == {"sizes": ["16"], "x": {"y": "}"}}
+    assert _compiler.array_type("bf16[8,128]{1,0:T(8,128)(2,1)}") == ("bf16", [8, 128])
+    assert _compiler.array_type("(f32[2], s32[])") is None
+    assert _compiler.arrays("f32[8]{0:T(256)S(1)}") == [
+        _compiler.Array(32, False, True)
+    ]
+
+
 def test_hlo_fixture_traffic():
     text = fixture("tpu_hlo.txt")
     rows = _compiled_traffic.count(text, [("params", "stack"), ("batch", "x")], [], ())

@@ -360,3 +360,18 @@ def test_the_plot_shows_the_time():
     shown = [t.get_text() for t in ax.texts]
     assert any(s.startswith("offload_all\n") and "(host link)" in s for s in shown)
     assert _step_time.time_text(report.time.seconds) in " ".join(shown)
+
+
+@pytest.mark.parametrize("target", ["tpu-v5e", "gpu-h100"])
+def test_a_batched_matmul_is_counted_once_per_batch(target):
+    """Attention scores: the TPU compiler writes the batched matmul as a
+    convolution whose batch dimensions are spatial and dilated (`lhs_dilate`), so
+    that one window position in each lands on the input; the others are holes."""
+
+    def scores(q, k):
+        return jnp.einsum("bhqd,bhkd->bhqk", q, k)
+
+    q = jax.ShapeDtypeStruct((8, 4, 256, 64), jnp.bfloat16)
+    t = eo.memory_report(jax.jit(scores), q, q, target=target).time
+    assert t is not None and t.flops == 2 * 8 * 4 * 256 * 256 * 64
+    assert t.flops_by_precision == {"bf16": t.flops}
