@@ -196,6 +196,17 @@ def test_what_is_not_hidden_is_read_from_the_schedule():
     assert quick.exposed_transfer_seconds < t.exposed_transfer_seconds / 5
     assert quick.seconds < t.seconds
     assert quick.flops == t.flops and quick.hbm_bytes == t.hbm_bytes
+    # Each direction at its own rate: a slower way back, and the step waits longer.
+    back = dataclasses.replace(
+        eo.Hardware.of("tpu-v5e"), device_to_host_bytes_per_second=1.5e9
+    )
+    slow = eo.memory_report(step, *args, target="tpu-v5e", hardware=back).time
+    assert slow is not None
+    assert slow.host_to_device_seconds == pytest.approx(t.host_to_device_seconds)
+    assert slow.device_to_host_seconds == pytest.approx(10 * t.device_to_host_seconds)
+    assert slow.exposed_transfer_seconds > t.exposed_transfer_seconds + (
+        5 * t.device_to_host_seconds
+    )
 
 
 def test_a_transfer_hides_behind_the_compute_scheduled_before_its_done():
@@ -214,6 +225,16 @@ def test_a_transfer_hides_behind_the_compute_scheduled_before_its_done():
     assert sync.host_to_device_bytes == layer and sync.flops == flops
     assert sync.exposed_transfer_seconds == pytest.approx(link, rel=0.02)
     assert sync.seconds == pytest.approx(link + matmul, rel=0.05)
+    # The matmul reads x and w and writes y in device memory; the host copy is
+    # the link's, not HBM traffic; an operand in on-chip memory (S(1)) neither.
+    x, w, y = 4096 * 1024 * 2, 1024 * 1024 * 2, 4096 * 1024 * 4
+    assert t.hbm_bytes == x + w + y
+    assert t.hbm_seconds == pytest.approx((x + w + y) / hw.hbm_bytes_per_second)
+    on_chip = _hlo(asynchronous=True).replace(
+        "%w = bf16[1024,1024]{1,0:T(8,128)(2,1)}",
+        "%w = bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)}",
+    )
+    assert _step_time.estimate(on_chip, hw, "tpu").hbm_bytes == x + y
 
 
 def _hlo(asynchronous: bool) -> str:
@@ -375,3 +396,35 @@ def test_a_batched_matmul_is_counted_once_per_batch(target):
     t = eo.memory_report(jax.jit(scores), q, q, target=target).time
     assert t is not None and t.flops == 2 * 8 * 4 * 256 * 256 * 64
     assert t.flops_by_precision == {"bf16": t.flops}
+
+
+def _cublas_hlo(precision: str) -> str:
+    """A GEMM as XLA:GPU writes it when it calls cuBLAS (after autotuning on a real
+    GPU; compile-only GPUs here emit Triton fusions instead, so this form is
+    hand-written after XLA's own tests, not captured)."""
+    config = (
+        '{"gemm_backend_config":{"alpha_real":1,"beta":0,"dot_dimension_numbers":'
+        '{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],'
+        '"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]},"precision_config":'
+        f'{{"operand_precision":["{precision}","{precision}"],"algorithm":"ALG_UNSET"}},'
+        '"epilogue":"DEFAULT"}}'
+    )
+    return f"""HloModule jit_f, is_scheduled=true
+
+ENTRY %main (a: f32[512,384], b: f32[384,256]) -> f32[512,256] {{
+  %a = f32[512,384]{{1,0}} parameter(0)
+  %b = f32[384,256]{{1,0}} parameter(1)
+  %gemm = (f32[512,256]{{1,0}}, s8[4194304]{{0}}) custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config={config}
+  ROOT %out = f32[512,256]{{1,0}} get-tuple-element(%gemm), index=0
+}}
+"""
+
+
+def test_a_cublas_call_is_a_matmul():
+    h100 = eo.Hardware.of("gpu-h100")
+    flops = 2 * 512 * 384 * 256
+    t = _step_time.estimate(_cublas_hlo("DEFAULT"), h100, "gpu")
+    assert t.flops_by_precision == {"tf32": flops}
+    t = _step_time.estimate(_cublas_hlo("HIGHEST"), h100, "gpu")
+    assert t.flops_by_precision == {"f32": flops}
+    assert t.compute_seconds == pytest.approx(flops / h100.matmul_flops["f32"])
