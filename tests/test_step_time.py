@@ -331,7 +331,7 @@ def test_no_time_on_the_cpu_backend():
     with pytest.raises(ValueError, match="pass a `target=`"):
         eo.memory_report(step, *args, hardware=eo.Hardware.of("tpu-v5e"))
     with pytest.raises(TypeError, match="hardware"):
-        eo.memory_report(step, *args, target="tpu-v5e", hardware="tpu-v5e")
+        eo.memory_report(step, *args, target="tpu-v5e", hardware="tpu-v5e")  # pyright: ignore[reportArgumentType]
 
 
 def test_hardware_is_sourced_and_checked():

@@ -87,11 +87,12 @@ class StepTime:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "StepTime":
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kept = {k: v for k, v in data.items() if k in fields}
-        hardware = dict(kept["hardware"])
+        """The `StepTime` `to_dict()` gave (read back from JSON, say)."""
+        hardware = dict(data["hardware"])
         hardware["sources"] = tuple(hardware.get("sources", ()))
-        return cls(**(kept | {"hardware": Hardware(**hardware)}))
+        fields = {f.name for f in dataclasses.fields(cls)} - {"hardware"}
+        kept: dict[str, Any] = {k: v for k, v in data.items() if k in fields}
+        return cls(**kept, hardware=Hardware(**hardware))
 
     def __str__(self) -> str:
         return "\n".join(lines(self))
