@@ -21,6 +21,12 @@ from ._loading import (
 )
 from ._mixed_precision import ComputeCopyState as ComputeCopyState
 from ._placement import field as field, place as place
+from ._planner import (
+    Plan as Plan,
+    plan as plan,
+    PlanRow as PlanRow,
+    PlanTable as PlanTable,
+)
 from ._policy import Policy as Policy
 from ._report import (
     DoesNotFit as DoesNotFit,
@@ -84,6 +90,10 @@ __all__ = [
     "MemoryReport",
     "optimizer_update",
     "place",
+    "Plan",
+    "plan",
+    "PlanRow",
+    "PlanTable",
     "place_opt_state",
     "Policy",
     "ResidualRow",

@@ -1,0 +1,37 @@
+"""Memory budgets as users write them: bytes, or strings such as `"16GiB"`."""
+
+import re
+
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_bytes(value: int | str, argument: str) -> int:
+    """`value` in bytes: an int, or a number and a unit (`"16GiB"`, `"48 GB"`,
+    `"1.5TiB"`); anything else is a `ValueError` naming `argument`."""
+    if isinstance(value, bool):
+        value = -1
+    if isinstance(value, int):
+        if value > 0:
+            return value
+    elif isinstance(value, str):
+        found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*", value, re.I)
+        if found is not None:
+            n = float(found[1]) * _UNITS[(found[2] or "").upper()]
+            if n >= 1:
+                return int(n)
+    raise ValueError(
+        f"`plan({argument}={value!r})`: give a positive number of bytes, as an int "
+        "or a string with a unit: '16GiB', '48GB', '512MiB'."
+    )

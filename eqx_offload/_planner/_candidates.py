@@ -1,0 +1,141 @@
+"""What `plan` chooses between: a `Candidate` is one placement of a model's
+parameters and optimizer state (per top-level field) and one choice per
+checkpoint name (saved, offloaded or recomputed), or no remat at all; it turns
+into the `Policy` that trains that way. Moves are the one-knob changes that free
+device memory."""
+
+from typing import Literal, NamedTuple
+
+from .._policy import Policy
+
+
+Residual = Literal["save", "offload", "recompute"]
+Kind = Literal["device", "pinned_host"]
+
+
+class Move(NamedTuple):
+    """One knob turned towards less device memory."""
+
+    knob: Literal["params", "opt_state", "residual"]
+    name: str  # a top-level field, or a checkpoint name
+    to: str  # "pinned_host", "offload" or "recompute"
+
+    @property
+    def label(self) -> str:
+        if self.knob == "residual":
+            return f"{self.to} {self.name}"
+        what = "parameters" if self.knob == "params" else "optimizer state"
+        return f"{self.name} {what} on host"
+
+
+class Candidate(NamedTuple):
+    """A placement and a remat choice (what `Candidate.policy` trains with)."""
+
+    params: tuple[tuple[str, Kind], ...]  # top-level field -> kind
+    opt_state: tuple[tuple[str, Kind], ...]
+    # None: no remat at all (`Policy.none()`); else checkpoint name -> choice
+    residuals: tuple[tuple[str, Residual], ...] | None
+
+    @classmethod
+    def start(cls, fields: tuple[str, ...]) -> "Candidate":
+        """Everything on the device, nothing recomputed: `Policy.none()`."""
+        device: tuple[tuple[str, Kind], ...] = tuple((f, "device") for f in fields)
+        return cls(device, device, None)
+
+    @classmethod
+    def remat(
+        cls, fields: tuple[str, ...], names: tuple[str, ...], choice: Residual
+    ) -> "Candidate":
+        """Every name `choice`d (recomputed: `Policy.remat()`), all on the device."""
+        start = cls.start(fields)
+        return start._replace(residuals=tuple((n, choice) for n in names))
+
+    def apply(self, move: Move, names: tuple[str, ...]) -> "Candidate":
+        """This candidate with `move` made (from no remat, a residual move first
+        recomputes every other name: the other names of `Policy.remat()`)."""
+        if move.knob == "residual":
+            residuals = self.residuals
+            if residuals is None:
+                residuals = tuple((n, "save") for n in names)
+            changed = tuple(
+                (n, move.to if n == move.name else c)  # type: ignore[misc]
+                for n, c in residuals
+            )
+            return self._replace(residuals=changed)
+        field = "params" if move.knob == "params" else "opt_state"
+        kinds: tuple[tuple[str, Kind], ...] = tuple(
+            (f, "pinned_host" if f == move.name else k) for f, k in getattr(self, field)
+        )
+        return self._replace(**{field: kinds})
+
+    def moves(self, names: tuple[str, ...]) -> list[Move]:
+        """The one-knob changes from here that can free device memory."""
+        out = [
+            Move("params", f, "pinned_host") for f, k in self.params if k == "device"
+        ]
+        out += [
+            Move("opt_state", f, "pinned_host")
+            for f, k in self.opt_state
+            if k == "device"
+        ]
+        current = dict(self.residuals or ())
+        for n in names:
+            choice = current.get(n, "save")
+            if choice == "save":
+                out += [
+                    Move("residual", n, "offload"),
+                    Move("residual", n, "recompute"),
+                ]
+        return out
+
+    def policy(self) -> Policy:
+        params: dict[str, Kind] = dict(self.params)
+        opt_state: dict[str, Kind] = dict(self.opt_state)
+        if self.residuals is None:
+            return Policy(save="all", params=params, opt_state=opt_state)
+        save = tuple(n for n, c in self.residuals if c == "save")
+        offload = tuple(n for n, c in self.residuals if c == "offload")
+        return Policy(save=save, offload=offload, params=params, opt_state=opt_state)
+
+    @property
+    def label(self) -> str:
+        """A short description: what differs from everything on the device and
+        nothing recomputed."""
+        parts = []
+        host = [f for f, k in self.params if k != "device"]
+        if host:
+            parts.append(f"params on host: {', '.join(host)}")
+        state = [f for f, k in self.opt_state if k != "device"]
+        if state:
+            parts.append(f"opt_state on host: {', '.join(state)}")
+        if self.residuals is None:
+            parts.append("no remat")
+        else:
+            for choice in ("save", "offload"):
+                chosen = [n for n, c in self.residuals if c == choice]
+                if chosen:
+                    parts.append(f"{choice} {', '.join(chosen)}")
+            if all(c == "recompute" for _, c in self.residuals):
+                parts.append("recompute all")
+        return "; ".join(parts)
+
+    def covers(self, other: "Candidate") -> bool:
+        """Whether this candidate moves at least what `other` moves: every field
+        `other` puts on the host is on the host here, and every name it offloads
+        or recomputes is offloaded or recomputed here (so it frees at least as
+        much device memory, and is no faster)."""
+        for mine, theirs in (
+            (self.params, other.params),
+            (self.opt_state, other.opt_state),
+        ):
+            here = dict(mine)
+            if any(k != "device" and here.get(f) == "device" for f, k in theirs):
+                return False
+        if other.residuals is None:
+            return True
+        if self.residuals is None:
+            return False
+        here = dict(self.residuals)
+        return all(
+            c == "save" or here.get(n, "save") != "save" for n, c in other.residuals
+        )

@@ -1,0 +1,562 @@
+"""`plan`: the fastest placement of a training step that fits a device and a host
+memory budget, chosen from compiled candidates ranked by the step-time estimate;
+`Plan` and its table."""
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+
+from .. import _paths
+from .._checkpoint_names import checkpoint_names
+from .._diagnose import DoesNotCompile
+from .._memory_kinds import abstract_sharding, is_arraylike
+from .._placement import place
+from .._policy import Policy
+from .._remat_names import UnusedName
+from .._report import (
+    capacity,
+    DoesNotFit,
+    Hardware,
+    memory_report,
+    MemoryReport,
+    size_text,
+    time_text,
+)
+from .._train_step import train_step
+from .._update import init_opt_state, is_trainable
+from ._budget import parse_bytes
+from ._candidates import Candidate, Move
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    """One candidate `plan` considered.
+
+    - `label`: what it places where (`"params on host: blocks; offload
+        blocks.input"`); `policy`: the `Policy` it trains with.
+    - `status`: `"chosen"`, `"compiled"`, or why it was not compiled
+        (`"pruned: ..."`) or did not compile (`"does not compile: ..."`).
+    - `device_bytes`, `host_bytes`: per device, from the compiled program (`None`
+        if not compiled; for a program the compiler found too big, its figure);
+        `fits`: within both budgets (`None` if not compiled).
+    - `seconds`, `bound`: the estimated step time and what bounds it
+        (`MemoryReport.time`); `transfer_bytes`: host <-> device bytes per step;
+        `recomputed_flops`: matmul FLOPs beyond those of the step without remat.
+    """
+
+    label: str
+    policy: Policy
+    status: str
+    device_bytes: int | None = None
+    host_bytes: int | None = None
+    fits: bool | None = None
+    seconds: float | None = None
+    bound: str | None = None
+    transfer_bytes: int | None = None
+    recomputed_flops: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["policy"] = repr(self.policy)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanTable:
+    """Every candidate `plan` considered (`rows`), printable as a table."""
+
+    rows: tuple[PlanRow, ...]
+    device_budget: int
+    host_budget: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device_budget": self.device_budget,
+            "host_budget": self.host_budget,
+            "rows": [r.to_dict() for r in self.rows],
+        }
+
+    def __str__(self) -> str:
+        budgets = (
+            f"budgets per device: {size_text(self.device_budget)} device, "
+            f"{size_text(self.host_budget)} host"
+        )
+        header = (
+            f"{'candidate':<46}{'device':>11}{'host':>11}{'step':>10}"
+            f"{'moved':>11}  status"
+        )
+        lines = [budgets, header, "-" * (len(header) + 10)]
+        for r in self.rows:
+            label = r.label if len(r.label) <= 44 else r.label[:41] + "..."
+
+            def cell(n: int | None) -> str:
+                return "" if n is None else size_text(n)
+
+            step = "" if r.seconds is None else time_text(r.seconds)
+            fits = "" if r.fits is None else (" fits" if r.fits else " too big")
+            lines.append(
+                f"{label:<46}{cell(r.device_bytes):>11}{cell(r.host_bytes):>11}"
+                f"{step:>10}{cell(r.transfer_bytes):>11}  {r.status}{fits}"
+            )
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What `plan` chose, and why.
+
+    - `policy`: the chosen `Policy`; `report`: its compiled `MemoryReport` (its
+        step time in `report.time`).
+    - `table`: every candidate considered (`PlanTable`: `print(plan.table)`,
+        `plan.table.to_dict()`); `compiled`: how many were compiled; `seconds`:
+        the planning time.
+    - `train_step()`: the chosen step, ready to call with `place(model)` and
+        `init_opt_state(...)`'s state; `place(model)`: the model in the memory
+        kinds the policy gives it.
+    """
+
+    policy: Policy
+    report: MemoryReport
+    table: PlanTable
+    compiled: int
+    seconds: float
+    loss_fn: Callable = dataclasses.field(repr=False)
+    optimizer: Any = dataclasses.field(repr=False)
+    has_aux: bool = False
+
+    def train_step(self) -> Callable:
+        """`eo.train_step(loss_fn, optimizer, plan.policy)`."""
+        return train_step(
+            self.loss_fn, self.optimizer, self.policy, has_aux=self.has_aux
+        )
+
+    def place(self, model: Any) -> Any:
+        """`eo.place(model, plan.policy)`."""
+        return place(model, self.policy)
+
+    def init_opt_state(self, model: Any) -> Any:
+        """`eo.init_opt_state(optimizer, model, plan.policy)` for a placed model."""
+        return init_opt_state(self.optimizer, model, self.policy)
+
+    def __str__(self) -> str:
+        return (
+            f"Plan: {self.table.rows[self._chosen].label} "
+            f"({self.compiled} compiled in {self.seconds:.1f} s)\n{self.table}"
+        )
+
+    @property
+    def _chosen(self) -> int:
+        return next(i for i, r in enumerate(self.table.rows) if r.status == "chosen")
+
+
+def plan(
+    loss_fn: Callable,
+    optimizer: Any,
+    model: Any,
+    *batch: Any,
+    device_budget: int | str | None = None,
+    host_budget: int | str | None = None,
+    target: str | None = None,
+    has_aux: bool = False,
+    progress: bool = False,
+) -> Plan:
+    """Chooses where a training step's parameters, optimizer state and saved
+    activations live: the candidate with the lowest estimated step time whose
+    compiled step fits both memory budgets. Compiles candidates (`memory_report`),
+    never runs them.
+
+    **Arguments:**
+
+    - `loss_fn`, `optimizer`: as for `eo.train_step`.
+    - `model`, `*batch`: the model and one batch: arrays or `jax.ShapeDtypeStruct`s
+        (`eqx.filter_eval_shape(Model, ...)`); the model's memory kinds are
+        ignored (each candidate places it).
+    - `device_budget`, `host_budget`: bytes of device memory and of host memory
+        per device, as an int or a string (`"16GiB"`, `"48GB"`). By default the
+        target's capacity (`MemoryReport.capacity`) and its host RAM per device
+        (`eo.Hardware.of(target).host_memory_bytes`); on the CPU backend give
+        both.
+    - `target`: as for `memory_report` (`"tpu-v5e"`, `"gpu-h100"`, ...).
+    - `has_aux`: as for `eo.train_step`.
+    - `progress`: a progress bar over the compiles (tqdm, if installed).
+
+    **The search.** The candidates place each top-level field's parameters and
+    optimizer state on the device or the host, and save, offload or recompute
+    each checkpoint name (`eo.checkpoint_names`), or remat nothing. It compiles
+    the step with everything on the device and nothing recomputed
+    (`Policy.none()`); if that fits, it is the plan: offloading or recomputing
+    only adds work. Else it compiles the four presets, and the six single moves
+    from `Policy.none()` that free the most device memory by estimate (a field's
+    parameter or state bytes, a name's saved bytes: nothing compiled); the other
+    moves are pruned. Taking each compiled move's effect on device bytes, host
+    bytes and step time as additive, it lists the combinations estimated to fit
+    both budgets and compiles them, fastest estimate first, until three fit (or
+    twelve are compiled); the rest are pruned as estimated slower. Of everything
+    compiled, the fitting candidate with the lowest estimated step time is the
+    plan (the smallest device footprint among equals; on the CPU backend, which
+    has no step time, the smallest footprint). Each policy is compiled once.
+
+    **Returns:**
+
+    A `Plan`: `plan.policy`, `plan.report`, `plan.table`, `plan.train_step()`,
+    `plan.place(model)`.
+
+    **Raises:**
+
+    `DoesNotFit` when no candidate fits, with the smallest device footprint
+    found, and which budget it broke.
+    """
+    start = time.perf_counter()
+    device, host = _budgets(device_budget, host_budget, target)
+    model = _abstract(model)
+    batch = tuple(_abstract(b) for b in batch)
+    fields = _fields(model)
+    offered = [n for n in checkpoint_names(loss_fn, model, *batch) if n.residual]
+    names = tuple(n.name for n in offered)
+    search = _Search(loss_fn, optimizer, model, batch, target, has_aux, progress)
+    search.budgets = (device, host)
+    search.estimates = _estimates(optimizer, model, fields, offered)
+    base = Candidate.start(fields)
+    search.evaluate(base, "no remat, all on device: Policy.none()")
+    if not search.fits(base):
+        search.presets(fields, names)
+        search.combine(base, names)
+    return search.finish(start, device, host)
+
+
+# Single moves compiled, the largest by estimated bytes freed first; combinations
+# of them compiled (fastest estimate first) until this many fit.
+SINGLES = 6
+COMBINATIONS = 3
+COMBINATION_COMPILES = 12  # at most, whether they fit or not
+
+
+class _Result:
+    def __init__(self, candidate: Candidate, label: str):
+        self.candidate = candidate
+        self.label = label
+        self.policy = candidate.policy()
+        self.report: MemoryReport | None = None
+        self.error: str | None = None
+        self.required: int | None = None
+
+
+class _Search:
+    def __init__(self, loss_fn, optimizer, model, batch, target, has_aux, progress):
+        self.loss_fn, self.optimizer = loss_fn, optimizer
+        self.model, self.batch = model, batch
+        self.target, self.has_aux = target, has_aux
+        self.results: dict[Candidate, _Result] = {}
+        self.reports: dict[str, MemoryReport] = {}  # by policy: each compiled once
+        self.estimates: dict[Move, int] = {}  # bytes a move frees, before compiling
+        self.skipped = 0  # combinations estimated to fit, not compiled
+        self.pruned: dict[Candidate, tuple[str, str]] = {}
+        self.budgets: tuple[int, int] = (0, 0)
+        self.bar = _bar() if progress else None
+
+    def evaluate(self, candidate: Candidate, label: str | None = None) -> _Result:
+        if candidate in self.results:
+            return self.results[candidate]
+        result = _Result(candidate, label or candidate.label)
+        try:
+            report = self._compile(candidate, result)
+        except DoesNotFit as e:
+            result.required = e.required_bytes
+            result.error = "too big for the device"
+        except DoesNotCompile as e:
+            result.error = f"does not compile: {str(e).splitlines()[0][:80]}"
+        else:
+            result.report = report
+        self.results[candidate] = result
+        self.pruned.pop(candidate, None)
+        if self.bar is not None:
+            self.bar.update(1)
+        return result
+
+    def _compile(self, candidate: Candidate, result: _Result) -> MemoryReport:
+        """The candidate's report. A name it saves or offloads that is not saved
+        for the backward pass in this combination (its value is another name's,
+        say) would do nothing: it is recomputed instead, and the label says so."""
+        for _ in range(len(candidate.residuals or ()) + 1):
+            policy = candidate.policy()
+            placed = place(self.model, policy)
+            opt_state = init_opt_state(self.optimizer, placed, policy)
+            step = train_step(
+                self.loss_fn, self.optimizer, policy, has_aux=self.has_aux
+            )
+            try:
+                key = repr(policy)
+                if key not in self.reports:
+                    self.reports[key] = memory_report(
+                        step, placed, opt_state, *self.batch, target=self.target
+                    )
+                return self.reports[key]
+            except UnusedName as e:
+                if e.never_occurred or candidate.residuals is None:
+                    raise
+                candidate = candidate._replace(
+                    residuals=tuple(
+                        (n, "recompute" if n == e.pattern else c)
+                        for n, c in candidate.residuals
+                    )
+                )
+                result.label = candidate.label
+                result.policy = candidate.policy()
+        raise AssertionError("unreachable: every name recomputed compiles")
+
+    def fits(self, candidate: Candidate) -> bool:
+        r = self.results[candidate]
+        device, host = self.budgets
+        if r.report is None:
+            return False
+        return r.report.device_bytes <= device and r.report.host_bytes <= host
+
+    def _seconds(self, candidate: Candidate) -> float:
+        """The estimated step time (0 on the CPU backend, which has none: the
+        smallest footprint is chosen there); infinite if not compiled."""
+        r = self.results[candidate]
+        if r.report is None:
+            return float("inf")
+        return 0.0 if r.report.time is None else r.report.time.seconds
+
+    def _device(self, candidate: Candidate) -> float:
+        r = self.results[candidate]
+        if r.report is not None:
+            return float(r.report.device_bytes)
+        return float("inf") if r.required is None else float(r.required)
+
+    def presets(self, fields: tuple[str, ...], names: tuple[str, ...]) -> None:
+        remat = Candidate.remat(fields, names, "recompute")
+        self.evaluate(remat, "recompute all: Policy.remat()")
+        inputs = tuple(n for n in names if n.endswith(".input"))
+        offloaded = remat._replace(
+            residuals=tuple(
+                (n, "offload" if n in inputs else c) for n, c in remat.residuals or ()
+            )
+        )
+        self.evaluate(offloaded, "offload layer inputs: Policy.offload_residuals()")
+        host = tuple((f, "pinned_host") for f, _ in remat.params)
+        everything = offloaded._replace(params=host, opt_state=host)
+        self.evaluate(everything, "all on host: Policy.offload_all()")
+
+    def combine(self, base: Candidate, names: tuple[str, ...]) -> None:
+        """Compiles the single moves from `base` that free the most device memory
+        (by estimate), then, taking each move's measured effect as additive,
+        compiles the combinations estimated to fit, fastest estimate first, until
+        `COMBINATIONS` of them fit."""
+        moves = sorted(base.moves(names), key=lambda m: -self.estimates.get(m, 0))
+        for move in moves[SINGLES:]:
+            after = base.apply(move, names)
+            self.pruned[after] = (
+                after.label,
+                f"pruned: frees {size_text(self.estimates.get(move, 0))} by "
+                f"estimate, less than the {SINGLES} moves tried",
+            )
+        effects: list[tuple[Move, float, float, float]] = []
+        for move in moves[:SINGLES]:
+            single = base.apply(move, names)
+            self.evaluate(single)
+            r = self.results[single].report
+            if r is None or self._device(base) == float("inf"):
+                continue
+            freed = self._device(base) - r.device_bytes
+            if freed <= 0:
+                continue
+            added = self._seconds(single) - self._seconds(base)
+            host = r.host_bytes - self._host(base)
+            effects.append((move, freed, added, host))
+        device_budget, host_budget = self.budgets
+        options = []
+        for n in range(2, len(effects) + 1):
+            for chosen in itertools.combinations(effects, n):
+                touched = [(m.knob, m.name) for m, *_ in chosen]
+                if len(set(touched)) < len(touched):
+                    continue  # one name offloaded and recomputed
+                device = self._device(base) - sum(c[1] for c in chosen)
+                host = self._host(base) + sum(c[3] for c in chosen)
+                if device <= device_budget and host <= host_budget:
+                    seconds = self._seconds(base) + sum(c[2] for c in chosen)
+                    options.append((seconds, [c[0] for c in chosen]))
+        options.sort(key=lambda o: o[0])
+        fitted = compiled = 0
+        for i, (_, chosen) in enumerate(options):
+            if fitted >= COMBINATIONS or compiled >= COMBINATION_COMPILES:
+                self.skipped += len(options) - i
+                break
+            candidate = base
+            for move in chosen:
+                candidate = candidate.apply(move, names)
+            if candidate in self.results:
+                continue
+            self.evaluate(candidate)
+            compiled += 1
+            fitted += self.fits(candidate)
+
+    def _host(self, candidate: Candidate) -> float:
+        r = self.results[candidate]
+        return 0.0 if r.report is None else float(r.report.host_bytes)
+
+    def finish(self, start: float, device: int, host: int) -> Plan:
+        fitting = [c for c in self.results if self.fits(c)]
+        if not fitting:
+            raise self._nothing_fits(device, host)
+        chosen = min(fitting, key=lambda c: (self._seconds(c), self._device(c)))
+        none_flops = self._flops(next(iter(self.results)))
+        rows = []
+        for c, r in self.results.items():
+            rep = r.report
+            t = None if rep is None else rep.time
+            status = "chosen" if c == chosen else (r.error or "compiled")
+            rows.append(
+                PlanRow(
+                    r.label,
+                    r.policy,
+                    status,
+                    device_bytes=rep.device_bytes if rep is not None else r.required,
+                    host_bytes=None if rep is None else rep.host_bytes,
+                    fits=None if rep is None else self.fits(c),
+                    seconds=None if t is None else t.seconds,
+                    bound=None if t is None else t.bound,
+                    transfer_bytes=None
+                    if rep is None
+                    else rep.host_to_device_bytes + rep.device_to_host_bytes,
+                    recomputed_flops=None
+                    if t is None or none_flops is None
+                    else max(t.flops - none_flops, 0.0),
+                )
+            )
+        rows += [
+            PlanRow(label, c.policy(), why) for c, (label, why) in self.pruned.items()
+        ]
+        if self.bar is not None:
+            self.bar.close()
+        report = self.results[chosen].report
+        assert report is not None
+        return Plan(
+            self.results[chosen].policy,
+            report,
+            PlanTable(tuple(rows), device, host),
+            compiled=len(self.results),
+            seconds=time.perf_counter() - start,
+            loss_fn=self.loss_fn,
+            optimizer=self.optimizer,
+            has_aux=self.has_aux,
+        )
+
+    def _flops(self, candidate: Candidate) -> float | None:
+        r = self.results[candidate]
+        t = None if r.report is None else r.report.time
+        return None if t is None else t.flops
+
+    def _nothing_fits(self, device: int, host: int) -> DoesNotFit:
+        smallest = min(self.results, key=self._device)
+        r = self.results[smallest]
+        need = self._device(smallest)
+        host_need = None if r.report is None else r.report.host_bytes
+        broke = "device" if need > device else "host"
+        shown = "unknown" if need == float("inf") else size_text(int(need))
+        message = (
+            f"`plan`: no candidate fits the budgets ({size_text(device)} of device "
+            f"memory, {size_text(host)} of host memory per device). The smallest "
+            f"device footprint found is {shown} ({r.label}), over the {broke} "
+            "budget"
+            + (f"; its host footprint is {size_text(host_need)}" if host_need else "")
+            + ". Give larger budgets, a smaller batch, or more devices."
+        )
+        sizes = (
+            int(need) if need != float("inf") else 0,
+            device if broke == "device" else host,
+        )
+        return DoesNotFit(
+            message,
+            target=self.target or jax.default_backend(),
+            compiler_message="",
+            arguments={},
+            sizes=sizes,
+        )
+
+
+def _budgets(
+    device: int | str | None, host: int | str | None, target: str | None
+) -> tuple[int, int]:
+    """The budgets given, or the target's capacity and host RAM per device."""
+    if target is None and (device is None or host is None):
+        missing = "device_budget" if device is None else "host_budget"
+        raise ValueError(
+            f"`plan({missing}=None)` without a `target=`: this backend states no "
+            "memory to plan for; give both budgets (`device_budget='16GiB', "
+            "host_budget='48GB'`), or a `target=` such as 'tpu-v5e' or 'gpu-h100'."
+        )
+    if device is not None:
+        d = parse_bytes(device, "device_budget")
+    else:
+        assert target is not None
+        d = capacity(target)
+    if host is not None:
+        return d, parse_bytes(host, "host_budget")
+    assert target is not None
+    return d, Hardware.of(target).host_memory_bytes
+
+
+def _abstract(tree: Any) -> Any:
+    """Array leaves as `jax.ShapeDtypeStruct`s, keeping a mesh layout."""
+
+    def leaf(x: Any) -> Any:
+        if not is_arraylike(x):
+            return x
+        sharding = abstract_sharding(getattr(x, "sharding", None))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jtu.tree_map(leaf, tree)
+
+
+def _fields(model: Any) -> tuple[str, ...]:
+    """The top-level fields of `model` that hold trainable leaves, in order."""
+    out = []
+    for leaf in _paths.leaves(model):
+        if is_trainable(leaf.value) and _field(leaf.path) not in out:
+            out.append(_field(leaf.path))
+    return tuple(out)
+
+
+def _estimates(
+    optimizer: Any, model: Any, fields: tuple[str, ...], offered: list
+) -> dict[Move, int]:
+    """The device bytes each single move frees, before compiling anything: a
+    field's parameters or optimizer state (as initialised), a checkpoint name's
+    saved bytes (`checkpoint_names`)."""
+    params: dict[str, int] = dict.fromkeys(fields, 0)
+    for leaf in _paths.leaves(model):
+        if is_trainable(leaf.value):
+            params[_field(leaf.path)] += leaf.value.size * leaf.value.dtype.itemsize
+    state = init_opt_state(optimizer, model, Policy())
+    total = sum(
+        x.size * x.dtype.itemsize for x in jtu.tree_leaves(state) if is_arraylike(x)
+    )
+    ratio = total / max(sum(params.values()), 1)
+    out = {Move("params", f, "pinned_host"): n for f, n in params.items()}
+    out |= {
+        Move("opt_state", f, "pinned_host"): int(n * ratio) for f, n in params.items()
+    }
+    for n in offered:
+        out[Move("residual", n.name, "offload")] = n.bytes
+        out[Move("residual", n.name, "recompute")] = n.bytes
+    return out
+
+
+def _field(path: str) -> str:
+    """The top-level field of a leaf path: `"blocks"` of `"blocks.mlp.weight"`."""
+    return path.split(".", 1)[0].split("[", 1)[0]
+
+
+def _bar() -> Any:
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(desc="plan: compiled", unit=" step")
