@@ -361,15 +361,10 @@ class _Search:
         for move in moves[:SINGLES]:
             single = base.apply(move, names)
             self.evaluate(single)
-            r = self.results[single].report
-            if r is None or self._device(base) == float("inf"):
+            freed = self._device(base) - self._device(single)
+            if not 0 < freed < float("inf"):
                 continue
-            freed = self._device(base) - r.device_bytes
-            if freed <= 0:
-                continue
-            added = self._seconds(single) - self._seconds(base)
-            host = r.host_bytes - self._host(base)
-            effects.append((move, freed, added, host))
+            effects.append((move, freed, *self._added(base, single, move)))
         device_budget, host_budget = self.budgets
         options = []
         for n in range(2, len(effects) + 1):
@@ -396,6 +391,24 @@ class _Search:
             self.evaluate(candidate)
             compiled += 1
             fitted += self.fits(candidate)
+
+    def _added(
+        self, base: Candidate, single: Candidate, move: Move
+    ) -> tuple[float, float]:
+        """The step time and host bytes a single move adds to `base`. Of a move
+        whose step the compiler found too big (no report, no time), the time is
+        taken as unchanged, and the host bytes as the estimate's (a field's
+        parameters or state): the combinations' compiles give the real figures."""
+        if (
+            self.results[single].report is not None
+            and self.results[base].report is not None
+        ):
+            added = self._seconds(single) - self._seconds(base)
+            return added, self._host(single) - self._host(base)
+        host = self.estimates.get(move, 0) if move.knob != "residual" else 0
+        if move.knob == "residual" and move.to == "offload":
+            host = self.estimates.get(move, 0)
+        return 0.0, float(host)
 
     def _host(self, candidate: Candidate) -> float:
         r = self.results[candidate]
