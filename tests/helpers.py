@@ -180,3 +180,11 @@ def same_place(abstract, concrete) -> bool:
         c.device_set,
         c.memory_kind,
     )
+
+
+def plan_factory():
+    """For `python -m eqx_offload plan tests.helpers:plan_factory`: the test model,
+    abstract, its loss, an optimizer and a batch of token ids."""
+    model = eqx.filter_eval_shape(Model, 256, 256, 4, key=jax.random.key(0))
+    tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+    return cross_entropy, optax.adam(1e-3), model, (tokens, tokens)

@@ -498,22 +498,21 @@ def _budgets(
     device: int | str | None, host: int | str | None, target: str | None
 ) -> tuple[int, int]:
     """The budgets given, or the target's capacity and host RAM per device."""
-    if target is None and (device is None or host is None):
-        missing = "device_budget" if device is None else "host_budget"
-        raise ValueError(
-            f"`plan({missing}=None)` without a `target=`: this backend states no "
-            "memory to plan for; give both budgets (`device_budget='16GiB', "
-            "host_budget='48GB'`), or a `target=` such as 'tpu-v5e' or 'gpu-h100'."
-        )
-    if device is not None:
-        d = parse_bytes(device, "device_budget")
-    else:
-        assert target is not None
-        d = capacity(target)
-    if host is not None:
-        return d, parse_bytes(host, "host_budget")
-    assert target is not None
-    return d, Hardware.of(target).host_memory_bytes
+    d = None if device is None else parse_bytes(device, "device_budget")
+    h = None if host is None else parse_bytes(host, "host_budget")
+    if target is None:
+        if d is None or h is None:
+            missing = "device_budget" if d is None else "host_budget"
+            raise ValueError(
+                f"`plan({missing}=None)` without a `target=`: this backend states "
+                "no memory to plan for; give both budgets (`device_budget='16GiB', "
+                "host_budget='48GB'`), or a `target=` such as 'tpu-v5e' or "
+                "'gpu-h100'."
+            )
+        return d, h
+    d = capacity(target) if d is None else d
+    h = Hardware.of(target).host_memory_bytes if h is None else h
+    return d, h
 
 
 def _abstract(tree: Any) -> Any:

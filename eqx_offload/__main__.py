@@ -1,0 +1,84 @@
+"""The command line: `python -m eqx_offload plan module:factory --target tpu-v5e
+--device-budget 16GiB --host-budget 48GB` plans a training step (`eo.plan`) and
+prints the table of candidates.
+
+The factory is a function of no arguments, named by its module's dotted path and
+its name (`mypackage.models:llama_1b`), that returns `(loss_fn, optimizer, model,
+batch)`: the model and the batch (a tuple of the loss's batch arguments) as arrays
+or `jax.ShapeDtypeStruct`s, e.g. `eqx.filter_eval_shape(Model, key=key)`.
+"""
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ._planner import plan
+
+
+def _factory(spec: str) -> Any:
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise SystemExit(
+            f"eqx_offload plan: the factory {spec!r} is not `module:function` (e.g. "
+            "`mypackage.models:llama_1b`)."
+        )
+    sys.path.insert(0, str(Path.cwd()))
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"eqx_offload plan: cannot load the factory {spec!r}: {e}.")
+    made = found()
+    if not (isinstance(made, tuple) and len(made) == 4 and isinstance(made[3], tuple)):
+        raise SystemExit(
+            f"eqx_offload plan: the factory {spec!r} must return `(loss_fn, "
+            "optimizer, model, batch)` with `batch` a tuple of the loss's batch "
+            f"arguments; it returned {type(made).__name__}."
+        )
+    return made
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m eqx_offload")
+    commands = p.add_subparsers(dest="command", required=True)
+    sub = commands.add_parser(
+        "plan", help="the fastest placement of a training step within budgets"
+    )
+    sub.add_argument(
+        "factory", help="module:function returning (loss_fn, optimizer, model, batch)"
+    )
+    sub.add_argument("--target", help="'tpu-v5e', 'tpu-v5e:4x4', 'gpu-h100', ...")
+    sub.add_argument("--device-budget", help="device memory per device: '16GiB', bytes")
+    sub.add_argument("--host-budget", help="host memory per device: '48GB', bytes")
+    sub.add_argument(
+        "--has-aux", action="store_true", help="the loss returns (loss, aux)"
+    )
+    sub.add_argument("--json", type=Path, help="also write the table to this file")
+    args = p.parse_args(argv)
+    loss_fn, optimizer, model, batch = _factory(args.factory)
+    try:
+        result = plan(
+            loss_fn,
+            optimizer,
+            model,
+            *batch,
+            device_budget=args.device_budget,
+            host_budget=args.host_budget,
+            target=args.target,
+            has_aux=args.has_aux,
+            progress=True,
+        )
+    except ValueError as e:  # budgets, targets, nothing fits (`DoesNotFit`)
+        raise SystemExit(f"eqx_offload plan: {e}") from None
+    print(result)
+    print(f"\npolicy: {result.policy}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(result.table.to_dict(), indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""`python -m eqx_offload plan module:factory ...`: plans from a factory function
+named on the command line and prints the table; bad input is an exit with the
+argument named."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+ROOT = Path(__file__).parent.parent
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", "eqx_offload", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_plan_prints_the_table(tmp_path):
+    out = tmp_path / "plan.json"
+    done = _run(
+        "plan",
+        "tests.helpers:plan_factory",
+        "--target",
+        "tpu-v5e",
+        "--host-budget",
+        "48GB",
+        "--json",
+        str(out),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Plan: no remat, all on device: Policy.none() (1 compiled" in done.stdout
+    assert "budgets per device: 15.75 GiB device, 44.70 GiB host" in done.stdout
+    table = json.loads(out.read_text())
+    assert [r["status"] for r in table["rows"]] == ["chosen"]
+    assert table["host_budget"] == 48 * 10**9
+
+
+def test_bad_input_names_the_argument():
+    done = _run("plan", "tests.helpers", "--target", "tpu-v5e")
+    assert done.returncode != 0 and "is not `module:function`" in done.stderr
+    done = _run("plan", "tests.helpers:nothing_here", "--target", "tpu-v5e")
+    assert done.returncode != 0 and "cannot load the factory" in done.stderr
+    done = _run("plan", "tests.helpers:plan_factory", "--device-budget", "lots")
+    assert done.returncode != 0
+    assert "`plan(device_budget='lots')`: give a positive number" in done.stderr
