@@ -189,6 +189,26 @@ def parameters(shape: Shape) -> int:
     return sum(x.size for x in jax.tree.leaves(abstract) if hasattr(x, "size"))
 
 
+def step_report(
+    shape: Shape,
+    policy: eo.Policy,
+    loss,
+    *,
+    target: str,
+    batch: int,
+    seq: int,
+) -> eo.MemoryReport:
+    """The `memory_report` of a `train_step` of `Decoder(shape)` (abstract, placed
+    by `policy`) with AdamW and `loss`, on `batch` sequences of `seq` tokens."""
+    optimizer = optax.adamw(1e-4)
+    abstract = eqx.filter_eval_shape(Decoder, shape, key=jax.random.key(0))
+    model = eo.place(abstract, policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    step = eo.train_step(loss, optimizer, policy)
+    return eo.memory_report(step, model, opt_state, tokens, tokens, target=target)
+
+
 def plain_loss(model: Decoder, tokens, targets):
     logits = jax.vmap(model.hidden)(tokens) @ model.table.T
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()

@@ -22,12 +22,8 @@ from typing import Any
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
 import decoder
-import equinox as eqx
-import jax
-import jax.numpy as jnp
-import optax
 from _common import GIB, parser, table, write_json
-from decoder import Decoder, plain_loss, Shape
+from decoder import plain_loss, Shape
 
 import eqx_offload as eo
 
@@ -63,13 +59,9 @@ PRESETS = ("none", "remat", "offload_residuals", "offload_all")
 
 def report(shape: Shape, preset: str, target: str) -> eo.MemoryReport:
     policy = getattr(eo.Policy, preset)()
-    optimizer = optax.adamw(1e-4)
-    abstract = eqx.filter_eval_shape(Decoder, shape, key=jax.random.key(0))
-    model = eo.place(abstract, policy)
-    opt_state = eo.init_opt_state(optimizer, model, policy)
-    tokens = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
-    step = eo.train_step(plain_loss, optimizer, policy)
-    return eo.memory_report(step, model, opt_state, tokens, tokens, target=target)
+    return decoder.step_report(
+        shape, policy, plain_loss, target=target, batch=BATCH, seq=SEQ
+    )
 
 
 def main():

@@ -13,12 +13,8 @@ kernel would) and a SwiGLU MLP (8192), RMSNorm, a tied 128256-token embedding;
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
 import decoder
-import equinox as eqx
-import jax
-import jax.numpy as jnp
-import optax
 from _common import GIB, parser, table, write_json
-from decoder import chunked_loss, Decoder, plain_loss, Shape, trunk_only
+from decoder import chunked_loss, plain_loss, Shape, trunk_only
 
 import eqx_offload as eo
 
@@ -53,13 +49,9 @@ STREAMED = ("streamed", "trunk only")
 def report(preset: str, loss: str, target: str) -> eo.MemoryReport:
     stream = ("embed",) if loss in STREAMED else ()
     policy = getattr(eo.Policy, preset)(stream=stream)
-    optimizer = optax.adamw(1e-4)
-    abstract = eqx.filter_eval_shape(Decoder, LLAMA_3_2_1B, key=jax.random.key(0))
-    model = eo.place(abstract, policy)
-    opt_state = eo.init_opt_state(optimizer, model, policy)
-    tokens = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
-    step = eo.train_step(LOSSES[loss], optimizer, policy)
-    return eo.memory_report(step, model, opt_state, tokens, tokens, target=target)
+    return decoder.step_report(
+        LLAMA_3_2_1B, policy, LOSSES[loss], target=target, batch=BATCH, seq=SEQ
+    )
 
 
 def main():

@@ -30,12 +30,8 @@ from pathlib import Path
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
 import decoder
-import equinox as eqx
-import jax
-import jax.numpy as jnp
-import optax
 from _common import GIB, parser, table, write_json
-from decoder import chunked_loss, Decoder
+from decoder import chunked_loss
 from llama import LLAMA_3_2_1B, PRESETS, SEQ
 
 import eqx_offload as eo
@@ -47,13 +43,9 @@ EXPOSED = 0.05  # "hidden": exposed transfers under 5% of the step
 
 def report(preset: str, target: str, batch: int) -> eo.MemoryReport:
     policy = getattr(eo.Policy, preset)()
-    optimizer = optax.adamw(1e-4)
-    abstract = eqx.filter_eval_shape(Decoder, LLAMA_3_2_1B, key=jax.random.key(0))
-    model = eo.place(abstract, policy)
-    opt_state = eo.init_opt_state(optimizer, model, policy)
-    tokens = jax.ShapeDtypeStruct((batch, SEQ), jnp.int32)
-    step = eo.train_step(chunked_loss, optimizer, policy)
-    return eo.memory_report(step, model, opt_state, tokens, tokens, target=target)
+    return decoder.step_report(
+        LLAMA_3_2_1B, policy, chunked_loss, target=target, batch=batch, seq=SEQ
+    )
 
 
 def _row(target: str, preset: str, batch: int) -> dict:

@@ -26,6 +26,20 @@ def _abstract():
     return eqx.filter_eval_shape(Model, *ARGS, key=jax.random.key(0))
 
 
+def _v5e_plan(**budgets) -> eo.Plan:
+    """`eo.plan` of the test model's step on a v5e chip."""
+    model = _abstract()
+    return eo.plan(
+        cross_entropy,
+        optax.adam(1e-3),
+        model,
+        TOKENS,
+        TOKENS,
+        target="tpu-v5e",
+        **budgets,
+    )
+
+
 @pytest.fixture(scope="module")
 def tight() -> eo.Plan:
     """A device budget `Policy.none()` (33 MiB) does not fit on a v5e chip, nor any
@@ -33,21 +47,11 @@ def tight() -> eo.Plan:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_plan, "SINGLES", 3)
         patch.setattr(_plan, "COMBINATION_COMPILES", 4)
-        return eo.plan(
-            cross_entropy,
-            optax.adam(1e-3),
-            _abstract(),
-            TOKENS,
-            TOKENS,
-            target="tpu-v5e",
-            device_budget="20MiB",
-        )
+        return _v5e_plan(device_budget="20MiB")
 
 
 def test_a_budget_that_fits_the_plain_step_gets_the_plain_step():
-    p = eo.plan(
-        cross_entropy, optax.adam(1e-3), _abstract(), TOKENS, TOKENS, target="tpu-v5e"
-    )
+    p = _v5e_plan()
     assert p.policy.save == "all" and p.compiled == 1
     assert [r.status for r in p.table.rows] == ["chosen"]
     assert p.table.device_budget == int(15.75 * 2**30)
@@ -116,15 +120,7 @@ def test_the_chosen_step_trains_as_the_plain_step_does(tight):
 def test_nothing_fits_names_the_smallest_footprint_and_the_budget(monkeypatch):
     monkeypatch.setattr(_plan, "SINGLES", 2)
     with pytest.raises(eo.DoesNotFit, match="over the device budget") as e:
-        eo.plan(
-            cross_entropy,
-            optax.adam(1e-3),
-            _abstract(),
-            TOKENS,
-            TOKENS,
-            target="tpu-v5e",
-            device_budget=MIB,
-        )
+        _v5e_plan(device_budget=MIB)
     assert e.value.available_bytes == MIB
     assert e.value.required_bytes is not None and e.value.required_bytes > MIB
     assert "smallest device footprint found" in str(e.value)

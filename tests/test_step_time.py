@@ -19,6 +19,7 @@ from jaxtyping import Array, Float
 import eqx_offload as eo
 from eqx_offload import _jaxpr
 from eqx_offload._report import _costs, _step_time
+from eqx_offload._report._units import time_text
 
 
 D, H = 256, 512  # the blocks' width and hidden width
@@ -380,7 +381,7 @@ def test_the_plot_shows_the_time():
     ax = report.plot(labels=["offload_all"])
     shown = [t.get_text() for t in ax.texts]
     assert any(s.startswith("offload_all\n") and "(host link)" in s for s in shown)
-    assert _step_time.time_text(report.time.seconds) in " ".join(shown)
+    assert time_text(report.time.seconds) in " ".join(shown)
 
 
 @pytest.mark.parametrize("target", ["tpu-v5e", "gpu-h100"])

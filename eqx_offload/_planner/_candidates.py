@@ -20,13 +20,6 @@ class Move(NamedTuple):
     name: str  # a top-level field, or a checkpoint name
     to: str  # "pinned_host", "offload" or "recompute"
 
-    @property
-    def label(self) -> str:
-        if self.knob == "residual":
-            return f"{self.to} {self.name}"
-        what = "parameters" if self.knob == "params" else "optimizer state"
-        return f"{self.name} {what} on host"
-
 
 class Candidate(NamedTuple):
     """A placement and a remat choice (what `Candidate.policy` trains with)."""
@@ -43,12 +36,10 @@ class Candidate(NamedTuple):
         return cls(device, device, None)
 
     @classmethod
-    def remat(
-        cls, fields: tuple[str, ...], names: tuple[str, ...], choice: Residual
-    ) -> "Candidate":
-        """Every name `choice`d (recomputed: `Policy.remat()`), all on the device."""
+    def remat(cls, fields: tuple[str, ...], names: tuple[str, ...]) -> "Candidate":
+        """Every name recomputed, all on the device: `Policy.remat()`."""
         start = cls.start(fields)
-        return start._replace(residuals=tuple((n, choice) for n in names))
+        return start._replace(residuals=tuple((n, "recompute") for n in names))
 
     def apply(self, move: Move, names: tuple[str, ...]) -> "Candidate":
         """This candidate with `move` made (from no remat, a residual move first
@@ -118,24 +109,3 @@ class Candidate(NamedTuple):
             if all(c == "recompute" for _, c in self.residuals):
                 parts.append("recompute all")
         return "; ".join(parts)
-
-    def covers(self, other: "Candidate") -> bool:
-        """Whether this candidate moves at least what `other` moves: every field
-        `other` puts on the host is on the host here, and every name it offloads
-        or recomputes is offloaded or recomputed here (so it frees at least as
-        much device memory, and is no faster)."""
-        for mine, theirs in (
-            (self.params, other.params),
-            (self.opt_state, other.opt_state),
-        ):
-            here = dict(mine)
-            if any(k != "device" and here.get(f) == "device" for f, k in theirs):
-                return False
-        if other.residuals is None:
-            return True
-        if self.residuals is None:
-            return False
-        here = dict(self.residuals)
-        return all(
-            c == "save" or here.get(n, "save") != "save" for n, c in other.residuals
-        )

@@ -14,11 +14,12 @@ import jax.tree_util as jtu
 from .. import _paths
 from .._checkpoint_names import checkpoint_names
 from .._diagnose import DoesNotCompile
-from .._memory_kinds import abstract_sharding, is_arraylike
+from .._memory_kinds import is_arraylike
 from .._placement import place
 from .._policy import Policy
 from .._remat_names import UnusedName
 from .._report import (
+    abstract,
     capacity,
     DoesNotFit,
     Hardware,
@@ -331,7 +332,7 @@ class _Search:
         return float("inf") if r.required is None else float(r.required)
 
     def presets(self, fields: tuple[str, ...], names: tuple[str, ...]) -> None:
-        remat = Candidate.remat(fields, names, "recompute")
+        remat = Candidate.remat(fields, names)
         self.evaluate(remat, "recompute all: Policy.remat()")
         inputs = tuple(n for n in names if n.endswith(".input"))
         offloaded = remat._replace(
@@ -516,15 +517,9 @@ def _budgets(
 
 
 def _abstract(tree: Any) -> Any:
-    """Array leaves as `jax.ShapeDtypeStruct`s, keeping a mesh layout."""
-
-    def leaf(x: Any) -> Any:
-        if not is_arraylike(x):
-            return x
-        sharding = abstract_sharding(getattr(x, "sharding", None))
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    return jtu.tree_map(leaf, tree)
+    """Array leaves as `jax.ShapeDtypeStruct`s in their memory kinds and layouts
+    (as `memory_report` takes them): each candidate places its own copy."""
+    return jtu.tree_map(lambda x: abstract(x, None) if is_arraylike(x) else x, tree)
 
 
 def _fields(model: Any) -> tuple[str, ...]:

@@ -15,9 +15,9 @@ from ._memory_report import (
 from ._record import (
     MemoryReport as MemoryReport,
     ResidualRow as ResidualRow,
-    size_text as size_text,
     UnnamedResidual as UnnamedResidual,
 )
-from ._step_time import StepTime as StepTime, time_text as time_text
-from ._targets import capacity as capacity
+from ._step_time import StepTime as StepTime
+from ._targets import abstract as abstract, capacity as capacity
 from ._traffic import Transfer as Transfer
+from ._units import size_text as size_text, time_text as time_text

@@ -132,6 +132,16 @@ _NVIDIA = (
     "https://jax-ml.github.io/scaling-book/gpus/ (bf16 9.9e14, fp8 2.0e15)"
 )
 
+# The tensor-core rates of the H100 SXM, which the H200 shares (dense).
+_HOPPER = {
+    "fp8": 1979 * _T,
+    "int8": 1979 * _T,
+    "bf16": 989.4 * _T,
+    "tf32": 494.7 * _T,
+    "f32": 67 * _T,
+    "f64": 67 * _T,
+}
+
 # One device of each target, and where each figure comes from. Host links are the
 # links' nominal rates: what a program gets is lower (a plain `jax.device_put` to
 # the host measured 2.7 GB/s on an H100 PCIe, jax#21438): override them with
@@ -212,14 +222,7 @@ TABLE: dict[str, Hardware] = {
     ),
     "gpu-h100": Hardware(
         "gpu-h100",
-        {
-            "fp8": 1979 * _T,
-            "int8": 1979 * _T,
-            "bf16": 989.4 * _T,
-            "tf32": 494.7 * _T,
-            "f32": 67 * _T,
-            "f64": 67 * _T,
-        },
+        _HOPPER,
         hbm_bytes_per_second=3350 * _GB,
         host_to_device_bytes_per_second=64 * _GB,
         device_to_host_bytes_per_second=64 * _GB,
@@ -233,14 +236,7 @@ TABLE: dict[str, Hardware] = {
     ),
     "gpu-h200": Hardware(
         "gpu-h200",
-        {
-            "fp8": 1979 * _T,
-            "int8": 1979 * _T,
-            "bf16": 989.4 * _T,
-            "tf32": 494.7 * _T,
-            "f32": 67 * _T,
-            "f64": 67 * _T,
-        },
+        _HOPPER,
         hbm_bytes_per_second=4800 * _GB,
         host_to_device_bytes_per_second=64 * _GB,
         device_to_host_bytes_per_second=64 * _GB,

@@ -6,7 +6,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, TYPE_CHECKING
 
-from ._step_time import time_text
+from ._units import time_text
 
 
 if TYPE_CHECKING:  # an import cycle, not a type switch: `MemoryReport.plot` calls us

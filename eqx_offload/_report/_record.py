@@ -10,6 +10,7 @@ import equinox as eqx
 from . import _plot, _step_time
 from ._step_time import StepTime
 from ._traffic import Transfer
+from ._units import size_text
 
 
 PARTS = ("argument", "output", "temp", "alias")
@@ -471,11 +472,3 @@ def device_word(target: str) -> str:
 
 def host_total(by_kind: dict[str, int]) -> int:
     return sum(v for k, v in by_kind.items() if k != "device")
-
-
-def size_text(n: int) -> str:
-    sign, n = ("-" if n < 0 else ""), abs(n)
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{sign}{n / scale:.2f} {unit}"
-    return f"{sign}{n} B"

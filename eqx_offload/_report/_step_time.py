@@ -35,6 +35,7 @@ from .._compiler import Computation
 from . import _hardware
 from ._costs import FREE, Program
 from ._hardware import Hardware
+from ._units import flops_text, size_text, time_text
 
 
 Bound = Literal["compute", "HBM", "host link"]
@@ -100,24 +101,24 @@ class StepTime:
 
 def lines(t: StepTime) -> list[str]:
     """The step-time section of a report's table."""
-    by = ", ".join(f"{p} {_flops_text(n)}" for p, n in t.flops_by_precision.items())
+    by = ", ".join(f"{p} {flops_text(n)}" for p, n in t.flops_by_precision.items())
     rows = [
         ("step time (estimate)", t.seconds, f"{t.bound}-bound"),
         (
             "  compute",
             t.compute_seconds,
-            f"{_flops_text(t.flops)}" + (f": {by}" if by else ""),
+            f"{flops_text(t.flops)}" + (f": {by}" if by else ""),
         ),
-        ("  HBM", t.hbm_seconds, f"{_bytes_text(t.hbm_bytes)}"),
+        ("  HBM", t.hbm_seconds, size_text(int(t.hbm_bytes))),
         (
             "  host link to device",
             t.host_to_device_seconds,
-            _bytes_text(t.host_to_device_bytes),
+            size_text(t.host_to_device_bytes),
         ),
         (
             "  host link to host",
             t.device_to_host_seconds,
-            _bytes_text(t.device_to_host_bytes),
+            size_text(t.device_to_host_bytes),
         ),
         ("  transfers not hidden", t.exposed_transfer_seconds, ""),
     ]
@@ -126,32 +127,6 @@ def lines(t: StepTime) -> list[str]:
     for label, seconds, note in rows:
         out.append(f"{label:<34}{time_text(seconds):>14}  {note}".rstrip())
     return out
-
-
-def time_text(seconds: float | int) -> str:
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if seconds >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return "0 s" if seconds == 0 else f"{seconds / 1e-9:.3g} ns"
-
-
-def _flops_text(n: float | int) -> str:
-    for unit, scale in (
-        ("PFLOP", 1e15),
-        ("TFLOP", 1e12),
-        ("GFLOP", 1e9),
-        ("MFLOP", 1e6),
-    ):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.3g} FLOP"
-
-
-def _bytes_text(n: float | int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{int(n)} B"
 
 
 @dataclasses.dataclass
