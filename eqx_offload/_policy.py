@@ -59,6 +59,21 @@ def _params(value: Any, argument: str = "params") -> ParamsSpec:
                 "leaf path patterns such as 'blocks' or 'blocks.mlp.*'."
             )
         check_kind(kind, f"`Policy({argument}=...)[{pattern!r}]`")
+        if ":" in pattern:
+            part, _, params = pattern.partition(":")
+            if argument != "opt_state":
+                raise ValueError(
+                    f"`Policy({argument}=...)` has key {pattern!r}: a "
+                    "'part:pattern' key names a part of the optimizer state "
+                    "(`{'nu:**': 'pinned_host'}`) and belongs in "
+                    "`Policy(opt_state=...)`."
+                )
+            if not part.isidentifier() or not params:
+                raise ValueError(
+                    f"`Policy(opt_state=...)` has key {pattern!r}; a key naming a "
+                    "part of the state is '<part>:<parameter pattern>', such as "
+                    "'nu:**' or 'mu:blocks'."
+                )
     return items
 
 

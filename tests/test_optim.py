@@ -85,3 +85,83 @@ def test_opt_state_patterns_place_each_parameters_state(getkey):
     )
     with pytest.raises(ValueError, match=r"'blokcs' match no leaf"):
         eo.init_opt_state(optimizer, model, eo.Policy(opt_state={"blokcs": "device"}))
+
+
+def kinds_of(tree) -> set[str]:
+    return {memory_kind(x) for x in jax.tree.leaves(tree)}
+
+
+def test_state_parts_put_adams_moments_apart_and_train_the_same(getkey):
+    # Adam's first moment on the device, its second on the host: a step trains
+    # exactly as with all of the state on the device, and keeps each part in place.
+    key = getkey()
+    results = []
+    for opt_state in ({"nu:**": "pinned_host"}, "device"):
+        policy = eo.Policy.remat(opt_state=opt_state, update="streamed")
+        optimizer = optax.adamw(1e-2)
+        model = eo.place(Model(key=key), policy)
+        state = eo.init_opt_state(optimizer, model, policy)
+        step = eo.train_step(cross_entropy, optimizer, policy)
+        data = batches()
+        for _ in range(2):
+            model, state, loss = step(model, state, *next(data))
+        results.append((model, state, loss))
+    (model, state, loss), (ref_model, ref_state, ref_loss) = results
+    adam = state[0]
+    assert kinds_of(adam.mu) == {"device"} and kinds_of(adam.nu) == {"pinned_host"}
+    assert memory_kind(adam.count) == "device"
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter((model, state), eqx.is_array)),
+        jax.tree.leaves(eqx.filter((ref_model, ref_state), eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_state_parts_compile_for_a_tpu_at_an_odd_width(getkey):
+    policy = eo.Policy.remat(params="pinned_host", opt_state={"nu:**": "pinned_host"})
+    optimizer = optax.adam(1e-3)
+    abstract = eqx.filter_eval_shape(Model, dim=24, depth=3, key=getkey())
+    model = eo.place(abstract, policy)
+    state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    report = eo.memory_report(step, model, state, *next(batches()), target="tpu-v5e")
+    assert report.opt_state is not None
+    # Half of the parameter-shaped state on each side (the count is on the device).
+    host, device = report.opt_state["pinned_host"], report.opt_state["device"]
+    assert host > 0 and device - 4 == host
+
+
+@pytest.mark.parametrize(
+    "opt_state, mu, nu",
+    [
+        # The part's pattern wins over one as precise that names no part...
+        ({"**": "pinned_host", "mu:**": "device"}, "device", "pinned_host"),
+        # ...and a pattern naming the parameter more precisely wins over it.
+        ({"nu:**": "pinned_host", "head": "device"}, "device", "device"),
+        ({"nu:head": "pinned_host", "**": "device"}, "device", "pinned_host"),
+    ],
+)
+def test_which_pattern_places_a_state_part(opt_state, mu, nu, getkey):
+    policy = eo.Policy.remat(opt_state=opt_state)
+    state = eo.init_opt_state(optax.adam(1e-3), Model(key=getkey()), policy)
+    assert kinds_of(state[0].mu.head) == {mu}
+    assert kinds_of(state[0].nu.head) == {nu}
+    assert kinds_of(state[0].mu.blocks) == {"device"}
+
+
+def test_state_part_mistakes(getkey):
+    model = Model(key=getkey())
+    with pytest.raises(ValueError, match=r"'vu:\*\*'.*part 'vu'.*'mu', 'nu'"):
+        eo.init_opt_state(
+            optax.adam(1e-3), model, eo.Policy(opt_state={"vu:**": "pinned_host"})
+        )
+    with pytest.raises(ValueError, match=r"'nu:blokcs'.*match no leaf"):
+        eo.init_opt_state(
+            optax.adam(1e-3), model, eo.Policy(opt_state={"nu:blokcs": "device"})
+        )
+    with pytest.raises(ValueError, match=r"`Policy\(params=.*'nu:\*\*'.*opt_state"):
+        eo.Policy(params={"nu:**": "pinned_host"})
+    with pytest.raises(ValueError, match=r"':\*\*'.*'<part>:<parameter pattern>'"):
+        eo.Policy(opt_state={":**": "pinned_host"})

@@ -19,10 +19,11 @@ from .._memory_kinds import (
     ParamsSpec,
     to_space,
 )
-from .._placement import match_params, move, resolve
+from .._placement import move, resolve
 from .._policy import check_policy, Policy, replace
 from . import _streaming
-from ._state_tree import check_matches, map_state, state_owners
+from ._state_kinds import state_leaf_kinds
+from ._state_tree import check_matches, state_leaves, state_owners, StateLeaf
 
 
 # The named scope around a step's optimizer update (`_train_step.py`).
@@ -65,55 +66,44 @@ def trainable(model: PyTree) -> PyTree:
     return eqx.filter(model, is_trainable)
 
 
-def param_state_kinds(
-    spec: ParamsSpec, params: PyTree, where: str = "`eqx_offload.init_opt_state`"
-) -> PyTree:
-    """`params` with each leaf replaced by the memory kind of its parameter-shaped
-    state under `Policy(opt_state=spec)` (`"device"` where no pattern matches)."""
-    leaves = _paths.leaves(params)
-    kinds = match_params(spec, leaves, f"{where} (`Policy(opt_state=...)`)")
+def state_kinds(
+    optimizer: optax.GradientTransformation | None,
+    opt_state: PyTree,
+    params: PyTree,
+    spec: ParamsSpec,
+    where: str = "`train_step`",
+) -> list[tuple[_paths.Leaf, str]]:
+    """Each array leaf of `opt_state` with its memory kind: the one `spec` gives
+    its parameter (and part of the state, `"nu:**"`) for the parameter-shaped
+    state (moments, momenta, ...), `"device"` for the rest (step counts and other
+    scalars), in `jax.tree.leaves` order."""
+    return [
+        (s.leaf, kind) for s, kind in _kinds(optimizer, opt_state, params, spec, where)
+    ]
+
+
+def _kinds(
+    optimizer: optax.GradientTransformation | None,
+    opt_state: PyTree,
+    params: PyTree,
+    spec: ParamsSpec,
+    where: str,
+) -> list[tuple[StateLeaf, str]]:
+    leaves = state_leaves(optimizer, opt_state, params)
+    param_leaves = _paths.leaves(params)
+    kinds = state_leaf_kinds(spec, leaves, param_leaves, where)
     available = backend_kinds()
-    for leaf, kind in zip(leaves, kinds):
-        if kind is not None and kind not in available:
+    for s, kind in zip(leaves, kinds):
+        if kind not in available:
+            assert s.owner is not None  # the rest is on the device
             raise ValueError(
-                f"{where}: the optimizer state of {leaf.path!r} is to live in "
+                f"{where}: the optimizer state of {param_leaves[s.owner].path!r} "
+                f"({s.leaf.path!r}) is to live in "
                 f"{kind!r} (`Policy(opt_state=...)`), which the "
                 f"{jax.default_backend()!r} backend does not have; valid kinds here: "
                 f"{_paths.quoted(available)}."
             )
-    return jtu.tree_unflatten(
-        jtu.tree_structure(params), [_Kind(k or "device") for k in kinds]
-    )
-
-
-def state_kinds(
-    optimizer: optax.GradientTransformation,
-    opt_state: PyTree,
-    params: PyTree,
-    spec: ParamsSpec,
-) -> list[tuple[_paths.Leaf, str]]:
-    """Each array leaf of `opt_state` with its memory kind: the one `spec` gives
-    its parameter for the parameter-shaped state (moments, momenta, ...),
-    `"device"` for the rest (step counts and other scalars), in `jax.tree.leaves`
-    order."""
-    kinds = map_state(
-        optimizer,
-        opt_state,
-        lambda s, k: _Kind(k.kind) if is_arraylike(s) else s,
-        lambda s: _Kind("device") if is_arraylike(s) else s,
-        param_state_kinds(spec, params, "`train_step`"),
-    )
-    leaves = [leaf for leaf in _paths.leaves(opt_state) if is_arraylike(leaf.value)]
-    flat = [k.kind for k in jtu.tree_leaves(kinds) if isinstance(k, _Kind)]
-    return list(zip(leaves, flat, strict=True))
-
-
-class _Kind:
-    """A memory kind standing in for a leaf (a pytree leaf, unlike a string in a
-    structure that may hold strings)."""
-
-    def __init__(self, kind: str):
-        self.kind = kind
+    return list(zip(leaves, kinds))
 
 
 def _state_device_sharding(params: PyTree) -> Any:
@@ -258,21 +248,28 @@ def _place_state(
 ) -> PyTree:
     """Every array leaf of `state` in the kind and sharding `init_opt_state` gives."""
     device = _state_device_sharding(params)
-    kinds = param_state_kinds(policy.opt_state, params, where)
+    shardings = [getattr(p, "sharding", None) for p in jtu.tree_leaves(params)]
+    shapes = [tuple(p.shape) for p in jtu.tree_leaves(params)]
+    flat, treedef = jtu.tree_flatten(state)
+    placed = iter(
+        move(s.leaf.value, kind, "", _sharding(s, shardings, shapes, device))
+        for s, kind in _kinds(optimizer, state, params, policy.opt_state, where)
+    )
+    return jtu.tree_unflatten(
+        treedef, [next(placed) if is_arraylike(x) else x for x in flat]
+    )
 
-    def like_param(s: Any, p: Any, kind: _Kind) -> Any:
-        """Parameter-shaped state takes its parameter's sharding, in its kind."""
-        sharding = getattr(p, "sharding", None)
-        if not is_arraylike(s):
-            return s
-        if sharding is None or s.shape != p.shape:
-            return move(s, kind.kind, "", device)
-        return move(s, kind.kind, "", sharding)
 
-    def other(s: Any) -> Any:
-        return move(s, "device", "", device) if is_arraylike(s) else s
-
-    return map_state(optimizer, state, like_param, other, params, kinds)
+def _sharding(
+    s: StateLeaf, shardings: list[Any], shapes: list[tuple[int, ...]], device: Any
+) -> Any:
+    """Parameter-shaped state takes its parameter's sharding; the rest (and a
+    factored moment, of another shape) the device's."""
+    if s.owner is None or shardings[s.owner] is None:
+        return device
+    if tuple(s.leaf.value.shape) != shapes[s.owner]:
+        return device
+    return shardings[s.owner]
 
 
 def check_model(
@@ -301,7 +298,7 @@ def check_state(
     where: str = "`train_step`",
 ) -> list[tuple[_paths.Leaf, str]]:
     """The kinds `opt_state` should be in; raises if a leaf is elsewhere."""
-    kinds = state_kinds(optimizer, opt_state, trainable(model), policy.opt_state)
+    kinds = state_kinds(optimizer, opt_state, trainable(model), policy.opt_state, where)
     for leaf, kind in kinds:
         if kind == "unpinned_host":
             to_space(leaf.value, kind, f"opt_state.{leaf.path}")  # raises

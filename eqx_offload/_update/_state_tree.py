@@ -1,6 +1,7 @@
 """Optimizer state as a tree that mirrors the parameters: which state leaves are
 parameter-shaped, and which parameter each of them belongs to."""
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -103,11 +104,62 @@ def check_matches(
             )
 
 
+class StateLeaf:
+    """An array leaf of an optimizer state: its path, the index of the parameter
+    whose parameter-shaped part of the state it is in (`None` for step counts and
+    other state), and that part's name (`"mu"` of `"[0].mu.blocks.w"`)."""
+
+    def __init__(self, leaf: _paths.Leaf, owner: int | None, part: str | None):
+        self.leaf = leaf
+        self.owner = owner
+        self.part = part
+
+
 class _Index:
     """A parameter's position standing in for it (a pytree leaf)."""
 
     def __init__(self, i: int | None):
         self.i = i
+
+
+def state_leaves(
+    optimizer: optax.GradientTransformation | None, opt_state: PyTree, params: PyTree
+) -> list[StateLeaf]:
+    """Every array leaf of `opt_state` (in `jax.tree.leaves` order) with the
+    parameter it belongs to and the name of its part of the state."""
+    param_leaves = _paths.leaves(params)
+    indices = jtu.tree_unflatten(
+        jtu.tree_structure(params), [_Index(i) for i in range(len(param_leaves))]
+    )
+    mapped = map_state(
+        optimizer,
+        opt_state,
+        lambda s, i: _Index(i.i) if is_arraylike(s) else s,
+        lambda s: _Index(None) if is_arraylike(s) else s,
+        indices,
+    )
+    owners = [x.i for x in jtu.tree_leaves(mapped) if isinstance(x, _Index)]
+    leaves = [leaf for leaf in _paths.leaves(opt_state) if is_arraylike(leaf.value)]
+    out = []
+    for leaf, owner in zip(leaves, owners, strict=True):
+        part = None
+        if owner is not None:
+            part = _part(leaf.path, param_leaves[owner].path)
+        out.append(StateLeaf(leaf, owner, part))
+    return out
+
+
+_NAME = re.compile(r"(?:^|\.)([A-Za-z_]\w*)$")
+
+
+def _part(state_path: str, param_path: str) -> str | None:
+    """The field of the state holding this copy of the parameters: `"nu"` of
+    `"[0].nu.blocks.w"` for parameter `"blocks.w"`."""
+    if not state_path.endswith(param_path):
+        return None
+    prefix = state_path[: len(state_path) - len(param_path)].rstrip(".")
+    found = _NAME.search(prefix)
+    return None if found is None else found.group(1)
 
 
 def state_owners(
@@ -117,21 +169,9 @@ def state_owners(
     the parameter leaf it mirrors (in a parameter-shaped part of the state, with the
     parameter's shape), or None (a count, a per-leaf scalar, a factored moment)."""
     shapes = [tuple(p.shape) for p in jtu.tree_leaves(params)]
-    indices = jtu.tree_unflatten(
-        jtu.tree_structure(params), [_Index(i) for i in range(len(shapes))]
-    )
-
-    def mirrors(s: Any, i: _Index) -> Any:
-        if not is_arraylike(s):
-            return s
-        assert i.i is not None
-        return _Index(i.i if tuple(s.shape) == shapes[i.i] else None)
-
-    mapped = map_state(
-        optimizer,
-        opt_state,
-        mirrors,
-        lambda s: _Index(None) if is_arraylike(s) else s,
-        indices,
-    )
-    return [x.i for x in jtu.tree_leaves(mapped) if isinstance(x, _Index)]
+    return [
+        s.owner
+        if s.owner is not None and tuple(s.leaf.value.shape) == shapes[s.owner]
+        else None
+        for s in state_leaves(optimizer, opt_state, params)
+    ]
