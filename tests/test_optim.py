@@ -41,6 +41,25 @@ def test_state_keeps_each_parameters_sharding(getkey):
     assert mu.sharding == sharding.with_memory_kind("pinned_host")
 
 
+def test_a_factored_moment_is_not_given_its_parameters_sharding(getkey):
+    # Adafactor's row and column statistics have fewer axes than their parameter:
+    # they go to the policy's kind, replicated, not in the parameter's layout.
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = jax.sharding.NamedSharding(mesh, jax.P("x", None))
+    model = eqx.tree_at(
+        lambda m: m.embed.weight,
+        Model(key=getkey()),
+        replace_fn=lambda w: jax.device_put(w, sharding),
+    )
+    policy = eo.Policy.remat(opt_state="pinned_host")
+    optimizer = optax.adafactor(1e-3, min_dim_size_to_factor=4)
+    state = eo.init_opt_state(optimizer, model, policy)
+    for stat in (state[0].v_row.embed.weight, state[0].v_col.embed.weight):
+        # (16,) and (32,) of a (32, 16) table
+        assert stat.ndim == 1 and memory_kind(stat) == "pinned_host"
+        assert stat.sharding.is_fully_replicated
+
+
 def test_abstract_model_gives_abstract_state(getkey):
     policy = eo.Policy.offload_all()
     optimizer = optax.adam(1e-3)
