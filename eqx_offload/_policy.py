@@ -168,7 +168,12 @@ class Policy(eqx.Module):
             kind, or a mapping from parameter-path pattern to kind, matched as in
             `params` (the state of a parameter no pattern matches stays on the
             device). `{"**": "pinned_host", "blocks.norm.weight": "device"}` keeps
-            one parameter's state on the device and the rest on the host.
+            one parameter's state on the device and the rest on the host. A key
+            `"<part>:<pattern>"` also names the part of the state, the field of
+            the optimizer's state holding that copy of the parameters:
+            `{"nu:**": "pinned_host"}` moves Adam's second moment to the host and
+            keeps its first on the device. The pattern naming the parameter most
+            precisely wins; of two equally precise ones, the one naming a part.
         - `update`: how `train_step` applies the optimizer when parameters,
             gradients or state are on the host. `"auto"` (the default):
             `"streamed"` where host memory is its own (TPU, GPU), `"whole"` on the
