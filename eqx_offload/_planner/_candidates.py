@@ -1,5 +1,6 @@
 """What `plan` chooses between: a `Candidate` is one placement of a model's
-parameters and optimizer state (per top-level field) and one choice per
+parameters (per top-level field) and optimizer state (per part of each field's
+state: `"nu:blocks"`) and one choice per
 checkpoint name (saved, offloaded or recomputed), or no remat at all; it turns
 into the `Policy` that trains that way. Moves are the one-knob changes that free
 device memory."""
@@ -25,20 +26,24 @@ class Candidate(NamedTuple):
     """A placement and a remat choice (what `Candidate.policy` trains with)."""
 
     params: tuple[tuple[str, Kind], ...]  # top-level field -> kind
+    # a part of a field's state ("nu:blocks"), or a field's whole state -> kind
     opt_state: tuple[tuple[str, Kind], ...]
     # None: no remat at all (`Policy.none()`); else checkpoint name -> choice
     residuals: tuple[tuple[str, Residual], ...] | None
 
     @classmethod
-    def start(cls, fields: tuple[str, ...]) -> "Candidate":
+    def start(cls, fields: tuple[str, ...], slots: tuple[str, ...]) -> "Candidate":
         """Everything on the device, nothing recomputed: `Policy.none()`."""
-        device: tuple[tuple[str, Kind], ...] = tuple((f, "device") for f in fields)
-        return cls(device, device, None)
+        params: tuple[tuple[str, Kind], ...] = tuple((f, "device") for f in fields)
+        state: tuple[tuple[str, Kind], ...] = tuple((s, "device") for s in slots)
+        return cls(params, state, None)
 
     @classmethod
-    def remat(cls, fields: tuple[str, ...], names: tuple[str, ...]) -> "Candidate":
+    def remat(
+        cls, fields: tuple[str, ...], slots: tuple[str, ...], names: tuple[str, ...]
+    ) -> "Candidate":
         """Every name recomputed, all on the device: `Policy.remat()`."""
-        start = cls.start(fields)
+        start = cls.start(fields, slots)
         return start._replace(residuals=tuple((n, "recompute") for n in names))
 
     def apply(self, move: Move, names: tuple[str, ...]) -> "Candidate":
@@ -96,7 +101,7 @@ class Candidate(NamedTuple):
         host = [f for f, k in self.params if k != "device"]
         if host:
             parts.append(f"params on host: {', '.join(host)}")
-        state = [f for f, k in self.opt_state if k != "device"]
+        state = _by_field(self.opt_state)
         if state:
             parts.append(f"opt_state on host: {', '.join(state)}")
         if self.residuals is None:
@@ -109,3 +114,20 @@ class Candidate(NamedTuple):
             if all(c == "recompute" for _, c in self.residuals):
                 parts.append("recompute all")
         return "; ".join(parts)
+
+
+def _by_field(slots: tuple[tuple[str, Kind], ...]) -> list[str]:
+    """The host-resident state by field: `"blocks"` where all of its state is on
+    the host, `"blocks (nu)"` where some of its parts are."""
+    fields: dict[str, list[tuple[str | None, Kind]]] = {}
+    for slot, kind in slots:
+        part, _, field = slot.rpartition(":")
+        fields.setdefault(field, []).append((part or None, kind))
+    out = []
+    for field, kinds in fields.items():
+        host = [part for part, kind in kinds if kind != "device"]
+        if len(host) == len(kinds):
+            out.append(field)
+        elif host:
+            out.append(f"{field} ({', '.join(str(p) for p in host)})")
+    return out

@@ -11,7 +11,6 @@ from typing import Any
 import jax
 import jax.tree_util as jtu
 
-from .. import _paths
 from .._checkpoint_names import checkpoint_names
 from .._diagnose import DoesNotCompile
 from .._memory_kinds import is_arraylike
@@ -26,85 +25,13 @@ from .._report import (
     memory_report,
     MemoryReport,
     size_text,
-    time_text,
 )
 from .._train_step import train_step
-from .._update import init_opt_state, is_trainable
+from .._update import init_opt_state
 from ._budget import parse_bytes
 from ._candidates import Candidate, Move
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanRow:
-    """One candidate `plan` considered.
-
-    - `label`: what it places where (`"params on host: blocks; offload
-        blocks.input"`); `policy`: the `Policy` it trains with.
-    - `status`: `"chosen"`, `"compiled"`, or why it was not compiled
-        (`"pruned: ..."`) or did not compile (`"does not compile: ..."`).
-    - `device_bytes`, `host_bytes`: per device, from the compiled program (`None`
-        if not compiled; for a program the compiler found too big, its figure);
-        `fits`: within both budgets (`None` if not compiled).
-    - `seconds`, `bound`: the estimated step time and what bounds it
-        (`MemoryReport.time`); `transfer_bytes`: host <-> device bytes per step;
-        `recomputed_flops`: matmul FLOPs beyond those of the step without remat.
-    """
-
-    label: str
-    policy: Policy
-    status: str
-    device_bytes: int | None = None
-    host_bytes: int | None = None
-    fits: bool | None = None
-    seconds: float | None = None
-    bound: str | None = None
-    transfer_bytes: int | None = None
-    recomputed_flops: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out["policy"] = repr(self.policy)
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanTable:
-    """Every candidate `plan` considered (`rows`), printable as a table."""
-
-    rows: tuple[PlanRow, ...]
-    device_budget: int
-    host_budget: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "device_budget": self.device_budget,
-            "host_budget": self.host_budget,
-            "rows": [r.to_dict() for r in self.rows],
-        }
-
-    def __str__(self) -> str:
-        budgets = (
-            f"budgets per device: {size_text(self.device_budget)} device, "
-            f"{size_text(self.host_budget)} host"
-        )
-        header = (
-            f"{'candidate':<46}{'device':>11}{'host':>11}{'step':>10}"
-            f"{'moved':>11}  status"
-        )
-        lines = [budgets, header, "-" * (len(header) + 10)]
-        for r in self.rows:
-            label = r.label if len(r.label) <= 44 else r.label[:41] + "..."
-
-            def cell(n: int | None) -> str:
-                return "" if n is None else size_text(n)
-
-            step = "" if r.seconds is None else time_text(r.seconds)
-            fits = "" if r.fits is None else (" fits" if r.fits else " too big")
-            lines.append(
-                f"{label:<46}{cell(r.device_bytes):>11}{cell(r.host_bytes):>11}"
-                f"{step:>10}{cell(r.transfer_bytes):>11}  {r.status}{fits}"
-            )
-        return "\n".join(lines)
+from ._sizes import estimates, fields_of, state_slots
+from ._table import PlanRow, PlanTable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,21 +113,22 @@ def plan(
     - `has_aux`: as for `eo.train_step`.
     - `progress`: a progress bar over the compiles (tqdm, if installed).
 
-    **The search.** The candidates place each top-level field's parameters and
-    optimizer state on the device or the host, and save, offload or recompute
-    each checkpoint name (`eo.checkpoint_names`), or remat nothing. It compiles
-    the step with everything on the device and nothing recomputed
-    (`Policy.none()`); if that fits, it is the plan: offloading or recomputing
-    only adds work. Else it compiles the four presets, and the six single moves
-    from `Policy.none()` that free the most device memory by estimate (a field's
-    parameter or state bytes, a name's saved bytes: nothing compiled); the other
-    moves are pruned. Taking each compiled move's effect on device bytes, host
-    bytes and step time as additive, it lists the combinations estimated to fit
-    both budgets and compiles them, fastest estimate first, until three fit (or
-    twelve are compiled); the rest are pruned as estimated slower. Of everything
-    compiled, the fitting candidate with the lowest estimated step time is the
-    plan (the smallest device footprint among equals; on the CPU backend, which
-    has no step time, the smallest footprint). Each policy is compiled once.
+    **The search.** The candidates place each top-level field's parameters, and each
+    part of its optimizer state (Adam's `mu`, `nu`: `"nu:blocks"`), on the device or
+    the host, and save, offload or recompute each checkpoint name
+    (`eo.checkpoint_names`), or remat nothing. It compiles the step with everything
+    on the device and nothing recomputed (`Policy.none()`); if that fits, it is the
+    plan: offloading or recomputing only adds work. Else it compiles the four
+    presets, and the six single moves from `Policy.none()` that free the most device
+    memory by estimate (a field's parameters or one part of its state, a name's
+    saved bytes: nothing compiled); the other moves are pruned. Taking each compiled
+    move's effect on device bytes, host bytes and step time as additive, it lists
+    the combinations estimated to fit both budgets and compiles them, fastest
+    estimate first, until three fit (or twelve are compiled); the rest are pruned as
+    estimated slower. Of everything compiled, the fitting candidate with the lowest
+    estimated step time is the plan (the smallest device footprint among equals; on
+    the CPU backend, which has no step time, the smallest footprint). Each policy is
+    compiled once.
 
     **Returns:**
 
@@ -216,16 +144,17 @@ def plan(
     device, host = _budgets(device_budget, host_budget, target)
     model = _abstract(model)
     batch = tuple(_abstract(b) for b in batch)
-    fields = _fields(model)
+    fields = fields_of(model)
     offered = [n for n in checkpoint_names(loss_fn, model, *batch) if n.residual]
     names = tuple(n.name for n in offered)
     search = _Search(loss_fn, optimizer, model, batch, target, has_aux, progress)
     search.budgets = (device, host)
-    search.estimates = _estimates(optimizer, model, fields, offered)
-    base = Candidate.start(fields)
+    slots = state_slots(optimizer, model)
+    search.estimates = estimates(model, fields, slots, offered)
+    base = Candidate.start(fields, tuple(slots))
     search.evaluate(base, "no remat, all on device: Policy.none()")
     if not search.fits(base):
-        search.presets(fields, names)
+        search.presets(fields, tuple(slots), names)
         search.combine(base, names)
     return search.finish(start, device, host)
 
@@ -331,8 +260,10 @@ class _Search:
             return float(r.report.device_bytes)
         return float("inf") if r.required is None else float(r.required)
 
-    def presets(self, fields: tuple[str, ...], names: tuple[str, ...]) -> None:
-        remat = Candidate.remat(fields, names)
+    def presets(
+        self, fields: tuple[str, ...], slots: tuple[str, ...], names: tuple[str, ...]
+    ) -> None:
+        remat = Candidate.remat(fields, slots, names)
         self.evaluate(remat, "recompute all: Policy.remat()")
         inputs = tuple(n for n in names if n.endswith(".input"))
         offloaded = remat._replace(
@@ -341,8 +272,10 @@ class _Search:
             )
         )
         self.evaluate(offloaded, "offload layer inputs: Policy.offload_residuals()")
-        host = tuple((f, "pinned_host") for f, _ in remat.params)
-        everything = offloaded._replace(params=host, opt_state=host)
+        everything = offloaded._replace(
+            params=tuple((f, "pinned_host") for f, _ in remat.params),
+            opt_state=tuple((s, "pinned_host") for s, _ in remat.opt_state),
+        )
         self.evaluate(everything, "all on host: Policy.offload_all()")
 
     def combine(self, base: Candidate, names: tuple[str, ...]) -> None:
@@ -520,45 +453,6 @@ def _abstract(tree: Any) -> Any:
     """Array leaves as `jax.ShapeDtypeStruct`s in their memory kinds and layouts
     (as `memory_report` takes them): each candidate places its own copy."""
     return jtu.tree_map(lambda x: abstract(x, None) if is_arraylike(x) else x, tree)
-
-
-def _fields(model: Any) -> tuple[str, ...]:
-    """The top-level fields of `model` that hold trainable leaves, in order."""
-    out = []
-    for leaf in _paths.leaves(model):
-        if is_trainable(leaf.value) and _field(leaf.path) not in out:
-            out.append(_field(leaf.path))
-    return tuple(out)
-
-
-def _estimates(
-    optimizer: Any, model: Any, fields: tuple[str, ...], offered: list
-) -> dict[Move, int]:
-    """The device bytes each single move frees, before compiling anything: a
-    field's parameters or optimizer state (as initialised), a checkpoint name's
-    saved bytes (`checkpoint_names`)."""
-    params: dict[str, int] = dict.fromkeys(fields, 0)
-    for leaf in _paths.leaves(model):
-        if is_trainable(leaf.value):
-            params[_field(leaf.path)] += leaf.value.size * leaf.value.dtype.itemsize
-    state = init_opt_state(optimizer, model, Policy())
-    total = sum(
-        x.size * x.dtype.itemsize for x in jtu.tree_leaves(state) if is_arraylike(x)
-    )
-    ratio = total / max(sum(params.values()), 1)
-    out = {Move("params", f, "pinned_host"): n for f, n in params.items()}
-    out |= {
-        Move("opt_state", f, "pinned_host"): int(n * ratio) for f, n in params.items()
-    }
-    for n in offered:
-        out[Move("residual", n.name, "offload")] = n.bytes
-        out[Move("residual", n.name, "recompute")] = n.bytes
-    return out
-
-
-def _field(path: str) -> str:
-    """The top-level field of a leaf path: `"blocks"` of `"blocks.mlp.weight"`."""
-    return path.split(".", 1)[0].split("[", 1)[0]
 
 
 def _bar() -> Any:

@@ -21,4 +21,8 @@ from ._optim import (
     UPDATE_SCOPE as UPDATE_SCOPE,
 )
 from ._optimizer_update import optimizer_update as optimizer_update
-from ._state_tree import check_matches as check_matches
+from ._state_tree import (
+    check_matches as check_matches,
+    state_leaves as state_leaves,
+    StateLeaf as StateLeaf,
+)

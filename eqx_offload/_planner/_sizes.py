@@ -1,0 +1,74 @@
+"""What a model's parts weigh before anything is compiled: the top-level fields
+that hold trainable leaves, the parts of the optimizer state, and the device bytes
+each single move of `plan` frees by estimate."""
+
+from typing import Any
+
+from .. import _paths
+from .._policy import Policy
+from .._update import (
+    as_transformation,
+    init_opt_state,
+    is_trainable,
+    state_leaves,
+    trainable,
+)
+from ._candidates import Move
+
+
+def fields_of(model: Any) -> tuple[str, ...]:
+    """The top-level fields of `model` that hold trainable leaves, in order."""
+    out = []
+    for leaf in _paths.leaves(model):
+        if is_trainable(leaf.value) and _field(leaf.path) not in out:
+            out.append(_field(leaf.path))
+    return tuple(out)
+
+
+def state_slots(optimizer: Any, model: Any) -> dict[str, int]:
+    """Where `plan` can put optimizer state, with the bytes of each: one part of
+    the state of one top-level field (`"nu:blocks"`: Adam's second moment of the
+    blocks), or a whole field's state where the optimizer's state names no parts.
+    Step counts and other state that mirrors no parameter are not counted: they
+    stay on the device."""
+    params = trainable(model)
+    state = init_opt_state(optimizer, model, Policy())
+    param_leaves = _paths.leaves(params)
+    owned = [
+        (s, _field(param_leaves[s.owner].path))
+        for s in state_leaves(as_transformation(optimizer, "`plan`"), state, params)
+        if s.owner is not None
+    ]
+    unnamed = {field for s, field in owned if s.part is None}
+    out: dict[str, int] = {}
+    for s, field in owned:
+        slot = field if field in unnamed else f"{s.part}:{field}"
+        out[slot] = out.get(slot, 0) + _nbytes(s.leaf.value)
+    return out
+
+
+def estimates(
+    model: Any, fields: tuple[str, ...], slots: dict[str, int], offered: list
+) -> dict[Move, int]:
+    """The device bytes each single move frees, before compiling anything: a
+    field's parameters, a slot's optimizer state (`state_slots`), a checkpoint
+    name's saved bytes (`checkpoint_names`)."""
+    params: dict[str, int] = dict.fromkeys(fields, 0)
+    for leaf in _paths.leaves(model):
+        if is_trainable(leaf.value):
+            params[_field(leaf.path)] += _nbytes(leaf.value)
+    out = {Move("params", f, "pinned_host"): n for f, n in params.items()}
+    out |= {Move("opt_state", s, "pinned_host"): n for s, n in slots.items()}
+    for n in offered:
+        out[Move("residual", n.name, "offload")] = n.bytes
+        out[Move("residual", n.name, "recompute")] = n.bytes
+    return out
+
+
+def _nbytes(x: Any) -> int:
+    return x.size * x.dtype.itemsize
+
+
+def _field(path: str) -> str:
+    """The top-level field of a leaf path: `"blocks"` of `"blocks.mlp.weight"`."""
+    return path.split(".", 1)[0].split("[", 1)[0]
