@@ -138,8 +138,25 @@ def test_the_chosen_step_trains_as_the_plain_step_does(tight):
     assert kinds == {kind for _, kind in params}
 
 
+def test_a_local_search_improves_on_the_best_preset(monkeypatch):
+    # No single moves compiled: the presets, then one knob at a time from the best
+    # of them (`offload_all`), towards the device within the budget.
+    monkeypatch.setattr(_plan, "SINGLES", 0)
+    p = _v5e_plan(device_budget=BUDGET)
+    rows = p.table.rows
+    preset = next(r for r in rows if r.label.endswith("Policy.offload_all()"))
+    chosen = next(r for r in rows if r.status == "chosen")
+    assert preset.fits and chosen.fits and chosen is not preset
+    assert chosen.seconds is not None and preset.seconds is not None
+    assert chosen.seconds < preset.seconds
+    compiled = [r for r in rows if r.status in ("chosen", "compiled")]
+    assert len(compiled) == p.compiled <= 4 + _plan.IMPROVE_COMPILES
+    assert all(r.fits for r in compiled[4:])  # each step kept within the budgets
+
+
 def test_nothing_fits_names_the_smallest_footprint_and_the_budget(monkeypatch):
-    monkeypatch.setattr(_plan, "SINGLES", 2)
+    monkeypatch.setattr(_plan, "SINGLES", 1)
+    monkeypatch.setattr(_plan, "IMPROVE_COMPILES", 1)
     with pytest.raises(eo.DoesNotFit, match="over the device budget") as e:
         _v5e_plan(device_budget=MIB)
     assert e.value.available_bytes == MIB

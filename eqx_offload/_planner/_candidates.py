@@ -15,11 +15,12 @@ Kind = Literal["device", "pinned_host"]
 
 
 class Move(NamedTuple):
-    """One knob turned towards less device memory."""
+    """One knob turned: a field's parameters or a part of its state to a memory
+    kind, or a checkpoint name to a choice."""
 
     knob: Literal["params", "opt_state", "residual"]
-    name: str  # a top-level field, or a checkpoint name
-    to: str  # "pinned_host", "offload" or "recompute"
+    name: str  # a top-level field, a part of a field's state, or a checkpoint name
+    to: str  # "device", "pinned_host"; "save", "offload" or "recompute"
 
 
 class Candidate(NamedTuple):
@@ -60,7 +61,8 @@ class Candidate(NamedTuple):
             return self._replace(residuals=changed)
         field = "params" if move.knob == "params" else "opt_state"
         kinds: tuple[tuple[str, Kind], ...] = tuple(
-            (f, "pinned_host" if f == move.name else k) for f, k in getattr(self, field)
+            (f, move.to if f == move.name else k)  # type: ignore[misc]
+            for f, k in getattr(self, field)
         )
         return self._replace(**{field: kinds})
 
@@ -82,6 +84,21 @@ class Candidate(NamedTuple):
                     Move("residual", n, "offload"),
                     Move("residual", n, "recompute"),
                 ]
+        return out
+
+    def flips(self) -> list[Move]:
+        """Every one-knob change from here, either way: a field's parameters or a
+        part of its state to the other memory kind, a checkpoint name to another
+        choice (not between no remat and remat)."""
+        other: dict[str, Kind] = {"device": "pinned_host", "pinned_host": "device"}
+        out = [Move("params", f, other[k]) for f, k in self.params]
+        out += [Move("opt_state", s, other[k]) for s, k in self.opt_state]
+        for n, c in self.residuals or ():
+            out += [
+                Move("residual", n, choice)
+                for choice in ("save", "offload", "recompute")
+                if choice != c
+            ]
         return out
 
     def policy(self) -> Policy:

@@ -156,6 +156,7 @@ def plan(
     if not search.fits(base):
         search.presets(fields, tuple(slots), names)
         search.combine(base, names)
+        search.improve(names)
     return search.finish(start, device, host)
 
 
@@ -164,6 +165,8 @@ def plan(
 SINGLES = 6
 COMBINATIONS = 3
 COMBINATION_COMPILES = 12  # at most, whether they fit or not
+# Then one knob at a time from the best so far, while it gets better.
+IMPROVE_COMPILES = 6
 
 
 class _Result:
@@ -325,6 +328,96 @@ class _Search:
             self.evaluate(candidate)
             compiled += 1
             fitted += self.fits(candidate)
+
+    def improve(self, names: tuple[str, ...]) -> None:
+        """A local search from the best candidate compiled so far (the fastest that
+        fits, else the one over its budgets by the least): turns one knob at a
+        time, the changes estimated to help first, and moves there if the compile
+        is better (fits and is faster, or is over its budgets by less). Of a
+        fitting candidate it tries what moves bytes back to the device within the
+        budgets (less host traffic); of one over a budget, what brings it closer.
+        At most `IMPROVE_COMPILES` compiles."""
+        current = self._best()
+        compiled = 0
+        while current is not None and compiled < IMPROVE_COMPILES:
+            report = self.results[current].report
+            assert report is not None
+            fits = self.fits(current)
+            if fits and report.time is None:
+                return  # no step time to improve (the CPU backend)
+            before = self._overflow(report.device_bytes, report.host_bytes)
+            options = []
+            for move in current.flips():
+                device, host = self._after(current, move, report)
+                if fits and device > report.device_bytes:
+                    if self._overflow(device, host) == 0:
+                        options.append((report.device_bytes - device, move))
+                elif not fits and self._overflow(device, host) < before:
+                    options.append((self._overflow(device, host), move))
+            options.sort(key=lambda o: o[0])
+            following = None
+            for _, move in options:
+                candidate = current.apply(move, names)
+                if candidate in self.results or compiled >= IMPROVE_COMPILES:
+                    continue
+                self.evaluate(candidate)
+                compiled += 1
+                if self._better(candidate, current):
+                    following = candidate
+                    break
+            current = following
+
+    def _best(self) -> Candidate | None:
+        compiled = [c for c, r in self.results.items() if r.report is not None]
+        fitting = [c for c in compiled if self.fits(c)]
+        if fitting:
+            return min(fitting, key=lambda c: (self._seconds(c), self._device(c)))
+        if not compiled:
+            return None
+        return min(compiled, key=self._over)
+
+    def _better(self, a: Candidate, b: Candidate) -> bool:
+        if self.fits(a):
+            return not self.fits(b) or (self._seconds(a), self._device(a)) < (
+                self._seconds(b),
+                self._device(b),
+            )
+        return (
+            not self.fits(b)
+            and self.results[a].report is not None
+            and self._over(a) < self._over(b)
+        )
+
+    def _over(self, candidate: Candidate) -> float:
+        report = self.results[candidate].report
+        assert report is not None
+        return self._overflow(report.device_bytes, report.host_bytes)
+
+    def _overflow(self, device: int | float, host: int | float) -> float:
+        """How far over the budgets, as fractions of them (0: fits)."""
+        device_budget, host_budget = self.budgets
+        return max(device - device_budget, 0) / device_budget + max(
+            host - host_budget, 0
+        ) / max(host_budget, 1)
+
+    def _after(
+        self, candidate: Candidate, move: Move, report: MemoryReport
+    ) -> tuple[float, float]:
+        """The device and host bytes after `move`, by estimate: a field's or a
+        state part's bytes change sides; a checkpoint name's saved bytes are on
+        the device when saved, on the host when offloaded, nowhere recomputed."""
+        device, host = float(report.device_bytes), float(report.host_bytes)
+        if move.knob != "residual":
+            n = self.estimates.get(Move(move.knob, move.name, "pinned_host"), 0)
+            sign = 1 if move.to == "device" else -1
+            return device + sign * n, host - sign * n
+        n = self.estimates.get(Move("residual", move.name, "offload"), 0)
+        side = {"save": (1, 0), "offload": (0, 1), "recompute": (0, 0)}
+        now = dict(candidate.residuals or ())[move.name]
+        return (
+            device + (side[move.to][0] - side[now][0]) * n,
+            host + (side[move.to][1] - side[now][1]) * n,
+        )
 
     def _added(
         self, base: Candidate, single: Candidate, move: Move
