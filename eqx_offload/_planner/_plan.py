@@ -125,7 +125,9 @@ def plan(
     move's effect on device bytes, host bytes and step time as additive, it lists
     the combinations estimated to fit both budgets and compiles them, fastest
     estimate first, until three fit (or twelve are compiled); the rest are pruned as
-    estimated slower. Of everything compiled, the fitting candidate with the lowest
+    estimated slower. Then it searches locally from the best candidate so far, one
+    knob at a time, keeping a change whose compile is better (at most six compiles;
+    `docs/plan.md`). Of everything compiled, the fitting candidate with the lowest
     estimated step time is the plan (the smallest device footprint among equals; on
     the CPU backend, which has no step time, the smallest footprint). Each policy is
     compiled once.
