@@ -25,6 +25,7 @@ from .._report import (
     memory_report,
     MemoryReport,
     size_text,
+    time_text,
 )
 from .._train_step import train_step
 from .._update import init_opt_state
@@ -189,7 +190,6 @@ class _Search:
         self.results: dict[Candidate, _Result] = {}
         self.reports: dict[str, MemoryReport] = {}  # by policy: each compiled once
         self.estimates: dict[Move, int] = {}  # bytes a move frees, before compiling
-        self.skipped = 0  # combinations estimated to fit, not compiled
         self.pruned: dict[Candidate, tuple[str, str]] = {}
         self.budgets: tuple[int, int] = (0, 0)
         self.bar = _bar() if progress else None
@@ -318,14 +318,18 @@ class _Search:
                     options.append((seconds, [c[0] for c in chosen]))
         options.sort(key=lambda o: o[0])
         fitted = compiled = 0
-        for i, (_, chosen) in enumerate(options):
-            if fitted >= COMBINATIONS or compiled >= COMBINATION_COMPILES:
-                self.skipped += len(options) - i
-                break
+        for seconds, chosen in options:
             candidate = base
             for move in chosen:
                 candidate = candidate.apply(move, names)
             if candidate in self.results:
+                continue
+            if fitted >= COMBINATIONS or compiled >= COMBINATION_COMPILES:
+                self.pruned[candidate] = (
+                    candidate.label,
+                    f"pruned: estimated to fit, in {time_text(seconds)}: slower than "
+                    "the combinations compiled",
+                )
                 continue
             self.evaluate(candidate)
             compiled += 1
