@@ -159,27 +159,18 @@ def figure(rows: list[dict], sweeps: dict[str, list[dict]], path) -> None:
     for target, colour in zip(targets, ("#4c72b0", "#55a868", "#c44e52")):
         fitted = [r for r in sweeps[target] if r.get("seconds")]
         tokens = [r["tokens"] for r in fitted]
-        ax.plot(
-            tokens,
-            [r["compute s"] for r in fitted],
-            "-o",
-            color=colour,
-            label=f"{target}: compute",
-        )
-        ax.plot(
-            tokens,
-            [r["fwd/bwd link s"] for r in fitted],
-            "--",
-            color=colour,
-            label=f"{target}: fwd/bwd transfers",
-        )
-        ax.plot(
-            tokens,
-            [r["exposed s"] for r in fitted],
-            ":",
-            color=colour,
-            label=f"{target}: not hidden",
-        )
+        for key, style, what in (
+            ("compute s", "-o", "compute"),
+            ("fwd/bwd link s", "--", "fwd/bwd transfers"),
+            ("exposed s", ":", "not hidden"),
+        ):
+            ax.plot(
+                tokens,
+                [r[key] for r in fitted],
+                style,
+                color=colour,
+                label=f"{target}: {what}",
+            )
         limit = break_even(sweeps[target])["physical limit"]
         if limit:
             ax.axvline(limit, color=colour, linewidth=0.8)

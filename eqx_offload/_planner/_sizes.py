@@ -33,11 +33,10 @@ def state_slots(optimizer: Any, model: Any) -> dict[str, int]:
     stay on the device."""
     params = trainable(model)
     state = init_opt_state(optimizer, model, Policy())
-    param_leaves = _paths.leaves(params)
     owned = [
-        (s, _field(param_leaves[s.owner].path))
+        (s, _field(s.owner_path))
         for s in state_leaves(as_transformation(optimizer, "`plan`"), state, params)
-        if s.owner is not None
+        if s.owner_path is not None
     ]
     unnamed = {field for s, field in owned if s.part is None}
     out: dict[str, int] = {}

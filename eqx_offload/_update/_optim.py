@@ -90,14 +90,12 @@ def _kinds(
     where: str,
 ) -> list[tuple[StateLeaf, str]]:
     leaves = state_leaves(optimizer, opt_state, params)
-    param_leaves = _paths.leaves(params)
-    kinds = state_leaf_kinds(spec, leaves, param_leaves, where)
+    kinds = state_leaf_kinds(spec, leaves, _paths.leaves(params), where)
     available = backend_kinds()
     for s, kind in zip(leaves, kinds):
         if kind not in available:
-            assert s.owner is not None  # the rest is on the device
-            raise ValueError(
-                f"{where}: the optimizer state of {param_leaves[s.owner].path!r} "
+            raise ValueError(  # parameter-shaped state: the rest is on the device
+                f"{where}: the optimizer state of {s.owner_path!r} "
                 f"({s.leaf.path!r}) is to live in "
                 f"{kind!r} (`Policy(opt_state=...)`), which the "
                 f"{jax.default_backend()!r} backend does not have; valid kinds here: "
@@ -248,8 +246,9 @@ def _place_state(
 ) -> PyTree:
     """Every array leaf of `state` in the kind and sharding `init_opt_state` gives."""
     device = _state_device_sharding(params)
-    shardings = [getattr(p, "sharding", None) for p in jtu.tree_leaves(params)]
-    shapes = [tuple(p.shape) for p in jtu.tree_leaves(params)]
+    leaves = jtu.tree_leaves(params)
+    shardings = [getattr(p, "sharding", None) for p in leaves]
+    shapes = [tuple(p.shape) for p in leaves]
     flat, treedef = jtu.tree_flatten(state)
     placed = iter(
         move(s.leaf.value, kind, "", _sharding(s, shardings, shapes, device))

@@ -60,9 +60,8 @@ def state_leaf_kinds(
             out.append("device")
             continue
         best = by_param[s.owner]
-        if s.part in parts:
-            path = param_leaves[s.owner].path
-            named = _paths.best_match(path, parts[s.part], where, used[s.part])
+        if s.part in parts and s.owner_path is not None:
+            named = _paths.best_match(s.owner_path, parts[s.part], where, used[s.part])
             if named is not None and (
                 best is None
                 or _paths.specificity(named[0]) >= _paths.specificity(best[0])

@@ -107,11 +107,19 @@ def check_matches(
 class StateLeaf:
     """An array leaf of an optimizer state: its path, the index of the parameter
     whose parameter-shaped part of the state it is in (`None` for step counts and
-    other state), and that part's name (`"mu"` of `"[0].mu.blocks.w"`)."""
+    other state) and its path (`None` too), and that part's name (`"mu"` of
+    `"[0].mu.blocks.w"`)."""
 
-    def __init__(self, leaf: _paths.Leaf, owner: int | None, part: str | None):
+    def __init__(
+        self,
+        leaf: _paths.Leaf,
+        owner: int | None,
+        owner_path: str | None,
+        part: str | None,
+    ):
         self.leaf = leaf
         self.owner = owner
+        self.owner_path = owner_path
         self.part = part
 
 
@@ -142,10 +150,9 @@ def state_leaves(
     leaves = [leaf for leaf in _paths.leaves(opt_state) if is_arraylike(leaf.value)]
     out = []
     for leaf, owner in zip(leaves, owners, strict=True):
-        part = None
-        if owner is not None:
-            part = _part(leaf.path, param_leaves[owner].path)
-        out.append(StateLeaf(leaf, owner, part))
+        path = None if owner is None else param_leaves[owner].path
+        part = None if path is None else _part(leaf.path, path)
+        out.append(StateLeaf(leaf, owner, path, part))
     return out
 
 
