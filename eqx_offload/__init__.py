@@ -22,6 +22,7 @@ from ._loading import (
 from ._mixed_precision import ComputeCopyState as ComputeCopyState
 from ._placement import field as field, place as place
 from ._planner import (
+    fewest_chips as fewest_chips,
     Plan as Plan,
     plan as plan,
     PlanRow as PlanRow,
@@ -77,6 +78,7 @@ __all__ = [
     "DoesNotFit",
     "DoesNotMatch",
     "embed",
+    "fewest_chips",
     "field",
     "filter_offload",
     "FSDP",

@@ -37,7 +37,7 @@ def test_plan_prints_the_table(tmp_path):
         str(out),
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "Plan: no remat, all on device: Policy.none() (1 compiled" in done.stdout
+    assert "Plan on tpu-v5e: no remat, all on device: Policy.none() (1" in done.stdout
     assert "budgets per device: 15.75 GiB device, 44.70 GiB host" in done.stdout
     table = json.loads(out.read_text())
     assert [r["status"] for r in table["rows"]] == ["chosen"]

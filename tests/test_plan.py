@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import eqx_offload as eo
-from eqx_offload._planner import _budget, _plan
+from eqx_offload._planner import _budget, _search
 
 from .helpers import batches, cross_entropy, Model
 
@@ -48,8 +48,8 @@ def tight() -> eo.Plan:
     blocks on the host does (24.1 MiB), faster than all of their state there (20.8
     MiB); a smaller search than the default, to compile less."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_plan, "SINGLES", 3)
-        patch.setattr(_plan, "COMBINATIONS", 1)
+        patch.setattr(_search, "SINGLES", 3)
+        patch.setattr(_search, "COMBINATIONS", 1)
         return _v5e_plan(device_budget=BUDGET)
 
 
@@ -143,7 +143,7 @@ def test_the_chosen_step_trains_as_the_plain_step_does(tight):
 def test_a_local_search_improves_on_the_best_preset(monkeypatch):
     # No single moves compiled: the presets, then one knob at a time from the best
     # of them (`offload_all`), towards the device within the budget.
-    monkeypatch.setattr(_plan, "SINGLES", 0)
+    monkeypatch.setattr(_search, "SINGLES", 0)
     p = _v5e_plan(device_budget=BUDGET)
     rows = p.table.rows
     preset = next(r for r in rows if r.label.endswith("Policy.offload_all()"))
@@ -152,13 +152,13 @@ def test_a_local_search_improves_on_the_best_preset(monkeypatch):
     assert chosen.seconds is not None and preset.seconds is not None
     assert chosen.seconds < preset.seconds
     compiled = [r for r in rows if r.status in ("chosen", "compiled")]
-    assert len(compiled) == p.compiled <= 4 + _plan.IMPROVE_COMPILES
+    assert len(compiled) == p.compiled <= 4 + _search.IMPROVE_COMPILES
     assert all(r.fits for r in compiled[4:])  # each step kept within the budgets
 
 
 def test_nothing_fits_names_the_smallest_footprint_and_the_budget(monkeypatch):
-    monkeypatch.setattr(_plan, "SINGLES", 1)
-    monkeypatch.setattr(_plan, "IMPROVE_COMPILES", 1)
+    monkeypatch.setattr(_search, "SINGLES", 1)
+    monkeypatch.setattr(_search, "IMPROVE_COMPILES", 1)
     with pytest.raises(eo.DoesNotFit, match="over the device budget") as e:
         _v5e_plan(device_budget=MIB)
     assert e.value.available_bytes == MIB
@@ -176,3 +176,124 @@ def test_budgets():
             _budget.parse_bytes(bad, "device_budget")  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="give both budgets"):
         eo.plan(cross_entropy, optax.adam(1e-3), _abstract(), TOKENS, TOKENS)
+
+
+def test_a_slice_target_lays_the_plan_out_fsdp():
+    """On four v5e chips `Policy.none()` fits, laid out FSDP over all of them; the
+    plan trains on four CPU devices as the plain step does on one."""
+    tokens, targets = next(batches(vocab=ARGS[0], batch=8, seq=16))
+    batch = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype)
+    p = eo.plan(
+        cross_entropy, optax.adam(1e-3), _abstract(), batch, batch, target="tpu-v5e:2x2"
+    )
+    assert p.mesh is not None and p.mesh.axis_names == ("fsdp",) and p.mesh.size == 4
+    assert p.policy.shard == (("**", eo.FSDP("fsdp")),)
+    assert p.policy.batch == jax.P("fsdp") and p.target == "tpu-v5e:2x2"
+    assert p.report.device_bytes < 10 * MIB  # 33 MiB on one chip
+    abstract = p.place(_abstract())
+    assert abstract.blocks.layers.mlp.layers[0].weight.sharding.mesh == p.mesh
+    with pytest.raises(ValueError, match="the plan is for 4 devices"):
+        p.place(Model(*ARGS, key=jax.random.key(0)))
+
+    optimizer = optax.adam(1e-3)
+    plain = eo.train_step(cross_entropy, optimizer, eo.Policy.none())
+    model = Model(*ARGS, key=jax.random.key(0))
+    state = eo.init_opt_state(optimizer, model, eo.Policy.none())
+    _, _, loss0 = plain(model, state, tokens, targets)
+    mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+    placed = p.place(Model(*ARGS, key=jax.random.key(0)), mesh=mesh)
+    _, _, loss1 = p.train_step()(placed, p.init_opt_state(placed), tokens, targets)
+    np.testing.assert_allclose(loss1, loss0, rtol=1e-5)
+
+
+def test_micro_batches_and_compute_dtypes_are_searched_when_offered():
+    """On the CPU backend (no step time: the smallest footprint wins) two
+    micro-batches keep fewer activations; the plan's step trains with them."""
+    vocab, dim, depth = 64, 32, 2
+    tokens, targets = next(batches(vocab=vocab, batch=8, seq=64))
+    abstract = eqx.filter_eval_shape(Model, vocab, dim, depth, key=jax.random.key(0))
+    optimizer = optax.adam(1e-3)
+    p = eo.plan(
+        cross_entropy,
+        optimizer,
+        abstract,
+        tokens,
+        targets,
+        device_budget="1GiB",
+        host_budget="1GiB",
+        microbatches=(1, 2),
+        compute_dtypes=(None, jnp.bfloat16),
+    )
+    labels = [r.label for r in p.table.rows]
+    assert len(labels) == p.compiled == 4
+    assert any(r.endswith("2 micro-batches, bfloat16 compute") for r in labels)
+    assert p.microbatches == 2
+    chosen = next(r for r in p.table.rows if r.status == "chosen")
+    assert chosen.device_bytes == min(r.device_bytes or 0 for r in p.table.rows)
+
+    def model():
+        return Model(vocab, dim, depth, key=jax.random.key(0))
+
+    reference = eo.train_step(cross_entropy, optimizer, p.policy, microbatches=2)
+    m0 = p.place(model())
+    _, _, loss0 = reference(m0, p.init_opt_state(m0), tokens, targets)
+    m1 = p.place(model())
+    _, _, loss1 = p.train_step()(m1, p.init_opt_state(m1), tokens, targets)
+    assert loss1 == loss0
+    # Not offered, not searched: the default trains exactly as the policy names.
+    default = eo.plan(
+        cross_entropy,
+        optimizer,
+        abstract,
+        tokens,
+        targets,
+        device_budget="1GiB",
+        host_budget="1GiB",
+    )
+    assert default.compiled == 1 and default.microbatches == 1
+    assert default.policy.compute_dtype is None
+
+
+def test_fewest_chips(monkeypatch):
+    """With 12 MiB a chip nothing fits on one chip (the smallest footprint is
+    `offload_all`'s 18.4 MiB), and everything on four (6.5 MiB); 16 chips and more
+    do not split a batch of 8."""
+    monkeypatch.setattr(_search, "SINGLES", 0)
+    monkeypatch.setattr(_search, "IMPROVE_COMPILES", 0)
+    p = eo.fewest_chips(
+        cross_entropy,
+        optax.adam(1e-3),
+        _abstract(),
+        jax.ShapeDtypeStruct((8, 16), jnp.int32),
+        jax.ShapeDtypeStruct((8, 16), jnp.int32),
+        chip="tpu-v5e",
+        device_budget="12MiB",
+    )
+    assert p.target == "tpu-v5e:2x2" and p.mesh is not None and p.mesh.size == 4
+    tried = dict(p.tried)
+    assert tried["tpu-v5e"].startswith("does not fit: smallest device footprint")
+    assert tried["tpu-v5e:4x4"].startswith("skipped: 16 devices do not split")
+    assert "tpu-v5e:2x4" not in tried  # bisected: 2x2 fits, one chip does not
+    assert p.compiled == 5  # 4 on one chip (no moves, no local search), 1 on 2x2
+    assert "tpu-v5e: does not fit" in str(p)
+
+
+def test_planning_mistakes():
+    model, tokens = _abstract(), jax.ShapeDtypeStruct((6, 16), jnp.int32)
+    optimizer = optax.adam(1e-3)
+    for bad, match in [
+        ({"microbatches": (4,)}, r"4 micro-batches do not split a batch of leading"),
+        ({"microbatches": ()}, r"give positive micro-batch counts"),
+        ({"microbatches": (0,)}, r"give positive micro-batch counts"),
+        ({"compute_dtypes": ()}, r"give at least one"),
+        ({"target": "tpu-v5e:*"}, r"call `eo.fewest_chips\(..., chip='tpu-v5e'\)`"),
+        ({"axis": ""}, r"give a mesh axis name"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            kwargs = {"target": "tpu-v5e", **bad}
+            eo.plan(cross_entropy, optimizer, model, tokens, tokens, **kwargs)
+    with pytest.raises(TypeError, match=r"int32'>,\)\)`: .* is not a floating-point"):
+        bad = {"compute_dtypes": (jnp.int32,), "target": "tpu-v5e"}
+        eo.plan(cross_entropy, optimizer, model, tokens, tokens, **bad)
+    with pytest.raises(ValueError, match=r"`fewest_chips\(chip='tpu-v9'\)`"):
+        eo.fewest_chips(cross_entropy, optimizer, model, tokens, tokens, chip="tpu-v9")

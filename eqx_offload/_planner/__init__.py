@@ -4,9 +4,11 @@ and a host memory budget.
 `_candidates` describes what is chosen between (placements per top-level field and
 per part of its optimizer state, a choice per checkpoint name) and the moves
 between them, `_sizes` weighs those parts before compiling, `_budget` reads
-budgets, `_table` shows the candidates, and `_plan` compiles candidates and
-chooses (`plan`, `Plan`).
+budgets, `_table` shows the candidates, `_search` compiles candidates and chooses
+between them, `_plan` is `plan` and its result (`Plan`), and `_fewest` plans the
+targets of a chip kind for the fewest devices (`fewest_chips`).
 """
 
+from ._fewest import fewest_chips as fewest_chips
 from ._plan import Plan as Plan, plan as plan
 from ._table import PlanRow as PlanRow, PlanTable as PlanTable

@@ -1,12 +1,17 @@
 """What `plan` chooses between: a `Candidate` is one placement of a model's
 parameters (per top-level field) and optimizer state (per part of each field's
 state: `"nu:blocks"`) and one choice per
-checkpoint name (saved, offloaded or recomputed), or no remat at all; it turns
-into the `Policy` that trains that way. Moves are the one-knob changes that free
-device memory."""
+checkpoint name (saved, offloaded or recomputed), or no remat at all, with the
+step's settings (FSDP over a mesh axis on a slice, the micro-batch count, the
+compute dtype); it turns into the `Policy` that trains that way. Moves are the
+one-knob changes that free device memory."""
 
 from typing import Literal, NamedTuple
 
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from .._layout import FSDP
 from .._policy import Policy
 
 
@@ -23,6 +28,25 @@ class Move(NamedTuple):
     to: str  # "device", "pinned_host"; "save", "offload" or "recompute"
 
 
+class Settings(NamedTuple):
+    """How the step runs, apart from where things live: FSDP over a mesh axis (a
+    slice target) with the batch split over it, the micro-batch count, and the
+    compute dtype (`None`: the model's own)."""
+
+    axis: str | None = None
+    microbatches: int = 1
+    compute_dtype: str | None = None
+
+    @property
+    def label(self) -> str:
+        parts = []
+        if self.microbatches != 1:
+            parts.append(f"{self.microbatches} micro-batches")
+        if self.compute_dtype is not None:
+            parts.append(f"{self.compute_dtype} compute")
+        return ", ".join(parts)
+
+
 class Candidate(NamedTuple):
     """A placement and a remat choice (what `Candidate.policy` trains with)."""
 
@@ -31,21 +55,25 @@ class Candidate(NamedTuple):
     opt_state: tuple[tuple[str, Kind], ...]
     # None: no remat at all (`Policy.none()`); else checkpoint name -> choice
     residuals: tuple[tuple[str, Residual], ...] | None
+    settings: Settings = Settings()
 
     @classmethod
-    def start(cls, fields: tuple[str, ...], slots: tuple[str, ...]) -> "Candidate":
+    def start(
+        cls, fields: tuple[str, ...], slots: tuple[str, ...], settings: Settings
+    ) -> "Candidate":
         """Everything on the device, nothing recomputed: `Policy.none()`."""
         params: tuple[tuple[str, Kind], ...] = tuple((f, "device") for f in fields)
         state: tuple[tuple[str, Kind], ...] = tuple((s, "device") for s in slots)
-        return cls(params, state, None)
+        return cls(params, state, None, settings)
 
-    @classmethod
-    def remat(
-        cls, fields: tuple[str, ...], slots: tuple[str, ...], names: tuple[str, ...]
-    ) -> "Candidate":
-        """Every name recomputed, all on the device: `Policy.remat()`."""
-        start = cls.start(fields, slots)
-        return start._replace(residuals=tuple((n, "recompute") for n in names))
+    def remat(self, names: tuple[str, ...]) -> "Candidate":
+        """Every name recomputed, the placements unchanged: `Policy.remat()` of
+        a candidate with everything on the device."""
+        return self._replace(residuals=tuple((n, "recompute") for n in names))
+
+    @property
+    def microbatches(self) -> int:
+        return self.settings.microbatches
 
     def apply(self, move: Move, names: tuple[str, ...]) -> "Candidate":
         """This candidate with `move` made (from no remat, a residual move first
@@ -102,13 +130,22 @@ class Candidate(NamedTuple):
         return out
 
     def policy(self) -> Policy:
-        params: dict[str, Kind] = dict(self.params)
-        opt_state: dict[str, Kind] = dict(self.opt_state)
+        axis, _, dtype = self.settings
         if self.residuals is None:
-            return Policy(save="all", params=params, opt_state=opt_state)
-        save = tuple(n for n, c in self.residuals if c == "save")
-        offload = tuple(n for n, c in self.residuals if c == "offload")
-        return Policy(save=save, offload=offload, params=params, opt_state=opt_state)
+            save: str | tuple[str, ...] = "all"
+            offload: tuple[str, ...] = ()
+        else:
+            save = tuple(n for n, c in self.residuals if c == "save")
+            offload = tuple(n for n, c in self.residuals if c == "offload")
+        return Policy(
+            save=save,
+            offload=offload,
+            params=dict(self.params),
+            opt_state=dict(self.opt_state),
+            shard=None if axis is None else FSDP(axis),
+            batch=None if axis is None else PartitionSpec(axis),
+            compute_dtype=None if dtype is None else np.dtype(dtype),
+        )
 
     @property
     def label(self) -> str:
@@ -130,6 +167,8 @@ class Candidate(NamedTuple):
                     parts.append(f"{choice} {', '.join(chosen)}")
             if all(c == "recompute" for _, c in self.residuals):
                 parts.append("recompute all")
+        if self.settings.label:
+            parts.append(self.settings.label)
         return "; ".join(parts)
 
 

@@ -1,52 +1,55 @@
 """`plan`: the fastest placement of a training step that fits a device and a host
 memory budget, chosen from compiled candidates ranked by the step-time estimate;
-`Plan` and its table."""
+`Plan`, what it chose."""
 
 import dataclasses
-import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.tree_util as jtu
+from jax.sharding import AbstractMesh, AxisType
+from jaxtyping import DTypeLike
 
 from .._checkpoint_names import checkpoint_names
-from .._diagnose import DoesNotCompile
 from .._memory_kinds import is_arraylike
 from .._placement import place
 from .._policy import Policy
-from .._remat_names import UnusedName
 from .._report import (
     abstract,
     capacity,
-    DoesNotFit,
+    device_count,
     Hardware,
-    memory_report,
     MemoryReport,
-    size_text,
-    time_text,
 )
 from .._train_step import train_step
 from .._update import init_opt_state
 from ._budget import parse_bytes
-from ._candidates import Candidate, Move
+from ._candidates import Candidate, Settings
+from ._search import Search
 from ._sizes import estimates, fields_of, state_slots
-from ._table import PlanRow, PlanTable
+from ._table import PlanTable
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What `plan` chose, and why.
 
-    - `policy`: the chosen `Policy`; `report`: its compiled `MemoryReport` (its
-        step time in `report.time`).
+    - `policy`: the chosen `Policy`; `microbatches`: the chosen micro-batch count
+        (1 unless `plan(microbatches=...)` offered others); `report`: its compiled
+        `MemoryReport` (its step time in `report.time`).
+    - `target`: the target planned for; `mesh`: for a slice (or several GPUs), the
+        `AbstractMesh` of one axis over every device that the policy's FSDP layout
+        and batch split name (`None` for one device).
     - `table`: every candidate considered (`PlanTable`: `print(plan.table)`,
         `plan.table.to_dict()`); `compiled`: how many were compiled; `seconds`:
-        the planning time.
+        the planning time (of `eo.fewest_chips`: of every target it planned);
+        `tried`: of `eo.fewest_chips`, the other targets and why each was not
+        chosen.
     - `train_step()`: the chosen step, ready to call with `place(model)` and
         `init_opt_state(...)`'s state; `place(model)`: the model in the memory
-        kinds the policy gives it.
+        kinds (and on a slice, the layout) the policy gives it.
     """
 
     policy: Policy
@@ -57,30 +60,61 @@ class Plan:
     loss_fn: Callable = dataclasses.field(repr=False)
     optimizer: Any = dataclasses.field(repr=False)
     has_aux: bool = False
+    microbatches: int = 1
+    target: str | None = None
+    mesh: AbstractMesh | None = None
+    tried: tuple[tuple[str, str], ...] = ()
 
     def train_step(self) -> Callable:
-        """`eo.train_step(loss_fn, optimizer, plan.policy)`."""
+        """`eo.train_step(loss_fn, optimizer, plan.policy,
+        microbatches=plan.microbatches)`."""
         return train_step(
-            self.loss_fn, self.optimizer, self.policy, has_aux=self.has_aux
+            self.loss_fn,
+            self.optimizer,
+            self.policy,
+            has_aux=self.has_aux,
+            microbatches=self.microbatches,
         )
 
-    def place(self, model: Any) -> Any:
-        """`eo.place(model, plan.policy)`."""
-        return place(model, self.policy)
+    def place(self, model: Any, mesh: Any = None) -> Any:
+        """`eo.place(model, plan.policy)`. For a plan with a `mesh`: an abstract
+        model is laid out on `plan.mesh`, a concrete one on `mesh` (a
+        `jax.sharding.Mesh` of as many devices, with the same axis name), by default
+        `jax.make_mesh` over this backend's devices."""
+        if self.mesh is None:
+            return place(model, self.policy, mesh=mesh)
+        if mesh is None:
+            concrete = any(isinstance(x, jax.Array) for x in jtu.tree_leaves(model))
+            if not concrete:
+                mesh = self.mesh
+            elif len(jax.devices()) != self.mesh.size:
+                raise ValueError(
+                    f"`Plan.place`: the plan is for {self.mesh.size} devices "
+                    f"({self.target}) and this backend has {len(jax.devices())}; "
+                    "pass `mesh=` (a `jax.sharding.Mesh` of "
+                    f"{self.mesh.size} devices with the axis "
+                    f"{self.mesh.axis_names[0]!r}), or place an abstract model."
+                )
+            else:
+                mesh = jax.make_mesh(
+                    self.mesh.axis_sizes,
+                    self.mesh.axis_names,
+                    axis_types=self.mesh.axis_types,
+                )
+        return place(model, self.policy, mesh=mesh)
 
     def init_opt_state(self, model: Any) -> Any:
         """`eo.init_opt_state(optimizer, model, plan.policy)` for a placed model."""
         return init_opt_state(self.optimizer, model, self.policy)
 
     def __str__(self) -> str:
+        chosen = next(r for r in self.table.rows if r.status == "chosen")
+        on = "" if self.target is None else f" on {self.target}"
+        others = "".join(f"{t}: {why}\n" for t, why in self.tried)
         return (
-            f"Plan: {self.table.rows[self._chosen].label} "
+            f"{others}Plan{on}: {chosen.label} "
             f"({self.compiled} compiled in {self.seconds:.1f} s)\n{self.table}"
         )
-
-    @property
-    def _chosen(self) -> int:
-        return next(i for i, r in enumerate(self.table.rows) if r.status == "chosen")
 
 
 def plan(
@@ -92,6 +126,9 @@ def plan(
     host_budget: int | str | None = None,
     target: str | None = None,
     has_aux: bool = False,
+    axis: str = "fsdp",
+    microbatches: Sequence[int] = (1,),
+    compute_dtypes: Sequence[DTypeLike | None] = (None,),
     progress: bool = False,
 ) -> Plan:
     """Chooses where a training step's parameters, optimizer state and saved
@@ -102,429 +139,154 @@ def plan(
     **Arguments:**
 
     - `loss_fn`, `optimizer`: as for `eo.train_step`.
-    - `model`, `*batch`: the model and one batch: arrays or `jax.ShapeDtypeStruct`s
-        (`eqx.filter_eval_shape(Model, ...)`); the model's memory kinds are
-        ignored (each candidate places it).
+    - `model`, `*batch`: the model and one batch (the whole batch, on a slice):
+        arrays or `jax.ShapeDtypeStruct`s (`eqx.filter_eval_shape(Model, ...)`);
+        the model's memory kinds are ignored (each candidate places it).
     - `device_budget`, `host_budget`: bytes of device memory and of host memory
         per device, as an int or a string (`"16GiB"`, `"48GB"`). By default the
         target's capacity (`MemoryReport.capacity`) and its host RAM per device
         (`eo.Hardware.of(target).host_memory_bytes`); on the CPU backend give
         both.
-    - `target`: as for `memory_report` (`"tpu-v5e"`, `"gpu-h100"`, ...).
+    - `target`: as for `memory_report` (`"tpu-v5e"`, `"tpu-v5e:4x4"`,
+        `"gpu-h100"`, `"gpu-h100:8"`, ...). On a slice (or several GPUs) every
+        candidate is laid out FSDP over all devices (`Policy(shard=eo.FSDP(axis),
+        batch=axis)`, on `plan.mesh`). For the fewest chips, `eo.fewest_chips`.
     - `has_aux`: as for `eo.train_step`.
+    - `axis`: the name of the mesh axis of a slice's FSDP layout (the name the
+        model's own sharding constraints use, if any).
+    - `microbatches`, `compute_dtypes`: the micro-batch counts
+        (`train_step(microbatches=...)`) and compute dtypes
+        (`Policy(compute_dtype=...)`, `None`: the model's own) to choose from.
+        They change the numerics (or the batch each micro-step sees), so by
+        default only the first of each (1, `None`) is tried: opt in with e.g.
+        `microbatches=(1, 2, 4)`, `compute_dtypes=(None, jnp.bfloat16)`.
     - `progress`: a progress bar over the compiles (tqdm, if installed).
 
-    **The search.** The candidates place each top-level field's parameters, and each
-    part of its optimizer state (Adam's `mu`, `nu`: `"nu:blocks"`), on the device or
-    the host, and save, offload or recompute each checkpoint name
-    (`eo.checkpoint_names`), or remat nothing. It compiles the step with everything
-    on the device and nothing recomputed (`Policy.none()`); if that fits, it is the
-    plan: offloading or recomputing only adds work. Else it compiles the four
-    presets, and the six single moves from `Policy.none()` that free the most device
-    memory by estimate (a field's parameters or one part of its state, a name's
-    saved bytes: nothing compiled); the other moves are pruned. Taking each compiled
-    move's effect on device bytes, host bytes and step time as additive, it lists
-    the combinations estimated to fit both budgets and compiles them, fastest
-    estimate first, until three fit (or twelve are compiled); the rest are pruned as
-    estimated slower. Then it searches locally from the best candidate so far, one
-    knob at a time, keeping a change whose compile is better (at most six compiles;
-    `docs/plan.md`). Of everything compiled, the fitting candidate with the lowest
-    estimated step time is the plan (the smallest device footprint among equals; on
-    the CPU backend, which has no step time, the smallest footprint). Each policy is
-    compiled once.
+    **The search** (`docs/plan.md`): `Policy.none()` first, the plan if it fits;
+    else the presets, the single moves (a field's parameters or a part of its
+    optimizer state to the host, a checkpoint name offloaded or recomputed) that
+    free the most device memory by estimate, the combinations of compiled moves
+    estimated to fit (fastest first), and a local search one knob at a time from
+    the best so far; then each other micro-batch count and compute dtype offered,
+    on the best candidate, and the local search again. Of everything compiled, the
+    fitting candidate with the lowest estimated step time is the plan (the
+    smallest device footprint among equals, and on the CPU backend, which has no
+    step time). Each step is compiled once.
 
     **Returns:**
 
     A `Plan`: `plan.policy`, `plan.report`, `plan.table`, `plan.train_step()`,
-    `plan.place(model)`.
+    `plan.place(model)`, `plan.mesh`.
 
     **Raises:**
 
     `DoesNotFit` when no candidate fits, with the smallest device footprint
-    found, and which budget it broke.
+    found, and which budget it broke. `ValueError` for a budget that is not a
+    size, a micro-batch count that does not split the batch.
     """
     start = time.perf_counter()
+    if isinstance(target, str) and target.endswith(":*"):
+        raise ValueError(
+            f"`plan(target={target!r})`: for the fewest devices that fit, call "
+            f"`eo.fewest_chips(..., chip={target[:-2]!r})`; `plan` takes one target."
+        )
     device, host = _budgets(device_budget, host_budget, target)
     model = _abstract(model)
     batch = tuple(_abstract(b) for b in batch)
+    settings = _settings(target, axis, microbatches, compute_dtypes, batch)
+    mesh = None
+    if settings[0].axis is not None:
+        assert target is not None
+        n = device_count(target)
+        mesh = AbstractMesh((n,), (axis,), axis_types=(AxisType.Auto,))
     fields = fields_of(model)
     offered = [n for n in checkpoint_names(loss_fn, model, *batch) if n.residual]
     names = tuple(n.name for n in offered)
-    search = _Search(loss_fn, optimizer, model, batch, target, has_aux, progress)
+    search = Search(loss_fn, optimizer, model, batch, target, mesh, has_aux, progress)
     search.budgets = (device, host)
     slots = state_slots(optimizer, model)
     search.estimates = estimates(model, fields, slots, offered)
-    base = Candidate.start(fields, tuple(slots))
+    base = Candidate.start(fields, tuple(slots), settings[0])
     search.evaluate(base, "no remat, all on device: Policy.none()")
-    if not search.fits(base):
-        search.presets(fields, tuple(slots), names)
+    if search.fits(base):
+        search.variants(base, settings[1:])
+    else:
+        search.presets(base, names)
         search.combine(base, names)
         search.improve(names)
-    return search.finish(start, device, host)
+        if settings[1:]:
+            best = search.best()
+            if best is not None:
+                search.variants(best, settings[1:])
+                search.improve(names)
+    result, table = search.finish()
+    assert result.report is not None
+    return Plan(
+        result.policy,
+        result.report,
+        table,
+        compiled=len(search.results),
+        seconds=time.perf_counter() - start,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        has_aux=has_aux,
+        microbatches=result.candidate.microbatches,
+        target=target,
+        mesh=mesh,
+    )
 
 
-# Single moves compiled, the largest by estimated bytes freed first; combinations
-# of them compiled (fastest estimate first) until this many fit.
-SINGLES = 6
-COMBINATIONS = 3
-COMBINATION_COMPILES = 12  # at most, whether they fit or not
-# Then one knob at a time from the best so far, while it gets better.
-IMPROVE_COMPILES = 6
-
-
-class _Result:
-    def __init__(self, candidate: Candidate, label: str):
-        self.candidate = candidate
-        self.label = label
-        self.policy = candidate.policy()
-        self.report: MemoryReport | None = None
-        self.error: str | None = None
-        self.required: int | None = None
-
-
-class _Search:
-    def __init__(self, loss_fn, optimizer, model, batch, target, has_aux, progress):
-        self.loss_fn, self.optimizer = loss_fn, optimizer
-        self.model, self.batch = model, batch
-        self.target, self.has_aux = target, has_aux
-        self.results: dict[Candidate, _Result] = {}
-        self.reports: dict[str, MemoryReport] = {}  # by policy: each compiled once
-        self.estimates: dict[Move, int] = {}  # bytes a move frees, before compiling
-        self.pruned: dict[Candidate, tuple[str, str]] = {}
-        self.budgets: tuple[int, int] = (0, 0)
-        self.bar = _bar() if progress else None
-
-    def evaluate(self, candidate: Candidate, label: str | None = None) -> _Result:
-        if candidate in self.results:
-            return self.results[candidate]
-        result = _Result(candidate, label or candidate.label)
-        try:
-            report = self._compile(candidate, result)
-        except DoesNotFit as e:
-            result.required = e.required_bytes
-            result.error = "too big for the device"
-        except DoesNotCompile as e:
-            result.error = f"does not compile: {str(e).splitlines()[0][:80]}"
-        else:
-            result.report = report
-        self.results[candidate] = result
-        self.pruned.pop(candidate, None)
-        if self.bar is not None:
-            self.bar.update(1)
-        return result
-
-    def _compile(self, candidate: Candidate, result: _Result) -> MemoryReport:
-        """The candidate's report. A name it saves or offloads that is not saved
-        for the backward pass in this combination (its value is another name's,
-        say) would do nothing: it is recomputed instead, and the label says so."""
-        for _ in range(len(candidate.residuals or ()) + 1):
-            policy = candidate.policy()
-            placed = place(self.model, policy)
-            opt_state = init_opt_state(self.optimizer, placed, policy)
-            step = train_step(
-                self.loss_fn, self.optimizer, policy, has_aux=self.has_aux
+def _settings(
+    target: str | None,
+    axis: str,
+    microbatches: Sequence[int],
+    compute_dtypes: Sequence[DTypeLike | None],
+    batch: tuple,
+) -> list[Settings]:
+    """Every combination of the micro-batch counts and compute dtypes offered, the
+    first ones first; FSDP over `axis` on a target of several devices."""
+    if not isinstance(axis, str) or not axis:
+        raise ValueError(f"`plan(axis={axis!r})`: give a mesh axis name, 'fsdp'.")
+    several = target is not None and device_count(target) > 1
+    counts = tuple(microbatches)
+    if not counts or any(
+        isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in counts
+    ):
+        raise ValueError(
+            f"`plan(microbatches={microbatches!r})`: give positive micro-batch "
+            "counts, e.g. `(1, 2, 4)`; `(1,)` (the default) trains the whole batch "
+            "at once."
+        )
+    leading = {x.shape[0] for x in jtu.tree_leaves(batch) if getattr(x, "ndim", 0)}
+    for k in counts:
+        if any(n % k for n in leading):
+            raise ValueError(
+                f"`plan(microbatches={microbatches!r})`: {k} micro-batches do not "
+                f"split a batch of leading size {sorted(leading)}; offer counts "
+                "that divide it."
             )
-            try:
-                key = repr(policy)
-                if key not in self.reports:
-                    self.reports[key] = memory_report(
-                        step, placed, opt_state, *self.batch, target=self.target
-                    )
-                return self.reports[key]
-            except UnusedName as e:
-                if e.never_occurred or candidate.residuals is None:
-                    raise
-                candidate = candidate._replace(
-                    residuals=tuple(
-                        (n, "recompute" if n == e.pattern else c)
-                        for n, c in candidate.residuals
-                    )
-                )
-                result.label = candidate.label
-                result.policy = candidate.policy()
-        raise AssertionError("unreachable: every name recomputed compiles")
-
-    def fits(self, candidate: Candidate) -> bool:
-        r = self.results[candidate]
-        device, host = self.budgets
-        if r.report is None:
-            return False
-        return r.report.device_bytes <= device and r.report.host_bytes <= host
-
-    def _seconds(self, candidate: Candidate) -> float:
-        """The estimated step time (0 on the CPU backend, which has none: the
-        smallest footprint is chosen there); infinite if not compiled."""
-        r = self.results[candidate]
-        if r.report is None:
-            return float("inf")
-        return 0.0 if r.report.time is None else r.report.time.seconds
-
-    def _device(self, candidate: Candidate) -> float:
-        r = self.results[candidate]
-        if r.report is not None:
-            return float(r.report.device_bytes)
-        return float("inf") if r.required is None else float(r.required)
-
-    def presets(
-        self, fields: tuple[str, ...], slots: tuple[str, ...], names: tuple[str, ...]
-    ) -> None:
-        remat = Candidate.remat(fields, slots, names)
-        self.evaluate(remat, "recompute all: Policy.remat()")
-        inputs = tuple(n for n in names if n.endswith(".input"))
-        offloaded = remat._replace(
-            residuals=tuple(
-                (n, "offload" if n in inputs else c) for n, c in remat.residuals or ()
-            )
+    dtypes = tuple(compute_dtypes)
+    if not dtypes:
+        raise ValueError(
+            "`plan(compute_dtypes=())`: give at least one; `(None,)` (the default) "
+            "computes in the model's own dtypes."
         )
-        self.evaluate(offloaded, "offload layer inputs: Policy.offload_residuals()")
-        everything = offloaded._replace(
-            params=tuple((f, "pinned_host") for f, _ in remat.params),
-            opt_state=tuple((s, "pinned_host") for s, _ in remat.opt_state),
+    names = tuple(None if d is None else _dtype_name(d, dtypes) for d in dtypes)
+    return [Settings(axis if several else None, k, d) for k in counts for d in names]
+
+
+def _dtype_name(dtype: DTypeLike, offered: tuple) -> str:
+    try:
+        checked = Policy(compute_dtype=dtype).compute_dtype
+    except TypeError:
+        checked = None
+    if checked is None:
+        raise TypeError(
+            f"`plan(compute_dtypes={offered!r})`: {dtype!r} is not a floating-point "
+            "dtype; offer `None` (the model's own dtypes) and floating-point dtypes "
+            "such as `jnp.bfloat16`."
         )
-        self.evaluate(everything, "all on host: Policy.offload_all()")
-
-    def combine(self, base: Candidate, names: tuple[str, ...]) -> None:
-        """Compiles the single moves from `base` that free the most device memory
-        (by estimate), then, taking each move's measured effect as additive,
-        compiles the combinations estimated to fit, fastest estimate first, until
-        `COMBINATIONS` of them fit."""
-        moves = sorted(base.moves(names), key=lambda m: -self.estimates.get(m, 0))
-        for move in moves[SINGLES:]:
-            after = base.apply(move, names)
-            self.pruned[after] = (
-                after.label,
-                f"pruned: frees {size_text(self.estimates.get(move, 0))} by "
-                f"estimate, less than the {SINGLES} moves tried",
-            )
-        effects: list[tuple[Move, float, float, float]] = []
-        for move in moves[:SINGLES]:
-            single = base.apply(move, names)
-            self.evaluate(single)
-            freed = self._device(base) - self._device(single)
-            if not 0 < freed < float("inf"):
-                continue
-            effects.append((move, freed, *self._added(base, single, move)))
-        device_budget, host_budget = self.budgets
-        options = []
-        for n in range(2, len(effects) + 1):
-            for chosen in itertools.combinations(effects, n):
-                touched = [(m.knob, m.name) for m, *_ in chosen]
-                if len(set(touched)) < len(touched):
-                    continue  # one name offloaded and recomputed
-                device = self._device(base) - sum(c[1] for c in chosen)
-                host = self._host(base) + sum(c[3] for c in chosen)
-                if device <= device_budget and host <= host_budget:
-                    seconds = self._seconds(base) + sum(c[2] for c in chosen)
-                    options.append((seconds, [c[0] for c in chosen]))
-        options.sort(key=lambda o: o[0])
-        fitted = compiled = 0
-        for seconds, chosen in options:
-            candidate = base
-            for move in chosen:
-                candidate = candidate.apply(move, names)
-            if candidate in self.results:
-                continue
-            if fitted >= COMBINATIONS or compiled >= COMBINATION_COMPILES:
-                self.pruned[candidate] = (
-                    candidate.label,
-                    f"pruned: estimated to fit, in {time_text(seconds)}: slower than "
-                    "the combinations compiled",
-                )
-                continue
-            self.evaluate(candidate)
-            compiled += 1
-            fitted += self.fits(candidate)
-
-    def improve(self, names: tuple[str, ...]) -> None:
-        """A local search from the best candidate compiled so far (the fastest that
-        fits, else the one over its budgets by the least): turns one knob at a
-        time, the changes estimated to help first, and moves there if the compile
-        is better (fits and is faster, or is over its budgets by less). Of a
-        fitting candidate it tries what moves bytes back to the device within the
-        budgets (less host traffic); of one over a budget, what brings it closer.
-        At most `IMPROVE_COMPILES` compiles."""
-        current = self._best()
-        compiled = 0
-        while current is not None and compiled < IMPROVE_COMPILES:
-            report = self.results[current].report
-            assert report is not None
-            fits = self.fits(current)
-            if fits and report.time is None:
-                return  # no step time to improve (the CPU backend)
-            before = self._overflow(report.device_bytes, report.host_bytes)
-            options = []
-            for move in current.flips():
-                device, host = self._after(current, move, report)
-                if fits and device > report.device_bytes:
-                    if self._overflow(device, host) == 0:
-                        options.append((report.device_bytes - device, move))
-                elif not fits and self._overflow(device, host) < before:
-                    options.append((self._overflow(device, host), move))
-            options.sort(key=lambda o: o[0])
-            following = None
-            for _, move in options:
-                candidate = current.apply(move, names)
-                if candidate in self.results or compiled >= IMPROVE_COMPILES:
-                    continue
-                self.evaluate(candidate)
-                compiled += 1
-                if self._better(candidate, current):
-                    following = candidate
-                    break
-            current = following
-
-    def _best(self) -> Candidate | None:
-        compiled = [c for c, r in self.results.items() if r.report is not None]
-        fitting = [c for c in compiled if self.fits(c)]
-        if fitting:
-            return min(fitting, key=self._rank)
-        if not compiled:
-            return None
-        return min(compiled, key=self._over)
-
-    def _better(self, a: Candidate, b: Candidate) -> bool:
-        if self.fits(a):
-            return not self.fits(b) or self._rank(a) < self._rank(b)
-        return (
-            not self.fits(b)
-            and self.results[a].report is not None
-            and self._over(a) < self._over(b)
-        )
-
-    def _rank(self, candidate: Candidate) -> tuple[float, float]:
-        """Faster first; of equal times, the smaller device footprint."""
-        return self._seconds(candidate), self._device(candidate)
-
-    def _over(self, candidate: Candidate) -> float:
-        report = self.results[candidate].report
-        assert report is not None
-        return self._overflow(report.device_bytes, report.host_bytes)
-
-    def _overflow(self, device: int | float, host: int | float) -> float:
-        """How far over the budgets, as fractions of them (0: fits)."""
-        device_budget, host_budget = self.budgets
-        return max(device - device_budget, 0) / device_budget + max(
-            host - host_budget, 0
-        ) / max(host_budget, 1)
-
-    def _after(
-        self, candidate: Candidate, move: Move, report: MemoryReport
-    ) -> tuple[float, float]:
-        """The device and host bytes after `move`, by estimate: a field's or a
-        state part's bytes change sides; a checkpoint name's saved bytes are on
-        the device when saved, on the host when offloaded, nowhere recomputed."""
-        device, host = float(report.device_bytes), float(report.host_bytes)
-        if move.knob != "residual":
-            n = self.estimates.get(Move(move.knob, move.name, "pinned_host"), 0)
-            sign = 1 if move.to == "device" else -1
-            return device + sign * n, host - sign * n
-        n = self.estimates.get(Move("residual", move.name, "offload"), 0)
-        side = {"save": (1, 0), "offload": (0, 1), "recompute": (0, 0)}
-        now = dict(candidate.residuals or ())[move.name]
-        return (
-            device + (side[move.to][0] - side[now][0]) * n,
-            host + (side[move.to][1] - side[now][1]) * n,
-        )
-
-    def _added(
-        self, base: Candidate, single: Candidate, move: Move
-    ) -> tuple[float, float]:
-        """The step time and host bytes a single move adds to `base`. Of a move
-        whose step the compiler found too big (no report, no time), the time is
-        taken as unchanged, and the host bytes as the estimate's (a field's
-        parameters or state): the combinations' compiles give the real figures."""
-        if (
-            self.results[single].report is not None
-            and self.results[base].report is not None
-        ):
-            added = self._seconds(single) - self._seconds(base)
-            return added, self._host(single) - self._host(base)
-        host = self.estimates.get(move, 0) if move.knob != "residual" else 0
-        if move.knob == "residual" and move.to == "offload":
-            host = self.estimates.get(move, 0)
-        return 0.0, float(host)
-
-    def _host(self, candidate: Candidate) -> float:
-        r = self.results[candidate]
-        return 0.0 if r.report is None else float(r.report.host_bytes)
-
-    def finish(self, start: float, device: int, host: int) -> Plan:
-        chosen = self._best()
-        if chosen is None or not self.fits(chosen):
-            raise self._nothing_fits(device, host)
-        none_flops = self._flops(next(iter(self.results)))
-        rows = []
-        for c, r in self.results.items():
-            rep = r.report
-            t = None if rep is None else rep.time
-            status = "chosen" if c == chosen else (r.error or "compiled")
-            rows.append(
-                PlanRow(
-                    r.label,
-                    r.policy,
-                    status,
-                    device_bytes=rep.device_bytes if rep is not None else r.required,
-                    host_bytes=None if rep is None else rep.host_bytes,
-                    fits=None if rep is None else self.fits(c),
-                    seconds=None if t is None else t.seconds,
-                    bound=None if t is None else t.bound,
-                    transfer_bytes=None
-                    if rep is None
-                    else rep.host_to_device_bytes + rep.device_to_host_bytes,
-                    recomputed_flops=None
-                    if t is None or none_flops is None
-                    else max(t.flops - none_flops, 0.0),
-                )
-            )
-        rows += [
-            PlanRow(label, c.policy(), why) for c, (label, why) in self.pruned.items()
-        ]
-        if self.bar is not None:
-            self.bar.close()
-        report = self.results[chosen].report
-        assert report is not None
-        return Plan(
-            self.results[chosen].policy,
-            report,
-            PlanTable(tuple(rows), device, host),
-            compiled=len(self.results),
-            seconds=time.perf_counter() - start,
-            loss_fn=self.loss_fn,
-            optimizer=self.optimizer,
-            has_aux=self.has_aux,
-        )
-
-    def _flops(self, candidate: Candidate) -> float | None:
-        r = self.results[candidate]
-        t = None if r.report is None else r.report.time
-        return None if t is None else t.flops
-
-    def _nothing_fits(self, device: int, host: int) -> DoesNotFit:
-        smallest = min(self.results, key=self._device)
-        r = self.results[smallest]
-        need = self._device(smallest)
-        host_need = None if r.report is None else r.report.host_bytes
-        broke = "device" if need > device else "host"
-        shown = "unknown" if need == float("inf") else size_text(int(need))
-        message = (
-            f"`plan`: no candidate fits the budgets ({size_text(device)} of device "
-            f"memory, {size_text(host)} of host memory per device). The smallest "
-            f"device footprint found is {shown} ({r.label}), over the {broke} "
-            "budget"
-            + (f"; its host footprint is {size_text(host_need)}" if host_need else "")
-            + ". Give larger budgets, a smaller batch, or more devices."
-        )
-        sizes = (
-            int(need) if need != float("inf") else 0,
-            device if broke == "device" else host,
-        )
-        return DoesNotFit(
-            message,
-            target=self.target or jax.default_backend(),
-            compiler_message="",
-            arguments={},
-            sizes=sizes,
-        )
+    return checked.name
 
 
 def _budgets(
@@ -552,11 +314,3 @@ def _abstract(tree: Any) -> Any:
     """Array leaves as `jax.ShapeDtypeStruct`s in their memory kinds and layouts
     (as `memory_report` takes them): each candidate places its own copy."""
     return jtu.tree_map(lambda x: abstract(x, None) if is_arraylike(x) else x, tree)
-
-
-def _bar() -> Any:
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(desc="plan: compiled", unit=" step")

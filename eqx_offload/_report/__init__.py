@@ -18,6 +18,11 @@ from ._record import (
     UnnamedResidual as UnnamedResidual,
 )
 from ._step_time import StepTime as StepTime
-from ._targets import abstract as abstract, capacity as capacity
+from ._targets import (
+    abstract as abstract,
+    capacity as capacity,
+    device_count as device_count,
+    target_sizes as target_sizes,
+)
 from ._traffic import Transfer as Transfer
 from ._units import size_text as size_text, time_text as time_text

@@ -83,6 +83,35 @@ def parse(target: str) -> tuple[str, str | None]:
     return found["chip"], found["topology"]
 
 
+# The targets `fewest_chips` tries for each chip, fewest devices first: one chip,
+# then the slices of whole hosts (v5e/v6e: 4-chip VMs, then 8-chip hosts; v5p/v4:
+# 4-chip hosts), or for a GPU one, two, four, a node of eight, then nodes of eight.
+SIZES = {
+    "tpu-v5e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+    "tpu-v6e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+    "tpu-v5p": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8"),
+    "tpu-v4": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8"),
+    "gpu-h100": ("2", "4", "8", "2x8", "4x8", "8x8"),
+    "gpu-h200": ("2", "4", "8", "2x8", "4x8", "8x8"),
+}
+
+
+def target_sizes(chip: str) -> tuple[str, ...]:
+    """The targets of `chip` from one device up (`SIZES`)."""
+    if chip not in SIZES:
+        raise ValueError(
+            f"`fewest_chips(chip={chip!r})`: give a chip kind, one of "
+            f"{_paths.quoted(SIZES)}; its slices (or GPU counts) are searched."
+        )
+    return (chip,) + tuple(f"{chip}:{t}" for t in SIZES[chip])
+
+
+def device_count(target: str) -> int:
+    """How many devices `target` compiles for: a slice's devices (two per v4 chip),
+    the GPUs of its hosts; 1 for one chip or GPU."""
+    return 1 if parse(target)[1] is None else len(devices(target))
+
+
 def platform(target: str) -> str:
     """The compiler `target` is compiled with: `"tpu"` or `"gpu"`."""
     return "gpu" if parse(target)[0] in GPU_SPECS else "tpu"

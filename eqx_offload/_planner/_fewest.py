@@ -1,0 +1,171 @@
+"""`fewest_chips`: the smallest slice (or number of GPUs) of a chip kind on which a
+training step fits with its best plan."""
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+from jaxtyping import DTypeLike
+
+from .._memory_kinds import is_arraylike
+from .._report import device_count, DoesNotFit, size_text, target_sizes
+from ._plan import Plan, plan
+from ._search import Search
+
+
+def fewest_chips(
+    loss_fn: Callable,
+    optimizer: Any,
+    model: Any,
+    *batch: Any,
+    chip: str,
+    device_budget: int | str | None = None,
+    host_budget: int | str | None = None,
+    batch_per_device: bool = False,
+    has_aux: bool = False,
+    axis: str = "fsdp",
+    microbatches: Sequence[int] = (1,),
+    compute_dtypes: Sequence[DTypeLike | None] = (None,),
+    progress: bool = False,
+) -> Plan:
+    """The fewest devices of `chip` on which the training step fits, and its plan:
+    `eo.plan` on the chip's targets from one device up, FSDP over every device of
+    a slice. Compiles, never runs.
+
+    **Arguments:**
+
+    - `loss_fn`, `optimizer`, `model`, `*batch`, `has_aux`, `axis`, `microbatches`,
+        `compute_dtypes`, `progress`: as for `eo.plan`.
+    - `chip`: `"tpu-v5e"`, `"tpu-v6e"`, `"tpu-v5p"`, `"tpu-v4"`, `"gpu-h100"` or
+        `"gpu-h200"`. The targets tried: one chip, then for a v5e or v6e the slices
+        `2x2`, `2x4`, `4x4` ... `16x16`; for a v5p or v4 `2x2x1` ... `4x8x8`; for a
+        GPU 2, 4, 8 GPUs of one host, then hosts of eight (`2x8` ... `8x8`).
+    - `device_budget`, `host_budget`: per device, as for `eo.plan`; by default
+        the chip's capacity and its host RAM per device (48 GB a v5e chip: the
+        RAM of a host over the chips it serves, so within it on every host).
+    - `batch_per_device`: `False` (default): `batch` is the whole batch, split
+        over the devices (a target whose device count does not divide its leading
+        size is skipped). `True`: `batch` is one device's share, and the whole
+        batch grows with the devices (the leading sizes times the device count).
+
+    **The search.** Taking a step that fits on `n` devices to fit on more (FSDP
+    splits parameters, state and the batch further), it bisects the targets: about
+    three plans for the seven sizes of a v5e, each a full `eo.plan`.
+
+    **Returns:**
+
+    The `Plan` of the fewest devices (`plan.target`, `plan.mesh`); `plan.tried`
+    says, of each other target planned, why it was not chosen.
+
+    **Raises:**
+
+    `DoesNotFit` if the step fits on none of them, with the smallest footprint
+    on the largest.
+    """
+    start, compiles = time.perf_counter(), Search.compiles
+    targets = list(target_sizes(chip))
+    counts = {t: device_count(t) for t in targets}
+    leading = {x.shape[0] for x in jtu.tree_leaves(batch) if getattr(x, "ndim", 0) > 0}
+    skipped: list[tuple[str, str]] = []
+    if not batch_per_device:
+        for t in list(targets):
+            if any(n % counts[t] for n in leading):
+                targets.remove(t)
+                skipped.append(
+                    (
+                        t,
+                        f"skipped: {counts[t]} devices do not split a batch of "
+                        f"leading size {sorted(leading)}",
+                    )
+                )
+    tried: dict[str, Plan | DoesNotFit] = {}
+
+    def attempt(target: str) -> Plan | DoesNotFit:
+        if target not in tried:
+            local = batch if not batch_per_device else _scaled(batch, counts[target])
+            try:
+                tried[target] = plan(
+                    loss_fn,
+                    optimizer,
+                    model,
+                    *local,
+                    device_budget=device_budget,
+                    host_budget=host_budget,
+                    target=target,
+                    has_aux=has_aux,
+                    axis=axis,
+                    microbatches=microbatches,
+                    compute_dtypes=compute_dtypes,
+                    progress=progress,
+                )
+            except DoesNotFit as e:
+                tried[target] = e
+        return tried[target]
+
+    low, high = 0, len(targets)  # the fewest that fits is in targets[low:high]
+    while low < high:
+        middle = (low + high) // 2
+        if isinstance(attempt(targets[middle]), Plan):
+            high = middle
+        else:
+            low = middle + 1
+    chosen_target = targets[low] if low < len(targets) else None
+    notes = tuple(skipped) + tuple(
+        (t, _why(r)) for t, r in tried.items() if t != chosen_target
+    )
+    if low == len(targets):
+        raise _none_fits(chip, targets, tried, notes)
+    chosen = tried[targets[low]]
+    assert isinstance(chosen, Plan), chosen_target
+    return dataclasses.replace(
+        chosen,
+        tried=notes,
+        compiled=Search.compiles - compiles,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _scaled(batch: tuple, n: int) -> tuple:
+    """`batch` with the leading size of each array leaf times `n`."""
+
+    def grow(x: Any) -> Any:
+        if not is_arraylike(x) or x.ndim == 0:
+            return x
+        return jax.ShapeDtypeStruct((x.shape[0] * n, *x.shape[1:]), x.dtype)
+
+    return jtu.tree_map(grow, batch)
+
+
+def _why(result: "Plan | DoesNotFit") -> str:
+    if isinstance(result, Plan):
+        return "fits: more devices than needed"
+    need = result.required_bytes
+    return "does not fit" + (
+        "" if not need else f": smallest device footprint {size_text(need)}"
+    )
+
+
+def _none_fits(
+    chip: str,
+    targets: list[str],
+    tried: dict[str, "Plan | DoesNotFit"],
+    notes: tuple[tuple[str, str], ...],
+) -> DoesNotFit:
+    largest = targets[-1] if targets else chip
+    last = tried.get(largest)
+    need = last.required_bytes if isinstance(last, DoesNotFit) else None
+    lines = "; ".join(f"{t}: {why}" for t, why in notes)
+    return DoesNotFit(
+        f"`fewest_chips(chip={chip!r})`: the step fits on none of the targets "
+        f"tried ({lines}). Give larger budgets, a smaller batch or model, or "
+        "opt in to micro-batches (`microbatches=(1, 2, 4)`).",
+        target=largest,
+        compiler_message="",
+        arguments={},
+        sizes=(need or 0, last.available_bytes or 0)
+        if isinstance(last, DoesNotFit)
+        else None,
+    )

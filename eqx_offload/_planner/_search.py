@@ -1,0 +1,415 @@
+"""The search `plan` runs: compiles candidates (`memory_report`), never runs them,
+and keeps what each compile showed; the steps of the search (the presets, single
+moves and their combinations, a local search, the opted-in micro-batch counts and
+compute dtypes) and the choice among the compiled candidates."""
+
+import itertools
+from typing import Any
+
+import jax
+from jax.sharding import AbstractMesh
+
+from .._diagnose import DoesNotCompile
+from .._placement import place
+from .._remat_names import UnusedName
+from .._report import (
+    DoesNotFit,
+    memory_report,
+    MemoryReport,
+    size_text,
+    time_text,
+)
+from .._train_step import train_step
+from .._update import init_opt_state
+from ._candidates import Candidate, Move, Settings
+from ._table import PlanRow, PlanTable
+
+
+# Single moves compiled, the largest by estimated bytes freed first; combinations
+# of them compiled (fastest estimate first) until this many fit.
+SINGLES = 6
+COMBINATIONS = 3
+COMBINATION_COMPILES = 12  # at most, whether they fit or not
+# Then one knob at a time from the best so far, while it gets better.
+IMPROVE_COMPILES = 6
+
+
+class Result:
+    def __init__(self, candidate: Candidate, label: str):
+        self.candidate = candidate
+        self.label = label
+        self.policy = candidate.policy()
+        self.report: MemoryReport | None = None
+        self.error: str | None = None
+        self.required: int | None = None
+
+
+class Search:
+    """The candidates compiled for one step on one target, and the choice."""
+
+    compiles = 0  # of every search in this process (`fewest_chips` counts its own)
+
+    def __init__(
+        self,
+        loss_fn: Any,
+        optimizer: Any,
+        model: Any,
+        batch: tuple,
+        target: str | None,
+        mesh: AbstractMesh | None,
+        has_aux: bool,
+        progress: bool,
+    ):
+        self.loss_fn, self.optimizer = loss_fn, optimizer
+        self.model, self.batch = model, batch
+        self.target, self.mesh, self.has_aux = target, mesh, has_aux
+        self.results: dict[Candidate, Result] = {}
+        self.reports: dict[str, MemoryReport] = {}  # by policy: each compiled once
+        self.estimates: dict[Move, int] = {}  # bytes a move frees, before compiling
+        self.pruned: dict[Candidate, tuple[str, str]] = {}
+        self.budgets: tuple[int, int] = (0, 0)
+        self.bar = _bar() if progress else None
+
+    def evaluate(self, candidate: Candidate, label: str | None = None) -> Result:
+        if candidate in self.results:
+            return self.results[candidate]
+        if label is not None and candidate.settings.label:
+            label = f"{label}; {candidate.settings.label}"
+        result = Result(candidate, label or candidate.label)
+        try:
+            report = self._compile(candidate, result)
+        except DoesNotFit as e:
+            result.required = e.required_bytes
+            result.error = "too big for the device"
+        except DoesNotCompile as e:
+            result.error = f"does not compile: {str(e).splitlines()[0][:80]}"
+        else:
+            result.report = report
+        self.results[candidate] = result
+        Search.compiles += 1
+        self.pruned.pop(candidate, None)
+        if self.bar is not None:
+            self.bar.update(1)
+        return result
+
+    def _compile(self, candidate: Candidate, result: Result) -> MemoryReport:
+        """The candidate's report. A name it saves or offloads that is not saved
+        for the backward pass in this combination (its value is another name's,
+        say) would do nothing: it is recomputed instead, and the label says so."""
+        for _ in range(len(candidate.residuals or ()) + 1):
+            policy = candidate.policy()
+            placed = place(self.model, policy, mesh=self.mesh)
+            opt_state = init_opt_state(self.optimizer, placed, policy)
+            step = train_step(
+                self.loss_fn,
+                self.optimizer,
+                policy,
+                has_aux=self.has_aux,
+                microbatches=candidate.microbatches,
+            )
+            try:
+                key = f"{policy!r} {candidate.microbatches}"
+                if key not in self.reports:
+                    self.reports[key] = memory_report(
+                        step, placed, opt_state, *self.batch, target=self.target
+                    )
+                return self.reports[key]
+            except UnusedName as e:
+                if e.never_occurred or candidate.residuals is None:
+                    raise
+                candidate = candidate._replace(
+                    residuals=tuple(
+                        (n, "recompute" if n == e.pattern else c)
+                        for n, c in candidate.residuals
+                    )
+                )
+                result.label = candidate.label
+                result.policy = candidate.policy()
+        raise AssertionError("unreachable: every name recomputed compiles")
+
+    def fits(self, candidate: Candidate) -> bool:
+        r = self.results[candidate]
+        device, host = self.budgets
+        if r.report is None:
+            return False
+        return r.report.device_bytes <= device and r.report.host_bytes <= host
+
+    def _seconds(self, candidate: Candidate) -> float:
+        """The estimated step time (0 on the CPU backend, which has none: the
+        smallest footprint is chosen there); infinite if not compiled."""
+        r = self.results[candidate]
+        if r.report is None:
+            return float("inf")
+        return 0.0 if r.report.time is None else r.report.time.seconds
+
+    def _device(self, candidate: Candidate) -> float:
+        r = self.results[candidate]
+        if r.report is not None:
+            return float(r.report.device_bytes)
+        return float("inf") if r.required is None else float(r.required)
+
+    def presets(self, base: Candidate, names: tuple[str, ...]) -> None:
+        """`Policy.remat()`, `Policy.offload_residuals()` and `Policy.offload_all()`
+        (`base` is `Policy.none()`), in `base`'s settings."""
+        remat = base.remat(names)
+        self.evaluate(remat, "recompute all: Policy.remat()")
+        inputs = tuple(n for n in names if n.endswith(".input"))
+        offloaded = remat._replace(
+            residuals=tuple(
+                (n, "offload" if n in inputs else c) for n, c in remat.residuals or ()
+            )
+        )
+        self.evaluate(offloaded, "offload layer inputs: Policy.offload_residuals()")
+        everything = offloaded._replace(
+            params=tuple((f, "pinned_host") for f, _ in remat.params),
+            opt_state=tuple((s, "pinned_host") for s, _ in remat.opt_state),
+        )
+        self.evaluate(everything, "all on host: Policy.offload_all()")
+
+    def variants(self, candidate: Candidate, settings: list[Settings]) -> None:
+        """`candidate` in each of the other settings offered (micro-batch counts,
+        compute dtypes)."""
+        for s in settings:
+            self.evaluate(candidate._replace(settings=s))
+
+    def combine(self, base: Candidate, names: tuple[str, ...]) -> None:
+        """Compiles the single moves from `base` that free the most device memory
+        (by estimate), then, taking each move's measured effect as additive,
+        compiles the combinations estimated to fit, fastest estimate first, until
+        `COMBINATIONS` of them fit."""
+        moves = sorted(base.moves(names), key=lambda m: -self.estimates.get(m, 0))
+        for move in moves[SINGLES:]:
+            after = base.apply(move, names)
+            self.pruned[after] = (
+                after.label,
+                f"pruned: frees {size_text(self.estimates.get(move, 0))} by "
+                f"estimate, less than the {SINGLES} moves tried",
+            )
+        effects: list[tuple[Move, float, float, float]] = []
+        for move in moves[:SINGLES]:
+            single = base.apply(move, names)
+            self.evaluate(single)
+            freed = self._device(base) - self._device(single)
+            if not 0 < freed < float("inf"):
+                continue
+            effects.append((move, freed, *self._added(base, single, move)))
+        device_budget, host_budget = self.budgets
+        options = []
+        for n in range(2, len(effects) + 1):
+            for chosen in itertools.combinations(effects, n):
+                touched = [(m.knob, m.name) for m, *_ in chosen]
+                if len(set(touched)) < len(touched):
+                    continue  # one name offloaded and recomputed
+                device = self._device(base) - sum(c[1] for c in chosen)
+                host = self._host(base) + sum(c[3] for c in chosen)
+                if device <= device_budget and host <= host_budget:
+                    seconds = self._seconds(base) + sum(c[2] for c in chosen)
+                    options.append((seconds, [c[0] for c in chosen]))
+        options.sort(key=lambda o: o[0])
+        fitted = compiled = 0
+        for seconds, chosen in options:
+            candidate = base
+            for move in chosen:
+                candidate = candidate.apply(move, names)
+            if candidate in self.results:
+                continue
+            if fitted >= COMBINATIONS or compiled >= COMBINATION_COMPILES:
+                self.pruned[candidate] = (
+                    candidate.label,
+                    f"pruned: estimated to fit, in {time_text(seconds)}: slower than "
+                    "the combinations compiled",
+                )
+                continue
+            self.evaluate(candidate)
+            compiled += 1
+            fitted += self.fits(candidate)
+
+    def improve(self, names: tuple[str, ...]) -> None:
+        """A local search from the best candidate compiled so far (the fastest that
+        fits, else the one over its budgets by the least): turns one knob at a
+        time, the changes estimated to help first, and moves there if the compile
+        is better (fits and is faster, or is over its budgets by less). Of a
+        fitting candidate it tries what moves bytes back to the device within the
+        budgets (less host traffic); of one over a budget, what brings it closer.
+        At most `IMPROVE_COMPILES` compiles."""
+        current = self.best()
+        compiled = 0
+        while current is not None and compiled < IMPROVE_COMPILES:
+            report = self.results[current].report
+            assert report is not None
+            fits = self.fits(current)
+            if fits and report.time is None:
+                return  # no step time to improve (the CPU backend)
+            before = self._overflow(report.device_bytes, report.host_bytes)
+            options = []
+            for move in current.flips():
+                device, host = self._after(current, move, report)
+                if fits and device > report.device_bytes:
+                    if self._overflow(device, host) == 0:
+                        options.append((report.device_bytes - device, move))
+                elif not fits and self._overflow(device, host) < before:
+                    options.append((self._overflow(device, host), move))
+            options.sort(key=lambda o: o[0])
+            following = None
+            for _, move in options:
+                candidate = current.apply(move, names)
+                if candidate in self.results or compiled >= IMPROVE_COMPILES:
+                    continue
+                self.evaluate(candidate)
+                compiled += 1
+                if self._better(candidate, current):
+                    following = candidate
+                    break
+            current = following
+
+    def best(self) -> Candidate | None:
+        compiled = [c for c, r in self.results.items() if r.report is not None]
+        fitting = [c for c in compiled if self.fits(c)]
+        if fitting:
+            return min(fitting, key=self._rank)
+        if not compiled:
+            return None
+        return min(compiled, key=self._over)
+
+    def _better(self, a: Candidate, b: Candidate) -> bool:
+        if self.fits(a):
+            return not self.fits(b) or self._rank(a) < self._rank(b)
+        return (
+            not self.fits(b)
+            and self.results[a].report is not None
+            and self._over(a) < self._over(b)
+        )
+
+    def _rank(self, candidate: Candidate) -> tuple[float, float]:
+        """Faster first; of equal times, the smaller device footprint."""
+        return self._seconds(candidate), self._device(candidate)
+
+    def _over(self, candidate: Candidate) -> float:
+        report = self.results[candidate].report
+        assert report is not None
+        return self._overflow(report.device_bytes, report.host_bytes)
+
+    def _overflow(self, device: int | float, host: int | float) -> float:
+        """How far over the budgets, as fractions of them (0: fits)."""
+        device_budget, host_budget = self.budgets
+        return max(device - device_budget, 0) / device_budget + max(
+            host - host_budget, 0
+        ) / max(host_budget, 1)
+
+    def _after(
+        self, candidate: Candidate, move: Move, report: MemoryReport
+    ) -> tuple[float, float]:
+        """The device and host bytes after `move`, by estimate: a field's or a
+        state part's bytes change sides; a checkpoint name's saved bytes are on
+        the device when saved, on the host when offloaded, nowhere recomputed."""
+        device, host = float(report.device_bytes), float(report.host_bytes)
+        if move.knob != "residual":
+            n = self.estimates.get(Move(move.knob, move.name, "pinned_host"), 0)
+            sign = 1 if move.to == "device" else -1
+            return device + sign * n, host - sign * n
+        n = self.estimates.get(Move("residual", move.name, "offload"), 0)
+        side = {"save": (1, 0), "offload": (0, 1), "recompute": (0, 0)}
+        now = dict(candidate.residuals or ())[move.name]
+        return (
+            device + (side[move.to][0] - side[now][0]) * n,
+            host + (side[move.to][1] - side[now][1]) * n,
+        )
+
+    def _added(
+        self, base: Candidate, single: Candidate, move: Move
+    ) -> tuple[float, float]:
+        """The step time and host bytes a single move adds to `base`. Of a move
+        whose step the compiler found too big (no report, no time), the time is
+        taken as unchanged, and the host bytes as the estimate's (a field's
+        parameters or state): the combinations' compiles give the real figures."""
+        if (
+            self.results[single].report is not None
+            and self.results[base].report is not None
+        ):
+            added = self._seconds(single) - self._seconds(base)
+            return added, self._host(single) - self._host(base)
+        host = self.estimates.get(move, 0) if move.knob != "residual" else 0
+        if move.knob == "residual" and move.to == "offload":
+            host = self.estimates.get(move, 0)
+        return 0.0, float(host)
+
+    def _host(self, candidate: Candidate) -> float:
+        r = self.results[candidate]
+        return 0.0 if r.report is None else float(r.report.host_bytes)
+
+    def finish(self) -> tuple[Result, PlanTable]:
+        """The chosen candidate's result, and the table of every candidate."""
+        device, host = self.budgets
+        chosen = self.best()
+        if chosen is None or not self.fits(chosen):
+            raise self._nothing_fits(device, host)
+        none_flops = self._flops(next(iter(self.results)))
+        rows = []
+        for c, r in self.results.items():
+            rep = r.report
+            t = None if rep is None else rep.time
+            status = "chosen" if c == chosen else (r.error or "compiled")
+            rows.append(
+                PlanRow(
+                    r.label,
+                    r.policy,
+                    status,
+                    device_bytes=rep.device_bytes if rep is not None else r.required,
+                    host_bytes=None if rep is None else rep.host_bytes,
+                    fits=None if rep is None else self.fits(c),
+                    seconds=None if t is None else t.seconds,
+                    bound=None if t is None else t.bound,
+                    transfer_bytes=None
+                    if rep is None
+                    else rep.host_to_device_bytes + rep.device_to_host_bytes,
+                    recomputed_flops=None
+                    if t is None or none_flops is None
+                    else max(t.flops - none_flops, 0.0),
+                )
+            )
+        rows += [
+            PlanRow(label, c.policy(), why) for c, (label, why) in self.pruned.items()
+        ]
+        if self.bar is not None:
+            self.bar.close()
+        return self.results[chosen], PlanTable(tuple(rows), device, host)
+
+    def _flops(self, candidate: Candidate) -> float | None:
+        r = self.results[candidate]
+        t = None if r.report is None else r.report.time
+        return None if t is None else t.flops
+
+    def _nothing_fits(self, device: int, host: int) -> DoesNotFit:
+        smallest = min(self.results, key=self._device)
+        r = self.results[smallest]
+        need = self._device(smallest)
+        host_need = None if r.report is None else r.report.host_bytes
+        broke = "device" if need > device else "host"
+        shown = "unknown" if need == float("inf") else size_text(int(need))
+        message = (
+            f"`plan`: no candidate fits the budgets ({size_text(device)} of device "
+            f"memory, {size_text(host)} of host memory per device). The smallest "
+            f"device footprint found is {shown} ({r.label}), over the {broke} "
+            "budget"
+            + (f"; its host footprint is {size_text(host_need)}" if host_need else "")
+            + ". Give larger budgets, a smaller batch, or more devices."
+        )
+        sizes = (
+            int(need) if need != float("inf") else 0,
+            device if broke == "device" else host,
+        )
+        return DoesNotFit(
+            message,
+            target=self.target or jax.default_backend(),
+            compiler_message="",
+            arguments={},
+            sizes=sizes,
+        )
+
+
+def _bar() -> Any:
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(desc="plan: compiled", unit=" step")
