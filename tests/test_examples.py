@@ -131,3 +131,15 @@ def test_bf16_microbatches_run(tmp_path, run_example):
     assert float(rows["bf16"]) <= 0.55 * float(rows["fp32"])  # half the weights' bytes
     assert "masters: float32 on pinned_host" in out
     assert (tmp_path / "bf16_microbatches_memory.png").stat().st_size > 0
+
+
+def test_plan_example_plans_and_trains_as_the_plain_step(run_example):
+    """`examples/plan.py` with a budget the plain step fits (one compile): the plan
+    is `Policy.none()`, and its first loss is the plain step's."""
+    out = run_example(
+        "plan.py", *("--steps", "3", "--dim", "32", "--device-budget", "1GiB")
+    )
+    assert "Plan on tpu-v5e: no remat, all on device: Policy.none() (1 compiled" in out
+    found = re.search(r"first step: loss ([\d.]+) with the plan, ([\d.]+) with", out)
+    assert found is not None and found[1] == found[2]
+    assert "parameters live in ['device']" in out

@@ -16,6 +16,7 @@ from .._policy import Policy
 
 
 Residual = Literal["save", "offload", "recompute"]
+_CHOICES: tuple[Residual, ...] = ("save", "offload", "recompute")
 Kind = Literal["device", "pinned_host"]
 
 
@@ -88,11 +89,18 @@ class Candidate(NamedTuple):
             )
             return self._replace(residuals=changed)
         field = "params" if move.knob == "params" else "opt_state"
-        kinds: tuple[tuple[str, Kind], ...] = tuple(
+        entries: tuple[tuple[str, Kind], ...] = getattr(self, field)
+        if move.name not in dict(entries):  # a part of a field, placed apart
+            entries += ((move.name, move.to),)  # type: ignore[assignment]
+        kinds = dict(
             (f, move.to if f == move.name else k)  # type: ignore[misc]
-            for f, k in getattr(self, field)
+            for f, k in entries
         )
-        return self._replace(**{field: kinds})
+        # A part placed as its field is no longer placed apart.
+        kept = tuple(
+            (f, k) for f, k in kinds.items() if kinds.get(_parent(f) or "") != k
+        )
+        return self._replace(**{field: kept})
 
     def moves(self, names: tuple[str, ...]) -> list[Move]:
         """The one-knob changes from here that can free device memory."""
@@ -114,13 +122,24 @@ class Candidate(NamedTuple):
                 ]
         return out
 
-    def flips(self) -> list[Move]:
+    def flips(self, parts: dict[str, tuple[str, ...]]) -> list[Move]:
         """Every one-knob change from here, either way: a field's parameters or a
         part of its state to the other memory kind, a checkpoint name to another
-        choice (not between no remat and remat)."""
+        choice (not between no remat and remat); and a part of a field
+        (`parts`: `"blocks"` -> `"blocks.mlp"`, `"nu:blocks"` -> `"nu:blocks.mlp"`)
+        placed apart from the rest of it."""
         other: dict[str, Kind] = {"device": "pinned_host", "pinned_host": "device"}
-        out = [Move("params", f, other[k]) for f, k in self.params]
-        out += [Move("opt_state", s, other[k]) for s, k in self.opt_state]
+        out = []
+        for knob in ("params", "opt_state"):
+            entries: tuple[tuple[str, Kind], ...] = getattr(self, knob)
+            placed = dict(entries)
+            out += [Move(knob, f, other[k]) for f, k in entries]
+            out += [
+                Move(knob, part, other[k])
+                for f, k in entries
+                for part in parts.get(f, ())
+                if part not in placed
+            ]
         for n, c in self.residuals or ():
             out += [
                 Move("residual", n, choice)
@@ -152,24 +171,49 @@ class Candidate(NamedTuple):
         """A short description: what differs from everything on the device and
         nothing recomputed."""
         parts = []
-        host = [f for f, k in self.params if k != "device"]
+        host = [f for f, k in self.params if k != "device" and _parent(f) is None]
         if host:
             parts.append(f"params on host: {', '.join(host)}")
-        state = _by_field(self.opt_state)
+        state = _by_field(tuple((s, k) for s, k in self.opt_state if not _parent(s)))
         if state:
             parts.append(f"opt_state on host: {', '.join(state)}")
+        apart = [
+            f"{'params of ' if knob == 'params' else ''}{name} on "
+            f"{'device' if kind == 'device' else 'host'}"
+            for knob in ("params", "opt_state")
+            for name, kind in getattr(self, knob)
+            if _parent(name) is not None
+        ]
+        if apart:
+            parts.append(", ".join(apart))
         if self.residuals is None:
             parts.append("no remat")
         else:
-            for choice in ("save", "offload"):
-                chosen = [n for n, c in self.residuals if c == choice]
-                if chosen:
-                    parts.append(f"{choice} {', '.join(chosen)}")
-            if all(c == "recompute" for _, c in self.residuals):
-                parts.append("recompute all")
+            # The shorter of the names saved and the names recomputed.
+            by = {c: [n for n, x in self.residuals if x == c] for c in _CHOICES}
+            if by["offload"]:
+                parts.append(f"offload {', '.join(by['offload'])}")
+            if not by["recompute"]:
+                parts.append("save the rest" if by["offload"] else "save all")
+            elif not by["save"]:
+                parts.append("recompute the rest" if by["offload"] else "recompute all")
+            elif len(by["save"]) <= len(by["recompute"]):
+                parts.append(f"save {', '.join(by['save'])}")
+            else:
+                parts.append(f"recompute {', '.join(by['recompute'])}")
         if self.settings.label:
             parts.append(self.settings.label)
         return "; ".join(parts)
+
+
+def _parent(name: str) -> str | None:
+    """The field (or field's state part) a part of a field belongs to:
+    `"blocks"` of `"blocks.mlp"`, `"nu:blocks"` of `"nu:blocks.mlp"`; `None` for a
+    whole field."""
+    part, colon, path = name.rpartition(":")
+    if "." not in path:
+        return None
+    return f"{part}{colon}{path.split('.', 1)[0]}"
 
 
 def _by_field(slots: tuple[tuple[str, Kind], ...]) -> list[str]:

@@ -28,7 +28,7 @@ from .._update import init_opt_state
 from ._budget import parse_bytes
 from ._candidates import Candidate, Settings
 from ._search import Search
-from ._sizes import estimates, fields_of, state_slots
+from ._sizes import estimates, fields_of, parts_of, state_slots
 from ._table import PlanTable
 
 
@@ -206,6 +206,8 @@ def plan(
     search.budgets = (device, host)
     slots = state_slots(optimizer, model)
     search.estimates = estimates(model, fields, slots, offered)
+    search.parts, finer = parts_of(optimizer, model, slots)
+    search.estimates |= finer
     base = Candidate.start(fields, tuple(slots), settings[0])
     search.evaluate(base, "no remat, all on device: Policy.none()")
     if search.fits(base):

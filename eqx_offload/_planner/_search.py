@@ -32,6 +32,9 @@ COMBINATIONS = 3
 COMBINATION_COMPILES = 12  # at most, whether they fit or not
 # Then one knob at a time from the best so far, while it gets better.
 IMPROVE_COMPILES = 6
+# A change of the local search that moves less than this share of the device
+# budget (by estimate) is not tried.
+SMALLEST = 0.01
 
 
 class Result:
@@ -66,6 +69,7 @@ class Search:
         self.results: dict[Candidate, Result] = {}
         self.reports: dict[str, MemoryReport] = {}  # by policy: each compiled once
         self.estimates: dict[Move, int] = {}  # bytes a move frees, before compiling
+        self.parts: dict[str, tuple[str, ...]] = {}  # a field's parts placed apart
         self.pruned: dict[Candidate, tuple[str, str]] = {}
         self.budgets: tuple[int, int] = (0, 0)
         self.bar = _bar() if progress else None
@@ -242,8 +246,10 @@ class Search:
                 return  # no step time to improve (the CPU backend)
             before = self._overflow(report.device_bytes, report.host_bytes)
             options = []
-            for move in current.flips():
+            for move in current.flips(self.parts):
                 device, host = self._after(current, move, report)
+                if abs(device - report.device_bytes) < SMALLEST * self.budgets[0]:
+                    continue  # a part too small to matter (a norm's scale)
                 if fits and device > report.device_bytes:
                     if self._overflow(device, host) == 0:
                         options.append((report.device_bytes - device, move))

@@ -64,6 +64,54 @@ def estimates(
     return out
 
 
+def parts_of(
+    optimizer: Any, model: Any, slots: dict[str, int]
+) -> tuple[dict[str, tuple[str, ...]], dict[Move, int]]:
+    """The parts of each top-level field one level down (`"blocks.mlp"`,
+    `"blocks.attn"`), of the fields that have two or more, and of each of its
+    state slots (`"nu:blocks.mlp"`), which `plan` can place apart from the rest
+    of the field; with the device bytes each frees by estimate."""
+    sizes: dict[Move, int] = {}
+    children: dict[str, list[str]] = {}
+
+    def add(knob: Any, whole: str, part: str, n: int) -> None:
+        move = Move(knob, part, "pinned_host")
+        sizes[move] = sizes.get(move, 0) + n
+        if part not in children.setdefault(whole, []):
+            children[whole].append(part)
+
+    for leaf in _paths.leaves(model):
+        group = _group(leaf.path)
+        if is_trainable(leaf.value) and group is not None:
+            add("params", _field(leaf.path), group, _nbytes(leaf.value))
+    params = trainable(model)
+    state = init_opt_state(optimizer, model, Policy())
+    transformation = as_transformation(optimizer, "`plan`")
+    for s in state_leaves(transformation, state, params):
+        group = None if s.owner_path is None else _group(s.owner_path)
+        if group is None or s.owner_path is None:
+            continue
+        field = _field(s.owner_path)
+        whole = field if field in slots else f"{s.part}:{field}"
+        part = group if field in slots else f"{s.part}:{group}"
+        add("opt_state", whole, part, _nbytes(s.leaf.value))
+    split = {w: tuple(p) for w, p in children.items() if len(p) > 1}
+    kept = {m: n for m, n in sizes.items() if any(m.name in p for p in split.values())}
+    return split, kept
+
+
+def _group(path: str) -> str | None:
+    """The part of a top-level field a leaf path is in: `"blocks.mlp"` of
+    `"blocks.mlp.layers[0].weight"`; `None` for a leaf that is the field itself
+    or is in a list of it."""
+    field = _field(path)
+    rest = path[len(field) :]
+    if not rest.startswith("."):
+        return None
+    head = rest[1:].split(".", 1)[0].split("[", 1)[0]
+    return f"{field}.{head}"
+
+
 def _nbytes(x: Any) -> int:
     return x.size * x.dtype.itemsize
 
