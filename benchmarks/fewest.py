@@ -124,6 +124,7 @@ def planned(chip: str, name: str) -> dict[str, Any]:
         tokens,
         chip=chip,
         batch_per_device=True,
+        progress=True,
     )
     print(p, flush=True)
     assert p.target is not None
