@@ -1,6 +1,7 @@
 """`fewest_chips`: the smallest slice (or number of GPUs) of a chip kind on which a
 training step fits with its best plan."""
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -13,7 +14,7 @@ from jaxtyping import DTypeLike
 from .._memory_kinds import is_arraylike
 from .._report import device_count, DoesNotFit, size_text, target_sizes
 from ._plan import Plan, plan
-from ._search import Search
+from ._search import first_fit, Fitted, Search
 
 
 def fewest_chips(
@@ -53,7 +54,9 @@ def fewest_chips(
 
     **The search.** Taking a step that fits on `n` devices to fit on more (FSDP
     splits parameters, state and the batch further), it bisects the targets: about
-    three plans for the seven sizes of a v5e, each a full `eo.plan`.
+    three probes for the seven sizes of a v5e. A probe is `eo.plan`'s search
+    stopped at the first candidate that fits (a target where nothing fits is
+    searched in full); the fewest devices found are then planned in full.
 
     **Returns:**
 
@@ -81,44 +84,47 @@ def fewest_chips(
                         f"leading size {sorted(leading)}",
                     )
                 )
-    tried: dict[str, Plan | DoesNotFit] = {}
+    tried: dict[str, Plan | DoesNotFit | None] = {}  # None: fits (not planned)
 
-    def attempt(target: str) -> Plan | DoesNotFit:
-        if target not in tried:
+    def attempt(target: str, full: bool = False) -> Plan | DoesNotFit | None:
+        if target not in tried or (full and tried[target] is None):
             local = batch if not batch_per_device else _scaled(batch, counts[target])
             try:
-                tried[target] = plan(
-                    loss_fn,
-                    optimizer,
-                    model,
-                    *local,
-                    device_budget=device_budget,
-                    host_budget=host_budget,
-                    target=target,
-                    has_aux=has_aux,
-                    axis=axis,
-                    microbatches=microbatches,
-                    compute_dtypes=compute_dtypes,
-                    progress=progress,
-                )
+                with contextlib.nullcontext() if full else first_fit():
+                    tried[target] = plan(
+                        loss_fn,
+                        optimizer,
+                        model,
+                        *local,
+                        device_budget=device_budget,
+                        host_budget=host_budget,
+                        target=target,
+                        has_aux=has_aux,
+                        axis=axis,
+                        microbatches=microbatches,
+                        compute_dtypes=compute_dtypes,
+                        progress=progress,
+                    )
             except DoesNotFit as e:
                 tried[target] = e
+            except Fitted:
+                tried[target] = None
         return tried[target]
 
     low, high = 0, len(targets)  # the fewest that fits is in targets[low:high]
     while low < high:
         middle = (low + high) // 2
-        if isinstance(attempt(targets[middle]), Plan):
-            high = middle
-        else:
+        if isinstance(attempt(targets[middle]), DoesNotFit):
             low = middle + 1
+        else:
+            high = middle
     chosen_target = targets[low] if low < len(targets) else None
     notes = tuple(skipped) + tuple(
         (t, _why(r)) for t, r in tried.items() if t != chosen_target
     )
     if low == len(targets):
         raise _none_fits(chip, targets, tried, notes)
-    chosen = tried[targets[low]]
+    chosen = attempt(targets[low], full=True)
     assert isinstance(chosen, Plan), chosen_target
     return dataclasses.replace(
         chosen,
@@ -139,8 +145,8 @@ def _scaled(batch: tuple, n: int) -> tuple:
     return jtu.tree_map(grow, batch)
 
 
-def _why(result: "Plan | DoesNotFit") -> str:
-    if isinstance(result, Plan):
+def _why(result: "Plan | DoesNotFit | None") -> str:
+    if not isinstance(result, DoesNotFit):
         return "fits: more devices than needed"
     need = result.required_bytes
     return "does not fit" + (
@@ -151,7 +157,7 @@ def _why(result: "Plan | DoesNotFit") -> str:
 def _none_fits(
     chip: str,
     targets: list[str],
-    tried: dict[str, "Plan | DoesNotFit"],
+    tried: dict[str, "Plan | DoesNotFit | None"],
     notes: tuple[tuple[str, str], ...],
 ) -> DoesNotFit:
     largest = targets[-1] if targets else chip

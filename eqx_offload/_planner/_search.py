@@ -3,7 +3,10 @@ and keeps what each compile showed; the steps of the search (the presets, single
 moves and their combinations, a local search, the opted-in micro-batch counts and
 compute dtypes) and the choice among the compiled candidates."""
 
+import contextlib
+import contextvars
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -35,6 +38,23 @@ IMPROVE_COMPILES = 6
 # A change of the local search that moves less than this share of the device
 # budget (by estimate) is not tried.
 SMALLEST = 0.01
+
+
+class Fitted(Exception):
+    """A candidate fits, and the search was only asked whether one does."""
+
+
+_FIRST_FIT = contextvars.ContextVar("first_fit", default=False)
+
+
+@contextlib.contextmanager
+def first_fit() -> Iterator[None]:
+    """Searches inside stop at the first candidate that fits (`Fitted`)."""
+    token = _FIRST_FIT.set(True)
+    try:
+        yield
+    finally:
+        _FIRST_FIT.reset(token)
 
 
 class Result:
@@ -91,6 +111,10 @@ class Search:
             result.report = report
         self.results[candidate] = result
         Search.compiles += 1
+        if _FIRST_FIT.get() and self.fits(candidate):
+            if self.bar is not None:
+                self.bar.close()
+            raise Fitted
         self.pruned.pop(candidate, None)
         if self.bar is not None:
             self.bar.update(1)
