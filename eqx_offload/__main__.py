@@ -1,6 +1,7 @@
 """The command line: `python -m eqx_offload plan module:factory --target tpu-v5e
 --device-budget 16GiB --host-budget 48GB` plans a training step (`eo.plan`) and
-prints the table of candidates.
+prints the table of candidates; `--chip tpu-v5e` instead of `--target` finds the
+fewest devices (`eo.fewest_chips`).
 
 The factory is a function of no arguments, named by its module's dotted path and
 its name (`mypackage.models:llama_1b`), that returns `(loss_fn, optimizer, model,
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._planner import plan
+from ._planner import fewest_chips, plan
 
 
 def _factory(spec: str) -> Any:
@@ -50,7 +51,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     sub.add_argument(
         "factory", help="module:function returning (loss_fn, optimizer, model, batch)"
     )
-    sub.add_argument("--target", help="'tpu-v5e', 'tpu-v5e:4x4', 'gpu-h100', ...")
+    where = sub.add_mutually_exclusive_group()
+    where.add_argument("--target", help="'tpu-v5e', 'tpu-v5e:4x4', 'gpu-h100', ...")
+    where.add_argument(
+        "--chip", help="the fewest devices of this chip kind: 'tpu-v5e', 'gpu-h100'"
+    )
+    sub.add_argument(
+        "--batch-per-device",
+        action="store_true",
+        help="with --chip: the batch is one device's share",
+    )
+    sub.add_argument(
+        "--microbatches", type=int, nargs="+", default=[1], help="counts to offer"
+    )
+    sub.add_argument(
+        "--compute-dtypes",
+        nargs="+",
+        default=["model"],
+        help="dtypes to offer: 'model' (its own), 'bfloat16', ...",
+    )
     sub.add_argument("--device-budget", help="device memory per device: '16GiB', bytes")
     sub.add_argument("--host-budget", help="host memory per device: '48GB', bytes")
     sub.add_argument(
@@ -58,20 +77,33 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     sub.add_argument("--json", type=Path, help="also write the table to this file")
     args = p.parse_args(argv)
+    if args.batch_per_device and args.chip is None:
+        raise SystemExit("eqx_offload plan: --batch-per-device needs --chip.")
     loss_fn, optimizer, model, batch = _factory(args.factory)
+    common = dict(
+        device_budget=args.device_budget,
+        host_budget=args.host_budget,
+        has_aux=args.has_aux,
+        microbatches=tuple(args.microbatches),
+        compute_dtypes=tuple(None if d == "model" else d for d in args.compute_dtypes),
+        progress=True,
+    )
     try:
-        result = plan(
-            loss_fn,
-            optimizer,
-            model,
-            *batch,
-            device_budget=args.device_budget,
-            host_budget=args.host_budget,
-            target=args.target,
-            has_aux=args.has_aux,
-            progress=True,
-        )
-    except ValueError as e:  # budgets, targets, nothing fits (`DoesNotFit`)
+        if args.chip is not None:
+            result = fewest_chips(
+                loss_fn,
+                optimizer,
+                model,
+                *batch,
+                chip=args.chip,
+                batch_per_device=args.batch_per_device,
+                **common,
+            )
+        else:
+            result = plan(
+                loss_fn, optimizer, model, *batch, target=args.target, **common
+            )
+    except (ValueError, TypeError) as e:  # bad input, nothing fits (`DoesNotFit`)
         raise SystemExit(f"eqx_offload plan: {e}") from None
     print(result)
     print(f"\npolicy: {result.policy}")

@@ -52,3 +52,11 @@ def test_bad_input_names_the_argument():
     done = _run("plan", "tests.helpers:plan_factory", "--device-budget", "lots")
     assert done.returncode != 0
     assert "`plan(device_budget='lots')`: give a positive number" in done.stderr
+    factory = "tests.helpers:plan_factory"
+    done = _run("plan", factory, "--target", "tpu-v5e", "--microbatches", "3")
+    assert done.returncode != 0
+    assert "`plan(microbatches=(3,))`: 3 micro-batches do not split" in done.stderr
+    done = _run("plan", factory, "--chip", "tpu-v9")
+    assert done.returncode != 0 and "`fewest_chips(chip='tpu-v9')`" in done.stderr
+    done = _run("plan", factory, "--target", "tpu-v5e", "--batch-per-device")
+    assert done.returncode != 0 and "--batch-per-device needs --chip" in done.stderr
