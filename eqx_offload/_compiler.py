@@ -19,6 +19,18 @@ JAX_VERSION = "0.10.2"
 LIBTPU_VERSION = "0.0.42.1"
 
 
+# Compile options.
+
+
+def host_remat_options(platform: str) -> dict[str, bool] | None:
+    """The TPU compiler's option for `Policy(host_remat=True)`: values it would
+    rematerialize kept in host memory instead (DESIGN fact 25); `None` where the
+    platform has no such option."""
+    if platform != "tpu":
+        return None
+    return {"xla_tpu_rematerialization_use_host_memory_offload": True}
+
+
 # Error messages.
 
 _SIZE = r"([0-9.]+)\s*([KMGT]?)i?B?"

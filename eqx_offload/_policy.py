@@ -127,6 +127,7 @@ class Policy(eqx.Module):
     keep_dtype: tuple[str, ...] = eqx.field(static=True)
     stream: tuple[str, ...] = eqx.field(static=True)
     loss_axes: Literal["auto", "explicit"] = eqx.field(static=True)
+    host_remat: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -147,6 +148,7 @@ class Policy(eqx.Module):
         keep_dtype: Sequence[str] = (),
         stream: Sequence[str] = (),
         loss_axes: Literal["auto", "explicit"] = "auto",
+        host_remat: bool = False,
     ):
         """**Arguments:**
 
@@ -238,6 +240,14 @@ class Policy(eqx.Module):
             weight before use, one layer at a time, and gives each layer's
             output carry the sharding of its input. On a mesh with `Auto` axes
             (or none) both are the same.
+        - `host_remat`: on a TPU, let the compiler keep in host memory the values
+            it would otherwise recompute to fit the chip's memory (its own
+            rematerialization, not `save`/`offload`'s: the parts of the step
+            outside `Stacked` scans; XLA's
+            `xla_tpu_rematerialization_use_host_memory_offload`). It changes where
+            values wait, not what is computed. A compile option of the TPU
+            compiler: `train_step` and `memory_report(target="tpu-...")` pass it;
+            on another backend the step raises a `ValueError`.
         """
         self.params = _params(params)
         self.save = "all" if save == "all" else _name_patterns(save, "save")
@@ -257,6 +267,9 @@ class Policy(eqx.Module):
         self.keep_dtype = _name_patterns(keep_dtype, "keep_dtype")
         self.stream = _name_patterns(stream, "stream")
         self.loss_axes = loss_axes
+        if not isinstance(host_remat, bool):
+            raise TypeError(f"`Policy(host_remat={host_remat!r})`: give True or False.")
+        self.host_remat = host_remat
         if self.keep_dtype and self.compute_dtype is None:
             raise ValueError(
                 f"`Policy(keep_dtype={self.keep_dtype!r})` has no effect without "

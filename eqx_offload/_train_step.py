@@ -13,7 +13,16 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
-from . import _diagnose, _layout, _mesh, _microbatch, _mixed_precision, _paths, _update
+from . import (
+    _compiler,
+    _diagnose,
+    _layout,
+    _mesh,
+    _microbatch,
+    _mixed_precision,
+    _paths,
+    _update,
+)
 from ._diagnose import DoesNotCompile
 from ._memory_kinds import is_arraylike, is_host, to_space
 from ._placement import place_batch
@@ -289,6 +298,13 @@ class _TrainStep(eqx.Module):
                 f"argument(s) {_paths.quoted(keywords)}. Pass them by position, or "
                 "bind constants into the loss: `functools.partial(loss_fn, ...)`."
             )
+        if self.config.policy.host_remat and jax.default_backend() != "tpu":
+            raise ValueError(
+                "`Policy(host_remat=True)` is an option of the TPU compiler, and "
+                f"this backend is {jax.default_backend()!r}; drop it here (it "
+                "changes where values wait, not what is computed), or compile "
+                "for a TPU with `memory_report(target='tpu-v5e')`."
+            )
         dynamic, statics = self.split(model, opt_state, *batch)
         if any(_deleted(x) for x in dynamic[0] + dynamic[1]):
             _raise_deleted(model, opt_state)
@@ -444,5 +460,10 @@ def train_step(
     # The configuration is bound, not a static argument: `loss_fn` may be a
     # module holding arrays, which are not hashable.
     fun = functools.partial(_step, config)
-    jitted = jax.jit(fun, static_argnums=(3,), donate_argnums=(0, 1))
+    options = None
+    if policy.host_remat:
+        options = _compiler.host_remat_options(jax.default_backend())
+    jitted = jax.jit(
+        fun, static_argnums=(3,), donate_argnums=(0, 1), compiler_options=options
+    )
     return _TrainStep(config, fun, jitted)

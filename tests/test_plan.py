@@ -170,11 +170,21 @@ def test_a_local_search_improves_on_the_best_preset(monkeypatch):
 def test_nothing_fits_names_the_smallest_footprint_and_the_budget(monkeypatch):
     monkeypatch.setattr(_search, "SINGLES", 1)
     monkeypatch.setattr(_search, "IMPROVE_COMPILES", 1)
+    labels = []
+    evaluate = _search.Search.evaluate
+
+    def spy(self, candidate, label=None):
+        labels.append(candidate.label)
+        return evaluate(self, candidate, label)
+
+    monkeypatch.setattr(_search.Search, "evaluate", spy)
     with pytest.raises(eo.DoesNotFit, match="over the device budget") as e:
         _v5e_plan(device_budget=MIB)
     assert e.value.available_bytes == MIB
     assert e.value.required_bytes is not None and e.value.required_bytes > MIB
     assert "smallest device footprint found" in str(e.value)
+    # Where nothing fits on a TPU, the compiler's own remat to host was tried too.
+    assert any("compiler remat to host" in label for label in labels)
 
 
 def test_budgets():

@@ -7,6 +7,7 @@ import re
 import sys
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
@@ -123,3 +124,53 @@ def test_the_default_update_streams_on_a_tpu(arch, width, monkeypatch):
         figures[update] = (report.device, report.host)
     assert figures["auto"] == figures["streamed"]
     assert figures["auto"] != figures["whole"]
+
+
+class _Unrolled(eqx.Module):
+    """Layers in a Python list (no `Stacked`): what the compiler rematerializes
+    itself when the step is too big for the chip."""
+
+    layers: list[eqx.nn.Linear]
+
+    def __init__(self, width: int, depth: int, *, key):
+        keys = jax.random.split(key, depth)
+        self.layers = [eqx.nn.Linear(width, width, key=k) for k in keys]
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jnp.tanh(jax.vmap(layer)(x))
+        return x
+
+
+def test_host_remat_lets_the_tpu_compiler_keep_what_it_recomputes_on_the_host():
+    """A step whose activations are too big for a v5e chip: the compiler recomputes
+    some to fit; with `Policy(host_remat=True)` it keeps some on the host instead
+    (host temporaries), at an odd width. On the CPU the step refuses the option."""
+    width, rows = 1000, 360_000  # 12 activations of 1.34 GiB: over 15.75 GiB
+
+    def loss(model, x):
+        return jnp.mean(model(x))
+
+    model = eqx.filter_eval_shape(_Unrolled, width, 12, key=jax.random.key(0))
+    x = jax.ShapeDtypeStruct((rows, width), jnp.float32)
+    optimizer = optax.sgd(1e-3)
+    reports = []
+    for policy in (eo.Policy.none(), eo.Policy.none(host_remat=True)):
+        step = eo.train_step(loss, optimizer, policy)
+        state = eo.init_opt_state(optimizer, model, policy)
+        reports.append(eo.memory_report(step, model, state, x, target="tpu-v5e"))
+    plain, host = reports
+    assert plain.host_bytes == 0 and plain.device_bytes <= plain.capacity
+    assert host.host_bytes > 2**30 and host.device_bytes <= host.capacity
+    # (What it recomputes is `tanh`, no matmul FLOPs; the host copies are priced.)
+    assert host.time is not None and plain.time is not None
+    assert host.time.seconds > plain.time.seconds
+    step = eo.train_step(loss, optimizer, eo.Policy.none(host_remat=True))
+    refused = r"`memory_report`: `Policy\(host_remat=True\)`"
+    with pytest.raises(ValueError, match=refused):
+        eo.memory_report(step, model, optimizer.init(model), x)
+    small = _Unrolled(8, 2, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"and this backend is 'cpu'"):
+        step(small, optimizer.init(eqx.filter(small, eqx.is_array)), jnp.ones((4, 8)))
+    with pytest.raises(TypeError, match="host_remat"):  # (beartype, or our own)
+        eo.Policy(host_remat=1)  # pyright: ignore[reportArgumentType]

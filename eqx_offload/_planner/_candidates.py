@@ -31,12 +31,14 @@ class Move(NamedTuple):
 
 class Settings(NamedTuple):
     """How the step runs, apart from where things live: FSDP over a mesh axis (a
-    slice target) with the batch split over it, the micro-batch count, and the
-    compute dtype (`None`: the model's own)."""
+    slice target) with the batch split over it, the micro-batch count, the
+    compute dtype (`None`: the model's own), and whether the TPU compiler keeps
+    what it rematerializes on the host (`Policy(host_remat=True)`)."""
 
     axis: str | None = None
     microbatches: int = 1
     compute_dtype: str | None = None
+    host_remat: bool = False
 
     @property
     def label(self) -> str:
@@ -45,6 +47,8 @@ class Settings(NamedTuple):
             parts.append(f"{self.microbatches} micro-batches")
         if self.compute_dtype is not None:
             parts.append(f"{self.compute_dtype} compute")
+        if self.host_remat:
+            parts.append("compiler remat to host")
         return ", ".join(parts)
 
 
@@ -149,7 +153,7 @@ class Candidate(NamedTuple):
         return out
 
     def policy(self) -> Policy:
-        axis, _, dtype = self.settings
+        axis, _, dtype, host_remat = self.settings
         if self.residuals is None:
             save: str | tuple[str, ...] = "all"
             offload: tuple[str, ...] = ()
@@ -164,6 +168,7 @@ class Candidate(NamedTuple):
             shard=None if axis is None else FSDP(axis),
             batch=None if axis is None else PartitionSpec(axis),
             compute_dtype=None if dtype is None else np.dtype(dtype),
+            host_remat=host_remat,
         )
 
     @property

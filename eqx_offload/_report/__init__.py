@@ -22,6 +22,7 @@ from ._targets import (
     abstract as abstract,
     capacity as capacity,
     device_count as device_count,
+    platform as platform,
     target_sizes as target_sizes,
 )
 from ._traffic import Transfer as Transfer

@@ -340,8 +340,17 @@ def memory_report(
     def count(tree: Any) -> dict[str, int]:
         return bytes_by_kind(tree, per_chip=where.mesh is not None)
 
+    options = None
+    if isinstance(fn, _TrainStep) and fn.config.policy.host_remat:
+        options = _compiler.host_remat_options(platform)
+        if options is None:
+            raise ValueError(
+                "`memory_report`: `Policy(host_remat=True)` is an option of the TPU "
+                f"compiler, and this step is compiled for {where.name}; compile it "
+                "for a TPU (`target='tpu-v5e'`), or drop `host_remat`."
+            )
     try:
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=options)
         stats = compiled.memory_analysis()
     except jax.errors.JaxRuntimeError as e:
         if out_of_memory(e):
