@@ -1,0 +1,185 @@
+"""The largest GPT-style model whose train step fits one TPU v5e chip (15.75 GiB of
+HBM) with 48 GB of host memory: with `Policy.remat()`, with each offloading preset,
+and with `eo.plan`; fp32 parameters and AdamW, batch 8 x 1024 tokens.
+
+    python benchmarks/largest.py [--width 2048] [--plan-depths 80 96] [--json FILE]
+
+The model: `decoder.py`'s GPT-2 style (LayerNorm, multi-head attention, a GELU MLP
+of 4 x width, learned positions, a tied 32768-token table), `width / 64` heads,
+with the chunked loss. Only the depth grows (the width is fixed): for
+`Policy.remat()` and each preset, the largest depth that fits is bisected (each
+depth one compile). `plan` is asked at the best preset's largest depth (is its
+step time no worse?) and at the deeper `--plan-depths` (does anything fit?),
+each a probe that stops at the first candidate that fits, then the deepest that
+fits planned in full. The physical cap is (HBM + host) / 16 bytes a parameter
+(the parameter, its gradient, Adam's two moments). Only compiled, never run.
+"""
+
+import time
+from typing import Any
+
+import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
+import decoder
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from _common import GIB, parser, table, write_json
+from decoder import chunked_loss, Shape
+
+import eqx_offload as eo
+from eqx_offload._planner._search import first_fit, Fitted  # (fewest_chips' probe)
+from eqx_offload._report import capacity
+
+
+TARGET, HOST = "tpu-v5e", 48 * 10**9
+BATCH, SEQ, VOCAB = 8, 1024, 32768
+PRESETS = ("remat", "offload_residuals", "offload_all")
+
+
+def shape(width: int, depth: int) -> Shape:
+    return Shape(
+        vocab=VOCAB,
+        dim=width,
+        layers=depth,
+        heads=width // 64,
+        kv_heads=width // 64,
+        head_dim=64,
+        mlp=4 * width,
+        tied=True,
+        style="gpt2",
+        positions=SEQ,
+    )
+
+
+def fits(width: int, depth: int, preset: str) -> dict[str, Any] | None:
+    s = shape(width, depth)
+    try:
+        r = decoder.step_report(
+            s,
+            getattr(eo.Policy, preset)(),
+            chunked_loss,
+            target=TARGET,
+            batch=BATCH,
+            seq=SEQ,
+        )
+    except eo.DoesNotFit:
+        return None
+    if not r.fits or r.host_bytes > HOST:
+        return None
+    return {
+        "device GiB": r.device_bytes / GIB,
+        "host GiB": r.host_bytes / GIB,
+        "step s": None if r.time is None else r.time.seconds,
+    }
+
+
+def largest(width: int, preset: str, low: int, high: int) -> tuple[int, Any, int]:
+    """The largest depth in [low, high) that fits (low - 1 if none), bisected."""
+    found, compiles = None, 0
+    best = low - 1
+    while low < high:
+        middle = (low + high) // 2
+        compiles += 1
+        r = fits(width, middle, preset)
+        if r is not None:
+            best, found, low = middle, r, middle + 1
+        else:
+            high = middle
+    return best, found, compiles
+
+
+def planned(width: int, depth: int, probe: bool) -> eo.Plan | bool:
+    """`eo.plan` at this depth, or (a probe) whether any candidate fits."""
+    abstract = eqx.filter_eval_shape(
+        decoder.Decoder, shape(width, depth), key=jax.random.key(0)
+    )
+    tokens = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
+    try:
+        if probe:
+            with first_fit():
+                eo.plan(
+                    chunked_loss,
+                    optax.adamw(1e-4),
+                    abstract,
+                    tokens,
+                    tokens,
+                    target=TARGET,
+                    host_budget=HOST,
+                    progress=True,
+                )
+        else:
+            return eo.plan(
+                chunked_loss,
+                optax.adamw(1e-4),
+                abstract,
+                tokens,
+                tokens,
+                target=TARGET,
+                host_budget=HOST,
+                progress=True,
+            )
+    except Fitted:
+        return True
+    except eo.DoesNotFit:
+        return False
+    return True
+
+
+def parameters(width: int, depth: int) -> int:
+    return decoder.parameters(shape(width, depth))
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--max-depth", type=int, default=160)
+    p.add_argument("--plan-depths", type=int, nargs="+", default=[])
+    args = p.parse_args()
+    width = args.width
+    rows: list[dict[str, Any]] = []
+    cap = (capacity(TARGET) + HOST) / 16
+    print(f"physical cap: {cap / 1e9:.2f}e9 parameters", flush=True)
+    deepest: dict[str, int] = {}
+    for preset in PRESETS:
+        start = time.perf_counter()
+        depth, found, compiles = largest(width, preset, 1, args.max_depth)
+        deepest[preset] = depth
+        row = {"how": f"Policy.{preset}()", "depth": depth}
+        row["parameters"] = parameters(width, depth) if depth > 0 else 0
+        row |= found or {}
+        row |= {"compiles": compiles, "seconds": time.perf_counter() - start}
+        print(row, flush=True)
+        rows.append(row)
+    best = max(deepest, key=lambda k: deepest[k])
+    for depth in sorted({deepest[best], *args.plan_depths}):
+        start = time.perf_counter()
+        fitted = planned(width, depth, probe=depth != deepest[best])
+        row: dict[str, Any] = {"how": "plan", "depth": depth}
+        row["parameters"] = parameters(width, depth)
+        if isinstance(fitted, eo.Plan):
+            row |= {
+                "device GiB": fitted.report.device_bytes / GIB,
+                "host GiB": fitted.report.host_bytes / GIB,
+                "step s": None
+                if fitted.report.time is None
+                else fitted.report.time.seconds,
+                "plan": next(
+                    r.label for r in fitted.table.rows if r.status == "chosen"
+                ),
+                "compiles": fitted.compiled,
+            }
+        else:
+            row["fits"] = fitted
+        row["seconds"] = time.perf_counter() - start
+        print(row, flush=True)
+        rows.append(row)
+    headers = ["how", "depth", "parameters", "device GiB", "host GiB", "step s"]
+    print(table(headers, [[r.get(h) for h in headers] for r in rows]))
+    write_json(
+        args.json, "largest", {"width": width, "cap parameters": cap, "rows": rows}
+    )
+
+
+if __name__ == "__main__":
+    main()
