@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import eqx_offload as eo
-from eqx_offload._planner import _budget, _search
+from eqx_offload._planner import _budget, _candidates, _search, _sizes
 
 from .helpers import batches, cross_entropy, Model
 
@@ -320,3 +320,30 @@ def test_planning_mistakes():
         eo.plan(cross_entropy, optimizer, model, tokens, tokens, **bad)
     with pytest.raises(ValueError, match=r"`fewest_chips\(chip='tpu-v9'\)`"):
         eo.fewest_chips(cross_entropy, optimizer, model, tokens, tokens, chip="tpu-v9")
+
+
+def test_a_vocabulary_table_is_a_candidate_for_streaming():
+    """A `[vocab, dim]` table of 1024 rows or more outside any `Stacked` is offered
+    as streamed from the host: the candidate puts it on the host and names it in
+    `Policy(stream=...)`; smaller tables and stacked leaves are not offered."""
+    big = eqx.filter_eval_shape(Model, 1024, 16, 2, key=jax.random.key(0))
+    table = 1024 * 16 * 4  # the head's weight is `[vocab, dim]` too
+    assert _sizes.tables_of(big) == {"embed.weight": table, "head.weight": table}
+    assert _sizes.tables_of(_abstract()) == {}  # 256 rows
+    start = _candidates.Candidate.start(
+        ("embed", "blocks", "head"), (), _candidates.Settings(), ("embed.weight",)
+    )
+    move = _candidates.Move("stream", "embed.weight", "pinned_host")
+    assert move in start.moves(())
+    streamed = start.apply(move, ())
+    policy = streamed.policy()
+    assert policy.stream == ("embed.weight",)
+    assert dict(policy.params) == {
+        "embed": "device",
+        "blocks": "device",
+        "head": "device",
+        "embed.weight": "pinned_host",
+    }
+    assert streamed.label == "stream embed.weight from host; no remat"
+    assert _candidates.Move("stream", "embed.weight", "device") in streamed.flips({})
+    assert start.policy().stream == ()

@@ -24,8 +24,10 @@ class Move(NamedTuple):
     """One knob turned: a field's parameters or a part of its state to a memory
     kind, or a checkpoint name to a choice."""
 
-    knob: Literal["params", "opt_state", "residual"]
-    name: str  # a top-level field, a part of a field's state, or a checkpoint name
+    knob: Literal["params", "opt_state", "stream", "residual"]
+    # a top-level field, a part of a field's state, a vocabulary table (streamed
+    # from the host, `Policy(stream=...)`, when "pinned_host"), or a checkpoint name
+    name: str
     to: str  # "device", "pinned_host"; "save", "offload" or "recompute"
 
 
@@ -61,15 +63,22 @@ class Candidate(NamedTuple):
     # None: no remat at all (`Policy.none()`); else checkpoint name -> choice
     residuals: tuple[tuple[str, Residual], ...] | None
     settings: Settings = Settings()
+    # a vocabulary table -> "pinned_host": streamed from the host (`Policy(stream=)`)
+    stream: tuple[tuple[str, Kind], ...] = ()
 
     @classmethod
     def start(
-        cls, fields: tuple[str, ...], slots: tuple[str, ...], settings: Settings
+        cls,
+        fields: tuple[str, ...],
+        slots: tuple[str, ...],
+        settings: Settings,
+        tables: tuple[str, ...] = (),
     ) -> "Candidate":
         """Everything on the device, nothing recomputed: `Policy.none()`."""
         params: tuple[tuple[str, Kind], ...] = tuple((f, "device") for f in fields)
         state: tuple[tuple[str, Kind], ...] = tuple((s, "device") for s in slots)
-        return cls(params, state, None, settings)
+        stream: tuple[tuple[str, Kind], ...] = tuple((t, "device") for t in tables)
+        return cls(params, state, None, settings, stream)
 
     def remat(self, names: tuple[str, ...]) -> "Candidate":
         """Every name recomputed, the placements unchanged: `Policy.remat()` of
@@ -92,7 +101,7 @@ class Candidate(NamedTuple):
                 for n, c in residuals
             )
             return self._replace(residuals=changed)
-        field = "params" if move.knob == "params" else "opt_state"
+        field = move.knob
         entries: tuple[tuple[str, Kind], ...] = getattr(self, field)
         if move.name not in dict(entries):  # a part of a field, placed apart
             entries += ((move.name, move.to),)  # type: ignore[assignment]
@@ -102,7 +111,9 @@ class Candidate(NamedTuple):
         )
         # A part placed as its field is no longer placed apart.
         kept = tuple(
-            (f, k) for f, k in kinds.items() if kinds.get(_parent(f) or "") != k
+            (f, k)
+            for f, k in kinds.items()
+            if field == "stream" or kinds.get(_parent(f) or "") != k
         )
         return self._replace(**{field: kept})
 
@@ -115,6 +126,9 @@ class Candidate(NamedTuple):
             Move("opt_state", f, "pinned_host")
             for f, k in self.opt_state
             if k == "device"
+        ]
+        out += [
+            Move("stream", t, "pinned_host") for t, k in self.stream if k == "device"
         ]
         current = dict(self.residuals or ())
         for n in names:
@@ -134,6 +148,7 @@ class Candidate(NamedTuple):
         placed apart from the rest of it."""
         other: dict[str, Kind] = {"device": "pinned_host", "pinned_host": "device"}
         out = []
+        out += [Move("stream", t, other[k]) for t, k in self.stream]
         for knob in ("params", "opt_state"):
             entries: tuple[tuple[str, Kind], ...] = getattr(self, knob)
             placed = dict(entries)
@@ -154,6 +169,7 @@ class Candidate(NamedTuple):
 
     def policy(self) -> Policy:
         axis, _, dtype, host_remat = self.settings
+        streamed = tuple(t for t, k in self.stream if k != "device")
         if self.residuals is None:
             save: str | tuple[str, ...] = "all"
             offload: tuple[str, ...] = ()
@@ -163,12 +179,13 @@ class Candidate(NamedTuple):
         return Policy(
             save=save,
             offload=offload,
-            params=dict(self.params),
+            params={**dict(self.params), **{t: "pinned_host" for t in streamed}},
             opt_state=dict(self.opt_state),
             shard=None if axis is None else FSDP(axis),
             batch=None if axis is None else PartitionSpec(axis),
             compute_dtype=None if dtype is None else np.dtype(dtype),
             host_remat=host_remat,
+            stream=streamed,
         )
 
     @property
@@ -191,6 +208,9 @@ class Candidate(NamedTuple):
         ]
         if apart:
             parts.append(", ".join(apart))
+        streamed = [t for t, k in self.stream if k != "device"]
+        if streamed:
+            parts.append(f"stream {', '.join(streamed)} from host")
         if self.residuals is None:
             parts.append("no remat")
         else:

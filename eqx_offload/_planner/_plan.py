@@ -27,9 +27,9 @@ from .._report import (
 from .._train_step import train_step
 from .._update import init_opt_state
 from ._budget import parse_bytes
-from ._candidates import Candidate, Settings
+from ._candidates import Candidate, Move, Settings
 from ._search import Search
-from ._sizes import estimates, fields_of, parts_of, state_slots
+from ._sizes import estimates, fields_of, parts_of, state_slots, tables_of
 from ._table import PlanTable
 
 
@@ -209,7 +209,10 @@ def plan(
     search.estimates = estimates(model, fields, slots, offered)
     search.parts, finer = parts_of(optimizer, model, slots)
     search.estimates |= finer
-    base = Candidate.start(fields, tuple(slots), settings[0])
+    # Streamed tables stay whole on every device: offered on one device only.
+    tables = tables_of(model) if mesh is None else {}
+    search.estimates |= {Move("stream", t, "pinned_host"): n for t, n in tables.items()}
+    base = Candidate.start(fields, tuple(slots), settings[0], tuple(tables))
     search.evaluate(base, "no remat, all on device: Policy.none()")
     if search.fits(base):
         search.variants(base, settings[1:])

@@ -107,6 +107,11 @@ class Search:
             result.error = "too big for the device"
         except DoesNotCompile as e:
             result.error = f"does not compile: {str(e).splitlines()[0][:80]}"
+        except ValueError as e:
+            if all(k == "device" for _, k in candidate.stream):
+                raise
+            # A streamed table the model reads otherwise than through `eo.embed`.
+            result.error = f"does not trace: {str(e).splitlines()[0][:80]}"
         else:
             result.report = report
         self.results[candidate] = result

@@ -100,6 +100,21 @@ def parts_of(
     return split, kept
 
 
+def tables_of(model: Any) -> dict[str, int]:
+    """The vocabulary tables `plan` can stream from the host (`Policy(stream=...)`):
+    trainable `[vocab, dim]` leaves outside any `Stacked`, of 1024 rows or more,
+    with their bytes. Whether the model reads one only through `eo.embed` and
+    `eo.chunked_cross_entropy`, as streaming needs, the compile says."""
+    return {
+        leaf.path: _nbytes(leaf.value)
+        for leaf in _paths.leaves(model)
+        if is_trainable(leaf.value)
+        and leaf.stacked is None
+        and leaf.value.ndim == 2
+        and leaf.value.shape[0] >= 1024
+    }
+
+
 def _group(path: str) -> str | None:
     """The part of a top-level field a leaf path is in: `"blocks.mlp"` of
     `"blocks.mlp.layers[0].weight"`; `None` for a leaf that is the field itself
