@@ -104,6 +104,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 loss_fn, optimizer, model, *batch, target=args.target, **common
             )
     except (ValueError, TypeError) as e:  # bad input, nothing fits (`DoesNotFit`)
+        if isinstance(e, TypeError) and not str(e).startswith("`plan("):
+            raise  # from the factory's model or loss: with its traceback
         raise SystemExit(f"eqx_offload plan: {e}") from None
     print(result)
     print(f"\npolicy: {result.policy}")

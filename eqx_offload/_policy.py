@@ -243,11 +243,12 @@ class Policy(eqx.Module):
         - `host_remat`: on a TPU, let the compiler keep in host memory the values
             it would otherwise recompute to fit the chip's memory (its own
             rematerialization, not `save`/`offload`'s: the parts of the step
-            outside `Stacked` scans; XLA's
-            `xla_tpu_rematerialization_use_host_memory_offload`). It changes where
+            outside `Stacked` scans; the TPU compiler's remat-to-host option).
+            It changes where
             values wait, not what is computed. A compile option of the TPU
-            compiler: `train_step` and `memory_report(target="tpu-...")` pass it;
-            on another backend the step raises a `ValueError`.
+            compiler: `train_step` and `memory_report(target="tpu-...")` pass it,
+            and on another backend the step raises a `ValueError`; a step of your
+            own (`eo.filter_offload`) does not: pass the option to its `jax.jit`.
         """
         self.params = _params(params)
         self.save = "all" if save == "all" else _name_patterns(save, "save")

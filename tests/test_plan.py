@@ -295,9 +295,10 @@ def test_fewest_chips(monkeypatch):
     assert tried["tpu-v5e"].startswith("does not fit: smallest device footprint")
     assert tried["tpu-v5e:4x4"].startswith("skipped: 16 devices do not split")
     assert "tpu-v5e:2x4" not in tried  # bisected: 2x2 fits, one chip does not
-    # 4 on one chip (no moves, no local search); on 2x2 one to find that it fits,
-    # one to plan it.
-    assert p.compiled == 6
+    # 6 on one chip (no moves, no local search: the presets, then the best and
+    # `Policy.none()` with the compiler's remat to host); on 2x2 one to find that
+    # it fits, one to plan it.
+    assert p.compiled == 8
     assert "tpu-v5e: does not fit" in str(p)
 
 
@@ -315,6 +316,10 @@ def test_planning_mistakes():
         with pytest.raises(ValueError, match=match):
             kwargs = {"target": "tpu-v5e", **bad}
             eo.plan(cross_entropy, optimizer, model, tokens, tokens, **kwargs)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    with pytest.raises(ValueError, match=r"a batch argument is a scalar"):
+        bad = {"microbatches": (1, 2), "target": "tpu-v5e"}
+        eo.plan(cross_entropy, optimizer, model, tokens, scalar, **bad)
     with pytest.raises(TypeError, match=r"int32'>,\)\)`: .* is not a floating-point"):
         bad = {"compute_dtypes": (jnp.int32,), "target": "tpu-v5e"}
         eo.plan(cross_entropy, optimizer, model, tokens, tokens, **bad)

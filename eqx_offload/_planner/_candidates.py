@@ -91,7 +91,7 @@ class Candidate(NamedTuple):
 
     def apply(self, move: Move, names: tuple[str, ...]) -> "Candidate":
         """This candidate with `move` made (from no remat, a residual move first
-        recomputes every other name: the other names of `Policy.remat()`)."""
+        saves every other name, so that only this one changes)."""
         if move.knob == "residual":
             residuals = self.residuals
             if residuals is None:
@@ -200,7 +200,9 @@ class Candidate(NamedTuple):
         if state:
             parts.append(f"opt_state on host: {', '.join(state)}")
         apart = [
-            f"{'params of ' if knob == 'params' else ''}{name} on "
+            f"{'params of ' if knob == 'params' else ''}"
+            f"{'opt_state of ' if knob == 'opt_state' and ':' not in name else ''}"
+            f"{name} on "
             f"{'device' if kind == 'device' else 'host'}"
             for knob in ("params", "opt_state")
             for name, kind in getattr(self, knob)

@@ -53,10 +53,11 @@ def fewest_chips(
         batch grows with the devices (the leading sizes times the device count).
 
     **The search.** Taking a step that fits on `n` devices to fit on more (FSDP
-    splits parameters, state and the batch further), it bisects the targets: about
-    three probes for the seven sizes of a v5e. A probe is `eo.plan`'s search
-    stopped at the first candidate that fits (a target where nothing fits is
-    searched in full); the fewest devices found are then planned in full.
+    splits parameters, state and the batch further), it bisects the targets: three
+    or four probes for the eight of a v5e (one chip and seven slices). A probe is
+    `eo.plan`'s search stopped at the first candidate that fits (a target where
+    nothing fits is searched in full); the fewest devices found are then planned
+    in full.
 
     **Returns:**
 
@@ -74,14 +75,16 @@ def fewest_chips(
     leading = {x.shape[0] for x in jtu.tree_leaves(batch) if getattr(x, "ndim", 0) > 0}
     skipped: list[tuple[str, str]] = []
     if not batch_per_device:
+        k = max(microbatches, default=1)
         for t in list(targets):
-            if any(n % counts[t] for n in leading):
+            if any(n % (counts[t] * k) for n in leading):
                 targets.remove(t)
+                parts = "" if k == 1 else f" (in {k} micro-batches)"
                 skipped.append(
                     (
                         t,
                         f"skipped: {counts[t]} devices do not split a batch of "
-                        f"leading size {sorted(leading)}",
+                        f"leading size {sorted(leading)}{parts}",
                     )
                 )
     tried: dict[str, Plan | DoesNotFit | None] = {}  # None: fits (not planned)

@@ -212,6 +212,8 @@ def plan(
     # Streamed tables stay whole on every device: offered on one device only.
     tables = tables_of(model) if mesh is None else {}
     search.estimates |= {Move("stream", t, "pinned_host"): n for t, n in tables.items()}
+    if mesh is not None:  # FSDP splits the parameters, the state and the batch
+        search.estimates = {m: n // mesh.size for m, n in search.estimates.items()}
     base = Candidate.start(fields, tuple(slots), settings[0], tuple(tables))
     search.evaluate(base, "no remat, all on device: Policy.none()")
     if search.fits(base):
@@ -260,7 +262,8 @@ def _settings(
     first ones first; FSDP over `axis` on a target of several devices."""
     if not isinstance(axis, str) or not axis:
         raise ValueError(f"`plan(axis={axis!r})`: give a mesh axis name, 'fsdp'.")
-    several = target is not None and device_count(target) > 1
+    devices = 1 if target is None else device_count(target)
+    several = devices > 1
     counts = tuple(microbatches)
     if not counts or any(
         isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in counts
@@ -270,13 +273,21 @@ def _settings(
             "counts, e.g. `(1, 2, 4)`; `(1,)` (the default) trains the whole batch "
             "at once."
         )
-    leading = {x.shape[0] for x in jtu.tree_leaves(batch) if getattr(x, "ndim", 0)}
+    leaves = [x for x in jtu.tree_leaves(batch) if hasattr(x, "ndim")]
+    leading = {x.shape[0] for x in leaves if x.ndim}
     for k in counts:
-        if any(n % k for n in leading):
+        if any(n % (k * devices) for n in leading):
+            over = "" if devices == 1 else f" over {devices} devices"
             raise ValueError(
-                f"`plan(microbatches={microbatches!r})`: {k} micro-batches do not "
-                f"split a batch of leading size {sorted(leading)}; offer counts "
+                f"`plan(microbatches={microbatches!r})`: {k} micro-batches{over} do "
+                f"not split a batch of leading size {sorted(leading)}; offer counts "
                 "that divide it."
+            )
+        if k > 1 and any(x.ndim == 0 for x in leaves):
+            raise ValueError(
+                f"`plan(microbatches={microbatches!r})`: a batch argument is a "
+                "scalar, which micro-batches cannot split (`plan` passes no "
+                "`unsplit=`); offer `(1,)`, or bind the scalar into the loss."
             )
     dtypes = tuple(compute_dtypes)
     if not dtypes:

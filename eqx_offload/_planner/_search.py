@@ -277,7 +277,11 @@ class Search:
             options = []
             for move in current.flips(self.parts):
                 device, host = self._after(current, move, report)
-                if abs(device - report.device_bytes) < SMALLEST * self.budgets[0]:
+                moved = max(
+                    abs(device - report.device_bytes) / self.budgets[0],
+                    abs(host - report.host_bytes) / max(self.budgets[1], 1),
+                )
+                if moved < SMALLEST:
                     continue  # a part too small to matter (a norm's scale)
                 if fits and device > report.device_bytes:
                     if self._overflow(device, host) == 0:
@@ -340,6 +344,13 @@ class Search:
         device, host = float(report.device_bytes), float(report.host_bytes)
         if move.knob != "residual":
             n = self.estimates.get(Move(move.knob, move.name, "pinned_host"), 0)
+            # Its parts already on that side, placed apart, do not move.
+            placed = dict(getattr(candidate, move.knob))
+            n -= sum(
+                self.estimates.get(Move(move.knob, part, "pinned_host"), 0)
+                for part in self.parts.get(move.name, ())
+                if placed.get(part) == move.to
+            )
             sign = 1 if move.to == "device" else -1
             return device + sign * n, host - sign * n
         n = self.estimates.get(Move("residual", move.name, "offload"), 0)
@@ -377,6 +388,8 @@ class Search:
         device, host = self.budgets
         chosen = self.best()
         if chosen is None or not self.fits(chosen):
+            if self.bar is not None:
+                self.bar.close()
             raise self._nothing_fits(device, host)
         none_flops = self._flops(next(iter(self.results)))
         rows = []

@@ -102,10 +102,11 @@ def parts_of(
 
 def tables_of(model: Any) -> dict[str, int]:
     """The vocabulary tables `plan` can stream from the host (`Policy(stream=...)`):
-    trainable `[vocab, dim]` leaves outside any `Stacked`, of 1024 rows or more,
-    with their bytes. Whether the model reads one only through `eo.embed` and
-    `eo.chunked_cross_entropy`, as streaming needs, the compile says."""
-    return {
+    the two largest trainable `[vocab, dim]` leaves outside any `Stacked`, of 1024
+    rows or more (an embedding and a head), with their bytes. Whether the model
+    reads one only through `eo.embed` and `eo.chunked_cross_entropy`, as streaming
+    needs, the compile says."""
+    found = {
         leaf.path: _nbytes(leaf.value)
         for leaf in _paths.leaves(model)
         if is_trainable(leaf.value)
@@ -113,6 +114,8 @@ def tables_of(model: Any) -> dict[str, int]:
         and leaf.value.ndim == 2
         and leaf.value.shape[0] >= 1024
     }
+    largest = sorted(found, key=lambda p: -found[p])[:2]
+    return {p: n for p, n in found.items() if p in largest}
 
 
 def _group(path: str) -> str | None:
