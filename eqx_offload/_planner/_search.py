@@ -237,20 +237,26 @@ class Search:
                 host = self._host(base) + sum(c[3] for c in chosen)
                 if device <= device_budget and host <= host_budget:
                     seconds = self._seconds(base) + sum(c[2] for c in chosen)
-                    options.append((seconds, [c[0] for c in chosen]))
-        options.sort(key=lambda o: o[0])
+                    options.append((seconds, host, [c[0] for c in chosen]))
+        # Fastest first; where `base` has no step time (too big to compile), the
+        # fewest bytes moved to the host first (less to wait for on the host link).
+        options.sort(key=lambda o: o[:2])
         fitted = compiled = 0
-        for seconds, chosen in options:
+        for seconds, host, chosen in options:
             candidate = base
             for move in chosen:
                 candidate = candidate.apply(move, names)
             if candidate in self.results:
                 continue
             if fitted >= COMBINATIONS or compiled >= COMBINATION_COMPILES:
+                why = (
+                    f"in {time_text(seconds)}: slower than"
+                    if seconds < float("inf")
+                    else f"with {size_text(int(host))} on the host: more than"
+                )
                 self.pruned[candidate] = (
                     candidate.label,
-                    f"pruned: estimated to fit, in {time_text(seconds)}: slower than "
-                    "the combinations compiled",
+                    f"pruned: estimated to fit, {why} the combinations compiled",
                 )
                 continue
             self.evaluate(candidate)
