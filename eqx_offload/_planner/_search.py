@@ -238,11 +238,11 @@ class Search:
                 if device <= device_budget and host <= host_budget:
                     seconds = self._seconds(base) + sum(c[2] for c in chosen)
                     options.append((seconds, host, [c[0] for c in chosen]))
-        # Fastest first; where `base` has no step time (too big to compile), the
-        # fewest bytes moved to the host first (less to wait for on the host link).
-        options.sort(key=lambda o: o[:2])
+        # Fastest first; where `base` has no step time (too big to compile), in
+        # the order listed: the moves freeing the most device memory first.
+        options.sort(key=lambda o: o[0])
         fitted = compiled = 0
-        for seconds, host, chosen in options:
+        for seconds, _, chosen in options:
             candidate = base
             for move in chosen:
                 candidate = candidate.apply(move, names)
@@ -250,13 +250,14 @@ class Search:
                 continue
             if fitted >= COMBINATIONS or compiled >= COMBINATION_COMPILES:
                 why = (
-                    f"in {time_text(seconds)}: slower than"
+                    f"in {time_text(seconds)}: slower than the combinations compiled"
                     if seconds < float("inf")
-                    else f"with {size_text(int(host))} on the host: more than"
+                    else "after the combinations compiled (no step time to rank by: "
+                    "the step without moves is too big to compile)"
                 )
                 self.pruned[candidate] = (
                     candidate.label,
-                    f"pruned: estimated to fit, {why} the combinations compiled",
+                    f"pruned: estimated to fit, {why}",
                 )
                 continue
             self.evaluate(candidate)
