@@ -343,6 +343,7 @@ def test_a_vocabulary_table_is_a_candidate_for_streaming():
     streamed = start.apply(move, ())
     policy = streamed.policy()
     assert policy.stream == ("embed.weight",)
+    assert isinstance(policy.params, tuple)
     assert dict(policy.params) == {
         "embed": "device",
         "blocks": "device",
