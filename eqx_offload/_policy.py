@@ -249,6 +249,9 @@ class Policy(eqx.Module):
             compiler: `train_step` and `memory_report(target="tpu-...")` pass it,
             and on another backend the step raises a `ValueError`; a step of your
             own (`eo.filter_offload`) does not: pass the option to its `jax.jit`.
+            libtpu 0.0.42 aborted the process compiling a 66-layer GPT step with
+            it (a failed check in its rematerialization pass): try it on small
+            programs first.
         """
         self.params = _params(params)
         self.save = "all" if save == "all" else _name_patterns(save, "save")

@@ -22,7 +22,6 @@ from .._report import (
     device_count,
     Hardware,
     MemoryReport,
-    platform as target_platform,
 )
 from .._train_step import train_step
 from .._update import init_opt_state
@@ -227,13 +226,6 @@ def plan(
             if best is not None:
                 search.variants(best, settings[1:])
                 search.improve(names)
-        best = search.best()
-        if best is not None and not search.fits(best) and _is_tpu(target):
-            # The TPU compiler's own remat to host, where nothing else fits.
-            for candidate in (best, base):
-                offloading = candidate.settings._replace(host_remat=True)
-                search.variants(candidate, [offloading])
-            search.improve(names)
     result, table = search.finish()
     assert result.report is not None
     return Plan(
@@ -297,10 +289,6 @@ def _settings(
         )
     names = tuple(None if d is None else _dtype_name(d, dtypes) for d in dtypes)
     return [Settings(axis if several else None, k, d) for k in counts for d in names]
-
-
-def _is_tpu(target: str | None) -> bool:
-    return target is not None and target_platform(target) == "tpu"
 
 
 def _dtype_name(dtype: DTypeLike, offered: tuple) -> str:
