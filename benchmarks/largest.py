@@ -15,6 +15,7 @@ fits planned in full. The physical cap is (HBM + host) / 16 bytes a parameter
 (the parameter, its gradient, Adam's two moments). Only compiled, never run.
 """
 
+import contextlib
 import time
 from typing import Any
 
@@ -96,19 +97,7 @@ def planned(width: int, depth: int, probe: bool) -> eo.Plan | bool:
     )
     tokens = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
     try:
-        if probe:
-            with first_fit():
-                eo.plan(
-                    chunked_loss,
-                    optax.adamw(1e-4),
-                    abstract,
-                    tokens,
-                    tokens,
-                    target=TARGET,
-                    host_budget=HOST,
-                    progress=True,
-                )
-        else:
+        with first_fit() if probe else contextlib.nullcontext():
             return eo.plan(
                 chunked_loss,
                 optax.adamw(1e-4),
@@ -123,7 +112,6 @@ def planned(width: int, depth: int, probe: bool) -> eo.Plan | bool:
         return True
     except eo.DoesNotFit:
         return False
-    return True
 
 
 def parameters(width: int, depth: int) -> int:
