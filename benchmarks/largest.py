@@ -2,17 +2,18 @@
 HBM) with 48 GB of host memory: with `Policy.remat()`, with each offloading preset,
 and with `eo.plan`; fp32 parameters and AdamW, batch 8 x 1024 tokens.
 
-    python benchmarks/largest.py [--width 2048] [--plan-depths 80 96] [--json FILE]
+    python benchmarks/largest.py [--width 2048] [--json FILE]
 
 The model: `decoder.py`'s GPT-2 style (LayerNorm, multi-head attention, a GELU MLP
 of 4 x width, learned positions, a tied 32768-token table), `width / 64` heads,
 with the chunked loss. Only the depth grows (the width is fixed): for
 `Policy.remat()` and each preset, the largest depth that fits is bisected (each
-depth one compile). `plan` is asked at the best preset's largest depth (is its
-step time no worse?) and at the deeper `--plan-depths` (does anything fit?),
-each a probe that stops at the first candidate that fits, then the deepest that
-fits planned in full. The physical cap is (HBM + host) / 16 bytes a parameter
-(the parameter, its gradient, Adam's two moments). Only compiled, never run.
+depth one compile). `plan` is asked in full at the best preset's largest depth
+(is its step time no worse?); its own largest depth is bisected between that
+and the physical cap with probes (each stops at the first candidate that fits,
+or raises `DoesNotFit` when none does), and that depth is planned in full. The
+physical cap is (HBM + host) / 16 bytes a parameter (the parameter, its
+gradient, Adam's two moments). Only compiled, never run.
 """
 
 import contextlib
@@ -122,7 +123,6 @@ def main():
     p = parser(__doc__)
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--max-depth", type=int, default=160)
-    p.add_argument("--plan-depths", type=int, nargs="+", default=[])
     args = p.parse_args()
     width = args.width
     rows: list[dict[str, Any]] = []
@@ -140,26 +140,39 @@ def main():
         print(row, flush=True)
         rows.append(row)
     best = max(deepest, key=lambda k: deepest[k])
-    for depth in sorted({deepest[best], *args.plan_depths}):
+    start = time.perf_counter()
+    low, high, probes = deepest[best] + 1, deepest[best] + 1, 0
+    while parameters(width, high) <= cap:
+        high += 1
+    plan_depth = deepest[best]
+    while low < high:
+        middle = (low + high) // 2
+        probes += 1
+        fitted = planned(width, middle, probe=True)
+        print({"plan probe": middle, "fits": fitted}, flush=True)
+        if fitted:
+            plan_depth, low = middle, middle + 1
+        else:
+            high = middle
+    bisected = time.perf_counter() - start
+    for depth in sorted({deepest[best], plan_depth}):
         start = time.perf_counter()
-        fitted = planned(width, depth, probe=depth != deepest[best])
+        fitted = planned(width, depth, probe=False)
+        assert isinstance(fitted, eo.Plan), depth
         row: dict[str, Any] = {"how": "plan", "depth": depth}
         row["parameters"] = parameters(width, depth)
-        if isinstance(fitted, eo.Plan):
-            row |= {
-                "device GiB": fitted.report.device_bytes / GIB,
-                "host GiB": fitted.report.host_bytes / GIB,
-                "step s": None
-                if fitted.report.time is None
-                else fitted.report.time.seconds,
-                "plan": next(
-                    r.label for r in fitted.table.rows if r.status == "chosen"
-                ),
-                "compiles": fitted.compiled,
-            }
-        else:
-            row["fits"] = fitted
-        row["seconds"] = time.perf_counter() - start
+        row |= {
+            "device GiB": fitted.report.device_bytes / GIB,
+            "host GiB": fitted.report.host_bytes / GIB,
+            "step s": None
+            if fitted.report.time is None
+            else fitted.report.time.seconds,
+            "plan": next(r.label for r in fitted.table.rows if r.status == "chosen"),
+            "compiles": fitted.compiled,
+            "seconds": time.perf_counter() - start,
+        }
+        if depth == plan_depth:
+            row |= {"probes": probes, "probe seconds": bisected}
         print(row, flush=True)
         rows.append(row)
     headers = ["how", "depth", "parameters", "device GiB", "host GiB", "step s"]
