@@ -69,7 +69,7 @@ def fewest_chips(
     `DoesNotFit` if the step fits on none of them, with the smallest footprint
     on the largest.
     """
-    start, compiles = time.perf_counter(), Search.compiles
+    start, compiles, reused = time.perf_counter(), Search.compiles, Search.reuses
     targets = list(target_sizes(chip))
     counts = {t: device_count(t) for t in targets}
     leading = {x.shape[0] for x in jtu.tree_leaves(batch) if getattr(x, "ndim", 0) > 0}
@@ -133,6 +133,7 @@ def fewest_chips(
         chosen,
         tried=notes,
         compiled=Search.compiles - compiles,
+        reused=Search.reuses - reused,
         seconds=time.perf_counter() - start,
     )
 

@@ -43,8 +43,10 @@ class Plan:
         `AbstractMesh` of one axis over every device that the policy's FSDP layout
         and batch split name (`None` for one device).
     - `table`: every candidate considered (`PlanTable`: `print(plan.table)`,
-        `plan.table.to_dict()`); `compiled`: how many were compiled; `seconds`:
-        the planning time (of `eo.fewest_chips`: of every target it planned);
+        `plan.table.to_dict()`); `compiled`: how many were compiled, `reused`:
+        how many of them an earlier `plan` in this process had compiled (kept by
+        step, shapes, policy and target); `seconds`: the planning time (of
+        `eo.fewest_chips`: of every target it planned);
         `tried`: of `eo.fewest_chips`, the other targets and why each was not
         chosen.
     - `train_step()`: the chosen step, ready to call with `place(model)` and
@@ -64,6 +66,7 @@ class Plan:
     target: str | None = None
     mesh: AbstractMesh | None = None
     tried: tuple[tuple[str, str], ...] = ()
+    reused: int = 0
 
     def train_step(self) -> Callable:
         """`eo.train_step(loss_fn, optimizer, plan.policy,
@@ -111,9 +114,11 @@ class Plan:
         chosen = next(r for r in self.table.rows if r.status == "chosen")
         on = "" if self.target is None else f" on {self.target}"
         others = "".join(f"{t}: {why}\n" for t, why in self.tried)
+        reused = f", {self.reused} of them earlier" if self.reused else ""
         return (
             f"{others}Plan{on}: {chosen.label} "
-            f"({self.compiled} compiled in {self.seconds:.1f} s)\n{self.table}"
+            f"({self.compiled} compiled{reused} in {self.seconds:.1f} s)\n"
+            f"{self.table}"
         )
 
 
@@ -171,7 +176,10 @@ def plan(
     on the best candidate, and the local search again. Of everything compiled, the
     fitting candidate with the lowest estimated step time is the plan (the
     smallest device footprint among equals, and on the CPU backend, which has no
-    step time). Each step is compiled once.
+    step time). Each step is compiled once in a process: `plan` again (other
+    budgets, say) reuses what an earlier one compiled for the same step (the same
+    `loss_fn` and `optimizer` objects, as `jax.jit` keys its cache), shapes,
+    policy and target.
 
     **Returns:**
 
@@ -233,6 +241,7 @@ def plan(
         result.report,
         table,
         compiled=len(search.results),
+        reused=search.reused,
         seconds=time.perf_counter() - start,
         loss_fn=loss_fn,
         optimizer=optimizer,

@@ -3,10 +3,11 @@ and keeps what each compile showed; the steps of the search (the presets, single
 moves and their combinations, a local search, the opted-in micro-batch counts and
 compute dtypes) and the choice among the compiled candidates."""
 
+import collections
 import contextlib
 import contextvars
 import itertools
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import jax
@@ -40,6 +41,16 @@ IMPROVE_COMPILES = 6
 SMALLEST = 0.01
 
 
+# Compiled candidates kept between searches in this process (`plan` again with other
+# budgets, `fewest_chips` planning the target its probe found): the report, or
+# what the compile raised, by step (the loss function and optimizer by identity, as
+# `jax.jit` keys its cache), shapes, policy and target. The oldest go first.
+KEPT = 256
+_kept: collections.OrderedDict[Hashable, MemoryReport | Exception] = (
+    collections.OrderedDict()
+)
+
+
 class Fitted(Exception):
     """A candidate fits, and the search was only asked whether one does."""
 
@@ -70,7 +81,10 @@ class Result:
 class Search:
     """The candidates compiled for one step on one target, and the choice."""
 
-    compiles = 0  # of every search in this process (`fewest_chips` counts its own)
+    # Of every search in this process (`fewest_chips` counts its own): candidates
+    # compiled, and how many of them an earlier search had compiled.
+    compiles = 0
+    reuses = 0
 
     def __init__(
         self,
@@ -87,7 +101,7 @@ class Search:
         self.model, self.batch = model, batch
         self.target, self.mesh, self.has_aux = target, mesh, has_aux
         self.results: dict[Candidate, Result] = {}
-        self.reports: dict[str, MemoryReport] = {}  # by policy: each compiled once
+        self.reused = 0  # of the results, compiled by an earlier search
         self.estimates: dict[Move, int] = {}  # bytes a move frees, before compiling
         self.parts: dict[str, tuple[str, ...]] = {}  # a field's parts placed apart
         self.pruned: dict[Candidate, tuple[str, str]] = {}
@@ -131,22 +145,8 @@ class Search:
         say) would do nothing: it is recomputed instead, and the label says so."""
         for _ in range(len(candidate.residuals or ()) + 1):
             policy = candidate.policy()
-            placed = place(self.model, policy, mesh=self.mesh)
-            opt_state = init_opt_state(self.optimizer, placed, policy)
-            step = train_step(
-                self.loss_fn,
-                self.optimizer,
-                policy,
-                has_aux=self.has_aux,
-                microbatches=candidate.microbatches,
-            )
             try:
-                key = f"{policy!r} {candidate.microbatches}"
-                if key not in self.reports:
-                    self.reports[key] = memory_report(
-                        step, placed, opt_state, *self.batch, target=self.target
-                    )
-                return self.reports[key]
+                return self._report(policy, candidate.microbatches)
             except UnusedName as e:
                 if e.never_occurred or candidate.residuals is None:
                     raise
@@ -159,6 +159,56 @@ class Search:
                 result.label = candidate.label
                 result.policy = candidate.policy()
         raise AssertionError("unreachable: every name recomputed compiles")
+
+    def _report(self, policy: Any, microbatches: int) -> MemoryReport:
+        """`memory_report` of the step under `policy`, or what it raised, compiled
+        once in this process."""
+        key: Hashable | None = (
+            self.loss_fn,
+            self.optimizer,
+            self.has_aux,
+            self.target,
+            self.mesh,
+            jax.tree.structure(self.model),
+            tuple(jax.tree.leaves(self.model)),
+            jax.tree.structure(self.batch),
+            tuple(jax.tree.leaves(self.batch)),
+            repr(policy),
+            microbatches,
+            jax.dtypes.canonicalize_dtype(float),  # 64-bit or not
+        )
+        try:
+            hash(key)
+        except TypeError:  # a static field that is not hashable: not kept
+            key = None
+        if key is not None and key in _kept:
+            _kept.move_to_end(key)
+            Search.reuses += 1
+            self.reused += 1
+            outcome = _kept[key]
+        else:
+            try:
+                placed = place(self.model, policy, mesh=self.mesh)
+                opt_state = init_opt_state(self.optimizer, placed, policy)
+                step = train_step(
+                    self.loss_fn,
+                    self.optimizer,
+                    policy,
+                    has_aux=self.has_aux,
+                    microbatches=microbatches,
+                )
+                outcome = memory_report(
+                    step, placed, opt_state, *self.batch, target=self.target
+                )
+            except (DoesNotFit, DoesNotCompile, UnusedName, ValueError) as e:
+                outcome = e
+            if key is not None:
+                _kept[key] = outcome
+                while len(_kept) > KEPT:
+                    _kept.popitem(last=False)
+        if isinstance(outcome, Exception):
+            raise outcome.with_traceback(None)
+        return outcome
 
     def fits(self, candidate: Candidate) -> bool:
         r = self.results[candidate]
