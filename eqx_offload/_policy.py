@@ -250,8 +250,8 @@ class Policy(eqx.Module):
             and on another backend the step raises a `ValueError`; a step of your
             own (`eo.filter_offload`) does not: pass the option to its `jax.jit`.
             libtpu 0.0.42 aborted the process compiling a 66-layer GPT step with
-            it (a failed check in its rematerialization pass): try it on small
-            programs first.
+            it (a failed check in its rematerialization pass): `plan` compiles
+            it in a child process; try it on small programs first.
         """
         self.params = _params(params)
         self.save = "all" if save == "all" else _name_patterns(save, "save")

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from eqx_offload.__main__ import main
+
 
 ROOT = Path(__file__).parent.parent
 
@@ -45,18 +49,23 @@ def test_plan_prints_the_table(tmp_path):
 
 
 def test_bad_input_names_the_argument():
-    done = _run("plan", "tests.helpers", "--target", "tpu-v5e")
-    assert done.returncode != 0 and "is not `module:function`" in done.stderr
-    done = _run("plan", "tests.helpers:nothing_here", "--target", "tpu-v5e")
-    assert done.returncode != 0 and "cannot load the factory" in done.stderr
-    done = _run("plan", "tests.helpers:plan_factory", "--device-budget", "lots")
-    assert done.returncode != 0
-    assert "`plan(device_budget='lots')`: give a positive number" in done.stderr
+    """Each refusal is an exit with its message (the command's own `main`, in this
+    process: nothing is compiled)."""
+    message = _refused("tests.helpers", "--target", "tpu-v5e")
+    assert "is not `module:function`" in message
+    assert "cannot load the factory" in _refused("tests.helpers:nothing_here")
     factory = "tests.helpers:plan_factory"
-    done = _run("plan", factory, "--target", "tpu-v5e", "--microbatches", "3")
-    assert done.returncode != 0
-    assert "`plan(microbatches=(3,))`: 3 micro-batches do not split" in done.stderr
-    done = _run("plan", factory, "--chip", "tpu-v9")
-    assert done.returncode != 0 and "`fewest_chips(chip='tpu-v9')`" in done.stderr
-    done = _run("plan", factory, "--target", "tpu-v5e", "--batch-per-device")
-    assert done.returncode != 0 and "--batch-per-device needs --chip" in done.stderr
+    message = _refused(factory, "--device-budget", "lots")
+    assert "`plan(device_budget='lots')`: give a positive number" in message
+    message = _refused(factory, "--target", "tpu-v5e", "--microbatches", "3")
+    assert "`plan(microbatches=(3,))`: 3 micro-batches do not split" in message
+    assert "`fewest_chips(chip='tpu-v9')`" in _refused(factory, "--chip", "tpu-v9")
+    message = _refused(factory, "--target", "tpu-v5e", "--batch-per-device")
+    assert "--batch-per-device needs --chip" in message
+
+
+def _refused(*args: str) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(["plan", *args])
+    assert isinstance(e.value.code, str)  # a message, not a status
+    return e.value.code

@@ -3,7 +3,9 @@ when it fits, `DoesNotFit` when nothing does; and the chosen step trains as the
 plain one does."""
 
 import json
+import os
 import re
+import sys
 
 import equinox as eqx
 import jax
@@ -13,7 +15,7 @@ import optax
 import pytest
 
 import eqx_offload as eo
-from eqx_offload._planner import _budget, _candidates, _search, _sizes
+from eqx_offload._planner import _budget, _candidates, _compile, _plan, _search, _sizes
 
 from .helpers import batches, cross_entropy, Model
 
@@ -24,17 +26,27 @@ TOKENS = jax.ShapeDtypeStruct((2, 16), jnp.int32)
 BUDGET = int(28.5 * MIB)
 # One optimizer object: plans of the same step share their compiles.
 OPTIMIZER = optax.adam(1e-3)
+KEY = jax.random.key(0)
 
 
 def _abstract():
     return eqx.filter_eval_shape(Model, *ARGS, key=jax.random.key(0))
 
 
+def _loss(model, tokens, targets):
+    """`cross_entropy`, but in a child process of a test that sets
+    `EQX_OFFLOAD_TEST_PARENT` it aborts the process (as libtpu did)."""
+    parent = os.environ.get("EQX_OFFLOAD_TEST_PARENT")
+    if parent is not None and parent != str(os.getpid()):
+        os.abort()
+    return cross_entropy(model, tokens, targets)
+
+
 def _v5e_plan(**budgets) -> eo.Plan:
     """`eo.plan` of the test model's step on a v5e chip."""
     model = _abstract()
     return eo.plan(
-        cross_entropy,
+        _loss,
         OPTIMIZER,
         model,
         TOKENS,
@@ -186,7 +198,7 @@ def test_a_second_plan_reuses_the_first_ones_compiles(tight):
     assert same.reused == same.compiled == tight.compiled
     assert same.policy == tight.policy and same.table == tight.table
     other = eo.plan(
-        cross_entropy,
+        _loss,
         optax.adam(1e-3),
         _abstract(),
         TOKENS,
@@ -198,13 +210,50 @@ def test_a_second_plan_reuses_the_first_ones_compiles(tight):
 
 
 def test_nothing_fits_names_the_smallest_footprint_and_the_budget(monkeypatch):
+    """Where nothing fits on a TPU, the best candidate is compiled again with the
+    compiler's own remat to host, in a child process; here the loss aborts that
+    process (as libtpu did), which is a row of the table, not the end of the plan."""
     monkeypatch.setattr(_search, "SINGLES", 1)
-    monkeypatch.setattr(_search, "IMPROVE_COMPILES", 1)
+    monkeypatch.setattr(_search, "IMPROVE_COMPILES", 0)
+    monkeypatch.setenv("EQX_OFFLOAD_TEST_PARENT", str(os.getpid()))
+    results = []
+    evaluate = _search.Search.evaluate
+
+    def spy(self, candidate, label=None):
+        results.append(evaluate(self, candidate, label))
+        return results[-1]
+
+    monkeypatch.setattr(_search.Search, "evaluate", spy)
     with pytest.raises(eo.DoesNotFit, match="over the device budget") as e:
         _v5e_plan(device_budget=MIB)
     assert e.value.available_bytes == MIB
     assert e.value.required_bytes is not None and e.value.required_bytes > MIB
     assert "smallest device footprint found" in str(e.value)
+    assert [r.policy.host_remat for r in results] == [False] * 5 + [True]
+    assert results[-1].label.endswith("compiler remat to host")
+    assert results[-1].error is not None
+    assert results[-1].error.startswith("compiler crashed: ")
+    assert all(r.report is not None or r.required for r in results[:-1])
+
+
+def test_a_candidate_compiled_in_a_child_process_reports_as_here():
+    """`Policy(host_remat=True)`'s compile, in a child process and here: the same
+    report (the step's functions sent with cloudpickle)."""
+    policy = eo.Policy.remat(host_remat=True)
+    arguments = (cross_entropy, OPTIMIZER, _abstract(), (TOKENS, TOKENS), policy)
+    arguments += (1, False, "tpu-v5e", None)
+    here = _compile.report(*arguments)
+    child = _compile.report_in_child(*arguments)
+    assert child == here and child.time is not None
+    with pytest.raises(eo.DoesNotFit, match="tpu-v5e") as e:
+        big = eqx.filter_eval_shape(Model, 256, 16384, 4, key=KEY)  # over a chip
+        _compile.report_in_child(*arguments[:2], big, *arguments[3:])
+    required, available = e.value.required_bytes, e.value.available_bytes
+    assert required is not None and available is not None and required > available
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "cloudpickle", None)  # not installed
+        with pytest.raises(ImportError, match=r"needs cloudpickle: `pip install"):
+            _compile.report_in_child(*arguments)
 
 
 def test_budgets():
@@ -301,6 +350,7 @@ def test_fewest_chips(monkeypatch):
     do not split a batch of 8."""
     monkeypatch.setattr(_search, "SINGLES", 0)
     monkeypatch.setattr(_search, "IMPROVE_COMPILES", 0)
+    monkeypatch.setattr(_plan, "HOST_REMAT", False)  # (tested above)
     p = eo.fewest_chips(
         cross_entropy,
         OPTIMIZER,

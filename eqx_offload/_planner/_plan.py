@@ -22,6 +22,7 @@ from .._report import (
     device_count,
     Hardware,
     MemoryReport,
+    platform as target_platform,
 )
 from .._train_step import train_step
 from .._update import init_opt_state
@@ -30,6 +31,11 @@ from ._candidates import Candidate, Move, Settings
 from ._search import Search
 from ._sizes import estimates, fields_of, parts_of, state_slots, tables_of
 from ._table import PlanTable
+
+
+# Where nothing fits on a TPU, the best candidate is compiled once more with the
+# compiler's own remat to host (`Policy(host_remat=True)`), in a child process.
+HOST_REMAT = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +179,10 @@ def plan(
     free the most device memory by estimate, the combinations of compiled moves
     estimated to fit (fastest first), and a local search one knob at a time from
     the best so far; then each other micro-batch count and compute dtype offered,
-    on the best candidate, and the local search again. Of everything compiled, the
+    on the best candidate, and the local search again; for a TPU target where
+    nothing fits yet, the best candidate with the compiler's own remat to host
+    (`Policy(host_remat=True)`, compiled in a child process: it can abort the
+    process it runs in), and the local search again. Of everything compiled, the
     fitting candidate with the lowest estimated step time is the plan (the
     smallest device footprint among equals, and on the CPU backend, which has no
     step time). Each step is compiled once in a process: `plan` again (other
@@ -233,6 +242,14 @@ def plan(
             best = search.best()
             if best is not None:
                 search.variants(best, settings[1:])
+                search.improve(names)
+        best = search.best()
+        if HOST_REMAT and best is not None and not search.fits(best):
+            if target is not None and target_platform(target) == "tpu":
+                # The TPU compiler's own remat to host, where nothing else fits
+                # (compiled in a child process: it can abort the process).
+                host_remat = best.settings._replace(host_remat=True)
+                search.variants(best, [host_remat])
                 search.improve(names)
     result, table = search.finish()
     assert result.report is not None

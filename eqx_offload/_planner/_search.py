@@ -14,18 +14,15 @@ import jax
 from jax.sharding import AbstractMesh
 
 from .._diagnose import DoesNotCompile
-from .._placement import place
 from .._remat_names import UnusedName
 from .._report import (
     DoesNotFit,
-    memory_report,
     MemoryReport,
     size_text,
     time_text,
 )
-from .._train_step import train_step
-from .._update import init_opt_state
 from ._candidates import Candidate, Move, Settings
+from ._compile import CompilerCrashed, report, report_in_child
 from ._table import PlanRow, PlanTable
 
 
@@ -121,6 +118,8 @@ class Search:
             result.error = "too big for the device"
         except DoesNotCompile as e:
             result.error = f"does not compile: {str(e).splitlines()[0][:80]}"
+        except CompilerCrashed as e:
+            result.error = f"compiler crashed: {e.last_line[-80:]}"
         except ValueError as e:
             if all(k == "device" for _, k in candidate.stream):
                 raise
@@ -187,20 +186,27 @@ class Search:
             self.reused += 1
             outcome = _kept[key]
         else:
+            # The TPU compiler's remat to host can abort the process: in a child.
+            compile = report_in_child if policy.host_remat else report
             try:
-                placed = place(self.model, policy, mesh=self.mesh)
-                opt_state = init_opt_state(self.optimizer, placed, policy)
-                step = train_step(
+                outcome = compile(
                     self.loss_fn,
                     self.optimizer,
+                    self.model,
+                    self.batch,
                     policy,
-                    has_aux=self.has_aux,
-                    microbatches=microbatches,
+                    microbatches,
+                    self.has_aux,
+                    self.target,
+                    self.mesh,
                 )
-                outcome = memory_report(
-                    step, placed, opt_state, *self.batch, target=self.target
-                )
-            except (DoesNotFit, DoesNotCompile, UnusedName, ValueError) as e:
+            except (
+                DoesNotFit,
+                DoesNotCompile,
+                UnusedName,
+                ValueError,
+                CompilerCrashed,
+            ) as e:
                 outcome = e
             if key is not None:
                 _kept[key] = outcome
