@@ -2,7 +2,7 @@
 HBM) with 48 GB of host memory: with `Policy.remat()`, with each offloading preset,
 and with `eo.plan`; fp32 parameters and AdamW, batch 8 x 1024 tokens.
 
-    python benchmarks/largest.py [--width 2048] [--json FILE]
+    python benchmarks/largest.py [--width 2048] [--json FILE] [--probe 65]
 
 The model: `decoder.py`'s GPT-2 style (LayerNorm, multi-head attention, a GELU MLP
 of 4 x width, learned positions, a tied 32768-token table), `width / 64` heads,
@@ -13,7 +13,9 @@ depth one compile). `plan` is asked in full at the best preset's largest depth
 and the physical cap with probes (each stops at the first candidate that fits,
 or raises `DoesNotFit` when none does), and that depth is planned in full. The
 physical cap is (HBM + host) / 16 bytes a parameter (the parameter, its
-gradient, Adam's two moments). Only compiled, never run.
+gradient, Adam's two moments). Only compiled, never run. `--probe DEPTH ...`
+only probes `plan` at those depths, printing the candidates the compiler
+refused or crashed on where nothing fits.
 """
 
 import contextlib
@@ -93,6 +95,13 @@ def largest(width: int, preset: str, low: int, high: int) -> tuple[int, Any, int
 
 def planned(width: int, depth: int, probe: bool) -> eo.Plan | bool:
     """`eo.plan` at this depth, or (a probe) whether any candidate fits."""
+    outcome = attempt(width, depth, probe)
+    return outcome if isinstance(outcome, eo.Plan | bool) else False
+
+
+def attempt(width: int, depth: int, probe: bool) -> eo.Plan | bool | eo.DoesNotFit:
+    """`eo.plan` at this depth (a probe: `True` at the first candidate that fits),
+    or its `DoesNotFit` (`e.tried`: what it compiled)."""
     abstract = eqx.filter_eval_shape(
         decoder.Decoder, shape(width, depth), key=jax.random.key(0)
     )
@@ -111,8 +120,22 @@ def planned(width: int, depth: int, probe: bool) -> eo.Plan | bool:
             )
     except Fitted:
         return True
-    except eo.DoesNotFit:
-        return False
+    except eo.DoesNotFit as e:
+        return e
+
+
+def probe_only(width: int, depths: list[int]) -> None:
+    """`--probe`: whether `plan` fits at each depth and, where nothing does, the
+    candidates the compiler refused or crashed on."""
+    for depth in depths:
+        start = time.perf_counter()
+        outcome = attempt(width, depth, probe=True)
+        fits = outcome is True
+        print({"depth": depth, "fits": fits, "seconds": time.perf_counter() - start})
+        if isinstance(outcome, eo.DoesNotFit) and outcome.tried is not None:
+            for row in outcome.tried.rows:
+                if row.status.startswith(("compiler crashed", "does not compile")):
+                    print(f"  {row.label}: {row.status}", flush=True)
 
 
 def parameters(width: int, depth: int) -> int:
@@ -123,8 +146,13 @@ def main():
     p = parser(__doc__)
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--max-depth", type=int, default=160)
+    p.add_argument(
+        "--probe", type=int, nargs="+", help="only probe `plan` at these depths"
+    )
     args = p.parse_args()
     width = args.width
+    if args.probe:
+        return probe_only(width, args.probe)
     rows: list[dict[str, Any]] = []
     cap = (capacity(TARGET) + HOST) / 16
     print(f"physical cap: {cap / 1e9:.2f}e9 parameters", flush=True)

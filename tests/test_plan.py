@@ -216,24 +216,18 @@ def test_nothing_fits_names_the_smallest_footprint_and_the_budget(monkeypatch):
     monkeypatch.setattr(_search, "SINGLES", 1)
     monkeypatch.setattr(_search, "IMPROVE_COMPILES", 0)
     monkeypatch.setenv("EQX_OFFLOAD_TEST_PARENT", str(os.getpid()))
-    results = []
-    evaluate = _search.Search.evaluate
-
-    def spy(self, candidate, label=None):
-        results.append(evaluate(self, candidate, label))
-        return results[-1]
-
-    monkeypatch.setattr(_search.Search, "evaluate", spy)
     with pytest.raises(eo.DoesNotFit, match="over the device budget") as e:
         _v5e_plan(device_budget=MIB)
     assert e.value.available_bytes == MIB
     assert e.value.required_bytes is not None and e.value.required_bytes > MIB
     assert "smallest device footprint found" in str(e.value)
-    assert [r.policy.host_remat for r in results] == [False] * 5 + [True]
-    assert results[-1].label.endswith("compiler remat to host")
-    assert results[-1].error is not None
-    assert results[-1].error.startswith("compiler crashed: ")
-    assert all(r.report is not None or r.required for r in results[:-1])
+    # What it tried comes with the error: the presets, one move, the remat to host.
+    rows = e.value.tried.rows
+    assert e.value.tried.device_budget == MIB and len(rows) >= 6
+    assert [r.policy.host_remat for r in rows[:6]] == [False] * 5 + [True]
+    assert rows[5].label.endswith("compiler remat to host")
+    assert rows[5].status.startswith("compiler crashed: ")
+    assert all(r.status != "chosen" and r.fits is not True for r in rows)
 
 
 def test_a_candidate_compiled_in_a_child_process_reports_as_here():

@@ -198,8 +198,9 @@ def plan(
     **Raises:**
 
     `DoesNotFit` when no candidate fits, with the smallest device footprint
-    found, and which budget it broke. `ValueError` for a budget that is not a
-    size, a micro-batch count that does not split the batch.
+    found, and which budget it broke (`e.tried`: the table of every
+    candidate). `ValueError` for a budget that is not a size, a micro-batch
+    count that does not split the batch.
     """
     start = time.perf_counter()
     if isinstance(target, str) and target.endswith(":*"):

@@ -450,10 +450,8 @@ class Search:
         """The chosen candidate's result, and the table of every candidate."""
         device, host = self.budgets
         chosen = self.best()
-        if chosen is None or not self.fits(chosen):
-            if self.bar is not None:
-                self.bar.close()
-            raise self._nothing_fits(device, host)
+        if chosen is not None and not self.fits(chosen):
+            chosen = None
         none_flops = self._flops(next(iter(self.results)))
         rows = []
         for c, r in self.results.items():
@@ -483,7 +481,12 @@ class Search:
         ]
         if self.bar is not None:
             self.bar.close()
-        return self.results[chosen], PlanTable(tuple(rows), device, host)
+        table = PlanTable(tuple(rows), device, host)
+        if chosen is None:
+            error = self._nothing_fits(device, host)
+            error.tried = table
+            raise error
+        return self.results[chosen], table
 
     def _flops(self, candidate: Candidate) -> float | None:
         r = self.results[candidate]

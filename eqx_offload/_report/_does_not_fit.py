@@ -1,6 +1,8 @@
 """`DoesNotFit`: the error `memory_report` raises for a program too big for one
 device of its target, with what is known of it as data."""
 
+from typing import Any
+
 from .. import _compiler
 from ._record import ResidualRow
 
@@ -19,6 +21,8 @@ class DoesNotFit(ValueError):
         kind, as traced (`None` when not a `train_step`/`filter_offload`).
     - `arguments`: bytes of each argument by memory kind.
     - `compiler_message`: the compiler's own words.
+    - `tried`: raised by `eo.plan`, every candidate it considered (a `PlanTable`:
+        `print(e.tried)`); `None` otherwise.
     """
 
     target: str
@@ -29,6 +33,7 @@ class DoesNotFit(ValueError):
     residuals: tuple[ResidualRow, ...] | None
     arguments: dict[str, dict[str, int]]
     compiler_message: str
+    tried: Any
 
     def __init__(
         self,
@@ -51,3 +56,4 @@ class DoesNotFit(ValueError):
         self.params = params
         self.opt_state = opt_state
         self.residuals = residuals
+        self.tried = None
