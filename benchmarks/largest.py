@@ -19,7 +19,9 @@ refused or crashed on where nothing fits.
 """
 
 import contextlib
+import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
@@ -78,25 +80,21 @@ def fits(width: int, depth: int, preset: str) -> dict[str, Any] | None:
     }
 
 
-def largest(width: int, preset: str, low: int, high: int) -> tuple[int, Any, int]:
-    """The largest depth in [low, high) that fits (low - 1 if none), bisected."""
-    found, compiles = None, 0
+def largest(fits: Callable[[int], Any], low: int, high: int) -> tuple[int, Any, int]:
+    """The largest depth in [low, high) at which `fits` gives something (low - 1
+    if none), bisected; what it gave there; how many depths were tried."""
+    found, tries = None, 0
     best = low - 1
     while low < high:
         middle = (low + high) // 2
-        compiles += 1
-        r = fits(width, middle, preset)
+        tries += 1
+        r = fits(middle)
+        print({"depth": middle, "fits": r is not None}, flush=True)
         if r is not None:
             best, found, low = middle, r, middle + 1
         else:
             high = middle
-    return best, found, compiles
-
-
-def planned(width: int, depth: int, probe: bool) -> eo.Plan | bool:
-    """`eo.plan` at this depth, or (a probe) whether any candidate fits."""
-    outcome = attempt(width, depth, probe)
-    return outcome if isinstance(outcome, eo.Plan | bool) else False
+    return best, found, tries
 
 
 def attempt(width: int, depth: int, probe: bool) -> eo.Plan | bool | eo.DoesNotFit:
@@ -159,7 +157,9 @@ def main():
     deepest: dict[str, int] = {}
     for preset in PRESETS:
         start = time.perf_counter()
-        depth, found, compiles = largest(width, preset, 1, args.max_depth)
+        depth, found, compiles = largest(
+            functools.partial(fits, width, preset=preset), 1, args.max_depth
+        )
         deepest[preset] = depth
         row = {"how": f"Policy.{preset}()", "depth": depth}
         row["parameters"] = parameters(width, depth) if depth > 0 else 0
@@ -169,23 +169,16 @@ def main():
         rows.append(row)
     best = max(deepest, key=lambda k: deepest[k])
     start = time.perf_counter()
-    low, high, probes = deepest[best] + 1, deepest[best] + 1, 0
+    low = high = deepest[best] + 1
     while parameters(width, high) <= cap:
         high += 1
-    plan_depth = deepest[best]
-    while low < high:
-        middle = (low + high) // 2
-        probes += 1
-        fitted = planned(width, middle, probe=True)
-        print({"plan probe": middle, "fits": fitted}, flush=True)
-        if fitted:
-            plan_depth, low = middle, middle + 1
-        else:
-            high = middle
+    plan_depth, _, probes = largest(
+        lambda depth: attempt(width, depth, probe=True) is True or None, low, high
+    )
     bisected = time.perf_counter() - start
     for depth in sorted({deepest[best], plan_depth}):
         start = time.perf_counter()
-        fitted = planned(width, depth, probe=False)
+        fitted = attempt(width, depth, probe=False)
         assert isinstance(fitted, eo.Plan), depth
         row: dict[str, Any] = {"how": "plan", "depth": depth}
         row["parameters"] = parameters(width, depth)

@@ -55,6 +55,14 @@ def oom_sizes(message: str) -> tuple[int | None, int | None]:
     )
 
 
+def crash_line(stderr: str) -> str:
+    """What a compiler that ended its process said last: its failed check (libtpu's
+    "Check failed: ..." line), else the last line written to stderr."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    failed = [line for line in lines if "Check failed" in line]
+    return (failed or lines or [""])[-1]
+
+
 def op_names(text: str) -> list[str]:
     """The `op_name`s of the instructions quoted in a compiler message (or HLO)."""
     return re.findall(r'op_name="([^"]*)"', text)

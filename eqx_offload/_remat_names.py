@@ -79,6 +79,11 @@ class UnusedName(ValueError):
         self.seen, self.offered = seen, offered
         super().__init__(self._message())
 
+    def __reduce__(self) -> tuple:
+        """Pickled by its fields (`plan` receives it from a child process)."""
+        fields = (self.argument, self.pattern, self.matched, self.seen, self.offered)
+        return type(self), fields
+
     @property
     def never_occurred(self) -> bool:
         return not self.matched

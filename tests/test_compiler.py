@@ -200,3 +200,20 @@ def test_this_libtpu_compiles_as_the_fixtures_say():
     assert _structure(live) == _structure(fixture("tpu_hlo.txt"))
     assert _compiler.op_names(live) == _compiler.op_names(fixture("tpu_hlo.txt"))
     assert capture.tpu_out_of_memory() == fixture("tpu_out_of_memory.txt")
+
+
+def test_crash_line_is_the_failed_check():
+    """libtpu 0.0.42's abort compiling with its remat to host (`plan`, 65-layer GPT):
+    the failed check, not the signal handler's last words; else the last line."""
+    stderr = (
+        "WARNING: All log messages before absl::InitializeLog() is called ...\n"
+        "F1125 22:21:07.664641   17721 hlo_rematerialization.cc:2116] Check failed: "
+        "!place_before_list.empty() Have nothing to place this before!\n"
+        "*** SIGABRT received by PID 17721 (TID 17721) on cpu 1 ***\n"
+        "E1125 22:21:07.705482   17721 process_state.cc:708] RAW: Raising signal 6\n\n"
+    )
+    assert _compiler.crash_line(stderr).endswith(
+        "Check failed: !place_before_list.empty() Have nothing to place this before!"
+    )
+    assert _compiler.crash_line("a\nKilled\n") == "Killed"
+    assert _compiler.crash_line("") == ""

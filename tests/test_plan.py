@@ -4,6 +4,7 @@ plain one does."""
 
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 
 import eqx_offload as eo
 from eqx_offload._planner import _budget, _candidates, _compile, _plan, _search, _sizes
+from eqx_offload._remat_names import UnusedName
 
 from .helpers import batches, cross_entropy, Model
 
@@ -251,6 +253,13 @@ def test_a_candidate_compiled_in_a_child_process_reports_as_here():
             _compile.report_in_child(*arguments[:2], big, *arguments[3:])
     required, available = e.value.required_bytes, e.value.available_bytes
     assert required is not None and available is not None and required > available
+    assert "Ran out of memory" in e.value.compiler_message  # the whole error
+    assert e.value.params is not None and e.value.target == "tpu-v5e"
+    # A name the search must recompute instead comes back whole, as data.
+    unused = UnusedName("save", "blocks.x", (), ("blocks.input",), ("blocks.input",))
+    again = pickle.loads(pickle.dumps(unused))
+    assert str(again) == str(unused) and again.never_occurred
+    assert (again.pattern, again.offered) == ("blocks.x", ("blocks.input",))
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(sys.modules, "cloudpickle", None)  # not installed
         with pytest.raises(ImportError, match=r"needs cloudpickle: `pip install"):

@@ -16,10 +16,9 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh
 
-from .._diagnose import DoesNotCompile
+from .._compiler import crash_line
 from .._placement import place
-from .._remat_names import UnusedName
-from .._report import DoesNotFit, memory_report, MemoryReport
+from .._report import memory_report, MemoryReport
 from .._train_step import train_step
 from .._update import init_opt_state
 
@@ -90,27 +89,13 @@ def report_in_child(*arguments: Any) -> MemoryReport:
         except subprocess.TimeoutExpired:
             raise CompilerCrashed(-9, f"no answer in {CHILD_SECONDS} s") from None
         if done.returncode != 0 or not os.path.exists(received):
-            lines = [line for line in done.stderr.splitlines() if line.strip()]
-            failed = [line for line in lines if "Check failed" in line]
-            raise CompilerCrashed(done.returncode, (failed or lines or [""])[-1][:300])
+            last = crash_line(done.stderr)[:300]
+            raise CompilerCrashed(done.returncode, last)
         with open(received, "rb") as f:
-            kind, *data = pickle.load(f)
-    if kind == "report":
-        return data[0]
-    if kind == "does not fit":
-        message, required, available, on = data
-        raise DoesNotFit(
-            message,
-            target=on,
-            compiler_message="",
-            arguments={},
-            sizes=(required, available),
-        )
-    if kind == "does not compile":
-        raise DoesNotCompile(data[0])
-    if kind == "unused name":
-        raise UnusedName(*data[0])
-    raise ValueError(data[0])
+            answer = pickle.load(f)
+    if isinstance(answer, Exception):
+        raise answer
+    return answer
 
 
 def _child(sent: str, received: str) -> None:
@@ -120,16 +105,9 @@ def _child(sent: str, received: str) -> None:
     jax.config.update("jax_enable_x64", sixty_four)
     arguments = pickle.loads(payload)
     try:
-        answer: tuple = ("report", report(*arguments))
-    except DoesNotFit as e:
-        answer = ("does not fit", str(e), e.required_bytes, e.available_bytes, e.target)
-    except DoesNotCompile as e:
-        answer = ("does not compile", str(e))
-    except UnusedName as e:
-        fields = (e.argument, e.pattern, e.matched, e.seen, e.offered)
-        answer = ("unused name", fields)
-    except ValueError as e:
-        answer = ("value error", str(e))
+        answer: MemoryReport | ValueError = report(*arguments)
+    except ValueError as e:  # `DoesNotFit`, `DoesNotCompile`, `UnusedName`, ...
+        answer = e
     with open(received, "wb") as f:
         pickle.dump(answer, f)
 

@@ -245,13 +245,12 @@ def plan(
                 search.variants(best, settings[1:])
                 search.improve(names)
         best = search.best()
-        if HOST_REMAT and best is not None and not search.fits(best):
-            if target is not None and target_platform(target) == "tpu":
-                # The TPU compiler's own remat to host, where nothing else fits
-                # (compiled in a child process: it can abort the process).
-                host_remat = best.settings._replace(host_remat=True)
-                search.variants(best, [host_remat])
-                search.improve(names)
+        on_tpu = target is not None and target_platform(target) == "tpu"
+        if HOST_REMAT and on_tpu and best is not None and not search.fits(best):
+            # The TPU compiler's own remat to host, where nothing else fits
+            # (compiled in a child process: it can abort the process).
+            search.variants(best, [best.settings._replace(host_remat=True)])
+            search.improve(names)
     result, table = search.finish()
     assert result.report is not None
     return Plan(

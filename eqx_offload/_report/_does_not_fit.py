@@ -1,6 +1,7 @@
 """`DoesNotFit`: the error `memory_report` raises for a program too big for one
 device of its target, with what is known of it as data."""
 
+import functools
 from typing import Any
 
 from .. import _compiler
@@ -45,7 +46,7 @@ class DoesNotFit(ValueError):
         params: dict[str, int] | None = None,
         opt_state: dict[str, int] | None = None,
         residuals: tuple[ResidualRow, ...] | None = None,
-        sizes: tuple[int, int] | None = None,
+        sizes: tuple[int | None, int | None] | None = None,
     ):
         super().__init__(message)
         self.target = target
@@ -57,3 +58,17 @@ class DoesNotFit(ValueError):
         self.opt_state = opt_state
         self.residuals = residuals
         self.tried = None
+
+    def __reduce__(self) -> tuple:
+        """Pickled whole, figures and all (`plan` receives it from a child process)."""
+        rebuild = functools.partial(
+            type(self),
+            target=self.target,
+            compiler_message=self.compiler_message,
+            arguments=self.arguments,
+            params=self.params,
+            opt_state=self.opt_state,
+            residuals=self.residuals,
+            sizes=(self.required_bytes, self.available_bytes),
+        )
+        return rebuild, (str(self),), {"tried": self.tried}
