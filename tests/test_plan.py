@@ -189,23 +189,33 @@ def test_a_local_search_improves_on_the_best_preset(monkeypatch):
 
 def test_a_second_plan_reuses_the_first_ones_compiles(tight):
     """The same step planned again compiles nothing new (what did not fit before
-    is raised again); another optimizer object is another step."""
+    is raised again) and traces none of its checkpoint names again; another
+    optimizer object is another step, with the same names."""
+    traced = []
+
+    def counted(*args):
+        traced.append(args[0])
+        return eo.checkpoint_names(*args)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_search, "SINGLES", 3)
         patch.setattr(_search, "COMBINATIONS", 1)
+        patch.setattr(_search, "checkpoint_names", counted)
         same = _v5e_plan(device_budget=BUDGET)
+        assert traced == []
+        other = eo.plan(
+            _loss,
+            optax.adam(1e-3),
+            _abstract(),
+            TOKENS,
+            TOKENS,
+            target="tpu-v5e",
+            device_budget=int(1.5 * BUDGET),
+        )
+        assert traced == []
     assert same.reused == same.compiled == tight.compiled
     assert same.policy == tight.policy and same.table == tight.table
     assert f"({same.compiled} compiled, {same.compiled} of them earlier in" in str(same)
-    other = eo.plan(
-        _loss,
-        optax.adam(1e-3),
-        _abstract(),
-        TOKENS,
-        TOKENS,
-        target="tpu-v5e",
-        device_budget=int(1.5 * BUDGET),
-    )
     assert other.reused == 0 and other.compiled == 1  # `Policy.none()` fits it
 
 

@@ -12,7 +12,6 @@ import jax.tree_util as jtu
 from jax.sharding import AbstractMesh, AxisType
 from jaxtyping import DTypeLike
 
-from .._checkpoint_names import checkpoint_names
 from .._memory_kinds import is_arraylike
 from .._placement import place
 from .._policy import Policy
@@ -218,9 +217,9 @@ def plan(
         n = device_count(target)
         mesh = AbstractMesh((n,), (axis,), axis_types=(AxisType.Auto,))
     fields = fields_of(model)
-    offered = [n for n in checkpoint_names(loss_fn, model, *batch) if n.residual]
-    names = tuple(n.name for n in offered)
     search = Search(loss_fn, optimizer, model, batch, target, mesh, has_aux, progress)
+    offered = [n for n in search.names() if n.residual]
+    names = tuple(n.name for n in offered)
     search.budgets = (device, host)
     slots = state_slots(optimizer, model)
     search.estimates = estimates(model, fields, slots, offered)

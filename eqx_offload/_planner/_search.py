@@ -13,6 +13,7 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh
 
+from .._checkpoint_names import CheckpointName, checkpoint_names
 from .._diagnose import DoesNotCompile
 from .._remat_names import UnusedName
 from .._report import (
@@ -44,6 +45,11 @@ SMALLEST = 0.01
 # `jax.jit` keys its cache), shapes, policy and target. The oldest go first.
 KEPT = 256
 _kept: collections.OrderedDict[Hashable, MemoryReport | Exception] = (
+    collections.OrderedDict()
+)
+# And the checkpoint names a loss offers (one trace per name), by the loss and the
+# shapes alone: `plan` again, or on another target, traces none of them again.
+_names_kept: collections.OrderedDict[Hashable, tuple[CheckpointName, ...]] = (
     collections.OrderedDict()
 )
 
@@ -159,27 +165,45 @@ class Search:
                 result.policy = candidate.policy()
         raise AssertionError("unreachable: every name recomputed compiles")
 
-    def _report(self, policy: Any, microbatches: int) -> MemoryReport:
-        """`memory_report` of the step under `policy`, or what it raised, compiled
-        once in this process."""
-        key: Hashable | None = (
+    def _key(self, *more: Hashable) -> Hashable | None:
+        """The loss function (by identity, as `jax.jit` keys its cache), the model's
+        and batch's structure and shapes, and `more`, as a key of what this process
+        keeps; `None` if it cannot be hashed (a static field that is not)."""
+        key = (
             self.loss_fn,
-            self.optimizer,
             self.has_aux,
-            self.target,
-            self.mesh,
             jax.tree.structure(self.model),
             tuple(jax.tree.leaves(self.model)),
             jax.tree.structure(self.batch),
             tuple(jax.tree.leaves(self.batch)),
-            repr(policy),
-            microbatches,
             jax.dtypes.canonicalize_dtype(float),  # 64-bit or not
+            *more,
         )
         try:
             hash(key)
-        except TypeError:  # a static field that is not hashable: not kept
-            key = None
+        except TypeError:
+            return None
+        return key
+
+    def names(self) -> tuple[CheckpointName, ...]:
+        """`checkpoint_names(loss_fn, model, *batch)`, traced once in this process."""
+        key = self._key()
+        if key is not None and key in _names_kept:
+            _names_kept.move_to_end(key)
+            return _names_kept[key]
+        names = checkpoint_names(self.loss_fn, self.model, *self.batch)
+        if key is not None:
+            _names_kept[key] = names
+            while len(_names_kept) > KEPT:
+                _names_kept.popitem(last=False)
+        return names
+
+    def _report(self, policy: Any, microbatches: int) -> MemoryReport:
+        """`memory_report` of the step under `policy`, or what it raised, compiled
+        once in this process."""
+        key = self._key(
+            self.optimizer, self.target, self.mesh, repr(policy), microbatches
+        )
         if key is not None and key in _kept:
             _kept.move_to_end(key)
             Search.reuses += 1
