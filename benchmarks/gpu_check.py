@@ -236,7 +236,14 @@ def deviceless(configs: list[str], sizes: dict[str, tuple[int, ...]]) -> list[di
 
 def numerics(configs: list[str]) -> dict[str, Any]:
     """Every configuration against plain training; `eo.verify`; placements; the
-    offloaded-scan gradient (openxla/xla#46231)."""
+    offloaded-scan gradient (openxla/xla#46231); matmuls at "highest" precision."""
+    import jax
+
+    with jax.default_matmul_precision("highest"):
+        return _numerics(configs)
+
+
+def _numerics(configs: list[str]) -> dict[str, Any]:
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -245,7 +252,6 @@ def numerics(configs: list[str]) -> dict[str, Any]:
 
     import eqx_offload as eo
 
-    jax.config.update("jax_default_matmul_precision", "highest")
     optimizer = optax.adamw(1e-2)
     tokens = jax.random.randint(jax.random.key(1), (3, 4, 8), 0, 64)
 
@@ -403,7 +409,8 @@ def child(args: argparse.Namespace) -> None:
     elif kind == "bandwidth":
         result = bandwidth(int(rest[0]))
     elif kind == "deviceless":
-        result = deviceless(list(CONFIGS), json.loads(rest[0]))
+        configs: list[str] = json.loads(rest[1]) if len(rest) > 1 else [*CONFIGS]
+        result = deviceless(configs, json.loads(rest[0]))
     else:
         raise ValueError(f"`gpu_check.py --child {kind}`: unknown part")
     print(MARK + json.dumps(result), flush=True)
@@ -505,7 +512,9 @@ def main() -> None:
     results["host link"] = part.get("result", part)
     print(f"host link: {results['host link']}", flush=True)
     if args.smoke:
-        figures = run_child(["deviceless", json.dumps(sizes)], 600, cpu)
+        figures = run_child(
+            ["deviceless", json.dumps(sizes), json.dumps(args.configs)], 600, cpu
+        )
         rows = figures.get("result", [])
     else:
         rows = json.loads(DEVICELESS.read_text())["rows"] if DEVICELESS.exists() else []

@@ -28,24 +28,36 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_plan_prints_the_table(tmp_path):
+def test_plan_prints_the_table(tmp_path, monkeypatch, capsys):
+    """The command's `main` in this process (the test's compiles serve it)."""
     out = tmp_path / "plan.json"
-    done = _run(
-        "plan",
-        "tests.helpers:plan_factory",
-        "--target",
-        "tpu-v5e",
-        "--host-budget",
-        "48GB",
-        "--json",
-        str(out),
+    monkeypatch.chdir(ROOT)  # `module:factory` is imported from here
+    main(
+        [
+            "plan",
+            "tests.helpers:plan_factory",
+            "--target",
+            "tpu-v5e",
+            "--host-budget",
+            "48GB",
+            "--json",
+            str(out),
+        ]
     )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "Plan on tpu-v5e: no remat, all on device: Policy.none() (1" in done.stdout
-    assert "budgets per device: 15.75 GiB device, 44.70 GiB host" in done.stdout
+    printed = capsys.readouterr().out
+    assert "Plan on tpu-v5e: no remat, all on device: Policy.none() (1" in printed
+    assert "budgets per device: 15.75 GiB device, 44.70 GiB host" in printed
     table = json.loads(out.read_text())
     assert [r["status"] for r in table["rows"]] == ["chosen"]
     assert table["host_budget"] == 48 * 10**9
+
+
+def test_python_dash_m_runs_the_command():
+    """`python -m eqx_offload` (a new process) is the command above."""
+    done = _run("plan", "--help")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("usage: python -m eqx_offload plan")
+    assert "module:function returning (loss_fn, optimizer, model," in done.stdout
 
 
 def test_bad_input_names_the_argument():

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh
 
-from .._checkpoint_names import CheckpointName, checkpoint_names
+from .._checkpoint_names import checkpoint_names, CheckpointName
 from .._diagnose import DoesNotCompile
 from .._remat_names import UnusedName
 from .._report import (
