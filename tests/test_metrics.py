@@ -13,6 +13,7 @@ import eqx_offload as eo
 from .helpers import batches, cross_entropy, Model
 
 
+@eqx.filter_jit
 def _reference(model, optimizer, batch):
     params = eqx.filter(model, eqx.is_inexact_array)
     grads = eqx.filter_grad(cross_entropy)(model, *batch)
