@@ -54,6 +54,21 @@ _names_kept: collections.OrderedDict[Hashable, tuple[CheckpointName, ...]] = (
 )
 
 
+def _keep(store: collections.OrderedDict, key: Hashable | None, make: Any) -> tuple:
+    """`(store[key], True)` if this process has it, else `(make(), False)`, kept
+    under `key` (unless it is `None`: not hashable) with the oldest of more than
+    `KEPT` dropped."""
+    if key is not None and key in store:
+        store.move_to_end(key)
+        return store[key], True
+    value = make()
+    if key is not None:
+        store[key] = value
+        while len(store) > KEPT:
+            store.popitem(last=False)
+    return value, False
+
+
 class Fitted(Exception):
     """A candidate fits, and the search was only asked whether one does."""
 
@@ -187,33 +202,22 @@ class Search:
 
     def names(self) -> tuple[CheckpointName, ...]:
         """`checkpoint_names(loss_fn, model, *batch)`, traced once in this process."""
-        key = self._key()
-        if key is not None and key in _names_kept:
-            _names_kept.move_to_end(key)
-            return _names_kept[key]
-        names = checkpoint_names(self.loss_fn, self.model, *self.batch)
-        if key is not None:
-            _names_kept[key] = names
-            while len(_names_kept) > KEPT:
-                _names_kept.popitem(last=False)
+        names, _ = _keep(
+            _names_kept,
+            self._key(),
+            lambda: checkpoint_names(self.loss_fn, self.model, *self.batch),
+        )
         return names
 
     def _report(self, policy: Any, microbatches: int) -> MemoryReport:
         """`memory_report` of the step under `policy`, or what it raised, compiled
         once in this process."""
-        key = self._key(
-            self.optimizer, self.target, self.mesh, repr(policy), microbatches
-        )
-        if key is not None and key in _kept:
-            _kept.move_to_end(key)
-            Search.reuses += 1
-            self.reused += 1
-            outcome = _kept[key]
-        else:
+
+        def compile_once():  # the report, or what the compile raised
             # The TPU compiler's remat to host can abort the process: in a child.
-            compile = report_in_child if policy.host_remat else report
+            here_or_child = report_in_child if policy.host_remat else report
             try:
-                outcome = compile(
+                return here_or_child(
                     self.loss_fn,
                     self.optimizer,
                     self.model,
@@ -224,18 +228,17 @@ class Search:
                     self.target,
                     self.mesh,
                 )
-            except (
-                DoesNotFit,
-                DoesNotCompile,
-                UnusedName,
-                ValueError,
-                CompilerCrashed,
-            ) as e:
-                outcome = e
-            if key is not None:
-                _kept[key] = outcome
-                while len(_kept) > KEPT:
-                    _kept.popitem(last=False)
+            # `DoesNotFit`, `DoesNotCompile`, `UnusedName` and other refusals
+            except (ValueError, CompilerCrashed) as e:
+                return e
+
+        key = self._key(
+            self.optimizer, self.target, self.mesh, repr(policy), microbatches
+        )
+        outcome, reused = _keep(_kept, key, compile_once)
+        if reused:
+            Search.reuses += 1
+            self.reused += 1
         if isinstance(outcome, Exception):
             raise outcome.with_traceback(None)
         return outcome
