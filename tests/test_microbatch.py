@@ -41,6 +41,17 @@ def _close(a, b, rtol):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=1e-6)
 
 
+KEY = jax.random.key(17)
+
+
+@pytest.fixture(scope="module")
+def whole_batch():
+    """Three batches of 8, and plain Equinox's SGD steps of `Model(key=KEY)` on
+    them, each batch whole: the same for every preset, so run once."""
+    steps = [b for _, b in zip(range(3), batches(batch=8))]
+    return steps, _reference(Model(key=KEY), optax.sgd(0.1), steps)
+
+
 @pytest.mark.parametrize(
     "preset, update",
     [
@@ -49,15 +60,12 @@ def _close(a, b, rtol):
         ("offload_all", "streamed"),
     ],
 )
-def test_equals_the_whole_batch_step(getkey, preset, update):
-    key = getkey()
+def test_equals_the_whole_batch_step(whole_batch, preset, update):
     optimizer = optax.sgd(0.1)
-    data = list(zip(range(3), batches(batch=8)))
-    steps = [b for _, b in data]
-    ref_model, ref_losses = _reference(Model(key=key), optimizer, steps)
+    steps, (ref_model, ref_losses) = whole_batch
 
     policy = getattr(eo.Policy, preset)(update=update)
-    model = eo.place(Model(key=key), policy)
+    model = eo.place(Model(key=KEY), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(cross_entropy, optimizer, policy, microbatches=4)
     step = CountCompiles(step)
