@@ -1,4 +1,5 @@
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -56,6 +57,13 @@ install("eqx_offload")
 jax.config.update("jax_num_cpu_devices", 8)
 # Standard dtype promotion: strict promotion breaks optax.adam's update.
 jax.config.update("jax_numpy_dtype_promotion", "standard")
+
+# Python's cycle collector less often: tracing makes many short-lived objects, and
+# with the default thresholds (700, 10, 10) enough of them outlive a young
+# collection to set off a full one (the whole heap of cached programs, growing all
+# run) every few seconds: 7% of a test process's time. With a young generation
+# of 10,000 they die young; cyclic garbage is still collected.
+gc.set_threshold(10_000, 20, 10)
 
 
 @pytest.fixture
