@@ -12,8 +12,19 @@ echo "== ruff"
 .venv/bin/ruff format --check .
 echo "== pyright"
 .venv/bin/pyright
-echo "== docs site (mkdocs build --strict)"
-NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
+echo "== docs site (mkdocs build --strict, nothing printed but its progress)"
+# Not `--quiet`: it hides the warnings from `--strict` too, which then passes with
+# them. Any line but the build's three lines of progress fails the run.
+docs_log=$(NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict 2>&1) || {
+    echo "$docs_log"
+    exit 1
+}
+progress='^INFO +- +(Cleaning site directory|Building documentation to directory: |Documentation built in )'
+if grep -Ev "$progress" <<<"$docs_log" | grep -q .; then
+    echo "$docs_log"
+    echo "the docs site build printed more than its progress (above)"
+    exit 1
+fi
 echo "== pytest"
 # Two processes (one per core of CI's two), each taking whole files, slowest first
 # (`tests/conftest.py`): one process leaves a core idle. `-n 0` runs in this one.

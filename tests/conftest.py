@@ -84,6 +84,7 @@ SLOWEST_FIRST = (
     "test_tpu_compile.py",  # 50 s
     "test_train_step.py",  # 35 s
     "test_docs_code.py",  # 28 s
+    "test_avx2.py",  # 24 s
     "test_gpu_check.py",  # 22 s
     "test_streaming.py",  # 22 s
     "test_mesh_matrix.py",  # 21 s

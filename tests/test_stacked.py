@@ -9,7 +9,7 @@ import pytest
 
 import eqx_offload as eo
 
-from .helpers import Block
+from .helpers import assert_trees_close, Block
 
 
 def loop(layers, x, **kwargs):
@@ -51,13 +51,7 @@ def test_call_matches_a_python_loop(make, getkey):
     np.testing.assert_allclose(stacked(x), loop(layers, x), rtol=1e-6)
     grads = eqx.filter_grad(lambda s: jnp.sum(s(x) ** 2))(stacked)
     ref = eqx.filter_grad(lambda ls: jnp.sum(loop(ls, x) ** 2))(layers)
-    stacked_ref = eo.Stacked.from_layers(ref)
-    for a, b in zip(
-        jax.tree.leaves(eqx.filter(grads, eqx.is_array)),
-        jax.tree.leaves(eqx.filter(stacked_ref, eqx.is_array)),
-        strict=True,
-    ):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert_trees_close(grads, eo.Stacked.from_layers(ref))
 
 
 def test_attention_blocks(getkey):
@@ -233,13 +227,7 @@ def test_a_ported_loop_keeps_its_key_chain_through_scan(getkey):
         stacked, x, key
     )
     np.testing.assert_allclose(ours, value, rtol=1e-6)
-    expected = eo.Stacked.from_layers(grads).layers
-    for a, b in zip(
-        jax.tree.leaves(eqx.filter(our_grads.layers, eqx.is_array)),
-        jax.tree.leaves(eqx.filter(expected, eqx.is_array)),
-        strict=True,
-    ):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert_trees_close(our_grads.layers, eo.Stacked.from_layers(grads).layers)
     optimizer = optax.sgd(0.1)
     opt_state = eo.init_opt_state(optimizer, stacked, policy)
     step = eo.train_step(loss, optimizer, policy)

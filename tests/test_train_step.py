@@ -9,6 +9,7 @@ import eqx_offload as eo
 
 from .helpers import (
     as_reference,
+    assert_trees_close,
     batches,
     CountCompiles,
     cross_entropy,
@@ -61,16 +62,9 @@ def offload_run(model, loss_fn, optimizer, policy, steps):
     return model, opt_state, losses
 
 
-def assert_same_params(model, ref):
-    stacked_ref = eo.Stacked.from_layers(ref.blocks)
-    pairs = [(model.embed, ref.embed), (model.head, ref.head)]
-    pairs.append((model.blocks.layers, stacked_ref.layers))
-    for ours, theirs in pairs:
-        ours, theirs = eqx.filter((ours, theirs), eqx.is_array)
-        for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
-            np.testing.assert_allclose(
-                np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7
-            )
+def stacked(ref):
+    """The reference's parameters in our model's order: its blocks stacked."""
+    return ref.embed, eo.Stacked.from_layers(ref.blocks), ref.head
 
 
 L2_KEY = jax.random.key(76)
@@ -93,7 +87,23 @@ def test_matches_reference_with_l2_penalty(name, l2_reference):
     )
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert losses[-1] < losses[0]
-    assert_same_params(ours, ref)
+    assert_trees_close(ours, stacked(ref), after_adam=(1e-2, 10))
+
+
+def test_a_learning_rate_off_by_a_thousandth_is_caught(l2_reference):
+    """The negative control of the comparisons above: the same run at lr x 1.001
+    fails both, the losses' `rtol=1e-5` (its losses are up to 2.7e-5 apart) and
+    `assert_trees_close`'s tolerance for parameters after Adam (its parameters are
+    up to 7.1e-3 x lr x steps apart, where rounding put them 2.1e-5 x lr x steps
+    apart at most)."""
+    ref, ref_losses = l2_reference
+    ours, _, losses = offload_run(
+        Model(key=L2_KEY), loss_with_l2, optax.adamw(1.001e-2), eo.Policy.remat(), 10
+    )
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    with pytest.raises(AssertionError):
+        assert_trees_close(ours, stacked(ref), after_adam=(1e-2, 10))
 
 
 def test_offload_all_matches_reference(getkey):
@@ -104,7 +114,7 @@ def test_offload_all_matches_reference(getkey):
         model, cross_entropy, optimizer, eo.Policy.offload_all(), 10
     )
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_same_params(ours, ref)
+    assert_trees_close(ours, stacked(ref), after_adam=(1e-2, 10))
     arrays = jax.tree.leaves(eqx.filter(ours, eqx.is_array))
     assert {memory_kind(x) for x in arrays} == {"pinned_host"}
     mu = opt_state[0].mu
@@ -342,7 +352,7 @@ def test_optimizer_wrappers_with_host_state(optimizer, getkey):
         model, cross_entropy, optimizer, eo.Policy.offload_all(), 4
     )
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_same_params(ours, ref)
+    assert_trees_close(ours, stacked(ref), after_adam=(1e-2, 4))
 
 
 # --- Equinox code as people write it ------------------------------------------------
@@ -389,9 +399,7 @@ def test_inner_jits_train_like_the_plain_model(preset, plain_run):
     ours, _, losses = offload_run(model, cross_entropy, optax.sgd(0.1), policy, 2)
     ref, _, ref_losses = plain_run
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    ours, ref = eqx.filter((ours, ref), eqx.is_array)
-    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    assert_trees_close(ours, ref)
 
 
 def test_the_step_inside_another_jit_runs_as_part_of_it(getkey):

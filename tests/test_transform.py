@@ -15,6 +15,7 @@ from eqx_offload._residuals import saved_residuals
 from .helpers import (
     all_eqns,
     as_reference,
+    assert_trees_close,
     batches,
     Block,
     cross_entropy,
@@ -36,12 +37,6 @@ POLICIES = [
 # Plain Equinox's loss and gradients, the reference: jitted, so that it compiles
 # once (per model type) rather than op by op in every test.
 plain_value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(loss_with_l2))
-
-
-def assert_trees_close(a, b):
-    a, b = eqx.filter((a, b), eqx.is_array)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"{p.save}-{p.offload}")
