@@ -7,12 +7,22 @@ AdamW, the default streamed update) compiled with
 
 Architectures: `mlp` (a `Stacked` of LayerNorm + MLP blocks), `attention`
 (LayerNorm + multi-head attention + LayerNorm + MLP blocks), `gpt` (an embedding and
-a head around a `Stacked` of MLP blocks) and `dict` (a dict of four large leaves
-and a Python loop, no `Stacked`). Policies: every preset, plus host parameters
-(`remat(params={"blocks": "pinned_host"})`) and host optimizer state
-(`offload_residuals(opt_state="pinned_host")`). A case passes if it compiles; a
-case the compiler rejects, with `eo.DoesNotCompile` naming the leaves and a way
-out, is listed as refused. `tests/test_tpu_compile.py` compiles a covering subset.
+a head around a `Stacked` of MLP blocks), `llama` (an embedding, a `Stacked` of
+Llama-style blocks: RMSNorm, RoPE, grouped-query attention through
+`jax.nn.dot_product_attention`, a SwiGLU MLP of `--mlp` units, and an untied head)
+and `dict` (a dict of four large leaves and a Python loop, no `Stacked`). Dtypes:
+`float32`, `bfloat16` (the parameters themselves) and `bf16-compute` (float32
+parameters, `Policy(compute_dtype=jnp.bfloat16)`). Policies: every preset, plus host
+parameters (`remat(params={"blocks": "pinned_host"})`) and host optimizer state
+(`offload_residuals(opt_state="pinned_host")`); `--microbatches 2 4` compiles each
+case with `train_step(microbatches=k)` too. A case passes if it compiles; a case the
+compiler rejects, with `eo.DoesNotCompile` naming the leaves and a way out, is
+listed as refused. `tests/test_tpu_compile.py` and `tests/test_gpu_targets.py`
+compile a covering subset.
+
+    python benchmarks/compile_matrix.py --targets tpu-v5e gpu-h100 --archs llama \
+        --widths 2048 4096 --depths 2 --microbatches 2 4 \
+        --policies offload_all offload_residuals --dtypes float32 bf16-compute
 """
 
 import itertools
@@ -61,6 +71,91 @@ class AttentionBlock(eqx.Module):
         h = jax.vmap(self.norm1)(x)
         x = x + self.attn(h, h, h).astype(x.dtype)
         return x + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x)).astype(x.dtype)
+
+
+class RMSNorm(eqx.Module):
+    weight: Float[Array, " dim"]
+
+    def __init__(self, dim: int):
+        self.weight = jnp.ones(dim)
+
+    def __call__(self, x: Float[Array, "seq dim"]) -> Float[Array, "seq dim"]:
+        x32 = x.astype(jnp.float32)
+        scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-5)
+        return (x32 * scale).astype(x.dtype) * self.weight.astype(x.dtype)
+
+
+def rope(x: Float[Array, "seq heads hd"]) -> Float[Array, "seq heads hd"]:
+    seq, _, hd = x.shape
+    freqs = 500000.0 ** (-jnp.arange(0, hd, 2) / hd)
+    angles = jnp.arange(seq)[:, None] * freqs[None, :]
+    cos = jnp.cos(angles)[:, None, :].astype(x.dtype)
+    sin = jnp.sin(angles)[:, None, :].astype(x.dtype)
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).reshape(x.shape)
+
+
+class LlamaBlock(eqx.Module):
+    """RMSNorm, RoPE, grouped-query attention (`jax.nn.dot_product_attention`,
+    heads of 64, a quarter as many key/value heads) and a SwiGLU MLP, no biases."""
+
+    attn_norm: RMSNorm
+    wq: Float[Array, "dim dim"]
+    wkv: Float[Array, "dim kv2"]
+    wo: Float[Array, "dim dim"]
+    mlp_norm: RMSNorm
+    w_gate: Float[Array, "dim mlp"]
+    w_up: Float[Array, "dim mlp"]
+    w_down: Float[Array, "mlp dim"]
+    heads: int = eqx.field(static=True)
+    kv_heads: int = eqx.field(static=True)
+
+    def __init__(self, dim: int, mlp: int, *, key: PRNGKeyArray):
+        keys = jax.random.split(key, 6)
+        self.heads = dim // 64 if dim % 64 == 0 else 1
+        self.kv_heads = self.heads // 4 if self.heads % 4 == 0 else self.heads
+        kv = 2 * self.kv_heads * (dim // self.heads)
+
+        def init(k: PRNGKeyArray, shape: tuple[int, int]) -> Array:
+            return jax.random.normal(k, shape) / shape[0] ** 0.5
+
+        self.attn_norm, self.mlp_norm = RMSNorm(dim), RMSNorm(dim)
+        self.wq, self.wkv = init(keys[0], (dim, dim)), init(keys[1], (dim, kv))
+        self.wo = init(keys[2], (dim, dim))
+        self.w_gate, self.w_up = init(keys[3], (dim, mlp)), init(keys[4], (dim, mlp))
+        self.w_down = init(keys[5], (mlp, dim))
+
+    def __call__(self, x: Float[Array, "seq dim"]) -> Float[Array, "seq dim"]:
+        seq, dim = x.shape
+        hd = dim // self.heads
+        h = self.attn_norm(x)
+        q = rope((h @ self.wq).reshape(seq, self.heads, hd))
+        k, v = jnp.split((h @ self.wkv).reshape(seq, 2 * self.kv_heads, hd), 2, 1)
+        out = jax.nn.dot_product_attention(q, rope(k), v, is_causal=True)
+        x = x + (out.reshape(seq, dim) @ self.wo).astype(x.dtype)
+        h = self.mlp_norm(x)
+        up = jax.nn.silu(h @ self.w_gate) * (h @ self.w_up)
+        return x + (up @ self.w_down).astype(x.dtype)
+
+
+class Llama(eqx.Module):
+    embed: eqx.nn.Embedding
+    blocks: eo.Stacked[LlamaBlock]
+    norm: RMSNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, vocab: int, dim: int, mlp: int, depth: int, *, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = eqx.nn.Embedding(vocab, dim, key=k1)
+        self.blocks = eo.Stacked.from_fn(
+            lambda k: LlamaBlock(dim, mlp, key=k), depth, key=k2
+        )
+        self.norm = RMSNorm(dim)
+        self.head = eqx.nn.Linear(dim, vocab, use_bias=False, key=k3)
+
+    def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+        h = self.norm(self.blocks(jax.vmap(self.embed)(tokens)))
+        return jax.vmap(self.head)(h)
 
 
 class Stack(eqx.Module):
@@ -115,18 +210,37 @@ def cast(tree, dtype):
     return jax.tree.map(leaf, tree)
 
 
-def case(arch: str, width: int, depth: int, dtype: Any) -> tuple[Any, Any, tuple]:
-    """An abstract model, its loss and an abstract batch."""
+def mlp_width(width: int) -> int:
+    """The `llama` architecture's MLP width when `--mlp` is not given: Llama 3.2
+    1B's 8192 at width 2048, Llama 3 8B's 14336 at 4096, else four times the
+    width."""
+    return {2048: 8192, 4096: 14336}.get(width, 4 * width)
+
+
+def case(
+    arch: str,
+    width: int,
+    depth: int,
+    dtype: Any,
+    *,
+    batch: int = BATCH,
+    mlp: int | None = None,
+) -> tuple[Any, Any, tuple]:
+    """An abstract model, its loss and an abstract batch (`batch` examples)."""
     key = jax.random.key(0)
-    x = jax.ShapeDtypeStruct((BATCH, SEQ, width), dtype)
+    x = jax.ShapeDtypeStruct((batch, SEQ, width), dtype)
     if arch == "dict":
         params = {
             f"w{i}": jax.ShapeDtypeStruct((width, width), dtype) for i in range(4)
         }
         return params, dict_loss, (jax.ShapeDtypeStruct((SEQ, width), dtype),)
+    tokens = jax.ShapeDtypeStruct((batch, SEQ), jnp.int32)
     if arch == "gpt":
         model = eqx.filter_eval_shape(GPT, VOCAB, width, depth, key=key)
-        tokens = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
+        return cast(model, dtype), token_loss, (tokens, tokens)
+    if arch == "llama":
+        hidden = mlp_width(width) if mlp is None else mlp
+        model = eqx.filter_eval_shape(Llama, VOCAB, width, hidden, depth, key=key)
         return cast(model, dtype), token_loss, (tokens, tokens)
     block = {"mlp": MLPBlock, "attention": AttentionBlock}[arch]
 
@@ -147,8 +261,11 @@ POLICIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def policy_for(arch: str, name: str) -> eo.Policy:
+def policy_for(arch: str, name: str, **extra: Any) -> eo.Policy:
+    """The policy `name` of `POLICIES` for `arch`, with the `Policy` fields in
+    `extra` too."""
     preset, overrides = POLICIES[name]
+    overrides = overrides | extra
     if arch == "dict":  # no `Stacked`: no checkpoint name, no "blocks"
         overrides = dict(overrides)
         if "params" in overrides or preset == "offload_all":
@@ -167,16 +284,32 @@ class Result(NamedTuple):
 
 
 def compile_case(
-    arch: str, width: int, depth: int, dtype: Any, policy: str, target: str
+    arch: str,
+    width: int,
+    depth: int,
+    dtype: Any,
+    policy: str,
+    target: str,
+    *,
+    microbatches: int = 1,
+    mlp: int | None = None,
 ) -> Result:
+    """Compiles one case's train step; `dtype` is a parameter dtype, or
+    `COMPUTE_BF16` for float32 parameters under `Policy(compute_dtype=bf16)`."""
     start = time.perf_counter()
-    model, loss, batch = case(arch, width, depth, dtype)
+    compute = dtype is COMPUTE_BF16
+    batch_size = BATCH * microbatches
+    model, loss, batch = case(
+        arch, width, depth, jnp.float32 if compute else dtype, batch=batch_size, mlp=mlp
+    )
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
     try:
-        p = policy_for(arch, policy)
+        p = policy_for(
+            arch, policy, **({"compute_dtype": jnp.bfloat16} if compute else {})
+        )
         model = eo.place(model, p)
         opt_state = eo.init_opt_state(optimizer, model, p)
-        step = eo.train_step(loss, optimizer, p)
+        step = eo.train_step(loss, optimizer, p, microbatches=microbatches)
         eo.memory_report(step, model, opt_state, *batch, target=target)  # pyright: ignore[reportArgumentType]
     except eo.DoesNotCompile as e:
         return Result("refused", str(e), time.perf_counter() - start)
@@ -185,28 +318,52 @@ def compile_case(
     return Result("compiles", "", time.perf_counter() - start)
 
 
-ARCHS = ("mlp", "attention", "gpt", "dict")
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ARCHS = ("mlp", "attention", "gpt", "llama", "dict")
+COMPUTE_BF16 = "bf16-compute"
+DTYPES: dict[str, Any] = {
+    "float32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    COMPUTE_BF16: COMPUTE_BF16,
+}
 
 
 def main():
     p = parser(__doc__)
     p.add_argument("--targets", nargs="+", default=["tpu-v5e"])
-    p.add_argument("--archs", nargs="+", default=list(ARCHS))
+    p.add_argument("--archs", nargs="+", default=[a for a in ARCHS if a != "llama"])
     p.add_argument(
         "--widths", type=int, nargs="+", default=[32, 64, 96, 97, 128, 200, 256]
     )
     p.add_argument("--depths", type=int, nargs="+", default=[1, 4, 8])
-    p.add_argument("--dtypes", nargs="+", default=list(DTYPES))
+    p.add_argument(
+        "--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES)
+    )
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
+    p.add_argument("--microbatches", type=int, nargs="+", default=[1])
+    p.add_argument("--mlp", type=int, help="the llama MLP width (default: by width)")
     args = p.parse_args()
     rows, results = [], []
-    for target, arch, dtype, width, depth, policy in itertools.product(
-        args.targets, args.archs, args.dtypes, args.widths, args.depths, args.policies
+    for target, arch, dtype, width, depth, policy, k in itertools.product(
+        args.targets,
+        args.archs,
+        args.dtypes,
+        args.widths,
+        args.depths,
+        args.policies,
+        args.microbatches,
     ):
         if arch == "dict" and depth != args.depths[0]:
             continue  # no depth
-        r = compile_case(arch, width, depth, DTYPES[dtype], policy, target)
+        r = compile_case(
+            arch,
+            width,
+            depth,
+            DTYPES[dtype],
+            policy,
+            target,
+            microbatches=k,
+            mlp=args.mlp,
+        )
         row = [
             target,
             arch,
@@ -214,16 +371,20 @@ def main():
             width,
             depth,
             policy,
+            k,
             r.outcome,
             r.message.split("\n")[0][:160],
         ]
         print(" | ".join(map(str, row)), flush=True)
         rows.append(row)
         results.append(dict(zip(HEADERS, row)) | {"seconds": round(r.seconds, 2)})
-    counts = {o: sum(r[6] == o for r in rows) for o in ("compiles", "refused", "FAILS")}
+    outcome = HEADERS.index("outcome")
+    counts = {
+        o: sum(r[outcome] == o for r in rows) for o in ("compiles", "refused", "FAILS")
+    }
     print()
     print(
-        table(HEADERS, [r for r in rows if r[6] != "compiles"])
+        table(HEADERS, [r for r in rows if r[outcome] != "compiles"])
         if counts["refused"] + counts["FAILS"]
         else "(every case compiles)"
     )
@@ -231,7 +392,17 @@ def main():
     write_json(args.json, "compile_matrix", {"counts": counts, "cases": results})
 
 
-HEADERS = ["target", "arch", "dtype", "width", "depth", "policy", "outcome", "message"]
+HEADERS = [
+    "target",
+    "arch",
+    "dtype",
+    "width",
+    "depth",
+    "policy",
+    "microbatches",
+    "outcome",
+    "message",
+]
 
 if __name__ == "__main__":
     main()

@@ -74,7 +74,7 @@ def lookup(path: str) -> Tap | None:
     return None if table is None else table.taps.get(path)
 
 
-def tap(value: Any, acc: Any, dtype: Any, read: Any) -> Any:
+def tap(value: Any, acc: Any, dtype: Any, read: Any, *, layer: bool = False) -> Any:
     """`value` cast to `dtype`; its gradient, cast to `acc.dtype` (plus `acc` if
     `read`), becomes the gradient of `acc`, and `value` gets none.
 
@@ -83,33 +83,38 @@ def tap(value: Any, acc: Any, dtype: Any, read: Any) -> Any:
     the device in the backward pass, when its gradient is known, and the new value
     goes back to the host. `read` is `False` (never read: the first micro-batch,
     or a step without micro-batches) or a traced boolean (read when true, inside
-    the loop over micro-batches)."""
+    the loop over micro-batches).
+
+    `layer`: `acc` is one layer's slice inside a `Stacked`'s scan. It is added
+    whole, however large: the layer is the unit the scan moves (its weights are on
+    the device whole already), and a loop over blocks of rows nested in the scan's
+    backward pass is what XLA's host-offload passes reject (`tpu-v5e`: "The
+    async-start expects the shape of operand 3 to match"; `gpu-h100`: "Expected
+    instruction to have shape equal to", for a layer of 64 MiB or more). A large
+    leaf outside every `Stacked` (an embedding) is added a block of rows at a
+    time."""
     reads = read is not False
     flag = jnp.asarray(read if reads else False)
-    return _tap(reads, jnp.dtype(dtype), jnp.dtype(acc.dtype), value, acc, flag)
+    static = (reads, layer, jnp.dtype(dtype), jnp.dtype(acc.dtype))
+    return _tap(static, value, acc, flag)
 
 
-def _forward(
-    reads: bool, dtype: Any, acc_dtype: Any, value: Any, acc: Any, flag: Any
-) -> Any:
-    del reads, acc_dtype, acc, flag
-    return value.astype(dtype)
+def _forward(static: tuple, value: Any, acc: Any, flag: Any) -> Any:
+    del acc, flag
+    return value.astype(static[2])
 
 
-def _forward_rule(
-    reads: bool, dtype: Any, acc_dtype: Any, value: Any, acc: Any, flag: Any
-) -> tuple[Any, Any]:
-    out = _forward(reads, dtype, acc_dtype, value, acc, flag)
+def _forward_rule(static: tuple, value: Any, acc: Any, flag: Any) -> tuple[Any, Any]:
+    reads = static[0]
+    out = _forward(static, value, acc, flag)
     # A streamed table's gradient arrives on the host: it is cast (and added) into
     # `acc` block by block, so `acc` is kept as the buffer.
     keep = reads or is_host(value)
     return out, (acc if keep else None, flag, is_host(acc))
 
 
-def _backward_rule(
-    reads: bool, dtype: Any, acc_dtype: Any, residual: tuple, g: Any
-) -> tuple[None, Any, None]:
-    del dtype
+def _backward_rule(static: tuple, residual: tuple, g: Any) -> tuple[None, Any, None]:
+    reads, layer, _, acc_dtype = static
     acc, flag, host = residual
     if is_host(g):
         return None, _add_host(g, acc, flag if reads else False), None
@@ -123,7 +128,8 @@ def _backward_rule(
         return None, g + jnp.where(flag, acc, 0), None
     piece_bytes = _tiling.PIECE_BYTES
     blocks = _tiling.row_blocks(acc.shape, acc.dtype, piece_bytes)
-    if acc.ndim < 2 or acc.size * acc.dtype.itemsize < 2 * piece_bytes or blocks < 2:
+    small = acc.size * acc.dtype.itemsize < 2 * piece_bytes
+    if layer or acc.ndim < 2 or small or blocks < 2:
         return None, _add_whole(g, acc, flag), None
     whole = {p: _add_whole for p in _tiling.WHOLE_ON}
     by_blocks = functools.partial(_add_by_blocks, blocks=blocks)
@@ -169,5 +175,5 @@ def _add_host(g: Any, acc: Any, flag: Any) -> Any:
     return jax.lax.scan(body, acc, jnp.arange(blocks))[0]
 
 
-_tap = jax.custom_vjp(_forward, nondiff_argnums=(0, 1, 2))
+_tap = jax.custom_vjp(_forward, nondiff_argnums=(0,))
 _tap.defvjp(_forward_rule, _backward_rule)

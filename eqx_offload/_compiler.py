@@ -63,6 +63,46 @@ def crash_line(stderr: str) -> str:
     return (failed or lines or [""])[-1]
 
 
+# HLO's element types, as `jnp.dtype` names.
+_HLO_TYPES = {
+    "pred": "bool",
+    "s8": "int8",
+    "s16": "int16",
+    "s32": "int32",
+    "s64": "int64",
+    "u8": "uint8",
+    "u16": "uint16",
+    "u32": "uint32",
+    "u64": "uint64",
+    "f16": "float16",
+    "bf16": "bfloat16",
+    "f32": "float32",
+    "f64": "float64",
+}
+_HLO_SHAPE = re.compile(r"\b(" + "|".join(_HLO_TYPES) + r")\[([0-9,]*)\](\{[^}]*\})?")
+_EXPECTED = re.compile(r"shape equal to \((.*?)\), actual shape is \((.*?)\):", re.S)
+
+
+def array_shapes(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The array types a compiler message (or HLO) is about, in order and without
+    repeats: `(dtype name, shape)`, e.g. `("float32", (2, 2048, 8192))` for
+    `f32[2,2048,8192]{2,1,0:T(8,128)S(5)}`. Where the message compares an expected
+    tuple of types with the actual one ("Expected instruction to have shape equal
+    to (...), actual shape is (...)"), only the entries that differ (in layout or
+    memory space: `S(5)` is host memory)."""
+    compared = _EXPECTED.search(text)
+    if compared is not None:
+        expected, actual = (_HLO_SHAPE.findall(t) for t in compared.groups())
+        if len(expected) == len(actual):
+            differ = [e for e, a in zip(expected, actual) if e != a]
+            return list(dict.fromkeys(_shape(t, dims) for t, dims, _ in differ))
+    return list(dict.fromkeys(_shape(t, d) for t, d, _ in _HLO_SHAPE.findall(text)))
+
+
+def _shape(hlo_type: str, dims: str) -> tuple[str, tuple[int, ...]]:
+    return _HLO_TYPES[hlo_type], tuple(int(d) for d in dims.split(",") if d)
+
+
 def op_names(text: str) -> list[str]:
     """The `op_name`s of the instructions quoted in a compiler message (or HLO)."""
     return re.findall(r'op_name="([^"]*)"', text)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import _compiler, _paths, _tiling
+from . import _compat, _compiler, _paths, _tiling
 from ._memory_kinds import ParamsSpec
 
 
@@ -50,7 +50,9 @@ class Rejected(NamedTuple):
 def _probe(leaf: Streamed, mesh: Mesh) -> str | None:
     """Compiles, on `mesh`, a scan that streams `leaf` from the host as the step
     does; returns the compiler's message if it rejects it."""
-    host = NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host")
+    # Compile-only GPU devices list no memories: a plain `NamedSharding` would
+    # silently put `w` in device memory (`_compat.named_sharding`).
+    host = _compat.named_sharding(mesh, PartitionSpec(), "pinned_host")
     device = NamedSharding(mesh, PartitionSpec(), memory_kind="device")
     w = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=host)
     x = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=device)
@@ -100,12 +102,17 @@ _cache: dict[tuple, str | None] = {}
 
 def rejected(leaves: Sequence[Streamed], mesh: Mesh) -> list[Rejected]:
     """The leaves whose streaming the compiler for `mesh` rejects (cached per
-    shape)."""
+    shape). A leaf whose probe cannot be built or compiled for a reason of its
+    own is left out: the diagnosis explains a rejection, it never replaces the
+    compiler's error with one of its own."""
     out = []
     for leaf in leaves:
         key = (tuple(d.device_kind for d in mesh.devices.flat), leaf[1:])
         if key not in _cache:
-            _cache[key] = _probe(leaf, mesh)
+            try:
+                _cache[key] = _probe(leaf, mesh)
+            except Exception:  # the probe's own failure: no verdict, not kept
+                continue
         message = _cache[key]
         if message is not None:
             out.append(Rejected(leaf, message))
@@ -130,11 +137,27 @@ def way_out(params: ParamsSpec, opt_state: ParamsSpec, paths: list[str]) -> str:
     return f"`params={p!r}, opt_state={s!r}`"
 
 
-def leaves_in_message(message: str, paths: Sequence[str]) -> list[str]:
-    """The leaf paths named in the `op_name`s of a compiler message (the streamed
-    update tags each leaf's slices and transfers with `jax.named_scope`)."""
+def leaves_in_message(message: str, leaves: Sequence[Streamed]) -> list[str]:
+    """The paths of the leaves a compiler message points at: named in its
+    `op_name`s (the streamed update tags each leaf's slices and transfers with
+    `jax.named_scope`), or of a shape of two dimensions or more that it is about
+    (`_compiler.array_shapes`: the whole leaf, one layer of a stacked leaf, or one
+    of its pieces), in the leaves' order."""
     names = " ".join(_compiler.op_names(message))
-    return list(dict.fromkeys(p for p in paths if p and p in names))
+    # Matrices and larger: a vector or scalar in a message is no leaf's own.
+    shapes = {s for _, s in _compiler.array_shapes(message) if len(s) >= 2}
+
+    def quoted(leaf: Streamed) -> bool:
+        piece = (leaf.rows, *leaf.shape[1:])
+        layer = leaf.shape[1:] if leaf.rows == 1 and len(leaf.shape) >= 3 else None
+        return bool({leaf.shape, piece, layer} & shapes)
+
+    found = [
+        leaf.path
+        for leaf in leaves
+        if leaf.path and (leaf.path in names or quoted(leaf))
+    ]
+    return list(dict.fromkeys(found))
 
 
 def explain(
@@ -166,18 +189,24 @@ def explain(
             "TPU compiler cannot stream.)"
         )
         return "\n".join(lines)
-    named = leaves_in_message(message, [leaf.path for leaf in leaves])
-    hint = (
-        f" Its message points at {_paths.quoted(named)}."
-        if named
-        else " No single host-resident leaf fails alone."
-    )
+    named = leaves_in_message(message, leaves)
+    if named:
+        keep = (
+            f"Its message points at {_paths.quoted(named)}, host-resident leaves that "
+            "no probe of one leaf alone rejects. Keep them and their optimizer state "
+            f"on the device: in the `Policy`, {way_out(params, opt_state, named)}"
+        )
+    else:
+        keep = (
+            "No single host-resident leaf fails alone. Keep the leaves it is about "
+            "on the device: `Policy(params={..., path: 'device'}, "
+            "opt_state={..., path: 'device'})`"
+        )
     return (
-        f"{what}: the compiler rejected it: {_first_line(message)}.{hint} Ways out: "
-        "keep the leaves it names on the device with `Policy(params={..., path: "
-        "'device'}, opt_state={..., path: 'device'})`; or, if the operation it "
-        "names is in the optimizer update (not the forward or backward pass), "
-        "`Policy(update='whole')` (the update on whole leaves)."
+        f"{what}: the compiler rejected it: {_first_line(message).rstrip('.')}. "
+        f"{keep}; or, if "
+        "the operation it names is in the optimizer update (not the forward or "
+        "backward pass), `Policy(update='whole')` (the update on whole leaves)."
     )
 
 

@@ -17,7 +17,7 @@ import jax.tree_util as jtu
 from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
-from . import _accumulate, _paths
+from . import _accumulate, _paths, _tiling
 from ._layout import axis_names
 from ._memory_kinds import is_arraylike, is_host, to_space
 
@@ -119,16 +119,24 @@ def value_and_grad(
     k: int,
     unsplit: tuple[int, ...],
     has_aux: bool,
+    stream: tuple[str, ...] = (),
 ) -> tuple[Any, PyTree]:
     """The loss and its gradient with respect to `params` (the trainable part of
     the model), over `k` micro-batches of `batch`. The loss sees the model
     `sources` (the model, with compute copies in place of their parameters), each
     trainable leaf in its dtype from `dtypes` (one per array leaf of `params`).
+    `stream`: the `Policy(stream=...)` patterns (tables the loss reads from the
+    host).
 
     A host-resident parameter's gradient is accumulated where the loss uses the
     parameter, through a tap (`_accumulate.py`): one layer at a time, read from
     and written back to the host. A parameter on the device is differentiated as
-    usual and its gradient added to a device accumulator.
+    usual and its gradient added to a device accumulator; so is, over several
+    micro-batches, a host-resident leaf outside every `Stacked` whose minor
+    dimensions are not whole TPU tiles (`_tiling.whole_tiles`: a `(vocab, 96)`
+    head): the step moves it to the device whole anyway, and the TPU compiler
+    cannot read such an accumulator back from the host in the loop. Its gradient
+    goes to the host once, after the last micro-batch.
 
     The gradient of each leaf is in its dtype and memory kind; the loss (and its
     gradient) is the mean over micro-batches, each weighted `1 / k`; with
@@ -136,7 +144,26 @@ def value_and_grad(
     when `k > 1`.
     """
     leaves = [leaf for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
-    host = [is_host(leaf.value) for leaf in leaves]
+
+    def on_device(leaf: _paths.Leaf, dtype: Any) -> bool:
+        """A host-resident leaf accumulated on the device (see above)."""
+        x = leaf.value
+        return (
+            k > 1
+            and leaf.stacked is None
+            and not any(_paths.prefix_match(p, leaf.path) is not None for p in stream)
+            and not (
+                _tiling.whole_tiles(x.shape, x.dtype)
+                and _tiling.whole_tiles(x.shape, dtype)
+            )
+        )
+
+    moved = {
+        leaf.path
+        for leaf, d in zip(leaves, dtypes)
+        if is_host(leaf.value) and on_device(leaf, d)
+    }
+    host = [is_host(leaf.value) and leaf.path not in moved for leaf in leaves]
     tapped = [(leaf, d) for leaf, d, h in zip(leaves, dtypes, host) if h]
     plain = [(leaf, d) for leaf, d, h in zip(leaves, dtypes, host) if not h]
     model_leaves = _paths.leaves(sources)
@@ -167,7 +194,7 @@ def value_and_grad(
         accs = [to_space(a, "pinned_host", "") for a in accs]
         return out, (accs, new)
 
-    device_params = [leaf.value for leaf, _ in plain]
+    device_params = [to_space(leaf.value, "device", "") for leaf, _ in plain]
     masters = [leaf.value for leaf, _ in tapped]
     if k == 1:
         (_, (value, aux)), grads = grad((masters, device_params), batch, False)
@@ -195,6 +222,11 @@ def value_and_grad(
     by_path = dict(
         zip([leaf.path for leaf, _ in tapped + plain], grads[0] + grads[1], strict=True)
     )
-    flat = [by_path[leaf.path] for leaf in leaves]
+    flat = [
+        to_space(by_path[leaf.path], "pinned_host", "")
+        if leaf.path in moved
+        else by_path[leaf.path]
+        for leaf in leaves
+    ]
     tree = jtu.tree_unflatten(jtu.tree_structure(params), flat)
     return ((value, aux) if has_aux else value), tree

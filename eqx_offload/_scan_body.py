@@ -138,7 +138,7 @@ def _tap_layer(layer_arrays: Any, accs: list, taps: list) -> Any:
     """One layer's arrays, on the device, each seen through its tap."""
     leaves, treedef = jtu.tree_flatten(layer_arrays)
     tapped = [
-        x if t is None else _accumulate.tap(x, acc, *t)
+        x if t is None else _accumulate.tap(x, acc, *t, layer=True)
         for x, acc, t in zip(leaves, accs, taps, strict=True)
     ]
     return jtu.tree_unflatten(treedef, tapped)

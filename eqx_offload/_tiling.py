@@ -60,6 +60,18 @@ def slices_by_layer(shape: tuple[int, ...]) -> bool:
     return len(shape) >= 3
 
 
+def whole_tiles(shape: tuple[int, ...], dtype: Any) -> bool:
+    """Whether a leaf's two minor dimensions are whole tiles (or it has fewer than
+    two): else the TPU compiler may lay it out transposed in host memory, and then
+    cannot copy it to the device into the layout an addition there wants. Checked
+    with libtpu 0.0.42: a `(vocab, 96)` head read back from the host inside the
+    loop over micro-batches fails with "Expected instruction to have shape equal
+    to (f32[256,96]{0,1:...S(5)} ...)" at a `copy-start`."""
+    if len(shape) < 2:
+        return True
+    return shape[-1] % LANES == 0 and shape[-2] % (SUBLANES * packing(dtype)) == 0
+
+
 def row_blocks(shape: tuple[int, ...], dtype: Any, max_bytes: int) -> int:
     """How many equal blocks of rows a large non-stacked leaf is streamed in (each
     at most `max_bytes` if possible), or 1: it is updated whole."""

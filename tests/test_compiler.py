@@ -8,9 +8,10 @@ import importlib.metadata
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 
-from eqx_offload import _compat, _compiler
+from eqx_offload import _compat, _compiler, _diagnose
 from eqx_offload._report import _compiled_traffic
 from eqx_offload._report._traffic import Transfer
 
@@ -45,6 +46,40 @@ def test_checked_against_this_jax():
 def test_out_of_memory_message():
     message = fixture("tpu_out_of_memory.txt")
     assert _compiler.oom_sizes(message) == (64 * GiB, int(15.75 * GiB))
+
+
+def test_the_shapes_a_rejection_quotes_name_the_leaves():
+    """Two rejections captured from this JAX's compilers (a loop over blocks of rows
+    nested in a scan's backward pass, which the library no longer builds): the
+    array types they are about are read (of an expected and an actual tuple, the
+    entries that differ), and the diagnosis names the leaves of those shapes, whole
+    or one layer of them; vectors and scalars name none."""
+    tpu = fixture("tpu_async_shape.txt")
+    assert _compiler.array_shapes(tpu) == [("float32", (2, 512, 2048))]
+    gpu = fixture("gpu_expected_shape.txt")  # a loop's tuple of 21 types
+    assert _compiler.array_shapes(gpu) == [
+        ("float32", (2, 512, 2048)),
+        ("float32", (2, 2048, 512)),
+    ]
+    assert _compiler.array_shapes("bf16[4,8]{1,0:T(8,128)(2,1)} pred[]") == [
+        ("bfloat16", (4, 8)),
+        ("bool", ()),
+    ]
+
+    def streamed(path, shape, rows):
+        return _diagnose.Streamed(path, shape, jnp.float32, rows, rows == 1)
+
+    leaves = [
+        streamed("blocks.w_up", (2, 512, 2048), 1),
+        streamed("blocks.w_down", (2, 2048, 512), 1),
+        streamed("blocks.norm", (2, 512), 1),  # a layer of it is a vector
+        streamed("head", (4096, 512), 1024),  # blocks of 1024 rows
+    ]
+    assert _diagnose.leaves_in_message(tpu, leaves) == ["blocks.w_up"]
+    assert _diagnose.leaves_in_message(gpu, leaves) == ["blocks.w_up", "blocks.w_down"]
+    layer = "copy-start(f32[2048,512]{1,0}) f32[1024,512]"
+    assert _diagnose.leaves_in_message(layer, leaves) == ["blocks.w_down", "head"]
+    assert _diagnose.leaves_in_message("f32[] s32[] f32[512]", leaves) == []
 
 
 def test_the_compilers_out_of_memory_figures_are_read():
