@@ -1,9 +1,11 @@
 """Cutting a model, its optimizer state and a batch to their first few layers and
-examples, as `verify` runs them: the sizes of each leaf's cut, and the cut itself
-(a jitted slice that moves only the kept part of a host-resident leaf)."""
+examples, as `verify` runs them: the sizes of each leaf's cut, the cut itself (a
+jitted slice that moves only the kept part of a host-resident leaf), and the error
+for a loss that the cut breaks."""
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -84,7 +86,9 @@ def state_sizes(
     """The cut of each optimizer-state leaf: to the shape `optimizer.init` gives for
     the sliced parameters, keeping the first entries of each axis that shrinks
     (the layers kept). Parameter-shaped state is cut with its parameter; a factored
-    moment (`optax.adafactor`) along its layer axis."""
+    moment (`optax.adafactor`) along its layer axis. `optimizer` is the one the
+    step runs (`_mixed_precision.for_policy`): under a compute dtype its state
+    holds the compute copies too."""
     expected = jax.eval_shape(optimizer.init, small_params)
     flat, treedef = jtu.tree_flatten(opt_state)
     flat_expected, expected_def = jtu.tree_flatten(expected)
@@ -111,32 +115,107 @@ def state_sizes(
     return out
 
 
-def whole_parts(microbatch: int | None, policy: Policy, model: PyTree) -> int | None:
-    """`microbatch` rounded up to a multiple of the parts `Policy(batch=...)` splits
-    the leading dimension into, so that the cut batch can be laid out."""
+def whole_parts(
+    microbatch: int | None, policy: Policy, model: PyTree, microbatches: int = 1
+) -> int | None:
+    """`microbatch` rounded up to a multiple of `microbatches` times the parts
+    `Policy(batch=...)` splits the leading dimension into, so that the cut batch
+    can be laid out and split into the step's micro-batches (of whole blocks)."""
+    if microbatch is None:
+        return None
+    parts = 1
     mesh = _mesh.tree_mesh(model)
-    if microbatch is None or policy.batch is None or not len(policy.batch):
-        return microbatch
-    if mesh is None:
-        return microbatch
-    names = _layout.axis_names(policy.batch[0])
-    parts = math.prod(dict(mesh.shape).get(n, 1) for n in names)
-    return -(-microbatch // parts) * parts
+    if mesh is not None and policy.batch is not None and len(policy.batch):
+        names = _layout.axis_names(policy.batch[0])
+        parts = math.prod(dict(mesh.shape).get(n, 1) for n in names)
+    whole = parts * microbatches
+    return -(-microbatch // whole) * whole
 
 
-def batch_sizes(batch: tuple, microbatch: int | None) -> list[tuple[int, ...] | None]:
+def batch_sizes(
+    batch: tuple, microbatch: int | None, unsplit: tuple[int, ...] = ()
+) -> list[tuple[int, ...] | None]:
+    """The cut of each batch leaf: its first `microbatch` examples along axis 0,
+    except in the arguments at positions `unsplit` (passed whole to every
+    micro-batch, so not batch-major)."""
     out: list[tuple[int, ...] | None] = []
-    for x in jtu.tree_leaves(batch):
-        if not eqx.is_array(x):
-            out.append(None)
-        elif microbatch is None or x.ndim == 0:
-            out.append(tuple(x.shape))
-        else:
-            out.append((min(x.shape[0], microbatch),) + tuple(x.shape[1:]))
+    for position, argument in enumerate(batch):
+        for x in jtu.tree_leaves(argument):
+            if not eqx.is_array(x):
+                out.append(None)
+            elif microbatch is None or x.ndim == 0 or position in unsplit:
+                out.append(tuple(x.shape))
+            else:
+                out.append((min(x.shape[0], microbatch),) + tuple(x.shape[1:]))
     return out
 
 
-def examples(batch: tuple) -> int | None:
-    """The leading axis of the batch's arrays (the largest, if they differ)."""
-    sizes = [x.shape[0] for x in jtu.tree_leaves(batch) if eqx.is_array(x) and x.ndim]
+def examples(batch: tuple, unsplit: tuple[int, ...] = ()) -> int | None:
+    """The leading axis of the batch's arrays (the largest, if they differ), but
+    for the arguments at positions `unsplit`."""
+    sizes = [
+        x.shape[0]
+        for position, argument in enumerate(batch)
+        if position not in unsplit
+        for x in jtu.tree_leaves(argument)
+        if eqx.is_array(x) and x.ndim
+    ]
     return max(sizes, default=None)
+
+
+def _abstract(tree: Any) -> Any:
+    """`tree` with its arrays as device-resident `jax.ShapeDtypeStruct`s."""
+    return jtu.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x,
+        tree,
+    )
+
+
+def _traces(loss_fn: Callable, model: Any, batch: tuple) -> bool:
+    """Whether `loss_fn` traces on (abstract, device-resident) `model` and `batch`."""
+    try:
+        eqx.filter_eval_shape(loss_fn, _abstract(model), *_abstract(batch))
+    except Exception:  # whatever the loss raises: it does not trace
+        return False
+    return True
+
+
+def cut_error(
+    loss_fn: Callable,
+    model: Any,
+    batch: tuple,
+    small: Any,
+    small_batch: tuple,
+    layers: int | None,
+    microbatch: int | None,
+    error: Exception,
+) -> ValueError | None:
+    """Why the loss fails on the slice `verify` cut, when it traces on the whole
+    model and batch (and so the cut is to blame), as an error naming `verify`'s
+    argument and the fix; `None` when the cut is not to blame."""
+    if (layers is None and microbatch is None) or not _traces(loss_fn, model, batch):
+        return None
+    if _traces(loss_fn, small, small_batch):
+        return None  # it traces on the slice too: the cut is not to blame
+    if layers is not None and not _traces(loss_fn, small, batch):
+        what = f"the model cut to the first {layers} layer(s) of each `Stacked`"
+        how = (
+            "it sizes something by the model's configured depth (e.g. one KV cache "
+            "per layer from `config.n_layers`) rather than by the `Stacked` it "
+            "gets. Size it by `len(model.blocks)` (or `stacked.scan` over "
+            "per-layer inputs cut with it), or verify every layer with "
+            "`verify(..., layers=None)`"
+        )
+        argument = f"layers={layers}"
+    else:
+        what = f"the batch cut to its first {microbatch} example(s)"
+        how = (
+            "it depends on the batch size (e.g. a shape from a config). Make it "
+            "follow the batch's shape, or verify the whole batch with "
+            "`verify(..., microbatch=None)`"
+        )
+        argument = f"microbatch={microbatch}"
+    return ValueError(
+        f"`verify({argument})`: `loss_fn` fails on {what}, though it traces on the "
+        f"whole model and batch: {how}. It raised {type(error).__name__}: {error}"
+    )

@@ -223,6 +223,38 @@ class _Statics(NamedTuple):
     opt_shardings: tuple
 
 
+def value_and_grad(
+    loss_fn: Callable,
+    policy: Policy,
+    has_aux: bool,
+    microbatches: int,
+    unsplit: tuple[int, ...],
+    arguments: tuple[PyTree, PyTree, tuple],
+    where: str,
+) -> tuple[Any, PyTree]:
+    """The loss and gradient of the step on `arguments = (model, opt_state,
+    batch)`: `filter_offload(loss_fn, policy)` differentiated, in micro-batches and
+    from the compute copies in `opt_state` where the policy asks for them. (`verify`
+    checks this against plain JAX.)"""
+    model, opt_state, batch = arguments
+    loss = filter_offload(checked_loss(loss_fn, has_aux, where), policy)
+    if microbatches == 1 and policy.compute_dtype is None:
+        return eqx.filter_value_and_grad(loss, has_aux=has_aux)(model, *batch)
+    params = _update.trainable(model)
+    _mixed_precision.check_keep_dtype(params, policy, where)
+    return _microbatch.value_and_grad(
+        loss,
+        _mixed_precision.sources(model, params, opt_state),
+        params,
+        _mixed_precision.compute_dtypes(params, policy),
+        batch,
+        microbatches,
+        unsplit,
+        has_aux,
+        policy.stream,
+    )
+
+
 def _step(
     config: _Config,
     model_dynamic: list,
@@ -245,21 +277,15 @@ def _step(
     check_matches(optimizer, opt_state, params, "`train_step`")
     opt_kinds = _update.check_state(optimizer, opt_state, model, policy)
 
-    loss = filter_offload(checked_loss(config.loss_fn, has_aux, "`train_step`"), policy)
-    if microbatches == 1 and policy.compute_dtype is None:
-        value, grads = eqx.filter_value_and_grad(loss, has_aux=has_aux)(model, *batch)
-    else:
-        _mixed_precision.check_keep_dtype(params, policy, "`train_step`")
-        value, grads = _microbatch.value_and_grad(
-            loss,
-            _mixed_precision.sources(model, params, opt_state),
-            params,
-            _mixed_precision.compute_dtypes(params, policy),
-            batch,
-            microbatches,
-            config.unsplit,
-            has_aux,
-        )
+    value, grads = value_and_grad(
+        config.loss_fn,
+        policy,
+        has_aux,
+        microbatches,
+        config.unsplit,
+        (model, opt_state, batch),
+        "`train_step`",
+    )
     with jax.named_scope(_update.UPDATE_SCOPE):
         model, opt_state, norms = _update.update(
             optimizer,

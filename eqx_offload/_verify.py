@@ -1,7 +1,7 @@
 """`verify`: an offloaded train step checked against the plain one, on a slice of
 the model small enough to run both."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -12,11 +12,12 @@ import numpy as np
 import optax
 from jaxtyping import PyTree
 
-from . import _cutting, _layout, _mesh, _paths
+from . import _cutting, _layout, _mesh, _microbatch, _mixed_precision, _paths
 from ._memory_kinds import kind_of
+from ._placement import place_batch
 from ._policy import check_policy, Policy, replace
-from ._train_step import train_step
-from ._transform import call_on_auto_axes, filter_offload
+from ._train_step import train_step, value_and_grad
+from ._transform import call_on_auto_axes
 from ._update import as_transformation, is_trainable, trainable
 
 
@@ -94,6 +95,7 @@ class VerifyReport(eqx.Module):
         `verify(microbatch=...)` asked for when the batch is smaller).
     - `examples`: how many examples the checked batch holds (its leading axis;
         `None` for a batch without one).
+    - `microbatches`: how many micro-batches the step split them into.
     """
 
     loss: Difference
@@ -102,6 +104,7 @@ class VerifyReport(eqx.Module):
     layers: int | None
     microbatch: int | None
     examples: int | None = None
+    microbatches: int = 1
 
     @property
     def passed(self) -> bool:
@@ -119,7 +122,9 @@ class VerifyReport(eqx.Module):
             difference, tolerance = f"{check.difference:.3g}", f"{check.tolerance:.3g}"
             rows.append((name, check.leaf, difference, tolerance, verdict))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        where = _slice_text(self.layers, self.microbatch, self.examples)
+        where = _slice_text(
+            self.layers, self.microbatch, self.examples, self.microbatches
+        )
         lines = [
             f"eqx_offload.verify: {where}",
             *(
@@ -131,7 +136,10 @@ class VerifyReport(eqx.Module):
 
 
 def _slice_text(
-    layers: int | None, microbatch: int | None, examples: int | None = None
+    layers: int | None,
+    microbatch: int | None,
+    examples: int | None = None,
+    microbatches: int = 1,
 ) -> str:
     def first(n: int, noun: str) -> str:
         return f"the first {noun}" if n == 1 else f"the first {n} {noun}s"
@@ -140,6 +148,8 @@ def _slice_text(
     what = "the whole batch" if microbatch is None else first(microbatch, "example")
     if microbatch is None and examples is not None:
         what += f" ({examples} example{'' if examples == 1 else 's'})"
+    if microbatches > 1:
+        what += f" in {microbatches} micro-batches"
     return f"{where} of each `Stacked`, {what}"
 
 
@@ -153,67 +163,16 @@ def _check_count(value: Any, argument: str) -> None:
         )
 
 
-def _abstract(tree: Any) -> Any:
-    """`tree` with its arrays as device-resident `jax.ShapeDtypeStruct`s."""
-    return jtu.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x,
-        tree,
-    )
-
-
-def _traces(loss_fn: Callable, model: Any, batch: tuple) -> bool:
-    """Whether `loss_fn` traces on (abstract, device-resident) `model` and `batch`."""
-    try:
-        eqx.filter_eval_shape(loss_fn, _abstract(model), *_abstract(batch))
-    except Exception:  # whatever the loss raises: it does not trace
-        return False
-    return True
-
-
-def _cut_error(
-    loss_fn: Callable,
-    model: Any,
-    batch: tuple,
-    small: Any,
-    small_batch: tuple,
-    layers: int | None,
-    microbatch: int | None,
-    error: Exception,
-) -> ValueError | None:
-    """Why the loss fails on the slice `verify` cut, when it traces on the whole
-    model and batch (and so the cut is to blame), as an error naming `verify`'s
-    argument and the fix; `None` when the cut is not to blame."""
-    if (layers is None and microbatch is None) or not _traces(loss_fn, model, batch):
-        return None
-    if _traces(loss_fn, small, small_batch):
-        return None  # it traces on the slice too: the cut is not to blame
-    if layers is not None and not _traces(loss_fn, small, batch):
-        what = f"the model cut to the first {layers} layer(s) of each `Stacked`"
-        how = (
-            "it sizes something by the model's configured depth (e.g. one KV cache "
-            "per layer from `config.n_layers`) rather than by the `Stacked` it "
-            "gets. Size it by `len(model.blocks)` (or `stacked.scan` over "
-            "per-layer inputs cut with it), or verify every layer with "
-            "`verify(..., layers=None)`"
-        )
-        argument = f"layers={layers}"
-    else:
-        what = f"the batch cut to its first {microbatch} example(s)"
-        how = (
-            "it depends on the batch size (e.g. a shape from a config). Make it "
-            "follow the batch's shape, or verify the whole batch with "
-            "`verify(..., microbatch=None)`"
-        )
-        argument = f"microbatch={microbatch}"
-    return ValueError(
-        f"`verify({argument})`: `loss_fn` fails on {what}, though it traces on the "
-        f"whole model and batch: {how}. It raised {type(error).__name__}: {error}"
-    )
-
-
-def _tolerance(dtype: Any, rtol: float | None, atol: float | None) -> tuple:
+def _tolerance(
+    dtype: Any, rtol: float | None, atol: float | None, computed: Any = None
+) -> tuple:
+    """`(rtol, atol)` for a leaf of `dtype`: its own default, or the default of the
+    dtype it was `computed` in where that is narrower."""
     if jnp.issubdtype(dtype, jnp.inexact):
-        default = _DEFAULT_TOLERANCES.get(np.dtype(dtype).itemsize, (1e-4, 1e-8))
+        width = np.dtype(dtype).itemsize
+        if computed is not None:
+            width = min(width, np.dtype(computed).itemsize)
+        default = _DEFAULT_TOLERANCES.get(width, (1e-4, 1e-8))
     else:
         default = (0.0, 0.0)  # integers, booleans, PRNG keys: exactly
     return (default[0] if rtol is None else rtol, default[1] if atol is None else atol)
@@ -241,13 +200,18 @@ def _compare(
     pairs: list[tuple[str, Any, Any, Any, float]],
     rtol: float | None,
     atol: float | None,
+    computed: Any = None,
 ) -> Difference:
     """The worst of `(leaf, ours, reference, scale_of, slack)` comparisons: the
     largest difference relative to its tolerance, `atol + rtol * scale + slack`,
-    where `scale` is the largest magnitude of the array `scale_of`."""
+    where `scale` is the largest magnitude of the array `scale_of` (and the
+    tolerance that of the reference's dtype, or of the dtype the values were
+    `computed` in where that is narrower: one dtype for every leaf, or a dict of
+    them by leaf)."""
     worst: Difference | None = None
     for leaf, ours, ref, scale_of, slack in pairs:
-        r, a = _tolerance(ref.dtype, rtol, atol)
+        dtype = computed.get(leaf) if isinstance(computed, dict) else computed
+        r, a = _tolerance(ref.dtype, rtol, atol, dtype)
         ours, ref = _as_float(ours), _as_float(ref)
         with np.errstate(invalid="ignore"):
             gap = np.where(ours == ref, 0.0, np.abs(ours - ref))
@@ -275,27 +239,71 @@ def _array_leaves(tree: Any) -> list[_paths.Leaf]:
 
 @eqx.filter_jit
 def _reference(
-    loss_fn: Callable, loss_axes: str, has_aux: bool, model: Any, batch: tuple
+    loss_fn: Callable,
+    options: tuple[str, bool, tuple | None],
+    split: tuple[int, tuple[int, ...]],
+    model: Any,
+    batch: tuple,
 ) -> Any:
     """Plain `value_and_grad`: no transform, so every `Stacked` is a plain scan. On
     the axis types the step runs the loss on: `Auto` ones over a mesh with
-    `Explicit` axes under `Policy(loss_axes="auto")`."""
+    `Explicit` axes under `Policy(loss_axes="auto")`.
+
+    `options = (loss_axes, has_aux, dtypes)`: with `dtypes` (one per trainable
+    leaf), the loss sees each trainable leaf cast to its dtype, and the gradient
+    comes back in the leaf's own dtype (the cast's transpose). `split =
+    (microbatches, unsplit)`: the mean of the loss and gradient over micro-batch
+    `i` of `k` = examples `i, i + k, ...` (what `train_step` defines), in float32.
+    """
+    loss_axes, has_aux, dtypes = options
+    k, unsplit = split
 
     def loss(model: Any, *batch: Any) -> Any:
+        if dtypes is not None:
+            params, rest = eqx.partition(model, is_trainable)
+            flat, treedef = jtu.tree_flatten(params)
+            cast = [x.astype(d) for x, d in zip(flat, dtypes, strict=True)]
+            model = eqx.combine(jtu.tree_unflatten(treedef, cast), rest)
         if loss_axes == "auto" and _layout.explicit_axes():
             return call_on_auto_axes(loss_fn, (model, *batch), {})
         return loss_fn(model, *batch)
 
-    return eqx.filter_value_and_grad(loss, has_aux=has_aux)(model, *batch)
+    grad = eqx.filter_value_and_grad(loss, has_aux=has_aux)
+    if k == 1:
+        return grad(model, *batch)
+
+    def parts(x: Any) -> Any:
+        return jnp.stack([x[i::k] for i in range(k)])
+
+    def one(part: tuple) -> Any:
+        whole = (b if p is None else p for b, p in zip(batch, part, strict=True))
+        return grad(model, *whole)
+
+    split_batch = tuple(
+        None if position in unsplit else jtu.tree_map(parts, argument)
+        for position, argument in enumerate(batch)
+    )
+
+    def mean(x: Any) -> Any:
+        return jnp.sum(x.astype(jnp.float32), 0) / k
+
+    value, grads = jax.lax.map(one, split_batch)
+    grads = jtu.tree_map(lambda g: mean(g).astype(g.dtype), grads)
+    return ((mean(value[0]), value[1]) if has_aux else mean(value)), grads
 
 
 @eqx.filter_jit
 def _offloaded(
-    loss_fn: Callable, policy: Policy, has_aux: bool, model: Any, batch: tuple
+    loss_fn: Callable,
+    policy: Policy,
+    has_aux: bool,
+    split: tuple[int, tuple[int, ...]],
+    arguments: tuple[Any, Any, tuple],
 ) -> Any:
-    """The forward and backward pass as `train_step` computes them."""
-    loss = filter_offload(loss_fn, policy)
-    return eqx.filter_value_and_grad(loss, has_aux=has_aux)(model, *batch)
+    """The forward and backward pass as `train_step` computes them (its own code),
+    on `arguments = (model, opt_state, batch)`, in `split = (microbatches,
+    unsplit)`."""
+    return value_and_grad(loss_fn, policy, has_aux, *split, arguments, "`verify`")
 
 
 def _loss(value: Any, has_aux: bool) -> Any:
@@ -318,22 +326,26 @@ def verify(
     opt_state: PyTree,
     *batch: Any,
     has_aux: bool = False,
+    microbatches: int = 1,
+    unsplit: Sequence[int] = (),
     layers: int | None = 2,
     microbatch: int | None = 2,
     rtol: float | None = None,
     atol: float | None = None,
 ) -> VerifyReport:
-    """Checks that `train_step(loss_fn, optimizer, policy)` computes what plain
+    """Checks that `train_step(loss_fn, optimizer, policy, ...)` computes what plain
     training computes, on a slice of the model small enough to run both.
 
     Every `Stacked` is cut to its first `layers` layers (with the optimizer state
-    that mirrors them) and every batch array to its first `microbatch` examples.
-    On that slice, `verify` compares
+    that mirrors them, compute copies included) and every batch array to its first
+    `microbatch` examples. On that slice, `verify` compares
 
-    1. **the loss** and 2. **each leaf's gradient** of the offloaded forward and
-        backward pass (`filter_offload(loss_fn, policy)`, each leaf in the memory
-        kind it has in `model`) with the reference: every leaf on the device, no
-        remat, plain `eqx.filter_value_and_grad`;
+    1. **the loss** and 2. **each leaf's gradient** as the step computes them
+        (`filter_offload(loss_fn, policy)`, each leaf in the memory kind it has in
+        `model`, in `microbatches`, from the compute copies) with the reference:
+        every leaf on the device, no remat, plain `eqx.filter_value_and_grad` of
+        the loss on the model cast to `Policy(compute_dtype=...)` (but for the
+        `keep_dtype` leaves), averaged over the same micro-batches;
     3. **the update**: the model and optimizer state after one donating
         `train_step` with `Policy(update="streamed")` against one with
         `update="whole"` (plain optax on the device), when the step streams and
@@ -345,34 +357,34 @@ def verify(
 
     Each check passes if, for every leaf, `max |ours - reference| <= atol + rtol *
     scale`, where `scale` is the reference's largest magnitude over the leaf (the
-    largest change, for parameters after the update): a tolerance relative to the
-    leaf as a whole, not to each element, so that entries near zero (where
-    cancellation leaves only rounding) do not fail a correct step.
-
-    Default tolerances, by the leaf's dtype (`rtol`, `atol`): 32- and 64-bit floats
-    `1e-4, 1e-8`; 16-bit floats `5e-2, 1e-5`; 8-bit floats `0.2, 1e-3`; integers
-    exact. Remat and offloading only change where values are stored and what is
-    recomputed, so a correct step differs from the reference by rounding in
-    reassociated sums: measured on the CPU, under `3.6e-7` of a leaf's scale in
-    float32 (`rtol` leaves a factor of 250) and nothing in bfloat16 (`rtol` allows
-    about 13 roundings of `2**-8`, for backends that fuse differently). A wrong
-    residual or transfer is off by the order of the values themselves. `atol` only
-    decides leaves whose reference is (nearly) all zeros.
+    largest change, for parameters after the update): relative to the leaf as a
+    whole, so that entries near zero (where cancellation leaves only rounding) do
+    not fail a correct step. Default tolerances (`rtol`, `atol`), by the leaf's
+    dtype, or for the loss and gradients the dtype they were computed in where
+    that is narrower (the values carry its rounding, whatever dtype holds them):
+    32- and 64-bit floats `1e-4, 1e-8`; 16-bit floats `5e-2, 1e-5`; 8-bit floats
+    `0.2, 1e-3`; integers exact. A correct step differs from the reference by
+    rounding in reassociated sums (on the CPU, under `3.6e-7` of a leaf's scale in
+    float32); a wrong residual or transfer by the order of the values themselves.
+    docs/verify.md says why these values.
 
     **Arguments:**
 
-    - `loss_fn`, `optimizer`, `policy`, `has_aux`: as for `train_step` (with
-        `has_aux=True` the loss is compared, not `aux`).
+    - `loss_fn`, `optimizer`, `policy`, `has_aux`, `microbatches`, `unsplit`: the
+        step, as for `train_step` (with `has_aux=True` the loss is compared, not
+        `aux`). `microbatches=k` splits the examples kept into `k` micro-batches;
+        the batch arguments in `unsplit` are passed whole, and not cut.
     - `model`, `opt_state`, `*batch`: as for the step, already placed
         (`eqx_offload.place`, `eqx_offload.init_opt_state`).
     - `layers`: how many layers of each `Stacked` to keep (nested ones too), or
         `None` for all. Two, by default: the fewest that still pass a carry (and
         its offloaded residual) from one layer to the next through a real loop.
-    - `microbatch`: how many examples to keep: every batch array with at least one
-        dimension is cut along its first axis. `None` keeps the batch whole (e.g.
-        when its arrays are not batch-major). Two, by default, so that a bug
-        mixing examples can show; rounded up to a multiple of the parts a
-        `Policy(batch=...)` splits the batch into.
+    - `microbatch`: how many *examples* to keep (`microbatches` is how many parts
+        the step splits them into): every batch array with at least one dimension
+        is cut along its first axis. `None` keeps the batch whole (e.g. when its
+        arrays are not batch-major). Two, by default, so that a bug mixing
+        examples can show; rounded up to a multiple of `microbatches` times the
+        parts a `Policy(batch=...)` splits the batch into.
     - `rtol`, `atol`: override the default tolerances for every check.
 
     **Returns:**
@@ -388,52 +400,78 @@ def verify(
         the slice but traces on the whole model and batch: a loss that sizes
         something by the configured depth (one KV cache per layer from a
         config) rather than by the `Stacked` it gets.
+    - `ValueError` naming `microbatches=` when the examples kept do not split into
+        that many micro-batches (of whole blocks of `Policy(batch=...)`).
 
     !!! Example
 
         ```python
-        policy = eo.Policy.offload_all()
+        policy = eo.Policy.offload_all(compute_dtype=jnp.bfloat16)
         model = eo.place(model, policy)
         opt_state = eo.init_opt_state(optimizer, model, policy)
-        print(eo.verify(loss_fn, optimizer, policy, model, opt_state, tokens, targets))
-        step = eo.train_step(loss_fn, optimizer, policy)   # then train as usual
+        print(eo.verify(loss_fn, optimizer, policy, model, opt_state, tokens, targets,
+                        microbatches=2))
+        step = eo.train_step(loss_fn, optimizer, policy, microbatches=2)  # then train
         ```
     """
     if not callable(loss_fn):
         raise TypeError(f"`verify(loss_fn=...)` must be callable, got {loss_fn!r}.")
     _check_count(layers, "layers")
     _check_count(microbatch, "microbatch")
+    unsplit = _microbatch.check_unsplit(unsplit, microbatches, "`verify`")
     transformation = as_transformation(optimizer, "`verify(optimizer=...)`")
     check_policy(policy, "`verify(policy=...)`")
+    # The optimizer the step runs: under a compute dtype, its state holds the
+    # compute copies (`ComputeCopyState`), which are cut with their parameters.
+    params = trainable(model)
+    stepping = _mixed_precision.for_policy(transformation, params, policy)
+    _mixed_precision.check_state(stepping is not transformation, opt_state, "`verify`")
+    dtypes = None
+    if policy.compute_dtype is not None:
+        _mixed_precision.check_keep_dtype(params, policy, "`verify`")
+        dtypes = tuple(_mixed_precision.compute_dtypes(params, policy))
 
     model_sizes = _cutting.model_sizes(model, layers)
     small = _cutting.cut(model, model_sizes)  # on the device: the reference's input
-    state_sizes = _cutting.state_sizes(transformation, opt_state, trainable(small))
+    state_sizes = _cutting.state_sizes(stepping, opt_state, trainable(small))
     small_state = _cutting.cut(opt_state, state_sizes)
-    microbatch = _cutting.whole_parts(microbatch, policy, model)
-    small_batch = _cutting.cut(batch, _cutting.batch_sizes(batch, microbatch))
-    examples = _cutting.examples(small_batch)
-    if examples == _cutting.examples(batch):
+    microbatch = _cutting.whole_parts(microbatch, policy, model, microbatches)
+    small_batch = _cutting.cut(batch, _cutting.batch_sizes(batch, microbatch, unsplit))
+    examples = _cutting.examples(small_batch, unsplit)
+    if examples == _cutting.examples(batch, unsplit):
         microbatch = None  # the whole batch, whatever was asked
     if _cutting.model_sizes(model, None) == model_sizes:
         layers = None  # every layer
+    # Laid out as `train_step` lays it out, so that its micro-batches are checked
+    # against the blocks the step splits.
+    mesh = _mesh.tree_mesh(model)
+    small_batch = place_batch(small_batch, policy.batch, mesh, "`verify`", unsplit)
+    if microbatches > 1:
+        kept = "the whole batch" if microbatch is None else f"{examples} examples"
+        where = f"`verify(microbatches={microbatches})` on {kept}"
+        _microbatch.check(small_batch, microbatches, unsplit, where)
+    split = (microbatches, unsplit)
 
     # In the model's mesh, as `train_step` traces the loss.
     with _mesh.context(small, small_batch):
         try:
+            options = (policy.loss_axes, has_aux, dtypes)
             ref_value, ref_grads = _reference(
-                loss_fn, policy.loss_axes, has_aux, small, small_batch
+                loss_fn, options, split, small, small_batch
             )
         except Exception as e:  # the loss's own error, explained if the cut did it
-            cut = _cut_error(
+            cut = _cutting.cut_error(
                 loss_fn, model, batch, small, small_batch, layers, microbatch, e
             )
             if cut is None:
                 raise
             raise cut from e
-        value, grads = _offloaded(
-            loss_fn, policy, has_aux, _cutting.copy_into(small, model), small_batch
+        arguments = (
+            _cutting.copy_into(small, model),
+            _cutting.copy_into(small_state, opt_state),
+            small_batch,
         )
+        value, grads = _offloaded(loss_fn, policy, has_aux, split, arguments)
     ref_loss = _loss(ref_value, has_aux)
     losses = [("loss", _loss(value, has_aux), ref_loss, ref_loss, 0.0)]
     gradients = [
@@ -441,69 +479,44 @@ def verify(
         for o, r in zip(_array_leaves(grads), _array_leaves(ref_grads), strict=True)
     ]
 
-    loss_check = _compare(losses, rtol, atol)
-    gradient_check = _compare(gradients, rtol, atol)
+    # Computed in the compute dtype, whatever dtype they are kept in: its rounding
+    # (each gradient in its leaf's: `keep_dtype` leaves are computed in their own).
+    computed = policy.compute_dtype
+    by_leaf = {}
+    if dtypes is not None:
+        arrays = [leaf.path for leaf in _array_leaves(params)]
+        by_leaf = dict(zip(arrays, dtypes, strict=True))
+    loss_check = _compare(losses, rtol, atol, computed)
+    gradient_check = _compare(gradients, rtol, atol, by_leaf)
     update = None
-    # The update is checked on a step whose gradients are right.
-    if (
-        loss_check.passed
-        and gradient_check.passed
-        and _streams(policy, model, opt_state)
-    ):
+    if loss_check.passed and gradient_check.passed:
+        # The step itself, on a slice whose gradients are right: streamed against
+        # whole when it streams, else once, so that its own program (placements,
+        # donation, outputs) is exercised.
+        streams = _streams(policy, model, opt_state)
         outputs = []
-        for mode in ("streamed", "whole"):
+        for mode in ("streamed", "whole") if streams else (policy.update,):
             step = train_step(
                 loss_fn,
                 optimizer,
                 replace(policy, update=mode),
                 has_aux=has_aux,
+                microbatches=microbatches,
+                unsplit=unsplit,
             )
             new_model, new_state, value = step(
                 _cutting.copy_into(small, model),
                 _cutting.copy_into(small_state, opt_state),
                 *small_batch,
             )
-            loss = _loss(value, has_aux)
-            losses.append((f"loss ({mode} step)", loss, ref_loss, ref_loss, 0.0))
+            name = f"loss ({mode} step)" if streams else "loss (step)"
+            losses.append((name, _loss(value, has_aux), ref_loss, ref_loss, 0.0))
             outputs.append((new_model, new_state))
         _check_kinds(outputs[0], (model, opt_state))
-        (streamed_model, streamed_state), (whole_model, whole_state) = outputs
-        pairs = []
-        for s, w, old in zip(
-            _array_leaves(streamed_model),
-            _array_leaves(whole_model),
-            _array_leaves(small),
-            strict=True,
-        ):
-            if is_trainable(old.value):
-                # Relative to the change, which is what the update computes, give or
-                # take one rounding of the new parameter (a change below it rounds
-                # away, in bfloat16 often).
-                change = _as_float(w.value) - _as_float(old.value)
-                rounding = _rounding(w.value)
-                pairs.append((s.path, s.value, w.value, change, rounding))
-            else:
-                pairs.append((s.path, s.value, w.value, w.value, 0.0))
-        for s, w in zip(
-            _array_leaves(streamed_state), _array_leaves(whole_state), strict=True
-        ):
-            pairs.append((f"opt_state.{s.path}", s.value, w.value, w.value, 0.0))
-        update = _compare(pairs, rtol, atol)
-        loss_check = _compare(losses, rtol, atol)
-    elif loss_check.passed and gradient_check.passed:
-        # No streaming to compare with: the step itself still runs once, so that
-        # its own program (placements, donation, outputs) is exercised.
-        step = train_step(loss_fn, optimizer, policy, has_aux=has_aux)
-        outputs = step(
-            _cutting.copy_into(small, model),
-            _cutting.copy_into(small_state, opt_state),
-            *small_batch,
-        )
-        _check_kinds(outputs[:2], (model, opt_state))
-        losses.append(
-            ("loss (step)", _loss(outputs[2], has_aux), ref_loss, ref_loss, 0.0)
-        )
-        loss_check = _compare(losses, rtol, atol)
+        loss_check = _compare(losses, rtol, atol, computed)
+        if streams:
+            # Both updates are the optimizer's on the masters, in their own dtype.
+            update = _compare(_update_pairs(small, *outputs), rtol, atol)
 
     report = VerifyReport(
         loss=loss_check,
@@ -512,9 +525,36 @@ def verify(
         layers=layers,
         microbatch=microbatch,
         examples=examples,
+        microbatches=microbatches,
     )
     _raise_if_failed(report)
     return report
+
+
+def _update_pairs(old: PyTree, streamed: tuple, whole: tuple) -> list:
+    """What the update check compares: each leaf of the model and optimizer state
+    after the streamed update against the same after the whole update."""
+    (streamed_model, streamed_state), (whole_model, whole_state) = streamed, whole
+    pairs = []
+    for s, w, o in zip(
+        _array_leaves(streamed_model),
+        _array_leaves(whole_model),
+        _array_leaves(old),
+        strict=True,
+    ):
+        if is_trainable(o.value):
+            # Relative to the change, which is what the update computes, give or
+            # take one rounding of the new parameter (a change below it rounds
+            # away, in bfloat16 often).
+            change = _as_float(w.value) - _as_float(o.value)
+            pairs.append((s.path, s.value, w.value, change, _rounding(w.value)))
+        else:
+            pairs.append((s.path, s.value, w.value, w.value, 0.0))
+    for s, w in zip(
+        _array_leaves(streamed_state), _array_leaves(whole_state), strict=True
+    ):
+        pairs.append((f"opt_state.{s.path}", s.value, w.value, w.value, 0.0))
+    return pairs
 
 
 def _check_kinds(outputs: tuple, inputs: tuple) -> None:
@@ -529,6 +569,9 @@ def _check_kinds(outputs: tuple, inputs: tuple) -> None:
 
 def _raise_if_failed(report: VerifyReport) -> None:
     reference = "the reference (every leaf on the device, no remat)"
+    where = _slice_text(
+        report.layers, report.microbatch, report.examples, report.microbatches
+    )
     for name in ("loss", "gradients", "update"):
         check = getattr(report, name)
         if check is None or check.passed:
@@ -546,8 +589,7 @@ def _raise_if_failed(report: VerifyReport) -> None:
             f"`verify`: {subject} differs between the offloaded step and {against} "
             f"by {check.difference:.3g}, beyond the tolerance {check.tolerance:.3g} "
             f"(`atol + rtol * scale`, scale {check.scale:.3g}: {_SCALES[name]}). "
-            "Checked on "
-            f"{_slice_text(report.layers, report.microbatch, report.examples)}. "
+            f"Checked on {where}. "
             f"{_UPSTREAM}\n{report}",
             report,
         )

@@ -1,5 +1,5 @@
-"""`verify`: correct policies pass, a wrong loss, gradient or update is named, and
-the caller's arrays are left alone."""
+"""`verify`: correct policies pass (compute dtypes, micro-batches and FSDP too), a
+wrong loss, gradient or update is named, and the caller's arrays are left alone."""
 
 from typing import Any
 
@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType
 
 import eqx_offload as eo
-from eqx_offload import _cutting, _remat_names, _scan_body
+from eqx_offload import _cutting, _microbatch, _remat_names, _scan_body
 from eqx_offload._memory_kinds import is_host
 from eqx_offload._update import _streaming
 
@@ -276,3 +277,124 @@ def test_the_report_says_how_many_examples_it_checked(getkey):
     assert "the first 2 layers of each `Stacked`, the whole batch (1 example)" in str(
         report
     )
+
+
+def assert_computes_what_the_step_computes(report):
+    """On the CPU the reference computes exactly what the step computes: a reference
+    in another dtype or over other examples would be off by far more (bfloat16's
+    rounding, 2**-8 of the scale; another micro-batching, the loss itself)."""
+    for check in (report.loss, report.gradients):
+        assert check.difference <= 1e-6 * check.scale
+
+
+def test_compute_dtypes_are_verified(getkey):
+    # bfloat16 compute copies, rewritten by the streamed update (checked against
+    # the whole one), but for `head`: computed in float32 on both sides, with no
+    # copy. (`test_fsdp_steps_are_verified` has a compute dtype without
+    # `keep_dtype`.)
+    policy = eo.Policy.offload_all(compute_dtype=jnp.bfloat16, keep_dtype=("head",))
+    optimizer, model, opt_state, tokens, targets = setup(
+        policy, getkey(), optimizer=optax.sgd(0.1)
+    )
+    assert isinstance(opt_state, eo.ComputeCopyState)
+    assert isinstance(opt_state.copies.head.weight, optax.MaskedNode)
+    assert opt_state.copies.embed.weight.dtype == jnp.bfloat16
+    before = snapshot((model, opt_state))
+    args = (optimizer, policy, model, opt_state, tokens, targets)
+    report = eo.verify(cross_entropy, *args)
+    assert report.passed and report.update is not None
+    assert_computes_what_the_step_computes(report)
+    # Float32 gradients computed in bfloat16: bfloat16's tolerance.
+    scale = report.gradients.scale
+    assert report.gradients.tolerance == pytest.approx(1e-5 + 5e-2 * scale)
+    # Both updates are float32 arithmetic on the masters: float32's tolerance
+    # (bfloat16's `atol` alone is 1e-5).
+    assert report.update.tolerance < 1e-5
+    assert_intact((model, opt_state), before)
+
+    # Negative control: compute copies that are not the masters' (the state of
+    # another model) are what the step computes with, and are caught.
+    other = eo.init_opt_state(optimizer, eo.place(Net(key=getkey()), policy), policy)
+    with pytest.raises(eo.DoesNotMatch, match=r"`verify`: the gradient of leaf"):
+        eo.verify(cross_entropy, optimizer, policy, model, other, tokens, targets)
+
+
+def summed_cross_entropy(model, tokens, targets):
+    # A sum over examples, not a mean (nor is a mean over non-padding tokens): the
+    # step's loss is the mean over its micro-batches, not the whole batch's.
+    return cross_entropy(model, tokens, targets) * tokens.shape[0]
+
+
+def test_micro_batched_steps_are_verified(getkey):
+    policy = eo.Policy.offload_all(update="whole")
+    optimizer, model, opt_state, tokens, targets = setup(
+        policy, getkey(), optimizer=optax.sgd(0.1)
+    )
+    args = (optimizer, policy, model, opt_state, tokens, targets)
+    # `microbatch=2` examples kept (the default), split into two micro-batches.
+    report = eo.verify(summed_cross_entropy, *args, microbatches=2)
+    assert report.passed and report.microbatches == 2
+    assert (report.microbatch, report.examples) == (2, 2)
+    assert "the first 2 examples in 2 micro-batches" in str(report)
+    assert_computes_what_the_step_computes(report)
+
+    # Negative control: a step whose micro-batches all hold the first one's
+    # examples.
+    def repeated(batch, k, unsplit):
+        parts = split(batch, k, unsplit)
+        return jax.tree.map(lambda x: jnp.stack([x[0]] * k), parts)
+
+    def loss_fn(*args):  # its own: no program traced before the patch is reused
+        return summed_cross_entropy(*args)
+
+    split = _microbatch.split
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_microbatch, "split", repeated)
+        with pytest.raises(eo.DoesNotMatch, match="the loss differs"):
+            eo.verify(loss_fn, *args, microbatches=2)
+
+
+def test_a_batch_that_does_not_split_into_micro_batches_is_named(getkey):
+    policy = eo.Policy.remat()
+    optimizer, model, opt_state, tokens, targets = setup(policy, getkey())
+    with pytest.raises(
+        ValueError,
+        match=r"`verify\(microbatches=4\)` on the whole batch: batch argument 0 has "
+        r"leading axis 3, which does not split into 4 micro-batches; give a batch "
+        r"whose size is a multiple of 4",
+    ):
+        eo.verify(
+            cross_entropy,
+            *(optimizer, policy, model, opt_state, tokens[:3], targets[:3]),
+            microbatches=4,
+        )
+
+
+def test_fsdp_steps_are_verified():
+    """FSDP over 8 devices, in bfloat16 and two micro-batches. The two examples
+    kept by default are rounded up to 16: two micro-batches of one example per
+    device. (Summed over the devices in bfloat16, in another order than the
+    reference's: not exactly the reference's gradients, but within bfloat16's
+    tolerance.)"""
+    policy = eo.Policy.offload_all(
+        shard=eo.FSDP("fsdp", min_size=0),
+        batch="fsdp",
+        compute_dtype=jnp.bfloat16,
+        update="whole",
+    )
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
+    optimizer = optax.sgd(0.1)
+    model = eo.place(Net(key=jax.random.key(0)), policy, mesh=mesh)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    assert "fsdp" in model.blocks.layers.layers[0].weight.sharding.spec
+    tokens, targets = next(batches(batch=32))
+    args = (optimizer, policy, model, opt_state, tokens, targets)
+    report = eo.verify(cross_entropy, *args, microbatches=2)
+    assert report.passed and (report.microbatch, report.examples) == (16, 16)
+
+
+def test_unsplit_arguments_are_not_cut():
+    # Passed whole to every micro-batch, so not batch-major: a shared mask.
+    tokens, mask = jnp.zeros((8, 4), jnp.int32), jnp.ones((4, 4))
+    assert _cutting.batch_sizes((tokens, mask), 2, (1,)) == [(2, 4), (4, 4)]
+    assert _cutting.examples((tokens, mask), (1,)) == 8
