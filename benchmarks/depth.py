@@ -66,7 +66,7 @@ def main():
                 row["host MiB"] = report.host_bytes / MIB
                 row["note"] = (
                     f"exceeds the {report.capacity / GIB:.2f} GiB of HBM"
-                    if report.fits is False and report.capacity is not None
+                    if report.fits_device is False and report.capacity is not None
                     else ""
                 )
                 row["report"] = report.to_dict()  # for `benchmarks/plot.py`

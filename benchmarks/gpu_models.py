@@ -100,7 +100,7 @@ def main():
                             "device GiB": r.device_bytes / GIB,
                             "host GiB": r.host_bytes / GIB,
                             "capacity GiB": (r.capacity or 0) / GIB,
-                            "fits": r.fits,
+                            "fits": r.fits_device,
                             "note": "",
                             "H2D GiB/step": r.host_to_device_bytes / GIB,
                             "D2H GiB/step": r.device_to_host_bytes / GIB,

@@ -71,7 +71,7 @@ def fits(width: int, depth: int, preset: str) -> dict[str, Any] | None:
         )
     except eo.DoesNotFit:
         return None
-    if not r.fits or r.host_bytes > HOST:
+    if not r.fits_device or r.host_bytes > HOST:
         return None
     return {
         "device GiB": r.device_bytes / GIB,

@@ -204,7 +204,7 @@ def main():
                         "host GiB/chip": r.host_bytes / GIB,
                         "host GiB/host": on_host / GIB,
                         "host RAM GiB": ram / GIB,
-                        "fits": bool(r.fits) and on_host <= ram,
+                        "fits": bool(r.fits_device) and on_host <= ram,
                         "note": "",
                     }
                 )

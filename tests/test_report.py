@@ -1,4 +1,6 @@
+import dataclasses
 import json
+import pickle
 import sys
 
 import equinox as eqx
@@ -10,7 +12,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_offload as eo
+from eqx_offload._planner import _fewest
 from eqx_offload._report import _targets
+from eqx_offload._report._does_not_fit import device_advice
 
 from .helpers import batches, cross_entropy, Model
 
@@ -217,7 +221,7 @@ def test_a_program_too_big_for_the_chip():
 
     x = jax.ShapeDtypeStruct((2**30,), jnp.float32)
     with pytest.raises(
-        eo.DoesNotFit, match=r"not fit in the memory of one tpu-v5e chip"
+        eo.DoesNotFit, match=r"not fit in the device memory of one tpu-v5e chip"
     ) as info:
         eo.memory_report(f, x, target="tpu-v5e")
     e = info.value
@@ -245,6 +249,11 @@ def test_a_train_step_too_big_for_the_chip_says_what_it_holds():
     assert e.opt_state is not None and e.opt_state["device"] >= 12 * 2**30
     assert e.residuals is not None and e.available_bytes == int(15.75 * 2**30)
     assert "optimizer state: 12.00 GiB / 0 B" in str(e)
+    # Under `Policy.none()` everything is on the device: each move, and the preset
+    # that makes them all.
+    assert "parameters on the host (6.00 GiB on the device)" in str(e)
+    assert "`Policy(opt_state='pinned_host')`" in str(e)
+    assert "`Policy.offload_all()`" in str(e) and e.exceeded == ("device",)
 
 
 @pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
@@ -302,12 +311,18 @@ def test_a_filter_offload_function_is_reported_as_its_gradient():
 
 def test_capacity_and_static_arguments():
     report = eo.memory_report(lambda x, n: x * n, jnp.ones(3), 2, target="tpu-v5e")
-    # What the compiler lets a program use, not the nominal 16 GiB.
-    assert report.capacity == int(15.75 * 2**30) and report.fits
-    assert "fits in the 15.75 GiB of one chip" in str(report)
+    # What the compiler lets a program use, not the nominal 16 GiB; and the host
+    # memory behind one chip, the 48 GB of `eo.Hardware.of("tpu-v5e")`.
+    assert report.capacity == int(15.75 * 2**30) and report.fits_device
+    assert report.host_capacity == 48 * 10**9 and report.fits_host and report.fits
+    lines = str(report).splitlines()
+    assert f"{'capacity of one chip':<34}{'15.75 GiB':>14}{'44.70 GiB':>14}" in lines
+    assert f"{'  verdict':<34}{'fits':>14}{'fits':>14}" in lines
     assert list(report.arguments) == ["argument 0"]  # the static 2 holds no memory
     cpu = eo.memory_report(lambda x: x, jnp.ones(3))
-    assert cpu.capacity is None and cpu.fits is None
+    assert cpu.capacity is None and cpu.host_capacity is None
+    assert cpu.fits is None and cpu.fits_device is None and cpu.fits_host is None
+    assert "verdict" not in str(cpu)
 
 
 def test_single_device_leaves_get_no_sharding_constraint():
@@ -356,3 +371,184 @@ def test_a_saved_prng_key_is_reported_with_its_dtype():
     assert saved.shape == () and saved.operations == ("random_fold_in",)
     assert saved.where is not None and saved.where.endswith("(loss)")
     assert "key<fry>[]" in str(report)
+
+
+def _with_host_memory(n: int) -> eo.Hardware:
+    return dataclasses.replace(eo.Hardware.of("tpu-v5e"), host_memory_bytes=n)
+
+
+def test_a_step_over_the_hosts_memory_does_not_fit():
+    """Host memory counts: an `offload_all` step whose host footprint exceeds the
+    host memory behind one chip (here 64 KiB, as `hardware=` states it) fits the
+    device and not the host, so it does not fit; the table says which, and what
+    would shrink the host's share, never more offloading."""
+    step, model, opt_state = make_step(eo.Policy.offload_all(), depth=2)
+    small = _with_host_memory(2**16)
+    report = eo.memory_report(
+        step, model, opt_state, *next(batches()), target="tpu-v5e", hardware=small
+    )
+    assert report.host_bytes > 2**16 and report.host_capacity == 2**16
+    assert report.fits_device is True and report.fits_host is False
+    assert report.fits is False
+    text = str(report)
+    lines = text.splitlines()
+    assert f"{'capacity of one chip':<34}{'15.75 GiB':>14}{'64.00 KiB':>14}" in lines
+    assert f"{'  verdict':<34}{'fits':>14}{'does NOT fit':>14}" in lines
+    assert "the host memory is exceeded; to shrink it:" in text
+    flat = " ".join(text.split())  # (the advice is wrapped)
+    assert "FSDP over a slice" in flat and "'tpu-v5e:2x2'" in flat
+    assert "`optax.adamw(..., mu_dtype=jnp.bfloat16)`" in flat
+    assert "a smaller model" in flat and "`eo.plan(..., target='tpu-v5e')`" in flat
+    assert "offload_all" not in flat and "'pinned_host'" not in flat
+    data = json.loads(json.dumps(report.to_dict()))
+    assert (data["fits"], data["fits_device"], data["fits_host"]) == (
+        False,
+        True,
+        False,
+    )
+    assert data["host_capacity"] == 2**16
+    assert eo.MemoryReport.from_dict(data).fits_host is False
+    # The rule is the report's: the same figures with room on the host fit.
+    roomy = eo.MemoryReport.from_dict(data | {"host_capacity": report.host_bytes})
+    assert roomy.fits is True and "the host memory is exceeded" not in str(roomy)
+    # A report of an older version, without the host's memory: not known.
+    old = eo.MemoryReport.from_dict(
+        {k: v for k, v in data.items() if k != "host_capacity"}
+    )
+    assert old.fits_host is None and old.fits is None and old.fits_device is True
+
+
+def test_a_gpu_step_over_only_the_hosts_memory_is_reported_not_raised():
+    """A GPU compile is not refused by its compiler: `memory_report` compares the
+    footprints itself, and raises `DoesNotFit` only for the device."""
+
+    def f(x, w):
+        return x @ jax.device_put(w, jax.memory.Space.Device)
+
+    w = to_host(jnp.ones((64, 1024)))  # 256 KiB on the host; 64 KiB behind the GPU
+    small = dataclasses.replace(eo.Hardware.of("gpu-h100"), host_memory_bytes=2**16)
+    report = eo.memory_report(
+        f, jnp.ones((4, 64)), w, target="gpu-h100", hardware=small
+    )
+    assert report.host_bytes == w.nbytes
+    assert (report.fits, report.fits_device, report.fits_host) == (False, True, False)
+
+
+class _Dense(eqx.Module):
+    weight: jax.Array
+
+    def __call__(self, x):
+        return x @ self.weight
+
+
+def _big_batch_step(policy: eo.Policy):
+    """Six stacked 1 GiB layers (12 GiB of Adam moments) whose 16 GiB batch alone
+    is too big for a v5e chip, whatever the policy; abstract, nothing allocated."""
+    n = 2**14
+    model = eqx.filter_eval_shape(
+        lambda: eo.Stacked.from_fn(
+            lambda k: _Dense(jax.random.normal(k, (n, n))), 6, key=jax.random.key(0)
+        )
+    )
+    optimizer = optax.adam(1e-3)
+    model = eo.place(model, policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(lambda m, x: jnp.sum(m(x) ** 2), optimizer, policy)
+    return step, model, opt_state, jax.ShapeDtypeStruct((2**18, n), jnp.float32)
+
+
+def test_does_not_fit_never_suggests_the_policy_in_use():
+    """Under `offload_all` the parameters and optimizer state are on the host
+    already: the advice is what would still shrink the device (the batch, more
+    chips), not `Policy.offload_all()` nor any move it has made."""
+    step, model, opt_state, x = _big_batch_step(eo.Policy.offload_all())
+    with pytest.raises(eo.DoesNotFit, match="does not fit in the device memory") as e:
+        eo.memory_report(step, model, opt_state, x, target="tpu-v5e")
+    text = str(e.value)
+    assert e.value.exceeded == ("device",)
+    assert "offload_all" not in text and "pinned_host" not in text
+    assert "a smaller batch, or micro-batches" in text and "more chips" in text
+    # Its host-resident arguments, the weights and moments, within the 48 GB.
+    assert e.value.host_available_bytes == 48 * 10**9
+    assert e.value.host_required_bytes is not None
+    assert 18 * 2**30 <= e.value.host_required_bytes < 18 * 2**30 + 2**20
+    assert "its host-resident arguments alone take 18.00 GiB per chip, within" in text
+    # Whatever the figures say, the preset in use is never the advice.
+    both_on_device = dict(params={"device": 2**30}, opt_state={"device": 2**30})
+    for policy, named in [(eo.Policy.offload_all(), False), (eo.Policy.none(), True)]:
+        advice = device_advice(
+            target="tpu-v5e",
+            is_slice=False,
+            kind="train_step",
+            policy=policy,
+            residuals=(),
+            capacity=2**34,
+            host_full=False,
+            **both_on_device,
+        )
+        assert ("all of these at once: `Policy.offload_all()`" in advice) == named
+
+
+def test_does_not_fit_names_both_memories_when_the_host_is_full_too():
+    """Optimizer state on the host and a host of 1 GiB a chip: both memories are
+    exceeded; the device's advice moves nothing to the host (the parameters stay
+    where they are), and the host's is what shrinks it there."""
+    step, model, opt_state, x = _big_batch_step(eo.Policy(opt_state="pinned_host"))
+    with pytest.raises(eo.DoesNotFit, match="both memories are exceeded") as e:
+        eo.memory_report(
+            step,
+            model,
+            opt_state,
+            x,
+            target="tpu-v5e",
+            hardware=_with_host_memory(2**30),
+        )
+    text = str(e.value)
+    assert e.value.exceeded == ("device", "host")
+    assert e.value.host_available_bytes == 2**30
+    assert e.value.host_required_bytes is not None
+    assert e.value.host_required_bytes >= 12 * 2**30  # Adam's two moments
+    device, host = text.split("To shrink the host memory:")
+    assert "To shrink the device memory:" in device and "pinned_host" not in device
+    assert "`Policy.offload_all()`" not in device
+    assert "mu_dtype=jnp.bfloat16" in host and "a smaller model" in host
+
+
+def test_does_not_fit_keeps_the_memories_it_exceeds():
+    """`DoesNotFit` pickles whole (`plan` receives it from a child process), with
+    the host's figures and the memories it exceeds; `fewest_chips` says of each
+    target which memory it exceeded, and advises only on that memory."""
+    e = eo.DoesNotFit(
+        "too big",
+        target="tpu-v5e",
+        compiler_message="",
+        arguments={},
+        sizes=(2**30, 2**34),
+        host_sizes=(3 * 2**30, 2**30),
+        exceeded=("host",),
+    )
+    back = pickle.loads(pickle.dumps(e))
+    assert back.exceeded == ("host",) and back.required_bytes == 2**30
+    assert (back.host_required_bytes, back.host_available_bytes) == (3 * 2**30, 2**30)
+    # Over the host only: the host's footprint first.
+    why = _fewest._why(back)
+    assert (
+        why == "does not fit: smallest host footprint 3.00 GiB (over the host budget)"
+    )
+    both = eo.DoesNotFit(
+        "too big",
+        target="tpu-v5e",
+        compiler_message="",
+        arguments={},
+        sizes=(2**30, 2**30 - 1),
+        host_sizes=(3 * 2**30, 2**30),
+        exceeded=("device", "host"),
+    )
+    assert _fewest._why(both) == (
+        "does not fit: smallest device footprint 1.00 GiB (over the host budget, "
+        "host footprint 3.00 GiB)"
+    )
+    none = _fewest._none_fits("tpu-v5e", ["tpu-v5e"], {"tpu-v5e": back}, ())
+    assert none.exceeded == ("host",) and none.host_required_bytes == 3 * 2**30
+    assert "on tpu-v5e it exceeds the host budget" in str(none)
+    assert "mu_dtype=jnp.bfloat16" in str(none) and "micro" not in str(none)

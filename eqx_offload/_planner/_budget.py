@@ -1,6 +1,8 @@
-"""Memory budgets as users write them: bytes, or strings such as `"16GiB"`."""
+"""Memory budgets as users write them (bytes, or strings such as `"16GiB"`), and
+what to change when a step exceeds them."""
 
 import re
+from collections.abc import Sequence
 
 
 _UNITS = {
@@ -35,3 +37,21 @@ def parse_bytes(value: int | str, argument: str) -> int:
         f"`plan({argument}={value!r})`: give a positive number of bytes, as an int "
         "or a string with a unit: '16GiB', '48GB', '512MiB'."
     )
+
+
+def fixes(exceeded: Sequence[str]) -> str:
+    """What would let a step fit the budgets it exceeds (`"device"`, `"host"`),
+    as `plan` and `fewest_chips` advise it: only what changes that memory (more
+    offloading or micro-batches add nothing to the host's room)."""
+    out = []
+    if "device" in exceeded:
+        out.append(
+            "a larger `device_budget`, a smaller batch or model, or micro-batches "
+            "(`microbatches=(1, 2, 4)`)"
+        )
+    if "host" in exceeded:
+        out.append(
+            "a larger `host_budget`, Adam's first moment in bfloat16 "
+            "(`optax.adamw(..., mu_dtype=jnp.bfloat16)`), or a smaller model"
+        )
+    return "; for the host, ".join(out)

@@ -13,6 +13,7 @@ from jaxtyping import DTypeLike
 
 from .._memory_kinds import is_arraylike
 from .._report import device_count, DoesNotFit, size_text, target_sizes
+from . import _budget
 from ._plan import Plan, plan
 from ._search import first_fit, Fitted, Search
 
@@ -67,7 +68,9 @@ def fewest_chips(
     **Raises:**
 
     `DoesNotFit` if the step fits on none of them, with the smallest footprint
-    on the largest.
+    on the largest and the budgets it exceeds there (`e.exceeded`: a target fits
+    when its device and its host bytes, both per device, are within their
+    budgets, as in `eo.plan`).
     """
     start, compiles, reused = time.perf_counter(), Search.compiles, Search.reuses
     targets = list(target_sizes(chip))
@@ -150,12 +153,21 @@ def _scaled(batch: tuple, n: int) -> tuple:
 
 
 def _why(result: "Plan | DoesNotFit | None") -> str:
+    """Why a target planned was not chosen: the memories its best candidate
+    exceeds, with its footprints."""
     if not isinstance(result, DoesNotFit):
         return "fits: more devices than needed"
-    need = result.required_bytes
-    return "does not fit" + (
+    need, host = result.required_bytes, result.host_required_bytes
+    if result.exceeded == ("host",):
+        footprint = "" if not host else f": smallest host footprint {size_text(host)}"
+        return f"does not fit{footprint} (over the host budget)"
+    why = "does not fit" + (
         "" if not need else f": smallest device footprint {size_text(need)}"
     )
+    if "host" in result.exceeded:
+        footprint = "" if not host else f", host footprint {size_text(host)}"
+        why += f" (over the host budget{footprint})"
+    return why
 
 
 def _none_fits(
@@ -166,16 +178,24 @@ def _none_fits(
 ) -> DoesNotFit:
     largest = targets[-1] if targets else chip
     last = tried.get(largest)
-    need = last.required_bytes if isinstance(last, DoesNotFit) else None
+    if not isinstance(last, DoesNotFit):
+        last = None
+    need = None if last is None else last.required_bytes
+    exceeded = ("device",) if last is None else last.exceeded
     lines = "; ".join(f"{t}: {why}" for t, why in notes)
+    over = ""
+    if last is not None:
+        budgets = "budgets" if len(exceeded) > 1 else "budget"
+        over = f"; on {largest} it exceeds the {' and '.join(exceeded)} {budgets}"
     return DoesNotFit(
         f"`fewest_chips(chip={chip!r})`: the step fits on none of the targets "
-        f"tried ({lines}). Give larger budgets, a smaller batch or model, or "
-        "opt in to micro-batches (`microbatches=(1, 2, 4)`).",
+        f"tried ({lines}){over}. Give {_budget.fixes(exceeded)}, or more devices.",
         target=largest,
         compiler_message="",
         arguments={},
-        sizes=(need or 0, last.available_bytes or 0)
-        if isinstance(last, DoesNotFit)
-        else None,
+        sizes=None if last is None else (need or 0, last.available_bytes or 0),
+        host_sizes=(None, None)
+        if last is None
+        else (last.host_required_bytes, last.host_available_bytes),
+        exceeded=exceeded,
     )

@@ -46,7 +46,9 @@ class Hardware:
     - `host_to_device_bytes_per_second`, `device_to_host_bytes_per_second`: the
         host link of one device, each way.
     - `host_memory_bytes`: host RAM per device (the host's RAM over the devices it
-        serves).
+        serves): the `MemoryReport.host_capacity` that `fits_host` compares a
+        report's `host_bytes` (per device) with, and `eo.plan`'s default
+        `host_budget`.
     - `sources`: where the figures come from.
 
     `Hardware.of(target)` is the table's entry for a `memory_report` target;

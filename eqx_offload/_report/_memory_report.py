@@ -13,13 +13,16 @@ import jax.tree_util as jtu
 from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
-from .. import _compat, _compiler, _mesh, _paths, _residuals
+from .. import _compat, _compiler, _mesh, _mixed_precision, _paths, _residuals
+from .._checkpoint_names import one_microbatch
 from .._diagnose import DoesNotCompile, out_of_memory
 from .._memory_kinds import is_arraylike, kind_of
+from .._mixed_precision import compute_dtypes
 from .._train_step import _TrainStep, join, split
 from .._transform import _OffloadWrapper, filter_offload
+from .._update import trainable
 from . import _compiled_traffic, _step_time, _targets, _traffic
-from ._does_not_fit import DoesNotFit
+from ._does_not_fit import DoesNotFit, too_big
 from ._hardware import Hardware
 from ._record import (
     DESCRIPTIONS,
@@ -130,17 +133,10 @@ def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
     jitted = jax.jit(
         step.fun, static_argnums=3, donate_argnums=(0, 1), keep_unused=True
     )
-    loss = filter_offload(step.config.loss_fn, step.config.policy)
 
     def residuals() -> _Saved:
-        def wrt_model(model: Any, *batch: Any) -> Any:
-            batch = jtu.tree_map(
-                lambda x: jax.lax.stop_gradient(x) if eqx.is_array(x) else x, batch
-            )
-            out = loss(model, *batch)
-            return out[0] if step.config.has_aux else out
-
-        return saved_for_backward(wrt_model, model, *batch)
+        fn, seen = _differentiated(step, model, opt_state)
+        return saved_for_backward(fn, seen, *one_microbatch(step, batch))
 
     return _Plan(
         lambda: jitted.trace(*dynamic, statics),
@@ -153,6 +149,40 @@ def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
             what, message, mesh, model, opt_state
         ),
     )
+
+
+def _differentiated(
+    step: _TrainStep, model: PyTree, opt_state: PyTree
+) -> tuple[Callable, PyTree]:
+    """The function of the model and one micro-batch that a train step
+    differentiates, and the model it is given, so that its residuals are those of
+    the step, in the dtypes they are saved in: under a compute dtype or
+    micro-batches (`_microbatch.value_and_grad`), the loss reads each host-resident
+    parameter's compute copy from `opt_state`, and casts each device-resident one
+    to its compute dtype inside (the cast value is what the backward pass keeps,
+    and what each layer's input is computed from)."""
+    config = step.config
+    loss = filter_offload(config.loss_fn, config.policy)
+    params = trainable(model)
+    arrays = [leaf.path for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
+    dtypes = dict(zip(arrays, compute_dtypes(params, config.policy), strict=True))
+    seen = _mixed_precision.sources(model, params, opt_state)
+
+    def fn(seen: PyTree, *batch: Any) -> Any:
+        leaves = [
+            leaf.value.astype(dtypes[leaf.path])
+            if leaf.path in dtypes and leaf.value.dtype != dtypes[leaf.path]
+            else leaf.value
+            for leaf in _paths.leaves(seen)
+        ]
+        seen = jtu.tree_unflatten(jtu.tree_structure(seen), leaves)
+        batch = jtu.tree_map(
+            lambda x: jax.lax.stop_gradient(x) if eqx.is_array(x) else x, batch
+        )
+        out = loss(seen, *batch)
+        return out[0] if config.has_aux else out
+
+    return fn, seen
 
 
 def _has_aux(fn: Any, args: tuple, kwargs: dict) -> bool:
@@ -253,9 +283,12 @@ def memory_report(
             capacity is the share of the GPU's memory JAX's allocator takes
             (`XLA_PYTHON_CLIENT_MEM_FRACTION`, default 0.75).
 
-    - `hardware`: the rates the step time (`report.time`) is priced at: by
-        default `eo.Hardware.of(target)` (on a TPU or H100/H200 backend, its
-        entry); pass one to change a figure (`dataclasses.replace`).
+    - `hardware`: the rates the step time (`report.time`) is priced at, and the
+        host memory behind one device (`report.host_capacity`, which
+        `report.fits_host` compares `host_bytes` with): by default
+        `eo.Hardware.of(target)` (on a TPU or H100/H200 backend, its entry); pass
+        one to change a figure (`dataclasses.replace(eo.Hardware.of("tpu-v5e"),
+        host_memory_bytes=64 * 2**30)`).
 
     `target` and `hardware` are reserved: a function argument of either name can
     be bound with `functools.partial`.
@@ -274,7 +307,8 @@ def memory_report(
 
     `ValueError` for a target it does not know or a topology libtpu rejects, and for
     arguments laid out on a mesh whose size is not the slice's chip count;
-    `DoesNotFit` when a chip's device memory is too small; `DoesNotCompile` when
+    `DoesNotFit` when a chip's device memory is too small (a step over only the
+    host's memory is reported, `report.fits_host` `False`); `DoesNotCompile` when
     the compiler rejects the step.
 
     !!! Example
@@ -305,6 +339,8 @@ def memory_report(
     on_target = where.mesh is not None
     platform = _targets.platform(where.name) if on_target else jax.default_backend()
     hardware = _step_time.hardware_for(target, platform, hardware)
+    # Like `capacity`, known for a target only: on this backend, its own RAM.
+    host_capacity = hardware.host_memory_bytes if on_target and hardware else None
     lays_out_batch = (
         isinstance(fn, _TrainStep)
         and fn.config.policy.batch is not None
@@ -349,12 +385,15 @@ def memory_report(
                 f"compiler, and this step is compiled for {where.name}; compile it "
                 "for a TPU (`target='tpu-v5e'`), or drop `host_remat`."
             )
+    refuse = functools.partial(
+        _too_big_for_the_device, plan, fn, residuals, count, what, where, host_capacity
+    )
     try:
         compiled = lowered.compile(compiler_options=options)
         stats = compiled.memory_analysis()
     except jax.errors.JaxRuntimeError as e:
         if out_of_memory(e):
-            raise _does_not_fit(plan, residuals, count, what, where, str(e)) from e
+            raise refuse(str(e)) from e
         if where.mesh is not None and plan.rejected is not None:
             message = f"`memory_report`: {what}, compiled for {where.name}"
             raise plan.rejected(message, str(e), where.chip_mesh) from e
@@ -387,6 +426,7 @@ def memory_report(
         largest_unnamed=None if saved is None else saved.largest_unnamed,
         chips=where.chips,
         chips_per_host=where.chips_per_host,
+        host_capacity=host_capacity,
         transfers=transfers,
         compiled_transfers=None
         if text is None
@@ -397,14 +437,16 @@ def memory_report(
     )
     if platform == "gpu":
         _check_host_kept(report, where)
-        if report.fits is False:  # (None on a GPU itself: no target capacity)
+        # (None on a GPU itself.) Only the device raises: over the host alone, it
+        # is reported (`fits_host` False).
+        if report.fits_device is False:
             sizes = (report.device_bytes, report.capacity or 0)
             message = (
                 f"the program needs {size_text(sizes[0])} of device memory; "
                 f"{where.name} has {size_text(sizes[1])} for it (the share JAX's "
                 "allocator takes, `XLA_PYTHON_CLIENT_MEM_FRACTION`)"
             )
-            raise _does_not_fit(plan, residuals, count, what, where, message, sizes)
+            raise refuse(message, sizes, report.host_bytes)
     return report
 
 
@@ -489,65 +531,46 @@ def _where(target: str | None, trees: Any) -> _Where:
     return _Where(target, mesh, source, chip_mesh, capacity, chips, per_host)
 
 
-def _does_not_fit(
+def _too_big_for_the_device(
     plan: _Plan,
+    fn: Any,
     residuals: tuple[ResidualRow, ...] | None,
     count: Callable[[Any], dict[str, int]],
     what: str,
     where: _Where,
+    host_capacity: int | None,
     message: str,
     sizes: tuple[int, int] | None = None,
+    host_bytes: int | None = None,
 ) -> DoesNotFit:
-    """The error for a program too big for `where`, with what is known of it
-    without compiling: its parameters, optimizer state and saved residuals.
-    `message` is the compiler's, or with `sizes` (required, available) our own."""
-    params = None if plan.params is None else count(plan.params)
-    opt_state = None if plan.opt_state is None else count(plan.opt_state)
-    said = "" if sizes is not None else "the compiler says: "
-    lines = [
-        f"`memory_report`: {what} does not fit in the memory of {where.one_chip}; "
-        f"{said}{message.strip().rstrip('.')}.",
-        "What it holds, by memory kind (device / host"
-        + (", per chip" if where.mesh is not None else "")
-        + "):",
-    ]
-
-    def row(label: str, by_kind: dict[str, int]) -> None:
-        device, host = (
-            size_text(by_kind.get("device", 0)),
-            size_text(host_total(by_kind)),
-        )
-        lines.append(f"  {label}: {device} / {host}")
-
-    if params is not None and opt_state is not None:
-        row("parameters", params)
-        row("optimizer state", opt_state)
-    else:
-        for name, tree in plan.arguments.items():
-            row(f"argument {name}", count(tree))
-    if residuals is not None:
-        saved: dict[str, int] = defaultdict(int)
-        for r in residuals:
-            saved[r.memory_kind] += r.bytes
-        label = "saved for the backward pass"
-        row(label + (" (whole arrays)" if where.is_slice else ""), saved)
-    u = device_word(where.name)
-    more = f"more {u}s" if where.is_slice else f"a {u} with more memory"
-    lines.append(
-        "Use a policy that offloads more (`Policy.offload_all()`, host optimizer "
-        f"state, offloaded residuals), smaller batches, or {more}; the numbers are "
-        "on the exception (`e.params`, `e.residuals`, ...)."
-    )
-    return DoesNotFit(
-        "\n".join(lines),
+    """The error for a program too big for the device memory of `where`
+    (`_does_not_fit.too_big`), with what is known of it without compiling."""
+    return too_big(
+        message,
+        what=what,
+        one_device=where.one_chip,
         target=where.name,
-        compiler_message=message,
-        arguments={k: count(v) for k, v in plan.arguments.items()},
-        params=params,
-        opt_state=opt_state,
+        is_slice=where.is_slice,
+        per_device=where.mesh is not None,
+        kind=plan.kind,
+        policy=_policy_of(fn),
+        params=None if plan.params is None else count(plan.params),
+        opt_state=None if plan.opt_state is None else count(plan.opt_state),
         residuals=residuals,
+        arguments={k: count(v) for k, v in plan.arguments.items()},
+        capacity=where.capacity,
+        host_capacity=host_capacity,
         sizes=sizes,
+        host_bytes=host_bytes,
     )
+
+
+def _policy_of(fn: Any) -> Any:
+    """The `Policy` of a `train_step` or `filter_offload` function, or `None`."""
+    if isinstance(fn, _TrainStep):
+        return fn.config.policy
+    fn = _unwrap_filter_jit(fn)
+    return fn._policy if isinstance(fn, _OffloadWrapper) else None
 
 
 def _split_estimate(stats: Any, lowered: Any) -> tuple[dict[str, int], dict[str, int]]:

@@ -1,6 +1,7 @@
 """`MemoryReport` and its rows: where a step's bytes live, as figures and as the
 table `str(report)` prints (`memory_report` in `_memory_report.py` builds it)."""
 
+import textwrap
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
@@ -74,16 +75,31 @@ class MemoryReport(eqx.Module):
         one chip's shards.
     - `residuals`: bytes saved for the backward pass, by checkpoint name and memory
         kind, as traced (`train_step` and `filter_offload` objects; `None`
-        otherwise): whole arrays, summed over the chips of a slice. The compiler may
-        still place a small residual elsewhere.
+        otherwise): whole arrays, summed over the chips of a slice, each in the
+        dtype it is saved in. A `train_step`'s are those of what it
+        differentiates: its loss on one micro-batch, computing from the
+        `compute_dtype` copies (under `compute_dtype=jnp.bfloat16`, a carry
+        computed from a bf16 embedding is saved in bf16, and so are the device's
+        parameters cast for the backward pass). The compiler may still place a
+        small residual elsewhere.
     - `largest_unnamed`: the largest values saved without a checkpoint name
         (`eo.UnnamedResidual` rows, up to three for each of `"(other)"`, outside
         every `Stacked`, and `"(unnamed, in stacked layers)"`), each with its
         shape, dtype, the operation and the line of your code that computed it.
-    - `capacity`, `fits`: the device memory the compiler lets a program use on one
-        chip of the target (15.75 GiB of a v5e's 16; on a GPU, the share of its
-        memory JAX's allocator takes: 75% of an H100's 79.1 GiB by default) and
-        whether the device footprint fits in it; `None` on the CPU.
+    - `capacity`, `fits_device`: the device memory the compiler lets a program use
+        on one chip of the target (15.75 GiB of a v5e's 16; on a GPU, the share of
+        its memory JAX's allocator takes: 75% of an H100's 79.1 GiB by default) and
+        whether `device_bytes` fits in it; `None` without a target (this backend).
+    - `host_capacity`, `fits_host`: the host memory behind one chip of the target,
+        the host's RAM over the chips it serves (`Hardware.host_memory_bytes`: 48 GB
+        a v5e chip; from `memory_report(..., hardware=...)` when given), and whether
+        `host_bytes` fits in it; `None` without a target. Comparing per chip is
+        comparing per host: every chip of a host runs the same program, so
+        `host_bytes_per_host` is within the host's RAM (`host_capacity *
+        chips_per_host`) exactly when `host_bytes` is within `host_capacity`. It
+        is the rule of `eo.plan`'s `host_budget`, also per device.
+    - `fits`: both: `False` if either memory is exceeded, `True` if neither is,
+        `None` if a capacity is unknown (as on the CPU).
     - `arguments`: bytes of each argument by memory kind (per chip on a TPU, as
         `params`).
     - `estimate`: `True` on the CPU backend, whose compiler does not tell host from
@@ -123,6 +139,7 @@ class MemoryReport(eqx.Module):
     largest_unnamed: tuple[UnnamedResidual, ...] | None = None
     chips: int | None = None  # devices compiled for (TPU and GPU targets)
     chips_per_host: int | None = None  # of them, how many one host serves
+    host_capacity: int | None = None  # host memory behind one chip, if known
     transfers: tuple[Transfer, ...] | None = None
     compiled_transfers: tuple[Transfer, ...] | None = None
     time: StepTime | None = None
@@ -203,10 +220,28 @@ class MemoryReport(eqx.Module):
         return d["argument"] + d["output"] + d["temp"] - d["alias"]
 
     @property
-    def fits(self) -> bool | None:
-        """Whether the device footprint fits in one chip's memory (`None` if the
-        target's capacity is not known, as on the CPU)."""
+    def fits_device(self) -> bool | None:
+        """Whether `device_bytes` is within `capacity` (`None` if the target's
+        capacity is not known, as on the CPU)."""
         return None if self.capacity is None else self.device_bytes <= self.capacity
+
+    @property
+    def fits_host(self) -> bool | None:
+        """Whether `host_bytes` is within `host_capacity`, the host memory behind
+        one chip (`None` if it is not known, as on the CPU)."""
+        if self.host_capacity is None:
+            return None
+        return self.host_bytes <= self.host_capacity
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the step fits both memories of one chip: `False` if it exceeds
+        either (`fits_device`, `fits_host`), `None` if one is not known."""
+        if self.fits_device is False or self.fits_host is False:
+            return False
+        if self.fits_device is None or self.fits_host is None:
+            return None
+        return True
 
     @property
     def host_bytes(self) -> int:
@@ -231,7 +266,10 @@ class MemoryReport(eqx.Module):
             "kind": self.kind,
             "estimate": self.estimate,
             "capacity": self.capacity,
+            "host_capacity": self.host_capacity,
             "fits": self.fits,
+            "fits_device": self.fits_device,
+            "fits_host": self.fits_host,
             "device_bytes": self.device_bytes,
             "host_bytes": self.host_bytes,
             "device": dict(self.device),
@@ -288,6 +326,7 @@ class MemoryReport(eqx.Module):
             largest_unnamed=rows("largest_unnamed", _unnamed_row),
             chips=data.get("chips"),
             chips_per_host=data.get("chips_per_host"),
+            host_capacity=data.get("host_capacity"),
             transfers=rows("transfers", Transfer),
             compiled_transfers=rows("compiled_transfers", Transfer),
             time=None if data.get("time") is None else StepTime.from_dict(data["time"]),
@@ -363,11 +402,32 @@ class MemoryReport(eqx.Module):
             -self.device["alias"],
             -self.host["alias"],
         )
-        if self.capacity is not None:
-            verdict = "fits" if self.fits else "does NOT fit"
+        if self.capacity is not None or self.host_capacity is not None:
             lines.append(
-                f"  {verdict} in the {size_text(self.capacity)} of one {self._unit}"
+                f"{f'capacity of one {self._unit}':<34}"
+                f"{_size_or_blank(self.capacity):>14}"
+                f"{_size_or_blank(self.host_capacity):>14}"
             )
+            lines.append(
+                f"{'  verdict':<34}{_verdict(self.fits_device):>14}"
+                f"{_verdict(self.fits_host):>14}"
+            )
+            if self.fits_host is False:
+                lines.append("  the host memory is exceeded; to shrink it:")
+                for advice in host_advice(
+                    self.target,
+                    self.opt_state,
+                    self.residuals,
+                    self.host_capacity or 0,
+                    device_room=self.fits_device is True,
+                ):
+                    lines += textwrap.wrap(
+                        advice,
+                        80,
+                        initial_indent="    - ",
+                        subsequent_indent="      ",
+                        break_on_hyphens=False,
+                    )
         if self.chips is not None and self.chips > 1:
             label = f"host memory of a host ({self.chips_per_host} {self._unit}s)"
             row(label, None, self.host_bytes_per_host)
@@ -404,6 +464,60 @@ class MemoryReport(eqx.Module):
         return "\n".join(lines)
 
 
+def _size_or_blank(n: int | None) -> str:
+    return "" if n is None else size_text(n)
+
+
+def _verdict(fits: bool | None) -> str:
+    return {None: "", True: "fits", False: "does NOT fit"}[fits]
+
+
+def host_advice(
+    target: str,
+    opt_state: dict[str, int] | None,
+    residuals: tuple[ResidualRow, ...] | None,
+    host_capacity: int,
+    device_room: bool,
+) -> list[str]:
+    """What would shrink the host memory of one device of `target`, for a step
+    that exceeds it: never more offloading, which only adds to it; keeping some of
+    it on the device only when the device has room (`device_room`)."""
+    u, chip = device_word(target), target.split(":")[0]
+    least = max(int(host_capacity * 0.01), 1)
+    example = "a larger one" if ":" in target else f"such as {_larger(chip)!r}"
+    advice = [
+        f"more {u}s: FSDP over a slice splits the parameters and optimizer state "
+        f"between them (`Policy(shard='fsdp', batch='fsdp')` on a target "
+        f"{example}; `eo.fewest_chips(..., chip={chip!r})` finds the fewest)"
+    ]
+    if host_total(opt_state or {}) >= least:
+        advice.append(
+            "Adam's first moment in bfloat16: `optax.adamw(..., "
+            "mu_dtype=jnp.bfloat16)` halves its bytes"
+        )
+    offloaded = sum(r.bytes for r in residuals or () if r.memory_kind != "device")
+    if offloaded >= least:
+        advice.append(
+            f"fewer offloaded activations ({size_text(offloaded)} on the host): a "
+            "smaller batch, or recompute names instead of offloading them "
+            "(`Policy(offload=...)`)"
+        )
+    if device_room:
+        advice.append(
+            "keep part of it on the device, which has room: "
+            f"`eo.plan(..., target={target!r})` chooses within both memories"
+        )
+    advice.append("a smaller model")
+    return advice
+
+
+def _larger(chip: str) -> str:
+    """A target of several devices of `chip`, for an example."""
+    if chip.startswith("gpu-"):
+        return f"{chip}:8"
+    return f"{chip}:2x2x1" if chip in ("tpu-v5p", "tpu-v4") else f"{chip}:2x2"
+
+
 def _unnamed_row(**fields: Any) -> UnnamedResidual:
     """An `UnnamedResidual` from JSON (lists for tuples)."""
     fields = dict(fields)
@@ -424,6 +538,8 @@ def _unnamed_lines(largest: tuple[UnnamedResidual, ...], group: str) -> list[str
         lines.append(f"{what:<34}{size_text(device):>14}{size_text(host):>14}")
         if r.where is None and r.operations == ("device_put",):
             lines.append("      host-resident leaves, on the device for the step")
+        elif r.where is None and r.operations == ("convert_element_type",):
+            lines.append("      device-resident parameters in the compute dtype")
         else:
             where = r.where or "(no line of yours)"
             shown = r.operations[:4] + (("...",) if len(r.operations) > 4 else ())
@@ -436,9 +552,9 @@ def _unnamed_hints(groups: set[str]) -> list[str]:
     hints = {
         "(other)": [
             "  (other) is saved outside every `Stacked`, where no policy applies:",
-            "    recompute it (`eqx.filter_checkpoint` around that code), or for "
-            "logits",
-            "    use `eo.chunked_cross_entropy`",
+            "    hold repeated layers in an `eo.Stacked` (a Python list of them is",
+            "    on the device whole), recompute other code (`eqx.filter_checkpoint`",
+            "    around it), or for logits use `eo.chunked_cross_entropy`",
         ],
         "(unnamed, in stacked layers)": [
             "  (unnamed, in stacked layers): name a value inside the layer",
