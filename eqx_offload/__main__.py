@@ -1,7 +1,8 @@
 """The command line: `python -m eqx_offload plan module:factory --target tpu-v5e
 --device-budget 16GiB --host-budget 48GB` plans a training step (`eo.plan`) and
-prints the table of candidates; `--chip tpu-v5e` instead of `--target` finds the
-fewest devices (`eo.fewest_chips`).
+prints the table of candidates (when nothing fits too, before the message, and
+`--json` writes it with `"fits": false`); `--chip tpu-v5e` instead of `--target`
+finds the fewest devices (`eo.fewest_chips`).
 
 The factory is a function of no arguments, named by its module's dotted path and
 its name (`mypackage.models:llama_1b`), that returns `(loss_fn, optimizer, model,
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ._planner import fewest_chips, plan
+from ._report import DoesNotFit
 
 
 def _factory(spec: str) -> Any:
@@ -75,7 +77,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     sub.add_argument(
         "--has-aux", action="store_true", help="the loss returns (loss, aux)"
     )
-    sub.add_argument("--json", type=Path, help="also write the table to this file")
+    sub.add_argument(
+        "--json",
+        type=Path,
+        help="also write the table to this file (with whether anything fits)",
+    )
     args = p.parse_args(argv)
     if args.batch_per_device and args.chip is None:
         raise SystemExit("eqx_offload plan: --batch-per-device needs --chip.")
@@ -103,15 +109,26 @@ def main(argv: Sequence[str] | None = None) -> None:
             result = plan(
                 loss_fn, optimizer, model, *batch, target=args.target, **common
             )
-    except (ValueError, TypeError) as e:  # bad input, nothing fits (`DoesNotFit`)
+    except DoesNotFit as e:  # what was tried, then the message and a status
+        if e.tried is not None:
+            print(e.tried)
+        if args.json is not None:
+            table = {} if e.tried is None else e.tried.to_dict()
+            _write(args.json, {"fits": False, "message": str(e), **table})
+        raise SystemExit(f"eqx_offload plan: {e}") from None
+    except (ValueError, TypeError) as e:  # bad input
         if isinstance(e, TypeError) and not str(e).startswith("`plan("):
             raise  # from the factory's model or loss: with its traceback
         raise SystemExit(f"eqx_offload plan: {e}") from None
     print(result)
     print(f"\npolicy: {result.policy}")
     if args.json is not None:
-        args.json.write_text(json.dumps(result.table.to_dict(), indent=2) + "\n")
-        print(f"wrote {args.json}")
+        _write(args.json, {"fits": True, **result.table.to_dict()})
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import eqx_offload as eo
+from eqx_offload import __main__
 from eqx_offload.__main__ import main
 
 
@@ -49,7 +51,40 @@ def test_plan_prints_the_table(tmp_path, monkeypatch, capsys):
     assert "budgets per device: 15.75 GiB device, 44.70 GiB host" in printed
     table = json.loads(out.read_text())
     assert [r["status"] for r in table["rows"]] == ["chosen"]
-    assert table["host_budget"] == 48 * 10**9
+    assert table["host_budget"] == 48 * 10**9 and table["fits"] is True
+
+
+def test_nothing_fits_prints_the_table_and_writes_the_json(
+    tmp_path, monkeypatch, capsys
+):
+    """When no candidate fits, the table of what was tried is printed (a long
+    label on two lines) and written with `"fits": false`, and the command ends with the
+    message and a non-zero status (`plan` itself is stubbed: nothing compiles)."""
+    label = "params on host: blocks; opt_state on host: blocks (mu); offload "
+    label += "blocks.input; save the rest; bfloat16 compute"
+    tried = eo.PlanTable((eo.PlanRow(label, eo.Policy(), "compiled", 2**30),), 1, 2)
+
+    def nothing_fits(*args, **kwargs):
+        error = eo.DoesNotFit(
+            "`plan`: no candidate fits the budgets",
+            target="tpu-v5e",
+            compiler_message="",
+            arguments={},
+        )
+        error.tried = tried
+        raise error
+
+    monkeypatch.setattr(__main__, "plan", nothing_fits)
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "plan.json"
+    factory = "tests.helpers:plan_factory"
+    message = _refused(factory, "--target", "tpu-v5e", "--json", str(out))
+    assert message == "eqx_offload plan: `plan`: no candidate fits the budgets"
+    printed = capsys.readouterr().out
+    assert str(tried) in printed and "\n  the rest; bfloat16 compute\n" in printed
+    written = json.loads(out.read_text())
+    assert written["fits"] is False and written["message"] in message
+    assert [r["label"] for r in written["rows"]] == [label]
 
 
 def test_python_dash_m_runs_the_command():

@@ -1,10 +1,12 @@
 """What `plan` chooses between: a `Candidate` is one placement of a model's
 parameters (per top-level field) and optimizer state (per part of each field's
-state: `"nu:blocks"`) and one choice per
+state: `"nu:blocks"`; under a compute dtype, the compute copies of each field's
+host parameters too) and one choice per
 checkpoint name (saved, offloaded or recomputed), or no remat at all, with the
 step's settings (FSDP over a mesh axis on a slice, the micro-batch count, the
 compute dtype); it turns into the `Policy` that trains that way. Moves are the
-one-knob changes that free device memory."""
+one-knob changes that free device memory; `presets` are `Policy`'s presets as
+candidates."""
 
 from typing import Literal, NamedTuple
 
@@ -21,12 +23,14 @@ Kind = Literal["device", "pinned_host"]
 
 
 class Move(NamedTuple):
-    """One knob turned: a field's parameters or a part of its state to a memory
-    kind, or a checkpoint name to a choice."""
+    """One knob turned: a field's parameters, a part of its state or the compute
+    copies of its host parameters to a memory kind, or a checkpoint name to a
+    choice."""
 
-    knob: Literal["params", "opt_state", "stream", "residual"]
+    knob: Literal["params", "opt_state", "stream", "copies", "residual"]
     # a top-level field, a part of a field's state, a vocabulary table (streamed
-    # from the host, `Policy(stream=...)`, when "pinned_host"), or a checkpoint name
+    # from the host, `Policy(stream=...)`, when "pinned_host"), a field whose
+    # compute copies move, or a checkpoint name
     name: str
     to: str  # "device", "pinned_host"; "save", "offload" or "recompute"
 
@@ -65,6 +69,11 @@ class Candidate(NamedTuple):
     settings: Settings = Settings()
     # a vocabulary table -> "pinned_host": streamed from the host (`Policy(stream=)`)
     stream: tuple[tuple[str, Kind], ...] = ()
+    # Under a compute dtype, a field's compute copies (`ComputeCopyState`: one for
+    # each of its host parameters) -> "pinned_host": with their parameters, on
+    # the host; "device": kept on the device while the parameters are on the host.
+    # One entry for each field that has copies (`_sizes.copies_of`).
+    copies: tuple[tuple[str, Kind], ...] = ()
 
     @classmethod
     def start(
@@ -73,12 +82,14 @@ class Candidate(NamedTuple):
         slots: tuple[str, ...],
         settings: Settings,
         tables: tuple[str, ...] = (),
+        copied: tuple[str, ...] = (),
     ) -> "Candidate":
         """Everything on the device, nothing recomputed: `Policy.none()`."""
         params: tuple[tuple[str, Kind], ...] = tuple((f, "device") for f in fields)
         state: tuple[tuple[str, Kind], ...] = tuple((s, "device") for s in slots)
         stream: tuple[tuple[str, Kind], ...] = tuple((t, "device") for t in tables)
-        return cls(params, state, None, settings, stream)
+        copies: tuple[tuple[str, Kind], ...] = tuple((f, "pinned_host") for f in copied)
+        return cls(params, state, None, settings, stream, copies)
 
     def remat(self, names: tuple[str, ...]) -> "Candidate":
         """Every name recomputed, the placements unchanged: `Policy.remat()` of
@@ -88,6 +99,32 @@ class Candidate(NamedTuple):
     @property
     def microbatches(self) -> int:
         return self.settings.microbatches
+
+    def with_settings(self, settings: Settings) -> "Candidate":
+        """This placement in other settings (without a compute dtype, no copies
+        are kept on the device)."""
+        return self._replace(settings=settings)._normal()
+
+    def _host(self, field: str) -> bool:
+        """Whether some of a field's parameters are on the host (placed whole, in
+        a part placed apart, or a table of it streamed): it has compute copies."""
+        return any(
+            field_of(n) == field and k != "device" for n, k in self.params + self.stream
+        )
+
+    def _normal(self) -> "Candidate":
+        """Compute copies are kept on the device only of a field whose parameters
+        are on the host, under a compute dtype: elsewhere they have none."""
+        copies = tuple(
+            (
+                f,
+                k
+                if self.settings.compute_dtype is not None and self._host(f)
+                else "pinned_host",
+            )
+            for f, k in self.copies
+        )
+        return self._replace(copies=copies)
 
     def apply(self, move: Move, names: tuple[str, ...]) -> "Candidate":
         """This candidate with `move` made (from no remat, a residual move first
@@ -101,6 +138,12 @@ class Candidate(NamedTuple):
                 for n, c in residuals
             )
             return self._replace(residuals=changed)
+        if move.knob == "copies":
+            copies = tuple(
+                (f, move.to if f == move.name else k)  # type: ignore[misc]
+                for f, k in self.copies
+            )
+            return self._replace(copies=copies)._normal()
         field = move.knob
         entries: tuple[tuple[str, Kind], ...] = getattr(self, field)
         if move.name not in dict(entries):  # a part of a field, placed apart
@@ -115,7 +158,7 @@ class Candidate(NamedTuple):
             for f, k in kinds.items()
             if field == "stream" or kinds.get(_parent(f) or "") != k
         )
-        return self._replace(**{field: kept})
+        return self._replace(**{field: kept})._normal()
 
     def moves(self, names: tuple[str, ...]) -> list[Move]:
         """The one-knob changes from here that can free device memory."""
@@ -130,6 +173,9 @@ class Candidate(NamedTuple):
         out += [
             Move("stream", t, "pinned_host") for t, k in self.stream if k == "device"
         ]
+        out += [
+            Move("copies", f, "pinned_host") for f, k in self.copies if k == "device"
+        ]
         current = dict(self.residuals or ())
         for n in names:
             choice = current.get(n, "save")
@@ -143,9 +189,11 @@ class Candidate(NamedTuple):
     def flips(self, parts: dict[str, tuple[str, ...]]) -> list[Move]:
         """Every one-knob change from here, either way: a field's parameters or a
         part of its state to the other memory kind, a checkpoint name to another
-        choice (not between no remat and remat); and a part of a field
+        choice (not between no remat and remat); a part of a field
         (`parts`: `"blocks"` -> `"blocks.mlp"`, `"nu:blocks"` -> `"nu:blocks.mlp"`)
-        placed apart from the rest of it."""
+        placed apart from the rest of it, unless every other part already is (that
+        is the field moved); and under a compute dtype, the compute copies of a
+        field whose parameters are on the host to the other memory kind."""
         other: dict[str, Kind] = {"device": "pinned_host", "pinned_host": "device"}
         out = []
         out += [Move("stream", t, other[k]) for t, k in self.stream]
@@ -158,6 +206,11 @@ class Candidate(NamedTuple):
                 for f, k in entries
                 for part in parts.get(f, ())
                 if part not in placed
+                and any(p not in placed for p in parts[f] if p != part)
+            ]
+        if self.settings.compute_dtype is not None:
+            out += [
+                Move("copies", f, other[k]) for f, k in self.copies if self._host(f)
             ]
         for n, c in self.residuals or ():
             out += [
@@ -180,13 +233,23 @@ class Candidate(NamedTuple):
             save=save,
             offload=offload,
             params={**dict(self.params), **{t: "pinned_host" for t in streamed}},
-            opt_state=dict(self.opt_state),
+            opt_state={**dict(self.opt_state), **self._copies()},
             shard=None if axis is None else FSDP(axis),
             batch=None if axis is None else PartitionSpec(axis),
             compute_dtype=None if dtype is None else np.dtype(dtype),
             host_remat=host_remat,
             stream=streamed,
         )
+
+    def _copies(self) -> dict[str, Kind]:
+        """The `Policy(opt_state=...)` patterns that place the compute copies: one
+        `"copies:<field>"` for each field with copies (some parameters on the
+        host), more specific than the field's own state pattern, which it would
+        otherwise follow. Only patterns that name copies that exist: one naming
+        none is an error."""
+        if self.settings.compute_dtype is None:
+            return {}
+        return {f"copies:{f}": k for f, k in self.copies if self._host(f)}
 
     @property
     def label(self) -> str:
@@ -213,6 +276,9 @@ class Candidate(NamedTuple):
         streamed = [t for t, k in self.stream if k != "device"]
         if streamed:
             parts.append(f"stream {', '.join(streamed)} from host")
+        kept = [f for f, k in self.copies if k == "device"]
+        if kept and self.settings.compute_dtype is not None:
+            parts.append(f"compute copies of {', '.join(kept)} on device")
         if self.residuals is None:
             parts.append("no remat")
         else:
@@ -231,6 +297,36 @@ class Candidate(NamedTuple):
         if self.settings.label:
             parts.append(self.settings.label)
         return "; ".join(parts)
+
+
+def presets(base: Candidate, names: tuple[str, ...]) -> list[tuple[str, Candidate]]:
+    """`Policy.remat()`, `Policy.offload_residuals()` and `Policy.offload_all()` as
+    candidates in `base`'s settings (`base` is `Policy.none()`), with their labels:
+    each places what the preset places, compute copies included (`offload_all`'s
+    are on the host with their parameters)."""
+    remat = base.remat(names)
+    inputs = tuple(n for n in names if n.endswith(".input"))
+    offloaded = remat._replace(
+        residuals=tuple(
+            (n, "offload" if n in inputs else c) for n, c in remat.residuals or ()
+        )
+    )
+    everything = offloaded._replace(
+        params=tuple((f, "pinned_host") for f, _ in remat.params),
+        opt_state=tuple((s, "pinned_host") for s, _ in remat.opt_state),
+        copies=tuple((f, "pinned_host") for f, _ in remat.copies),
+    )
+    return [
+        ("recompute all: Policy.remat()", remat),
+        ("offload layer inputs: Policy.offload_residuals()", offloaded),
+        ("all on host: Policy.offload_all()", everything),
+    ]
+
+
+def field_of(name: str) -> str:
+    """The top-level field of a field, a part of it or a leaf path: `"blocks"` of
+    `"blocks.mlp"` and of `"blocks.mlp.weight"`, `"layers"` of `"layers[0]"`."""
+    return name.split(".", 1)[0].split("[", 1)[0]
 
 
 def _parent(name: str) -> str | None:

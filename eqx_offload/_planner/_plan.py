@@ -27,8 +27,15 @@ from .._train_step import train_step
 from .._update import init_opt_state
 from ._budget import parse_bytes
 from ._candidates import Candidate, Move, Settings
-from ._search import Search
-from ._sizes import estimates, fields_of, parts_of, state_slots, tables_of
+from ._search import IMPROVE_COMPILES, Search
+from ._sizes import (
+    copies_of,
+    estimates,
+    fields_of,
+    parts_of,
+    state_slots,
+    tables_of,
+)
 from ._table import PlanTable
 
 
@@ -169,8 +176,13 @@ def plan(
         (`Policy(compute_dtype=...)`, `None`: the model's own) to choose from.
         They change the numerics (or the batch each micro-step sees), so by
         default only the first of each (1, `None`) is tried: opt in with e.g.
-        `microbatches=(1, 2, 4)`, `compute_dtypes=(None, jnp.bfloat16)`.
-    - `progress`: a progress bar over the compiles (tqdm, if installed).
+        `microbatches=(1, 2, 4)`, `compute_dtypes=(None, jnp.bfloat16)`. Under
+        a compute dtype, a field's compute copies go where its parameters go
+        (to the host with them, as in `Policy.offload_all(compute_dtype=...)`);
+        the local search may keep them on the device instead.
+    - `progress`: a progress bar over the compiles (tqdm, if installed), whose
+        total is the candidates compiled and the most the search still plans
+        to compile (it grows when the search adds a stage).
 
     **The search** (`docs/plan.md`): `Policy.none()` first, the plan if it fits;
     else the presets, the single moves (a field's parameters or a part of its
@@ -216,25 +228,15 @@ def plan(
         assert target is not None
         n = device_count(target)
         mesh = AbstractMesh((n,), (axis,), axis_types=(AxisType.Auto,))
-    fields = fields_of(model)
     search = Search(loss_fn, optimizer, model, batch, target, mesh, has_aux, progress)
-    offered = [n for n in search.names() if n.residual]
-    names = tuple(n.name for n in offered)
     search.budgets = (device, host)
-    slots = state_slots(optimizer, model)
-    search.estimates = estimates(model, fields, slots, offered)
-    search.parts, finer = parts_of(optimizer, model, slots)
-    search.estimates |= finer
-    # Streamed tables stay whole on every device: offered on one device only.
-    tables = tables_of(model) if mesh is None else {}
-    search.estimates |= {Move("stream", t, "pinned_host"): n for t, n in tables.items()}
-    if mesh is not None:  # FSDP splits the parameters, the state and the batch
-        search.estimates = {m: n // mesh.size for m, n in search.estimates.items()}
-    base = Candidate.start(fields, tuple(slots), settings[0], tuple(tables))
-    search.evaluate(base, "no remat, all on device: Policy.none()")
+    base, names = _start(search, settings)
+    with search.progress.stage(1):
+        search.evaluate(base, "no remat, all on device: Policy.none()")
     if search.fits(base):
         search.variants(base, settings[1:])
     else:
+        search.progress.expect(search.most(base, names, len(settings) - 1))
         search.presets(base, names)
         search.combine(base, names)
         search.improve(names)
@@ -248,6 +250,7 @@ def plan(
         if HOST_REMAT and on_tpu and best is not None and not search.fits(best):
             # The TPU compiler's own remat to host, where nothing else fits
             # (compiled in a child process: it can abort the process).
+            search.progress.expect(1 + IMPROVE_COMPILES)
             search.variants(best, [best.settings._replace(host_remat=True)])
             search.improve(names)
     result, table = search.finish()
@@ -266,6 +269,33 @@ def plan(
         target=target,
         mesh=mesh,
     )
+
+
+def _start(
+    search: Search, settings: list[Settings]
+) -> tuple[Candidate, tuple[str, ...]]:
+    """What `search` knows before compiling (the bytes each move frees by
+    estimate, the parts of fields that can be placed apart), where it starts
+    (`Policy.none()` in the first settings), and the checkpoint names offered."""
+    model, optimizer, mesh = search.model, search.optimizer, search.mesh
+    fields = fields_of(model)
+    offered = [n for n in search.names() if n.residual]
+    slots = state_slots(optimizer, model)
+    search.estimates = estimates(model, fields, slots, offered)
+    search.parts, finer = parts_of(optimizer, model, slots)
+    search.estimates |= finer
+    # Streamed tables stay whole on every device: offered on one device only.
+    tables = tables_of(model) if mesh is None else {}
+    search.estimates |= {Move("stream", t, "pinned_host"): n for t, n in tables.items()}
+    # Compute copies of host parameters, under the compute dtypes offered.
+    copies = copies_of(model, tuple(s.compute_dtype for s in settings))
+    search.estimates |= {Move("copies", f, "pinned_host"): n for f, n in copies.items()}
+    if mesh is not None:  # FSDP splits the parameters, the state and the batch
+        search.estimates = {m: n // mesh.size for m, n in search.estimates.items()}
+    base = Candidate.start(
+        fields, tuple(slots), settings[0], tuple(tables), tuple(copies)
+    )
+    return base, tuple(n.name for n in offered)
 
 
 def _settings(

@@ -8,7 +8,7 @@ import contextlib
 import contextvars
 import itertools
 from collections.abc import Hashable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import jax
 from jax.sharding import AbstractMesh
@@ -22,8 +22,10 @@ from .._report import (
     size_text,
     time_text,
 )
-from ._candidates import Candidate, Move, Settings
+from . import _budget
+from ._candidates import Candidate, field_of, Move, presets, Settings
 from ._compile import CompilerCrashed, report, report_in_child
+from ._progress import Progress
 from ._table import PlanRow, PlanTable
 
 
@@ -124,7 +126,7 @@ class Search:
         self.parts: dict[str, tuple[str, ...]] = {}  # a field's parts placed apart
         self.pruned: dict[Candidate, tuple[str, str]] = {}
         self.budgets: tuple[int, int] = (0, 0)
-        self.bar = _bar() if progress else None
+        self.progress = Progress(progress)
 
     def evaluate(self, candidate: Candidate, label: str | None = None) -> Result:
         if candidate in self.results:
@@ -136,7 +138,8 @@ class Search:
             report = self._compile(candidate, result)
         except DoesNotFit as e:
             result.required = e.required_bytes
-            result.error = "too big for the device"
+            both = "host" in e.exceeded
+            result.error = "too big for the device" + (" and host" if both else "")
         except DoesNotCompile as e:
             result.error = f"does not compile: {str(e).splitlines()[0][:80]}"
         except CompilerCrashed as e:
@@ -151,18 +154,20 @@ class Search:
         self.results[candidate] = result
         Search.compiles += 1
         if _FIRST_FIT.get() and self.fits(candidate):
-            if self.bar is not None:
-                self.bar.close()
+            self.progress.close()
             raise Fitted
         self.pruned.pop(candidate, None)
-        if self.bar is not None:
-            self.bar.update(1)
+        self.progress.compiled()
         return result
 
     def _compile(self, candidate: Candidate, result: Result) -> MemoryReport:
         """The candidate's report. A name it saves or offloads that is not saved
         for the backward pass in this combination (its value is another name's,
-        say) would do nothing: it is recomputed instead, and the label says so."""
+        say) would do nothing: it is recomputed instead, and the label says so
+        (what was asked of each such name, so that two candidates that compile
+        alike keep labels of their own)."""
+        asked = dict(candidate.residuals or ())
+        label = result.label
         for _ in range(len(candidate.residuals or ()) + 1):
             policy = candidate.policy()
             try:
@@ -170,13 +175,21 @@ class Search:
             except UnusedName as e:
                 if e.never_occurred or candidate.residuals is None:
                     raise
-                candidate = candidate._replace(
-                    residuals=tuple(
-                        (n, "recompute" if n == e.pattern else c)
-                        for n, c in candidate.residuals
-                    )
+                residuals = tuple(
+                    (n, "recompute" if n == e.pattern else c)
+                    for n, c in candidate.residuals
                 )
-                result.label = candidate.label
+                candidate = candidate._replace(residuals=residuals)
+                asked_for = ", ".join(
+                    f"{'saving' if asked[n] == 'save' else 'offloading'} {n}"
+                    for n, c in residuals
+                    if c != asked[n]
+                )
+                first = label if label != result.candidate.label else candidate.label
+                result.label = (
+                    f"{first} ({asked_for} asked: not saved for the backward pass "
+                    "in this combination)"
+                )
                 result.policy = candidate.policy()
         raise AssertionError("unreachable: every name recomputed compiles")
 
@@ -264,29 +277,27 @@ class Search:
             return float(r.report.device_bytes)
         return float("inf") if r.required is None else float(r.required)
 
+    def most(self, base: Candidate, names: tuple[str, ...], others: int) -> int:
+        """The most compiles the search from `base` (which does not fit) makes:
+        the presets, single moves, combinations and local search, and with
+        `others` settings offered besides, those and a local search again."""
+        n = 3 + min(SINGLES, len(base.moves(names))) + COMBINATION_COMPILES
+        n += IMPROVE_COMPILES
+        return n + (others + IMPROVE_COMPILES if others else 0)
+
     def presets(self, base: Candidate, names: tuple[str, ...]) -> None:
         """`Policy.remat()`, `Policy.offload_residuals()` and `Policy.offload_all()`
         (`base` is `Policy.none()`), in `base`'s settings."""
-        remat = base.remat(names)
-        self.evaluate(remat, "recompute all: Policy.remat()")
-        inputs = tuple(n for n in names if n.endswith(".input"))
-        offloaded = remat._replace(
-            residuals=tuple(
-                (n, "offload" if n in inputs else c) for n, c in remat.residuals or ()
-            )
-        )
-        self.evaluate(offloaded, "offload layer inputs: Policy.offload_residuals()")
-        everything = offloaded._replace(
-            params=tuple((f, "pinned_host") for f, _ in remat.params),
-            opt_state=tuple((s, "pinned_host") for s, _ in remat.opt_state),
-        )
-        self.evaluate(everything, "all on host: Policy.offload_all()")
+        with self.progress.stage(3):
+            for label, candidate in presets(base, names):
+                self.evaluate(candidate, label)
 
     def variants(self, candidate: Candidate, settings: list[Settings]) -> None:
         """`candidate` in each of the other settings offered (micro-batch counts,
         compute dtypes)."""
-        for s in settings:
-            self.evaluate(candidate._replace(settings=s))
+        with self.progress.stage(len(settings)):
+            for s in settings:
+                self.evaluate(candidate.with_settings(s))
 
     def combine(self, base: Candidate, names: tuple[str, ...]) -> None:
         """Compiles the single moves from `base` that free the most device memory
@@ -302,13 +313,13 @@ class Search:
                 f"estimate, less than the {SINGLES} moves tried",
             )
         effects: list[tuple[Move, float, float, float]] = []
-        for move in moves[:SINGLES]:
-            single = base.apply(move, names)
-            self.evaluate(single)
-            freed = self._device(base) - self._device(single)
-            if not 0 < freed < float("inf"):
-                continue
-            effects.append((move, freed, *self._added(base, single, move)))
+        with self.progress.stage(min(SINGLES, len(moves))):
+            for move in moves[:SINGLES]:
+                single = base.apply(move, names)
+                self.evaluate(single)
+                freed = self._device(base) - self._device(single)
+                if 0 < freed < float("inf"):
+                    effects.append((move, freed, *self._added(base, single, move)))
         device_budget, host_budget = self.budgets
         options = []
         for n in range(2, len(effects) + 1):
@@ -324,6 +335,13 @@ class Search:
         # Fastest first; where `base` has no step time (too big to compile), in
         # the order listed: the moves freeing the most device memory first.
         options.sort(key=lambda o: o[0])
+        most = min(len(options), COMBINATION_COMPILES)
+        with self.progress.stage(most, planned=COMBINATION_COMPILES):
+            self._combinations(base, names, options)
+
+    def _combinations(
+        self, base: Candidate, names: tuple[str, ...], options: list
+    ) -> None:
         fitted = compiled = 0
         for seconds, _, chosen in options:
             candidate = base
@@ -355,6 +373,10 @@ class Search:
         fitting candidate it tries what moves bytes back to the device within the
         budgets (less host traffic); of one over a budget, what brings it closer.
         At most `IMPROVE_COMPILES` compiles."""
+        with self.progress.stage(IMPROVE_COMPILES):
+            self._improve(names)
+
+    def _improve(self, names: tuple[str, ...]) -> None:
         current = self.best()
         compiled = 0
         while current is not None and compiled < IMPROVE_COMPILES:
@@ -442,6 +464,13 @@ class Search:
                 if placed.get(part) == move.to
             )
             sign = 1 if move.to == "device" else -1
+            field = field_of(move.name)
+            copied = dict(candidate.copies).get(field) == "pinned_host"
+            if move.knob == "params" and copied and candidate.settings.compute_dtype:
+                # Their compute copies go to the host with them (or vanish).
+                copies = self.estimates.get(Move("copies", field, "pinned_host"), 0)
+                whole = self.estimates.get(Move("params", field, "pinned_host"), 1)
+                return device + sign * n, host - sign * n * (1 + copies / whole)
             return device + sign * n, host - sign * n
         n = self.estimates.get(Move("residual", move.name, "offload"), 0)
         side = {"save": (1, 0), "offload": (0, 1), "recompute": (0, 0)}
@@ -506,8 +535,7 @@ class Search:
         rows += [
             PlanRow(label, c.policy(), why) for c, (label, why) in self.pruned.items()
         ]
-        if self.bar is not None:
-            self.bar.close()
+        self.progress.close()
         table = PlanTable(tuple(rows), device, host)
         if chosen is None:
             error = self._nothing_fits(device, host)
@@ -521,36 +549,51 @@ class Search:
         return None if t is None else t.flops
 
     def _nothing_fits(self, device: int, host: int) -> DoesNotFit:
-        smallest = min(self.results, key=self._device)
-        r = self.results[smallest]
-        need = self._device(smallest)
+        """The error when no candidate fits, about the nearest miss: of the
+        compiled candidates that fit the device, the one with the smallest host
+        footprint (the host budget broke); else the smallest device footprint."""
+        on_device = [
+            c
+            for c, r in self.results.items()
+            if r.report is not None and r.report.device_bytes <= device
+        ]
+        if on_device:
+            nearest = min(on_device, key=self._host)
+        else:
+            nearest = min(self.results, key=self._device)
+        r = self.results[nearest]
+        need = self._device(nearest)
         host_need = None if r.report is None else r.report.host_bytes
-        broke = "device" if need > device else "host"
+        over_host = host_need is not None and host_need > host
+        exceeded: tuple[Literal["device", "host"], ...] = (
+            ("host",) if on_device else ("device",)
+        )
+        if not on_device and over_host:
+            exceeded = ("device", "host")
         shown = "unknown" if need == float("inf") else size_text(int(need))
+        if on_device:
+            what = (
+                "the smallest host footprint of the candidates that fit the "
+                f"device is {size_text(host_need or 0)} ({r.label})"
+            )
+        else:
+            what = f"the smallest device footprint found is {shown} ({r.label})"
+            what += (
+                f"; its host footprint is {size_text(host_need)}" if host_need else ""
+            )
+        budgets = "budgets" if len(exceeded) > 1 else "budget"
         message = (
             f"`plan`: no candidate fits the budgets ({size_text(device)} of device "
-            f"memory, {size_text(host)} of host memory per device). The smallest "
-            f"device footprint found is {shown} ({r.label}), over the {broke} "
-            "budget"
-            + (f"; its host footprint is {size_text(host_need)}" if host_need else "")
-            + ". Give larger budgets, a smaller batch, or more devices."
-        )
-        sizes = (
-            int(need) if need != float("inf") else 0,
-            device if broke == "device" else host,
+            f"memory, {size_text(host)} of host memory per device): {what}, over the "
+            f"{' and '.join(exceeded)} {budgets}. Give {_budget.fixes(exceeded)}, or "
+            "more devices."
         )
         return DoesNotFit(
             message,
             target=self.target or jax.default_backend(),
             compiler_message="",
             arguments={},
-            sizes=sizes,
+            sizes=(int(need) if need != float("inf") else 0, device),
+            host_sizes=(host_need, host),
+            exceeded=exceeded,
         )
-
-
-def _bar() -> Any:
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(desc="plan: compiled", unit=" step")

@@ -4,6 +4,8 @@ each single move of `plan` frees by estimate."""
 
 from typing import Any
 
+import jax.numpy as jnp
+
 from .. import _paths
 from .._policy import Policy
 from .._update import (
@@ -13,15 +15,15 @@ from .._update import (
     state_leaves,
     trainable,
 )
-from ._candidates import Move
+from ._candidates import field_of, Move
 
 
 def fields_of(model: Any) -> tuple[str, ...]:
     """The top-level fields of `model` that hold trainable leaves, in order."""
     out = []
     for leaf in _paths.leaves(model):
-        if is_trainable(leaf.value) and _field(leaf.path) not in out:
-            out.append(_field(leaf.path))
+        if is_trainable(leaf.value) and field_of(leaf.path) not in out:
+            out.append(field_of(leaf.path))
     return tuple(out)
 
 
@@ -34,7 +36,7 @@ def state_slots(optimizer: Any, model: Any) -> dict[str, int]:
     params = trainable(model)
     state = init_opt_state(optimizer, model, Policy())
     owned = [
-        (s, _field(s.owner_path))
+        (s, field_of(s.owner_path))
         for s in state_leaves(as_transformation(optimizer, "`plan`"), state, params)
         if s.owner_path is not None
     ]
@@ -55,12 +57,33 @@ def estimates(
     params: dict[str, int] = dict.fromkeys(fields, 0)
     for leaf in _paths.leaves(model):
         if is_trainable(leaf.value):
-            params[_field(leaf.path)] += _nbytes(leaf.value)
+            params[field_of(leaf.path)] += _nbytes(leaf.value)
     out = {Move("params", f, "pinned_host"): n for f, n in params.items()}
     out |= {Move("opt_state", s, "pinned_host"): n for s, n in slots.items()}
     for n in offered:
         out[Move("residual", n.name, "offload")] = n.bytes
         out[Move("residual", n.name, "recompute")] = n.bytes
+    return out
+
+
+def copies_of(model: Any, dtypes: tuple[str | None, ...]) -> dict[str, int]:
+    """The top-level fields whose host-resident parameters get compute copies
+    (`Policy(compute_dtype=...)`) under every compute dtype offered, with the bytes
+    of their copies (in the widest of those dtypes): the fields with a floating
+    leaf in another dtype; none without a compute dtype offered."""
+    offered = [jnp.dtype(d) for d in dtypes if d is not None]
+    out: dict[str, int] = {}
+    for dtype in offered:
+        sizes: dict[str, int] = {}
+        for leaf in _paths.leaves(model):
+            x = leaf.value
+            floating = is_trainable(x) and jnp.issubdtype(x.dtype, jnp.floating)
+            if floating and x.dtype != dtype:
+                field = field_of(leaf.path)
+                sizes[field] = sizes.get(field, 0) + x.size * dtype.itemsize
+        if dtype is offered[0]:
+            out = sizes
+        out = {f: max(n, sizes[f]) for f, n in out.items() if f in sizes}
     return out
 
 
@@ -83,7 +106,7 @@ def parts_of(
     for leaf in _paths.leaves(model):
         group = _group(leaf.path)
         if is_trainable(leaf.value) and group is not None:
-            add("params", _field(leaf.path), group, _nbytes(leaf.value))
+            add("params", field_of(leaf.path), group, _nbytes(leaf.value))
     params = trainable(model)
     state = init_opt_state(optimizer, model, Policy())
     transformation = as_transformation(optimizer, "`plan`")
@@ -91,7 +114,7 @@ def parts_of(
         group = None if s.owner_path is None else _group(s.owner_path)
         if group is None or s.owner_path is None:
             continue
-        field = _field(s.owner_path)
+        field = field_of(s.owner_path)
         whole = field if field in slots else f"{s.part}:{field}"
         part = group if field in slots else f"{s.part}:{group}"
         add("opt_state", whole, part, _nbytes(s.leaf.value))
@@ -122,7 +145,7 @@ def _group(path: str) -> str | None:
     """The part of a top-level field a leaf path is in: `"blocks.mlp"` of
     `"blocks.mlp.layers[0].weight"`; `None` for a leaf that is the field itself
     or is in a list of it."""
-    field = _field(path)
+    field = field_of(path)
     rest = path[len(field) :]
     if not rest.startswith("."):
         return None
@@ -132,8 +155,3 @@ def _group(path: str) -> str | None:
 
 def _nbytes(x: Any) -> int:
     return x.size * x.dtype.itemsize
-
-
-def _field(path: str) -> str:
-    """The top-level field of a leaf path: `"blocks"` of `"blocks.mlp.weight"`."""
-    return path.split(".", 1)[0].split("[", 1)[0]

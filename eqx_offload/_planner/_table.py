@@ -2,10 +2,15 @@
 them (`PlanTable`), printable and convertible to a dict."""
 
 import dataclasses
+import textwrap
 from typing import Any
 
 from .._policy import Policy
 from .._report import size_text, time_text
+
+
+# The width of the labels' column, less the space before the next.
+LABEL_WIDTH = 44
 
 
 @dataclasses.dataclass(frozen=True)
@@ -13,7 +18,8 @@ class PlanRow:
     """One candidate `plan` considered.
 
     - `label`: what it places where (`"params on host: blocks; offload
-        blocks.input"`); `policy`: the `Policy` it trains with.
+        blocks.input"`), different for each candidate; `policy`: the `Policy` it
+        trains with.
     - `status`: `"chosen"`, `"compiled"`, or why it was not compiled
         (`"pruned: ..."`) or did not compile (`"does not compile: ..."`).
     - `device_bytes`, `host_bytes`: per device, from the compiled program (`None`
@@ -43,7 +49,8 @@ class PlanRow:
 
 @dataclasses.dataclass(frozen=True)
 class PlanTable:
-    """Every candidate `plan` considered (`rows`), printable as a table."""
+    """Every candidate `plan` considered (`rows`), printable as a table (a label
+    longer than its column goes on over the lines below its row)."""
 
     rows: tuple[PlanRow, ...]
     device_budget: int
@@ -67,7 +74,7 @@ class PlanTable:
         )
         lines = [budgets, header, "-" * (len(header) + 10)]
         for r in self.rows:
-            label = r.label if len(r.label) <= 44 else r.label[:41] + "..."
+            label, *more = _wrap(r.label)
 
             def cell(n: int | None) -> str:
                 return "" if n is None else size_text(n)
@@ -78,4 +85,14 @@ class PlanTable:
                 f"{label:<46}{cell(r.device_bytes):>11}{cell(r.host_bytes):>11}"
                 f"{step:>10}{cell(r.transfer_bytes):>11}  {r.status}{fits}"
             )
+            lines += more
         return "\n".join(lines)
+
+
+def _wrap(label: str) -> list[str]:
+    """A label in lines of the table's first column: whole, broken at spaces (a
+    word longer than the column, at its width), the lines after the first
+    indented."""
+    return textwrap.wrap(
+        label, LABEL_WIDTH, subsequent_indent="  ", break_on_hyphens=False
+    ) or [""]
