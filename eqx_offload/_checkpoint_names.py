@@ -1,7 +1,7 @@
 """`checkpoint_names`: the names a model offers to `Policy(save=...)` and
 `Policy(offload=...)`, with what each would save."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -124,27 +124,34 @@ def _as_the_step_calls_it(step: _TrainStep, args: tuple, kwargs: dict) -> tuple:
     model, _, *batch = args
     dtypes = iter(compute_dtypes(trainable(model), step.config.policy))
 
-    def abstract(x: Any, shape: tuple[int, ...], dtype: Any) -> Any:
-        sharding = abstract_sharding(getattr(x, "sharding", None))
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
     def in_compute_dtype(x: Any) -> Any:
         if not is_trainable(x):
             return x
         dtype = next(dtypes)
-        return x if dtype == x.dtype else abstract(x, x.shape, dtype)
+        return x if dtype == x.dtype else _abstract(x, x.shape, dtype)
+
+    return (jax.tree.map(in_compute_dtype, model), *one_microbatch(step, batch))
+
+
+def _abstract(x: Any, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+    sharding = abstract_sharding(getattr(x, "sharding", None))
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def one_microbatch(step: _TrainStep, batch: Sequence[Any]) -> list[Any]:
+    """The batch arguments of one micro-batch of a train step (abstract): the
+    first `1/k` of each argument it splits, the ones in `unsplit` whole."""
+    k = step.config.microbatches
 
     def one_part(x: Any) -> Any:
-        if not is_arraylike(x) or step.config.microbatches == 1:
+        if not is_arraylike(x) or k == 1:
             return x
-        shape = (x.shape[0] // step.config.microbatches, *x.shape[1:])
-        return abstract(x, shape, x.dtype)
+        return _abstract(x, (x.shape[0] // k, *x.shape[1:]), x.dtype)
 
-    batch = [
+    return [
         arg if i in step.config.unsplit else jax.tree.map(one_part, arg)
         for i, arg in enumerate(batch)
     ]
-    return (jax.tree.map(in_compute_dtype, model), *batch)
 
 
 def _alone(

@@ -7,6 +7,7 @@ import re
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 
@@ -172,3 +173,66 @@ def test_the_line_saving_a_value_is_the_users_not_a_type_checkers():
     ]:
         (saved,) = [r for r in saved_residuals(fn, jnp.ones(3)) if r.source == "sin"]
         assert saved.where == where
+
+
+class _Layer(eqx.Module):
+    weight: jax.Array
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.weight)
+
+
+class _Tokens(eqx.Module):
+    """An embedding and stacked layers: the carry entering each layer has the
+    embedding's dtype (bf16 under `compute_dtype`), whatever the batch's."""
+
+    embed: jax.Array
+    blocks: eo.Stacked[_Layer]
+
+    def __call__(self, tokens):
+        return jnp.tanh(self.blocks(self.embed[tokens])).astype(jnp.float32)
+
+
+def test_a_train_step_counts_residuals_in_the_dtype_and_micro_batch_saved():
+    """The saved-for-backward table of a train step is what its compiled program
+    keeps: under `compute_dtype` the carry is saved (and offloaded) in bf16, and
+    under micro-batches one micro-batch's carry is saved at a time. The table,
+    the moves of the traced and the compiled program and the compiled program's
+    host buffer agree."""
+    layers, dim, batch, seq = 3, 128, 4, 16
+    model = _Tokens(
+        jnp.zeros((64, dim)), eo.Stacked(_Layer(jnp.zeros((layers, dim, dim))))
+    )
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    optimizer = optax.sgd(0.1)
+
+    def loss(model, tokens):
+        return jnp.mean(model(tokens))
+
+    policy = eo.Policy.offload_residuals(compute_dtype=jnp.bfloat16)
+    for microbatches in (1, 2):
+        step = eo.train_step(loss, optimizer, policy, microbatches=microbatches)
+        opt_state = eo.init_opt_state(optimizer, model, policy)
+        report = eo.memory_report(step, model, opt_state, tokens, target="tpu-v5e")
+        carry = layers * (batch // microbatches) * seq * dim * 2  # bf16
+        assert report.residuals is not None
+        saved = {(r.name, r.memory_kind): r.bytes for r in report.residuals}
+        assert saved[("blocks.input", "pinned_host")] == carry
+        # The layers' weights, cast to bf16 for the step, are kept for the
+        # backward pass too (they are on the device: no compute copies).
+        weights = layers * dim * dim * 2
+        assert saved[("(other)", "device")] >= weights
+        assert "device-resident parameters in the compute dtype" in str(report)
+        # The same as `checkpoint_names`, which reads the step as it calls its loss.
+        (row,) = [
+            r
+            for r in eo.checkpoint_names(step, model, opt_state, tokens)
+            if r.name == "blocks.input"
+        ]
+        assert row.bytes == carry
+        # What the compiled program keeps in host memory: the offloaded carry of
+        # one micro-batch (the buffer every micro-batch reuses).
+        assert report.host["temp"] == carry
+        moved = report.transfer_bytes("device_to_host", what="residuals")
+        assert moved == microbatches * carry
+        assert report.transfer_bytes("device_to_host", compiled=True) == moved
