@@ -348,6 +348,17 @@ def place(
         error naming the leaf). Keep using what the step returns; to keep the
         original, copy it first: `jax.tree.map(jnp.copy, model)`.
 
+    !!! Warning "Host-resident leaves are computed on only inside the transform"
+
+        `filter_offload` and `train_step` bring host-resident leaves to the device;
+        JAX computes on nothing in host memory. Called outside them (`model(x)`,
+        with or without `eqx.filter_jit`), a host-resident model fails inside JAX
+        with `` memory_space of all inputs passed to `gather` must be the same ``
+        (`dot_general`, `mul`, ...); evaluate it with
+        `eqx.filter_jit(eo.filter_offload(fn, policy))(model, ...)`. The optax
+        idiom `optimizer.init(params)` fails with "Memory kind mismatch with
+        xla::PjRtBuffers": use `eo.init_opt_state(optimizer, model, policy)`.
+
     !!! Example
 
         ```python

@@ -15,6 +15,7 @@ from ._memory_kinds import is_host, is_host_aval
 from ._policy import check_policy, checkpoint_patterns, Policy, replace
 from ._scan_body import configure
 from ._stacked import Stacked
+from ._warn import warn_at_caller
 
 
 def _is_stacked(x: Any) -> bool:
@@ -117,6 +118,62 @@ def _streamed_paths(model: Any, policy: Policy) -> set[str]:
                 )
         found |= matched
     return found
+
+
+def _warn_layer_lists(args: tuple, kwargs: dict, streamed: set[str]) -> None:
+    """Warns of layers held in a Python list or tuple with host-resident parameters:
+    outside a `Stacked`, host-resident leaves are moved to the device where the
+    function starts, so every layer is on the device at once and nothing streams."""
+    for argument, arg in _named_arguments(args, kwargs):
+        flat = jtu.tree_flatten_with_path(
+            arg, is_leaf=lambda x: _is_stacked(x) or _is_layer_list(x)
+        )[0]
+        for keys, x in flat:
+            if not _is_layer_list(x):
+                continue
+            path = _paths.join("", keys)
+            host = [
+                _paths.join(path, leaf.path)
+                for leaf in _paths.leaves(x)
+                if eqx.is_array(leaf.value) and is_host(leaf.value)
+            ]
+            model = argument == "argument 0"  # what `Policy(stream=...)` is of
+            if model:
+                host = [p for p in host if p not in streamed]
+            if not host:
+                continue
+            name = path.rsplit(".", 1)[-1] or "layers"
+            where = repr(path) if model else f"{path!r} of {argument}"
+            warn_at_caller(
+                f"`filter_offload`: {where} is a Python {type(x).__name__} of "
+                f"{len(x)} layers of one structure with host-resident parameters "
+                f"({_paths.quoted(host, 3)}). Outside a `Stacked`, host-resident "
+                "leaves are moved to the device where the function starts: all "
+                f"{len(x)} layers are moved to the device whole, each step, and "
+                "nothing streams. Hold them in an `eo.Stacked` (`eo.Stacked."
+                f"from_layers({name})`, or `eo.Stacked.from_fn(make_layer, {len(x)}, "
+                f"key=key)`) and apply it as `self.{name}(x)`: its scan brings one "
+                "layer to the device at a time."
+            )
+
+
+def _is_layer_list(x: Any) -> bool:
+    """A list or tuple of two or more modules of one structure (leaf shapes and
+    dtypes included): repeated layers."""
+    if not isinstance(x, list | tuple) or len(x) < 2:
+        return False
+    if not all(isinstance(m, eqx.Module) and not _is_stacked(m) for m in x):
+        return False
+
+    def signature(module: Any) -> tuple:
+        leaves, treedef = jtu.tree_flatten(module)
+        return treedef, [(a.shape, a.dtype) for a in leaves if eqx.is_array(a)]
+
+    first = signature(x[0])
+    try:
+        return all(signature(m) == first for m in x[1:])
+    except (TypeError, ValueError):  # a static field that is an array: not layers
+        return False
 
 
 def call_on_auto_axes(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -360,6 +417,7 @@ class _OffloadWrapper(eqx.Module):
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         streamed = _streamed_paths(args[0] if args else None, self._policy)
+        _warn_layer_lists(args, kwargs, streamed)
         args, kwargs = _configure_all(args, kwargs, self._policy, streamed)
         host_stacked = bool(streamed) or any(
             leaf.stacked is not None

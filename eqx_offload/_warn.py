@@ -6,9 +6,10 @@ import warnings
 
 def warn_at_caller(message: str) -> None:
     """A `UserWarning` attributed to the first frame outside this library, Equinox
-    (which wraps module methods) and a runtime type checker's wrappers: the line
-    that called into the library."""
-    internal = ("eqx_offload.", "equinox.", "jaxtyping.", "beartype.")
+    (which wraps module methods), JAX (which traces what the library calls while
+    a step is jitted) and a runtime type checker's wrappers: the line that called
+    into the library."""
+    internal = ("eqx_offload.", "equinox.", "jax.", "jaxtyping.", "beartype.")
     frame = sys._getframe(1)
     while frame.f_back is not None and (
         frame.f_globals.get("__name__", "").startswith(internal)

@@ -14,7 +14,7 @@ from jaxtyping import Array, Float
 
 import eqx_offload as eo
 
-from .helpers import batches, cross_entropy, Model, unchecked
+from .helpers import assert_trees_close, batches, cross_entropy, Model, unchecked
 
 
 def _setup(policy: eo.Policy, getkey, optimizer=None, depth: int = 4):
@@ -115,10 +115,7 @@ def _assert_steps_like_plain_equinox(expected, stepped):
     loss, arrays = expected
     new_model, _, new_loss = stepped
     np.testing.assert_allclose(new_loss, loss, rtol=1e-6)
-    new = jax.tree.leaves(eqx.filter(new_model, eqx.is_array))
-    assert len(new) == len(arrays)
-    for a, b in zip(new, arrays):
-        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-7)
+    assert_trees_close(new_model, arrays, after_adam=(1e-3, 1))
 
 
 def test_a_python_loop_under_remat_warns_that_no_checkpoint_applies(getkey):
@@ -304,9 +301,7 @@ def test_optimizers_whose_init_looks_at_the_parameters(getkey, make):
     for _, batch in zip(range(2), batches()):
         model, opt_state, loss = step(model, opt_state, *batch)
         reference, ref_state = ref_step(reference, ref_state, *batch)
-    arrays = [eqx.filter(m, eqx.is_array) for m in (model, reference)]
-    for a, b in zip(*map(jax.tree.leaves, arrays), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert_trees_close(model, reference, after_adam=(1e-2, 2))
     # The moments of the adam part are on the host, its count on the device.
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves(opt_state)}
     assert kinds == {"device", "pinned_host"}
@@ -367,3 +362,77 @@ def test_using_a_donated_model_again_names_the_leaf(getkey):
         ValueError, match=r"model leaf 'embed\.weight' has been deleted"
     ):
         step(original, opt_state, *batch)
+
+
+# --- Layers in a Python list, and an optimizer state made by optax -----------------
+
+
+class _ListModel(eqx.Module):
+    """A small `Model` with its layers in a Python list, applied by a loop."""
+
+    embed: eqx.nn.Embedding
+    layers: list[eqx.nn.MLP]
+    head: eqx.nn.Linear
+
+    def __init__(self, *, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = eqx.nn.Embedding(32, 8, key=k1)
+        self.layers = [eqx.nn.MLP(8, 8, 16, 1, key=k) for k in jax.random.split(k2, 3)]
+        self.head = eqx.nn.Linear(8, 32, key=k3)
+
+    def __call__(self, tokens):
+        x = jax.vmap(self.embed)(tokens)
+        for layer in self.layers:
+            x = jax.vmap(layer)(x)
+        return jax.vmap(self.head)(x)
+
+
+def test_layers_in_a_python_list_with_host_parameters_warn_to_use_stacked(getkey):
+    """Every layer is moved to the device whole: tracing the step (here for its
+    memory report, as for a call) warns so at the line that called the library,
+    and the report's hint for what is saved outside a `Stacked` names
+    `eo.Stacked`."""
+    policy = eo.Policy.remat(params="pinned_host", opt_state="pinned_host")
+    optimizer = optax.adamw(1e-3)
+    plain = _ListModel(key=getkey())
+    model = eo.place(plain, policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    batch = next(batches())
+    with pytest.warns(
+        UserWarning,
+        match=r"`filter_offload`: 'layers' is a Python list of 3 layers of one "
+        r"structure with host-resident parameters "
+        r"\('layers\[0\]\.layers\[0\]\.weight'.*"
+        r"all 3 layers are moved to the device whole, each step, and nothing "
+        r"streams\. Hold them in an `eo\.Stacked` \(`eo\.Stacked\.from_layers\("
+        r"layers\)`.*`self\.layers\(x\)`",
+    ) as got:
+        report = eo.memory_report(step, model, opt_state, *batch)
+    assert got[0].filename == __file__  # the line that called the library
+    assert "hold repeated layers in an `eo.Stacked`" in str(report)
+
+    # On the device, or under a policy that keeps the list there: nothing to say.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = eo.filter_offload(cross_entropy, eo.Policy.remat())
+        eqx.filter_eval_shape(loss, plain, *batch)
+        eqx.filter_eval_shape(loss, eo.place(model, eo.Policy(params="device")), *batch)
+
+
+def test_an_optimizer_state_made_by_optax_names_the_leaf_and_init_opt_state(getkey):
+    """`optimizer.init` on the placed parameters fails inside JAX (eagerly: `Memory
+    kind mismatch`, `test_evaluate.py`); jitted, it makes the state on the device,
+    which the step refuses, naming the leaf, both kinds and the fix."""
+    policy = eo.Policy.offload_all()
+    model = eo.place(Model(depth=1, key=getkey()), policy)
+    optimizer = optax.adamw(1e-3)
+    opt_state = eqx.filter_jit(optimizer.init)(eqx.filter(model, eqx.is_inexact_array))
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    with pytest.raises(
+        ValueError,
+        match=r"`train_step`: optimizer state leaf '\[0\]\.mu\.embed\.weight' is in "
+        r"'device' but the policy puts it in 'pinned_host'.*"
+        r"`eqx_offload\.init_opt_state\(optimizer, model, policy\)`",
+    ):
+        step(model, opt_state, *next(batches()))

@@ -304,11 +304,11 @@ def check_state(
         if kind_of(leaf.value) != kind:
             raise ValueError(
                 f"{where}: optimizer state leaf {leaf.path!r} is in "
-                f"{kind_of(leaf.value)!r} but the policy puts it in {kind!r}; move it "
-                "there, keeping its values, with `opt_state = "
-                "eqx_offload.place_opt_state(optimizer, opt_state, model, policy)` "
-                "(`eqx_offload.place` would move the step count to the host too, and "
-                "a fresh `init_opt_state` would restart the optimizer)."
+                f"{kind_of(leaf.value)!r} but the policy puts it in {kind!r}. Move "
+                "a trained state there, keeping its values, with "
+                "`eqx_offload.place_opt_state(optimizer, opt_state, model, policy)`; "
+                "make a new one with `eqx_offload.init_opt_state(optimizer, model, "
+                "policy)` (not `optimizer.init`)."
             )
     return kinds
 
