@@ -4,16 +4,22 @@ activations offloaded to pinned host memory, on built-in synthetic data.
     bash scripts/quickstart.sh                  # or: python examples/quickstart.py
     python examples/quickstart.py --policy remat --steps 100
     python examples/quickstart.py --target tpu-v5e   # also compiled for a TPU v5e chip
+    python examples/quickstart.py --target gpu-h100  # or for an H100 (`gpu-aot` extra)
     python examples/quickstart.py --bf16 --microbatches 4  # bf16 compute, 4 parts
 
 The task: each sequence counts up from a random start with a random stride (mod the
 vocabulary), so predicting the next token needs the stride, read from the context
 by causal attention. The loss falls from about ln(64) = 4.2 to near 0. The memory
 report is also drawn, to `quickstart_memory.png` (`--plot`).
+
+On a machine without a GPU or TPU it runs JAX on the CPU (`JAX_PLATFORMS=cpu`, unless
+set: `_platform.py`), which also lets `--target` compile for a TPU or GPU that is not
+there.
 """
 
 import argparse
 
+import _platform  # noqa: F401  (first: JAX on the CPU where there is no GPU or TPU)
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -107,8 +113,9 @@ def main():
     parser.add_argument(
         "--target",
         default=None,
-        choices=["tpu-v5e", "tpu-v6e", "tpu-v5p", "tpu-v4"],
-        help="also report the step compiled for one chip of this TPU (needs libtpu)",
+        choices=["tpu-v5e", "tpu-v6e", "tpu-v5p", "tpu-v4", "gpu-h100", "gpu-h200"],
+        help="also report the step compiled for one chip of this TPU (needs libtpu) "
+        "or one such GPU (needs JAX's CUDA plugin: the `gpu-aot` extra)",
     )
     parser.add_argument(
         "--policy",

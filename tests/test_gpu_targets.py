@@ -3,6 +3,10 @@ same answers as on a TPU where they must agree (offloaded bytes on the host, eve
 preset compiles, FSDP divides the device bytes), and refusals where the compile
 would lie."""
 
+import importlib.util
+import os
+import runpy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +18,7 @@ import pytest
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 import eqx_offload as eo
-from eqx_offload import _compat
+from eqx_offload import _compat, _diagnose, _tiling
 from eqx_offload._report import _targets
 
 from .helpers import cross_entropy, Model
@@ -309,3 +313,85 @@ def test_a_plugin_that_did_not_load_names_jax_platforms(monkeypatch):
     monkeypatch.setattr(topologies, "get_topology_desc", not_loaded)
     with pytest.raises(RuntimeError, match="JAX_PLATFORMS=cpu"):
         _targets.devices("gpu-h100:3")  # a topology not compiled (cached) before
+
+
+def test_the_quickstart_compiles_for_gpus_without_the_cuda_plugins_noise(capfd):
+    """`python examples/quickstart.py` on a machine without a GPU, `JAX_PLATFORMS`
+    unset: JAX runs on the CPU, so `--target gpu-h100` (which it accepts) compiles,
+    and none of the lines JAX's CUDA plugin logs from C++ as it loads ("Could not
+    find cuda drivers") reach stderr (in a child process: they come with `import
+    jax`), while anything else written there meanwhile is passed on."""
+    if importlib.util.find_spec("jax_cuda12_plugin") is None:
+        pytest.skip("JAX's CUDA plugin is not installed (the `gpu-aot` extra)")
+    quickstart = str(Path(__file__).parent.parent / "examples" / "quickstart.py")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # if JAX did look for a TPU: no lock
+    child = (
+        "import os, runpy, sys\n"
+        "sys.path.insert(0, os.path.dirname(sys.argv[1]))  # as `python <script>`\n"
+        "sys.argv = [sys.argv[1], '--help']  # its start, not its training\n"
+        "try:\n"
+        "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "import jax, eqx_offload as eo\n"
+        "print(os.environ['JAX_PLATFORMS'], jax.default_backend())\n"
+        "x = jax.ShapeDtypeStruct((8,), jax.numpy.float32)\n"
+        "print(eo.memory_report(jax.numpy.sin, x, target='gpu-h100').target)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", child, quickstart],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "{tpu-v5e,tpu-v6e,tpu-v5p,tpu-v4,gpu-h100,gpu-h200}" in run.stdout
+    assert run.stdout.endswith("\ncpu cpu\ngpu-h100\n")
+    assert "cuda drivers" not in run.stderr and "InitializeLog" not in run.stderr
+
+    platform = str(Path(quickstart).parent / "_platform.py")
+    drop = runpy.run_path(platform)["without_cuda_driver_lines"]
+    capfd.readouterr()
+    with drop():
+        os.write(2, b"WARNING: All log messages before absl::InitializeLog() ")
+        os.write(2, b"is called are written to STDERR\nI0000 cudart_stub.cc:31] ")
+        os.write(2, b"Could not find cuda drivers on your machine, GPU will not be ")
+        os.write(2, b"used.\nE0000 a real error\n")
+    assert capfd.readouterr().err == "E0000 a real error\n"
+
+
+# Micro-batches with host-resident parameters (issue 40), as in
+# tests/test_tpu_compile.py: layers "large" (`PIECE_BYTES` patched down), a head of
+# width 96.
+@pytest.mark.parametrize(
+    "arch, dtype, width, policy, k",
+    [
+        ("mlp", "bf16-compute", 128, "offload_all", 2),
+        ("gpt", "float32", 96, "offload_residuals", 4),
+    ],
+)
+def test_micro_batches_compile_for_gpu(arch, dtype, width, policy, k, monkeypatch):
+    monkeypatch.setattr(_tiling, "PIECE_BYTES", 32 * 1024)
+    result = cm.compile_case(
+        arch, width, 2, cm.DTYPES[dtype], policy, "gpu-h100", microbatches=k, mlp=256
+    )
+    assert result.outcome == "compiles", result.message
+
+
+def test_the_diagnosis_of_a_rejected_step_compiles_its_probes_for_a_gpu(monkeypatch):
+    """A probe's host-resident leaf keeps its memory kind on compile-only GPU
+    devices (it used to be traced in device memory, and the probe itself raised
+    "memory_space of all inputs passed to `dynamic_update_slice` must be the
+    same"); and a probe that fails for a reason of its own blames no leaf."""
+    mesh = _targets.chip_mesh("gpu-h100")
+    leaf = _diagnose.Streamed("blocks.w", (2, 256, 128), jnp.float32, 1, True)
+    assert _diagnose._probe(leaf, mesh) is None  # it compiles
+
+    def broken(leaf, mesh):
+        raise ValueError("the probe's own bug")
+
+    monkeypatch.setattr(_diagnose, "_probe", broken)
+    other = leaf._replace(shape=(2, 128, 128))  # not in the probes' cache
+    assert _diagnose.rejected([other], mesh) == []
