@@ -39,6 +39,21 @@ def _reference(model, optimizer, steps, loss_fn=cross_entropy):
     return model, losses
 
 
+def _offloaded(model, optimizer, policy, steps, k):
+    """`train_step` with `k` micro-batches over `steps`, from `model` placed by
+    `policy`: the trained model, the losses and the step (its compiles counted)."""
+    model = eo.place(model, policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = CountCompiles(
+        eo.train_step(cross_entropy, optimizer, policy, microbatches=k)
+    )
+    losses = []
+    for batch in steps:
+        model, opt_state, loss = step(model, opt_state, *batch)
+        losses.append(float(loss))
+    return model, losses, step
+
+
 def _arrays(tree):
     return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
 
@@ -67,14 +82,7 @@ def test_equals_the_whole_batch_step(whole_batch, preset, update):
     steps, (ref_model, ref_losses) = whole_batch
 
     policy = getattr(eo.Policy, preset)(update=update)
-    model = eo.place(Model(key=KEY), policy)
-    opt_state = eo.init_opt_state(optimizer, model, policy)
-    step = eo.train_step(cross_entropy, optimizer, policy, microbatches=4)
-    step = CountCompiles(step)
-    losses = []
-    for batch in steps:
-        model, opt_state, loss = step(model, opt_state, *batch)
-        losses.append(float(loss))
+    model, losses, step = _offloaded(Model(key=KEY), optimizer, policy, steps, 4)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(eo.place(model, eo.Policy(params="device")), ref_model)
     assert step.compiled_on == [0]
@@ -93,14 +101,7 @@ def test_host_leaves_outside_the_layers_accumulate_where_they_can(dim):
     model = Model(vocab=64, dim=dim, depth=2, key=KEY)
     ref_model, ref_losses = _reference(model, optax.sgd(0.1), steps)
     policy = eo.Policy.offload_all()
-    optimizer = optax.sgd(0.1)
-    ours = eo.place(model, policy)
-    opt_state = eo.init_opt_state(optimizer, ours, policy)
-    step = eo.train_step(cross_entropy, optimizer, policy, microbatches=2)
-    losses = []
-    for batch in steps:
-        ours, opt_state, loss = step(ours, opt_state, *batch)
-        losses.append(float(loss))
+    ours, losses, _ = _offloaded(model, optax.sgd(0.1), policy, steps, 2)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(eo.place(ours, eo.Policy(params="device")), ref_model)
     assert memory_kind(ours.head.weight) == "pinned_host"
@@ -112,13 +113,7 @@ def test_adamw_state_and_parameters_follow_the_whole_batch(getkey):
     steps = [b for _, b in zip(range(3), batches(batch=6))]
     ref_model, ref_losses = _reference(Model(key=key), optimizer, steps)
     policy = eo.Policy.offload_all(update="streamed")
-    model = eo.place(Model(key=key), policy)
-    opt_state = eo.init_opt_state(optimizer, model, policy)
-    step = eo.train_step(cross_entropy, optimizer, policy, microbatches=3)
-    losses = []
-    for batch in steps:
-        model, opt_state, loss = step(model, opt_state, *batch)
-        losses.append(float(loss))
+    model, losses, _ = _offloaded(Model(key=key), optimizer, policy, steps, 3)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(
         eo.place(model, eo.Policy(params="device")), ref_model, after_adam=(1e-2, 3)
