@@ -258,6 +258,11 @@ POLICIES: dict[str, tuple[str, dict[str, Any]]] = {
     "offload_all": ("offload_all", {}),
     "host params": ("remat", {"params": {"blocks": "pinned_host"}}),
     "host state": ("offload_residuals", {"opt_state": "pinned_host"}),
+    "host update": ("offload_all", {"update": "host"}),
+    "host state, host update": (
+        "offload_residuals",
+        {"opt_state": "pinned_host", "update": "host"},
+    ),
 }
 
 

@@ -7,7 +7,7 @@ in `_compiler.py`.
 """
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -111,3 +111,59 @@ def named_sharding(mesh: Mesh, spec: PartitionSpec, kind: str) -> NamedSharding:
     if out.memory_kind != kind or out == NamedSharding(mesh, spec):
         raise NotImplementedError("a sharding cannot keep its memory kind here")
     return out
+
+
+# The two forms of JAX's host compute (`jax.experimental.compute_on`): jax 0.10 has
+# the context manager `compute_on(compute_type)` and the decorator `compute_on2(f,
+# *, compute_type, out_memory_spaces)`; after 0.11.0 the context manager is gone and
+# the decorator is called `compute_on`.
+HostForm = Literal["decorator", "context"]
+
+
+def host_forms() -> tuple[str, ...]:
+    """The forms of host compute this JAX offers: `"decorator"` and, up to jax
+    0.11.0, `"context"`."""
+    from jax.experimental import compute_on as module
+
+    if hasattr(module, "compute_on2"):
+        return ("decorator", "context")
+    return ("decorator",) if hasattr(module, "compute_on") else ()
+
+
+def on_host(fn: Callable, form: HostForm = "decorator") -> Callable:
+    """`fn` (arrays to a list of arrays), run on the host's CPU inside the traced
+    program: JAX's `compute_on("device_host")`, in `form`. Its arguments must be
+    in host memory (the TPU compiler aborts on a device-memory operand aliased to
+    a host result); its results are.
+
+    **Raises:**
+
+    `NotImplementedError` naming the forms this JAX has, if it lacks `form`.
+    """
+    from jax.experimental import compute_on as module
+
+    if form not in host_forms():
+        raise NotImplementedError(
+            f"jax {jax.__version__} has no host compute of the {form!r} form "
+            f"(`jax.experimental.compute_on`); it has {list(host_forms())}."
+        )
+    host, device = jax.memory.Space.Host, jax.memory.Space.Device
+
+    def typed(*args: Any) -> list:
+        # JAX 0.10 types the arrays made afresh inside (`zeros_like`, a broadcast
+        # literal) as device memory, and refuses to combine them with host values
+        # ("memory_space of all inputs passed to `add` must be the same"). Typed
+        # as device memory inside, every value is alike; the host computes and
+        # moves the same.
+        outs = fn(*[jax.device_put(x, device) for x in args])
+        return [jax.device_put(x, host) for x in outs]
+
+    if form == "context":
+
+        def in_context(*args: Any) -> Any:
+            with module.compute_on("device_host"):
+                return jax.jit(typed)(*args)
+
+        return in_context
+    decorator: Any = getattr(module, "compute_on2", None) or module.compute_on
+    return decorator(typed, compute_type="device_host", out_memory_spaces=host)

@@ -271,3 +271,22 @@ def reduction_axes(eqn: Any) -> tuple[int, ...]:
 def broadcast_dimensions(eqn: Any) -> tuple[int, ...]:
     """Where a `broadcast_in_dim` puts its operand's axes in its output."""
     return tuple(eqn.params["broadcast_dimensions"])
+
+
+def source_function(eqn: Any, package: str) -> str | None:
+    """Where in `package` (a top-level module name: `"optax"`) the code that made
+    `eqn` is, from the equation's traceback: `"update_fn (optax/_src/linesearch.py,
+    line 1203)"` for the innermost such frame; `None` if no code of it did."""
+    traceback = getattr(getattr(eqn, "source_info", None), "traceback", None)
+    marker = f"/{package}/"
+    for frame in getattr(traceback, "frames", ()) or ():
+        path = frame.file_name.replace("\\", "/")
+        if marker in path:
+            short = package + "/" + path.rsplit(marker, 1)[1]
+            return f"{frame.function_name} ({short}, line {frame.line_num})"
+    return None
+
+
+def has_effects(eqn: Any) -> bool:
+    """Whether an equation has side effects (a callback, an ordered I/O)."""
+    return bool(eqn.effects)

@@ -120,13 +120,14 @@ def value_and_grad(
     unsplit: tuple[int, ...],
     has_aux: bool,
     stream: tuple[str, ...] = (),
+    on_host: bool = False,
 ) -> tuple[Any, PyTree]:
     """The loss and its gradient with respect to `params` (the trainable part of
     the model), over `k` micro-batches of `batch`. The loss sees the model
     `sources` (the model, with compute copies in place of their parameters), each
     trainable leaf in its dtype from `dtypes` (one per array leaf of `params`).
     `stream`: the `Policy(stream=...)` patterns (tables the loss reads from the
-    host).
+    host). `on_host`: the update runs on the host (`Policy(update="host")`).
 
     A host-resident parameter's gradient is accumulated where the loss uses the
     parameter, through a tap (`_accumulate.py`): one layer at a time, read from
@@ -217,7 +218,20 @@ def value_and_grad(
 
         zeros = [jnp.zeros_like(x) for x in device_params]
         init = ((masters, zeros), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+        if on_host:
+            # The first micro-batch before the loop: its gradients start the host
+            # accumulators. (Started as the masters, the loop's accumulators and
+            # the masters are both operands of the host update, and the TPU
+            # compiler fails to alias them: "output index {0} is already aliased
+            # with param 0".)
+            first = jtu.tree_map(lambda p: p[0], parts)
+            init, aux_first = body(init, first)
+            parts = jtu.tree_map(lambda p: p[1:], parts)
         (grads, total, _), aux = jax.lax.scan(body, init, parts)
+        if on_host:
+            aux = jtu.tree_map(
+                lambda a, b: jnp.concatenate([a[None], b]), aux_first, aux
+            )
         value = total / k
     by_path = dict(
         zip([leaf.path for leaf, _ in tapped + plain], grads[0] + grads[1], strict=True)

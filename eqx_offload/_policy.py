@@ -120,7 +120,7 @@ class Policy(eqx.Module):
     offload: tuple[str, ...] = eqx.field(static=True)
     offload_dst: MemoryKind = eqx.field(static=True)
     opt_state: str | tuple[tuple[str, str], ...] = eqx.field(static=True)
-    update: Literal["auto", "streamed", "whole"] = eqx.field(static=True)
+    update: Literal["auto", "streamed", "whole", "host"] = eqx.field(static=True)
     shard: Rules | None = eqx.field(static=True)
     batch: PartitionSpec | None = eqx.field(static=True)
     compute_dtype: np.dtype | None = eqx.field(static=True)
@@ -137,7 +137,7 @@ class Policy(eqx.Module):
         offload: Sequence[str] = (),
         offload_dst: MemoryKind = "pinned_host",
         opt_state: MemoryKind | Mapping[str, MemoryKind] = "device",
-        update: Literal["auto", "streamed", "whole"] = "auto",
+        update: Literal["auto", "streamed", "whole", "host"] = "auto",
         shard: PartitionSpec
         | FSDP
         | str
@@ -187,6 +187,15 @@ class Policy(eqx.Module):
             time, with the same result as optax's whole-tree update; an update that
             cannot be split that way is an error naming the operation. `"whole"`:
             everything is brought to the device at once (more device memory).
+            `"host"`: the update of the host-resident parameters and state runs on
+            the host's CPU inside the step (JAX's host compute), so the device
+            sends each gradient once and receives only the parameters it computes
+            with: no optimizer state crosses the host link. Parameters whose state
+            stays on the device are updated there, unless the update ties them to
+            host-resident values (a global-norm clip), when they are updated on
+            the host too. Needs optimizer state on the host; an optimizer the host
+            cannot run (a loop, a callback) is an error naming the optax code.
+            `eo.plan` picks it where the estimate says it is faster.
         - `shard`: how parameter leaves are laid out over the device mesh, naming
             mesh axes only (the mesh comes from `jax.set_mesh`, the arrays, or
             `place(..., mesh=...)`). `None`: no opinion (leaves keep the sharding
@@ -289,10 +298,22 @@ class Policy(eqx.Module):
                 "offloaded to 'pinned_host' (JAX 0.10 leaves them on the device for "
                 "'unpinned_host'); to keep them on the device, list them in `save=`."
             )
-        if self.update not in ("auto", "streamed", "whole"):
+        if self.update not in ("auto", "streamed", "whole", "host"):
             raise ValueError(
                 f"`Policy(update={self.update!r})`: valid values are 'auto', "
-                "'streamed' and 'whole'."
+                "'streamed', 'whole' and 'host'."
+            )
+        state_kinds = (
+            {self.opt_state}
+            if isinstance(self.opt_state, str)
+            else {k for _, k in self.opt_state}
+        )
+        if self.update == "host" and state_kinds <= {"device"}:
+            raise ValueError(
+                "`Policy(update='host')` runs the optimizer on the host's CPU where "
+                "its state lives, but `opt_state` keeps it on the device; put it on "
+                "the host with `opt_state='pinned_host'` (as "
+                "`Policy.offload_all()` does), or drop `update='host'`."
             )
         if self.loss_axes not in ("auto", "explicit"):
             raise ValueError(

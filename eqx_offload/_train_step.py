@@ -252,6 +252,7 @@ def value_and_grad(
         unsplit,
         has_aux,
         policy.stream,
+        policy.update == "host",
     )
 
 

@@ -310,12 +310,15 @@ def _loss(value: Any, has_aux: bool) -> Any:
     return value[0] if has_aux else value
 
 
-def _streams(policy: Policy, model: PyTree, opt_state: PyTree) -> bool:
-    """Whether `train_step` streams this update (`_update.update`) on some backend
-    (`"auto"` streams on all but the CPU)."""
+def _own_update(policy: Policy, model: PyTree, opt_state: PyTree) -> str | None:
+    """The update of its own `train_step` runs here, to check against optax's on
+    the device: `"streamed"` where it streams on some backend (`"auto"` streams
+    on all but the CPU), `"host"` on the host's CPU; None for optax's own."""
     leaves = jtu.tree_leaves((trainable(model), opt_state))
     host = any(kind_of(x) != "device" for x in leaves if eqx.is_array(x))
-    return policy.update in ("streamed", "auto") and host
+    if policy.update == "host":
+        return "host"
+    return "streamed" if policy.update in ("streamed", "auto") and host else None
 
 
 def verify(
@@ -347,10 +350,11 @@ def verify(
         the loss on the model cast to `Policy(compute_dtype=...)` (but for the
         `keep_dtype` leaves), averaged over the same micro-batches;
     3. **the update**: the model and optimizer state after one donating
-        `train_step` with `Policy(update="streamed")` against one with
-        `update="whole"` (plain optax on the device), when the step streams and
-        the first two checks pass. Both steps' losses join the loss check. A
-        step that does not stream runs once, and its loss joins the loss check.
+        `train_step` with `Policy(update="streamed")` (or `"host"`, the policy's
+        own) against one with `update="whole"` (plain optax on the device), when
+        the step streams or updates on the host and the first two checks pass.
+        Both steps' losses join the loss check. Any other step runs once, and
+        its loss joins the loss check.
 
     It never donates or changes the caller's arrays: only copies are given to the
     steps it runs.
@@ -490,12 +494,13 @@ def verify(
     gradient_check = _compare(gradients, rtol, atol, by_leaf)
     update = None
     if loss_check.passed and gradient_check.passed:
-        # The step itself, on a slice whose gradients are right: streamed against
-        # whole when it streams, else once, so that its own program (placements,
-        # donation, outputs) is exercised.
-        streams = _streams(policy, model, opt_state)
+        # The step itself, on a slice whose gradients are right: streamed (or on
+        # the host) against whole when it is, else once, so that its own program
+        # (placements, donation, outputs) is exercised.
+        own = _own_update(policy, model, opt_state)
+        streams = own is not None
         outputs = []
-        for mode in ("streamed", "whole") if streams else (policy.update,):
+        for mode in (own, "whole") if own else (policy.update,):
             step = train_step(
                 loss_fn,
                 optimizer,

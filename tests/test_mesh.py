@@ -67,10 +67,13 @@ def _reference_losses(steps: int) -> list[float]:
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
-@pytest.mark.parametrize("preset", ["none", "offload_all"])
+@pytest.mark.parametrize("preset", ["none", "offload_all", "offload_all host"])
 def test_a_partly_sharded_model_trains_like_one_device(axis_type, preset):
     mesh = _mesh(axis_type)
-    policy = getattr(eo.Policy, preset)()
+    preset, _, update = preset.partition(" ")
+    # `update="host"`: each device's shards of the parameters and state are
+    # updated on the host where they live.
+    policy = getattr(eo.Policy, preset)(**({"update": update} if update else {}))
     # Only the stacked weight is laid out on the mesh; the biases and the head are
     # plain arrays, which `place` replicates over the mesh (as a jit would).
     model = eo.place(_fsdp(Net(key=jax.random.key(0)), mesh), policy)

@@ -21,7 +21,7 @@ from .._memory_kinds import (
 )
 from .._placement import move, resolve
 from .._policy import check_policy, Policy, replace
-from . import _streaming
+from . import _host, _streaming
 from ._state_kinds import state_leaf_kinds
 from ._state_tree import check_matches, state_leaves, state_owners, StateLeaf
 
@@ -342,16 +342,28 @@ def update(
         return _update_by_platform(
             optimizer, grads, opt_state, model, policy, model_kinds, opt_kinds, metrics
         )
+    kind_by_path = {leaf.path: kind for leaf, kind in model_kinds}
+    leaves = _paths.leaves(params)
+    kinds = ([kind_by_path[leaf.path] for leaf in leaves], [k for _, k in opt_kinds])
+    if policy.update == "host":
+        _check_host_state(opt_kinds)
+        try:
+            new_params, opt_state, norms = _host.update(
+                optimizer, grads, opt_state, params, kinds, metrics
+            )
+        except _host.NotOnHost as e:
+            raise ValueError(
+                f"`Policy(update='host')`: the optimizer's update cannot run on the "
+                f"host's CPU: {e}. Update on the device instead, streamed with "
+                "`Policy(update='streamed')` (or `'auto'`), or change that part of "
+                "the optimizer."
+            ) from e
+        rest = eqx.filter(model, is_trainable, inverse=True)
+        return eqx.combine(new_params, rest), opt_state, norms
     if policy.update == "streamed" and host:
-        kind_by_path = {leaf.path: kind for leaf, kind in model_kinds}
-        leaves = _paths.leaves(params)
         layers = [
             leaf.value.shape[0] if leaf.stacked is not None else None for leaf in leaves
         ]
-        kinds = (
-            [kind_by_path[leaf.path] for leaf in leaves],
-            [k for _, k in opt_kinds],
-        )
         try:
             new_params, opt_state, norms = _streaming.update(
                 optimizer,
@@ -386,6 +398,18 @@ def update(
     model = eqx.apply_updates(model, updates)
     norms = _streaming.norms(grads, updates, trainable(model)) if metrics else None
     return model, opt_state, norms
+
+
+def _check_host_state(opt_kinds: list[tuple[_paths.Leaf, str]]) -> None:
+    """`Policy(update="host")` needs optimizer state on the host to update there."""
+    if not any(kind == "pinned_host" for _, kind in opt_kinds):
+        raise ValueError(
+            "`Policy(update='host')` runs the optimizer on the host's CPU where its "
+            "state lives, but the policy keeps no optimizer state on the host. Put "
+            "it there with `Policy(opt_state='pinned_host')` (as "
+            "`Policy.offload_all()` does), or update on the device with "
+            "`Policy(update='auto')`."
+        )
 
 
 def _update_by_platform(

@@ -313,17 +313,26 @@ class Plan:
         """The equations (indices, in order) that compute `outs`, not looking
         further back than the variables where `stop` holds (`outs` themselves are
         always computed)."""
-        producer = {o: n for n, e in enumerate(self.whole.eqns) for o in e.outs}
-        wanted: set[int] = set()
-        todo = [(r, True) for r in outs if not isinstance(r, Literal)]
-        while todo:
-            r, start = todo.pop()
-            if (stop(r) and not start) or r not in producer or producer[r] in wanted:
-                continue
-            wanted.add(producer[r])
-            ins = self.whole.eqns[producer[r]].ins
-            todo.extend((x, False) for x in ins if not isinstance(x, Literal))
-        return sorted(wanted)
+        return needed(self.whole, outs, stop)
+
+
+def needed(
+    program: Program, outs: list, stop: Callable[[int], bool] = lambda r: False
+) -> list[int]:
+    """The equations of `program` (indices, in order) that compute `outs`, not
+    looking further back than the variables where `stop` holds (`outs` themselves
+    are always computed)."""
+    producer = {o: n for n, e in enumerate(program.eqns) for o in e.outs}
+    wanted: set[int] = set()
+    todo = [(r, True) for r in outs if not isinstance(r, Literal)]
+    while todo:
+        r, start = todo.pop()
+        if (stop(r) and not start) or r not in producer or producer[r] in wanted:
+            continue
+        wanted.add(producer[r])
+        ins = program.eqns[producer[r]].ins
+        todo.extend((x, False) for x in ins if not isinstance(x, Literal))
+    return sorted(wanted)
 
 
 def run(program: Program, eqns: list[int], env: dict[int, Any]) -> dict[int, Any]:
