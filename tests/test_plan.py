@@ -108,6 +108,16 @@ def test_the_fastest_fitting_candidate_is_chosen(tight):
     assert tight.compiled == len(
         [r for r in rows if r.status in ("chosen", "compiled")]
     )
+    # Where the update runs is searched too: the fastest candidates with state on
+    # the host compiled again with it on the host's CPU, and the estimate chose.
+    host = [r for r in rows if r.label.endswith("update on host")]
+    assert host and all(r.status in ("chosen", "compiled") for r in host)
+    # `Policy.offload_all()`'s placement with the update on the host: faster
+    # than it streamed through the device (by estimate).
+    everything = "params on host: embed, blocks, head; opt_state on host: embed,"
+    (offloaded,) = [r for r in host if r.label.startswith(everything)]
+    assert offloaded.seconds is not None
+    assert offloaded.seconds < preset.seconds
     assert any(r.status.startswith("pruned: frees") for r in rows)  # singles
     # Combinations estimated to fit, not compiled once one fitted.
     assert any(r.status.startswith("pruned: estimated to fit") for r in rows)
@@ -191,8 +201,11 @@ def test_a_local_search_improves_on_the_best_preset(monkeypatch):
     assert chosen.seconds is not None and preset.seconds is not None
     assert chosen.seconds < preset.seconds
     compiled = [r for r in rows if r.status in ("chosen", "compiled")]
-    assert len(compiled) == p.compiled <= 4 + _search.IMPROVE_COMPILES
-    assert all(r.fits for r in compiled[4:])  # each step kept within the budgets
+    assert len(compiled) == p.compiled <= 4 + _search.IMPROVE_COMPILES + 3
+    # Each step kept within the budgets; then the update on the host tried.
+    host = [r for r in compiled if r.label.endswith("update on host")]
+    assert len(host) == _plan.HOST_UPDATES
+    assert all(r.fits for r in compiled[4:] if r not in host)
 
 
 def test_a_second_plan_reuses_the_first_ones_compiles(tight):
@@ -436,6 +449,9 @@ def test_fewest_chips(monkeypatch):
     monkeypatch.setattr(_search, "SINGLES", 0)
     monkeypatch.setattr(_search, "IMPROVE_COMPILES", 0)
     monkeypatch.setattr(_plan, "HOST_REMAT", False)  # (tested above)
+    # (With the update on the host, `offload_all`'s placement takes 5.8 MiB and
+    # one chip is enough: tested in `tight`.)
+    monkeypatch.setattr(_plan, "HOST_UPDATES", 0)
     p = eo.fewest_chips(
         cross_entropy,
         OPTIMIZER,

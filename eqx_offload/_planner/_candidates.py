@@ -38,17 +38,22 @@ class Move(NamedTuple):
 class Settings(NamedTuple):
     """How the step runs, apart from where things live: FSDP over a mesh axis (a
     slice target) with the batch split over it, the micro-batch count, the
-    compute dtype (`None`: the model's own), and whether the TPU compiler keeps
-    what it rematerializes on the host (`Policy(host_remat=True)`)."""
+    compute dtype (`None`: the model's own), whether the TPU compiler keeps
+    what it rematerializes on the host (`Policy(host_remat=True)`), and where
+    the optimizer update runs (`Policy(update=...)`: `"auto"`, streamed through
+    the device where state is on the host, or `"host"`, on the host's CPU)."""
 
     axis: str | None = None
     microbatches: int = 1
     compute_dtype: str | None = None
     host_remat: bool = False
+    update: str = "auto"
 
     @property
     def label(self) -> str:
         parts = []
+        if self.update == "host":
+            parts.append("update on host")
         if self.microbatches != 1:
             parts.append(f"{self.microbatches} micro-batches")
         if self.compute_dtype is not None:
@@ -221,7 +226,7 @@ class Candidate(NamedTuple):
         return out
 
     def policy(self) -> Policy:
-        axis, _, dtype, host_remat = self.settings
+        axis, _, dtype, host_remat, update = self.settings
         streamed = tuple(t for t, k in self.stream if k != "device")
         if self.residuals is None:
             save: str | tuple[str, ...] = "all"
@@ -239,7 +244,14 @@ class Candidate(NamedTuple):
             compute_dtype=None if dtype is None else np.dtype(dtype),
             host_remat=host_remat,
             stream=streamed,
+            update=update,
         )
+
+    @property
+    def state_on_host(self) -> bool:
+        """Whether some optimizer state is on the host (what `update="host"`
+        updates there)."""
+        return any(k != "device" for _, k in self.opt_state)
 
     def _copies(self) -> dict[str, Kind]:
         """The `Policy(opt_state=...)` patterns that place the compute copies: one

@@ -42,6 +42,8 @@ from ._table import PlanTable
 # Where nothing fits on a TPU, the best candidate is compiled once more with the
 # compiler's own remat to host (`Policy(host_remat=True)`), in a child process.
 HOST_REMAT = True
+# Candidates compiled again with the update on the host's CPU (`_update_on_host`).
+HOST_UPDATES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +255,7 @@ def plan(
             search.progress.expect(1 + IMPROVE_COMPILES)
             search.variants(best, [best.settings._replace(host_remat=True)])
             search.improve(names)
+    _update_on_host(search)
     result, table = search.finish()
     assert result.report is not None
     return Plan(
@@ -269,6 +272,34 @@ def plan(
         target=target,
         mesh=mesh,
     )
+
+
+def _update_on_host(search: Search) -> None:
+    """Where the update runs: the fastest candidates with optimizer state on the
+    host (up to `HOST_UPDATES` that fit, else the nearest to fitting) compiled
+    again with `update="host"`, which moves no optimizer state over the host link
+    but costs host memory bandwidth; the estimate chooses."""
+    compiled = [c for c, r in search.results.items() if r.report is not None]
+    fitting = [c for c in compiled if search.fits(c)]
+    ranked = (
+        sorted(fitting, key=search._rank)
+        if fitting
+        else sorted(compiled, key=search._over)[:1]
+    )
+    ranked = [c for c in ranked if c.state_on_host and c.settings.update != "host"]
+    # The fastest with all its state on the host first: where the host update
+    # saves most (state split between host and device goes to the host for it).
+    whole = [c for c in ranked if all(k != "device" for _, k in c.opt_state)]
+    tried = [
+        c.with_settings(c.settings._replace(update="host"))
+        for c in dict.fromkeys(whole[:1] + ranked)
+    ][:HOST_UPDATES]
+    with search.progress.stage(len(tried)):
+        for candidate in tried:
+            try:
+                search.evaluate(candidate)
+            except ValueError:  # an optimizer the host cannot run (a loop)
+                return
 
 
 def _start(
