@@ -28,7 +28,7 @@ import optax
 
 from .. import _compat, _jaxpr
 from .._memory_kinds import is_host, to_space
-from . import _plan, _streaming
+from . import _metrics, _plan
 from ._plan import Literal
 
 
@@ -73,7 +73,7 @@ def update(
         new = eqx.apply_updates(p_tree, updates)
         out = jtu.tree_leaves(new) + jtu.tree_leaves(state)
         if metrics:
-            out += list(_streaming.norms(grads, updates, new).values())
+            out += list(_metrics.norms(grads, updates, new).values())
         return out
 
     avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
@@ -121,7 +121,7 @@ def update(
     new_state = jtu.tree_unflatten(s_def, outs[n_p : len(out_kinds[0] + out_kinds[1])])
     if not metrics:
         return new_params, new_state, None
-    return new_params, new_state, dict(zip(_streaming.METRICS, outs[-3:]))
+    return new_params, new_state, dict(zip(_metrics.METRICS, outs[-3:]))
 
 
 def _on_host(

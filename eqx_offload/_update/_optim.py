@@ -21,7 +21,7 @@ from .._memory_kinds import (
 )
 from .._placement import move, resolve
 from .._policy import check_policy, Policy, replace
-from . import _host, _streaming
+from . import _host, _metrics, _streaming
 from ._state_kinds import state_leaf_kinds
 from ._state_tree import check_matches, state_leaves, state_owners, StateLeaf
 
@@ -325,7 +325,7 @@ def update(
 ) -> tuple[PyTree, PyTree, dict[str, Any] | None]:
     """One optimizer update, returning the new model and state in their memory
     kinds, and (with `metrics`) the global norms of the gradients, the updates and
-    the new parameters (`_streaming.norms`), else None.
+    the new parameters (`_metrics.norms`), else None.
 
     With `policy.update == "streamed"` and anything parameter-shaped on the host,
     the update streams (`_streaming.py`): one layer of each `Stacked`, or one block
@@ -396,7 +396,7 @@ def update(
         grads = to_device(grads)
     updates, opt_state = optimizer.update(grads, to_device(opt_state), trainable(model))
     model = eqx.apply_updates(model, updates)
-    norms = _streaming.norms(grads, updates, trainable(model)) if metrics else None
+    norms = _metrics.norms(grads, updates, trainable(model)) if metrics else None
     return model, opt_state, norms
 
 

@@ -31,6 +31,7 @@ import optax
 from .. import _tiling
 from .._memory_kinds import is_host, to_space
 from . import _plan
+from ._metrics import METRICS
 from ._plan import NotStreamable
 from ._state_tree import state_owners
 
@@ -166,20 +167,6 @@ def update(
 def _row_squares(x: Any) -> Any:
     """The sum of squares of each row of `x` (of `x` itself, for a scalar)."""
     return jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim)))
-
-
-METRICS = ("grad_norm", "update_norm", "param_norm")
-
-
-def norms(grads: Any, updates: Any, params: Any) -> dict[str, Any]:
-    """The global L2 norms of the gradients, the updates and the (new)
-    parameters, over all their array leaves, in float32."""
-
-    def norm(tree: Any) -> Any:
-        leaves = [x.astype(jnp.float32) for x in jtu.tree_leaves(tree)]
-        return optax.tree.norm(leaves)
-
-    return dict(zip(METRICS, (norm(grads), norm(updates), norm(params))))
 
 
 def pieces(leaf: Any, layers: int | None, index: int) -> tuple[Any, int, int] | None:
