@@ -1,8 +1,9 @@
 """What offloading costs in time: the Llama-3.2-1B-shaped model of `llama.py` on one
 tpu-v5e chip and one H100, each preset's estimated step time (`report.time`) split
-into compute and transfers not hidden behind it, and for `offload_all`, the tokens
-per device at which its transfers hide behind compute (the break-even batch), as
-the compiler scheduled the step and at the link's physical limit.
+into compute, transfers not hidden behind it and host compute not hidden behind it
+(`compute_on("device_host")`, `Policy(update="host")`), and for `offload_all`, the
+tokens per device at which its transfers hide behind compute (the break-even
+batch), as the compiler scheduled the step and at the link's physical limit.
 
     python benchmarks/step_time.py [--targets tpu-v5e gpu-h100] [--batches 1 2 4 8 16]
         [--json FILE] [--figure docs/step_time.png]
@@ -78,6 +79,8 @@ def _row(target: str, preset: str, batch: int) -> dict:
             "to device s": t.host_to_device_seconds,
             "to host s": t.device_to_host_seconds,
             "exposed s": t.exposed_transfer_seconds,
+            "host compute s": t.host_compute_seconds,
+            "host exposed s": t.exposed_host_compute_seconds,
             "fwd/bwd link s": max(fwd_bwd),
             "update link s": max(update),
             "tflops": t.flops / 1e12,
@@ -135,12 +138,25 @@ def figure(rows: list[dict], sweeps: dict[str, list[dict]], path) -> None:
     for ax, target in zip(axes, targets):
         mine = [r for r in rows if r["target"] == target]
         names = [r["preset"] for r in mine]
-        hidden = [(r.get("seconds") or 0) - (r.get("exposed s") or 0) for r in mine]
         exposed = [r.get("exposed s") or 0 for r in mine]
+        # (0 in results saved before host compute was priced)
+        host = [r.get("host exposed s") or 0 for r in mine]
+        hidden = [
+            (r.get("seconds") or 0) - e - h for r, e, h in zip(mine, exposed, host)
+        ]
         ax.bar(names, hidden, color="#4c72b0", label="compute and HBM")
         ax.bar(
             names, exposed, bottom=hidden, color="#dd8452", label="transfers not hidden"
         )
+        if any(host):
+            below = [a + b for a, b in zip(hidden, exposed)]
+            ax.bar(
+                names,
+                host,
+                bottom=below,
+                color="#da8bc3",
+                label="host compute not hidden",
+            )
         for i, r in enumerate(mine):
             if not r.get("seconds"):
                 ax.annotate(
@@ -219,6 +235,7 @@ def main():
         "to device s",
         "to host s",
         "exposed s",
+        "host compute s",
         "note",
     ]
     print(table(headers, [[r.get(h) for h in headers] for r in rows]))

@@ -111,8 +111,14 @@ def op_names(text: str) -> list[str]:
 # Parts of an `op_name` that are JAX's structure, not a named scope.
 _STRUCTURE = re.compile(
     r"^(while|body|cond|closed_call|checkpoint|remat|rematted_computation"
-    r"|branch_\d+_fun|jit\(.*\)|vmap\(.*\)|pjit|scan|.*_p)$"
+    r"|compute_on|branch_\d+_fun|jit\(.*\)|vmap\(.*\)|pjit|scan|.*_p)$"
 )
+
+
+def in_host_compute(op_name: str) -> bool:
+    """Whether an `op_name` is JAX's host compute's (`compute_on`), or an
+    operation inside it."""
+    return "compute_on" in op_name.split("/")[1:]
 
 
 def named_scopes(op_name: str) -> list[str]:
@@ -306,9 +312,41 @@ class Instruction(NamedTuple):
         return out
 
     @property
+    def is_host_call(self) -> bool:
+        """Whether it starts (or is) a call of a host computation (JAX's
+        `compute_on("device_host")`: XLA's `HostExecute` custom call)."""
+        return (
+            self.opcode in ("custom-call-start", "custom-call")
+            and self.custom_call_target == "HostExecute"
+        )
+
+    @property
     def custom_call_target(self) -> str | None:
         found = re.search(r'\bcustom_call_target="([^"]*)"', self.attrs)
         return found[1] if found else None
+
+    @property
+    def host_compute(self) -> bool:
+        """Whether the compiler marked it to run on the host's CPU
+        (`frontend_attributes={_xla_compute_type="host"}`): how XLA:GPU writes the
+        host compute of `compute_on("device_host")` that it inlines into a device
+        computation."""
+        return '_xla_compute_type="host"' in self.attrs
+
+    @property
+    def host_calls(self) -> list[str]:
+        """The computations an asynchronous start runs on the host's CPU: the TPU
+        and GPU compilers write `compute_on("device_host")` as `custom-call-start`
+        to `HostExecute` on the host thread (`async_execution_thread="host"`,
+        `called_computations={%...}`), waited for by its `custom-call-done`. Empty
+        for any other instruction."""
+        if not self.opcode.endswith("-start"):
+            return []
+        on_host = 'async_execution_thread="host"' in self.attrs
+        if not on_host and self.custom_call_target != "HostExecute":
+            return []
+        found = re.search(r"\bcalled_computations=\{([^}]*)\}", self.attrs)
+        return re.findall(r"%([^\s,}]+)", found[1]) if found else []
 
     @property
     def backend_config(self) -> dict:
@@ -381,6 +419,20 @@ def arrays(shape: str) -> list[Array]:
     return out
 
 
+def elements(shape: str) -> int:
+    """The number of elements of a shape's arrays (a tuple's, summed), skipping
+    tokens and opaque types."""
+    total = 0
+    for dtype, dims, _ in _ARRAY.findall(shape):
+        if dtype not in _BYTES and not dtype.startswith(("f8", "s4", "u4")):
+            continue
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n
+    return total
+
+
 def array_type(shape: str) -> tuple[str, list[int]] | None:
     """The element type and dimensions of a one-array shape: `("f32", [8, 128])`
     for "f32[8,128]{1,0}"; None for a tuple or a token."""
@@ -438,6 +490,13 @@ def _instruction(line: str) -> Instruction | None:
     args = rest[paren + 1 : end]
     operands = re.findall(r"%([^\s,()]+)", args)
     return Instruction(name, shape, opcode, args, operands, rest[end + 1 :])
+
+
+def has_host_compute(text: str) -> bool:
+    """Whether a compiled program runs anything on the host's CPU (a computation
+    on the host thread, or an instruction marked for the host): a test cheaper
+    than parsing it."""
+    return 'execution_thread="host"' in text or '_xla_compute_type="host"' in text
 
 
 def parse_hlo(text: str) -> HloModule:

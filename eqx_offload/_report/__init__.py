@@ -12,6 +12,7 @@ from ._memory_report import (
     memory_report as memory_report,
     saved_for_backward as saved_for_backward,
 )
+from ._minimum import MinimumTraffic as MinimumTraffic
 from ._record import (
     MemoryReport as MemoryReport,
     ResidualRow as ResidualRow,

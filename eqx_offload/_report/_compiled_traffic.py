@@ -47,36 +47,77 @@ def count(
     totals: dict[tuple, int] = defaultdict(int)
     for comp, times in walker.visits():
         for inst in comp.insts.values():
-            found_move = moved(comp, inst)
-            if found_move is None:
-                continue
-            direction, nbytes, source = found_move
-            scope = inst.op_name or _users_scope(comp, inst.name)
-            update = UPDATE_SCOPE in scope
-            number = walker.origin(comp, source)
-            found = (
-                inputs[number] if number is not None and number < len(inputs) else None
-            )
-            output = _output(comp, inst, results) if comp.name == entry else None
-            if output is not None and output < len(outputs):
-                (what, name), update = outputs[output], True
-            elif found is not None and found[0]:
-                what, name = found
-                if what == "opt_state" and not update and name.startswith("copies."):
-                    what, name = "params", name[len("copies.") :]
-            else:
-                what, name = _traffic.guess(_label(scope), update)
-                if what == "gradients" and not name and not update:
-                    # Computed in the forward or backward pass: a gradient, an
-                    # offloaded residual or an accumulator; the compiled program
-                    # does not say which.
-                    what = "computed"
-            phase = "update" if update else "forward/backward"
-            if not scope and len(phases[direction, what, name]) == 1:
-                (phase,) = phases[direction, what, name]
-            totals[direction, phase, what, name] += nbytes * times
+            for direction, nbytes, source, label in _moves(comp, inst):
+                scope = label or inst.op_name or _users_scope(comp, inst.name)
+                if _compiler.in_host_compute(scope):
+                    # A move XLA:GPU makes for a host computation's operand or
+                    # result (named after the computation that uses it).
+                    scope = _HOST_CALL_SCOPES[direction]
+                update = UPDATE_SCOPE in scope
+                number = walker.origin(comp, source)
+                found = None
+                if number is not None and number < len(inputs):
+                    found = inputs[number]
+                output = _output(comp, inst, results) if comp.name == entry else None
+                if output is not None and output < len(outputs):
+                    (what, name), update = outputs[output], True
+                else:
+                    what, name = _what(found, scope, update)
+                phase = "update" if update else "forward/backward"
+                if not scope and len(phases[direction, what, name]) == 1:
+                    (phase,) = phases[direction, what, name]
+                totals[direction, phase, what, name] += nbytes * times
     rows = [Transfer(d, p, w, n, b) for (d, p, w, n), b in totals.items() if b]
     return tuple(sorted(rows, key=lambda t: (t.direction, t.phase, t.what, t.name)))
+
+
+def _what(found: tuple[str, str] | None, scope: str, update: bool) -> tuple[str, str]:
+    """What a move carries and its name: the step argument it comes from
+    (`found`), else what its named scope says."""
+    if found is not None and found[0]:
+        what, name = found
+        if what == "opt_state" and not update and name.startswith("copies."):
+            what, name = "params", name[len("copies.") :]
+        return what, name
+    what, name = _traffic.guess(_label(scope), update)
+    if what == "gradients" and not name and not update:
+        # Computed in the forward or backward pass: a gradient, an offloaded
+        # residual or an accumulator; the compiled program does not say which.
+        what = "computed"
+    return what, name
+
+
+# The `op_name` a host computation's own moves are described by (`_moves`): the
+# values it reads from device memory are the gradients (or device-resident
+# parameters and state, found by their argument), what it writes there parameters.
+_HOST_CALL_SCOPES = {
+    "device_to_host": f"jit(step)/{UPDATE_SCOPE}/grad/host_call",
+    "host_to_device": f"jit(step)/{UPDATE_SCOPE}/params/host_call",
+}
+
+
+def _moves(comp: Computation, inst: Instruction) -> list[tuple[str, int, str, str]]:
+    """(direction, bytes, the operand moved, a named scope or "") of each move
+    `inst` makes: a transfer (`moved`), or a call of a host computation
+    (`update="host"`), which on a TPU takes its operands in device memory to the
+    host and brings its results in device memory back itself."""
+    if not inst.is_host_call:
+        found = moved(comp, inst)
+        return [] if found is None else [(*found, "")]
+    out = []
+    for name in inst.operands:
+        operand = comp.insts.get(name)
+        for array in _compiler.arrays(operand.shape) if operand is not None else []:
+            if not array.host:
+                scope = _HOST_CALL_SCOPES["device_to_host"]
+                out.append(("device_to_host", array.nbytes, name, scope))
+    parts = _compiler.tuple_elements(inst.shape)
+    results = parts[1] if inst.opcode.endswith("-start") else inst.shape
+    for array in _compiler.arrays(results):
+        if not array.host:
+            scope = _HOST_CALL_SCOPES["host_to_device"]
+            out.append(("host_to_device", array.nbytes, inst.name, scope))
+    return out
 
 
 def _results(entry: Computation) -> dict[str, int]:

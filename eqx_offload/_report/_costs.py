@@ -1,10 +1,12 @@
 """What each instruction of a compiled program costs: its matmul FLOPs and the
-precision they run at, the bytes it reads and writes in device memory, and the
-bytes it moves between host and device (`_step_time.py` adds them up along the
-schedule). The text is read in `_compiler.py`."""
+precision they run at, the bytes it reads and writes in device memory, the bytes
+it moves between host and device, and the work it gives the host's CPU (host
+compute, `compute_on("device_host")`: its host-memory bytes and FLOPs)
+(`_step_time.py` adds them up along the schedule). The text is read in
+`_compiler.py`."""
 
 from collections import defaultdict
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import _compiler
 from .._compiler import Computation, Instruction
@@ -27,6 +29,33 @@ FREE = {
 }
 _GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cudnn$matmul")
 _SLICES = {"dynamic-slice", "slice", "gather"}
+# Instructions that move or lay out data without arithmetic: on the host's CPU, a
+# compiler that fuses elementwise loops computes them as it reads (a broadcast of
+# a constant is never written out). Every other instruction of host compute costs
+# one FLOP per element it computes (a reduction, per element it reads).
+_NO_ARITHMETIC = FREE | {
+    "broadcast",
+    "reshape",
+    "transpose",
+    "copy",
+    "slice",
+    "dynamic-slice",
+    "dynamic-update-slice",
+    "pad",
+    "concatenate",
+    "iota",
+    "reverse",
+    "gather",
+    "bitcast-convert",
+}
+
+
+class HostWork(NamedTuple):
+    """What one instruction gives the host's CPU to do."""
+
+    nbytes: int  # host memory read and written
+    flops: float
+    asynchronous: bool  # a start the device need not wait for until its done
 
 
 def precision(
@@ -200,6 +229,92 @@ class Program:
         self._accesses[name] = (sliced, in_place)
         return sliced, in_place
 
+    def host_work(self, comp: Computation, inst: Instruction) -> HostWork | None:
+        """The host's work in `inst`, if it is host compute:
+
+        - the start of a host computation (`HostExecute`): its computation reads
+            its parameters and writes its results once, as a CPU compiler that
+            fuses the elementwise work into loops runs it, plus one more read of
+            each reduction's input (a global norm is a pass of its own);
+            asynchronous, waited for by its `done`;
+        - an instruction marked to run on the host outside one (XLA:GPU's form):
+            its operands and result;
+        - a copy from host memory to host memory (a host computation's results
+            into their buffers): read and written, by the host.
+
+        `None` for anything else."""
+        called = inst.host_calls
+        if called:
+            nbytes, flops = 0, 0.0
+            for name in called:
+                found = self._host_region(name)
+                nbytes += found[0]
+                flops += found[1]
+            return HostWork(nbytes, flops, True)
+        if inst.host_compute:
+            shapes = [inst.shape] + [self.shape(comp, o) for o in inst.operands]
+            callee = inst.computation("calls")
+            flops = self._host_flops(callee) if callee else _flops(self, comp, inst)
+            asynchronous = inst.opcode.endswith("-start")
+            return HostWork(sum(_bytes(s) for s in shapes), flops, asynchronous)
+        if inst.opcode == "copy" and len(inst.operands) == 1:
+            out = _compiler.arrays(inst.shape)
+            source = _compiler.arrays(self.shape(comp, inst.operands[0]))
+            if out and source and all(a.host for a in out + source):
+                return HostWork(2 * _bytes(inst.shape), 0.0, False)
+        return None
+
+    def _host_region(self, name: str) -> tuple[int, float]:
+        """(host-memory bytes, FLOPs) of one run of a host computation."""
+        comp = self.comps.get(name)
+        if comp is None:
+            return 0, 0.0
+        nbytes = sum(_bytes(comp.insts[p].shape) for p in comp.params.values())
+        root = comp.insts.get(comp.root)
+        nbytes += _bytes(root.shape) if root is not None else 0
+        for inst in comp.insts.values():
+            if inst.opcode == "reduce" and inst.operands:
+                inputs = inst.operands[: max(len(inst.operands) // 2, 1)]
+                nbytes += sum(_bytes(self.shape(comp, o)) for o in inputs)
+        return nbytes, self._host_flops(name)
+
+    def _host_flops(self, name: str) -> float:
+        """The FLOPs of a computation run on the host (see `_NO_ARITHMETIC`)."""
+        comp = self.comps.get(name)
+        if comp is None:
+            return 0.0
+        return sum(_flops(self, comp, inst) for inst in comp.insts.values())
+
+    def host_temporaries(self) -> int:
+        """An estimate of the host memory a host computation takes while it runs,
+        besides its parameters and results (the compiler's memory analysis counts
+        the buffers of the program that calls it, not those of the computation it
+        runs on the host): one array of the largest shape it computes. A CPU
+        compiler that fuses the elementwise work into loops writes out at most
+        such a value shared by two loops (the clipped gradient Adam's two moments
+        read); the unfused text would hold many. The largest over the host
+        computations, which run one at a time."""
+        largest = 0
+        for comp in self.comps.values():
+            for inst in comp.insts.values():
+                for name in inst.host_calls:
+                    largest = max(largest, self._intermediate(name))
+        return largest
+
+    def _intermediate(self, name: str) -> int:
+        comp = self.comps.get(name)
+        if comp is None:
+            return 0
+        root = comp.insts.get(comp.root)
+        results = set(root.operands if root and root.opcode == "tuple" else [])
+        results.add(comp.root)
+        sizes = [
+            _bytes(inst.shape)
+            for inst in comp.insts.values()
+            if inst.name not in results and inst.opcode not in _NO_ARITHMETIC
+        ]
+        return max(sizes, default=0)
+
     def transfer(self, comp: Computation, inst: Instruction) -> tuple[str, int] | None:
         """(direction, bytes) if `inst` moves data between host and device, or
         starts an asynchronous computation that does."""
@@ -221,6 +336,36 @@ class Program:
             return None
         direction = max(totals, key=lambda d: totals[d])
         return direction, sum(totals.values())
+
+
+def host_temporaries(text: str, platform: str) -> int:
+    """`Program.host_temporaries` of a compiled program's text (0, unparsed, for a
+    program without host compute)."""
+    if not _compiler.has_host_compute(text):
+        return 0
+    return Program(text, platform).host_temporaries()
+
+
+def _flops(program: Program, comp: Computation, inst: Instruction) -> float:
+    """The FLOPs of one instruction run on the host's CPU."""
+    op = inst.opcode
+    if op in _NO_ARITHMETIC or op.endswith("-done"):
+        return 0.0
+    callee = inst.computation("calls")
+    if callee is not None:
+        return program._host_flops(callee)
+    found = program.dot_flops(comp, inst)
+    if found is not None:
+        return found[1]
+    if op == "reduce" and inst.operands:
+        inputs = inst.operands[: max(len(inst.operands) // 2, 1)]
+        return float(sum(_compiler.elements(program.shape(comp, o)) for o in inputs))
+    return float(_compiler.elements(inst.shape))
+
+
+def _bytes(shape: str) -> int:
+    """The bytes of a shape's arrays, in whichever memory."""
+    return sum(a.nbytes for a in _compiler.arrays(shape))
 
 
 def _hbm(shape: str) -> int:

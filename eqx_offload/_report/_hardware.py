@@ -1,7 +1,8 @@
 """`Hardware`: the rates a step-time estimate prices a compiled program at, one
 device of a target: matmul throughput by precision, HBM bandwidth, the host link
-each way, and the host memory behind each device. A table per target, sourced
-below; any figure can be replaced (`dataclasses.replace`)."""
+each way, the host memory behind each device, and the host's memory bandwidth and
+FLOP/s for host compute. A table per target, sourced below; any figure can be
+replaced (`dataclasses.replace`)."""
 
 import dataclasses
 import math
@@ -50,6 +51,12 @@ class Hardware:
         report's `host_bytes` (per device) with, and `eo.plan`'s default
         `host_budget`.
     - `sources`: where the figures come from.
+    - `host_memory_bytes_per_second`, `host_flops`: the host's memory bandwidth
+        and its CPUs' float32 FLOP/s, per device (the host's over the devices it
+        serves): the rates host compute (`compute_on("device_host")`,
+        `Policy(update="host")`) is priced at. The table's are estimates from
+        the hosts' memory channels and cores until measured; without them, 50
+        GB/s and 1 TFLOP/s.
 
     `Hardware.of(target)` is the table's entry for a `memory_report` target;
     replace a figure with `dataclasses.replace(eo.Hardware.of("gpu-h100"),
@@ -64,6 +71,10 @@ class Hardware:
     device_to_host_bytes_per_second: float | int
     host_memory_bytes: int
     sources: tuple[str, ...] = ()
+    # After `sources`, so that positional constructions from before they existed
+    # still mean what they meant.
+    host_memory_bytes_per_second: float | int = 50 * 10**9
+    host_flops: float | int = 10**12
 
     def __post_init__(self) -> None:
         rates: dict[str, Any] = {
@@ -71,6 +82,8 @@ class Hardware:
             "host_to_device_bytes_per_second": self.host_to_device_bytes_per_second,
             "device_to_host_bytes_per_second": self.device_to_host_bytes_per_second,
             "host_memory_bytes": self.host_memory_bytes,
+            "host_memory_bytes_per_second": self.host_memory_bytes_per_second,
+            "host_flops": self.host_flops,
         }
         rates.update({f"matmul_flops[{k!r}]": v for k, v in self.matmul_flops.items()})
         for field, value in rates.items():
@@ -108,6 +121,12 @@ class Hardware:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"matmul_flops": dict(self.matmul_flops)}
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Hardware":
+        """The `Hardware` `to_dict()` gave (read back from JSON, say). Saved before
+        the host's rates existed, it has the defaults."""
+        return cls(**{**data, "sources": tuple(data.get("sources", ()))})
+
 
 def _tpu(bf16: float, int8: float | None, **rest: Any) -> dict[str, Any]:
     flops = {"bf16": bf16, "bf16x3": bf16 / 3, "bf16x6": bf16 / 6}
@@ -132,6 +151,13 @@ _NVIDIA = (
     "1979 TFLOP/s), fp32 67 TFLOP/s, PCIe Gen5 128 GB/s (64 each way); not read "
     "from nvidia.com itself but from copies of it and "
     "https://jax-ml.github.io/scaling-book/gpus/ (bf16 9.9e14, fp8 2.0e15)"
+)
+
+_HOST = (
+    "host memory bandwidth and FLOP/s per device: ESTIMATES until measured, from "
+    "the host's memory channels (a DDR4-3200 channel moves 25.6 GB/s, DDR5-4800 "
+    "38.4 GB/s) and cores (float32 FMA: 16 FLOPs a cycle per 256-bit unit, two "
+    "units a core), over the devices the host serves; {}"
 )
 
 # The tensor-core rates of the H100 SXM, which the H200 shares (dense).
@@ -165,7 +191,15 @@ TABLE: dict[str, Hardware] = {
             "(48 GB a chip)",
             _SCALING_BOOK + " (v5e: the general figure; PCIe generation not published)",
             _PRECISION,
+            _HOST.format(
+                "v5e: 8 chips a host, VM ct5lp-hightpu-8t 224 vCPUs on 2 NUMA nodes "
+                "(the v5e page); CPU not published: taken as two sockets of eight "
+                "DDR4-3200 channels (410 GB/s, 51 GB/s a chip) and 112 cores at 2.5 "
+                "GHz with AVX2 FMA (9 TFLOP/s, 1.1 a chip)"
+            ),
         ),
+        host_memory_bytes_per_second=51 * _GB,
+        host_flops=1.1 * _T,
     ),
     "tpu-v6e": Hardware(
         "tpu-v6e",
@@ -183,7 +217,15 @@ TABLE: dict[str, Hardware] = {
             "chips, 720 GB of memory (180 GB a chip)",
             _SCALING_BOOK,
             _PRECISION,
+            _HOST.format(
+                "v6e: 8 chips a host (the v6e page); CPU and memory channels not "
+                "published: taken as an 8-GPU node's host, two sockets of eight "
+                "DDR5-4800 channels (614 GB/s, 77 GB/s a chip) and 104 cores at 2 "
+                "GHz with AVX-512 FMA (13 TFLOP/s, 1.6 a chip)"
+            ),
         ),
+        host_memory_bytes_per_second=77 * _GB,
+        host_flops=1.6 * _T,
     ),
     "tpu-v5p": Hardware(
         "tpu-v5p",
@@ -201,7 +243,15 @@ TABLE: dict[str, Hardware] = {
             "918 TOP/s from the scaling book",
             _SCALING_BOOK + " (v5p: the general figure; PCIe generation not published)",
             _PRECISION,
+            _HOST.format(
+                "v5p: 4 chips a host, 208 vCPUs on 2 NUMA nodes (the v5p-training "
+                "page); CPU not published: taken as two sockets of eight DDR5-4800 "
+                "channels (614 GB/s, 154 GB/s a chip) and 104 cores at 2 GHz with "
+                "AVX-512 FMA (13 TFLOP/s, 3.3 a chip)"
+            ),
         ),
+        host_memory_bytes_per_second=154 * _GB,
+        host_flops=3.3 * _T,
     ),
     # A `tpu-v4` device is one TensorCore, half a chip (`_targets.HBM_BYTES`).
     "tpu-v4": Hardware(
@@ -220,7 +270,15 @@ TABLE: dict[str, Hardware] = {
             "all halved for one of a chip's two TensorCores",
             _SCALING_BOOK + " (v4: 16 GB/s a chip, halved)",
             _PRECISION,
+            _HOST.format(
+                "v4: 4 chips (8 TensorCores) a host; CPU not published: taken as "
+                "two sockets of eight DDR4-3200 channels (410 GB/s, 51 GB/s a "
+                "TensorCore) and 120 cores at 2.5 GHz with AVX2 FMA (9.6 TFLOP/s, "
+                "1.2 a TensorCore)"
+            ),
         ),
+        host_memory_bytes_per_second=51 * _GB,
+        host_flops=1.2 * _T,
     ),
     "gpu-h100": Hardware(
         "gpu-h100",
@@ -232,9 +290,16 @@ TABLE: dict[str, Hardware] = {
         sources=(
             _NVIDIA.format("h100") + "; 80 GB of HBM3 at 3.35 TB/s",
             "https://cloud.google.com/compute/docs/gpus: a3-highgpu-8g, 8 H100s "
-            "with 1,872 GB of memory (234 GB a GPU)",
+            "with 1,872 GB of memory (234 GB a GPU), 208 vCPUs",
             _PRECISION,
+            _HOST.format(
+                "an 8-H100 node: two sockets of eight DDR5-4800 channels (614 GB/s, "
+                "77 GB/s a GPU) and 104 cores (a3-highgpu-8g's 208 vCPUs) at 2 GHz "
+                "with AVX-512 FMA (13 TFLOP/s, 1.6 a GPU)"
+            ),
         ),
+        host_memory_bytes_per_second=77 * _GB,
+        host_flops=1.6 * _T,
     ),
     "gpu-h200": Hardware(
         "gpu-h200",
@@ -248,7 +313,14 @@ TABLE: dict[str, Hardware] = {
             "NVIDIA's MLPerf Training system description of an 8-H200 node: 2 TB "
             "of memory (32 x 64 GB; 256 GB a GPU)",
             _PRECISION,
+            _HOST.format(
+                "an 8-H200 node, as the H100's: two sockets of eight DDR5-4800 "
+                "channels (614 GB/s, 77 GB/s a GPU) and 104 cores at 2 GHz with "
+                "AVX-512 FMA (13 TFLOP/s, 1.6 a GPU)"
+            ),
         ),
+        host_memory_bytes_per_second=77 * _GB,
+        host_flops=1.6 * _T,
     ),
 }
 

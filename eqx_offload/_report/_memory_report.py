@@ -21,7 +21,7 @@ from .._mixed_precision import compute_dtypes
 from .._train_step import _TrainStep, join, split
 from .._transform import _OffloadWrapper, filter_offload
 from .._update import trainable
-from . import _compiled_traffic, _step_time, _targets, _traffic
+from . import _compiled_traffic, _costs, _minimum, _step_time, _targets, _traffic
 from ._does_not_fit import DoesNotFit, too_big
 from ._hardware import Hardware
 from ._record import (
@@ -434,6 +434,8 @@ def memory_report(
         time=None
         if text is None or hardware is None
         else _step_time.estimate(text, hardware, platform),
+        host_compute_temp=_costs.host_temporaries(text or "", platform),
+        minimum_transfers=_minimum.of_step(fn, plan, residuals, platform, where),
     )
     if platform == "gpu":
         _check_host_kept(report, where)

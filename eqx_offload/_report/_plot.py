@@ -20,6 +20,7 @@ _COLOURS = {
     "optimizer state": "#dd8452",
     "other arguments, tile padding": "#8c8c8c",
     "temporaries": "#c7c7c7",
+    "host compute temporaries": "#da8bc3",
     "new outputs": "#937860",
     # Saved activations without a checkpoint name; named ones are shades of green.
     "saved: (other)": "#b5cf6b",
@@ -34,8 +35,9 @@ def categories(report: "MemoryReport", memory: str) -> dict[str, int]:
     tiles, which the parameter and state figures, as traced, do not count),
     saved activations by checkpoint name (`"saved: <name>"`, as traced; one-chip
     reports only; on the CPU, whose estimate counts temporaries as device memory,
-    all of them on the device), the rest of the temporaries, and outputs not
-    written in place."""
+    all of them on the device), the rest of the temporaries, what host compute
+    takes while it runs (host only, `MemoryReport.host_compute_temp`), and outputs
+    not written in place."""
     parts = report.device if memory == "device" else report.host
 
     def of(by_kind: dict[str, int] | None) -> int:
@@ -68,6 +70,8 @@ def categories(report: "MemoryReport", memory: str) -> dict[str, int]:
             out[f"saved: {name}"] = n
             temp -= n
     out["temporaries"] = temp
+    if memory == "host" and report.host_compute_temp:
+        out["host compute temporaries"] = report.host_compute_temp
     out["new outputs"] = max(parts["output"] - parts["alias"], 0)
     return out
 
@@ -145,6 +149,8 @@ def plot(
         if report.time is not None:  # the estimated step time under the label
             t = report.time
             label += f"\n{time_text(t.seconds)} a step ({t.bound})"
+            if t.host_compute_seconds:
+                label += f"\nhost compute {time_text(t.host_compute_seconds)}"
         ax.annotate(
             label,
             xy=(3 * i + 0.5, 0),

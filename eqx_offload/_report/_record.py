@@ -8,7 +8,7 @@ from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
 
-from . import _plot, _step_time
+from . import _minimum, _plot, _step_time, _traffic
 from ._step_time import StepTime
 from ._traffic import Transfer
 from ._units import size_text
@@ -119,11 +119,19 @@ class MemoryReport(eqx.Module):
     - `host_to_device_bytes`, `device_to_host_bytes`: the totals per step, from
         `compiled_transfers` where there are some, else from `transfers`;
         `transfer_bytes(direction, *, phase, what, compiled)` for a part.
+    - `minimum_transfers`: the fewest bytes a `train_step` must move per step (a
+        `MinimumTraffic`, residuals apart; `_report/_minimum.py` has the rules),
+        printed under the transfers beside their total (`None` for other kinds).
 
     The compiler's `host["temp"]` is what it allocates in host memory for one chip
     while the step runs (e.g. a gradient gathered on the host before it is written
     back); like every figure here it is per chip, and it is not checked against
-    anything the library computes.
+    anything the library computes. It leaves out what a host computation
+    (`compute_on("device_host")`, `Policy(update="host")`) takes while it runs on
+    the host's CPU: `host_compute_temp` estimates that from the compiled program
+    (`_costs.Program.host_temporaries`: one array of the largest shape it
+    computes), and `host_bytes` (so `fits_host` and `eo.plan`'s `host_budget`)
+    counts it; 0 without host compute.
     """
 
     target: str
@@ -143,6 +151,8 @@ class MemoryReport(eqx.Module):
     transfers: tuple[Transfer, ...] | None = None
     compiled_transfers: tuple[Transfer, ...] | None = None
     time: StepTime | None = None
+    host_compute_temp: int = 0  # host computations' own temporaries, estimated
+    minimum_transfers: _minimum.MinimumTraffic | None = None  # the fewest moves
 
     @property
     def host_to_device_bytes(self) -> int:
@@ -246,7 +256,8 @@ class MemoryReport(eqx.Module):
     @property
     def host_bytes(self) -> int:
         h = self.host
-        return h["argument"] + h["output"] + h["temp"] - h["alias"]
+        compiled = h["argument"] + h["output"] + h["temp"] - h["alias"]
+        return compiled + self.host_compute_temp
 
     @property
     def host_bytes_per_host(self) -> int:
@@ -295,6 +306,8 @@ class MemoryReport(eqx.Module):
             if self.compiled_transfers is None
             else [t._asdict() for t in self.compiled_transfers],
             "time": None if self.time is None else self.time.to_dict(),
+            "host_compute_temp": self.host_compute_temp,
+            "minimum_transfers": _minimum.to_dict(self.minimum_transfers),
         }
 
     @classmethod
@@ -330,6 +343,8 @@ class MemoryReport(eqx.Module):
             transfers=rows("transfers", Transfer),
             compiled_transfers=rows("compiled_transfers", Transfer),
             time=None if data.get("time") is None else StepTime.from_dict(data["time"]),
+            host_compute_temp=data.get("host_compute_temp", 0),
+            minimum_transfers=_minimum.from_dict(data.get("minimum_transfers")),
         )
 
     def plot(
@@ -345,7 +360,8 @@ class MemoryReport(eqx.Module):
         TPU), split into parameters, optimizer state, other arguments (the batch;
         on a TPU also the padding of arrays to the compiler's tiles),
         saved activations by checkpoint name (as traced; one-chip reports), the
-        rest of the temporaries, and outputs not written in place; under each
+        rest of the temporaries, what host compute takes while it runs
+        (`host_compute_temp`), and outputs not written in place; under each
         label, the estimated step time and what bounds it (`time`). When a device
         bar comes within half of the chip's capacity, the capacity is drawn as a
         dashed line.
@@ -397,6 +413,8 @@ class MemoryReport(eqx.Module):
         row("footprint", self.device_bytes, self.host_bytes)
         for part, label in zip(PARTS, ("arguments", "outputs", "temporaries")):
             row(f"  {label}", self.device[part], self.host[part])
+        if self.host_compute_temp:
+            row("  host compute temporaries", None, self.host_compute_temp)
         row(
             "  aliased (donated, counted once)",
             -self.device["alias"],
@@ -456,9 +474,10 @@ class MemoryReport(eqx.Module):
             for name, by_kind in self.arguments.items():
                 row(f"  {name}", by_kind.get("device", 0), host_total(by_kind))
         if self.transfers:
-            lines += _transfer_lines(self.transfers, "as traced")
+            lines += _traffic.table_lines(self.transfers, "as traced")
         if self.compiled_transfers:
-            lines += _transfer_lines(self.compiled_transfers, "as compiled")
+            lines += _traffic.table_lines(self.compiled_transfers, "as compiled")
+        lines += _minimum.table_lines(self)
         if self.time is not None:
             lines += _step_time.lines(self.time)
         return "\n".join(lines)
@@ -563,21 +582,6 @@ def _unnamed_hints(groups: set[str]) -> list[str]:
         ],
     }
     return [line for group in UNNAMED if group in groups for line in hints[group]]
-
-
-def _transfer_lines(transfers: tuple[Transfer, ...], how: str) -> list[str]:
-    """A traffic section of the table: bytes per step by phase and kind."""
-    header = f"{f'moved per step ({how})':<34}{'to device':>14}{'to host':>14}"
-    lines = [header, "-" * len(header)]
-    totals: dict[tuple[str, str], dict[str, int]] = defaultdict(dict)
-    for t in transfers:
-        by = totals[t.phase, t.what]
-        by[t.direction] = by.get(t.direction, 0) + t.bytes
-    for (phase, what), by in totals.items():
-        label = f"  {what} ({'update' if phase == 'update' else 'fwd/bwd'})"
-        h2d, d2h = by.get("host_to_device", 0), by.get("device_to_host", 0)
-        lines.append(f"{label:<34}{size_text(h2d):>14}{size_text(d2h):>14}")
-    return lines
 
 
 def device_word(target: str) -> str:

@@ -16,6 +16,14 @@ that order once per computation, with a clock:
     waits until the link has moved it. What the device waits there is the
     transfer time not hidden behind the compute issued between start and done;
     a synchronous transfer is not hidden at all;
+- host compute (`compute_on("device_host")`: a host computation the device
+    starts and later waits for, or an instruction marked to run on the host)
+    occupies the host's CPU for the longer of its host-memory bytes at the host's
+    memory bandwidth and its FLOPs at the host's FLOP/s (`_costs.Program.host_work`
+    says which bytes and FLOPs). Like a transfer it runs from when it is issued,
+    one region at a time, and the device waits at its `done` for what the
+    device work scheduled in between did not cover; a synchronous one hides
+    nothing;
 - a `while` loop takes its body's time once per trip (the trip count the compiler
     knows, else read from the loop's condition), so what is hidden is hidden per
     iteration, as scheduled; a called computation takes its time where it is
@@ -24,7 +32,8 @@ that order once per computation, with a clock:
 `compiled.cost_analysis()` is not used: it counts a loop's body once, prices host
 transfers as device-memory traffic, and gives negative times for some programs.
 Not modelled: interconnect (collectives are priced as device-memory traffic),
-kernel launch and per-op overheads, caches. The text is read in `_compiler.py`.
+kernel launch and per-op overheads, caches, host compute and host transfers
+sharing the host's memory bandwidth. The text is read in `_compiler.py`.
 """
 
 import dataclasses
@@ -38,7 +47,8 @@ from ._hardware import Hardware
 from ._units import flops_text, size_text, time_text
 
 
-Bound = Literal["compute", "HBM", "host link"]
+Bound = Literal["compute", "HBM", "host link", "host compute"]
+_On = Literal["link", "device", "host"]  # what a started instruction occupies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +59,9 @@ class StepTime:
 
     - `seconds`: the estimated step time.
     - `bound`: what most of it is spent on: `"compute"` (instructions limited by
-        their matmul FLOPs), `"HBM"` (limited by device-memory traffic), or
-        `"host link"` (waiting for host transfers).
+        their matmul FLOPs), `"HBM"` (limited by device-memory traffic), `"host
+        link"` (waiting for host transfers), or `"host compute"` (waiting for
+        work on the host's CPU).
     - `compute_seconds`: matmul FLOPs at the hardware's rate for the precision
         each dot runs at; `flops` their number (with loop trip counts) and
         `flops_by_precision` by precision (`"bf16"`, `"tf32"`, ...).
@@ -64,6 +75,15 @@ class StepTime:
         waits for, not hidden behind the compute scheduled between a transfer's
         start and its done (a synchronous transfer hides nothing).
     - `hardware`: the `eo.Hardware` it was priced with.
+    - `host_compute_seconds`: the host's CPU busy with host compute
+        (`compute_on("device_host")`, as `Policy(update="host")` runs the
+        optimizer update): each region the longer of its host-memory bytes
+        (`host_compute_bytes`, read and written) at
+        `hardware.host_memory_bytes_per_second` and its FLOPs
+        (`host_compute_flops`) at `hardware.host_flops`. 0 without host compute
+        (and in results saved before these fields existed).
+    - `exposed_host_compute_seconds`: the part of it the device waits for, not
+        hidden behind the device work scheduled while the host computes.
     """
 
     seconds: float
@@ -79,6 +99,10 @@ class StepTime:
     device_to_host_bytes: int
     exposed_transfer_seconds: float
     hardware: Hardware
+    host_compute_seconds: float = 0.0
+    host_compute_bytes: int = 0
+    host_compute_flops: float = 0.0
+    exposed_host_compute_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -88,12 +112,11 @@ class StepTime:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "StepTime":
-        """The `StepTime` `to_dict()` gave (read back from JSON, say)."""
-        hardware = dict(data["hardware"])
-        hardware["sources"] = tuple(hardware.get("sources", ()))
+        """The `StepTime` `to_dict()` gave (read back from JSON, say); the host
+        compute fields of results saved before they existed are 0."""
         fields = {f.name for f in dataclasses.fields(cls)} - {"hardware"}
         kept: dict[str, Any] = {k: v for k, v in data.items() if k in fields}
-        return cls(**kept, hardware=Hardware(**hardware))
+        return cls(**kept, hardware=Hardware.from_dict(data["hardware"]))
 
     def __str__(self) -> str:
         return "\n".join(lines(self))
@@ -122,6 +145,10 @@ def lines(t: StepTime) -> list[str]:
         ),
         ("  transfers not hidden", t.exposed_transfer_seconds, ""),
     ]
+    if t.host_compute_seconds or t.host_compute_bytes:  # (only with host compute)
+        work = f"{size_text(t.host_compute_bytes)}, {flops_text(t.host_compute_flops)}"
+        rows.append(("  host compute", t.host_compute_seconds, work))
+        rows.append(("  host compute not hidden", t.exposed_host_compute_seconds, ""))
     header = f"{f'time per step, {t.hardware.name}':<34}{'seconds':>14}"
     out = [header, "-" * len(header)]
     for label, seconds, note in rows:
@@ -137,9 +164,13 @@ class _Tally:
     compute_bound: float = 0.0
     hbm_bound: float = 0.0
     exposed: float = 0.0
+    host_bound: float = 0.0  # waiting for host compute
     compute: float = 0.0
     hbm: float = 0.0
     hbm_bytes: float = 0.0
+    host: float = 0.0  # host compute, busy
+    host_bytes: int = 0
+    host_flops: float = 0.0
     flops: dict[str, float] = dataclasses.field(
         default_factory=lambda: defaultdict(float)
     )
@@ -153,9 +184,13 @@ class _Tally:
             "compute_bound",
             "hbm_bound",
             "exposed",
+            "host_bound",
             "compute",
             "hbm",
             "hbm_bytes",
+            "host",
+            "host_bytes",
+            "host_flops",
         ):
             setattr(self, f, getattr(self, f) + times * getattr(other, f))
         for k, v in other.flops.items():
@@ -187,14 +222,16 @@ class _Replay:
         t = _Tally()
         clock = 0.0
         link_free = {"host_to_device": 0.0, "device_to_host": 0.0}
-        other_free = 0.0
-        pending: dict[str, tuple[float, bool]] = {}  # start -> (finish, on the link)
+        other_free = host_free = 0.0
+        pending: dict[str, tuple[float, _On]] = {}  # start -> (finish, on what)
 
-        def wait(until: float, link: bool) -> None:
+        def wait(until: float, on: _On) -> None:
             nonlocal clock
             if until > clock:
-                if link:
+                if on == "link":
                     t.exposed += until - clock
+                elif on == "host":
+                    t.host_bound += until - clock
                 else:
                     t.hbm_bound += until - clock
                 clock = until
@@ -216,9 +253,24 @@ class _Replay:
                 finish = begin + nbytes / self.rate[direction]
                 link_free[direction] = finish
                 if op.endswith("-start"):
-                    pending[inst.name] = (finish, True)
+                    pending[inst.name] = (finish, "link")
                 else:
-                    wait(finish, True)
+                    wait(finish, "link")
+                continue
+            work = self.program.host_work(comp, inst)
+            if work is not None:
+                took = max(
+                    work.nbytes / self.hw.host_memory_bytes_per_second,
+                    work.flops / self.hw.host_flops,
+                )
+                t.host += took
+                t.host_bytes += work.nbytes
+                t.host_flops += work.flops
+                host_free = max(clock, host_free) + took
+                if work.asynchronous:
+                    pending[inst.name] = (host_free, "host")
+                else:
+                    wait(host_free, "host")
                 continue
             if op == "while":
                 body = inst.computation("body")
@@ -263,15 +315,15 @@ class _Replay:
             if op.endswith("-start"):
                 begin = max(clock, other_free)
                 other_free = begin + took
-                pending[inst.name] = (other_free, False)
+                pending[inst.name] = (other_free, "device")
                 continue
             if compute >= memory:
                 t.compute_bound += took
             else:
                 t.hbm_bound += took
             clock += took
-        for finish, link in pending.values():  # started, never waited for here
-            wait(finish, link)
+        for finish, on in pending.values():  # started, never waited for here
+            wait(finish, on)
         t.seconds = clock
         return t
 
@@ -312,6 +364,7 @@ def estimate(text: str, hardware: Hardware, platform: str) -> StepTime:
         "compute": tally.compute_bound,
         "HBM": tally.hbm_bound,
         "host link": tally.exposed,
+        "host compute": tally.host_bound,
     }
     return StepTime(
         seconds=float(tally.seconds),
@@ -327,4 +380,8 @@ def estimate(text: str, hardware: Hardware, platform: str) -> StepTime:
         device_to_host_bytes=d2h,
         exposed_transfer_seconds=float(tally.exposed),
         hardware=hardware,
+        host_compute_seconds=float(tally.host),
+        host_compute_bytes=int(tally.host_bytes),
+        host_compute_flops=float(tally.host_flops),
+        exposed_host_compute_seconds=float(tally.host_bound),
     )

@@ -12,7 +12,7 @@ gradient, an accumulator, a new parameter written back) is attributed by the
 phase it moves in and the named scope around it.
 
 This is what the program asks for; `_compiled_traffic.py` reads what a TPU
-compiler kept of it.
+compiler kept of it. `table_lines` prints either as a section of a report's table.
 """
 
 from collections import defaultdict
@@ -26,6 +26,7 @@ from .. import _jaxpr
 from .._custom_types import Direction
 from .._memory_kinds import is_host_aval
 from .._update import UPDATE_SCOPE
+from ._units import size_text
 
 
 class Transfer(NamedTuple):
@@ -226,3 +227,18 @@ def guess(label: str, update: bool) -> tuple[str, str]:
     # Computed in the forward or backward pass and moved: a gradient written to
     # the host, or an accumulator read back (micro-batches).
     return "gradients", label
+
+
+def table_lines(transfers: tuple[Transfer, ...], how: str) -> list[str]:
+    """A traffic section of the table: bytes per step by phase and kind."""
+    header = f"{f'moved per step ({how})':<34}{'to device':>14}{'to host':>14}"
+    lines = [header, "-" * len(header)]
+    totals: dict[tuple[str, str], dict[str, int]] = defaultdict(dict)
+    for t in transfers:
+        by = totals[t.phase, t.what]
+        by[t.direction] = by.get(t.direction, 0) + t.bytes
+    for (phase, what), by in totals.items():
+        label = f"  {what} ({'update' if phase == 'update' else 'fwd/bwd'})"
+        h2d, d2h = by.get("host_to_device", 0), by.get("device_to_host", 0)
+        lines.append(f"{label:<34}{size_text(h2d):>14}{size_text(d2h):>14}")
+    return lines

@@ -1,0 +1,314 @@
+"""The least host <-> device traffic a step can have: the bytes each direction must
+move per step for a model's placement, the policy's update mode and compute dtype,
+the optimizer's state and the micro-batch count, next to which `memory_report`
+shows what the compiled program moves.
+
+The rules, per trainable array leaf (bytes per device; a leaf laid out over a mesh
+counts the shard one device holds):
+
+- **Forward and backward.** A leaf whose compute value lives on the host (its
+  `compute_dtype` copy where it has one, else the master) moves to the device each
+  time the step needs it and the policy does not keep it there: a layer-sliced
+  leaf of a `Stacked` (two or more dimensions per layer, `_tiling.slices_by_layer`)
+  or a table `Policy(stream=...)` reads by blocks of rows is read in the forward
+  scan and again in the backward scan of every micro-batch (once per micro-batch
+  under `save="all"`, which keeps what it read); a leaf the device holds whole
+  (outside every `Stacked`, or a per-layer vector such as a bias) once a step.
+- **The gradient**, in the compute dtype it is computed in:
+    - the update on the device (`"whole"`, `"streamed"`; `"auto"` is `"streamed"`
+      on a TPU or GPU): a layer-sliced host-resident leaf's gradient goes to the
+      host as the backward scan makes it and comes back for the update. With `k`
+      micro-batches it is added up in the master dtype on the device, reading the
+      accumulator back: `k` times the master-dtype bytes each way. A leaf the device
+      holds whole keeps its gradient there (nothing moves); so does a
+      device-resident leaf.
+    - the update on the host (`"host"`): every gradient the host update reads
+      goes there once: a layer-sliced host-resident leaf's once per micro-batch
+      (the host adds them up), any other leaf's once a step (added up on the
+      device; in the compute dtype if that is fewer bytes than the master dtype's
+      one copy). A device-resident leaf updated on the host also sends its master
+      and receives the new one.
+- **The update on the device.** Each host-resident master is read once (unless the
+  device holds it whole and computes with it in its own dtype: the forward pass
+  brought it) and written once; each host-resident optimizer-state leaf is read
+  and written once; a host-resident compute copy is written (never read). The
+  optimizer's other state (step counts) lives on the device.
+- **The update on the host** moves no host-resident state; the step counts it reads
+  go to the host once. A leaf whose master and state are all on the device is
+  updated there, moving nothing (a global-norm clip that ties it to host-resident
+  gradients is not counted).
+- **Residuals** offloaded by `Policy(offload=...)` go to the host in the forward
+  pass and come back in the backward pass, once per micro-batch: `k` times the
+  bytes one micro-batch saves there, each way (listed apart).
+
+`minimum_traffic` applies them; `table_lines` prints them beside a report's
+transfers.
+"""
+
+import math
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple
+
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jaxtyping import PyTree
+
+from .. import _mixed_precision, _paths, _tiling
+from .._memory_kinds import is_arraylike, kind_of
+from .._policy import Policy
+from .._update import state_leaves, trainable
+from ._units import size_text
+
+
+class MinimumTraffic(NamedTuple):
+    """The bytes one step must move between host and device memory, per device, by
+    what they are (`memory_report` fills `MemoryReport.minimum_transfers` with it).
+
+    `params_*`: masters and compute copies read for the forward and backward
+    passes, masters read and written by the update; `gradients_*`; `opt_state_*`:
+    the optimizer state (moments, the compute copies written, step counts);
+    `residuals_*`: what `Policy(offload=...)` saves in host memory, both ways.
+    `host_to_device` and `device_to_host` are the totals, residuals included, as
+    `MemoryReport.host_to_device_bytes` counts them."""
+
+    params_to_device: int = 0
+    params_to_host: int = 0
+    gradients_to_device: int = 0
+    gradients_to_host: int = 0
+    opt_state_to_device: int = 0
+    opt_state_to_host: int = 0
+    residuals_to_device: int = 0
+    residuals_to_host: int = 0
+
+    @property
+    def host_to_device(self) -> int:
+        return (
+            self.params_to_device
+            + self.gradients_to_device
+            + self.opt_state_to_device
+            + self.residuals_to_device
+        )
+
+    @property
+    def device_to_host(self) -> int:
+        return (
+            self.params_to_host
+            + self.gradients_to_host
+            + self.opt_state_to_host
+            + self.residuals_to_host
+        )
+
+    def bytes(
+        self,
+        direction: Literal["host_to_device", "device_to_host"],
+        residuals: bool = True,
+    ) -> int:
+        """The total one way, with or without the residuals."""
+        if direction == "host_to_device":
+            total, apart = self.host_to_device, self.residuals_to_device
+        elif direction == "device_to_host":
+            total, apart = self.device_to_host, self.residuals_to_host
+        else:
+            raise ValueError(
+                f"`MinimumTraffic.bytes(direction={direction!r})`: valid directions "
+                "are 'host_to_device' and 'device_to_host'."
+            )
+        return total if residuals else total - apart
+
+
+def _nbytes(x: Any) -> int:
+    """The bytes of the shard of `x` one device holds."""
+    shape = tuple(x.shape)
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        shape = sharding.shard_shape(shape)
+    return math.prod(shape) * jnp.dtype(x.dtype).itemsize
+
+
+def _on_host(x: Any) -> bool:
+    return kind_of(x) != "device"
+
+
+def minimum_traffic(
+    model: PyTree,
+    opt_state: PyTree,
+    policy: Policy,
+    optimizer: optax.GradientTransformation | None = None,
+    *,
+    microbatches: int = 1,
+    residual_bytes: int = 0,
+    platform: str = "tpu",
+) -> MinimumTraffic:
+    """The bytes a train step must move each way per step (the rules above).
+
+    **Arguments:**
+
+    - `model`: the model, placed (`eo.place`): arrays or `jax.ShapeDtypeStruct`s in
+        their memory kinds.
+    - `opt_state`: its optimizer state from `eo.init_opt_state` (placed; with the
+        compute copies of `Policy(compute_dtype=...)`).
+    - `policy`: the step's `eo.Policy`: its update mode, compute dtype, `save`,
+        `stream`.
+    - `optimizer`: the optimizer the state belongs to, to find which state leaves
+        mirror which parameter; without it, the state's subtrees shaped like the
+        parameters.
+    - `microbatches`: the step's `train_step(microbatches=...)`.
+    - `residual_bytes`: what one micro-batch offloads to the host for the backward
+        pass (per device).
+    - `platform`: what `update="auto"` resolves on: the whole update on `"cpu"`,
+        the streamed one elsewhere.
+
+    **Returns:**
+
+    A `MinimumTraffic`.
+    """
+    k = microbatches
+    if policy.update == "auto":
+        mode = "whole" if platform in _tiling.WHOLE_ON else "streamed"
+    else:
+        mode = policy.update
+    params = trainable(model)
+    leaves = [leaf for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
+    dtypes = _mixed_precision.compute_dtypes(params, policy)
+    sources = {
+        leaf.path: leaf.value
+        for leaf in _paths.leaves(_mixed_precision.sources(model, params, opt_state))
+    }
+    if optimizer is not None:
+        optimizer = _mixed_precision.for_policy(optimizer, params, policy)
+    states: list[list[Any]] = [[] for _ in leaves]  # each leaf's state leaves
+    copies: list[Any] = [None] * len(leaves)
+    counts: list[Any] = []  # state mirroring no parameter: step counts
+    has_copies = isinstance(opt_state, _mixed_precision.ComputeCopyState)
+    # (`owner` indexes `_paths.leaves(params)`: every leaf of `trainable` is an array.)
+    for s in state_leaves(optimizer, opt_state, params):
+        if s.owner is None:
+            counts.append(s.leaf.value)
+        elif has_copies and s.leaf.path.startswith("copies."):
+            copies[s.owner] = s.leaf.value
+        else:
+            states[s.owner].append(s.leaf.value)
+    passes = 1 if policy.save == "all" else 2
+    totals = dict.fromkeys(MinimumTraffic._fields, 0)
+    host_update_reads_counts = False
+    for leaf, dtype, state, copy in zip(leaves, dtypes, states, copies):
+        x = leaf.value
+        master = _nbytes(x)
+        grad = master * jnp.dtype(dtype).itemsize // jnp.dtype(x.dtype).itemsize
+        streamed = any(
+            _paths.prefix_match(p, leaf.path) is not None for p in policy.stream
+        )
+        sliced = streamed or (
+            leaf.stacked is not None and _tiling.slices_by_layer(tuple(x.shape))
+        )
+        source = sources.get(leaf.path, x)
+        if _on_host(source):
+            reads = passes * k if sliced else 1
+            totals["params_to_device"] += reads * _nbytes(source)
+        host_state = any(_on_host(s) for s in state)
+        if mode == "host":
+            if not (_on_host(x) or host_state):
+                continue  # updated on the device
+            host_update_reads_counts = True
+            if _on_host(x) and sliced:
+                totals["gradients_to_host"] += k * grad
+            else:
+                totals["gradients_to_host"] += min(k * grad, master)
+            if not _on_host(x):
+                totals["params_to_host"] += master
+                totals["params_to_device"] += master
+            for s in state:
+                if not _on_host(s):
+                    totals["opt_state_to_host"] += _nbytes(s)
+                    totals["opt_state_to_device"] += _nbytes(s)
+            if copy is not None and not _on_host(copy):
+                totals["opt_state_to_device"] += _nbytes(copy)
+        elif mode in ("whole", "streamed"):
+            if _on_host(x):
+                if sliced:
+                    moved = grad if k == 1 else k * master
+                    totals["gradients_to_host"] += moved
+                    totals["gradients_to_device"] += moved
+                if sliced or source is not x:
+                    totals["params_to_device"] += master
+                totals["params_to_host"] += master
+            for s in state:
+                if _on_host(s):
+                    totals["opt_state_to_device"] += _nbytes(s)
+                    totals["opt_state_to_host"] += _nbytes(s)
+            if copy is not None and _on_host(copy):
+                totals["opt_state_to_host"] += _nbytes(copy)
+        else:
+            raise ValueError(
+                f"`minimum_traffic`: `Policy(update={policy.update!r})`; valid values "
+                "are 'auto', 'streamed', 'whole' and 'host'."
+            )
+    if host_update_reads_counts:
+        totals["opt_state_to_host"] += sum(
+            _nbytes(c) for c in counts if not _on_host(c)
+        )
+    totals["residuals_to_host"] = totals["residuals_to_device"] = k * residual_bytes
+    return MinimumTraffic(**totals)
+
+
+def of_step(fn: Any, plan: Any, residuals: Any, platform: str, where: Any) -> Any:
+    """`memory_report`'s minimum for what it compiled (`plan`, for `where`): of a
+    `train_step`, with the residuals it saw in host memory (`ResidualRow`s, whole
+    arrays: divided between the devices of a slice); `None` for anything else."""
+    if plan.kind != "train_step":
+        return None
+    config = fn.config
+    return minimum_traffic(
+        plan.params,
+        plan.opt_state,
+        config.policy,
+        config.optimizer,
+        microbatches=config.microbatches,
+        residual_bytes=offloaded_bytes(residuals) // (where.chips or 1),
+        platform=platform,
+    )
+
+
+def offloaded_bytes(rows: Any) -> int:
+    """What `MemoryReport.residuals` rows keep in host memory."""
+    return sum(r.bytes for r in rows or () if r.memory_kind != "device")
+
+
+def to_dict(minimum: MinimumTraffic | None) -> dict[str, int] | None:
+    return None if minimum is None else minimum._asdict()
+
+
+def from_dict(data: dict[str, int] | None) -> MinimumTraffic | None:
+    """The record `to_dict` gave (`None`, as in a report saved before it existed)."""
+    return None if data is None else MinimumTraffic(**data)
+
+
+def table_lines(report: Any) -> list[str]:
+    """The rows a `MemoryReport`'s traffic section ends with: the total of its
+    transfers (compiled where there are some) and its minimum, residuals apart."""
+    minimum = report.minimum_transfers
+    if minimum is None:
+        return []
+
+    def row(label: str, h2d: int, d2h: int) -> str:
+        return f"{label:<34}{size_text(h2d):>14}{size_text(d2h):>14}"
+
+    lines = []
+    transfers: Sequence[Any] = report.compiled_transfers or report.transfers or ()
+    if transfers:
+        moved = {
+            d: sum(t.bytes for t in transfers if t.direction == d)
+            for d in ("host_to_device", "device_to_host")
+        }
+        lines.append(row("  total", moved["host_to_device"], moved["device_to_host"]))
+    lines.append(row("  minimum", minimum.host_to_device, minimum.device_to_host))
+    if minimum.residuals_to_device or minimum.residuals_to_host:
+        lines.append(
+            row(
+                "    of which residuals",
+                minimum.residuals_to_device,
+                minimum.residuals_to_host,
+            )
+        )
+    return lines
