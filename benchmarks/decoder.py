@@ -197,6 +197,7 @@ def step_report(
     target: str,
     batch: int,
     seq: int,
+    hardware: eo.Hardware | None = None,
 ) -> eo.MemoryReport:
     """The `memory_report` of a `train_step` of `Decoder(shape)` (abstract, placed
     by `policy`) with AdamW and `loss`, on `batch` sequences of `seq` tokens."""
@@ -206,7 +207,9 @@ def step_report(
     opt_state = eo.init_opt_state(optimizer, model, policy)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     step = eo.train_step(loss, optimizer, policy)
-    return eo.memory_report(step, model, opt_state, tokens, tokens, target=target)
+    return eo.memory_report(
+        step, model, opt_state, tokens, tokens, target=target, hardware=hardware
+    )
 
 
 def plain_loss(model: Decoder, tokens, targets):
