@@ -1,5 +1,6 @@
 """One command for a real GPU: numerics, measured memory against the reports, step
-times and the host link, recorded with versions.
+times, the host link and the optimizer update on the host's CPU, recorded with
+versions.
 
     python benchmarks/gpu_check.py --json benchmarks/results/gpu_check.json
     python benchmarks/gpu_check.py --smoke --json /tmp/gpu_check.json   # on a CPU
@@ -13,11 +14,13 @@ process's memory never counts in another's peak, and a part that fails is record
 1. **Numerics** (tiny GPT-style model, `matmul` precision "highest"): three steps of
    `train_step` under every configuration below against plain Equinox + optax on the
    device (losses and parameters); `eo.verify` on each; every leaf still in its
-   memory kind after the steps; and the pattern behind XLA's silent wrong-gradient
-   fix for GPUs (openxla/xla#46231): a `jax.lax.scan` whose residuals are offloaded
-   with `save_and_offload_only_these_names`, its gradient (the backward pass reads
-   the residuals in reverse) against the same scan without offloading, for a
-   forward and a reversed scan.
+   memory kind after the steps; the update on the host's CPU (`update="host"`) with
+   AdamW behind `optax.clip_by_global_norm` (clipping every step) against the same
+   optimizer under `Policy.none()`, losses to `rtol=1e-5`; and the pattern behind
+   XLA's silent wrong-gradient fix for GPUs (openxla/xla#46231): a `jax.lax.scan`
+   whose residuals are offloaded with `save_and_offload_only_these_names`, its
+   gradient (the backward pass reads the residuals in reverse) against the same
+   scan without offloading, for a forward and a reversed scan.
 2. **Memory and time**, for each configuration at two sizes of the GPT-style model
    of `depth.py` (AdamW, fp32, batch 8 x 1024): the model and the optimizer state
    made on the host for host-resident leaves and copied into their memory kinds (the
@@ -33,12 +36,27 @@ process's memory never counts in another's peak, and a part that fails is record
    and by estimated time (`time order`).
 3. **The host link**: pinned host <-> device copies of 1 GiB, median of 5, in GB/s
    (measured before part 2, which prices its estimates with it).
+4. **The host update alone**, at each size of part 2: AdamW's update of the model's
+   parameters, gradients and state, all in pinned host memory, run on the host's
+   CPU (`_compat.on_host`) in each form of JAX's host compute this JAX has (the
+   `compute_on2` decorator and the `compute_on` context manager of jax 0.10), timed
+   (median of 5 after one warm-up, state and parameters donated as the step donates
+   them) against the same update on the device; the host memory it reads and writes
+   per second; whether the forms give the same numbers (exactly) and the device the
+   same to `rtol=1e-5`.
+5. **XLA's `xla_gpu_enable_pipelined_host_offloading`**: on a GPU any host-compute
+   op turns XLA's latency-hiding scheduler off unless this flag (or optimization
+   level O1) is set. Whether this jaxlib accepts it as a compile option (a made-up
+   flag is refused, as the control), on this backend and, without a GPU, for a
+   compile-only `gpu-h100`, and whether it changes the compiled host update; part 2
+   times `offload_all` with the host update with it set (`XLA_FLAGS`).
 
-Configurations: the four presets, `offload_all` with the streamed and with the whole
-optimizer update (which is faster on a GPU had not been measured).
-`--smoke` runs the same on a tiny model with 3 timed steps, for CI on a CPU. A run
-of part 2 starts only within `--budget` seconds of the start (450 by default, for
-the whole to stay under 8 minutes); later ones are recorded as skipped.
+Configurations: the four presets; `offload_all` with the streamed, the whole and the
+host update (which of the first two is faster on a GPU had not been measured), and
+with the host update and the flag of part 5. `--smoke` runs the same on a tiny model
+with 3 timed steps, for CI on a CPU. A run of parts 2 and 4 starts only within
+`--budget` seconds of the start (450 by default, for the whole to stay under 8
+minutes); later ones are recorded as skipped.
 """
 
 import argparse
@@ -64,7 +82,14 @@ CONFIGS = (
     "offload_residuals",
     "offload_all, streamed update",
     "offload_all, whole update",
+    "offload_all, host update",
+    "offload_all, host update, pipelined host offloading",
 )
+# XLA's flag that keeps the GPU's latency-hiding scheduler on in a program with host
+# compute (and pipelines host transfers across loop iterations); set, for the
+# configuration that names it, through `XLA_FLAGS` in its process.
+FLAG = "xla_gpu_enable_pipelined_host_offloading"
+FLAGGED = {"offload_all, host update, pipelined host offloading": FLAG}
 # name -> (vocab, dim, layers, batch, seq)
 SIZES = {
     "GPT 0.2B": (32768, 1024, 12, 8, 1024),
@@ -83,7 +108,7 @@ def _policy(config: str):
     import eqx_offload as eo
 
     if config.startswith("offload_all"):
-        update = "whole" if config.endswith("whole update") else "streamed"
+        update = config.removeprefix("offload_all, ").split(" update")[0]
         return eo.Policy.offload_all(update=update)
     return getattr(eo.Policy, config)()
 
@@ -125,6 +150,16 @@ def _peak() -> int | None:
     return None if stats is None else int(stats.get("peak_bytes_in_use", 0))
 
 
+def _host_compute(step: Any, *args: Any) -> bool:
+    """Whether `step`'s program computes on the host's CPU (JAX's `compute_on`,
+    `compute_on2`): the mark of `update="host"` where, on a CPU, the numbers alone
+    cannot tell it from an update on the device."""
+    import equinox as eqx
+
+    closed = eqx.filter_make_jaxpr(step)(*args)[0]
+    return "compute_on" in str(closed)
+
+
 def _link(report: Any, measured: dict[str, Any]) -> Any:
     """`report`'s hardware with the host link as measured (`bandwidth`), or None."""
     import dataclasses
@@ -163,6 +198,7 @@ def measure(
     tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, vocab)
     step = eo.train_step(loss_fn, optimizer, policy)
     out: dict[str, Any] = {"peak bytes after init": _peak()}
+    out["host compute"] = _host_compute(step, model, opt_state, tokens, tokens)
     report = eo.memory_report(step, model, opt_state, tokens, tokens)
     out["report device bytes"] = report.device_bytes
     out["report host bytes"] = report.host_bytes
@@ -229,6 +265,7 @@ def deviceless(configs: list[str], sizes: dict[str, tuple[int, ...]]) -> list[di
                     "host bytes": r.host_bytes,
                     "estimated step s": None if r.time is None else r.time.seconds,
                     "jax": jax.__version__,
+                    "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
                 }
             )
     return rows
@@ -275,6 +312,8 @@ def _numerics(configs: list[str]) -> dict[str, Any]:
 
     out: dict[str, Any] = {"presets": {}}
     for config in configs:
+        if config in FLAGGED:
+            continue  # the same policy as another configuration's
         row: dict[str, Any] = {}
         try:
             policy = _policy(config)
@@ -308,10 +347,94 @@ def _numerics(configs: list[str]) -> dict[str, Any]:
         except Exception as e:
             row = {"passed": False, "error": _error(e)}
         out["presets"][config] = row
+    out[HOST_NUMERICS] = _host_numerics(tokens)
     out["offloaded scan (openxla/xla#46231)"] = _offloaded_scan()
-    out["passed"] = all(r["passed"] for r in out["presets"].values()) and all(
-        r["passed"] for r in out["offloaded scan (openxla/xla#46231)"].values()
+    out["passed"] = all(
+        all(r["passed"] for r in out[part].values())
+        for part in ("presets", HOST_NUMERICS, "offloaded scan (openxla/xla#46231)")
     )
+    return out
+
+
+HOST_NUMERICS = "host update, AdamW + clip_by_global_norm"
+HOST_POLICIES = {
+    "offload_all(update='host')": {"update": "host"},
+    "remat(opt_state='pinned_host', update='host')": {
+        "opt_state": "pinned_host",
+        "update": "host",
+    },
+}
+
+
+def _host_numerics(tokens: Any) -> dict[str, Any]:
+    """The update on the host's CPU (`update="host"`), with parameters on the host
+    and on the device, against `Policy.none()`'s step with the same optimizer: AdamW
+    behind a global-norm clip that clips every step (so that every new leaf depends
+    on every gradient)."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from gpt import GPT, loss_fn
+
+    import eqx_offload as eo
+
+    clip = 0.1
+    optimizer = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(1e-2))
+
+    def arrays(tree: Any) -> list:
+        return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+
+    def train(policy: Any) -> tuple[Any, list[float], list[float], bool]:
+        placed = eo.place(GPT(64, 32, 3, key=jax.random.key(0)), policy)
+        kinds = [x.sharding.memory_kind for x in arrays(placed)]
+        opt_state = eo.init_opt_state(optimizer, placed, policy)
+        step = eo.train_step(loss_fn, optimizer, policy, metrics=True)
+        losses, norms = [], []
+        for x in tokens:
+            placed, opt_state, loss, metrics = step(placed, opt_state, x, x)
+            losses.append(float(loss))
+            norms.append(float(metrics["grad_norm"]))
+        kept = kinds == [x.sharding.memory_kind for x in arrays(placed)]
+        return placed, losses, norms, kept
+
+    ref, ref_losses, ref_norms, _ = train(eo.Policy.none())
+    out: dict[str, Any] = {}
+    for name, fields in HOST_POLICIES.items():
+        row: dict[str, Any] = {}
+        try:
+            if name.startswith("offload_all"):
+                policy = eo.Policy.offload_all(**fields)
+            else:
+                policy = eo.Policy.remat(**fields)
+            placed = eo.place(GPT(64, 32, 3, key=jax.random.key(0)), policy)
+            opt_state = eo.init_opt_state(optimizer, placed, policy)
+            x = tokens[0]
+            report = eo.verify(loss_fn, optimizer, policy, placed, opt_state, x, x)
+            row["verify passed"] = report.passed
+            step = eo.train_step(loss_fn, optimizer, policy)
+            row["host compute"] = _host_compute(step, placed, opt_state, x, x)
+            ours, losses, norms, row["placements kept"] = train(policy)
+            row["smallest gradient norm"] = min(ref_norms)
+            row["clipped every step"] = min(ref_norms) > clip
+            row["max |loss - plain| / |plain|"] = max(
+                abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)
+            )
+            row["max |params - plain|"] = max(
+                float(jnp.max(jnp.abs(jax.device_put(a, jax.memory.Space.Device) - b)))
+                for a, b in zip(arrays(ours), arrays(ref))
+            )
+            row["passed"] = (
+                row["verify passed"]
+                and row["host compute"]
+                and row["placements kept"]
+                and row["clipped every step"]
+                and row["max |loss - plain| / |plain|"] <= 1e-5
+                and row["max |params - plain|"] <= 1e-4
+            )
+        except Exception as e:
+            row = {"passed": False, "error": _error(e)}
+        out[name] = row
     return out
 
 
@@ -355,6 +478,210 @@ def _offloaded_scan() -> dict[str, Any]:
             "passed": diff <= 1e-4 * scale,
         }
     return out
+
+
+def _host_update_fn(optimizer: Any, form: str | None) -> Any:
+    """`(grads, state, params) -> (params, state)`, the optimizer's update applied,
+    jitted with the state and parameters donated: on the host's CPU in `form` of
+    JAX's host compute (`_compat.on_host`), its inputs and outputs in host memory;
+    or, with `form=None`, on the device."""
+    import jax
+    import optax
+
+    from eqx_offload import _compat
+
+    def update(grads: Any, state: Any, params: Any) -> Any:
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    if form is None:
+        return jax.jit(update, donate_argnums=(1, 2))
+
+    def on_host(grads: Any, state: Any, params: Any) -> Any:
+        flat, tree = jax.tree.flatten((grads, state, params))
+        out_tree = jax.tree.structure(jax.eval_shape(update, grads, state, params))
+
+        def compute(*xs: Any) -> list:
+            # Typed as device memory inside (as `_update/_host.py` does): JAX 0.10
+            # refuses to add a host value to one `zeros_like` makes.
+            xs = tuple(jax.device_put(x, jax.memory.Space.Device) for x in xs)
+            out = update(*jax.tree.unflatten(tree, xs))
+            return [
+                jax.device_put(y, jax.memory.Space.Host) for y in jax.tree.leaves(out)
+            ]
+
+        outs = _compat.on_host(compute, form)(*flat)  # pyright: ignore[reportArgumentType]
+        return jax.tree.unflatten(out_tree, outs)
+
+    return jax.jit(on_host, donate_argnums=(1, 2))
+
+
+def host_update(size: tuple[int, ...], steps: int) -> dict[str, Any]:
+    """AdamW's update of the float leaves of the GPT-style model of `size`, on the
+    host's CPU in each form of host compute and on the device: median seconds,
+    the host memory read and written per second, and whether the results agree."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from eqx_offload import _compat
+
+    vocab, dim, layers = size[:3]
+    leaves = [
+        x
+        for x in jax.tree.leaves(_model(vocab, dim, layers))
+        if isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.floating)
+    ]
+    optimizer = optax.adamw(1e-3)
+    device = jax.devices()[0]
+    kinds = {
+        "pinned_host": jax.sharding.SingleDeviceSharding(
+            device, memory_kind="pinned_host"
+        ),
+        "device": jax.sharding.SingleDeviceSharding(device, memory_kind="device"),
+    }
+    keys = jax.random.split(jax.random.key(3), len(leaves))
+
+    def inputs(kind: str) -> tuple[list, Any, list]:
+        """The same gradients, parameters and (zero) state each time, in `kind`."""
+        to = kinds[kind]
+        grads = [
+            jax.device_put(jax.random.normal(k, x.shape, x.dtype) * 1e-3, to)
+            for k, x in zip(keys, leaves)
+        ]
+        params = [
+            jax.device_put(jax.random.normal(k, x.shape, x.dtype) * 2e-2, to)
+            for k, x in zip(jnp.flip(keys, 0), leaves)
+        ]
+        state = jax.tree.map(
+            lambda x: jax.device_put(np.zeros(x.shape, x.dtype), to),
+            jax.eval_shape(optimizer.init, params),
+        )
+        return grads, state, params
+
+    def run(form: str | None) -> tuple[list[float], Any]:
+        fn = _host_update_fn(optimizer, form)
+        grads, state, params = inputs("device" if form is None else "pinned_host")
+        times = []
+        for i in range(1 + steps):
+            start = time.perf_counter()
+            params, state = jax.block_until_ready(fn(grads, state, params))
+            if i:
+                times.append(time.perf_counter() - start)
+        return times, (params, state)
+
+    n = sum(x.size for x in leaves)
+    # Read: gradient, parameter, both moments; written: parameter, both moments.
+    nbytes = sum(x.size * x.dtype.itemsize for x in leaves) * 7
+    out: dict[str, Any] = {"parameters": n, "host memory bytes per update": nbytes}
+    out["forms"] = {}
+    first: Any = None
+    for form in _compat.host_forms():
+        row: dict[str, Any] = {}
+        try:
+            times, result = run(form)
+            row["update s median"] = statistics.median(times)
+            row["update s min"] = min(times)
+            row["host memory GB/s"] = nbytes / row["update s median"] / 1e9
+            kinds_out = {x.sharding.memory_kind for x in jax.tree.leaves(result)}
+            row["memory kinds after"] = sorted(str(k) for k in kinds_out)
+            if first is None:
+                first = result
+            else:
+                row["max |update - first form's|"] = max(
+                    float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                    for a, b in zip(jax.tree.leaves(result), jax.tree.leaves(first))
+                )
+        except Exception as e:
+            row = {"error": _error(e)}
+        out["forms"][form] = row
+    try:
+        times, on_device = run(None)
+        out["device update s median"] = statistics.median(times)
+        if first is not None:
+            host = out["forms"][_compat.host_forms()[0]]["update s median"]
+            out["host / device"] = host / out["device update s median"]
+            out["host agrees with device (rtol 1e-5)"] = all(
+                np.allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-12)
+                for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(on_device))
+            )
+    except Exception as e:
+        out["device error"] = _error(e)
+    forms = out["forms"].values()
+    out["forms agree"] = len(out["forms"]) > 0 and all(
+        "error" not in r and r.get("max |update - first form's|", 0.0) == 0.0
+        for r in forms
+    )
+    out["passed"] = (
+        out["forms agree"]
+        and all(r["memory kinds after"] == ["pinned_host"] for r in forms)
+        and out.get("host agrees with device (rtol 1e-5)", False)
+    )
+    return out
+
+
+def flag() -> dict[str, Any]:
+    """Whether this jaxlib takes `FLAG` as a compile option of a program with host
+    compute (a made-up flag is refused, the control): on this backend, and, on a
+    CPU, for a compile-only `gpu-h100` (JAX's CUDA plugin), with whether it changes
+    the compiled program there."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import PartitionSpec
+
+    from eqx_offload import _compat
+
+    optimizer = optax.adamw(1e-3)
+    shapes = [(64, 32), (2, 32, 128), (32,)]
+
+    def compile_for(sharding: Any, options: dict[str, Any]) -> Any:
+        params = [
+            jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding) for s in shapes
+        ]
+        state = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+            jax.eval_shape(optimizer.init, params),
+        )
+        fn = _host_update_fn(optimizer, _compat.host_forms()[0])
+        lowered = fn.trace(params, state, params).lower()
+        return lowered.compile(compiler_options=options)
+
+    def accepts(sharding: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        texts = {}
+        for label, options in (
+            ("without", {}),
+            ("accepted", {FLAG: True}),
+            ("made-up flag accepted", {FLAG + "_made_up": True}),
+        ):
+            try:
+                texts[label] = compile_for(sharding, options).as_text()
+                out[label] = True
+            except Exception as e:
+                out[label] = False
+                out[f"{label}: error"] = _error(e)[:300]
+        out.pop("without")
+        if len(texts) >= 2:
+            out["host compute in the program"] = "HostExecute" in texts["without"]
+            out["program changed by the flag"] = texts["without"] != texts["accepted"]
+        return out
+
+    device = jax.devices()[0]
+    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    result: dict[str, Any] = {"flag": FLAG, "jaxlib": jax.lib.__version__}
+    result[jax.default_backend()] = accepts(host)
+    if jax.default_backend() == "cpu":
+        try:
+            from eqx_offload._report import _targets
+
+            mesh = _targets.chip_mesh("gpu-h100")
+            sharding = _compat.named_sharding(mesh, PartitionSpec(), "pinned_host")
+            result["gpu-h100 (compile-only)"] = accepts(sharding)
+        except Exception as e:
+            result["gpu-h100 (compile-only)"] = {"error": _error(e)}
+    return result
 
 
 def bandwidth(mib: int) -> dict[str, Any]:
@@ -408,6 +735,11 @@ def child(args: argparse.Namespace) -> None:
         result = {"numerics": numerics(list(CONFIGS)), **environment()}
     elif kind == "bandwidth":
         result = bandwidth(int(rest[0]))
+    elif kind == "host update":
+        steps = int(rest[1]) if len(rest) > 1 else args.steps
+        result = host_update(tuple(json.loads(rest[0])), steps)
+    elif kind == "flag":
+        result = flag()
     elif kind == "deviceless":
         configs: list[str] = json.loads(rest[1]) if len(rest) > 1 else [*CONFIGS]
         result = deviceless(configs, json.loads(rest[0]))
@@ -441,6 +773,34 @@ def run_child(
             return {"result": json.loads(line[len(MARK) :]), "seconds": seconds}
     tail = (done.stderr or done.stdout).strip().splitlines()[-15:]
     return {"error": "\n".join(tail), "seconds": seconds}
+
+
+def _flag_env(config: str) -> dict[str, str]:
+    """The environment `config` runs in: `XLA_FLAGS` with its flag set, if it names
+    one."""
+    if config not in FLAGGED:
+        return {}
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {"XLA_FLAGS": f"{flags} --{FLAGGED[config]}=true".strip()}
+
+
+def deviceless_rows(
+    sizes: dict[str, tuple[int, ...]], configs: list[str], timeout: float
+) -> dict[str, Any]:
+    """The deviceless part (`JAX_PLATFORMS=cpu`): one process for the
+    configurations without a flag, one for each with `XLA_FLAGS` naming its flag;
+    their rows together, or the first error."""
+    plain = [c for c in configs if c not in FLAGGED]
+    groups = [(plain, {})] if plain else []
+    groups += [([c], _flag_env(c)) for c in configs if c in FLAGGED]
+    rows: list[dict[str, Any]] = []
+    for group, env in groups:
+        argv = ["deviceless", json.dumps(sizes), json.dumps(group)]
+        part = run_child(argv, timeout, {"JAX_PLATFORMS": "cpu", **env})
+        if "error" in part:
+            return part
+        rows += part["result"]
+    return {"result": rows}
 
 
 def time_order(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -496,10 +856,18 @@ def main() -> None:
     sizes = SMOKE_SIZES if args.smoke else SIZES
     cpu = {"JAX_PLATFORMS": "cpu"}
     if args.deviceless:
-        part = run_child(["deviceless", json.dumps(sizes)], 1200, cpu)
+        part = deviceless_rows(sizes, args.configs, 1200)
         if "error" in part:
             sys.exit(f"gpu_check.py --deviceless failed:\n{part['error']}")
-        DEVICELESS.write_text(json.dumps({"rows": part["result"]}, indent=2) + "\n")
+        # The rows of the configurations given replace theirs; the others are kept.
+        old = json.loads(DEVICELESS.read_text()) if DEVICELESS.exists() else {}
+        rows = [r for r in old.get("rows", []) if r["config"] not in args.configs]
+        flagged = run_child(["flag"], 600, cpu)
+        written = {
+            "rows": rows + part["result"],
+            FLAG: flagged.get("result", flagged),
+        }
+        DEVICELESS.write_text(json.dumps(written, indent=2) + "\n")
         print(f"wrote {DEVICELESS}")
         return
     start = time.perf_counter()
@@ -511,14 +879,27 @@ def main() -> None:
     part = run_child(["bandwidth", "16" if args.smoke else "1024"], 300)
     results["host link"] = part.get("result", part)
     print(f"host link: {results['host link']}", flush=True)
+    part = run_child(["flag"], 600)
+    results[FLAG] = part.get("result", part)
+    print(f"{FLAG}: {results[FLAG]}", flush=True)
     if args.smoke:
-        figures = run_child(
-            ["deviceless", json.dumps(sizes), json.dumps(args.configs)], 600, cpu
-        )
-        rows = figures.get("result", [])
+        rows = deviceless_rows(sizes, args.configs, 600).get("result", [])
     else:
         rows = json.loads(DEVICELESS.read_text())["rows"] if DEVICELESS.exists() else []
     known = {(r["size"], r["config"]): r for r in rows}
+    results["host update"] = {}
+    for name, size in sizes.items():
+        if time.perf_counter() - start > args.budget:
+            found: dict[str, Any] = {
+                "error": f"skipped: past the {args.budget:.0f} s budget"
+            }
+        else:
+            # (median of 5 on a GPU: a 0.9B update on the host takes seconds)
+            steps = str(min(args.steps, 5))
+            part = run_child(["host update", json.dumps(size), steps], 300)
+            found = {"seconds": part["seconds"], **part.get("result", part)}
+        results["host update"][name] = found
+        print(f"host update, {name}: {json.dumps(found)}", flush=True)
     results["runs"] = []
     for name, size in sizes.items():
         for config in args.configs:
@@ -528,7 +909,8 @@ def main() -> None:
                 results["runs"].append(row)
                 continue
             link = json.dumps(results["host link"])
-            part = run_child(["measure", config, json.dumps(size), link], 300)
+            argv = ["measure", config, json.dumps(size), link]
+            part = run_child(argv, 300, _flag_env(config))
             row["seconds"] = part["seconds"]
             row.update(part.get("result", {"error": part.get("error")}))
             figure = known.get((name, config))

@@ -1,9 +1,11 @@
 """`benchmarks/gpu_check.py`, the one command for a real GPU, runs on this CPU with
 `--smoke`: every part run (one in a process of its own, as on a GPU each is; the
-others in this process, to compile less), its results recorded."""
+others in this process, to compile less), its results recorded, the optimizer
+update on the host's CPU (`update="host"`) among them."""
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import json
 import sys
@@ -26,7 +28,7 @@ def gpu_check(monkeypatch):
 
 def test_the_gpu_check_runs_on_a_cpu(tmp_path, monkeypatch, gpu_check):
     out = tmp_path / "gpu_check.json"
-    configs = ["none", "offload_all, whole update"]
+    configs = ["none", "offload_all, host update"]
     in_a_process = gpu_check.run_child
     parts = []
 
@@ -50,7 +52,15 @@ def test_the_gpu_check_runs_on_a_cpu(tmp_path, monkeypatch, gpu_check):
         ["gpu_check.py", "--smoke", "--json", str(out), "--configs", *configs],
     )
     gpu_check.main()
-    assert parts == ["numerics", "bandwidth", "deviceless", "measure", "measure"]
+    assert parts == [
+        "numerics",
+        "bandwidth",
+        "flag",
+        "deviceless",
+        "host update",
+        "measure",
+        "measure",
+    ]
     results = json.loads(out.read_text())
     assert results["smoke"] and results["versions"]["jax"]
     assert results["environment"]["backend"] == "cpu"
@@ -64,15 +74,50 @@ def test_the_gpu_check_runs_on_a_cpu(tmp_path, monkeypatch, gpu_check):
         "offload_residuals",
         "offload_all, streamed update",
         "offload_all, whole update",
+        "offload_all, host update",
     }
     for row in numerics["presets"].values():
         assert row["verify passed"] and row["placements kept"]
+        assert row["max |params - plain|"] <= 1e-4
+    # The update on the host's CPU, parameters on the host and on the device, with
+    # AdamW behind a global-norm clip that clipped every step, against
+    # `Policy.none()`'s step.
+    host = numerics["host update, AdamW + clip_by_global_norm"]
+    assert set(host) == {
+        "offload_all(update='host')",
+        "remat(opt_state='pinned_host', update='host')",
+    }
+    for row in host.values():
+        assert row["passed"] and row["verify passed"] and row["placements kept"]
+        assert row["host compute"]
+        assert row["clipped every step"] and row["smallest gradient norm"] > 0.1
+        assert row["max |loss - plain| / |plain|"] <= 1e-5
         assert row["max |params - plain|"] <= 1e-4
     scans = numerics["offloaded scan (openxla/xla#46231)"]
     assert set(scans) == {"scan", "reversed scan"}
     assert all(s["passed"] and s["scale"] > 0 for s in scans.values())
     link = results["host link"]
     assert link["pinned host -> device GB/s"] > 0 < link["device -> pinned host GB/s"]
+    # The host update alone, in both forms of host compute jax 0.10 has, against
+    # the same update on the device: timed, the same numbers, still on the host.
+    (alone,) = results["host update"].values()
+    assert alone["passed"] and alone["forms agree"], alone
+    assert set(alone["forms"]) == {"decorator", "context"}
+    for form in alone["forms"].values():
+        assert form["update s median"] > 0 < form["host memory GB/s"]
+        assert form["memory kinds after"] == ["pinned_host"]
+    assert alone["forms"]["context"]["max |update - first form's|"] == 0.0
+    assert alone["host agrees with device (rtol 1e-5)"]
+    assert alone["device update s median"] > 0 < alone["host / device"]
+    assert alone["host memory bytes per update"] == 28 * alone["parameters"]
+    # XLA's flag for host compute on a GPU: a compile option this jaxlib takes, and
+    # a made-up one it refuses; for a compile-only H100 when the plugin is here.
+    flag = results["xla_gpu_enable_pipelined_host_offloading"]
+    assert flag["cpu"]["accepted"] and not flag["cpu"]["made-up flag accepted"]
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is not None:
+        h100 = flag["gpu-h100 (compile-only)"]
+        assert h100["accepted"] and not h100["made-up flag accepted"], h100
+        assert h100["host compute in the program"]
     # One fresh process per configuration: the step timed, the reports side by side.
     runs = {r["config"]: r for r in results["runs"]}
     assert list(runs) == configs
@@ -85,10 +130,10 @@ def test_the_gpu_check_runs_on_a_cpu(tmp_path, monkeypatch, gpu_check):
         assert run["estimated step s"] is None and "estimate / measured" not in run
         assert run["deviceless gpu-h200 estimated step s"] > 0
     assert runs["none"]["parameter memory kinds"] == ["device"]
-    assert runs["offload_all, whole update"]["parameter memory kinds"] == [
-        "pinned_host"
-    ]
-    assert runs["offload_all, whole update"]["deviceless gpu-h200 host bytes"] > 0
+    assert runs["offload_all, host update"]["parameter memory kinds"] == ["pinned_host"]
+    assert runs["offload_all, host update"]["host compute"]
+    assert not runs["none"]["host compute"]
+    assert runs["offload_all, host update"]["deviceless gpu-h200 host bytes"] > 0
     # The order of the configurations by measured time; no estimate to compare on
     # the CPU.
     order = results["time order"]["smoke"]
