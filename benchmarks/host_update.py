@@ -35,8 +35,7 @@ def row(target: str, update: str, bandwidth: float = 1.0) -> dict:
     hardware = eo.Hardware.of(target)
     hardware = dataclasses.replace(
         hardware,
-        host_memory_bytes_per_second=hardware.host_memory_bytes_per_second
-        * bandwidth,
+        host_memory_bytes_per_second=hardware.host_memory_bytes_per_second * bandwidth,
     )
     policy = eo.Policy.offload_all(update=update)
     r = decoder.step_report(
