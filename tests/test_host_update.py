@@ -6,6 +6,7 @@ optimizer state may cross the host link."""
 import contextlib
 import sys
 from pathlib import Path
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -38,8 +39,10 @@ CLIPPED = optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(LR))
 ADAM_ATOL = 1e-3 * LR * STEPS
 
 
-def host_policy(**fields) -> eo.Policy:
-    defaults = dict(params="pinned_host", opt_state="pinned_host", update="host")
+def host_policy(**fields: Any) -> eo.Policy:
+    defaults: dict[str, Any] = dict(
+        params="pinned_host", opt_state="pinned_host", update="host"
+    )
     return eo.Policy(**(defaults | fields))
 
 
@@ -161,7 +164,7 @@ def test_errors():
         return jax.lax.fori_loop(0, state, halve, updates), state
 
     optimizer = optax.chain(
-        optax.GradientTransformation(lambda p: jnp.asarray(2), looping),
+        optax.GradientTransformation(lambda params: jnp.asarray(2), looping),
         optax.adamw(LR),
     )
     with pytest.raises(ValueError, match=r"`while` \(a loop\).*update='streamed'"):
@@ -198,7 +201,7 @@ def compiled_texts():
 
     def compile(self, *args, **kwargs):
         compiled = original(self, *args, **kwargs)
-        texts.append(compiled.as_text())
+        texts.append(compiled.as_text() or "")
         return compiled
 
     jax.stages.Lowered.compile = compile
@@ -221,7 +224,9 @@ def host_and_device_ops(text: str) -> tuple[list, list]:
             continue
         on_host.add(name)
         for inst in comps[name].insts.values():
-            todo += [c for c in (inst.computation("calls"),) if c]
+            called = inst.computation("calls")
+            if called is not None:
+                todo.append(called)
     host, device = [], []
     for comp in comps.values():
         for inst in comp.insts.values():

@@ -47,7 +47,7 @@ class Settings(NamedTuple):
     microbatches: int = 1
     compute_dtype: str | None = None
     host_remat: bool = False
-    update: str = "auto"
+    update: Literal["auto", "host"] = "auto"
 
     @property
     def label(self) -> str:
