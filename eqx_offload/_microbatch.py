@@ -128,6 +128,8 @@ def value_and_grad(
     trainable leaf in its dtype from `dtypes` (one per array leaf of `params`).
     `stream`: the `Policy(stream=...)` patterns (tables the loss reads from the
     host). `on_host`: the update runs on the host (`Policy(update="host")`).
+    Without micro-batches, a host-resident parameter with a compute copy gets
+    its gradient in the compute dtype (the update casts it).
 
     A host-resident parameter's gradient is accumulated where the loss uses the
     parameter, through a tap (`_accumulate.py`): one layer at a time, read from
@@ -197,6 +199,12 @@ def value_and_grad(
 
     device_params = [to_space(leaf.value, "device", "") for leaf, _ in plain]
     masters = [leaf.value for leaf, _ in tapped]
+    if k == 1:
+        # Received by the compute copies: each gradient crosses to the host once,
+        # in the compute dtype (exactly: it is computed in it), and the update
+        # casts it to its master's dtype where it runs.
+        copies = {leaf.path: leaf.value for leaf in model_leaves}
+        masters = [copies.get(leaf.path, leaf.value) for leaf, _ in tapped]
     if k == 1:
         (_, (value, aux)), grads = grad((masters, device_params), batch, False)
     else:

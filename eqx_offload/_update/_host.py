@@ -67,6 +67,8 @@ def update(
 
     def apply(*xs: Any) -> list:
         g, s, p = xs[:n_g], xs[n_g : n_g + n_s], xs[n_g + n_s :]
+        # A gradient sent in the compute dtype, cast where the update runs.
+        g = [gi.astype(pi.dtype) for gi, pi in zip(g, p, strict=True)]
         grads = jtu.tree_unflatten(p_def, g)
         p_tree = jtu.tree_unflatten(p_def, p)
         updates, state = optimizer.update(grads, jtu.tree_unflatten(s_def, s), p_tree)

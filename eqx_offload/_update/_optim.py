@@ -394,6 +394,8 @@ def update(
     model = to_device(model)
     with jax.named_scope("grad"):  # named for `memory_report`'s traffic
         grads = to_device(grads)
+    # A gradient sent in the compute dtype (`_microbatch`), cast on the device.
+    grads = jtu.tree_map(lambda g, p: g.astype(p.dtype), grads, trainable(model))
     updates, opt_state = optimizer.update(grads, to_device(opt_state), trainable(model))
     model = eqx.apply_updates(model, updates)
     norms = _metrics.norms(grads, updates, trainable(model)) if metrics else None
