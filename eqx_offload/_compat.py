@@ -130,11 +130,16 @@ def host_forms() -> tuple[str, ...]:
     return ("decorator",) if hasattr(module, "compute_on") else ()
 
 
-def on_host(fn: Callable, form: HostForm = "decorator") -> Callable:
+def on_host(
+    fn: Callable,
+    form: HostForm = "decorator",
+    to_device: tuple[bool, ...] | None = None,
+) -> Callable:
     """`fn` (arrays to a list of arrays), run on the host's CPU inside the traced
     program: JAX's `compute_on("device_host")`, in `form`. Its arguments must be
     in host memory (the TPU compiler aborts on a device-memory operand aliased to
-    a host result); its results are.
+    a host result); its results are, but those `to_device` marks, which the host
+    computation writes to device memory.
 
     **Raises:**
 
@@ -149,6 +154,10 @@ def on_host(fn: Callable, form: HostForm = "decorator") -> Callable:
         )
     host, device = jax.memory.Space.Host, jax.memory.Space.Device
 
+    def spaces(n: int) -> list:
+        marks = to_device or (False,) * n
+        return [device if mark else host for mark in marks]
+
     def typed(*args: Any) -> list:
         # JAX 0.10 types the arrays made afresh inside (`zeros_like`, a broadcast
         # literal) as device memory, and refuses to combine them with host values
@@ -156,7 +165,7 @@ def on_host(fn: Callable, form: HostForm = "decorator") -> Callable:
         # as device memory inside, every value is alike; the host computes and
         # moves the same.
         outs = fn(*[jax.device_put(x, device) for x in args])
-        return [jax.device_put(x, host) for x in outs]
+        return [jax.device_put(x, s) for x, s in zip(outs, spaces(len(outs)))]
 
     if form == "context":
 
@@ -165,5 +174,11 @@ def on_host(fn: Callable, form: HostForm = "decorator") -> Callable:
                 return jax.jit(typed)(*args)
 
         return in_context
-    decorator: Any = getattr(module, "compute_on2", None) or module.compute_on
-    return decorator(typed, compute_type="device_host", out_memory_spaces=host)
+
+    def decorated(*args: Any) -> Any:
+        n = len(jax.eval_shape(typed, *args))
+        decorator: Any = getattr(module, "compute_on2", None) or module.compute_on
+        on = decorator(typed, compute_type="device_host", out_memory_spaces=spaces(n))
+        return on(*args)
+
+    return decorated

@@ -35,12 +35,6 @@ READ_AHEAD = (
     "the last layer of every leaf it overwrites (master, moments) a second time: "
     "+1/layers of them (+50% at 2 layers)"
 )
-ROUND_TRIP = (
-    "TPU: `update='host'` types every output of the host computation as host "
-    "memory (`_update/_host.py`, `_on_host`), so a device-resident parameter comes "
-    "back in device memory, is copied to the host and back again (+4 B/parameter "
-    "each way)"
-)
 DEVICE_FP32_GRADIENT = (
     "`update='host'` under `compute_dtype`: a device-resident parameter's gradient "
     "goes to the host in float32 (the transpose of its bfloat16 cast), not bfloat16"
@@ -52,10 +46,8 @@ for _placement in (HOST, DEVICE):
     for _dtype in minimum_bytes.DTYPES:
         key = ("streamed", _placement, _dtype, "gpu-h100", "host_to_device")
         EXCESS[key] = READ_AHEAD
-for _dtype in minimum_bytes.DTYPES:
-    for _direction in DIRECTIONS:
-        EXCESS["host", DEVICE, _dtype, "tpu-v5e", _direction] = ROUND_TRIP
-EXCESS["host", DEVICE, "bfloat16", "gpu-h100", "device_to_host"] = DEVICE_FP32_GRADIENT
+for _target in TARGETS:
+    EXCESS["host", DEVICE, "bfloat16", _target, "device_to_host"] = DEVICE_FP32_GRADIENT
 
 
 @functools.cache

@@ -101,7 +101,14 @@ def update(
 
     host_refs = [r for r, h in zip(program.outs, on_host) if h]
     if host_refs:
-        values = _on_host(program, host_refs, value_of, form)
+        # Non-scalar results the device keeps are written to device memory by the
+        # host computation itself (not to the host, then copied).
+        to_device = tuple(
+            kind == "device" and bool(program.avals[r].shape)
+            for r, kind, h in zip(program.outs, kinds, on_host)
+            if h
+        )
+        values = _on_host(program, host_refs, value_of, form, to_device)
         for position, value in zip(
             [k for k, h in enumerate(on_host) if h], values, strict=True
         ):
@@ -127,7 +134,11 @@ def update(
 
 
 def _on_host(
-    program: _plan.Program, refs: list, value_of: dict[int, Any], form: str
+    program: _plan.Program,
+    refs: list,
+    value_of: dict[int, Any],
+    form: _compat.HostForm,
+    to_device: tuple[bool, ...],
 ) -> list:
     """The values of `refs` (variables of `program`), computed on the host from the
     inputs they need, moved to host memory first."""
@@ -143,7 +154,7 @@ def _on_host(
         env = _plan.run(program, eqns, env)
         return [env[r] for r in refs]
 
-    return list(_compat.on_host(compute, form)(*args))  # type: ignore[arg-type]
+    return list(_compat.on_host(compute, form, to_device)(*args))
 
 
 def _inputs_of(program: _plan.Program, refs: list) -> list[int]:
