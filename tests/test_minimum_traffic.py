@@ -29,12 +29,6 @@ DIRECTIONS = ("host_to_device", "device_to_host")
 HOST, DEVICE = minimum_bytes.PLACEMENTS  # the placements' names
 
 # Why a row moves more than its minimum: each cause is in the step, not the report.
-READ_AHEAD = (
-    "GPU: the streamed update reads one piece ahead (`_update/_streaming.py`, "
-    "`_scan_pieces`: `jnp.minimum(index + 1, pieces - 1)`), so its last step reads "
-    "the last layer of every leaf it overwrites (master, moments) a second time: "
-    "+1/layers of them (+50% at 2 layers)"
-)
 DEVICE_FP32_GRADIENT = (
     "`update='host'` under `compute_dtype`: a device-resident parameter's gradient "
     "goes to the host in float32 (the transpose of its bfloat16 cast), not bfloat16"
@@ -42,10 +36,6 @@ DEVICE_FP32_GRADIENT = (
 
 # (update, placement, dtype, target, direction) -> why it moves more
 EXCESS: dict[tuple[str, str, str, str, str], str] = {}
-for _placement in (HOST, DEVICE):
-    for _dtype in minimum_bytes.DTYPES:
-        key = ("streamed", _placement, _dtype, "gpu-h100", "host_to_device")
-        EXCESS[key] = READ_AHEAD
 for _target in TARGETS:
     EXCESS["host", DEVICE, "bfloat16", _target, "device_to_host"] = DEVICE_FP32_GRADIENT
 

@@ -346,8 +346,9 @@ def _scan_pieces(
     XLA (its CPU backend, at least) fuses that read into the computation of another
     input's new piece — after the write into the first — and then copies every
     overwritten input at every step; so there, step `k` reads piece `k + 1` from
-    the arrays it has just written piece `k` into, and carries it to the next step.
-    (On a TPU that read-ahead keeps two pieces on the device and costs memory.)"""
+    the arrays it has just written piece `k` into, and carries it to the next step;
+    the last piece is updated after the loop, so that nothing is read twice. (On
+    a TPU that read-ahead keeps two pieces on the device and costs memory.)"""
     whole, piece = plan.whole, plan.piece
     rows = group.rows
 
@@ -429,8 +430,19 @@ def _scan_pieces(
         indices = jnp.arange(group.pieces)
         if not read_ahead:
             return jax.lax.scan(body, fulls, indices)
-        (_, fulls), ys = jax.lax.scan(body, (current(fulls, 0), fulls), indices)
-        return fulls, ys
+        # The last piece after the loop: it has no next piece to read ahead (in
+        # the loop it would read itself again). Not where a new host-resident
+        # leaf is stacked from the pieces (it would be joined on the host).
+        stacked_on_host = any(
+            o.overwrite is None and o.kind == "pinned_host" for o in outputs
+        )
+        if group.pieces == 1 or stacked_on_host:
+            (_, fulls), ys = jax.lax.scan(body, (current(fulls, 0), fulls), indices)
+            return fulls, ys
+        first = (current(fulls, 0), fulls)
+        (now, fulls), ys = jax.lax.scan(body, first, indices[:-1])
+        fulls, last = step(indices[-1], others, now, fulls)
+        return fulls, [jnp.concatenate([y, z[None]]) for y, z in zip(ys, last)]
 
     fulls = [inputs[i] for i in carried] + [jnp.zeros((), jnp.float32)] * len(sum_slot)
     others = [inputs[i] for i in streamed]
