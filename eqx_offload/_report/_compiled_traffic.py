@@ -49,7 +49,7 @@ def count(
         for inst in comp.insts.values():
             for direction, nbytes, source, label in _moves(comp, inst):
                 scope = label or inst.op_name or _users_scope(comp, inst.name)
-                if _compiler.in_host_compute(scope):
+                if _compiler.in_host_compute(scope) and UPDATE_SCOPE in scope:
                     # A move XLA:GPU makes for a host computation's operand or
                     # result (named after the computation that uses it).
                     scope = _HOST_CALL_SCOPES[direction]
@@ -104,19 +104,22 @@ def _moves(comp: Computation, inst: Instruction) -> list[tuple[str, int, str, st
     if not inst.is_host_call:
         found = moved(comp, inst)
         return [] if found is None else [(*found, "")]
+    # The optimizer update's (a host computation elsewhere keeps its own name).
+    update = UPDATE_SCOPE in inst.op_name
+    scopes = _HOST_CALL_SCOPES if update else {d: "" for d in _HOST_CALL_SCOPES}
     out = []
     for name in inst.operands:
         operand = comp.insts.get(name)
         for array in _compiler.arrays(operand.shape) if operand is not None else []:
             if not array.host:
-                scope = _HOST_CALL_SCOPES["device_to_host"]
-                out.append(("device_to_host", array.nbytes, name, scope))
+                direction = "device_to_host"
+                out.append((direction, array.nbytes, name, scopes[direction]))
     parts = _compiler.tuple_elements(inst.shape)
     results = parts[1] if inst.opcode.endswith("-start") else inst.shape
     for array in _compiler.arrays(results):
         if not array.host:
-            scope = _HOST_CALL_SCOPES["host_to_device"]
-            out.append(("host_to_device", array.nbytes, inst.name, scope))
+            direction = "host_to_device"
+            out.append((direction, array.nbytes, inst.name, scopes[direction]))
     return out
 
 
