@@ -165,7 +165,8 @@ def on_host(
         # as device memory inside, every value is alike; the host computes and
         # moves the same.
         outs = fn(*[jax.device_put(x, device) for x in args])
-        return [jax.device_put(x, s) for x, s in zip(outs, spaces(len(outs)))]
+        places = spaces(len(outs))
+        return [jax.device_put(x, s) for x, s in zip(outs, places, strict=True)]
 
     if form == "context":
 
@@ -176,7 +177,8 @@ def on_host(
         return in_context
 
     def decorated(*args: Any) -> Any:
-        n = len(jax.eval_shape(typed, *args))
+        # (How many results: given, else traced once more to count them.)
+        n = len(to_device) if to_device else len(jax.eval_shape(typed, *args))
         decorator: Any = getattr(module, "compute_on2", None) or module.compute_on
         on = decorator(typed, compute_type="device_host", out_memory_spaces=spaces(n))
         return on(*args)

@@ -202,24 +202,31 @@ def value_and_grad(
     if k == 1:
         # Received by the compute copies: each gradient crosses to the host once,
         # in the compute dtype (exactly: it is computed in it), and the update
-        # casts it to its master's dtype where it runs.
+        # casts it to its master's dtype where it runs. (Not a streamed table's,
+        # written into its receiver block by block: `_accumulate._add_host`.)
         copies = {leaf.path: leaf.value for leaf in model_leaves}
-        masters = [copies.get(leaf.path, leaf.value) for leaf, _ in tapped]
-    if k == 1:
-        (_, (value, aux)), grads = grad((masters, device_params), batch, False)
+        receivers = [
+            leaf.value
+            if any(_paths.prefix_match(p, leaf.path) is not None for p in stream)
+            else copies.get(leaf.path, leaf.value)
+            for leaf, _ in tapped
+        ]
+        (_, (value, aux)), grads = grad((receivers, device_params), batch, False)
     else:
         # One loop over every micro-batch. The first does not read the host
         # accumulators (they start as the masters: any value of their shape and
         # placement), so nothing is zero-initialised on the host.
         parts = split(batch, k, unsplit)
 
-        def body(carry: tuple, part: tuple) -> tuple:
-            (accs, device_grads), total, index = carry
-            arguments = tuple(
+        def arguments(part: tuple) -> tuple:
+            return tuple(
                 whole if p is None else p for whole, p in zip(batch, part, strict=True)
             )
+
+        def body(carry: tuple, part: tuple) -> tuple:
+            (accs, device_grads), total, index = carry
             (_, (value, aux)), (accs, new) = grad(
-                (accs, device_params), arguments, index > 0
+                (accs, device_params), arguments(part), index > 0
             )
             device_grads = [a + b for a, b in zip(device_grads, new, strict=True)]
             return ((accs, device_grads), total + value, index + 1), aux
@@ -227,18 +234,22 @@ def value_and_grad(
         zeros = [jnp.zeros_like(x) for x in device_params]
         init = ((masters, zeros), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
         if on_host:
-            # The first micro-batch before the loop: its gradients start the host
-            # accumulators. (Started as the masters, the loop's accumulators and
-            # the masters are both operands of the host update, and the TPU
-            # compiler fails to alias them: "output index {0} is already aliased
-            # with param 0".)
-            first = jtu.tree_map(lambda p: p[0], parts)
-            init, aux_first = body(init, first)
+            # The first micro-batch before the loop, never reading them: its
+            # gradients start the host accumulators. (Started as the masters, the
+            # loop's accumulators and the masters are both operands of the host
+            # update, and the TPU compiler fails to alias them: "output index {0}
+            # is already aliased with param 0".)
+            first = arguments(jtu.tree_map(lambda p: p[0], parts))
+            (_, (value, aux_first)), (accs, new) = grad(
+                (masters, device_params), first, False
+            )
+            device_grads = [a + b for a, b in zip(zeros, new, strict=True)]
+            init = ((accs, device_grads), init[1] + value, init[2] + 1)
             parts = jtu.tree_map(lambda p: p[1:], parts)
         (grads, total, _), aux = jax.lax.scan(body, init, parts)
         if on_host:
             aux = jtu.tree_map(
-                lambda a, b: jnp.concatenate([a[None], b]), aux_first, aux
+                lambda a, b: jnp.concatenate([jnp.asarray(a)[None], b]), aux_first, aux
             )
         value = total / k
     by_path = dict(

@@ -269,3 +269,27 @@ def test_compiled_update_runs_on_the_host(target, width, microbatches, dtype):
     # Only the gradients cross to the host in the update.
     update = [t for t in report.compiled_transfers if t.phase == "update"]
     assert {t.what for t in update if t.bytes > 4} <= {"gradients"}
+
+
+def test_a_learning_rate_passed_to_the_step():
+    """An optimizer built inside the step from a traced learning rate: the host
+    computation takes it as an operand (it closes over a tracer)."""
+    policy = host_policy()
+    model = eo.place(Model(key=jax.random.key(0)), policy)
+    opt_state = eo.init_opt_state(optax.adamw(LR), model, policy)
+    tokens, targets = next(batches(batch=4))
+    loss = eo.filter_offload(cross_entropy, policy)
+
+    @eqx.filter_jit(donate="all-except-first")
+    def step(batch, lr, model, opt_state):
+        _, grads = eqx.filter_value_and_grad(loss)(model, *batch)
+        optimizer = optax.adamw(lr)
+        return eo.optimizer_update(optimizer, grads, opt_state, model, policy)
+
+    model, _ = step((tokens, targets), jnp.asarray(LR), model, opt_state)
+    plain = eo.Policy.none()
+    reference = eo.place(Model(key=jax.random.key(0)), plain)
+    state = eo.init_opt_state(optax.adamw(LR), reference, plain)
+    step_plain = eo.train_step(cross_entropy, optax.adamw(LR), plain)
+    reference, _, _ = step_plain(reference, state, tokens, targets)
+    assert_trees_close(model, reference, atol=ADAM_ATOL)

@@ -24,7 +24,7 @@ from .._report import (
     platform as target_platform,
 )
 from .._train_step import train_step
-from .._update import init_opt_state
+from .._update import init_opt_state, NotOnHost
 from ._budget import parse_bytes
 from ._candidates import Candidate, Move, Settings
 from ._search import IMPROVE_COMPILES, Search
@@ -298,8 +298,10 @@ def _update_on_host(search: Search) -> None:
         for candidate in tried:
             try:
                 search.evaluate(candidate)
-            except ValueError:  # an optimizer the host cannot run (a loop)
-                return
+            except ValueError as e:
+                if not isinstance(e.__cause__, NotOnHost):
+                    raise
+                return  # an optimizer the host cannot run (a loop): none will
 
 
 def _start(

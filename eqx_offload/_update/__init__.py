@@ -7,6 +7,7 @@ shared, piecewise or global), `_streaming` runs it piece by piece, and
 `_optimizer_update` is the public update for a hand-written step.
 """
 
+from ._host import NotOnHost as NotOnHost
 from ._optim import (
     as_transformation as as_transformation,
     check_model as check_model,

@@ -68,7 +68,7 @@ def update(
     def apply(*xs: Any) -> list:
         g, s, p = xs[:n_g], xs[n_g : n_g + n_s], xs[n_g + n_s :]
         # A gradient sent in the compute dtype, cast where the update runs.
-        g = [gi.astype(pi.dtype) for gi, pi in zip(g, p, strict=True)]
+        g = [_upcast(gi, pi) for gi, pi in zip(g, p, strict=True)]
         grads = jtu.tree_unflatten(p_def, g)
         p_tree = jtu.tree_unflatten(p_def, p)
         updates, state = optimizer.update(grads, jtu.tree_unflatten(s_def, s), p_tree)
@@ -133,6 +133,13 @@ def update(
     return new_params, new_state, dict(zip(_metrics.METRICS, outs[-3:]))
 
 
+def _upcast(g: Any, p: Any) -> Any:
+    """A gradient in a narrower dtype than its parameter (sent in the compute
+    dtype) in the parameter's; any other as it is."""
+    narrower = g is not None and g.dtype.itemsize < p.dtype.itemsize
+    return g.astype(p.dtype) if narrower else g
+
+
 def _on_host(
     program: _plan.Program,
     refs: list,
@@ -171,8 +178,12 @@ def _inputs_of(program: _plan.Program, refs: list) -> list[int]:
 
 def _as_constant(c: Any) -> Any:
     """A constant the update closes over, as a NumPy array: a constant of the
-    traced program wherever it is used, not an array committed to a device."""
-    return np.asarray(c) if isinstance(c, jax.Array) else c
+    traced program wherever it is used, not an array committed to a device. A
+    traced value (a learning rate passed to the step) stays as it is: the host
+    computation takes it as an operand."""
+    if isinstance(c, jax.core.Tracer) or not isinstance(c, jax.Array):
+        return c
+    return np.asarray(c)
 
 
 def check_runnable(closed: Any) -> None:

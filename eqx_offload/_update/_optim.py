@@ -395,7 +395,16 @@ def update(
     with jax.named_scope("grad"):  # named for `memory_report`'s traffic
         grads = to_device(grads)
     # A gradient sent in the compute dtype (`_microbatch`), cast on the device.
-    grads = jtu.tree_map(lambda g, p: g.astype(p.dtype), grads, trainable(model))
+    grads = jtu.tree_map(
+        lambda g, p: (
+            g.astype(p.dtype)
+            if g is not None and g.dtype.itemsize < p.dtype.itemsize
+            else g
+        ),
+        grads,
+        trainable(model),
+        is_leaf=lambda x: x is None,
+    )
     updates, opt_state = optimizer.update(grads, to_device(opt_state), trainable(model))
     model = eqx.apply_updates(model, updates)
     norms = _metrics.norms(grads, updates, trainable(model)) if metrics else None

@@ -104,7 +104,10 @@ def update(
 
     def apply(g: list, s: list, p: list) -> list:
         # A gradient sent in the compute dtype, cast here, a piece at a time.
-        g = [gi.astype(pi.dtype) for gi, pi in zip(g, p, strict=True)]
+        g = [
+            gi.astype(pi.dtype) if gi.dtype.itemsize < pi.dtype.itemsize else gi
+            for gi, pi in zip(g, p, strict=True)
+        ]
         grads = jtu.tree_unflatten(p_def, g)
         updates, state = optimizer.update(
             grads, jtu.tree_unflatten(s_def, s), jtu.tree_unflatten(p_def, p)
