@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import optax
+from jax.core import Tracer
 
 from .. import _compat, _jaxpr
 from .._memory_kinds import is_host, to_space
@@ -136,8 +137,9 @@ def update(
 def _upcast(g: Any, p: Any) -> Any:
     """A gradient in a narrower dtype than its parameter (sent in the compute
     dtype) in the parameter's; any other as it is."""
-    narrower = g is not None and g.dtype.itemsize < p.dtype.itemsize
-    return g.astype(p.dtype) if narrower else g
+    if g is None or g.dtype.itemsize >= p.dtype.itemsize:
+        return g
+    return g.astype(p.dtype)
 
 
 def _on_host(
@@ -181,7 +183,7 @@ def _as_constant(c: Any) -> Any:
     traced program wherever it is used, not an array committed to a device. A
     traced value (a learning rate passed to the step) stays as it is: the host
     computation takes it as an operand."""
-    if isinstance(c, jax.core.Tracer) or not isinstance(c, jax.Array):
+    if isinstance(c, Tracer) or not isinstance(c, jax.Array):
         return c
     return np.asarray(c)
 
