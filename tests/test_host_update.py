@@ -293,3 +293,24 @@ def test_a_learning_rate_passed_to_the_step():
     step_plain = eo.train_step(cross_entropy, optax.adamw(LR), plain)
     reference, _, _ = step_plain(reference, state, tokens, targets)
     assert_trees_close(model, reference, atol=ADAM_ATOL)
+
+
+def test_metrics_tie_no_leaf_to_the_host():
+    """`metrics=True`: each leaf's sum of squares is computed where the leaf is
+    updated, so the global norms do not bring the leaves updated on the device
+    (the embedding's and head's, whose state stays there) to the host: the
+    compiled step moves what it moves without metrics, but a few scalars."""
+    model, loss, batch = cm.case("gpt", 128, 2, jnp.float32)
+    optimizer = optax.adamw(LR)
+    state = {"**": "pinned_host", "head": "device", "embed": "device"}
+    policy = host_policy(params="device", opt_state=state)
+    model = eo.place(model, policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    moved = []
+    for metrics in (False, True):
+        step = eo.train_step(loss, optimizer, policy, metrics=metrics)
+        report = eo.memory_report(step, model, opt_state, *batch, target="tpu-v5e")
+        directions = ("host_to_device", "device_to_host")
+        moved.append([report.transfer_bytes(d, compiled=True) for d in directions])
+    (h2d, d2h), (h2d_metrics, d2h_metrics) = moved
+    assert 0 <= h2d_metrics - h2d <= 256 and 0 <= d2h_metrics - d2h <= 256, moved

@@ -50,8 +50,9 @@ def update(
     with the host-resident part computed on the host's CPU. `params` is the
     trainable part of the model; `out_kinds` the memory kind of each new parameter
     and state leaf; `metrics`: also the global norms of the gradients, the updates
-    and the new parameters (computed where the values are, then sent to the
-    device); `form`: the form of JAX's host compute (`_compat.on_host`).
+    and the new parameters (each leaf's sum of squares computed where the leaf
+    is, so that the norms tie no leaf to the host, and added on the device);
+    `form`: the form of JAX's host compute (`_compat.on_host`).
 
     **Returns:** the new parameters and optimizer state, in their memory kinds,
     and the metrics (on the device) or None.
@@ -75,8 +76,9 @@ def update(
         updates, state = optimizer.update(grads, jtu.tree_unflatten(s_def, s), p_tree)
         new = eqx.apply_updates(p_tree, updates)
         out = jtu.tree_leaves(new) + jtu.tree_leaves(state)
-        if metrics:
-            out += list(_metrics.norms(grads, updates, new).values())
+        if metrics:  # each leaf's sum of squares, computed where the leaf is
+            for tree in (grads, updates, new):
+                out += [_metrics.squares(x) for x in jtu.tree_leaves(tree)]
         return out
 
     avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
@@ -131,7 +133,9 @@ def update(
     new_state = jtu.tree_unflatten(s_def, outs[n_p : len(out_kinds[0] + out_kinds[1])])
     if not metrics:
         return new_params, new_state, None
-    return new_params, new_state, dict(zip(_metrics.METRICS, outs[-3:]))
+    squares = outs[len(out_kinds[0] + out_kinds[1]) :]
+    sums = [sum(squares[i * n_p : (i + 1) * n_p]) for i in range(3)]
+    return new_params, new_state, dict(zip(_metrics.METRICS, map(jnp.sqrt, sums)))
 
 
 def _upcast(g: Any, p: Any) -> Any:

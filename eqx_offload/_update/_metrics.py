@@ -20,3 +20,9 @@ def norms(grads: Any, updates: Any, params: Any) -> dict[str, Any]:
         return optax.tree.norm(leaves)
 
     return dict(zip(METRICS, (norm(grads), norm(updates), norm(params))))
+
+
+def squares(x: Any) -> Any:
+    """The sum of the squares of an array's elements, in float32: one leaf's
+    part of a global norm."""
+    return jnp.sum(jnp.square(x.astype(jnp.float32)))
