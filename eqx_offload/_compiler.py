@@ -11,6 +11,7 @@ text fails there. The private Python parts of JAX and Equinox are in
 
 import json
 import re
+from collections.abc import Iterator
 from typing import NamedTuple
 
 
@@ -403,34 +404,32 @@ class HloModule(NamedTuple):
     entry: str  # the entry computation's name
 
 
-def arrays(shape: str) -> list[Array]:
-    """The arrays of a shape (one, or a tuple's), skipping tokens and opaque types."""
-    out = []
+def _array_parts(shape: str) -> Iterator[tuple[str, int, str]]:
+    """(dtype, elements, layout) of each array of a shape (one, or a tuple's),
+    skipping tokens and opaque types."""
     for dtype, dims, layout in _ARRAY.findall(shape):
         if dtype not in _BYTES and not dtype.startswith(("f8", "s4", "u4")):
             continue
         n = 1
         for d in filter(None, dims.split(",")):
             n *= int(d)
-        size = _BYTES.get(dtype, 1)
-        space = re.search(r"S\((\d+)\)", layout or "")
+        yield dtype, n, layout or ""
+
+
+def arrays(shape: str) -> list[Array]:
+    """The arrays of a shape (one, or a tuple's), skipping tokens and opaque types."""
+    out = []
+    for dtype, n, layout in _array_parts(shape):
+        space = re.search(r"S\((\d+)\)", layout)
         number = int(space[1]) if space else 0
-        out.append(Array(n * size, number == 5, number not in (0, 5)))
+        out.append(Array(n * _BYTES.get(dtype, 1), number == 5, number not in (0, 5)))
     return out
 
 
 def elements(shape: str) -> int:
     """The number of elements of a shape's arrays (a tuple's, summed), skipping
     tokens and opaque types."""
-    total = 0
-    for dtype, dims, _ in _ARRAY.findall(shape):
-        if dtype not in _BYTES and not dtype.startswith(("f8", "s4", "u4")):
-            continue
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n
-    return total
+    return sum(n for _, n, _ in _array_parts(shape))
 
 
 def array_type(shape: str) -> tuple[str, list[int]] | None:

@@ -83,21 +83,11 @@ class MinimumTraffic(NamedTuple):
 
     @property
     def host_to_device(self) -> int:
-        return (
-            self.params_to_device
-            + self.gradients_to_device
-            + self.opt_state_to_device
-            + self.residuals_to_device
-        )
+        return sum(n for f, n in self._asdict().items() if f.endswith("_to_device"))
 
     @property
     def device_to_host(self) -> int:
-        return (
-            self.params_to_host
-            + self.gradients_to_host
-            + self.opt_state_to_host
-            + self.residuals_to_host
-        )
+        return sum(n for f, n in self._asdict().items() if f.endswith("_to_host"))
 
     def bytes(
         self,

@@ -119,9 +119,10 @@ def update(
 
     device_refs = [r for r, h in zip(program.outs, on_host) if not h]
     env: dict[int, Any] = {i: _as_constant(c) for i, c in program.consts.items()}
-    for i in _inputs_of(program, device_refs):
+    device_eqns = _plan.needed(program, device_refs)
+    for i in _inputs_of(program, device_eqns, device_refs):
         env[i] = to_space(value_of[i], "device", "")
-    _plan.run(program, _plan.needed(program, device_refs), env)
+    _plan.run(program, device_eqns, env)
     for position, (ref, h) in enumerate(zip(program.outs, on_host)):
         if not h:
             outs[position] = ref.value if isinstance(ref, Literal) else env[ref]
@@ -156,7 +157,7 @@ def _on_host(
     """The values of `refs` (variables of `program`), computed on the host from the
     inputs they need, moved to host memory first."""
     eqns = _plan.needed(program, refs)
-    ins = _inputs_of(program, refs)
+    ins = _inputs_of(program, eqns, refs)
     with jax.named_scope("grad"):  # (device-resident values: mostly gradients)
         args = [to_space(value_of[i], "pinned_host", "") for i in ins]
     consts = {i: _as_constant(c) for i, c in program.consts.items()}
@@ -170,14 +171,10 @@ def _on_host(
     return list(_compat.on_host(compute, form, to_device)(*args))
 
 
-def _inputs_of(program: _plan.Program, refs: list) -> list[int]:
-    """The inputs of `program` that computing `refs` reads (in input order)."""
-    read = {
-        r
-        for n in _plan.needed(program, refs)
-        for r in program.eqns[n].ins
-        if isinstance(r, int)
-    }
+def _inputs_of(program: _plan.Program, eqns: list[int], refs: list) -> list[int]:
+    """The inputs of `program` that computing `refs` with the equations `eqns`
+    reads (in input order)."""
+    read = {r for n in eqns for r in program.eqns[n].ins if isinstance(r, int)}
     read.update(r for r in refs if isinstance(r, int))
     return [i for i in program.ins if i in read]
 
