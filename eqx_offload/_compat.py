@@ -17,6 +17,24 @@ JAX_VERSION = "0.10.2"
 EQUINOX_VERSION = "0.13.8"
 
 
+def forward_mode(tree: Any) -> bool:
+    """Whether a leaf of `tree` is being differentiated in forward mode (`jax.jvp`,
+    `jax.jacfwd`), where a `jax.custom_vjp` cannot run. Reverse mode (`jax.vjp`,
+    `jax.grad`) linearizes with another tracer (JAX's direct linearization, on
+    by default since jax 0.7)."""
+    from jax._src.interpreters import ad
+
+    return any(isinstance(x, ad.JVPTracer) for x in jax.tree.leaves(tree))
+
+
+def batched(tree: Any) -> bool:
+    """Whether a leaf of `tree` is batched by the innermost transformation
+    (`jax.vmap` around the call, not around a derivative of it)."""
+    from jax._src.interpreters import batching
+
+    return any(isinstance(x, batching.BatchTracer) for x in jax.tree.leaves(tree))
+
+
 def retype_in_host_memory(x: jax.Array) -> jax.Array:
     """The buffers of `x`, a host-resident array whose type says device memory, as
     an array whose type says host memory (no copy).

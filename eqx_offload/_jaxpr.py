@@ -63,6 +63,14 @@ def is_device_put(x: Any) -> bool:
     return _primitive(x) is _p.device_put_p
 
 
+def is_dynamic_slice(x: Any) -> bool:
+    return _primitive(x) is _p.dynamic_slice_p
+
+
+def is_squeeze(x: Any) -> bool:
+    return _primitive(x) is _p.squeeze_p
+
+
 def is_optimization_barrier(x: Any) -> bool:
     return _primitive(x) is jax.lax.optimization_barrier_p
 

@@ -128,6 +128,7 @@ class Policy(eqx.Module):
     stream: tuple[str, ...] = eqx.field(static=True)
     loss_axes: Literal["auto", "explicit"] = eqx.field(static=True)
     host_remat: bool = eqx.field(static=True)
+    prefetch: int = eqx.field(static=True)
 
     def __init__(
         self,
@@ -149,6 +150,7 @@ class Policy(eqx.Module):
         stream: Sequence[str] = (),
         loss_axes: Literal["auto", "explicit"] = "auto",
         host_remat: bool = False,
+        prefetch: int = 0,
     ):
         """**Arguments:**
 
@@ -261,6 +263,19 @@ class Policy(eqx.Module):
             libtpu 0.0.42 aborted the process compiling a 66-layer GPT step with
             it (a failed check in its rematerialization pass): `plan` compiles
             it in a child process; try it on small programs first.
+        - `prefetch`: how many layers ahead a `Stacked`'s scan reads its layers.
+            `0` (the default): each layer is read where the scan reaches it, as
+            a plain `jax.lax.scan` does. `1`: while layer `i` computes, the
+            forward pass reads layer `i + 1`'s parameters and the backward pass
+            layer `i - 1`'s parameters and offloaded residuals, so the compiler
+            can hide the host link behind compute, for one more layer on the
+            device and one more layer read per step. It applies to a `Stacked`
+            whose parameters live on the host or whose residuals are offloaded
+            (elsewhere the scan is plain), and not yet under a mesh with
+            `Explicit` axes. Under forward-mode differentiation (`jax.jvp`)
+            the scan is plain whatever the value (a prefetching scan is a
+            `jax.custom_vjp`); `jax.linearize` of a prefetching step cannot be
+            evaluated: use `prefetch=0` there.
         """
         self.params = _params(params)
         self.save = "all" if save == "all" else _name_patterns(save, "save")
@@ -283,6 +298,7 @@ class Policy(eqx.Module):
         if not isinstance(host_remat, bool):
             raise TypeError(f"`Policy(host_remat={host_remat!r})`: give True or False.")
         self.host_remat = host_remat
+        self.prefetch = prefetch
         if self.keep_dtype and self.compute_dtype is None:
             raise ValueError(
                 f"`Policy(keep_dtype={self.keep_dtype!r})` has no effect without "
@@ -314,6 +330,11 @@ class Policy(eqx.Module):
                 "its state lives, but `opt_state` keeps it on the device; put it on "
                 "the host with `opt_state='pinned_host'` (as "
                 "`Policy.offload_all()` does), or drop `update='host'`."
+            )
+        if isinstance(self.prefetch, bool) or self.prefetch not in (0, 1):
+            raise ValueError(
+                f"`Policy(prefetch={self.prefetch!r})`: valid values are 0 (read "
+                "each layer where the scan reaches it) and 1 (read one layer ahead)."
             )
         if self.loss_axes not in ("auto", "explicit"):
             raise ValueError(

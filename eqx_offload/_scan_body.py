@@ -15,7 +15,16 @@ import jax
 import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name
 
-from . import _accumulate, _jaxpr, _layout, _paths, _remat_names, _residuals
+from . import (
+    _accumulate,
+    _compat,
+    _jaxpr,
+    _layout,
+    _paths,
+    _prefetch,
+    _remat_names,
+    _residuals,
+)
 from ._memory_kinds import is_arraylike, is_host
 from ._policy import checkpoint_patterns, Policy, split_names
 from ._stacked import (
@@ -46,6 +55,9 @@ class ScanConfig(AbstractScan):
             accs = [None if t is None else whole_to_device(t.acc) for t in taps]
             taps = [None if t is None else (t.dtype, t.read) for t in taps]
         layers = (dynamic, accs)
+        done = _prefetching_scan(self, f, static, carry, layers, xs, taps, length)
+        if done is not None:
+            return done
         body = _offload_body(self, f, static, carry, layers, xs, taps)
         return jax.lax.scan(body, carry, (layers, xs), length=length)
 
@@ -156,6 +168,22 @@ def _offload_body(
     """The configured scan body: host slices to the device (each through its
     gradient tap, if any), the carry named, output of named submodules named, and
     `jax.checkpoint` with the policy's names."""
+    read, layer_fn = _body_parts(config, f, static, taps)
+
+    def body(c: Any, inputs: Any) -> Any:
+        layers, x = inputs
+        return layer_fn(c, read(layers), x)
+
+    return _checkpointed(config, body, carry, dynamic, xs)[0]
+
+
+def _body_parts(
+    config: ScanConfig, f: Callable, static: Any, taps: list | None
+) -> tuple[Callable, Callable]:
+    """The scan body in two parts: `read(layer_arrays, accs)`, a layer slice moved
+    to the device (through its gradient taps; gathered, under FSDP), and
+    `layer_fn(carry, layer_arrays, x)`, which names the carry and the named
+    submodules' outputs and applies `f`."""
     path, policy = config.path, config.policy
     if isinstance(static, Stacked):
         raise ValueError(
@@ -175,27 +203,51 @@ def _offload_body(
             return _with_class(module, _named_class(type(module), sub_path))
         return module
 
-    def body(c: Any, inputs: Any) -> Any:
-        (layer_arrays, accs), x = inputs
+    def read(layers: Any) -> Any:
+        layer_arrays, accs = layers
+        layer_arrays = to_device(layer_arrays)
+        if taps is not None:
+            layer_arrays = _tap_layer(layer_arrays, accs, taps)
+        return _layout.gather_fsdp(layer_arrays, path, policy.shard)
+
+    def layer_fn(c: Any, layer_arrays: Any, x: Any) -> Any:
         if policy.save != "all":
             # Named first, before any use: a name on anything downstream of the
             # carry (e.g. the previous layer's output) is not a residual here.
             c = jtu.tree_map(lambda v: checkpoint_name(v, carry_name), c)
-        layer_arrays = to_device(layer_arrays)
-        if taps is not None:
-            layer_arrays = _tap_layer(layer_arrays, accs, taps)
-        layer_arrays = _layout.gather_fsdp(layer_arrays, path, policy.shard)
         layer = eqx.combine(layer_arrays, static)
         layer = _map_submodules(layer, path, configure_inside)
         with _accumulate.taps(None):  # a nested `Stacked`'s leaves are tapped here
             new, y = f(layer, c, x)
         return keep_carry_sharding(new, c), y
 
-    if policy.save == "all":  # no checkpoint, so names would mean nothing
-        return body
+    return read, layer_fn
+
+
+def _checkpointed(
+    config: ScanConfig, body: Callable, carry: Any, dynamic: Any, xs: Any
+) -> tuple[Callable, list[str]]:
+    """`body(carry, (layers, x))` under `jax.checkpoint` with the policy's names
+    (unchanged under `save="all"`), and the names it offloads."""
+    found = _remat_policy(config, body, carry, dynamic, xs)
+    if found is None:
+        return body, []
+    checkpoint_policy, offload = found
+    return jax.checkpoint(body, policy=checkpoint_policy, prevent_cse=False), offload
+
+
+def _remat_policy(
+    config: ScanConfig, body: Callable, carry: Any, dynamic: Any, xs: Any
+) -> tuple[Callable, list[str]] | None:
+    """The `jax.checkpoint` policy of the policy's names that occur in `body` (one
+    layer, traced once to learn them), and the names it offloads; None under
+    `save="all"`, which has no checkpoint (names would mean nothing)."""
+    policy = config.policy
+    if policy.save == "all":
+        return None
     names: tuple[str, ...] = ()
     residual_names: tuple[str, ...] = ()
-    if patterns:
+    if checkpoint_patterns(policy):
         names, residual_names = _probe_names(body, carry, dynamic, xs)
     save, offload = split_names(policy, names)
     checkpoint_policy = jax.checkpoint_policies.save_and_offload_only_these_names(
@@ -204,10 +256,45 @@ def _offload_body(
         offload_src="device",
         offload_dst=policy.offload_dst,
     )
-    occurrence = _remat_names.Occurrence(path, names, residual_names)
+    occurrence = _remat_names.Occurrence(config.path, names, residual_names)
     _remat_names.attach(checkpoint_policy, occurrence)
     _remat_names.record(occurrence)
-    return jax.checkpoint(body, policy=checkpoint_policy, prevent_cse=False)
+    return checkpoint_policy, offload
+
+
+def _prefetching_scan(
+    config: ScanConfig,
+    f: Callable,
+    static: Any,
+    carry: Any,
+    layers: Any,
+    xs: Any,
+    taps: list | None,
+    length: int,
+) -> tuple[Any, Any] | None:
+    """The scan that reads one layer ahead (`_prefetch.py`), or None where the
+    plain scan runs: `Policy(prefetch=0)`, nothing to read ahead (parameters on
+    the device and no residual offloaded), forward-mode differentiation, or a
+    mesh with `Explicit` axes (not yet supported)."""
+    if config.policy.prefetch == 0 or _compat.forward_mode((carry, layers, xs)):
+        return None
+    if _layout.explicit_axes():  # not yet: the plain scan
+        return None
+    read, layer_fn = _body_parts(config, f, static, taps)
+
+    def body(c: Any, inputs: Any) -> Any:
+        layer_slices, x = inputs
+        return layer_fn(c, read(layer_slices), x)
+
+    found = _remat_policy(config, body, carry, layers, xs)
+    offload = [] if found is None else found[1]
+    if not _host_leaves(config, layers[0]) and not offload:
+        return None
+    if found is not None:
+        layer_fn = jax.checkpoint(layer_fn, policy=found[0], prevent_cse=False)
+    return _prefetch.scan(
+        layer_fn, read, carry, layers, xs, length, linear=taps is None
+    )
 
 
 def _probe_names(

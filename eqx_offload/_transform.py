@@ -267,6 +267,14 @@ def _find_misuse(
                 ):
                     return w, "device_put"
             continue
+        if set(used) == {0} and (
+            _jaxpr.is_dynamic_slice(eqn)
+            or (used[0].is_slice and _jaxpr.is_squeeze(eqn))
+        ):
+            # A layer read ahead by a prefetching scan (`_prefetch.py`): like a
+            # slice the scan takes, it may only be moved to the device.
+            watched[eqn.outvars[0]] = used[0]._replace(is_slice=True)
+            continue
         subs = _jaxpr.sub_jaxprs(eqn)
         if subs is None:
             return next(iter(used.values())), _jaxpr.primitive_name(eqn)
@@ -285,8 +293,9 @@ def _find_misuse(
                 for inner_out, out in zip(sub.outvars, eqn.outvars):
                     if _jaxpr.is_literal(inner_out):  # a constant output
                         continue
-                    if inner_out in inner and inner[inner_out].streamed:
-                        watched[out] = inner[inner_out]
+                    w = inner.get(inner_out)
+                    if w is not None and (w.streamed or w.is_slice):
+                        watched[out] = w
     return None
 
 

@@ -1,0 +1,289 @@
+"""A scan over a `Stacked`'s layers that reads layer `i + 1` while layer `i`
+computes, in the forward pass and (reading layer `i - 1`) in the backward pass.
+
+Inside a plain scan body the read of a layer's host-resident parameters starts and
+ends right before its matmuls: nothing else is there to hide it behind. Carrying
+the next layer's parameters in the scan's carry lets the compiler start its read
+at the top of the body and end it after this layer's compute. Under JAX's own
+autodiff that carry would become a residual (every layer's parameters saved on the
+device) and the transposed scan would read each layer at the top of its body, so
+the scan is a `jax.custom_vjp` with both scans written here:
+
+- forward: carry `(x, layer i)`; the body reads layer `i + 1`, and runs layer `i`
+  under `jax.vjp`, keeping of its residuals only those that are not one of its
+  inputs (the saved and offloaded activations: a layer's parameters and per-layer
+  inputs are read again in the backward pass rather than saved);
+- backward: a reverse scan with carry `(cotangent, layer i, layer i's offloaded
+  residuals)`; the body reads layer `i - 1` and its offloaded residuals, rebuilds
+  layer `i`'s `jax.vjp` from its parameters and saved residuals, and applies it.
+
+The last forward iteration reads layer `n - 1` again (the first layer the backward
+pass needs: it is carried over, not read twice), and the last backward iteration
+reads layer 0 again, which is the one read more than a plain scan does; a
+forward-only scan reads layer `n - 1` twice.
+
+A `custom_vjp` has no forward-mode derivative: `jax.jvp` of a step that prefetches
+is refused by the caller (`_scan_body.py`), which runs the plain scan there.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax.custom_derivatives import SymbolicZero
+
+from . import _compat
+from ._memory_kinds import is_host, to_space
+
+
+def scan(
+    layer_fn: Callable[[Any, Any, Any], tuple[Any, Any]],
+    read: Callable[[Any], Any],
+    carry: Any,
+    stacked: Any,
+    xs: Any,
+    length: int,
+    linear: bool = False,
+) -> tuple[Any, Any]:
+    """`jax.lax.scan` of `layer_fn(carry, read(stacked[i]), xs[i]) -> (carry, y)`
+    over `i < length`, with each `read` issued one iteration ahead (forward and
+    backward). `read` moves one layer's slice to the device (and may gather or
+    cast it). Its transpose is taken in the backward pass: with
+    `jax.linear_transpose` where `linear` (a move and a gather), else with
+    `jax.vjp` (a gradient tap), whose forward part, unused, the compiler
+    removes."""
+    # Abstractly: an operation on a host-resident stack outside the scan is a
+    # computation on the host (`filter_offload` refuses it).
+    layer0 = jax.eval_shape(lambda s: read(jtu.tree_map(lambda a: a[0], s)), stacked)
+    x0 = jax.eval_shape(lambda s: jtu.tree_map(lambda a: a[0], s), xs)
+    fn, consts = jax.closure_convert(layer_fn, carry, layer0, x0)
+    if not _compat.batched((consts, carry, stacked, xs)):
+        return _scan(_Meta(fn, read, length, {}, linear), consts, carry, stacked, xs)
+
+    # Inside `jax.vmap` (a model applied per example): the batch is moved inside
+    # the layer, so that the scans see one batch of layers. Under JAX's batching
+    # of a `custom_vjp`, each example's gradient of the (unbatched) parameters
+    # would be moved to the host before they are summed.
+    @jax.custom_batching.custom_vmap
+    def whole(consts: list, carry: Any, stacked: Any, xs: Any) -> Any:
+        return _scan(_Meta(fn, read, length, {}, linear), consts, carry, stacked, xs)
+
+    @whole.def_vmap
+    def _(size: int, batched: Any, consts: list, carry: Any, stacked: Any, xs: Any):
+        b_consts, b_carry, b_stacked, b_xs = batched
+        if any(jtu.tree_leaves(b_stacked)):  # per-example layers: as JAX batches
+            axes = jtu.tree_map(lambda b: 0 if b else None, batched)
+            out = jax.vmap(whole.fun, in_axes=tuple(axes))(consts, carry, stacked, xs)
+            return out, jtu.tree_map(lambda _: True, out)
+
+        def every(x: Any, b: bool) -> Any:  # the carry batched throughout
+            return x if b else jnp.broadcast_to(x, (size,) + jnp.shape(x))
+
+        carry = jtu.tree_map(every, carry, b_carry)
+        xs = jtu.tree_map(lambda x, b: jnp.moveaxis(x, 0, 1) if b else x, xs, b_xs)
+        in_axes = (
+            jtu.tree_map(lambda _: 0, carry),
+            None,
+            jtu.tree_map(lambda b: 0 if b else None, b_xs),
+            *[0 if b else None for b in b_consts],
+        )
+        per_example = jax.vmap(fn, in_axes=in_axes)
+        meta = _Meta(per_example, read, length, {}, linear)
+        c, ys = _scan(meta, consts, carry, stacked, xs)
+        ys = jtu.tree_map(lambda y: jnp.moveaxis(y, 1, 0), ys)
+        out = (c, ys)
+        return out, jtu.tree_map(lambda _: True, out)
+
+    return whole(consts, carry, stacked, xs)
+
+
+class _Meta:
+    """What the scans share and do not differentiate: the closure-converted layer
+    function, `read`, the length, and (filled in by the forward pass) how to
+    rebuild a layer's `jax.vjp` from its inputs and saved residuals."""
+
+    def __init__(
+        self, fn: Callable, read: Callable, length: int, rebuild: dict, linear: bool
+    ):
+        self.fn = fn
+        self.read = read
+        self.length = length
+        self.rebuild = rebuild
+        self.linear = linear
+
+
+def _at(tree: Any, index: Any) -> Any:
+    """Layer `index` of each stacked leaf, in the leaf's memory."""
+    index = jnp.asarray(index, jnp.int32)
+    return jtu.tree_map(lambda a: _take_along(0)(a, index), tree)
+
+
+@functools.cache
+def _take_along(axis: int) -> Callable[[Any, Any], Any]:
+    """`a[index]` along `axis`, as a `dynamic_slice` also under `jax.vmap`. JAX
+    batches a `dynamic_slice` into a `gather`, which host memory cannot run (and
+    a Python int index into one too: the index is traced); a batched operand is
+    sliced here along the next axis instead."""
+
+    @jax.custom_batching.custom_vmap
+    def take(a: Any, index: Any) -> Any:
+        return jax.lax.dynamic_index_in_dim(a, index, axis, keepdims=False)
+
+    @take.def_vmap
+    def _(size: int, batched: list[bool], a: Any, index: Any) -> tuple[Any, bool]:
+        del size
+        a_batched, index_batched = batched
+        if index_batched:  # never from the scans here: JAX's own rule
+            plain = functools.partial(
+                jax.lax.dynamic_index_in_dim, axis=axis, keepdims=False
+            )
+            return jax.vmap(plain, in_axes=(0 if a_batched else None, 0))(
+                a, index
+            ), True
+        if not a_batched:
+            return take(a, index), False
+        return _take_along(axis + 1)(a, index), True
+
+    return take
+
+
+def _primal(meta: _Meta, consts: list, carry: Any, stacked: Any, xs: Any) -> Any:
+    """The forward pass, undifferentiated (evaluation, sampling)."""
+    n = meta.length
+
+    def body(state: Any, inputs: Any) -> Any:
+        c, layer = state
+        i, x = inputs
+        following = meta.read(_at(stacked, jnp.minimum(i + 1, n - 1)))
+        c, y = meta.fn(c, layer, x, *consts)
+        return (c, following), y
+
+    layer = meta.read(_at(stacked, 0))
+    (c, _), ys = jax.lax.scan(body, (carry, layer), (jnp.arange(n), xs), length=n)
+    return c, ys
+
+
+def _value(x: Any) -> Any:
+    return x.value
+
+
+def _forward(meta: _Meta, consts: list, carry: Any, stacked: Any, xs: Any) -> Any:
+    """The forward pass under differentiation: the outputs, and per layer the
+    residuals that are not one of the layer's inputs."""
+    perturbed = jtu.tree_map(lambda p: p.perturbed, (consts, carry, stacked, xs))
+    consts, carry, stacked, xs = jtu.tree_map(_value, (consts, carry, stacked, xs))
+    n = meta.length
+
+    def body(state: Any, inputs: Any) -> Any:
+        c, layer = state
+        i, x = inputs
+        following = meta.read(_at(stacked, jnp.minimum(i + 1, n - 1)))
+        out, vjp = jax.vjp(meta.fn, c, layer, x, *consts)
+        leaves, treedef = jtu.tree_flatten(vjp)
+        inputs_again = jtu.tree_leaves((layer, x, consts))
+        where: list[int | None] = []
+        kept = []
+        for leaf in leaves:
+            found = next((k for k, a in enumerate(inputs_again) if a is leaf), None)
+            where.append(found)
+            if found is None:
+                kept.append(leaf)
+        meta.rebuild["treedef"] = treedef
+        meta.rebuild["where"] = where
+        return (out[0], following), (out[1], kept)
+
+    layer = meta.read(_at(stacked, 0))
+    (c, last), (ys, kept) = jax.lax.scan(
+        body, (carry, layer), (jnp.arange(n), xs), length=n
+    )
+    return (c, ys), (kept, last, consts, stacked, xs, perturbed)
+
+
+def _backward(meta: _Meta, residuals: Any, cotangents: Any) -> Any:
+    kept, last, consts, stacked, xs, perturbed = residuals
+    n = meta.length
+    treedef, where = meta.rebuild["treedef"], meta.rebuild["where"]
+    p_consts, p_carry, p_stacked, p_xs = perturbed
+    ct_carry, ct_ys = _instantiate(cotangents)
+    # A residual offloaded to the host is read one layer ahead, like the layer;
+    # the scan slices the others (on the device) itself.
+    on_host = [is_host(r) for r in kept]
+    on_device = [None if h else r for r, h in zip(kept, on_host)]
+
+    def fetch(index: Any) -> list:
+        return [
+            to_space(_at(r, index), "device", "") if h else None
+            for r, h in zip(kept, on_host)
+        ]
+
+    def body(state: Any, inputs: Any) -> Any:
+        g, layer, here, g_consts = state
+        i, x, saved, ct_y = inputs
+        previous = meta.read(_at(stacked, jnp.maximum(i - 1, 0)))
+        earlier = fetch(jnp.maximum(i - 1, 0))
+        saved = iter([h if h is not None else s for s, h in zip(saved, here)])
+        again = jtu.tree_leaves((layer, x, consts))
+        leaves = [next(saved) if w is None else again[w] for w in where]
+        vjp = jtu.tree_unflatten(treedef, leaves)
+        ct_c, ct_layer, ct_x, *ct_consts = vjp((g, ct_y))
+        ct_piece = None
+        if any(jtu.tree_leaves(p_stacked)):
+            piece = _at(stacked, i)
+            if meta.linear:  # no forward read to leave for the compiler to remove
+                shapes = jtu.tree_map(lambda a: jax.typeof(a), piece)
+                (ct_piece,) = jax.linear_transpose(meta.read, shapes)(ct_layer)
+            else:
+                (ct_piece,) = jax.vjp(meta.read, piece)[1](ct_layer)
+            ct_piece = _keep_perturbed(ct_piece, p_stacked)
+        ct_x = _keep_perturbed(ct_x, p_xs)
+        g_consts = [
+            a + b if p else a
+            for a, b, p in zip(g_consts, ct_consts, p_consts, strict=True)
+        ]
+        return (ct_c, previous, earlier, g_consts), (ct_piece, ct_x)
+
+    g_consts = [jnp.zeros_like(c) for c in consts]
+    (ct_c, _, _, g_consts), (ct_stacked, ct_xs) = jax.lax.scan(
+        body,
+        (ct_carry, last, fetch(n - 1), g_consts),
+        (jnp.arange(n), xs, on_device, ct_ys),
+        length=n,
+        reverse=True,
+    )
+    ct_consts = [g if p else None for g, p in zip(g_consts, p_consts)]
+    return (
+        ct_consts,
+        _keep_perturbed(ct_c, p_carry),
+        _keep_perturbed(ct_stacked, p_stacked),
+        _keep_perturbed(ct_xs, p_xs),
+    )
+
+
+def _keep_perturbed(cts: Any, perturbed: Any) -> Any:
+    """`cts` with None where the input was not differentiated (and where an input
+    is not of a float type: its cotangent is `float0`)."""
+    if cts is None:
+        return jtu.tree_map(lambda _: None, perturbed)
+
+    def keep(ct: Any, p: bool | None) -> Any:
+        if not p or ct is None or not jnp.issubdtype(ct.dtype, jnp.inexact):
+            return None
+        return ct
+
+    return jtu.tree_map(keep, cts, perturbed, is_leaf=lambda x: x is None)
+
+
+def _instantiate(tree: Any) -> Any:
+    def zero(x: Any) -> Any:
+        if isinstance(x, SymbolicZero):
+            return jnp.zeros(x.shape, jnp.dtype(x.dtype))  # pyright: ignore
+        return x
+
+    return jtu.tree_map(zero, tree, is_leaf=lambda x: isinstance(x, SymbolicZero))
+
+
+_scan = jax.custom_vjp(_primal, nondiff_argnums=(0,))
+_scan.defvjp(_forward, _backward, symbolic_zeros=True)
