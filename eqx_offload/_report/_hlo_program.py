@@ -5,6 +5,7 @@ that move data between host memory (memory space 5) and device memory.
 `_compiled_traffic.py` attributes the moves; `_costs.py` prices them."""
 
 from collections.abc import Iterator
+from typing import Literal, NamedTuple
 
 from .. import _compiler
 from .._compiler import Computation, Instruction
@@ -182,3 +183,88 @@ def moved(comp: Computation, inst: Instruction) -> tuple[str, int, str] | None:
     if out[0].host and not first[0].host and op == "copy":
         return "device_to_host", out[0].nbytes, inst.operands[0]
     return None
+
+
+class Event(NamedTuple):
+    """One step of a loop body's schedule: the start or end of a move between host
+    and device memory, or a matmul."""
+
+    what: Literal["read", "write", "matmul"]  # read: host to device
+    phase: Literal["start", "done", ""]
+    start: str  # the name of the move's start instruction ("" for a matmul)
+    nbytes: int = 0
+
+
+def loop_schedules(module: _compiler.HloModule) -> dict[str, list[Event]]:
+    """Each `while` body of a scheduled program (one compiled for a TPU or GPU),
+    with its host-memory moves and matmuls in the order the compiler scheduled
+    them. A move is asynchronous (a `*-start` and its `*-done`; a GPU's is a
+    `fusion-start` of a wrapped slice); a synchronous one is a start and a done
+    in a row."""
+    comps = module.computations
+    bodies = {
+        inst.computation("body")
+        for comp in comps.values()
+        for inst in comp.insts.values()
+        if inst.opcode == "while"
+    }
+    out = {}
+    for name in sorted(b for b in bodies if b in comps):
+        comp = comps[name]
+        events: list[Event] = []
+        starts: dict[str, Event] = {}
+        for inst in comp.insts.values():
+            move = _async_move(comps, comp, inst)
+            if move is not None:
+                direction, nbytes = move
+                what = "read" if direction == "host_to_device" else "write"
+                event = Event(what, "start", inst.name, nbytes)
+                if inst.opcode.endswith("-start"):
+                    starts[inst.name] = event
+                    events.append(event)
+                else:
+                    events += [event, event._replace(phase="done")]
+            elif inst.opcode.endswith("-done") and inst.operands:
+                begun = starts.get(inst.operands[0])
+                if begun is not None:
+                    events.append(begun._replace(phase="done"))
+            elif _is_matmul(comps, inst):
+                events.append(Event("matmul", "", ""))
+        out[name] = events
+    return out
+
+
+def _async_move(
+    comps: dict[str, Computation], comp: Computation, inst: Instruction
+) -> tuple[str, int] | None:
+    found = moved(comp, inst)
+    if found is None and inst.opcode == "fusion-start":
+        called = comps.get(inst.computation("calls") or "")
+        if called is not None and called.root:
+            root = called.insts[called.root]
+            if root.opcode in _MOVES:
+                found = moved(called, root)
+    return None if found is None else found[:2]
+
+
+def _is_matmul(comps: dict[str, Computation], inst: Instruction) -> bool:
+    """A `dot` or `convolution`, a cuBLAS call, or a fusion of one."""
+    if inst.opcode in ("dot", "convolution"):
+        return True
+    if inst.opcode == "custom-call":
+        return "cublas" in inst.attrs
+    if inst.opcode == "fusion":
+        called = comps.get(inst.computation("calls") or "")
+        if called is not None:
+            return any(
+                i.opcode in ("dot", "convolution") for i in called.insts.values()
+            )
+    return False
+
+
+def order(events: list[Event]) -> str:
+    """A schedule as letters: `S`/`D` a read's start and done, `s`/`d` a write's,
+    `g` a matmul."""
+    letters = {("read", "start"): "S", ("read", "done"): "D"}
+    letters |= {("write", "start"): "s", ("write", "done"): "d"}
+    return "".join(letters.get((e.what, e.phase), "g") for e in events)

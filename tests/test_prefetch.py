@@ -1,0 +1,191 @@
+"""`Policy(prefetch=1)`: the scans that read the next layer while this one
+computes train exactly as the plain scans do, leave forward-mode derivatives to the
+plain scan, and (compiled for an H100) start every host read of a layer before a
+matmul of the layer computing and end it after."""
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_offload as eo
+from eqx_offload import _compiler
+from eqx_offload._policy import replace
+from eqx_offload._report import _hlo_program
+
+from .helpers import assert_trees_close, batches, cross_entropy, Model
+
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+import compile_matrix as cm  # noqa: E402
+
+
+LR = 1e-2
+STEPS = 3
+# As `test_host_update.py`: Adam divides by the root of tiny second moments, so
+# rounding differences in a gradient grow to this after a few steps.
+ADAM_ATOL = 1e-3 * LR * STEPS
+CLIPPED = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(LR))
+
+
+def train(policy: eo.Policy, *, microbatches: int = 1) -> tuple[Any, list[float]]:
+    model = eo.place(Model(key=jax.random.key(0)), policy)
+    opt_state = eo.init_opt_state(CLIPPED, model, policy)
+    step = eo.train_step(cross_entropy, CLIPPED, policy, microbatches=microbatches)
+    data = batches(batch=4)
+    losses = []
+    for _ in range(STEPS):
+        model, opt_state, loss = step(model, opt_state, *next(data))
+        losses.append(float(loss))
+    return model, losses
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        eo.Policy.offload_all(),
+        eo.Policy.offload_residuals(),
+        eo.Policy.remat(params="pinned_host", save=("**.attn",)),
+        eo.Policy.offload_all(update="host"),
+        eo.Policy.offload_all(compute_dtype=jnp.bfloat16),
+    ],
+    ids=[
+        "offload_all",
+        "offload_residuals",
+        "host params, attn saved",
+        "host update",
+        "bf16",
+    ],
+)
+def test_trains_as_the_plain_scan(policy):
+    plain_model, plain_losses = train(policy)
+    model, losses = train(replace(policy, prefetch=1))
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-6)
+    assert_trees_close(model, plain_model, atol=ADAM_ATOL)
+    kinds = {
+        x.sharding.memory_kind for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    }
+    assert kinds == {
+        x.sharding.memory_kind
+        for x in jax.tree.leaves(eqx.filter(plain_model, eqx.is_array))
+    }
+
+
+def test_micro_batches():
+    policy = eo.Policy.offload_all(compute_dtype=jnp.bfloat16)
+    plain = train(policy, microbatches=2)
+    ours = train(replace(policy, prefetch=1), microbatches=2)
+    np.testing.assert_allclose(ours[1], plain[1], rtol=1e-6)
+    assert_trees_close(ours[0], plain[0], atol=ADAM_ATOL)
+
+
+def _grads(policy: eo.Policy):
+    model = eo.place(Model(key=jax.random.key(1)), policy)
+    tokens, targets = next(batches())
+    fn = eqx.filter_jit(
+        eqx.filter_value_and_grad(eo.filter_offload(cross_entropy, policy))
+    )
+    return fn(model, tokens, targets)
+
+
+def test_gradients_land_where_the_parameters_live():
+    policy = eo.Policy.offload_all()
+    (loss0, g0) = _grads(policy)
+    (loss1, g1) = _grads(replace(policy, prefetch=1))
+    assert float(loss0) == float(loss1)
+    assert_trees_close(g1, g0)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        assert a.sharding.memory_kind == b.sharding.memory_kind
+
+
+def test_forward_mode_runs_the_plain_scan():
+    """`jax.jvp` cannot run a `custom_vjp`: the scan is plain there, and agrees."""
+    policy = eo.Policy.offload_residuals(prefetch=1)
+    model = Model(key=jax.random.key(2))
+    tokens, targets = next(batches())
+    fn = eo.filter_offload(cross_entropy, policy)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    tangent = jax.tree.map(jnp.ones_like, params)
+
+    def loss(p):
+        return fn(eqx.combine(p, static), tokens, targets)
+
+    value, derivative = jax.jvp(loss, (params,), (tangent,))
+    grads = jax.grad(loss)(params)
+    expected = sum(jnp.sum(g) for g in jax.tree.leaves(grads))
+    np.testing.assert_allclose(float(derivative), float(expected), rtol=1e-4)
+    np.testing.assert_allclose(float(value), float(loss(params)), rtol=1e-6)
+
+
+def test_bad_prefetch_is_named():
+    with pytest.raises(ValueError, match="prefetch=2"):
+        eo.Policy(prefetch=2)
+    with pytest.raises(ValueError, match="prefetch=True"):
+        eo.Policy(prefetch=True)
+
+
+# The async host copies XLA:GPU lets in flight at once (its default is 2): with the
+# default, a layer's six reads queue behind each other (`docs/step-time.md`).
+GPU_OPTIONS = {"xla_gpu_experimental_parallel_async_compute_limit": 16}
+
+
+def _gpu_schedules(prefetch: int, monkeypatch) -> dict[str, str]:
+    """The loop bodies with host reads and matmuls of the `offload_all` step of a
+    4-layer GPT of width 256 compiled for an H100 (with `GPU_OPTIONS`): their
+    order as letters."""
+    texts = []
+    compile_ = jax.stages.Lowered.compile
+
+    def compile_with_options(self, *args, **kwargs):
+        kwargs["compiler_options"] = (
+            kwargs.get("compiler_options") or {}
+        ) | GPU_OPTIONS
+        compiled = compile_(self, *args, **kwargs)
+        texts.append(compiled.as_text())
+        return compiled
+
+    model, loss, batch = cm.case("gpt", 256, 4, jnp.bfloat16)
+    policy = cm.policy_for("gpt", "offload_all", prefetch=prefetch)
+    model = eo.place(model, policy)
+    opt_state = eo.init_opt_state(CLIPPED, model, policy)
+    step = eo.train_step(loss, CLIPPED, policy)
+    with monkeypatch.context() as m:
+        m.setattr(jax.stages.Lowered, "compile", compile_with_options)
+        eo.memory_report(step, model, opt_state, *batch, target="gpu-h100")
+    module = _compiler.parse_hlo(texts[-1])
+    schedules = _hlo_program.loop_schedules(module)
+    orders = {k: _hlo_program.order(v) for k, v in schedules.items()}
+    return {k: o for k, o in orders.items() if "S" in o and "g" in o}
+
+
+def _exposed_reads(order: str) -> int:
+    """How many reads (`S` ... `D`, in order) have no matmul between start and
+    done."""
+    exposed, open_reads = 0, []
+    for letter in order:
+        if letter == "S":
+            open_reads.append(False)
+        elif letter == "g":
+            open_reads = [True for _ in open_reads]
+        elif letter == "D":
+            exposed += not open_reads.pop(0)
+    return exposed
+
+
+def test_every_layer_read_overlaps_a_matmul_on_gpu(monkeypatch):
+    schedules = _gpu_schedules(1, monkeypatch)
+    assert len(schedules) == 2, schedules  # the forward and backward scans
+    for name, order in schedules.items():
+        assert _exposed_reads(order) == 0, (name, order)
+
+
+def test_exposed_reads_are_counted():
+    assert _exposed_reads("SSggDD") == 0
+    assert _exposed_reads("SDSgD") == 1
+    assert _exposed_reads("ggSSDSgDD") == 1
