@@ -51,7 +51,7 @@ def schedules(arch, width, depth, target, prefetch, policy, options):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--arch", default="llama", choices=cm.ARCHS)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--depth", type=int, default=4)
