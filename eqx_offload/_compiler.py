@@ -146,9 +146,13 @@ class Signature(NamedTuple):
     out_kinds: list[str]  # "device" or "host", per output
 
 
-def signature(text: str) -> Signature:
+def signature(text: str, arguments: int | None = None) -> Signature:
     """From the StableHLO of a lowered function: each argument's memory kind, which
-    output each donated argument aliases, and each output's memory kind."""
+    output each donated argument aliases, and each output's memory kind.
+
+    `arguments`: how many arguments the function has. JAX 0.10 passes the large
+    constants a program closes over (a mask made outside the step) as more
+    arguments of `main`, before the function's own: those are dropped."""
     start = text.index("func.func public @main(")
     body = text[start : text.index(") {", text.index(") -> (", start)) + 1]
     args_text, outs_text = body.split(") -> (", 1)
@@ -172,6 +176,8 @@ def signature(text: str) -> Signature:
         return "host" if found and found[1] != "device" else "device"
 
     arg_attrs = attributes(args_text, r"%arg\d+: ")
+    if arguments is not None:
+        arg_attrs = arg_attrs[len(arg_attrs) - arguments :]
     out_attrs = attributes(outs_text, r"(?:^|, )(?=tensor<)")
     arg_kinds, out_kinds = [kind(a) for a in arg_attrs], [kind(a) for a in out_attrs]
     aliases = {}

@@ -298,3 +298,26 @@ def source_function(eqn: Any, package: str) -> str | None:
 def has_effects(eqn: Any) -> bool:
     """Whether an equation has side effects (a callback, an ordered I/O)."""
     return bool(eqn.effects)
+
+
+# --- Tracing --------------------------------------------------------------------
+
+
+def closure_converted(fn: Any, *examples: Any) -> tuple[Any, list[Any]]:
+    """`fn` traced once at the types of `examples`, as a function that takes every
+    value it closes over as trailing arguments, and those values (arrays and
+    tracers of the traces around). Unlike `jax.closure_convert`, every closed-over
+    value is hoisted, differentiated or not, and nothing is cached across
+    traces (`jax.closure_convert` caches by function and types, and handed an
+    earlier trace's tracer to a later one)."""
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*examples)
+    out_tree = jax.tree.structure(shapes)
+    jaxpr = closed.jaxpr
+
+    def converted(*args: Any) -> Any:
+        n = len(args) - len(closed.consts)
+        flat = jax.tree.leaves(args[:n])
+        run = jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, list(args[n:])))
+        return jax.tree.unflatten(out_tree, run(*flat))
+
+    return converted, list(closed.consts)

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.custom_derivatives import SymbolicZero
 
-from . import _compat
+from . import _compat, _jaxpr
 from ._memory_kinds import is_host, to_space
 
 
@@ -59,25 +59,43 @@ def scan(
     # computation on the host (`filter_offload` refuses it).
     layer0 = jax.eval_shape(lambda s: read(jtu.tree_map(lambda a: a[0], s)), stacked)
     x0 = jax.eval_shape(lambda s: jtu.tree_map(lambda a: a[0], s), xs)
-    fn, consts = jax.closure_convert(layer_fn, carry, layer0, x0)
+    fn, consts = _jaxpr.closure_converted(layer_fn, carry, layer0, x0)
+    return _run(fn, read, length, linear, consts, carry, stacked, xs)
+
+
+def _run(
+    fn: Callable,
+    read: Callable,
+    length: int,
+    linear: bool,
+    consts: list,
+    carry: Any,
+    stacked: Any,
+    xs: Any,
+) -> tuple[Any, Any]:
+    """The scans, with `fn` taking its closed-over values as trailing arguments.
+
+    Inside `jax.vmap` (a model applied per example), the batch is moved inside the
+    layer, one `jax.vmap` at a time, so that the scans see one batch of layers.
+    Under JAX's batching of a `custom_vjp`, each example's gradient of the
+    (unbatched) parameters would be moved to the host before they are summed, and
+    a gradient tap would add its accumulator once per example."""
     if not _compat.batched((consts, carry, stacked, xs)):
         return _scan(_Meta(fn, read, length, {}, linear), consts, carry, stacked, xs)
 
-    # Inside `jax.vmap` (a model applied per example): the batch is moved inside
-    # the layer, so that the scans see one batch of layers. Under JAX's batching
-    # of a `custom_vjp`, each example's gradient of the (unbatched) parameters
-    # would be moved to the host before they are summed.
     @jax.custom_batching.custom_vmap
     def whole(consts: list, carry: Any, stacked: Any, xs: Any) -> Any:
-        return _scan(_Meta(fn, read, length, {}, linear), consts, carry, stacked, xs)
+        return _run(fn, read, length, linear, consts, carry, stacked, xs)
 
     @whole.def_vmap
     def _(size: int, batched: Any, consts: list, carry: Any, stacked: Any, xs: Any):
         b_consts, b_carry, b_stacked, b_xs = batched
-        if any(jtu.tree_leaves(b_stacked)):  # per-example layers: as JAX batches
-            axes = jtu.tree_map(lambda b: 0 if b else None, batched)
-            out = jax.vmap(whole.fun, in_axes=tuple(axes))(consts, carry, stacked, xs)
-            return out, jtu.tree_map(lambda _: True, out)
+        if any(jtu.tree_leaves(b_stacked)):
+            raise ValueError(
+                "`Policy(prefetch=1)`: the layers of a `Stacked` are batched by "
+                "`jax.vmap` (one set of layers per example, e.g. an ensemble), "
+                "which the prefetching scan does not support; use `prefetch=0`."
+            )
 
         def every(x: Any, b: bool) -> Any:  # the carry batched throughout
             return x if b else jnp.broadcast_to(x, (size,) + jnp.shape(x))
@@ -91,8 +109,7 @@ def scan(
             *[0 if b else None for b in b_consts],
         )
         per_example = jax.vmap(fn, in_axes=in_axes)
-        meta = _Meta(per_example, read, length, {}, linear)
-        c, ys = _scan(meta, consts, carry, stacked, xs)
+        c, ys = _run(per_example, read, length, linear, consts, carry, stacked, xs)
         ys = jtu.tree_map(lambda y: jnp.moveaxis(y, 1, 0), ys)
         out = (c, ys)
         return out, jtu.tree_map(lambda _: True, out)
@@ -232,11 +249,7 @@ def _backward(meta: _Meta, residuals: Any, cotangents: Any) -> Any:
         ct_piece = None
         if any(jtu.tree_leaves(p_stacked)):
             piece = _at(stacked, i)
-            if meta.linear:  # no forward read to leave for the compiler to remove
-                shapes = jtu.tree_map(lambda a: jax.typeof(a), piece)
-                (ct_piece,) = jax.linear_transpose(meta.read, shapes)(ct_layer)
-            else:
-                (ct_piece,) = jax.vjp(meta.read, piece)[1](ct_layer)
+            ct_piece = _transpose_read(meta, piece, ct_layer)
             ct_piece = _keep_perturbed(ct_piece, p_stacked)
         ct_x = _keep_perturbed(ct_x, p_xs)
         g_consts = [
@@ -260,6 +273,20 @@ def _backward(meta: _Meta, residuals: Any, cotangents: Any) -> Any:
         _keep_perturbed(ct_stacked, p_stacked),
         _keep_perturbed(ct_xs, p_xs),
     )
+
+
+def _transpose_read(meta: _Meta, piece: Any, ct_layer: Any) -> Any:
+    """The cotangent of a layer's slice from that of the layer `read` made of it.
+    A move and a gather are transposed as linear functions, leaving no read in
+    the program; a read with a custom rule (a gradient tap) by `jax.vjp`, whose
+    read the compiler removes (its result is unused)."""
+    if meta.linear:
+        shapes = jtu.tree_map(lambda a: jax.typeof(a), piece)
+        try:
+            return jax.linear_transpose(meta.read, shapes)(ct_layer)[0]
+        except (NotImplementedError, KeyError):  # a primitive with no transpose
+            pass
+    return jax.vjp(meta.read, piece)[1](ct_layer)[0]
 
 
 def _keep_perturbed(cts: Any, perturbed: Any) -> Any:

@@ -580,8 +580,9 @@ def _split_estimate(stats: Any, lowered: Any) -> tuple[dict[str, int], dict[str,
     the memory kinds of the compiled signature, temporaries on the device, and as
     aliased only the donated inputs that share an output's memory kind (a device
     with two memories cannot alias across them)."""
-    arg_kinds, aliases, out_kinds = _compiler.signature(lowered.as_text())
     arg_bytes = [_nbytes(a) for a in jtu.tree_leaves(lowered.args_info)]
+    signature = _compiler.signature(lowered.as_text(), len(arg_bytes))
+    arg_kinds, aliases, out_kinds = signature
     out_bytes = [_nbytes(o) for o in jtu.tree_leaves(lowered.out_info)]
     parts = {
         kind: {"argument": 0, "output": 0, "temp": 0, "alias": 0}
