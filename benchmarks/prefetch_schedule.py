@@ -77,6 +77,7 @@ def main():
         )
         step_time = report.time
         print(f"prefetch={prefetch} {options or ''}")
+        print(f"  device bytes {report.device_bytes / 2**20:.1f} MiB")
         if step_time is not None:
             print(f"  step time (estimate) {step_time.seconds * 1e3:.1f} ms")
             exposed = step_time.exposed_transfer_seconds * 1e3

@@ -189,3 +189,79 @@ def test_exposed_reads_are_counted():
     assert _exposed_reads("SSggDD") == 0
     assert _exposed_reads("SDSgD") == 1
     assert _exposed_reads("ggSSDSgDD") == 1
+
+
+class PerToken(eqx.Module):
+    """A `Stacked` applied to each token on its own, inside the model's `jax.vmap`
+    over examples: two `jax.vmap`s around the scans."""
+
+    model: Model
+
+    def __call__(self, tokens):
+        x = jax.vmap(self.model.embed)(tokens)
+        x = jax.vmap(lambda t: self.model.blocks.scan(_mlp_only, t)[0])(x)
+        return jax.vmap(self.model.head)(x)
+
+
+def _mlp_only(layer, x, _):
+    return x + layer.mlp(layer.norm2(x)), None
+
+
+def test_nested_vmaps_and_micro_batches():
+    """Each `jax.vmap` moves inside the layer: a gradient tap that adds its
+    accumulator (the second micro-batch) adds it once, not once per example."""
+
+    def loss(model, tokens, targets):
+        logits = jax.vmap(model)(tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    def step(prefetch):
+        policy = eo.Policy.offload_all(prefetch=prefetch)
+        model = eo.place(PerToken(Model(key=jax.random.key(3))), policy)
+        opt_state = eo.init_opt_state(optax.sgd(1.0), model, policy)
+        train = eo.train_step(loss, optax.sgd(1.0), policy, microbatches=2)
+        return train(model, opt_state, *next(batches(batch=16)))[0]
+
+    assert_trees_close(step(1), step(0))
+
+
+class Masked(eqx.Module):
+    """A layer stack given a mask made outside the step (a constant of the
+    program, which JAX 0.10 passes to it as one more argument)."""
+
+    model: Model
+
+    def __call__(self, tokens):
+        x = jax.vmap(self.model.embed)(tokens)
+        mask = jnp.tril(jnp.ones((tokens.shape[0], tokens.shape[0]), dtype=bool))
+        x = self.model.blocks.scan(
+            lambda layer, x, _: (_masked(layer, x, mask), None), x
+        )[0]
+        return jax.vmap(self.model.head)(x)
+
+
+def _masked(layer, x, mask):
+    h = jax.vmap(layer.norm1)(x)
+    return x + layer.attn(h, h, h, mask=mask)
+
+
+def test_a_closed_over_constant_is_an_input_of_the_scans():
+    """The transform traces the loss twice (its check, then the step): each trace
+    hands the scans its own values, and the report reads the program's own
+    arguments (not the constants JAX passes before them)."""
+
+    def loss(model, tokens, targets):
+        logits = jax.vmap(model)(tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    out = {}
+    for prefetch in (0, 1):
+        policy = eo.Policy.offload_all(prefetch=prefetch)
+        model = eo.place(Masked(Model(key=jax.random.key(4))), policy)
+        opt_state = eo.init_opt_state(CLIPPED, model, policy)
+        step = eo.train_step(loss, CLIPPED, policy)
+        batch = next(batches())
+        report = eo.memory_report(step, model, opt_state, *batch)
+        assert report.host_bytes > 0
+        out[prefetch] = step(model, opt_state, *batch)[2]
+    np.testing.assert_allclose(float(out[1]), float(out[0]), rtol=1e-6)

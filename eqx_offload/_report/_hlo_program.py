@@ -199,8 +199,8 @@ def loop_schedules(module: _compiler.HloModule) -> dict[str, list[Event]]:
     """Each `while` body of a scheduled program (one compiled for a TPU or GPU),
     with its host-memory moves and matmuls in the order the compiler scheduled
     them. A move is asynchronous (a `*-start` and its `*-done`; a GPU's is a
-    `fusion-start` of a wrapped slice); a synchronous one is a start and a done
-    in a row."""
+    `fusion-start` of a wrapped slice); a synchronous one (a `fusion` of a slice)
+    is a start and a done in a row."""
     comps = module.computations
     bodies = {
         inst.computation("body")
@@ -238,7 +238,7 @@ def _async_move(
     comps: dict[str, Computation], comp: Computation, inst: Instruction
 ) -> tuple[str, int] | None:
     found = moved(comp, inst)
-    if found is None and inst.opcode == "fusion-start":
+    if found is None and inst.opcode in ("fusion-start", "fusion"):
         called = comps.get(inst.computation("calls") or "")
         if called is not None and called.root:
             root = called.insts[called.root]
