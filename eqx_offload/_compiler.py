@@ -12,12 +12,34 @@ text fails there. The private Python parts of JAX and Equinox are in
 import json
 import re
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 
 # Checked against (`tests/fixtures/<JAX_VERSION>/`).
 JAX_VERSION = "0.10.2"
 LIBTPU_VERSION = "0.0.42.1"
+
+
+# Named scopes the step writes around its parts (`_scan_body.py`,
+# `_train_step.py`), read back from a compiled program's `op_name`s (`phase`).
+UPDATE_SCOPE = "optimizer_update"
+LAYERS_SCOPE = "stacked_layers"
+
+Phase = Literal["forward", "backward", "outside", "update"]
+
+
+def phase(op_name: str) -> Phase:
+    """The part of a train step an instruction belongs to, by its `op_name`: the
+    optimizer update, the forward or backward pass of a `Stacked`'s layers
+    (inside its scans), or the rest of the forward and backward passes (leaves
+    outside every `Stacked`: an embedding, a head). JAX names what the backward
+    pass computes `transpose(...)`."""
+    parts = op_name.split("/")
+    if UPDATE_SCOPE in parts:
+        return "update"
+    if not any(LAYERS_SCOPE in part for part in parts):
+        return "outside"
+    return "backward" if "transpose(" in op_name else "forward"
 
 
 # Compile options.

@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from . import (
     _accumulate,
     _compat,
+    _compiler,
     _jaxpr,
     _layout,
     _paths,
@@ -55,11 +56,14 @@ class ScanConfig(AbstractScan):
             accs = [None if t is None else whole_to_device(t.acc) for t in taps]
             taps = [None if t is None else (t.dtype, t.read) for t in taps]
         layers = (dynamic, accs)
-        done = _prefetching_scan(self, f, static, carry, layers, xs, taps, length)
-        if done is not None:
-            return done
-        body = _offload_body(self, f, static, carry, layers, xs, taps)
-        return jax.lax.scan(body, carry, (layers, xs), length=length)
+        # Named, so that a compiled program's reader tells the layers' transfers
+        # from the rest of the step's (`_compiler.phase`).
+        with jax.named_scope(_compiler.LAYERS_SCOPE):
+            done = _prefetching_scan(self, f, static, carry, layers, xs, taps, length)
+            if done is not None:
+                return done
+            body = _offload_body(self, f, static, carry, layers, xs, taps)
+            return jax.lax.scan(body, carry, (layers, xs), length=length)
 
     def check_slice(self, layers: Any, how: str) -> None:
         _check_host_slice(self, layers, how)

@@ -176,6 +176,37 @@ def test_host_link_bytes_are_the_compiled_transfers(target):
     assert plain.exposed_transfer_seconds == 0 and plain.bound != "host link"
 
 
+@pytest.mark.parametrize("target", ["tpu-v5e", "gpu-h100"])
+def test_what_is_not_hidden_is_split_by_phase(target):
+    """The exposed link time by part of the step sums to the whole; the layers'
+    reads and gradients are in the forward and backward scans, the optimizer
+    state's in the update, and nothing is outside the layers in this model (no
+    leaf outside its `Stacked`)."""
+    t = _report("offload_all", target).time
+    assert t is not None
+    assert set(t.exposed_seconds_by_phase) == set(t.transfer_seconds_by_phase)
+    assert set(t.exposed_seconds_by_phase) == {
+        "forward",
+        "backward",
+        "outside",
+        "update",
+    }
+    total = sum(t.exposed_seconds_by_phase.values())
+    assert total == pytest.approx(t.exposed_transfer_seconds, rel=1e-9)
+    link = t.transfer_seconds_by_phase
+    assert sum(link.values()) == pytest.approx(
+        t.host_to_device_seconds + t.device_to_host_seconds, rel=1e-9
+    )
+    assert link["forward"] > 0 and link["backward"] > 0 and link["update"] > 0
+    assert link["outside"] == 0
+    for phase, seconds in t.exposed_seconds_by_phase.items():
+        assert 0 <= seconds <= link[phase] * (1 + 1e-9), phase
+    # Kept through `to_dict` (the benchmarks' JSON).
+    again = eo.StepTime.from_dict(t.to_dict())
+    assert again.exposed_seconds_by_phase == t.exposed_seconds_by_phase
+    assert "of which the update" in str(t)
+
+
 def test_what_is_not_hidden_is_read_from_the_schedule():
     """In this program every layer's weights are read from the host at the top of
     its iteration and used at once: the transfers hide behind nothing, so the

@@ -40,6 +40,7 @@ import dataclasses
 from collections import defaultdict
 from typing import Any, Literal
 
+from .. import _compiler
 from .._compiler import Computation
 from . import _hardware
 from ._costs import FREE, Program
@@ -48,6 +49,15 @@ from ._units import flops_text, size_text, time_text
 
 
 Bound = Literal["compute", "HBM", "host link", "host compute"]
+
+# The parts of a step `exposed_seconds_by_phase` splits the exposed link time into.
+PHASES: tuple[_compiler.Phase, ...] = ("forward", "backward", "outside", "update")
+_PHASE_LABELS = {
+    "forward": "of which layers, forward",
+    "backward": "of which layers, backward",
+    "outside": "of which outside the layers",
+    "update": "of which the update",
+}
 _On = Literal["link", "device", "host"]  # what a started instruction occupies
 
 
@@ -84,6 +94,14 @@ class StepTime:
         (and in results saved before these fields existed).
     - `exposed_host_compute_seconds`: the part of it the device waits for, not
         hidden behind the device work scheduled while the host computes.
+    - `exposed_seconds_by_phase`: `exposed_transfer_seconds` by the part of the
+        step whose transfer the device waits for: `"forward"` and `"backward"`
+        (the scans of `Stacked` layers), `"outside"` (leaves outside every
+        `Stacked`: an embedding, a head; their reads cannot hide before the first
+        layer) and `"update"` (the optimizer update). The parts sum to
+        `exposed_transfer_seconds`; empty in results saved before it existed.
+    - `transfer_seconds_by_phase`: the host link busy (both directions) by the
+        same parts: each part's bytes at the link's rates.
     """
 
     seconds: float
@@ -103,10 +121,16 @@ class StepTime:
     host_compute_bytes: int = 0
     host_compute_flops: float = 0.0
     exposed_host_compute_seconds: float = 0.0
+    exposed_seconds_by_phase: dict[str, float] = dataclasses.field(default_factory=dict)
+    transfer_seconds_by_phase: dict[str, float] = dataclasses.field(
+        default_factory=dict
+    )
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["flops_by_precision"] = dict(self.flops_by_precision)
+        out["exposed_seconds_by_phase"] = dict(self.exposed_seconds_by_phase)
+        out["transfer_seconds_by_phase"] = dict(self.transfer_seconds_by_phase)
         out["hardware"] = self.hardware.to_dict()
         return out
 
@@ -145,6 +169,10 @@ def lines(t: StepTime) -> list[str]:
         ),
         ("  transfers not hidden", t.exposed_transfer_seconds, ""),
     ]
+    for phase in PHASES:
+        seconds = t.exposed_seconds_by_phase.get(phase, 0.0)
+        if seconds:
+            rows.append((f"    {_PHASE_LABELS[phase]}", seconds, ""))
     if t.host_compute_seconds or t.host_compute_bytes:  # (only with host compute)
         work = f"{size_text(t.host_compute_bytes)}, {flops_text(t.host_compute_flops)}"
         rows.append(("  host compute", t.host_compute_seconds, work))
@@ -164,6 +192,12 @@ class _Tally:
     compute_bound: float = 0.0
     hbm_bound: float = 0.0
     exposed: float = 0.0
+    exposed_by_phase: dict[str, float] = dataclasses.field(
+        default_factory=lambda: defaultdict(float)
+    )
+    link_by_phase: dict[str, float] = dataclasses.field(
+        default_factory=lambda: defaultdict(float)
+    )
     host_bound: float = 0.0  # waiting for host compute
     compute: float = 0.0
     hbm: float = 0.0
@@ -197,6 +231,10 @@ class _Tally:
             self.flops[k] += times * v
         for k, v in other.link_bytes.items():
             self.link_bytes[k] += times * v
+        for k, v in other.exposed_by_phase.items():
+            self.exposed_by_phase[k] += times * v
+        for k, v in other.link_by_phase.items():
+            self.link_by_phase[k] += times * v
 
 
 class _Replay:
@@ -223,13 +261,15 @@ class _Replay:
         clock = 0.0
         link_free = {"host_to_device": 0.0, "device_to_host": 0.0}
         other_free = host_free = 0.0
-        pending: dict[str, tuple[float, _On]] = {}  # start -> (finish, on what)
+        # start -> (finish, on what, the part of the step it belongs to)
+        pending: dict[str, tuple[float, _On, str]] = {}
 
-        def wait(until: float, on: _On) -> None:
+        def wait(until: float, on: _On, phase: str = "") -> None:
             nonlocal clock
             if until > clock:
                 if on == "link":
                     t.exposed += until - clock
+                    t.exposed_by_phase[phase] += until - clock
                 elif on == "host":
                     t.host_bound += until - clock
                 else:
@@ -252,10 +292,12 @@ class _Replay:
                 begin = max(clock, link_free[direction])
                 finish = begin + nbytes / self.rate[direction]
                 link_free[direction] = finish
+                phase = _compiler.phase(inst.op_name)
+                t.link_by_phase[phase] += nbytes / self.rate[direction]
                 if op.endswith("-start"):
-                    pending[inst.name] = (finish, "link")
+                    pending[inst.name] = (finish, "link", phase)
                 else:
-                    wait(finish, "link")
+                    wait(finish, "link", phase)
                 continue
             work = self.program.host_work(comp, inst)
             if work is not None:
@@ -268,7 +310,7 @@ class _Replay:
                 t.host_flops += work.flops
                 host_free = max(clock, host_free) + took
                 if work.asynchronous:
-                    pending[inst.name] = (host_free, "host")
+                    pending[inst.name] = (host_free, "host", "")
                 else:
                     wait(host_free, "host")
                 continue
@@ -315,15 +357,15 @@ class _Replay:
             if op.endswith("-start"):
                 begin = max(clock, other_free)
                 other_free = begin + took
-                pending[inst.name] = (other_free, "device")
+                pending[inst.name] = (other_free, "device", "")
                 continue
             if compute >= memory:
                 t.compute_bound += took
             else:
                 t.hbm_bound += took
             clock += took
-        for finish, on in pending.values():  # started, never waited for here
-            wait(finish, on)
+        for finish, on, phase in pending.values():  # never waited for here
+            wait(finish, on, phase)
         t.seconds = clock
         return t
 
@@ -380,6 +422,12 @@ def estimate(text: str, hardware: Hardware, platform: str) -> StepTime:
         device_to_host_bytes=d2h,
         exposed_transfer_seconds=float(tally.exposed),
         hardware=hardware,
+        exposed_seconds_by_phase={
+            p: float(tally.exposed_by_phase.get(p, 0.0)) for p in PHASES
+        },
+        transfer_seconds_by_phase={
+            p: float(tally.link_by_phase.get(p, 0.0)) for p in PHASES
+        },
         host_compute_seconds=float(tally.host),
         host_compute_bytes=int(tally.host_bytes),
         host_compute_flops=float(tally.host_flops),

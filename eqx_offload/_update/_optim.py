@@ -10,7 +10,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxtyping import PyTree
 
-from .. import _diagnose, _mesh, _mixed_precision, _paths, _tiling
+from .. import _compiler, _diagnose, _mesh, _mixed_precision, _paths, _tiling
 from .._memory_kinds import (
     backend_kinds,
     is_arraylike,
@@ -27,7 +27,7 @@ from ._state_tree import check_matches, state_leaves, state_owners, StateLeaf
 
 
 # The named scope around a step's optimizer update (`_train_step.py`).
-UPDATE_SCOPE = "optimizer_update"
+UPDATE_SCOPE = _compiler.UPDATE_SCOPE
 
 
 # What `init_opt_state` and `train_step` accept. `optax.MultiSteps` is a class of its
