@@ -201,11 +201,15 @@ def test_a_local_search_improves_on_the_best_preset(monkeypatch):
     assert chosen.seconds is not None and preset.seconds is not None
     assert chosen.seconds < preset.seconds
     compiled = [r for r in rows if r.status in ("chosen", "compiled")]
-    assert len(compiled) == p.compiled <= 4 + _search.IMPROVE_COMPILES + 3
-    # Each step kept within the budgets; then the update on the host tried.
+    tries = _plan.HOST_UPDATES + _plan.READ_AHEAD
+    assert len(compiled) == p.compiled <= 4 + _search.IMPROVE_COMPILES + tries
+    # Each step kept within the budgets; then the update on the host tried, and
+    # the fastest read their layers ahead (`Policy(prefetch=1)`).
     host = [r for r in compiled if r.label.endswith("update on host")]
     assert len(host) == _plan.HOST_UPDATES
-    assert all(r.fits for r in compiled[4:] if r not in host)
+    ahead = [r for r in compiled if "layers read ahead" in r.label]
+    assert len(ahead) == _plan.READ_AHEAD
+    assert all(r.fits for r in compiled[4:] if r not in host + ahead)
 
 
 def test_a_second_plan_reuses_the_first_ones_compiles(tight):

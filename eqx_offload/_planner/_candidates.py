@@ -41,13 +41,15 @@ class Settings(NamedTuple):
     compute dtype (`None`: the model's own), whether the TPU compiler keeps
     what it rematerializes on the host (`Policy(host_remat=True)`), and where
     the optimizer update runs (`Policy(update=...)`: `"auto"`, streamed through
-    the device where state is on the host, or `"host"`, on the host's CPU)."""
+    the device where state is on the host, or `"host"`, on the host's CPU), and
+    how many layers ahead a `Stacked` reads (`Policy(prefetch=...)`)."""
 
     axis: str | None = None
     microbatches: int = 1
     compute_dtype: str | None = None
     host_remat: bool = False
     update: Literal["auto", "host"] = "auto"
+    prefetch: int = 0
 
     @property
     def label(self) -> str:
@@ -60,6 +62,8 @@ class Settings(NamedTuple):
             parts.append(f"{self.compute_dtype} compute")
         if self.host_remat:
             parts.append("compiler remat to host")
+        if self.prefetch:
+            parts.append("layers read ahead")
         return ", ".join(parts)
 
 
@@ -226,7 +230,7 @@ class Candidate(NamedTuple):
         return out
 
     def policy(self) -> Policy:
-        axis, _, dtype, host_remat, update = self.settings
+        axis, _, dtype, host_remat, update, prefetch = self.settings
         streamed = tuple(t for t, k in self.stream if k != "device")
         if self.residuals is None:
             save: str | tuple[str, ...] = "all"
@@ -245,7 +249,17 @@ class Candidate(NamedTuple):
             host_remat=host_remat,
             stream=streamed,
             update=update,
+            prefetch=prefetch,
         )
+
+    @property
+    def reads_from_host(self) -> bool:
+        """Whether some parameters are on the host or some residual is offloaded:
+        what a `Stacked` reads from the host inside its scans (`prefetch`)."""
+        offloaded = self.residuals is not None and any(
+            c == "offload" for _, c in self.residuals
+        )
+        return offloaded or any(k != "device" for _, k in self.params)
 
     @property
     def state_on_host(self) -> bool:

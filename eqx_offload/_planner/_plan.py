@@ -44,6 +44,8 @@ from ._table import PlanTable
 HOST_REMAT = True
 # Candidates compiled again with the update on the host's CPU (`_update_on_host`).
 HOST_UPDATES = 3
+# Candidates compiled again reading their layers ahead (`_read_ahead`).
+READ_AHEAD = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +258,7 @@ def plan(
             search.variants(best, [best.settings._replace(host_remat=True)])
             search.improve(names)
     _update_on_host(search)
+    _read_ahead(search)
     result, table = search.finish()
     assert result.report is not None
     return Plan(
@@ -302,6 +305,21 @@ def _update_on_host(search: Search) -> None:
                 if not isinstance(e.__cause__, NotOnHost):
                     raise
                 return  # an optimizer the host cannot run (a loop): none will
+
+
+def _read_ahead(search: Search) -> None:
+    """The fastest candidates that read from the host inside their scans (up to
+    `READ_AHEAD` that fit) compiled again with `Policy(prefetch=1)`: one more
+    layer on the device, and reads the compiler may hide behind compute (or may
+    not: on a GPU it already moves some reads of the plain scan); the estimate
+    chooses."""
+    compiled = [c for c, r in search.results.items() if r.report is not None]
+    fitting = sorted((c for c in compiled if search.fits(c)), key=search._rank)
+    ranked = [c for c in fitting if c.reads_from_host and not c.settings.prefetch]
+    tried = [c.with_settings(c.settings._replace(prefetch=1)) for c in ranked]
+    with search.progress.stage(len(tried[:READ_AHEAD])):
+        for candidate in tried[:READ_AHEAD]:
+            search.evaluate(candidate)
 
 
 def _start(
