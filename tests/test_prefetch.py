@@ -265,3 +265,35 @@ def test_a_closed_over_constant_is_an_input_of_the_scans():
         assert report.host_bytes > 0
         out[prefetch] = step(model, opt_state, *batch)[2]
     np.testing.assert_allclose(float(out[1]), float(out[0]), rtol=1e-6)
+
+
+def test_an_ensemble():
+    """One set of layers per member: the gradient of each member (`jax.vmap` of
+    the gradient) as with the plain scan; a gradient of all members at once
+    (`jax.vmap` inside the differentiated function) is refused, naming
+    `prefetch=0` (the prefetching scan moves a batch of examples inside the
+    layer, not a batch of layers)."""
+    keys = jax.random.split(jax.random.key(5), 2)
+    ensemble = eqx.filter_vmap(lambda k: Model(key=k))(keys)
+    tokens, targets = next(batches())
+    axes = (eqx.if_array(0), None, None)
+
+    def each(prefetch):
+        fn = eo.filter_offload(
+            cross_entropy, eo.Policy.offload_residuals(prefetch=prefetch)
+        )
+        return eqx.filter_vmap(eqx.filter_grad(fn), in_axes=axes)(
+            ensemble, tokens, targets
+        )
+
+    assert_trees_close(each(1), each(0))
+
+    fn = eo.filter_offload(cross_entropy, eo.Policy.offload_residuals(prefetch=1))
+
+    def total(members, tokens, targets):
+        return jnp.sum(eqx.filter_vmap(fn, in_axes=axes)(members, tokens, targets))
+
+    with pytest.raises(
+        ValueError, match=r"prefetch=1.*batched by `jax.vmap`.*prefetch=0"
+    ):
+        eqx.filter_grad(total)(ensemble, tokens, targets)

@@ -239,11 +239,12 @@ def _async_move(
 ) -> tuple[str, int] | None:
     found = moved(comp, inst)
     if found is None and inst.opcode in ("fusion-start", "fusion"):
+        # A fusion of a slice (then, perhaps, a copy into another layout).
         called = comps.get(inst.computation("calls") or "")
-        if called is not None and called.root:
-            root = called.insts[called.root]
-            if root.opcode in _MOVES:
-                found = moved(called, root)
+        for inner in [] if called is None else called.insts.values():
+            found = moved(called, inner) if inner.opcode in _MOVES else None
+            if found is not None:
+                break
     return None if found is None else found[:2]
 
 
