@@ -28,7 +28,11 @@ def gpu_check(monkeypatch):
 
 def test_the_gpu_check_runs_on_a_cpu(tmp_path, monkeypatch, gpu_check):
     out = tmp_path / "gpu_check.json"
-    configs = ["none", "offload_all, host update"]
+    configs = [
+        "none",
+        "offload_all, host update",
+        "offload_all, streamed update, prefetch",
+    ]
     in_a_process = gpu_check.run_child
     parts = []
 
@@ -60,6 +64,7 @@ def test_the_gpu_check_runs_on_a_cpu(tmp_path, monkeypatch, gpu_check):
         "host update",
         "measure",
         "measure",
+        "measure",
     ]
     results = json.loads(out.read_text())
     assert results["smoke"] and results["versions"]["jax"]
@@ -75,6 +80,7 @@ def test_the_gpu_check_runs_on_a_cpu(tmp_path, monkeypatch, gpu_check):
         "offload_all, streamed update",
         "offload_all, whole update",
         "offload_all, host update",
+        "offload_all, streamed update, prefetch",
     }
     for row in numerics["presets"].values():
         assert row["verify passed"] and row["placements kept"]
@@ -131,6 +137,8 @@ def test_the_gpu_check_runs_on_a_cpu(tmp_path, monkeypatch, gpu_check):
         assert run["deviceless gpu-h200 estimated step s"] > 0
     assert runs["none"]["parameter memory kinds"] == ["device"]
     assert runs["offload_all, host update"]["parameter memory kinds"] == ["pinned_host"]
+    prefetch = runs["offload_all, streamed update, prefetch"]
+    assert prefetch["parameter memory kinds"] == ["pinned_host"]
     assert runs["offload_all, host update"]["host compute"]
     assert not runs["none"]["host compute"]
     assert runs["offload_all, host update"]["deviceless gpu-h200 host bytes"] > 0

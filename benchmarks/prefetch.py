@@ -1,0 +1,108 @@
+"""Reading layers ahead (`Policy(prefetch=1)`) on the Llama-3.2-1B-shaped model of
+`llama.py` (fp32 master, AdamW, chunked loss): `offload_all` with `prefetch=0` and
+`1`, at 8 and 16 sequences of 1024 tokens, on one H100 (at XLA:GPU's default async
+copy limit and at 16) and one v5e chip, with `remat`'s step for scale. Per row:
+the step, the exposed link time by part of the step
+(`StepTime.exposed_seconds_by_phase`), the layers' exposed forward and backward
+time as a share of their link time, and the device footprint.
+
+    python benchmarks/prefetch.py [--targets gpu-h100 tpu-v5e] [--json FILE]
+
+Only compiled (`memory_report`), never run: every time is an estimate from the
+compiled program and `eo.Hardware.of(target)`.
+"""
+
+import contextlib
+import time
+
+import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
+import decoder
+import jax
+from _common import parser, table, write_json
+from decoder import chunked_loss
+from llama import LLAMA_3_2_1B, SEQ
+
+import eqx_offload as eo
+
+
+ASYNC_LIMIT = "xla_gpu_experimental_parallel_async_compute_limit"
+
+
+@contextlib.contextmanager
+def compiler_options(options: dict):
+    """Every compile inside with these options too (the step's own compile
+    options are kept)."""
+    compile_ = jax.stages.Lowered.compile
+
+    def with_options(self, *args, **kwargs):
+        kwargs["compiler_options"] = (kwargs.get("compiler_options") or {}) | options
+        return compile_(self, *args, **kwargs)
+
+    jax.stages.Lowered.compile = with_options
+    try:
+        yield
+    finally:
+        jax.stages.Lowered.compile = compile_
+
+
+def row(target: str, preset: str, prefetch: int, batch: int, options: dict) -> dict:
+    start = time.perf_counter()
+    policy = getattr(eo.Policy, preset)(prefetch=prefetch)
+    head = {
+        "target": target,
+        "preset": preset,
+        "prefetch": prefetch,
+        "tokens": batch * SEQ,
+        "options": ", ".join(f"{k.split('_')[-1]}={v}" for k, v in options.items()),
+    }
+    try:
+        with compiler_options(options):
+            r = decoder.step_report(
+                LLAMA_3_2_1B, policy, chunked_loss, target=target, batch=batch, seq=SEQ
+            )
+    except eo.DoesNotFit:
+        return head | {"step s": None, "fits": False}
+    t = r.time
+    assert t is not None
+    exposed, link = t.exposed_seconds_by_phase, t.transfer_seconds_by_phase
+    layers_link = link["forward"] + link["backward"]
+    layers_exposed = exposed["forward"] + exposed["backward"]
+    return head | {
+        "step s": t.seconds,
+        "fits": r.fits,
+        "compute s": t.compute_seconds,
+        "to device s": t.host_to_device_seconds,
+        "to host s": t.device_to_host_seconds,
+        "exposed s": t.exposed_transfer_seconds,
+        "layers fwd exposed s": exposed["forward"],
+        "layers bwd exposed s": exposed["backward"],
+        "outside exposed s": exposed["outside"],
+        "update exposed s": exposed["update"],
+        "layers exposed / link": layers_exposed / layers_link if layers_link else 0.0,
+        "device GiB": r.device_bytes / 2**30,
+        "compile s": time.perf_counter() - start,
+    }
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--targets", nargs="+", default=["gpu-h100", "tpu-v5e"])
+    args = p.parse_args()
+    rows = []
+    for target in args.targets:
+        settings = [{}]
+        if target.startswith("gpu"):
+            settings.append({ASYNC_LIMIT: 16})
+        for batch in (8, 16):
+            rows.append(row(target, "remat", 0, batch, {}))
+            for options in settings:
+                for prefetch in (0, 1):
+                    rows.append(row(target, "offload_all", prefetch, batch, options))
+                    print(rows[-1], flush=True)
+    keys = list(max(rows, key=len))
+    print(table(keys, [[r.get(k, "") for k in keys] for r in rows]))
+    write_json(args.json, "prefetch", rows)
+
+
+if __name__ == "__main__":
+    main()
