@@ -297,3 +297,58 @@ def test_an_ensemble():
         ValueError, match=r"prefetch=1.*batched by `jax.vmap`.*prefetch=0"
     ):
         eqx.filter_grad(total)(ensemble, tokens, targets)
+
+
+class _Outer(eqx.Module):
+    inner: eo.Stacked
+
+    def __call__(self, x):
+        return self.inner(x)
+
+
+def test_nested_stacked():
+    """An outer `Stacked` whose layer holds another, its parameters on the host:
+    the outer scan reads each outer layer ahead (the inner stack whole), the
+    inner scan runs on it on the device; gradients as plain JAX's."""
+
+    def make(k):
+        return _Outer(
+            eo.Stacked.from_fn(lambda k2: eqx.nn.Linear(8, 8, key=k2), 2, key=k)
+        )
+
+    outer = eo.Stacked.from_fn(make, 3, key=jax.random.key(6))
+    x = jnp.ones(8)
+
+    def loss(s, x):
+        return jnp.sum(jnp.tanh(s(x)))
+
+    reference = eqx.filter_grad(loss)(outer, x)
+    for prefetch in (0, 1):
+        policy = eo.Policy(
+            params="pinned_host", offload=("inner.input",), prefetch=prefetch
+        )
+        placed = eo.place(outer, policy)
+        grads = eqx.filter_jit(eqx.filter_grad(eo.filter_offload(loss, policy)))(
+            placed, x
+        )
+        assert_trees_close(grads, reference)
+        kinds = {g.sharding.memory_kind for g in jax.tree.leaves(grads)}
+        assert kinds == {"pinned_host"}
+
+
+def test_fsdp_and_micro_batches_are_verified():
+    """FSDP over 8 devices (the loss on `Auto` axes), two micro-batches of 8
+    examples: `eo.verify` against the plain step."""
+    from jax.sharding import AxisType
+
+    policy = eo.Policy.offload_all(
+        shard=eo.FSDP("fsdp", min_size=0), batch="fsdp", update="whole", prefetch=1
+    )
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
+    optimizer = optax.sgd(0.1)
+    model = eo.place(Model(key=jax.random.key(7)), policy, mesh=mesh)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    tokens, targets = next(batches(batch=32))
+    args = (optimizer, policy, model, opt_state, tokens, targets)
+    report = eo.verify(cross_entropy, *args, microbatches=2, microbatch=16)
+    assert report.passed
