@@ -241,10 +241,11 @@ def _async_move(
     if found is None and inst.opcode in ("fusion-start", "fusion"):
         # A fusion of a slice (then, perhaps, a copy into another layout).
         called = comps.get(inst.computation("calls") or "")
-        for inner in [] if called is None else called.insts.values():
-            found = moved(called, inner) if inner.opcode in _MOVES else None
-            if found is not None:
-                break
+        if called is not None:
+            for inner in called.insts.values():
+                found = moved(called, inner) if inner.opcode in _MOVES else None
+                if found is not None:
+                    break
     return None if found is None else found[:2]
 
 
