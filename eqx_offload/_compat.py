@@ -6,7 +6,7 @@ them stops working. The compiler's text (HLO, StableHLO, error messages) is read
 in `_compiler.py`.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -17,22 +17,49 @@ JAX_VERSION = "0.10.2"
 EQUINOX_VERSION = "0.13.8"
 
 
+def _inner(x: Any) -> Iterator[Any]:
+    """`x` and the values it wraps, transformation by transformation (a batched
+    value's, a differentiated value's primal)."""
+    from jax._src.interpreters import ad, batching
+
+    while True:
+        yield x
+        if isinstance(x, batching.BatchTracer):
+            x = x.val
+        elif isinstance(x, (ad.JVPTracer, ad.LinearizeTracer)):
+            x = x.primal
+        else:
+            return
+
+
 def forward_mode(tree: Any) -> bool:
-    """Whether a leaf of `tree` is being differentiated in forward mode (`jax.jvp`,
-    `jax.jacfwd`), where a `jax.custom_vjp` cannot run. Reverse mode (`jax.vjp`,
-    `jax.grad`) linearizes with another tracer (JAX's direct linearization, on
-    by default since jax 0.7)."""
+    """Whether a leaf of `tree` is differentiated in forward mode (`jax.jvp`,
+    `jax.jacfwd`), at any depth of the transformations around it (inside a
+    `jax.vmap`, say), where a `jax.custom_vjp` cannot run. Reverse mode
+    (`jax.vjp`, `jax.grad`) linearizes with another tracer (JAX's direct
+    linearization, on by default since jax 0.7)."""
     from jax._src.interpreters import ad
 
-    return any(isinstance(x, ad.JVPTracer) for x in jax.tree.leaves(tree))
+    return any(
+        isinstance(v, ad.JVPTracer) for x in jax.tree.leaves(tree) for v in _inner(x)
+    )
 
 
 def batched(tree: Any) -> bool:
-    """Whether a leaf of `tree` is batched by the innermost transformation
-    (`jax.vmap` around the call, not around a derivative of it)."""
+    """Whether `jax.vmap` is the innermost transformation of the call (the trace
+    current here, `jax._src.core.trace_ctx`), batching a leaf of `tree`: not
+    `jax.vmap` around a gradient (per-example gradients), whose batch is outside
+    the differentiation."""
+    from jax._src import core
     from jax._src.interpreters import batching
 
-    return any(isinstance(x, batching.BatchTracer) for x in jax.tree.leaves(tree))
+    trace = core.trace_ctx.trace
+    if not isinstance(trace, batching.BatchTrace):
+        return False
+    return any(
+        isinstance(x, batching.BatchTracer) and x._trace is trace
+        for x in jax.tree.leaves(tree)
+    )
 
 
 def retype_in_host_memory(x: jax.Array) -> jax.Array:

@@ -198,7 +198,7 @@ def signature(text: str, arguments: int | None = None) -> Signature:
         return "host" if found and found[1] != "device" else "device"
 
     arg_attrs = attributes(args_text, r"%arg\d+: ")
-    if arguments is not None:
+    if arguments is not None and len(arg_attrs) > arguments:
         arg_attrs = arg_attrs[len(arg_attrs) - arguments :]
     out_attrs = attributes(outs_text, r"(?:^|, )(?=tensor<)")
     arg_kinds, out_kinds = [kind(a) for a in arg_attrs], [kind(a) for a in out_attrs]

@@ -20,6 +20,7 @@ import jax.extend.core.primitives as _p
 _UNEXPORTED = {
     "platform_index": "platform_index",  # `jax.lax.platform_dependent`'s choice
     "reshard": "reshard",  # `jax.sharding.reshard`, `jax.sharding.auto_axes`
+    "custom_vmap": "custom_vmap_call",  # `jax.custom_batching.custom_vmap`
 }
 
 # Call-like primitives whose body runs on all of the equation's operands.
@@ -69,6 +70,11 @@ def is_dynamic_slice(x: Any) -> bool:
 
 def is_squeeze(x: Any) -> bool:
     return _primitive(x) is _p.squeeze_p
+
+
+def is_custom_vmap(x: Any) -> bool:
+    """A `jax.custom_batching.custom_vmap` function's call."""
+    return _is_unexported(x, "custom_vmap")
 
 
 def is_optimization_barrier(x: Any) -> bool:

@@ -47,6 +47,7 @@ def scan(
     xs: Any,
     length: int,
     linear: bool = False,
+    plain: Callable[[], tuple[Any, Any]] | None = None,
 ) -> tuple[Any, Any]:
     """`jax.lax.scan` of `layer_fn(carry, read(stacked[i]), xs[i]) -> (carry, y)`
     over `i < length`, with each `read` issued one iteration ahead (forward and
@@ -54,12 +55,15 @@ def scan(
     cast it). Its transpose is taken in the backward pass: with
     `jax.linear_transpose` where `linear` (a move and a gather), else with
     `jax.vjp` (a gradient tap), whose forward part, unused, the compiler
-    removes."""
+    removes. `plain`: the plain scan, run instead where a value the layers close
+    over is differentiated in forward mode."""
     # Abstractly: an operation on a host-resident stack outside the scan is a
     # computation on the host (`filter_offload` refuses it).
     layer0 = jax.eval_shape(lambda s: read(jtu.tree_map(lambda a: a[0], s)), stacked)
     x0 = jax.eval_shape(lambda s: jtu.tree_map(lambda a: a[0], s), xs)
     fn, consts = _jaxpr.closure_converted(layer_fn, carry, layer0, x0)
+    if plain is not None and _compat.forward_mode(consts):
+        return plain()  # a tangent the layers close over: no `custom_vjp`
     return _run(fn, read, length, linear, consts, carry, stacked, xs)
 
 
@@ -161,7 +165,7 @@ def _take_along(axis: int) -> Callable[[Any, Any], Any]:
                 a, index
             ), True
         if not a_batched:
-            return take(a, index), False
+            return jax.lax.dynamic_index_in_dim(a, index, axis, keepdims=False), False
         return _take_along(axis + 1)(a, index), True
 
     return take
@@ -284,8 +288,8 @@ def _transpose_read(meta: _Meta, piece: Any, ct_layer: Any) -> Any:
         shapes = jtu.tree_map(lambda a: jax.typeof(a), piece)
         try:
             return jax.linear_transpose(meta.read, shapes)(ct_layer)[0]
-        except (NotImplementedError, KeyError):  # a primitive with no transpose
-            pass
+        except (NotImplementedError, KeyError, TypeError):
+            pass  # a primitive with no transpose; an integer leaf
     return jax.vjp(meta.read, piece)[1](ct_layer)[0]
 
 

@@ -296,8 +296,13 @@ def _prefetching_scan(
         return None
     if found is not None:
         layer_fn = jax.checkpoint(layer_fn, policy=found[0], prevent_cse=False)
+        body = jax.checkpoint(body, policy=found[0], prevent_cse=False)
+
+    def plain() -> tuple[Any, Any]:  # a tangent closed over: forward mode
+        return jax.lax.scan(body, carry, (layers, xs), length=length)
+
     return _prefetch.scan(
-        layer_fn, read, carry, layers, xs, length, linear=taps is None
+        layer_fn, read, carry, layers, xs, length, linear=taps is None, plain=plain
     )
 
 

@@ -225,7 +225,7 @@ class _Watched(NamedTuple):
 
 
 def _find_misuse(
-    jaxpr: Any, watched: dict[Any, _Watched]
+    jaxpr: Any, watched: dict[Any, _Watched], reading: bool = False
 ) -> tuple[_Watched, str] | None:
     """Finds an operation that computes on a host-resident stacked leaf outside the
     scan that brings it to the device one layer at a time.
@@ -267,12 +267,17 @@ def _find_misuse(
                 ):
                     return w, "device_put"
             continue
-        if set(used) == {0} and (
-            _jaxpr.is_dynamic_slice(eqn)
-            or (used[0].is_slice and _jaxpr.is_squeeze(eqn))
+        if (
+            reading
+            and set(used) == {0}
+            and (
+                _jaxpr.is_dynamic_slice(eqn)
+                or (used[0].is_slice and _jaxpr.is_squeeze(eqn))
+            )
         ):
-            # A layer read ahead by a prefetching scan (`_prefetch.py`): like a
-            # slice the scan takes, it may only be moved to the device.
+            # A layer read ahead by a prefetching scan (`_prefetch._at`, a
+            # `custom_vmap` slice): like a slice the scan takes, it may only be
+            # moved to the device.
             watched[eqn.outvars[0]] = used[0]._replace(is_slice=True)
             continue
         subs = _jaxpr.sub_jaxprs(eqn)
@@ -284,7 +289,8 @@ def _find_misuse(
                 if i in used:
                     w = used[i]
                     inner[sub.invars[k]] = w._replace(is_slice=True) if sliced else w
-            found = _find_misuse(sub, inner) if inner else None
+            inside = reading or _jaxpr.is_custom_vmap(eqn)
+            found = _find_misuse(sub, inner, inside) if inner else None
             if found is not None:
                 return found
             if not sliced and len(sub.outvars) == len(eqn.outvars):

@@ -352,3 +352,97 @@ def test_fsdp_and_micro_batches_are_verified():
     args = (optimizer, policy, model, opt_state, tokens, targets)
     report = eo.verify(cross_entropy, *args, microbatches=2, microbatch=16)
     assert report.passed
+
+
+class _IntBlock(eqx.Module):
+    block: Any
+    scale: jax.Array  # an integer per layer (a window size, a layer index)
+
+    def __call__(self, x):
+        return self.block(x) * (1 + self.scale % 2)
+
+
+def test_an_integer_leaf_in_the_layers():
+    """A layer with an integer leaf: its slice is read with the rest, and the
+    transpose of the read skips it (no gradient)."""
+    from .helpers import Block
+
+    def make(k):
+        return _IntBlock(Block(16, 2, key=k), jax.random.randint(k, (), 0, 3))
+
+    model = Model(key=jax.random.key(8))
+    model = eqx.tree_at(
+        lambda m: m.blocks, model, eo.Stacked.from_fn(make, 4, key=jax.random.key(9))
+    )
+    tokens, targets = next(batches())
+    grads = {}
+    for prefetch in (0, 1):
+        policy = eo.Policy.offload_all(prefetch=prefetch)
+        fn = eo.filter_offload(cross_entropy, policy)
+        placed = eo.place(model, policy)
+        grads[prefetch] = eqx.filter_jit(eqx.filter_grad(fn))(placed, tokens, targets)
+    assert_trees_close(grads[1], grads[0])
+
+
+class _Scaled(eqx.Module):
+    """The layers close over `t` and over a batched padding mask."""
+
+    model: Model
+
+    def __call__(self, tokens, t):
+        x = jax.vmap(self.model.embed)(tokens)
+        keep = (tokens != 0)[:, None].astype(x.dtype)
+
+        def f(layer, x, _):
+            return layer(x) * keep * t, None
+
+        return jax.vmap(self.model.head)(self.model.blocks.scan(f, x)[0])
+
+
+def test_other_transformations():
+    """Forward mode inside `jax.vmap` and through a closed-over value (`jax.jvp`,
+    `jax.hessian`) runs the plain scan; per-example gradients (`jax.vmap` of the
+    gradient, a batched mask closed over) run the prefetching one: all as with
+    `prefetch=0`."""
+    model = _Scaled(Model(key=jax.random.key(10)))
+    tokens, targets = next(batches())
+    out = {}
+    for prefetch in (0, 1):
+        fn = eo.filter_offload(
+            lambda m, tokens, targets, t: (
+                optax.softmax_cross_entropy_with_integer_labels(
+                    m(tokens, t), targets
+                ).mean()
+            ),
+            eo.Policy.offload_residuals(prefetch=prefetch),
+        )
+        batch = eqx.filter_vmap(fn, in_axes=(None, 0, 0, None))
+
+        def loss(t):
+            return batch(model, tokens, targets, t).mean()
+
+        per_example = eqx.filter_vmap(eqx.filter_grad(fn), in_axes=(None, 0, 0, None))
+        out[prefetch] = (
+            jax.jvp(loss, (1.0,), (1.0,)),
+            jax.hessian(loss)(1.0),
+            per_example(model, tokens, targets, 1.0),
+        )
+    assert_trees_close(out[1], out[0])
+
+
+def test_a_host_layer_read_outside_the_scans_is_still_refused():
+    """Only the prefetching scan's own reads of a host-resident stack are slices
+    the transform lets through: one the loss takes itself is the usual error."""
+
+    def loss(model, tokens, targets):
+        w = model.blocks.layers.mlp.layers[0].weight
+        extra = jax.device_put(w[tokens[0, 0] % 4], jax.memory.Space.Device)
+        return cross_entropy(model, tokens, targets) + jnp.sum(extra**2)
+
+    policy = eo.Policy.offload_all(prefetch=1)
+    model = eo.place(Model(key=jax.random.key(11)), policy)
+    fn = eqx.filter_grad(eo.filter_offload(loss, policy))
+    with pytest.raises(
+        ValueError, match=r"computed on outside it \(by `dynamic_slice`\)"
+    ):
+        fn(model, *next(batches()))
