@@ -263,6 +263,9 @@ POLICIES: dict[str, tuple[str, dict[str, Any]]] = {
         "offload_residuals",
         {"opt_state": "pinned_host", "update": "host"},
     ),
+    "prefetch": ("offload_all", {"prefetch": 1}),
+    "prefetch, host update": ("offload_all", {"prefetch": 1, "update": "host"}),
+    "prefetch, residuals": ("offload_residuals", {"prefetch": 1}),
 }
 
 
