@@ -12,37 +12,19 @@ Only compiled (`memory_report`), never run: every time is an estimate from the
 compiled program and `eo.Hardware.of(target)`.
 """
 
-import contextlib
 import time
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
 import decoder
-import jax
 from _common import parser, table, write_json
 from decoder import chunked_loss
 from llama import LLAMA_3_2_1B, SEQ
+from prefetch_schedule import compiler_options
 
 import eqx_offload as eo
 
 
 ASYNC_LIMIT = "xla_gpu_experimental_parallel_async_compute_limit"
-
-
-@contextlib.contextmanager
-def compiler_options(options: dict):
-    """Every compile inside with these options too (the step's own compile
-    options are kept)."""
-    compile_ = jax.stages.Lowered.compile
-
-    def with_options(self, *args, **kwargs):
-        kwargs["compiler_options"] = (kwargs.get("compiler_options") or {}) | options
-        return compile_(self, *args, **kwargs)
-
-    jax.stages.Lowered.compile = with_options
-    try:
-        yield
-    finally:
-        jax.stages.Lowered.compile = compile_
 
 
 def row(target: str, preset: str, prefetch: int, batch: int, options: dict) -> dict:

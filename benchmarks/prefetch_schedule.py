@@ -10,6 +10,7 @@ layers ahead").
 Everything it prints is read from a compiled program, not timed."""
 
 import argparse
+import contextlib
 
 import compile_matrix as cm
 import jax
@@ -21,27 +22,38 @@ from eqx_offload import _compiler
 from eqx_offload._report import _hlo_program
 
 
-def schedules(arch, width, depth, target, prefetch, policy, options):
-    texts = []
+@contextlib.contextmanager
+def compiler_options(options: dict, texts: list | None = None):
+    """Every compile inside with these options too (the step's own kept), and
+    the compiled program's text appended to `texts`, if given."""
     compile_ = jax.stages.Lowered.compile
 
-    def compile_with_options(self, *args, **kwargs):
+    def with_options(self, *args, **kwargs):
         kwargs["compiler_options"] = (kwargs.get("compiler_options") or {}) | options
         compiled = compile_(self, *args, **kwargs)
-        texts.append(compiled.as_text())
+        if texts is not None:
+            texts.append(compiled.as_text())
         return compiled
 
+    jax.stages.Lowered.compile = with_options
+    try:
+        yield
+    finally:
+        jax.stages.Lowered.compile = compile_
+
+
+def schedules(arch, width, depth, target, prefetch, policy, options):
+    """The report of `arch`'s train step compiled for `target` with `options`,
+    and the order of each loop body with a host read (`loop_schedules`)."""
     model, loss, batch = cm.case(arch, width, depth, jnp.bfloat16)
     p = cm.policy_for(arch, policy, prefetch=prefetch)
     model = eo.place(model, p)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
     opt_state = eo.init_opt_state(optimizer, model, p)
     step = eo.train_step(loss, optimizer, p)
-    jax.stages.Lowered.compile = compile_with_options
-    try:
+    texts: list[str] = []
+    with compiler_options(options, texts):
         report = eo.memory_report(step, model, opt_state, *batch, target=target)
-    finally:
-        jax.stages.Lowered.compile = compile_
     module = _compiler.parse_hlo(texts[-1])
     orders = {
         name: _hlo_program.order(events)

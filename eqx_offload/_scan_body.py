@@ -56,14 +56,32 @@ class ScanConfig(AbstractScan):
             accs = [None if t is None else whole_to_device(t.acc) for t in taps]
             taps = [None if t is None else (t.dtype, t.read) for t in taps]
         layers = (dynamic, accs)
+        read, layer_fn = _body_parts(self, f, static, taps)
+
+        def body(c: Any, inputs: Any) -> Any:
+            layer_slices, x = inputs
+            return layer_fn(c, read(layer_slices), x)
+
         # Named, so that a compiled program's reader tells the layers' transfers
         # from the rest of the step's (`_compiler.phase`).
         with jax.named_scope(_compiler.LAYERS_SCOPE):
-            done = _prefetching_scan(self, f, static, carry, layers, xs, taps, length)
-            if done is not None:
-                return done
-            body = _offload_body(self, f, static, carry, layers, xs, taps)
-            return jax.lax.scan(body, carry, (layers, xs), length=length)
+            found = _remat_policy(self, body, carry, layers, xs)
+            if found is not None:
+                body = jax.checkpoint(body, policy=found[0], prevent_cse=False)
+
+            def plain() -> tuple[Any, Any]:
+                return jax.lax.scan(body, carry, (layers, xs), length=length)
+
+            offload = [] if found is None else found[1]
+            if not _reads_ahead(self, carry, layers, xs, offload):
+                return plain()
+            if found is not None:
+                layer_fn = jax.checkpoint(layer_fn, policy=found[0], prevent_cse=False)
+            # Where a value the layers close over is differentiated in forward
+            # mode, `_prefetch.scan` runs `plain` instead.
+            return _prefetch.scan(
+                layer_fn, read, carry, layers, xs, length, taps is None, plain
+            )
 
     def check_slice(self, layers: Any, how: str) -> None:
         _check_host_slice(self, layers, how)
@@ -160,27 +178,6 @@ def _tap_layer(layer_arrays: Any, accs: list, taps: list) -> Any:
     return jtu.tree_unflatten(treedef, tapped)
 
 
-def _offload_body(
-    config: ScanConfig,
-    f: Callable,
-    static: Any,
-    carry: Any,
-    dynamic: Any,
-    xs: Any,
-    taps: list | None = None,
-) -> Callable:
-    """The configured scan body: host slices to the device (each through its
-    gradient tap, if any), the carry named, output of named submodules named, and
-    `jax.checkpoint` with the policy's names."""
-    read, layer_fn = _body_parts(config, f, static, taps)
-
-    def body(c: Any, inputs: Any) -> Any:
-        layers, x = inputs
-        return layer_fn(c, read(layers), x)
-
-    return _checkpointed(config, body, carry, dynamic, xs)[0]
-
-
 def _body_parts(
     config: ScanConfig, f: Callable, static: Any, taps: list | None
 ) -> tuple[Callable, Callable]:
@@ -228,18 +225,6 @@ def _body_parts(
     return read, layer_fn
 
 
-def _checkpointed(
-    config: ScanConfig, body: Callable, carry: Any, dynamic: Any, xs: Any
-) -> tuple[Callable, list[str]]:
-    """`body(carry, (layers, x))` under `jax.checkpoint` with the policy's names
-    (unchanged under `save="all"`), and the names it offloads."""
-    found = _remat_policy(config, body, carry, dynamic, xs)
-    if found is None:
-        return body, []
-    checkpoint_policy, offload = found
-    return jax.checkpoint(body, policy=checkpoint_policy, prevent_cse=False), offload
-
-
 def _remat_policy(
     config: ScanConfig, body: Callable, carry: Any, dynamic: Any, xs: Any
 ) -> tuple[Callable, list[str]] | None:
@@ -266,44 +251,18 @@ def _remat_policy(
     return checkpoint_policy, offload
 
 
-def _prefetching_scan(
-    config: ScanConfig,
-    f: Callable,
-    static: Any,
-    carry: Any,
-    layers: Any,
-    xs: Any,
-    taps: list | None,
-    length: int,
-) -> tuple[Any, Any] | None:
-    """The scan that reads one layer ahead (`_prefetch.py`), or None where the
-    plain scan runs: `Policy(prefetch=0)`, nothing to read ahead (parameters on
-    the device and no residual offloaded), forward-mode differentiation, or a
-    mesh with `Explicit` axes (not yet supported)."""
+def _reads_ahead(
+    config: ScanConfig, carry: Any, layers: Any, xs: Any, offload: list[str]
+) -> bool:
+    """Whether the scan reads one layer ahead (`_prefetch.py`): under
+    `Policy(prefetch=1)` where there is something to read (parameters on the
+    host or a residual offloaded), but not under forward-mode differentiation
+    (a `custom_vjp` has none) or over a mesh with `Explicit` axes (not yet)."""
     if config.policy.prefetch == 0 or _compat.forward_mode((carry, layers, xs)):
-        return None
-    if _layout.explicit_axes():  # not yet: the plain scan
-        return None
-    read, layer_fn = _body_parts(config, f, static, taps)
-
-    def body(c: Any, inputs: Any) -> Any:
-        layer_slices, x = inputs
-        return layer_fn(c, read(layer_slices), x)
-
-    found = _remat_policy(config, body, carry, layers, xs)
-    offload = [] if found is None else found[1]
-    if not _host_leaves(config, layers[0]) and not offload:
-        return None
-    if found is not None:
-        layer_fn = jax.checkpoint(layer_fn, policy=found[0], prevent_cse=False)
-        body = jax.checkpoint(body, policy=found[0], prevent_cse=False)
-
-    def plain() -> tuple[Any, Any]:  # a tangent closed over: forward mode
-        return jax.lax.scan(body, carry, (layers, xs), length=length)
-
-    return _prefetch.scan(
-        layer_fn, read, carry, layers, xs, length, linear=taps is None, plain=plain
-    )
+        return False
+    if _layout.explicit_axes():
+        return False
+    return bool(_host_leaves(config, layers[0]) or offload)
 
 
 def _probe_names(

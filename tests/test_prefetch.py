@@ -15,15 +15,13 @@ import optax
 import pytest
 
 import eqx_offload as eo
-from eqx_offload import _compiler
 from eqx_offload._policy import replace
-from eqx_offload._report import _hlo_program
 
 from .helpers import assert_trees_close, batches, cross_entropy, Model
 
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-import compile_matrix as cm  # noqa: E402
+import prefetch_schedule  # noqa: E402
 
 
 LR = 1e-2
@@ -135,33 +133,14 @@ def test_bad_prefetch_is_named():
 GPU_OPTIONS = {"xla_gpu_experimental_parallel_async_compute_limit": 16}
 
 
-def _gpu_schedules(prefetch: int, monkeypatch) -> dict[str, str]:
+def _gpu_schedules() -> dict[str, str]:
     """The loop bodies with host reads and matmuls of the `offload_all` step of a
-    4-layer GPT of width 256 compiled for an H100 (with `GPU_OPTIONS`): their
-    order as letters."""
-    texts = []
-    compile_ = jax.stages.Lowered.compile
-
-    def compile_with_options(self, *args, **kwargs):
-        kwargs["compiler_options"] = (
-            kwargs.get("compiler_options") or {}
-        ) | GPU_OPTIONS
-        compiled = compile_(self, *args, **kwargs)
-        texts.append(compiled.as_text())
-        return compiled
-
-    model, loss, batch = cm.case("gpt", 256, 4, jnp.bfloat16)
-    policy = cm.policy_for("gpt", "offload_all", prefetch=prefetch)
-    model = eo.place(model, policy)
-    opt_state = eo.init_opt_state(CLIPPED, model, policy)
-    step = eo.train_step(loss, CLIPPED, policy)
-    with monkeypatch.context() as m:
-        m.setattr(jax.stages.Lowered, "compile", compile_with_options)
-        eo.memory_report(step, model, opt_state, *batch, target="gpu-h100")
-    module = _compiler.parse_hlo(texts[-1])
-    schedules = _hlo_program.loop_schedules(module)
-    orders = {k: _hlo_program.order(v) for k, v in schedules.items()}
-    return {k: o for k, o in orders.items() if "S" in o and "g" in o}
+    4-layer GPT of width 256 with `prefetch=1`, compiled for an H100 with
+    `GPU_OPTIONS`: their order as letters."""
+    _, orders = prefetch_schedule.schedules(
+        "gpt", 256, 4, "gpu-h100", 1, "offload_all", GPU_OPTIONS
+    )
+    return {k: o for k, o in orders.items() if "g" in o}
 
 
 def _exposed_reads(order: str) -> int:
@@ -178,8 +157,8 @@ def _exposed_reads(order: str) -> int:
     return exposed
 
 
-def test_every_layer_read_overlaps_a_matmul_on_gpu(monkeypatch):
-    schedules = _gpu_schedules(1, monkeypatch)
+def test_every_layer_read_overlaps_a_matmul_on_gpu():
+    schedules = _gpu_schedules()
     assert len(schedules) == 2, schedules  # the forward and backward scans
     for name, order in schedules.items():
         assert _exposed_reads(order) == 0, (name, order)
