@@ -57,8 +57,10 @@ from ._state_dict import (
 from ._train_step import train_step as train_step
 from ._transform import filter_offload as filter_offload
 from ._update import (
+    apply_pending as apply_pending,
     init_opt_state as init_opt_state,
     optimizer_update as optimizer_update,
+    PendingUpdate as PendingUpdate,
     place_opt_state as place_opt_state,
 )
 from ._verify import (
@@ -70,6 +72,7 @@ from ._verify import (
 
 
 __all__ = [
+    "apply_pending",
     "checkpoint_names",
     "CheckpointName",
     "chunked_cross_entropy",
@@ -93,6 +96,7 @@ __all__ = [
     "MemoryReport",
     "MinimumTraffic",
     "optimizer_update",
+    "PendingUpdate",
     "place",
     "Plan",
     "plan",

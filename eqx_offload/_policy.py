@@ -129,6 +129,7 @@ class Policy(eqx.Module):
     loss_axes: Literal["auto", "explicit"] = eqx.field(static=True)
     host_remat: bool = eqx.field(static=True)
     prefetch: int = eqx.field(static=True)
+    update_timing: Literal["now", "next_forward", "delayed"] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -151,6 +152,7 @@ class Policy(eqx.Module):
         loss_axes: Literal["auto", "explicit"] = "auto",
         host_remat: bool = False,
         prefetch: int = 0,
+        update_timing: Literal["now", "next_forward", "delayed"] = "now",
     ):
         """**Arguments:**
 
@@ -276,6 +278,21 @@ class Policy(eqx.Module):
             the scan is plain whatever the value (a prefetching scan is a
             `jax.custom_vjp`); `jax.linearize` of a prefetching step cannot be
             evaluated: use `prefetch=0` there.
+        - `update_timing`: when `train_step` applies the optimizer update of the
+            stacked layers' parameters and state. `"now"` (the default): at the
+            end of the step that computed the gradients. `"next_forward"`: in
+            the next step, layer by layer inside the forward scan, just before
+            each layer computes, so that the update's reads and writes can
+            overlap the layers' compute; the numbers are those of `"now"`.
+            Between steps the model and state hold that update *pending*:
+            apply it with `eqx_offload.apply_pending` before reading the
+            model (`save`, `verify` and `memory_report` do it themselves).
+            `"delayed"`: DeepSpeed's delayed parameter update: each step's
+            layers compute with the parameters before the previous step's
+            update, which is applied alongside; their gradients are one step
+            stale (docs: "The update hidden too"). The rest of the model is
+            updated at the end of every step. Both need the streamed update
+            (`update="auto"` or `"streamed"`).
         """
         self.params = _params(params)
         self.save = "all" if save == "all" else _name_patterns(save, "save")
@@ -299,6 +316,7 @@ class Policy(eqx.Module):
             raise TypeError(f"`Policy(host_remat={host_remat!r})`: give True or False.")
         self.host_remat = host_remat
         self.prefetch = prefetch
+        self.update_timing = update_timing
         if self.keep_dtype and self.compute_dtype is None:
             raise ValueError(
                 f"`Policy(keep_dtype={self.keep_dtype!r})` has no effect without "
@@ -335,6 +353,18 @@ class Policy(eqx.Module):
             raise ValueError(
                 f"`Policy(prefetch={self.prefetch!r})`: valid values are 0 (read "
                 "each layer where the scan reaches it) and 1 (read one layer ahead)."
+            )
+        if self.update_timing not in ("now", "next_forward", "delayed"):
+            raise ValueError(
+                f"`Policy(update_timing={self.update_timing!r})`: valid values are "
+                "'now', 'next_forward' and 'delayed'."
+            )
+        if self.update_timing != "now" and self.update not in ("auto", "streamed"):
+            raise ValueError(
+                f"`Policy(update_timing={self.update_timing!r})` applies the stacked "
+                "layers' update a layer at a time, as the streamed update does; "
+                f"`update={self.update!r}` cannot. Use `update='streamed'` (or "
+                "'auto'), or `update_timing='now'`."
             )
         if self.loss_axes not in ("auto", "explicit"):
             raise ValueError(

@@ -273,10 +273,14 @@ def _step(
     params = _update.trainable(model)
     wrapped = _mixed_precision.for_policy(optimizer, params, policy)
     copies = wrapped is not optimizer
-    _mixed_precision.check_state(copies, opt_state, "`train_step`")
-    optimizer = wrapped
-    check_matches(optimizer, opt_state, params, "`train_step`")
-    opt_kinds = _update.check_state(optimizer, opt_state, model, policy)
+    _mixed_precision.check_state(copies, _update.own_state(opt_state), "`train_step`")
+    stepping = _update.stepping(optimizer, params, policy)
+    check_matches(stepping, _update.structure(opt_state), params, "`train_step`")
+    opt_kinds = _update.check_state(stepping, opt_state, model, policy)
+    if policy.update_timing != "now":
+        return _pending_step(
+            config, model, opt_state, batch, statics, model_kinds, opt_kinds
+        )
 
     value, grads = value_and_grad(
         config.loss_fn,
@@ -289,7 +293,7 @@ def _step(
     )
     with jax.named_scope(_update.UPDATE_SCOPE):
         model, opt_state, norms = _update.update(
-            optimizer,
+            wrapped,
             grads,
             opt_state,
             model,
@@ -305,6 +309,67 @@ def _step(
         with jax.named_scope("opt_state"):
             opt_state = _place_outputs(opt_state, opt_kinds, statics.opt_shardings)
     return split(model)[0], split(opt_state)[0], value, norms
+
+
+def _pending_step(
+    config: _Config,
+    model: PyTree,
+    opt_state: "_update.PendingUpdate",
+    batch: tuple,
+    statics: _Statics,
+    model_kinds: list,
+    opt_kinds: list,
+) -> tuple[list, list, Any, dict[str, Any] | None]:
+    """`_step` under `Policy(update_timing=...)`: the waiting update of the
+    stacked layers applied before the loss (`"next_forward"`) or after it
+    (`"delayed"`), and this step's held over."""
+    policy = config.policy
+    params = _update.trainable(model)
+    optimizer = _mixed_precision.for_policy(config.optimizer, params, policy)
+    kind_by_path = {leaf.path: kind for leaf, kind in model_kinds}
+    param_kinds = [
+        kind_by_path[leaf.path]
+        for leaf in _paths.leaves(params)
+        if is_arraylike(leaf.value)
+    ]
+    state_kinds = [kind for _, kind in opt_kinds]
+
+    def apply(model: PyTree, opt_state: Any) -> tuple[PyTree, Any]:
+        with jax.named_scope(_update.UPDATE_SCOPE):
+            new, opt_state = _update.apply_waiting(
+                optimizer, opt_state, _update.trainable(model), param_kinds, state_kinds
+            )
+        rest = eqx.filter(model, _update.is_trainable, inverse=True)
+        return eqx.combine(new, rest), opt_state
+
+    if policy.update_timing == "next_forward":
+        model, opt_state = apply(model, opt_state)
+    value, grads = value_and_grad(
+        config.loss_fn,
+        policy,
+        config.has_aux,
+        config.microbatches,
+        config.unsplit,
+        (model, _update.own_state(opt_state), batch),
+        "`train_step`",
+    )
+    if policy.update_timing == "delayed":
+        model, opt_state = apply(model, opt_state)
+    with jax.named_scope(_update.UPDATE_SCOPE):
+        new, opt_state = _update.hold_update(
+            optimizer,
+            grads,
+            opt_state,
+            _update.trainable(model),
+            param_kinds,
+            state_kinds,
+        )
+        model = eqx.combine(new, eqx.filter(model, _update.is_trainable, inverse=True))
+        with jax.named_scope("params"):
+            model = _place_outputs(model, model_kinds, statics.model_shardings)
+        with jax.named_scope("opt_state"):
+            opt_state = _place_outputs(opt_state, opt_kinds, statics.opt_shardings)
+    return split(model)[0], split(opt_state)[0], value, None
 
 
 class _TrainStep(eqx.Module):
@@ -356,6 +421,10 @@ class _TrainStep(eqx.Module):
             join(model_dynamic, statics.model),
             join(opt_dynamic, statics.opt_state),
         )
+        if isinstance(opt_state, _update.PendingUpdate):  # (a static field)
+            opt_state = _update.PendingUpdate(
+                opt_state.inner, opt_state.grads, opt_state.held, True
+            )
         return (
             (model, opt_state, value, norms)
             if self.config.metrics

@@ -7,6 +7,15 @@ shared, piecewise or global), `_streaming` runs it piece by piece, and
 `_optimizer_update` is the public update for a hand-written step.
 """
 
+from ._apply_pending import apply_pending as apply_pending
+from ._deferred import (
+    apply_waiting as apply_waiting,
+    check_ready as check_ready,
+    hold_update as hold_update,
+    own_state as own_state,
+    PendingUpdate as PendingUpdate,
+    structure as structure,
+)
 from ._host import NotOnHost as NotOnHost
 from ._optim import (
     as_transformation as as_transformation,
@@ -16,6 +25,7 @@ from ._optim import (
     is_trainable as is_trainable,
     place_opt_state as place_opt_state,
     place_state as place_state,
+    stepping as stepping,
     streamed_leaves as streamed_leaves,
     trainable as trainable,
     update as update,

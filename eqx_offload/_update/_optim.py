@@ -21,7 +21,7 @@ from .._memory_kinds import (
 )
 from .._placement import move, resolve
 from .._policy import check_policy, Policy, replace
-from . import _host, _metrics, _streaming
+from . import _deferred, _host, _metrics, _streaming
 from ._state_kinds import state_leaf_kinds
 from ._state_tree import check_matches, state_leaves, state_owners, StateLeaf
 
@@ -116,6 +116,18 @@ def _state_device_sharding(params: PyTree) -> Any:
     return SingleDeviceSharding(jax.devices()[0])
 
 
+def stepping(
+    optimizer: optax.GradientTransformation, params: PyTree, policy: Policy
+) -> optax.GradientTransformation:
+    """The optimizer a step runs for `policy`: wrapped to keep compute copies
+    (`Policy(compute_dtype=...)`) and to hold the stacked layers' update over to
+    the next step (`Policy(update_timing=...)`) where the policy asks."""
+    optimizer = _mixed_precision.for_policy(optimizer, params, policy)
+    if policy.update_timing != "now":
+        optimizer = _deferred.with_pending(optimizer)
+    return optimizer
+
+
 def init_opt_state(
     optimizer: optax.GradientTransformation | optax.MultiSteps,
     model: PyTree,
@@ -152,7 +164,7 @@ def init_opt_state(
     check_policy(policy, "`init_opt_state(policy=...)`")
     params = trainable(model)
     _mixed_precision.check_keep_dtype(params, policy, "`init_opt_state`")
-    optimizer = _mixed_precision.for_policy(optimizer, params, policy)
+    optimizer = stepping(optimizer, params, policy)
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves(params)):
         state = jax.eval_shape(optimizer.init, params)
     else:
@@ -210,8 +222,10 @@ def place_opt_state(
     """
     optimizer = as_transformation(optimizer, "`place_opt_state(optimizer=...)`")
     check_policy(policy, "`place_opt_state(policy=...)`")
-    optimizer = _mixed_precision.for_policy(optimizer, trainable(model), policy)
-    check_matches(optimizer, opt_state, trainable(model), "`place_opt_state`")
+    optimizer = stepping(optimizer, trainable(model), policy)
+    check_matches(
+        optimizer, _deferred.structure(opt_state), trainable(model), "`place_opt_state`"
+    )
     return _place_state(
         optimizer,
         opt_state,
@@ -233,7 +247,7 @@ def place_state(
     state is the subtrees of `opt_state` with the structure of the model's
     trainable leaves."""
     if optimizer is not None:
-        optimizer = _mixed_precision.for_policy(optimizer, trainable(model), policy)
+        optimizer = stepping(optimizer, trainable(model), policy)
     return _place_state(optimizer, opt_state, trainable(model), policy, where)
 
 

@@ -72,6 +72,46 @@ def update(
     **Returns:** the new parameters and optimizer state, in their memory kinds,
     and the metrics (on the device) or None.
     """
+    run = prepare(optimizer, grads, opt_state, params, stacked, paths, metrics)
+    new_params, new_state, extra, _ = execute(run, out_kinds)
+    if not metrics:
+        return new_params, new_state, None
+    n = len(jtu.tree_leaves(params))
+    sums = [
+        jnp.sqrt(sum(jnp.sum(x) for x in extra[i * n : (i + 1) * n]))
+        for i in range(len(METRICS))
+    ]
+    return new_params, new_state, dict(zip(METRICS, sums))
+
+
+@dataclasses.dataclass
+class Prepared:
+    """An optimizer update read for streaming: the plan, its inputs (gradients,
+    state, parameters, flattened), their groups of pieces, and the trees."""
+
+    plan: _plan.Plan
+    inputs: list
+    labels: list[str]
+    groups: dict
+    group_of: list
+    p_def: Any
+    s_def: Any
+    n_params: int
+
+
+def prepare(
+    optimizer: optax.GradientTransformation,
+    grads: Any,
+    opt_state: Any,
+    params: Any,
+    stacked: list[int | None],
+    paths: list[str],
+    metrics: bool = False,
+    waits: list[str | None] | None = None,
+) -> Prepared:
+    """The update of `update` (same arguments), read for streaming. `waits[i]`,
+    if given, names the `Stacked` whose update of trainable leaf `i` waits for
+    the next step (`_deferred.py`): its pieces form a group of their own."""
     p_leaves, p_def = jtu.tree_flatten(params)
     g_leaves = jtu.tree_leaves(grads)
     s_leaves, s_def = jtu.tree_flatten(opt_state)
@@ -95,6 +135,8 @@ def update(
         cut = pieces(p_leaves[leaf], stacked[leaf], leaf)
         if cut is not None:
             key, count, rows = cut
+            if waits is not None and waits[leaf] is not None and key[0] == "stacked":
+                key = ("waits", waits[leaf], count)
             group = groups.setdefault(key, _Group(key, count, rows))
             group.inputs.append(position)
     group_of = [None] * len(inputs)
@@ -156,17 +198,7 @@ def update(
             for g in group_of
         ],
     )
-    new_params, new_state, extra = _execute(
-        plan, inputs, labels, groups, group_of, p_def, s_def, len(p_leaves), out_kinds
-    )
-    if not metrics:
-        return new_params, new_state, None
-    n = len(p_leaves)
-    sums = [
-        jnp.sqrt(sum(jnp.sum(x) for x in extra[i * n : (i + 1) * n]))
-        for i in range(len(METRICS))
-    ]
-    return new_params, new_state, dict(zip(METRICS, sums))
+    return Prepared(plan, inputs, labels, groups, group_of, p_def, s_def, len(p_leaves))
 
 
 def _row_squares(x: Any) -> Any:
@@ -203,17 +235,18 @@ class _Output(NamedTuple):
     summed: bool = False  # a metric: added up over the pieces, back as its sum
 
 
-def _execute(
-    plan: _plan.Plan,
-    inputs: list,
-    labels: list[str],
-    groups: dict,
-    group_of: list,
-    p_def: Any,
-    s_def: Any,
-    n_params: int,
-    out_kinds: tuple[list[str], list[str]],
-) -> tuple[Any, Any, list]:
+def execute(
+    run: Prepared, out_kinds: tuple[list[str], list[str]]
+) -> tuple[Any, Any, list, dict[Any, list]]:
+    """Runs the update `run`, each new leaf in its memory kind (`out_kinds`). A
+    group of pieces whose update waits (`prepare(waits=...)`) is not run: its
+    leaves come back as they are, and the values its update reads besides its
+    pieces (step counts, global norms) come back by group key, for `apply_held`.
+
+    **Returns:** the new parameters and state, the metrics' per-row partial sums,
+    and the held values."""
+    plan, inputs, labels, groups = run.plan, run.inputs, run.labels, run.groups
+    n_params = run.n_params
     whole, piece = plan.whole, plan.piece
     kinds = out_kinds[0] + out_kinds[1]
     env: dict[int, Any] = dict(whole.consts)
@@ -249,29 +282,13 @@ def _execute(
 
     # The outputs: the new parameters, the new state, then the metrics' per-row
     # partial sums (on the device). Each new leaf replaces an input (`_source`).
-    outputs: list[_Output] = []
+    outputs = _outputs(run, out_kinds)
     by_group: dict[Any, list[int]] = {}  # group key -> positions of its outputs
-    for position, (ref, p_ref) in enumerate(zip(whole.outs, piece.outs)):
-        if position >= len(kinds):
-            out = _Output(ref, p_ref, "device", "metrics", summed=True)
-            source = None
-        else:
-            source = _source(position, n_params, len(kinds))
-            out = _Output(ref, p_ref, kinds[position], labels[source])
-        if not is_piecewise(ref):
-            outputs.append(out)
-            continue
-        # Computed in the loop over its group: the one its value comes from, or
-        # (for a value made afresh, such as zeros of a piece's shape) the one of
-        # the leaf it replaces.
-        key = plan.kinds[ref].group or (None if source is None else group_of[source])
-        if key is None:
-            raise NotStreamable("a new leaf has the shape of a piece but no pieces")
-        if source is not None and group_of[source] == key:
-            overwrite = _overwritable(inputs[source], whole.avals[ref], out.kind)
-            out = out._replace(overwrite=source if overwrite else None)
-        outputs.append(out)
-        by_group.setdefault(key, []).append(position)
+    for position, out in enumerate(outputs):
+        if is_piecewise(out.whole):
+            by_group.setdefault(_group_of(run, position, len(kinds)), []).append(
+                position
+            )
 
     outs: list = [None] * len(whole.outs)
     for position, out in enumerate(outputs):
@@ -281,16 +298,118 @@ def _execute(
             assert out.kind is not None
             with jax.named_scope(out.label):
                 outs[position] = to_space(env[out.whole], out.kind, "")
+    held: dict[Any, list] = {}
     for key, group in groups.items():
         positions = by_group.get(key, [])
-        if positions:
-            mine = [outputs[position] for position in positions]
-            values = _scan_pieces(plan, group, inputs, labels, env, mine)
-            for position, value in zip(positions, values):
-                outs[position] = value
-    new_params = jtu.tree_unflatten(p_def, outs[:n_params])
-    new_state = jtu.tree_unflatten(s_def, outs[n_params : len(kinds)])
-    return new_params, new_state, outs[len(kinds) :]
+        if not positions:
+            continue
+        mine = [outputs[position] for position in positions]
+        if key[0] == "waits":
+            held[key] = [env[w] for w, _ in _shared_inputs(plan, mine)]
+            for position, out in zip(positions, mine):
+                source = inputs[_source(position, n_params, len(kinds))]
+                outs[position] = to_space(source, out.kind or "device", "")
+            continue
+        values = _scan_pieces(plan, group, inputs, labels, env, mine)
+        for position, value in zip(positions, values):
+            outs[position] = value
+    new_params = jtu.tree_unflatten(run.p_def, outs[:n_params])
+    new_state = jtu.tree_unflatten(run.s_def, outs[n_params : len(kinds)])
+    return new_params, new_state, outs[len(kinds) :], held
+
+
+def _group_of(run: Prepared, position: int, n_outputs: int) -> Any:
+    """The group whose loop computes the piecewise output at `position`: the one
+    its value comes from, or (for a value made afresh, such as zeros of a
+    piece's shape) the one of the leaf it replaces."""
+    ref = run.plan.whole.outs[position]
+    source = (
+        None if position >= n_outputs else _source(position, run.n_params, n_outputs)
+    )
+    key = run.plan.kinds[ref].group or (
+        None if source is None else run.group_of[source]
+    )
+    if key is None:
+        raise NotStreamable("a new leaf has the shape of a piece but no pieces")
+    return key
+
+
+def _outputs(run: Prepared, out_kinds: tuple[list[str], list[str]]) -> list[_Output]:
+    """Each output of the update with its piece counterpart, memory kind, label
+    and the input it may overwrite."""
+    plan, kinds = run.plan, out_kinds[0] + out_kinds[1]
+    outputs = []
+    for position, (ref, p_ref) in enumerate(zip(plan.whole.outs, plan.piece.outs)):
+        if position >= len(kinds):
+            outputs.append(_Output(ref, p_ref, "device", "metrics", summed=True))
+            continue
+        source = _source(position, run.n_params, len(kinds))
+        out = _Output(ref, p_ref, kinds[position], run.labels[source])
+        piecewise = isinstance(ref, int) and plan.kinds[ref].what == _plan.PIECEWISE
+        if piecewise and run.group_of[source] == _group_of(run, position, len(kinds)):
+            overwrite = _overwritable(
+                run.inputs[source], plan.whole.avals[ref], out.kind
+            )
+            out = out._replace(overwrite=source if overwrite else None)
+        outputs.append(out)
+    return outputs
+
+
+def waiting_outputs(
+    run: Prepared, out_kinds: tuple[list[str], list[str]], key: Any
+) -> list[int]:
+    """The positions (among the new parameters, then the new state) of the
+    outputs the group `key` computes."""
+    n = len(out_kinds[0] + out_kinds[1])
+    return [
+        position
+        for position, ref in enumerate(run.plan.whole.outs[:n])
+        if isinstance(ref, int)
+        and run.plan.kinds[ref].what == _plan.PIECEWISE
+        and _group_of(run, position, n) == key
+    ]
+
+
+def apply_held(
+    run: Prepared,
+    out_kinds: tuple[list[str], list[str]],
+    held: dict[Any, list],
+) -> tuple[Any, Any]:
+    """The update of the groups in `held` (by key, the values `execute` held for
+    them), every other leaf as it is in `run`'s inputs."""
+    kinds = out_kinds[0] + out_kinds[1]
+    outputs = _outputs(run, out_kinds)
+    outs = [
+        to_space(run.inputs[_source(k, run.n_params, len(kinds))], kinds[k], "")
+        for k in range(len(kinds))
+    ]
+    for key, values in held.items():
+        positions = waiting_outputs(run, out_kinds, key)
+        mine = [outputs[k] for k in positions]
+        env = dict(zip([w for w, _ in _shared_inputs(run.plan, mine)], values))
+        found = _scan_pieces(
+            run.plan, run.groups[key], run.inputs, run.labels, env, mine
+        )
+        for k, value in zip(positions, found):
+            outs[k] = value
+    new_params = jtu.tree_unflatten(run.p_def, outs[: run.n_params])
+    return new_params, jtu.tree_unflatten(run.s_def, outs[run.n_params :])
+
+
+def _shared_inputs(plan: _plan.Plan, outputs: list[_Output]) -> list[tuple[Any, Any]]:
+    """The shared and global values (whole-program reference, piece-program
+    reference) that computing `outputs` piece by piece reads, in a fixed order."""
+    whole, piece = plan.whole, plan.piece
+
+    def is_shared(r: Any) -> bool:
+        return plan.kinds[r].what != _plan.PIECEWISE
+
+    pairs: dict[Any, Any] = {}
+    for n in plan.needed([o.whole for o in outputs], is_shared):
+        for w_ref, p_ref in zip(whole.eqns[n].ins, piece.eqns[n].ins):
+            if isinstance(w_ref, int) and is_shared(w_ref):
+                pairs.setdefault(w_ref, p_ref)
+    return list(pairs.items())
 
 
 def _source(position: int, n_params: int, n_outputs: int) -> int:
@@ -352,7 +471,7 @@ def _scan_pieces(
     the arrays it has just written piece `k` into, and carries it to the next step;
     the last piece is updated after the loop, so that nothing is read twice. (On
     a TPU that read-ahead keeps two pieces on the device and costs memory.)"""
-    whole, piece = plan.whole, plan.piece
+    piece = plan.piece
     rows = group.rows
 
     def is_shared(r: Any) -> bool:
@@ -360,10 +479,8 @@ def _scan_pieces(
 
     wanted = plan.needed([o.whole for o in outputs], is_shared)
     known = dict(piece.consts)
-    for n in wanted:  # the shared and global values the body reads
-        for w_ref, p_ref in zip(whole.eqns[n].ins, piece.eqns[n].ins):
-            if isinstance(w_ref, int) and is_shared(w_ref):
-                known[p_ref] = env[w_ref]
+    for w_ref, p_ref in _shared_inputs(plan, outputs):  # what the body reads
+        known[p_ref] = env[w_ref]
 
     def piece_of(full: Any, index: Any, position: int) -> Any:
         with jax.named_scope(labels[position]):

@@ -1,0 +1,104 @@
+"""`apply_pending`: the stacked layers' update a `Policy(update_timing=...)` step
+held over, applied."""
+
+import equinox as eqx
+import jax
+import optax
+from jaxtyping import PyTree
+
+from .. import _mixed_precision, _paths
+from .._memory_kinds import is_arraylike, to_space
+from .._policy import check_policy, Policy
+from . import _deferred
+from ._optim import (
+    as_transformation,
+    check_model,
+    check_state,
+    is_trainable,
+    stepping,
+    trainable,
+)
+
+
+def apply_pending(
+    model: PyTree,
+    opt_state: PyTree,
+    optimizer: optax.GradientTransformation | optax.MultiSteps,
+    policy: Policy,
+) -> tuple[PyTree, PyTree]:
+    """Applies the optimizer update that a `train_step` under
+    `Policy(update_timing="next_forward")` or `"delayed"` left pending.
+
+    Such a step returns the stacked layers' parameters and optimizer state one
+    update behind: the update is applied by the next step. Call this before
+    reading the model in any other way: after the last step, before evaluating,
+    exporting or saving by hand. `eqx_offload.save`, `verify` and
+    `memory_report` apply it themselves. With nothing pending it returns its
+    arguments as they are.
+
+    **Arguments:**
+
+    - `model`, `opt_state`: what the last step returned.
+    - `optimizer`, `policy`: those the step was built with.
+
+    **Returns:**
+
+    `(model, opt_state)`: the model with the update applied, and the state with
+    nothing pending (the next step then applies none). Both are donated.
+
+    !!! Example
+
+        ```python
+        for batch in batches:
+            model, opt_state, loss = step(model, opt_state, *batch)
+        model, opt_state = eo.apply_pending(model, opt_state, optimizer, policy)
+        ```
+    """
+    optimizer = as_transformation(optimizer, "`apply_pending(optimizer=...)`")
+    check_policy(policy, "`apply_pending(policy=...)`")
+    if not isinstance(opt_state, _deferred.PendingUpdate):
+        if policy.update_timing != "now":
+            raise ValueError(
+                "`apply_pending`: `opt_state` is not the state of a "
+                f"`Policy(update_timing={policy.update_timing!r})` step; build it "
+                "with `eqx_offload.init_opt_state(optimizer, model, policy)`."
+            )
+        return model, opt_state
+    if policy.update_timing == "now":
+        raise ValueError(
+            "`apply_pending`: `opt_state` holds a pending update, but `policy` has "
+            "`update_timing='now'`; pass the policy the step was built with."
+        )
+    if not opt_state.ready:
+        return model, opt_state
+    return _apply(model, opt_state, optimizer, policy)
+
+
+@eqx.filter_jit(donate="all")
+def _apply(
+    model: PyTree,
+    opt_state: _deferred.PendingUpdate,
+    optimizer: optax.GradientTransformation,
+    policy: Policy,
+) -> tuple[PyTree, PyTree]:
+    where = "`apply_pending`"
+    model_kinds = check_model(model, policy, where)
+    params = trainable(model)
+    full = stepping(optimizer, params, policy)
+    opt_kinds = check_state(full, opt_state, model, policy)
+    kind_by_path = {leaf.path: kind for leaf, kind in model_kinds}
+    param_kinds = [
+        kind_by_path[leaf.path]
+        for leaf in _paths.leaves(params)
+        if is_arraylike(leaf.value)
+    ]
+    state_kinds = [kind for _, kind in opt_kinds]
+    inner = _mixed_precision.for_policy(optimizer, params, policy)
+    new, opt_state = _deferred.apply_waiting(
+        inner, opt_state, params, param_kinds, state_kinds
+    )
+    model = eqx.combine(new, eqx.filter(model, is_trainable, inverse=True))
+    leaves, treedef = jax.tree.flatten(opt_state)
+    kinds = iter(state_kinds)
+    leaves = [to_space(x, next(kinds), "") if is_arraylike(x) else x for x in leaves]
+    return model, jax.tree.unflatten(treedef, leaves)

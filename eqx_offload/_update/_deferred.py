@@ -1,0 +1,218 @@
+"""`Policy(update_timing=...)`: the stacked layers' optimizer update held over to
+the next step.
+
+At the end of a step the update runs as the streamed update does (`_streaming.py`)
+for every leaf but the stacked layers' parameters and state. For those, it keeps
+what their update reads besides their own pieces: this step's gradients of them and
+the values computed from the whole tree (step counts, the global gradient norm),
+*held* in the optimizer state (`PendingUpdate`). The next step applies it: layer by
+layer inside the forward scan (`_pending.py`, `_prefetch.py`), or, where the scan
+cannot, in a streamed loop of its own (`apply`). Either way each piece is computed
+by the same piece program from the same values as `update_timing="now"` computes
+it, so the numbers are the same.
+"""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import optax
+from jaxtyping import PyTree
+
+from .. import _paths
+from .._memory_kinds import is_arraylike, to_space
+from . import _streaming
+
+
+class PendingUpdate(eqx.Module):
+    """The optimizer state under `Policy(update_timing="next_forward")` or
+    `"delayed"`: the optimizer's own state, and the update of the stacked layers
+    it holds over to the next step.
+
+    - `inner`: the wrapped optimizer's state.
+    - `grads`: the gradient of each stacked layer parameter whose update waits
+        (`optax.MaskedNode()` for the other parameters).
+    - `held`: per `Stacked`, the values its update reads besides its own pieces
+        (step counts, global norms), computed when the gradients were.
+    - `ready`: whether an update is waiting (False after `init_opt_state` and
+        `apply_pending`).
+    """
+
+    inner: PyTree
+    grads: PyTree
+    held: tuple
+    ready: bool = eqx.field(static=True)
+
+
+def waits(params: PyTree) -> list[str | None]:
+    """Per trainable array leaf: the path of the `Stacked` it is a layer leaf of,
+    whose update may wait (None for the others)."""
+    return [leaf.stacked for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
+
+
+def _layers(params: PyTree) -> list[int | None]:
+    return [
+        leaf.value.shape[0] if leaf.stacked is not None else None
+        for leaf in _paths.leaves(params)
+        if is_arraylike(leaf.value)
+    ]
+
+
+def _prepare(
+    optimizer: optax.GradientTransformation,
+    grads: PyTree,
+    inner: PyTree,
+    params: PyTree,
+) -> _streaming.Prepared:
+    paths = [leaf.path for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
+    return _streaming.prepare(
+        optimizer, grads, inner, params, _layers(params), paths, waits=waits(params)
+    )
+
+
+def _waiting_keys(run: _streaming.Prepared) -> list[Any]:
+    return [key for key in run.groups if key[0] == "waits"]
+
+
+def _waiting_mask(run: _streaming.Prepared) -> list[bool]:
+    """Per trainable leaf: whether its update waits."""
+    n_g = run.n_params
+    waiting = {i for key in _waiting_keys(run) for i in run.groups[key].inputs}
+    return [i in waiting for i in range(n_g)]
+
+
+def with_pending(
+    optimizer: optax.GradientTransformation,
+) -> optax.GradientTransformation:
+    """`optimizer` whose state is a `PendingUpdate` with nothing waiting. (Its
+    update is `train_step`'s business: the transformation's own is refused.)"""
+
+    def init(params: PyTree) -> PendingUpdate:
+        inner = optimizer.init(params)
+
+        def shapes(params: PyTree, inner: PyTree) -> Any:
+            run = _prepare(optimizer, params, inner, params)
+            kinds = _device_kinds(run)
+            _, _, _, held = _streaming.execute(run, kinds)
+            return tuple(tuple(held[key]) for key in _waiting_keys(run)), run
+
+        abstract = jax.eval_shape(lambda p, s: shapes(p, s)[0], params, inner)
+        run = _prepare(optimizer, params, inner, params)
+        mask = _waiting_mask(run)
+        leaves, treedef = jtu.tree_flatten(params)
+        grads = jtu.tree_unflatten(
+            treedef,
+            [
+                jnp.zeros_like(p) if m else optax.MaskedNode()
+                for p, m in zip(leaves, mask, strict=True)
+            ],
+        )
+        held = jtu.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
+        return PendingUpdate(inner, grads, held, False)
+
+    def update(grads: PyTree, state: PendingUpdate, params: PyTree = None) -> Any:
+        raise ValueError(
+            "`Policy(update_timing=...)`: this optimizer state holds a pending "
+            "update, which only `eqx_offload.train_step` applies; call "
+            "`eqx_offload.apply_pending` first and use `state.inner`."
+        )
+
+    return optax.GradientTransformation(init, update)  # pyright: ignore
+
+
+def _device_kinds(run: _streaming.Prepared) -> tuple[list[str], list[str]]:
+    n_s = len(run.inputs) - 2 * run.n_params
+    return ["device"] * run.n_params, ["device"] * n_s
+
+
+def _split_kinds(
+    state: PendingUpdate, state_kinds: list[str]
+) -> tuple[list[str], list[str]]:
+    """The kinds of `state.inner`'s leaves, and of its gradients'."""
+    n_inner = len(jtu.tree_leaves(state.inner))
+    n_grads = len(jtu.tree_leaves(state.grads))
+    return state_kinds[:n_inner], state_kinds[n_inner : n_inner + n_grads]
+
+
+def hold_update(
+    optimizer: optax.GradientTransformation,
+    grads: PyTree,
+    state: PendingUpdate,
+    params: PyTree,
+    param_kinds: list[str],
+    state_kinds: list[str],
+) -> tuple[PyTree, PendingUpdate]:
+    """The end of a step: every leaf updated but the stacked layers', whose
+    gradients and held values are kept for the next step."""
+    inner_kinds, grad_kinds = _split_kinds(state, state_kinds)
+    run = _prepare(optimizer, grads, state.inner, params)
+    new_params, inner, _, held = _streaming.execute(run, (param_kinds, inner_kinds))
+    mask = _waiting_mask(run)
+    waiting = [g for g, m in zip(jtu.tree_leaves(grads), mask, strict=True) if m]
+    waiting = [
+        to_space(g.astype(p.dtype), kind, "")
+        for g, p, kind in zip(
+            waiting, jtu.tree_leaves(state.grads), grad_kinds, strict=True
+        )
+    ]
+    kept = jtu.tree_unflatten(jtu.tree_structure(state.grads), waiting)
+    held_values = tuple(
+        tuple(to_space(jnp.asarray(x), "device", "") for x in held[key])
+        for key in _waiting_keys(run)
+    )
+    return new_params, PendingUpdate(inner, kept, held_values, True)
+
+
+def _grads_for(run_params: PyTree, state: PendingUpdate) -> PyTree:
+    """A gradient tree for `_prepare`: the waiting gradients, and each other
+    leaf's parameter in its place (never read: only waiting groups run)."""
+    return jtu.tree_map(
+        lambda g, p: p if isinstance(g, optax.MaskedNode) else g,
+        state.grads,
+        run_params,
+        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+    )
+
+
+def apply_waiting(
+    optimizer: optax.GradientTransformation,
+    state: PendingUpdate,
+    params: PyTree,
+    param_kinds: list[str],
+    state_kinds: list[str],
+) -> tuple[PyTree, PendingUpdate]:
+    """The waiting update applied (in a streamed loop of its own): the new
+    parameters, and the state with nothing waiting."""
+    if not state.ready:
+        return params, state
+    inner_kinds, _ = _split_kinds(state, state_kinds)
+    run = _prepare(optimizer, _grads_for(params, state), state.inner, params)
+    held = dict(zip(_waiting_keys(run), [list(h) for h in state.held], strict=True))
+    new_params, inner = _streaming.apply_held(run, (param_kinds, inner_kinds), held)
+    return new_params, PendingUpdate(inner, state.grads, state.held, False)
+
+
+def own_state(state: Any) -> Any:
+    """The wrapped optimizer's state, of a `PendingUpdate` (else `state`)."""
+    return state.inner if isinstance(state, PendingUpdate) else state
+
+
+def structure(state: Any) -> Any:
+    """`state` as `init` makes it, for checking its structure (whether an update
+    waits is a static field)."""
+    if isinstance(state, PendingUpdate):
+        return PendingUpdate(state.inner, state.grads, state.held, False)
+    return state
+
+
+def check_ready(state: Any, where: str) -> None:
+    """Raises if `state` holds an update still waiting."""
+    if isinstance(state, PendingUpdate) and state.ready:
+        raise ValueError(
+            f"{where}: the optimizer state holds a pending update of the stacked "
+            "layers (`Policy(update_timing=...)`), so the model's parameters are "
+            "one update behind; apply it first: `model, opt_state = "
+            "eqx_offload.apply_pending(model, opt_state, optimizer, policy)`."
+        )
