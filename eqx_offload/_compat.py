@@ -89,6 +89,14 @@ def retype_in_host_memory(x: jax.Array) -> jax.Array:
     return out
 
 
+def tag_checkpoint_policy(policy: Callable, name: str, value: Any) -> None:
+    """Sets the attribute `name` of `policy`, a `jax.checkpoint` policy, which the
+    `checkpoint` equation keeps as its `policy` parameter: a function in jax 0.10;
+    in jax 0.11 `save_and_offload_only_these_names` returns a frozen dataclass,
+    whose `__setattr__` refuses (its instance `__dict__` still takes the value)."""
+    object.__setattr__(policy, name, value)
+
+
 class FilterJit(NamedTuple):
     """What an `eqx.filter_jit` function is made of."""
 

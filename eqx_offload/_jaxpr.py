@@ -2,10 +2,11 @@
 operands of its equations, and which primitive is which.
 
 Checked against jax 0.10.2 (`tests/test_jaxpr.py` pins every layout read here, so
-a JAX upgrade that changes one fails there first). Every other module that walks a
-jaxpr asks this one: which primitive an equation is (by the primitive objects JAX
-exports, not by name, where it exports one), which sub-jaxprs it runs on which of
-its operands, and the few parameters the library reads.
+a JAX upgrade that changes one fails there first); the scan's layout also against
+jax 0.11.2. Every other module that walks a jaxpr asks this one: which primitive
+an equation is (by the primitive objects JAX exports, not by name, where it
+exports one), which sub-jaxprs it runs on which of its operands, and the few
+parameters the library reads.
 """
 
 from collections.abc import Iterator
@@ -165,7 +166,11 @@ class WhileLayout(NamedTuple):
 
 def scan_layout(eqn: Any) -> ScanLayout:
     params = eqn.params
-    consts, carry = params["num_consts"], params["num_carry"]
+    if "num_consts" in params:  # jax 0.10
+        consts, carry = params["num_consts"], params["num_carry"]
+    else:
+        # jax 0.11 groups the operands in a tree, `ft_in`: (consts, carry, xs).
+        consts, carry, _ = (len(group) for group in params["ft_in"].unpack())
     xs = len(eqn.invars) - consts - carry
     return ScanLayout(params["jaxpr"].jaxpr, consts, carry, xs, int(params["length"]))
 

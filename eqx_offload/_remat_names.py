@@ -13,7 +13,7 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from . import _jaxpr, _paths
+from . import _compat, _jaxpr, _paths
 from ._policy import Policy
 
 
@@ -29,7 +29,7 @@ _ATTRIBUTE = "eqx_offload_occurrence"
 
 
 def attach(checkpoint_policy: Any, occurrence: Occurrence) -> Any:
-    setattr(checkpoint_policy, _ATTRIBUTE, occurrence)
+    _compat.tag_checkpoint_policy(checkpoint_policy, _ATTRIBUTE, occurrence)
     return checkpoint_policy
 
 
