@@ -896,7 +896,10 @@ def main() -> None:
     results[FLAG] = part.get("result", part)
     print(f"{FLAG}: {results[FLAG]}", flush=True)
     if args.smoke:
-        rows = deviceless_rows(sizes, args.configs, 600).get("result", [])
+        part = deviceless_rows(sizes, args.configs, 600)
+        rows = part.get("result", [])
+        if "error" in part:  # recorded, not hidden behind the rows' empty figures
+            results["deviceless error"] = part["error"]
     else:
         rows = json.loads(DEVICELESS.read_text())["rows"] if DEVICELESS.exists() else []
     known = {(r["size"], r["config"]): r for r in rows}
