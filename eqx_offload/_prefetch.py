@@ -28,7 +28,7 @@ is refused by the caller (`_scan_body.py`), which runs the plain scan there.
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,24 @@ from jax.custom_derivatives import SymbolicZero
 
 from . import _compat, _jaxpr
 from ._memory_kinds import is_host, to_space
+
+
+class Pending(NamedTuple):
+    """An update each layer's parameters get before the layer computes
+    (`Policy(update_timing=...)`, `_pending.py`), with the arrays `owed` to
+    `scan`: `(aux, held)`.
+
+    - `apply(piece, aux, held) -> aux`: a layer's slice of the stacked layers
+        (in their memory) and of `aux`, to the new slice of `aux` on the device.
+    - `merge(piece, aux) -> piece`: the slice the layer computes with, given the
+        new slice of `aux` (on the device or the host).
+
+    The forward scan writes each layer's new slice into `aux` in place; the
+    backward scan reads the layers through `merge` from it; and the new `aux` is
+    the cotangent `aux` gets (how the step gets the new values back)."""
+
+    apply: Callable[[Any, Any, Any], Any]
+    merge: Callable[[Any, Any], Any]
 
 
 def scan(
@@ -48,6 +66,8 @@ def scan(
     length: int,
     linear: bool = False,
     plain: Callable[[], tuple[Any, Any]] | None = None,
+    pending: Pending | None = None,
+    owed: Any = None,
 ) -> tuple[Any, Any]:
     """`jax.lax.scan` of `layer_fn(carry, read(stacked[i]), xs[i]) -> (carry, y)`
     over `i < length`, with each `read` issued one iteration ahead (forward and
@@ -56,45 +76,57 @@ def scan(
     `jax.linear_transpose` where `linear` (a move and a gather), else with
     `jax.vjp` (a gradient tap), whose forward part, unused, the compiler
     removes. `plain`: the plain scan, run instead where a value the layers close
-    over is differentiated in forward mode."""
+    over is differentiated in forward mode. `pending`, with its arrays `owed`:
+    an update applied to each layer's slice before it is read (`Pending`)."""
     # Abstractly: an operation on a host-resident stack outside the scan is a
     # computation on the host (`filter_offload` refuses it).
     layer0 = jax.eval_shape(lambda s: read(jtu.tree_map(lambda a: a[0], s)), stacked)
     x0 = jax.eval_shape(lambda s: jtu.tree_map(lambda a: a[0], s), xs)
     fn, consts = _jaxpr.closure_converted(layer_fn, carry, layer0, x0)
-    if plain is not None and _compat.forward_mode(consts):
-        return plain()  # a tangent the layers close over: no `custom_vjp`
-    return _run(fn, read, length, linear, consts, carry, stacked, xs)
+    if _compat.forward_mode(consts):
+        if pending is not None:
+            raise ValueError(
+                "`Policy(update_timing=...)`: the layers of a `Stacked` whose "
+                "forward scan applies a pending update close over a value "
+                "differentiated in forward mode (`jax.jvp`), where that scan "
+                "cannot run; use `update_timing='now'` for this loss."
+            )
+        if plain is not None:
+            return plain()  # a tangent the layers close over: no `custom_vjp`
+    meta = _Meta(fn, read, length, {}, linear, pending)
+    return _run(meta, consts, carry, stacked, xs, owed)
 
 
 def _run(
-    fn: Callable,
-    read: Callable,
-    length: int,
-    linear: bool,
-    consts: list,
-    carry: Any,
-    stacked: Any,
-    xs: Any,
+    meta: "_Meta", consts: list, carry: Any, stacked: Any, xs: Any, owed: Any
 ) -> tuple[Any, Any]:
-    """The scans, with `fn` taking its closed-over values as trailing arguments.
+    """The scans, with `meta.fn` taking its closed-over values as trailing
+    arguments.
 
     Inside `jax.vmap` (a model applied per example), the batch is moved inside the
     layer, one `jax.vmap` at a time, so that the scans see one batch of layers.
     Under JAX's batching of a `custom_vjp`, each example's gradient of the
     (unbatched) parameters would be moved to the host before they are summed, and
     a gradient tap would add its accumulator once per example."""
-    if not _compat.batched((consts, carry, stacked, xs)):
-        return _scan(_Meta(fn, read, length, {}, linear), consts, carry, stacked, xs)
+    if not _compat.batched((consts, carry, stacked, xs, owed)):
+        return _scan(meta, consts, carry, stacked, xs, owed)
 
     @jax.custom_batching.custom_vmap
-    def whole(consts: list, carry: Any, stacked: Any, xs: Any) -> Any:
-        return _run(fn, read, length, linear, consts, carry, stacked, xs)
+    def whole(consts: list, carry: Any, stacked: Any, xs: Any, owed: Any) -> Any:
+        return _run(meta, consts, carry, stacked, xs, owed)
 
     @whole.def_vmap
-    def _(size: int, batched: Any, consts: list, carry: Any, stacked: Any, xs: Any):
-        b_consts, b_carry, b_stacked, b_xs = batched
-        if any(jtu.tree_leaves(b_stacked)):
+    def _(
+        size: int,
+        batched: Any,
+        consts: list,
+        carry: Any,
+        stacked: Any,
+        xs: Any,
+        owed: Any,
+    ):
+        b_consts, b_carry, b_stacked, b_xs, b_owed = batched
+        if any(jtu.tree_leaves((b_stacked, b_owed))):
             raise ValueError(
                 "`Policy(prefetch=1)`: the layers of a `Stacked` are batched by "
                 "`jax.vmap` (one set of layers per example, e.g. an ensemble), "
@@ -112,28 +144,72 @@ def _run(
             jtu.tree_map(lambda b: 0 if b else None, b_xs),
             *[0 if b else None for b in b_consts],
         )
-        per_example = jax.vmap(fn, in_axes=in_axes)
-        c, ys = _run(per_example, read, length, linear, consts, carry, stacked, xs)
+        per_example = jax.vmap(meta.fn, in_axes=in_axes)
+        inner = _Meta(
+            per_example, meta.read, meta.length, {}, meta.linear, meta.pending
+        )
+        c, ys = _run(inner, consts, carry, stacked, xs, owed)
         ys = jtu.tree_map(lambda y: jnp.moveaxis(y, 1, 0), ys)
         out = (c, ys)
         return out, jtu.tree_map(lambda _: True, out)
 
-    return whole(consts, carry, stacked, xs)
+    return whole(consts, carry, stacked, xs, owed)
 
 
 class _Meta:
     """What the scans share and do not differentiate: the closure-converted layer
-    function, `read`, the length, and (filled in by the forward pass) how to
-    rebuild a layer's `jax.vjp` from its inputs and saved residuals."""
+    function, `read`, the length, (filled in by the forward pass) how to rebuild
+    a layer's `jax.vjp` from its inputs and saved residuals, and the update the
+    layers get first (`Pending`, or None)."""
 
     def __init__(
-        self, fn: Callable, read: Callable, length: int, rebuild: dict, linear: bool
+        self,
+        fn: Callable,
+        read: Callable,
+        length: int,
+        rebuild: dict,
+        linear: bool,
+        pending: Pending | None = None,
     ):
         self.fn = fn
         self.read = read
         self.length = length
         self.rebuild = rebuild
         self.linear = linear
+        self.pending = pending
+
+
+def _updated(
+    meta: _Meta, stacked: Any, owed: Any, index: Any, fresh: Any
+) -> tuple[Any, Any]:
+    """Layer `index` on the device, read through its pending update where there is
+    one, and `owed` with that layer's new slice of `aux` written in place (where
+    `fresh`: the update of a layer read a second time is not applied again)."""
+    piece = _at(stacked, index)
+    if meta.pending is None:
+        return meta.read(piece), owed
+    aux, held = owed
+    now = _at(aux, index)
+    new = meta.pending.apply(piece, now, held)
+    new = jtu.tree_map(
+        lambda n, o: jnp.where(fresh, n, to_space(o, "device", "")), new, now
+    )
+
+    def write(full: Any, value: Any) -> Any:
+        value = to_space(value, "pinned_host" if is_host(full) else "device", "")
+        return jax.lax.dynamic_update_index_in_dim(full, value, index, 0)
+
+    aux = jtu.tree_map(write, aux, new)
+    return meta.read(meta.pending.merge(piece, new)), (aux, held)
+
+
+def _layer(meta: _Meta, stacked: Any, owed: Any, index: Any) -> tuple[Any, Any]:
+    """Layer `index` on the device, as the forward pass computed with it (its new
+    slice read back from `owed`), and the slice it was read from."""
+    piece = _at(stacked, index)
+    if meta.pending is not None:
+        piece = meta.pending.merge(piece, _at(owed[0], index))
+    return meta.read(piece), piece
 
 
 def _at(tree: Any, index: Any) -> Any:
@@ -171,19 +247,23 @@ def _take_along(axis: int) -> Callable[[Any, Any], Any]:
     return take
 
 
-def _primal(meta: _Meta, consts: list, carry: Any, stacked: Any, xs: Any) -> Any:
+def _primal(
+    meta: _Meta, consts: list, carry: Any, stacked: Any, xs: Any, owed: Any
+) -> Any:
     """The forward pass, undifferentiated (evaluation, sampling)."""
     n = meta.length
 
     def body(state: Any, inputs: Any) -> Any:
-        c, layer = state
+        c, layer, owed = state
         i, x = inputs
-        following = meta.read(_at(stacked, jnp.minimum(i + 1, n - 1)))
+        j = jnp.minimum(i + 1, n - 1)
+        following, owed = _updated(meta, stacked, owed, j, i + 1 < n)
         c, y = meta.fn(c, layer, x, *consts)
-        return (c, following), y
+        return (c, following, owed), y
 
-    layer = meta.read(_at(stacked, 0))
-    (c, _), ys = jax.lax.scan(body, (carry, layer), (jnp.arange(n), xs), length=n)
+    layer, owed = _updated(meta, stacked, owed, 0, True)
+    init = (carry, layer, owed)
+    (c, _, _), ys = jax.lax.scan(body, init, (jnp.arange(n), xs), length=n)
     return c, ys
 
 
@@ -191,17 +271,21 @@ def _value(x: Any) -> Any:
     return x.value
 
 
-def _forward(meta: _Meta, consts: list, carry: Any, stacked: Any, xs: Any) -> Any:
+def _forward(
+    meta: _Meta, consts: list, carry: Any, stacked: Any, xs: Any, owed: Any
+) -> Any:
     """The forward pass under differentiation: the outputs, and per layer the
     residuals that are not one of the layer's inputs."""
-    perturbed = jtu.tree_map(lambda p: p.perturbed, (consts, carry, stacked, xs))
-    consts, carry, stacked, xs = jtu.tree_map(_value, (consts, carry, stacked, xs))
+    everything = (consts, carry, stacked, xs, owed)
+    perturbed = jtu.tree_map(lambda p: p.perturbed, everything)
+    consts, carry, stacked, xs, owed = jtu.tree_map(_value, everything)
     n = meta.length
 
     def body(state: Any, inputs: Any) -> Any:
-        c, layer = state
+        c, layer, owed = state
         i, x = inputs
-        following = meta.read(_at(stacked, jnp.minimum(i + 1, n - 1)))
+        j = jnp.minimum(i + 1, n - 1)
+        following, owed = _updated(meta, stacked, owed, j, i + 1 < n)
         out, vjp = jax.vjp(meta.fn, c, layer, x, *consts)
         leaves, treedef = jtu.tree_flatten(vjp)
         inputs_again = jtu.tree_leaves((layer, x, consts))
@@ -214,20 +298,20 @@ def _forward(meta: _Meta, consts: list, carry: Any, stacked: Any, xs: Any) -> An
                 kept.append(leaf)
         meta.rebuild["treedef"] = treedef
         meta.rebuild["where"] = where
-        return (out[0], following), (out[1], kept)
+        return (out[0], following, owed), (out[1], kept)
 
-    layer = meta.read(_at(stacked, 0))
-    (c, last), (ys, kept) = jax.lax.scan(
-        body, (carry, layer), (jnp.arange(n), xs), length=n
+    layer, owed = _updated(meta, stacked, owed, 0, True)
+    (c, last, owed), (ys, kept) = jax.lax.scan(
+        body, (carry, layer, owed), (jnp.arange(n), xs), length=n
     )
-    return (c, ys), (kept, last, consts, stacked, xs, perturbed)
+    return (c, ys), (kept, last, consts, stacked, xs, owed, perturbed)
 
 
 def _backward(meta: _Meta, residuals: Any, cotangents: Any) -> Any:
-    kept, last, consts, stacked, xs, perturbed = residuals
+    kept, last, consts, stacked, xs, owed, perturbed = residuals
     n = meta.length
     treedef, where = meta.rebuild["treedef"], meta.rebuild["where"]
-    p_consts, p_carry, p_stacked, p_xs = perturbed
+    p_consts, p_carry, p_stacked, p_xs, p_owed = perturbed
     ct_carry, ct_ys = _instantiate(cotangents)
     # A residual offloaded to the host is read one layer ahead, like the layer;
     # the scan slices the others (on the device) itself.
@@ -243,7 +327,7 @@ def _backward(meta: _Meta, residuals: Any, cotangents: Any) -> Any:
     def body(state: Any, inputs: Any) -> Any:
         g, layer, here, g_consts = state
         i, x, saved, ct_y = inputs
-        previous = meta.read(_at(stacked, jnp.maximum(i - 1, 0)))
+        previous, _ = _layer(meta, stacked, owed, jnp.maximum(i - 1, 0))
         earlier = fetch(jnp.maximum(i - 1, 0))
         saved = iter([h if h is not None else s for s, h in zip(saved, here)])
         again = jtu.tree_leaves((layer, x, consts))
@@ -252,7 +336,9 @@ def _backward(meta: _Meta, residuals: Any, cotangents: Any) -> Any:
         ct_c, ct_layer, ct_x, *ct_consts = vjp((g, ct_y))
         ct_piece = None
         if any(jtu.tree_leaves(p_stacked)):
-            piece = _at(stacked, i)
+            # Under a pending update, the parameters the layer computed with
+            # (the new ones, read back): their cotangent is the gradient.
+            _, piece = _layer(meta, stacked, owed, i)
             ct_piece = _transpose_read(meta, piece, ct_layer)
             ct_piece = _keep_perturbed(ct_piece, p_stacked)
         ct_x = _keep_perturbed(ct_x, p_xs)
@@ -271,11 +357,14 @@ def _backward(meta: _Meta, residuals: Any, cotangents: Any) -> Any:
         reverse=True,
     )
     ct_consts = [g if p else None for g, p in zip(g_consts, p_consts)]
+    # The new values of a pending update's `aux`, as its cotangent (`Pending`).
+    ct_owed = None if owed is None else (owed[0], None)
     return (
         ct_consts,
         _keep_perturbed(ct_c, p_carry),
         _keep_perturbed(ct_stacked, p_stacked),
         _keep_perturbed(ct_xs, p_xs),
+        _keep_perturbed(ct_owed, p_owed),
     )
 
 

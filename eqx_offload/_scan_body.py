@@ -22,6 +22,7 @@ from . import (
     _jaxpr,
     _layout,
     _paths,
+    _pending,
     _prefetch,
     _remat_names,
     _residuals,
@@ -73,6 +74,15 @@ class ScanConfig(AbstractScan):
                 return jax.lax.scan(body, carry, (layers, xs), length=length)
 
             offload = [] if found is None else found[1]
+            owed = _pending.take(self.path)
+            if owed is not None:
+                if found is not None:
+                    layer_fn = jax.checkpoint(
+                        layer_fn, policy=found[0], prevent_cse=False
+                    )
+                return _updating_scan(
+                    self.path, layer_fn, read, carry, layers, xs, length, taps, owed
+                )
             if not _reads_ahead(self, carry, layers, xs, offload):
                 return plain()
             if found is not None:
@@ -88,6 +98,62 @@ class ScanConfig(AbstractScan):
 
     def check_bypass(self, layers: Any, how: str) -> None:
         _check_bypass(self, layers, how)
+
+
+def _updating_scan(
+    path: str,
+    layer_fn: Callable,
+    read: Callable,
+    carry: Any,
+    layers: Any,
+    xs: Any,
+    length: int,
+    taps: list | None,
+    owed: _pending.Layers,
+) -> tuple[Any, Any]:
+    """The prefetching scan that applies `owed`, the pending update of the
+    layers' parameters, to each layer before it computes (`_pending.py`)."""
+    if taps is not None or _layout.explicit_axes():
+        raise ValueError(
+            "`Policy(update_timing=...)`: the forward scan cannot apply the pending "
+            "update with gradient taps (micro-batches) or over a mesh with "
+            "`Explicit` axes, where `train_step` applies it before the loss; "
+            "this scan was handed one anyway."
+        )
+    names = [
+        _paths.join(path, leaf.path)
+        for leaf in _paths.leaves(layers[0])
+        if is_arraylike(leaf.value)
+    ]
+    positions = [names.index(p) for p in owed.paths]
+
+    def apply(piece: Any, aux: Any, held: Any) -> Any:
+        arrays = jtu.tree_leaves(piece[0])
+        params = [to_device(arrays[k]) for k in positions]
+        with jax.named_scope(_compiler.UPDATE_SCOPE):
+            return owed.update(params, to_device(aux), held)
+
+    def merge(piece: Any, aux: Any) -> Any:
+        if owed.delayed:
+            return piece
+        arrays, treedef = jtu.tree_flatten(piece[0])
+        for k, new in zip(positions, aux[0], strict=True):
+            arrays[k] = new
+        return (jtu.tree_unflatten(treedef, arrays), piece[1])
+
+    pending = _prefetch.Pending(apply, merge)
+    return _prefetch.scan(
+        layer_fn,
+        read,
+        carry,
+        layers,
+        xs,
+        length,
+        True,
+        None,
+        pending,
+        (owed.aux, owed.held),
+    )
 
 
 def configure(stacked: Stacked, path: str, policy: Policy) -> Stacked:

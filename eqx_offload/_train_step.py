@@ -21,6 +21,7 @@ from . import (
     _microbatch,
     _mixed_precision,
     _paths,
+    _pending,
     _update,
 )
 from ._diagnose import DoesNotCompile
@@ -342,19 +343,30 @@ def _pending_step(
         rest = eqx.filter(model, _update.is_trainable, inverse=True)
         return eqx.combine(new, rest), opt_state
 
-    if policy.update_timing == "next_forward":
-        model, opt_state = apply(model, opt_state)
-    value, grads = value_and_grad(
-        config.loss_fn,
-        policy,
-        config.has_aux,
-        config.microbatches,
-        config.unsplit,
-        (model, _update.own_state(opt_state), batch),
-        "`train_step`",
+    in_forward = (
+        opt_state.ready
+        and config.microbatches == 1
+        and policy.compute_dtype is None
+        and not _layout.explicit_axes()
     )
-    if policy.update_timing == "delayed":
-        model, opt_state = apply(model, opt_state)
+    if in_forward:
+        value, grads, model, opt_state = _value_and_grad_applying(
+            config, optimizer, model, opt_state, batch, param_kinds, state_kinds
+        )
+    else:
+        if policy.update_timing == "next_forward":
+            model, opt_state = apply(model, opt_state)
+        value, grads = value_and_grad(
+            config.loss_fn,
+            policy,
+            config.has_aux,
+            config.microbatches,
+            config.unsplit,
+            (model, _update.own_state(opt_state), batch),
+            "`train_step`",
+        )
+        if policy.update_timing == "delayed":
+            model, opt_state = apply(model, opt_state)
     with jax.named_scope(_update.UPDATE_SCOPE):
         new, opt_state = _update.hold_update(
             optimizer,
@@ -370,6 +382,53 @@ def _pending_step(
         with jax.named_scope("opt_state"):
             opt_state = _place_outputs(opt_state, opt_kinds, statics.opt_shardings)
     return split(model)[0], split(opt_state)[0], value, None
+
+
+def _value_and_grad_applying(
+    config: _Config,
+    optimizer: optax.GradientTransformation,
+    model: PyTree,
+    opt_state: Any,
+    batch: tuple,
+    param_kinds: list[str],
+    state_kinds: list[str],
+) -> tuple[Any, PyTree, PyTree, Any]:
+    """The loss and gradient, with each `Stacked`'s forward scan applying the
+    update `opt_state` holds for it (`_pending.py`): its new parameters and state
+    come back as the gradient of its `aux`. **Returns:** the loss, the gradients,
+    and the model and state with the update applied."""
+    policy = config.policy
+    params = _update.trainable(model)
+    owed, back = _update.layer_updates(
+        optimizer,
+        opt_state,
+        params,
+        param_kinds,
+        state_kinds,
+        policy.update_timing == "delayed",
+    )
+    loss = filter_offload(
+        checked_loss(config.loss_fn, config.has_aux, "`train_step`"), policy
+    )
+
+    def outer(both: tuple[PyTree, dict], *batch: Any) -> Any:
+        model, aux = both
+        layers = {path: owed[path]._replace(aux=aux[path]) for path in owed}
+        with _pending.owed(layers) as taken:
+            out = loss(model, *batch)
+        _pending.check_taken(layers, taken, "`train_step`")
+        return out
+
+    aux = {path: layers.aux for path, layers in owed.items()}
+    value, (grads, new_aux) = eqx.filter_value_and_grad(outer, has_aux=config.has_aux)(
+        (model, aux), *batch
+    )
+    new_params, inner = back(new_aux)
+    model = eqx.combine(
+        new_params, eqx.filter(model, _update.is_trainable, inverse=True)
+    )
+    opt_state = _update.PendingUpdate(inner, opt_state.grads, opt_state.held, False)
+    return value, grads, model, opt_state
 
 
 class _TrainStep(eqx.Module):

@@ -12,6 +12,7 @@ from ._deferred import (
     apply_waiting as apply_waiting,
     check_ready as check_ready,
     hold_update as hold_update,
+    layer_updates as layer_updates,
     own_state as own_state,
     PendingUpdate as PendingUpdate,
     structure as structure,

@@ -21,9 +21,9 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import PyTree
 
-from .. import _paths
+from .. import _paths, _pending, _tiling
 from .._memory_kinds import is_arraylike, to_space
-from . import _streaming
+from . import _plan, _streaming
 
 
 class PendingUpdate(eqx.Module):
@@ -49,7 +49,11 @@ class PendingUpdate(eqx.Module):
 def waits(params: PyTree) -> list[str | None]:
     """Per trainable array leaf: the path of the `Stacked` it is a layer leaf of,
     whose update may wait (None for the others)."""
-    return [leaf.stacked for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
+    return [
+        leaf.stacked if leaf.layer_axes == 1 else None  # (not a nested `Stacked`)
+        for leaf in _paths.leaves(params)
+        if is_arraylike(leaf.value)
+    ]
 
 
 def _layers(params: PyTree) -> list[int | None]:
@@ -192,6 +196,110 @@ def apply_waiting(
     held = dict(zip(_waiting_keys(run), [list(h) for h in state.held], strict=True))
     new_params, inner = _streaming.apply_held(run, (param_kinds, inner_kinds), held)
     return new_params, PendingUpdate(inner, state.grads, state.held, False)
+
+
+def layer_updates(
+    optimizer: optax.GradientTransformation,
+    state: PendingUpdate,
+    params: PyTree,
+    param_kinds: list[str],
+    state_kinds: list[str],
+    delayed: bool,
+) -> tuple[dict[str, _pending.Layers], Any]:
+    """Per `Stacked` path, the waiting update as its forward scan applies it, and
+    a function that takes the gradient of the step's `aux` (the new values) back
+    to the new parameters and inner state."""
+    inner_kinds, _ = _split_kinds(state, state_kinds)
+    kinds = (param_kinds, inner_kinds)
+    run = _prepare(optimizer, _grads_for(params, state), state.inner, params)
+    plan, n_p = run.plan, run.n_params
+    n_s = len(run.inputs) - 2 * n_p
+    outputs = _streaming.output_list(run, kinds)
+    mask = _waiting_mask(run)
+    names = [leaf.path for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
+    grad_slot = {t: k for k, t in enumerate(i for i in range(n_p) if mask[i])}
+    layers: dict[str, _pending.Layers] = {}
+    places: dict[str, tuple[list[int], list[int]]] = {}
+    for key, held in zip(_waiting_keys(run), state.held, strict=True):
+        path = key[1]
+        positions = _streaming.waiting_outputs(run, kinds, key)
+        mine = [outputs[k] for k in positions]
+        leaves = [k for k in positions if k < n_p]
+        states = sorted(
+            {k - n_p for k in positions if k >= n_p}
+            | {i - n_p for i in run.groups[key].inputs if n_p <= i < n_p + n_s}
+        )
+        pairs = _streaming.shared_inputs(plan, mine)
+        wanted = plan.needed([o.whole for o in mine], _not_piecewise(plan))
+        update = _piece_update(plan, wanted, pairs, leaves, states, n_p, n_s)
+        grads = [jtu.tree_leaves(state.grads)[grad_slot[t]] for t in leaves]
+        inner = jtu.tree_leaves(state.inner)
+        aux = (grads, [inner[j] for j in states])
+        layers[path] = _pending.Layers(
+            tuple(names[t] for t in leaves),
+            update,
+            aux,
+            tuple(held),
+            delayed,
+        )
+        places[path] = (leaves, states)
+
+    def back(new_aux: dict[str, Any]) -> tuple[PyTree, PyTree]:
+        """The parameters and inner state with each `Stacked`'s new values."""
+        p_leaves, p_def = jtu.tree_flatten(params)
+        s_leaves, s_def = jtu.tree_flatten(state.inner)
+        for path, (leaves, states) in places.items():
+            new_params, new_state = new_aux[path]
+            for t, x in zip(leaves, new_params, strict=True):
+                p_leaves[t] = to_space(x, param_kinds[t], "")
+            for j, x in zip(states, new_state, strict=True):
+                s_leaves[j] = to_space(x, inner_kinds[j], "")
+        return jtu.tree_unflatten(p_def, p_leaves), jtu.tree_unflatten(s_def, s_leaves)
+
+    return layers, back
+
+
+def _not_piecewise(plan: _plan.Plan) -> Any:
+    return lambda r: plan.kinds[r].what != _plan.PIECEWISE
+
+
+def _piece_update(
+    plan: _plan.Plan,
+    wanted: list[int],
+    pairs: list[tuple[Any, Any]],
+    leaves: list[int],
+    states: list[int],
+    n_p: int,
+    n_s: int,
+) -> Any:
+    """One layer's update of the waiting leaves: the piece program on one layer's
+    parameters, gradients and state (on the device, without their layer axis)."""
+    piece = plan.piece
+
+    def update(params: list, aux: Any, held: Any) -> Any:
+        grads, state = aux
+        local = dict(piece.consts)
+        for (_, ref), value in zip(pairs, held, strict=True):
+            local[ref] = value
+        for t, p, g in zip(leaves, params, grads, strict=True):
+            local[piece.ins[t]] = _tiling.lift(g, 1)
+            local[piece.ins[n_p + n_s + t]] = _tiling.lift(p, 1)
+        for j, x in zip(states, state, strict=True):
+            local[piece.ins[n_p + j]] = _tiling.lift(x, 1)
+        _plan.run(piece, wanted, local)
+
+        def out(k: int, old: Any) -> Any:
+            ref = piece.outs[k]
+            value = ref.value if isinstance(ref, _plan.Literal) else local.get(ref)
+            if value is None:  # a state leaf the update reads but does not write
+                return old
+            return _tiling.lower(jnp.asarray(value), 1).astype(old.dtype)
+
+        new_params = [out(t, p) for t, p in zip(leaves, params, strict=True)]
+        new_state = [out(n_p + j, x) for j, x in zip(states, state, strict=True)]
+        return new_params, new_state
+
+    return update
 
 
 def own_state(state: Any) -> Any:

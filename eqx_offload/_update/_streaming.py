@@ -282,7 +282,7 @@ def execute(
 
     # The outputs: the new parameters, the new state, then the metrics' per-row
     # partial sums (on the device). Each new leaf replaces an input (`_source`).
-    outputs = _outputs(run, out_kinds)
+    outputs = output_list(run, out_kinds)
     by_group: dict[Any, list[int]] = {}  # group key -> positions of its outputs
     for position, out in enumerate(outputs):
         if is_piecewise(out.whole):
@@ -305,7 +305,7 @@ def execute(
             continue
         mine = [outputs[position] for position in positions]
         if key[0] == "waits":
-            held[key] = [env[w] for w, _ in _shared_inputs(plan, mine)]
+            held[key] = [env[w] for w, _ in shared_inputs(plan, mine)]
             for position, out in zip(positions, mine):
                 source = inputs[_source(position, n_params, len(kinds))]
                 outs[position] = to_space(source, out.kind or "device", "")
@@ -334,7 +334,7 @@ def _group_of(run: Prepared, position: int, n_outputs: int) -> Any:
     return key
 
 
-def _outputs(run: Prepared, out_kinds: tuple[list[str], list[str]]) -> list[_Output]:
+def output_list(run: Prepared, out_kinds: tuple[list[str], list[str]]) -> list[_Output]:
     """Each output of the update with its piece counterpart, memory kind, label
     and the input it may overwrite."""
     plan, kinds = run.plan, out_kinds[0] + out_kinds[1]
@@ -378,7 +378,7 @@ def apply_held(
     """The update of the groups in `held` (by key, the values `execute` held for
     them), every other leaf as it is in `run`'s inputs."""
     kinds = out_kinds[0] + out_kinds[1]
-    outputs = _outputs(run, out_kinds)
+    outputs = output_list(run, out_kinds)
     outs = [
         to_space(run.inputs[_source(k, run.n_params, len(kinds))], kinds[k], "")
         for k in range(len(kinds))
@@ -386,7 +386,7 @@ def apply_held(
     for key, values in held.items():
         positions = waiting_outputs(run, out_kinds, key)
         mine = [outputs[k] for k in positions]
-        env = dict(zip([w for w, _ in _shared_inputs(run.plan, mine)], values))
+        env = dict(zip([w for w, _ in shared_inputs(run.plan, mine)], values))
         found = _scan_pieces(
             run.plan, run.groups[key], run.inputs, run.labels, env, mine
         )
@@ -396,7 +396,7 @@ def apply_held(
     return new_params, jtu.tree_unflatten(run.s_def, outs[run.n_params :])
 
 
-def _shared_inputs(plan: _plan.Plan, outputs: list[_Output]) -> list[tuple[Any, Any]]:
+def shared_inputs(plan: _plan.Plan, outputs: list[_Output]) -> list[tuple[Any, Any]]:
     """The shared and global values (whole-program reference, piece-program
     reference) that computing `outputs` piece by piece reads, in a fixed order."""
     whole, piece = plan.whole, plan.piece
@@ -479,7 +479,7 @@ def _scan_pieces(
 
     wanted = plan.needed([o.whole for o in outputs], is_shared)
     known = dict(piece.consts)
-    for w_ref, p_ref in _shared_inputs(plan, outputs):  # what the body reads
+    for w_ref, p_ref in shared_inputs(plan, outputs):  # what the body reads
         known[p_ref] = env[w_ref]
 
     def piece_of(full: Any, index: Any, position: int) -> Any:
