@@ -1,0 +1,68 @@
+"""The loss `train_step` differentiates, checked: a floating-point scalar, or
+`(loss, aux)` with `has_aux=True`, else an error naming what it returned."""
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+
+from ._memory_kinds import is_arraylike
+
+
+def _describe(out: Any) -> str:
+    """What a loss returned, for an error message: `float32[8]`, `(float32[],
+    {'acc': float32[]})`."""
+
+    def one(x: Any) -> str:
+        if is_arraylike(x):
+            return f"{jax.numpy.dtype(x.dtype).name}{list(x.shape)}"
+        return type(x).__name__
+
+    leaves, treedef = jtu.tree_flatten(out, is_leaf=lambda x: x is None)
+    text = str(jtu.tree_unflatten(treedef, [_Text(one(x)) for x in leaves]))
+    return text
+
+
+class _Text(str):
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _is_loss(x: Any) -> bool:
+    return (
+        is_arraylike(x)
+        and x.shape == ()
+        and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+    )
+
+
+def checked_loss(loss_fn: Callable, has_aux: bool, where: str) -> Callable:
+    """`loss_fn`, raising a `ValueError` that names `has_aux` and the fix when it
+    returns something other than what the step differentiates: a floating-point
+    scalar, or `(loss, aux)` with `has_aux=True`."""
+
+    @functools.wraps(loss_fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        out = loss_fn(*args, **kwargs)
+        pair = isinstance(out, tuple | list) and len(out) == 2
+        if has_aux and pair and _is_loss(out[0]):
+            return out
+        if not has_aux and _is_loss(out):
+            return out
+        got = f"`loss_fn` returned {_describe(out)}"
+        if not has_aux and pair and _is_loss(out[0]):
+            fix = "for `(loss, aux)`, pass `has_aux=True`"
+        elif has_aux and _is_loss(out):
+            fix = "it returns the loss alone: drop `has_aux=True`"
+        elif has_aux:
+            fix = "with `has_aux=True` it returns `(loss, aux)`, `loss` a scalar"
+        else:
+            fix = (
+                "the loss must be one floating-point scalar (e.g. `jnp.mean` over "
+                "the examples); for `(loss, aux)`, pass `has_aux=True`"
+            )
+        raise ValueError(f"{where}: {got}; {fix}.")
+
+    return checked
