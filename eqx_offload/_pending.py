@@ -18,23 +18,23 @@ class Layers(NamedTuple):
     """The update one `Stacked` applies in its forward scan.
 
     - `paths`: the paths of the leaves it updates, in `jax.tree.leaves` order.
-    - `update(params, aux, held) -> aux`: one layer's update, on the device: its
-        pieces of the leaves at `paths`, its slice of `aux`, and `held`, to the
-        new slice of `aux` (its first part the new parameters).
-    - `aux`: the stacked arrays the update reads besides the parameters, `(grads,
-        state)`, with `grads` of the parameters' shapes and dtypes: the update
-        overwrites them with the new parameters and the state with the new state,
-        and that is their cotangent.
+    - `update(aux, held) -> aux`: one layer's update, on the device: its slice
+        of `aux` and `held` to its new slice.
+    - `aux`: `(params, grads, state)`, the stacked arrays of the leaves at
+        `paths`, their waiting gradients and their optimizer state. The forward
+        scan writes the new slices into the slots `writes` marks, in place: the
+        new parameters over the old ones, or over the gradients where the layers
+        compute with the old ones (`"delayed"`); the layers compute with the
+        parameters slot. The arrays at the end are the cotangent of `aux`.
     - `held`: the values computed from the whole tree the update reads.
-    - `delayed`: whether the layers compute with the parameters before the update
-        (`"delayed"`) rather than after it (`"next_forward"`).
+    - `writes`: which of the three slots of `aux` the update writes.
     """
 
     paths: tuple[str, ...]
-    update: Callable[[list, Any, Any], Any]
+    update: Callable[[Any, Any], Any]
     aux: Any
     held: Any
-    delayed: bool
+    writes: tuple[bool, bool, bool]
 
 
 _OWED: contextvars.ContextVar[dict[str, Layers] | None] = contextvars.ContextVar(

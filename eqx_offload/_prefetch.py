@@ -48,6 +48,8 @@ class Pending(NamedTuple):
         (in their memory) and of `aux`, to the new slice of `aux` on the device.
     - `merge(piece, aux) -> piece`: the slice the layer computes with, given the
         new slice of `aux` (on the device or the host).
+    - `writes`: a tree of bools with the structure of `aux`: the leaves the
+        update writes (the others are only read).
 
     The forward scan writes each layer's new slice into `aux` in place; the
     backward scan reads the layers through `merge` from it; and the new `aux` is
@@ -55,6 +57,7 @@ class Pending(NamedTuple):
 
     apply: Callable[[Any, Any, Any], Any]
     merge: Callable[[Any, Any], Any]
+    writes: Any
 
 
 def scan(
@@ -195,11 +198,13 @@ def _updated(
         lambda n, o: jnp.where(fresh, n, to_space(o, "device", "")), new, now
     )
 
-    def write(full: Any, value: Any) -> Any:
+    def write(full: Any, value: Any, written: bool) -> Any:
+        if not written:
+            return full
         value = to_space(value, "pinned_host" if is_host(full) else "device", "")
         return jax.lax.dynamic_update_index_in_dim(full, value, index, 0)
 
-    aux = jtu.tree_map(write, aux, new)
+    aux = jtu.tree_map(write, aux, new, meta.pending.writes)
     return meta.read(meta.pending.merge(piece, new)), (aux, held)
 
 

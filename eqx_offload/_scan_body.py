@@ -128,20 +128,18 @@ def _updating_scan(
     positions = [names.index(p) for p in owed.paths]
 
     def apply(piece: Any, aux: Any, held: Any) -> Any:
-        arrays = jtu.tree_leaves(piece[0])
-        params = [to_device(arrays[k]) for k in positions]
+        del piece  # (the parameters are read from `aux`)
         with jax.named_scope(_compiler.UPDATE_SCOPE):
-            return owed.update(params, to_device(aux), held)
+            return owed.update(to_device(aux), held)
 
     def merge(piece: Any, aux: Any) -> Any:
-        if owed.delayed:
-            return piece
         arrays, treedef = jtu.tree_flatten(piece[0])
         for k, new in zip(positions, aux[0], strict=True):
             arrays[k] = new
         return (jtu.tree_unflatten(treedef, arrays), piece[1])
 
-    pending = _prefetch.Pending(apply, merge)
+    writes = tuple([w] * len(part) for w, part in zip(owed.writes, owed.aux))
+    pending = _prefetch.Pending(apply, merge, writes)
     return _prefetch.scan(
         layer_fn,
         read,

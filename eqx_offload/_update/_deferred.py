@@ -231,25 +231,29 @@ def layer_updates(
         )
         pairs = _streaming.shared_inputs(plan, mine)
         wanted = plan.needed([o.whole for o in mine], _not_piecewise(plan))
-        update = _piece_update(plan, wanted, pairs, leaves, states, n_p, n_s)
+        update = _piece_update(plan, wanted, pairs, leaves, states, n_p, n_s, delayed)
         grads = [jtu.tree_leaves(state.grads)[grad_slot[t]] for t in leaves]
         inner = jtu.tree_leaves(state.inner)
-        aux = (grads, [inner[j] for j in states])
+        p_leaves = jtu.tree_leaves(params)
+        aux = ([p_leaves[t] for t in leaves], grads, [inner[j] for j in states])
         layers[path] = _pending.Layers(
             tuple(names[t] for t in leaves),
             update,
             aux,
             tuple(held),
-            delayed,
+            (False, True, True) if delayed else (True, False, True),
         )
         places[path] = (leaves, states)
 
     def back(new_aux: dict[str, Any]) -> tuple[PyTree, PyTree]:
-        """The parameters and inner state with each `Stacked`'s new values."""
+        """The parameters and inner state with each `Stacked`'s new values: the
+        new parameters written over the old (`"next_forward"`) or, where the
+        layers computed with the old ones (`"delayed"`), over the gradients."""
         p_leaves, p_def = jtu.tree_flatten(params)
         s_leaves, s_def = jtu.tree_flatten(state.inner)
         for path, (leaves, states) in places.items():
-            new_params, new_state = new_aux[path]
+            params_slot, grads_slot, new_state = new_aux[path]
+            new_params = grads_slot if delayed else params_slot
             for t, x in zip(leaves, new_params, strict=True):
                 p_leaves[t] = to_space(x, param_kinds[t], "")
             for j, x in zip(states, new_state, strict=True):
@@ -271,13 +275,16 @@ def _piece_update(
     states: list[int],
     n_p: int,
     n_s: int,
+    delayed: bool,
 ) -> Any:
     """One layer's update of the waiting leaves: the piece program on one layer's
-    parameters, gradients and state (on the device, without their layer axis)."""
+    slice of `aux = (params, grads, state)` (on the device, without the layer
+    axis), to the new slice: the new parameters in place of the old, or (where
+    the layers compute with the old ones, `delayed`) of the gradients."""
     piece = plan.piece
 
-    def update(params: list, aux: Any, held: Any) -> Any:
-        grads, state = aux
+    def update(aux: Any, held: Any) -> Any:
+        params, grads, state = aux
         local = dict(piece.consts)
         for (_, ref), value in zip(pairs, held, strict=True):
             local[ref] = value
@@ -297,7 +304,9 @@ def _piece_update(
 
         new_params = [out(t, p) for t, p in zip(leaves, params, strict=True)]
         new_state = [out(n_p + j, x) for j, x in zip(states, state, strict=True)]
-        return new_params, new_state
+        if delayed:
+            return params, new_params, new_state
+        return new_params, grads, new_state
 
     return update
 
