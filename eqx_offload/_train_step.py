@@ -552,6 +552,13 @@ def train_step(
         raise TypeError(f"`train_step(loss_fn=...)` must be callable, got {loss_fn!r}.")
     optimizer = _update.as_transformation(optimizer, "`train_step(optimizer=...)`")
     check_policy(policy, "`train_step(policy=...)`")
+    if metrics and policy.update_timing != "now":
+        raise ValueError(
+            "`train_step(metrics=True)` reports the norms of this step's update, "
+            f"and `Policy(update_timing={policy.update_timing!r})` applies the "
+            "stacked layers' update in the next step; drop `metrics=True`, or use "
+            "`update_timing='now'`."
+        )
     unsplit = _microbatch.check_unsplit(unsplit, microbatches, "`train_step`")
     config = _Config(
         loss_fn, optimizer, policy, has_aux, microbatches, unsplit, metrics

@@ -73,6 +73,13 @@ def optimizer_update(
     where = "`optimizer_update`"
     optimizer = _optim.as_transformation(optimizer, f"`{where[1:-1]}(optimizer=...)`")
     check_policy(policy, "`optimizer_update(policy=...)`")
+    if policy.update_timing != "now":
+        raise ValueError(
+            f"{where} applies the update now, and `Policy(update_timing="
+            f"{policy.update_timing!r})` holds the stacked layers' update over to "
+            "the next step's forward scan, which only `train_step` runs; use "
+            "`update_timing='now'` with a hand-written step."
+        )
     arrays = [x for x in jtu.tree_leaves((model, opt_state)) if is_arraylike(x)]
     if arrays and not any(isinstance(x, jax.core.Tracer) for x in arrays):
         raise ValueError(
