@@ -872,6 +872,9 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     p.add_argument("--steps", type=int, default=None, help="timed steps (10)")
     p.add_argument(
+        "--sizes", nargs="+", choices=list(SIZES), default=list(SIZES), help="models"
+    )
+    p.add_argument(
         "--budget",
         type=float,
         default=450.0,
@@ -882,7 +885,7 @@ def main() -> None:
     args.steps = args.steps or (3 if args.smoke else 10)
     if args.child:
         return child(args)
-    sizes = SMOKE_SIZES if args.smoke else SIZES
+    sizes = SMOKE_SIZES if args.smoke else {k: SIZES[k] for k in args.sizes}
     cpu = {"JAX_PLATFORMS": "cpu"}
     if args.deviceless:
         part = deviceless_rows(sizes, args.configs, 1200)
