@@ -18,7 +18,15 @@ from ._placement import place_batch
 from ._policy import check_policy, Policy, replace
 from ._train_step import train_step, value_and_grad
 from ._transform import call_on_auto_axes
-from ._update import as_transformation, is_trainable, trainable
+from ._update import (
+    apply_pending,
+    as_transformation,
+    check_ready,
+    is_trainable,
+    own_state,
+    stepping,
+    trainable,
+)
 
 
 # Default tolerances by the compared leaf's floating-point width (bytes): see
@@ -425,11 +433,19 @@ def verify(
     unsplit = _microbatch.check_unsplit(unsplit, microbatches, "`verify`")
     transformation = as_transformation(optimizer, "`verify(optimizer=...)`")
     check_policy(policy, "`verify(policy=...)`")
+    # A pending update (`Policy(update_timing=...)`) was computed for the whole
+    # model: it cannot be cut, and the model is one update behind.
+    check_ready(opt_state, "`verify`")
     # The optimizer the step runs: under a compute dtype, its state holds the
-    # compute copies (`ComputeCopyState`), which are cut with their parameters.
+    # compute copies (`ComputeCopyState`), and under `update_timing` it is a
+    # `PendingUpdate` holding the waiting gradients; both are cut with their
+    # parameters.
     params = trainable(model)
-    stepping = _mixed_precision.for_policy(transformation, params, policy)
-    _mixed_precision.check_state(stepping is not transformation, opt_state, "`verify`")
+    wrapped = _mixed_precision.for_policy(transformation, params, policy)
+    _mixed_precision.check_state(
+        wrapped is not transformation, own_state(opt_state), "`verify`"
+    )
+    runs = stepping(transformation, params, policy)
     dtypes = None
     if policy.compute_dtype is not None:
         _mixed_precision.check_keep_dtype(params, policy, "`verify`")
@@ -437,7 +453,7 @@ def verify(
 
     model_sizes = _cutting.model_sizes(model, layers)
     small = _cutting.cut(model, model_sizes)  # on the device: the reference's input
-    state_sizes = _cutting.state_sizes(stepping, opt_state, trainable(small))
+    state_sizes = _cutting.state_sizes(runs, opt_state, trainable(small))
     small_state = _cutting.cut(opt_state, state_sizes)
     microbatch = _cutting.whole_parts(microbatch, policy, model, microbatches)
     small_batch = _cutting.cut(batch, _cutting.batch_sizes(batch, microbatch, unsplit))
@@ -472,7 +488,7 @@ def verify(
             raise cut from e
         arguments = (
             _cutting.copy_into(small, model),
-            _cutting.copy_into(small_state, opt_state),
+            _cutting.copy_into(own_state(small_state), own_state(opt_state)),
             small_batch,
         )
         value, grads = _offloaded(loss_fn, policy, has_aux, split, arguments)
@@ -497,27 +513,39 @@ def verify(
         # The step itself, on a slice whose gradients are right: streamed (or on
         # the host) against whole when it is, else once, so that its own program
         # (placements, donation, outputs) is exercised.
+        # Under `update_timing`, the step holds the stacked layers' update over,
+        # and `apply_pending` applies it: together, against the whole update now.
         own = _own_update(policy, model, opt_state)
-        streams = own is not None
+        timing = policy.update_timing != "now"
+        streams = own is not None or timing
         outputs = []
-        for mode in (own, "whole") if own else (policy.update,):
+        for mode in (own or policy.update, "whole") if streams else (policy.update,):
+            mine = mode != "whole"
+            timed = {} if mine else {"update_timing": "now"}
+            chosen = replace(policy, update=mode, **timed)
             step = train_step(
                 loss_fn,
                 optimizer,
-                replace(policy, update=mode),
+                chosen,
                 has_aux=has_aux,
                 microbatches=microbatches,
                 unsplit=unsplit,
             )
+            state = small_state if mine else own_state(small_state)
             new_model, new_state, value = step(
                 _cutting.copy_into(small, model),
-                _cutting.copy_into(small_state, opt_state),
+                _cutting.copy_into(state, opt_state if mine else own_state(opt_state)),
                 *small_batch,
             )
-            name = f"loss ({mode} step)" if streams else "loss (step)"
+            if mine and timing:
+                new_model, new_state = apply_pending(
+                    new_model, new_state, transformation, chosen
+                )
+            step_name = f"{mode}, {policy.update_timing}" if mine and timing else mode
+            name = f"loss ({step_name} step)" if streams else "loss (step)"
             losses.append((name, _loss(value, has_aux), ref_loss, ref_loss, 0.0))
-            outputs.append((new_model, new_state))
-        _check_kinds(outputs[0], (model, opt_state))
+            outputs.append((new_model, own_state(new_state) if mine else new_state))
+        _check_kinds(outputs[0], (model, own_state(opt_state)))
         loss_check = _compare(losses, rtol, atol, computed)
         if streams:
             # Both updates are the optimizer's on the masters, in their own dtype.
