@@ -175,8 +175,14 @@ def load(
 
     _check_global(like, extra, "load")
     model = place(_abstract(like[0]), policy)
+    # A checkpoint holds no pending update (`save` refuses one): the state comes
+    # back with none waiting, whatever `like`'s state says (a static field).
     opt_state = _update.place_state(
-        optimizer, _abstract(like[1]), model, policy, "`eqx_offload.load`"
+        optimizer,
+        _update.structure(_abstract(like[1])),
+        model,
+        policy,
+        "`eqx_offload.load`",
     )
     targets = {"model": model, "opt_state": opt_state}
     if extra is not None:

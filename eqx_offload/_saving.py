@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jaxtyping import PyTree
 
-from . import _paths
+from . import _paths, _update
 
 
 # Bumped if the layout of a step's directory changes.
@@ -147,7 +147,9 @@ def save(
 
     - `path`: the checkpoint directory; created if missing.
     - `model`: the model, wherever its leaves live.
-    - `opt_state`: its optimizer state.
+    - `opt_state`: its optimizer state. Under `Policy(update_timing=...)`, apply
+        the update the last step left pending first (`eqx_offload.apply_pending`):
+        until then the model's stacked layers are one update behind.
     - `step`: the step number (an `int` >= 0), usually the number of steps trained;
         it must not be saved already.
     - `extra`: your own state, a pytree of arrays (a PRNG key, metrics) and Python
@@ -167,7 +169,7 @@ def save(
     **Raises:**
 
     `ValueError` if `step` is negative, already saved or below the latest saved
-    step, or `keep` < 1;
+    step, or `keep` < 1, or if `opt_state` holds a pending update;
     `TypeError` for an abstract leaf (a `jax.ShapeDtypeStruct`) or a leaf of
     `extra` that is neither an array nor a scalar.
 
@@ -184,6 +186,8 @@ def save(
         ```
     """
     directory = _directory(path, "`save(path=...)`")
+    # The parameters of a model one update behind would be saved as its own.
+    _update.check_ready(opt_state, "`save(opt_state=...)`")
     if not isinstance(step, int | np.integer) or isinstance(step, bool) or step < 0:
         raise ValueError(f"`save(step=...)` must be an int >= 0, got {step!r}.")
     step = int(step)

@@ -222,7 +222,10 @@ def state_dict(model: PyTree) -> dict[str, Array]:
     **Arguments:**
 
     - `model`: any pytree of arrays, usually an Equinox model holding `Stacked`
-        layers. Leaves that are not arrays are left out.
+        layers. Leaves that are not arrays are left out. Under
+        `Policy(update_timing=...)` a step returns the stacked layers one update
+        behind (the optimizer state holds the rest): pass the model through
+        `eqx_offload.apply_pending` first, or its weights are stale.
 
     **Returns:**
 
