@@ -20,7 +20,7 @@ from .._memory_kinds import is_arraylike, kind_of
 from .._mixed_precision import compute_dtypes
 from .._train_step import _TrainStep, join, split
 from .._transform import _OffloadWrapper, filter_offload
-from .._update import trainable
+from .._update import own_state, PendingUpdate, trainable
 from . import _compiled_traffic, _costs, _minimum, _step_time, _targets, _traffic
 from ._does_not_fit import DoesNotFit, too_big
 from ._hardware import Hardware
@@ -126,6 +126,7 @@ def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
             "the model, the optimizer state and the batch, positionally."
         )
     model, opt_state, *batch = args
+    opt_state = _steady(opt_state)
     dynamic, statics = step.split(model, opt_state, *batch)
     batch = join(dynamic[2], statics.batch)  # as laid out by `Policy(batch=...)`
     # `keep_unused`: the compiled signature then lists every argument, which is
@@ -151,6 +152,15 @@ def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
     )
 
 
+def _steady(opt_state: PyTree) -> PyTree:
+    """The state of every step but the first: under `Policy(update_timing=...)`,
+    with an update pending (`init_opt_state` gives one with none, whose first step
+    applies nothing, a program of its own)."""
+    if isinstance(opt_state, PendingUpdate) and not opt_state.ready:
+        return PendingUpdate(opt_state.inner, opt_state.grads, opt_state.held, True)
+    return opt_state
+
+
 def _differentiated(
     step: _TrainStep, model: PyTree, opt_state: PyTree
 ) -> tuple[Callable, PyTree]:
@@ -166,7 +176,7 @@ def _differentiated(
     params = trainable(model)
     arrays = [leaf.path for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
     dtypes = dict(zip(arrays, compute_dtypes(params, config.policy), strict=True))
-    seen = _mixed_precision.sources(model, params, opt_state)
+    seen = _mixed_precision.sources(model, params, own_state(opt_state))
 
     def fn(seen: PyTree, *batch: Any) -> Any:
         leaves = [

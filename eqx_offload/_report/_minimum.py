@@ -37,6 +37,10 @@ counts the shard one device holds):
   go to the host once. A leaf whose master and state are all on the device is
   updated there, moving nothing (a global-norm clip that ties it to host-resident
   gradients is not counted).
+- **A held-over update** (`Policy(update_timing=...)`): the stacked layers'
+  gradients wait in the optimizer state (`PendingUpdate.grads`) for the next
+  step. One kept in host memory goes there and comes back once a step, unless
+  the rules above already move it (a layer-sliced host-resident leaf's).
 - **Residuals** offloaded by `Policy(offload=...)` go to the host in the forward
   pass and come back in the backward pass, once per micro-batch: `k` times the
   bytes one micro-batch saves there, each way (listed apart).
@@ -49,15 +53,16 @@ import math
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
 from .. import _mixed_precision, _paths, _tiling
-from .._memory_kinds import is_arraylike, kind_of
+from .._memory_kinds import is_arraylike, is_masked, kind_of
 from .._policy import Policy
-from .._update import state_leaves, trainable
+from .._update import own_state, PendingUpdate, state_leaves, trainable
 from ._units import size_text
 
 
@@ -154,6 +159,13 @@ def minimum_traffic(
     A `MinimumTraffic`.
     """
     k = microbatches
+    waiting: list[Any] = []  # per trainable leaf: its gradient held over, or None
+    if isinstance(opt_state, PendingUpdate):
+        waiting = [
+            None if is_masked(g) else g
+            for g in jax.tree.leaves(opt_state.grads, is_leaf=is_masked)
+        ]
+        opt_state = own_state(opt_state)
     if policy.update == "auto":
         mode = "whole" if platform in _tiling.WHOLE_ON else "streamed"
     else:
@@ -182,7 +194,10 @@ def minimum_traffic(
     passes = 1 if policy.save == "all" else 2
     totals = dict.fromkeys(MinimumTraffic._fields, 0)
     host_update_reads_counts = False
-    for leaf, dtype, state, copy in zip(leaves, dtypes, states, copies):
+    waiting = waiting or [None] * len(leaves)
+    for leaf, dtype, state, copy, held in zip(
+        leaves, dtypes, states, copies, waiting, strict=True
+    ):
         x = leaf.value
         master = _nbytes(x)
         grad = master * jnp.dtype(dtype).itemsize // jnp.dtype(x.dtype).itemsize
@@ -215,6 +230,9 @@ def minimum_traffic(
             if copy is not None and not _on_host(copy):
                 totals["opt_state_to_device"] += _nbytes(copy)
         elif mode in ("whole", "streamed"):
+            if held is not None and _on_host(held) and not (_on_host(x) and sliced):
+                totals["gradients_to_host"] += _nbytes(held)
+                totals["gradients_to_device"] += _nbytes(held)
             if _on_host(x):
                 if sliced:
                     moved = grad if k == 1 else k * master
