@@ -362,7 +362,11 @@ def verify(
         own) against one with `update="whole"` (plain optax on the device), when
         the step streams or updates on the host and the first two checks pass.
         Both steps' losses join the loss check. Any other step runs once, and
-        its loss joins the loss check.
+        its loss joins the loss check. Under `Policy(update_timing=...)` the
+        step holds the stacked layers' update over: it runs, then
+        `eqx_offload.apply_pending`, against the whole update with
+        `update_timing="now"`; `opt_state` must have no update pending (a fresh
+        one from `init_opt_state`, or after `apply_pending`).
 
     It never donates or changes the caller's arrays: only copies are given to the
     steps it runs.
