@@ -286,7 +286,7 @@ class Policy(eqx.Module):
             overlap the layers' compute; the numbers are those of `"now"`.
             Between steps the model and state hold that update *pending*:
             apply it with `eqx_offload.apply_pending` before reading the
-            model (`save`, `verify` and `memory_report` do it themselves).
+            model (`save` and `verify` refuse a pending update and say so).
             `"delayed"`: DeepSpeed's delayed parameter update: each step's
             layers compute with the parameters before the previous step's
             update, which is applied alongside; their gradients are one step

@@ -393,7 +393,7 @@ def _keep_perturbed(cts: Any, perturbed: Any) -> Any:
     if cts is None:
         return jtu.tree_map(lambda _: None, perturbed)
 
-    def keep(ct: Any, p: bool | None) -> Any:
+    def keep(ct: Any, p: Any) -> Any:  # (a whole subtree of flags where ct is None)
         if not p or ct is None or not jnp.issubdtype(ct.dtype, jnp.inexact):
             return None
         return ct

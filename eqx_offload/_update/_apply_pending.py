@@ -32,9 +32,10 @@ def apply_pending(
     Such a step returns the stacked layers' parameters and optimizer state one
     update behind: the update is applied by the next step. Call this before
     reading the model in any other way: after the last step, before evaluating,
-    exporting or saving by hand. `eqx_offload.save`, `verify` and
-    `memory_report` apply it themselves. With nothing pending it returns its
-    arguments as they are.
+    exporting or saving. `eqx_offload.save` and `verify` refuse a state with an
+    update pending (they name this function); `memory_report` reports the step
+    as it runs with one pending. With nothing pending it returns its arguments
+    as they are.
 
     **Arguments:**
 
