@@ -42,11 +42,12 @@ def compiler_options(options: dict, texts: list | None = None):
         jax.stages.Lowered.compile = compile_
 
 
-def schedules(arch, width, depth, target, prefetch, policy, options):
+def schedules(arch, width, depth, target, prefetch, policy, options, **fields):
     """The report of `arch`'s train step compiled for `target` with `options`,
-    and the order of each loop body with a host read (`loop_schedules`)."""
+    and the order of each loop body with a host read (`loop_schedules`);
+    `fields`: more `Policy` fields (`update_timing`)."""
     model, loss, batch = cm.case(arch, width, depth, jnp.bfloat16)
-    p = cm.policy_for(arch, policy, prefetch=prefetch)
+    p = cm.policy_for(arch, policy, prefetch=prefetch, **fields)
     model = eo.place(model, p)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
     opt_state = eo.init_opt_state(optimizer, model, p)

@@ -183,20 +183,29 @@ class _Meta:
 
 
 def _updated(
-    meta: _Meta, stacked: Any, owed: Any, index: Any, fresh: Any
+    meta: _Meta, stacked: Any, owed: Any, index: Any, fresh: Any, last: Any = None
 ) -> tuple[Any, Any]:
     """Layer `index` on the device, read through its pending update where there is
-    one, and `owed` with that layer's new slice of `aux` written in place (where
-    `fresh`: the update of a layer read a second time is not applied again)."""
+    one, and that layer's new slice of `aux` (on the device; None without an
+    update), which `_write` writes into `owed` one iteration later, while the
+    next layer computes. Where not `fresh` (the last layer read a second time),
+    its new slice is `last`, the one computed the first time."""
     piece = _at(stacked, index)
     if meta.pending is None:
-        return meta.read(piece), owed
+        return meta.read(piece), None
     aux, held = owed
-    now = _at(aux, index)
-    new = meta.pending.apply(piece, now, held)
-    new = jtu.tree_map(
-        lambda n, o: jnp.where(fresh, n, to_space(o, "device", "")), new, now
-    )
+    new = meta.pending.apply(piece, _at(aux, index), held)
+    if last is not None:
+        new = jtu.tree_map(lambda n, o: jnp.where(fresh, n, o), new, last)
+    return meta.read(meta.pending.merge(piece, new)), new
+
+
+def _write(meta: _Meta, owed: Any, new: Any, index: Any) -> Any:
+    """`owed` with layer `index`'s new slice of `aux` written in place (the
+    slices `Pending.writes` marks)."""
+    if meta.pending is None:
+        return owed
+    aux, held = owed
 
     def write(full: Any, value: Any, written: bool) -> Any:
         if not written:
@@ -204,8 +213,7 @@ def _updated(
         value = to_space(value, "pinned_host" if is_host(full) else "device", "")
         return jax.lax.dynamic_update_index_in_dim(full, value, index, 0)
 
-    aux = jtu.tree_map(write, aux, new, meta.pending.writes)
-    return meta.read(meta.pending.merge(piece, new)), (aux, held)
+    return jtu.tree_map(write, aux, new, meta.pending.writes), held
 
 
 def _layer(meta: _Meta, stacked: Any, owed: Any, index: Any) -> tuple[Any, Any]:
@@ -259,16 +267,17 @@ def _primal(
     n = meta.length
 
     def body(state: Any, inputs: Any) -> Any:
-        c, layer, owed = state
+        c, layer, owed, new = state
         i, x = inputs
+        owed = _write(meta, owed, new, i)
         j = jnp.minimum(i + 1, n - 1)
-        following, owed = _updated(meta, stacked, owed, j, i + 1 < n)
+        following, upcoming = _updated(meta, stacked, owed, j, i + 1 < n, new)
         c, y = meta.fn(c, layer, x, *consts)
-        return (c, following, owed), y
+        return (c, following, owed, upcoming), y
 
-    layer, owed = _updated(meta, stacked, owed, 0, True)
-    init = (carry, layer, owed)
-    (c, _, _), ys = jax.lax.scan(body, init, (jnp.arange(n), xs), length=n)
+    layer, new = _updated(meta, stacked, owed, 0, True)
+    init = (carry, layer, owed, new)
+    (c, _, _, _), ys = jax.lax.scan(body, init, (jnp.arange(n), xs), length=n)
     return c, ys
 
 
@@ -287,10 +296,15 @@ def _forward(
     n = meta.length
 
     def body(state: Any, inputs: Any) -> Any:
-        c, layer, owed = state
+        c, layer, owed, new = state
         i, x = inputs
+        # Layer `i`'s update (computed last iteration) written, and layer `i + 1`
+        # read through its update, while this layer computes. The write comes
+        # first: a read of the arrays before it would make the compiler copy
+        # them whole at every iteration.
+        owed = _write(meta, owed, new, i)
         j = jnp.minimum(i + 1, n - 1)
-        following, owed = _updated(meta, stacked, owed, j, i + 1 < n)
+        following, upcoming = _updated(meta, stacked, owed, j, i + 1 < n, new)
         out, vjp = jax.vjp(meta.fn, c, layer, x, *consts)
         leaves, treedef = jtu.tree_flatten(vjp)
         inputs_again = jtu.tree_leaves((layer, x, consts))
@@ -303,11 +317,11 @@ def _forward(
                 kept.append(leaf)
         meta.rebuild["treedef"] = treedef
         meta.rebuild["where"] = where
-        return (out[0], following, owed), (out[1], kept)
+        return (out[0], following, owed, upcoming), (out[1], kept)
 
-    layer, owed = _updated(meta, stacked, owed, 0, True)
-    (c, last, owed), (ys, kept) = jax.lax.scan(
-        body, (carry, layer, owed), (jnp.arange(n), xs), length=n
+    layer, new = _updated(meta, stacked, owed, 0, True)
+    (c, last, owed, _), (ys, kept) = jax.lax.scan(
+        body, (carry, layer, owed, new), (jnp.arange(n), xs), length=n
     )
     return (c, ys), (kept, last, consts, stacked, xs, owed, perturbed)
 
