@@ -74,10 +74,10 @@ def check_taken(owed: dict[str, Any], taken: list[str], where: str) -> None:
     for path in owed:
         count = taken.count(path)
         if count != 1:
-            how = "never applied" if count == 0 else f"applied {count} times"
+            ran = "never ran it" if count == 0 else f"ran it {count} times"
             raise ValueError(
                 f"{where}: `Policy(update_timing=...)` applies the pending update of "
                 f"the `Stacked` at {path!r} in its forward scan, but the loss "
-                f"{how} it; a `Stacked` under this option must run exactly once "
-                "per loss. Use `update_timing='now'` for this loss."
+                f"{ran}; under this option each `Stacked` runs exactly once per "
+                "loss. Use `update_timing='now'` for this loss."
             )

@@ -288,10 +288,12 @@ class Policy(eqx.Module):
             apply it with `eqx_offload.apply_pending` before reading the
             model (`save` and `verify` refuse a pending update and say so).
             `"delayed"`: DeepSpeed's delayed parameter update: each step's
-            layers compute with the parameters before the previous step's
+            layers compute with their weights before the previous step's
             update, which is applied alongside; their gradients are one step
-            stale (docs: "The update hidden too"). The rest of the model is
-            updated at the end of every step. Both need the streamed update
+            stale (docs: "The update hidden too"). Both apply to the stacked
+            leaves updated a layer at a time (two or more axes per layer:
+            the weights); the rest of the model (per-layer vectors such as
+            biases and norms too) is updated at the end of every step. Both need the streamed update
             (`update="auto"` or `"streamed"`).
         """
         self.params = _params(params)

@@ -201,15 +201,19 @@ def test_a_local_search_improves_on_the_best_preset(monkeypatch):
     assert chosen.seconds is not None and preset.seconds is not None
     assert chosen.seconds < preset.seconds
     compiled = [r for r in rows if r.status in ("chosen", "compiled")]
-    tries = _plan.HOST_UPDATES + _plan.READ_AHEAD
+    tries = _plan.HOST_UPDATES + _plan.READ_AHEAD + _plan.UPDATE_LATER
     assert len(compiled) == p.compiled <= 4 + _search.IMPROVE_COMPILES + tries
-    # Each step kept within the budgets; then the update on the host tried, and
-    # the fastest read their layers ahead (`Policy(prefetch=1)`).
+    # Each step kept within the budgets; then the update on the host tried, the
+    # fastest read their layers ahead (`Policy(prefetch=1)`), and the fastest
+    # updated in the next step's forward scan (`update_timing="next_forward"`).
     host = [r for r in compiled if r.label.endswith("update on host")]
     assert len(host) == _plan.HOST_UPDATES
+    later = [r for r in compiled if "update in the next forward" in r.label]
     ahead = [r for r in compiled if "layers read ahead" in r.label]
+    ahead = [r for r in ahead if r not in later]
     assert len(ahead) == _plan.READ_AHEAD
-    assert all(r.fits for r in compiled[4:] if r not in host + ahead)
+    assert len(later) == _plan.UPDATE_LATER
+    assert all(r.fits for r in compiled[4:] if r not in host + ahead + later)
 
 
 def test_a_second_plan_reuses_the_first_ones_compiles(tight):

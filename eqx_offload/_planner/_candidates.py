@@ -41,8 +41,10 @@ class Settings(NamedTuple):
     compute dtype (`None`: the model's own), whether the TPU compiler keeps
     what it rematerializes on the host (`Policy(host_remat=True)`), and where
     the optimizer update runs (`Policy(update=...)`: `"auto"`, streamed through
-    the device where state is on the host, or `"host"`, on the host's CPU), and
-    how many layers ahead a `Stacked` reads (`Policy(prefetch=...)`)."""
+    the device where state is on the host, or `"host"`, on the host's CPU),
+    how many layers ahead a `Stacked` reads (`Policy(prefetch=...)`), and when
+    the stacked layers' update is applied (`Policy(update_timing=...)`: `"now"`,
+    or `"next_forward"`, in the next step's forward scan)."""
 
     axis: str | None = None
     microbatches: int = 1
@@ -50,6 +52,7 @@ class Settings(NamedTuple):
     host_remat: bool = False
     update: Literal["auto", "host"] = "auto"
     prefetch: int = 0
+    update_timing: Literal["now", "next_forward"] = "now"
 
     @property
     def label(self) -> str:
@@ -64,6 +67,8 @@ class Settings(NamedTuple):
             parts.append("compiler remat to host")
         if self.prefetch:
             parts.append("layers read ahead")
+        if self.update_timing == "next_forward":
+            parts.append("update in the next forward")
         return ", ".join(parts)
 
 
@@ -230,7 +235,7 @@ class Candidate(NamedTuple):
         return out
 
     def policy(self) -> Policy:
-        axis, _, dtype, host_remat, update, prefetch = self.settings
+        axis, _, dtype, host_remat, update, prefetch, timing = self.settings
         streamed = tuple(t for t, k in self.stream if k != "device")
         if self.residuals is None:
             save: str | tuple[str, ...] = "all"
@@ -250,6 +255,7 @@ class Candidate(NamedTuple):
             stream=streamed,
             update=update,
             prefetch=prefetch,
+            update_timing=timing,
         )
 
     @property

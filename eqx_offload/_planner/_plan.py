@@ -46,6 +46,9 @@ HOST_REMAT = True
 HOST_UPDATES = 3
 # Candidates compiled again reading their layers ahead (`_read_ahead`).
 READ_AHEAD = 2
+# Candidates compiled again applying the stacked layers' update in the next
+# step's forward scan (`_update_in_forward`).
+UPDATE_LATER = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,6 +262,7 @@ def plan(
             search.improve(names)
     _update_on_host(search)
     _read_ahead(search)
+    _update_in_forward(search)
     result, table = search.finish()
     assert result.report is not None
     return Plan(
@@ -319,6 +323,30 @@ def _read_ahead(search: Search) -> None:
     tried = [c.with_settings(c.settings._replace(prefetch=1)) for c in ranked]
     with search.progress.stage(len(tried[:READ_AHEAD])):
         for candidate in tried[:READ_AHEAD]:
+            search.evaluate(candidate)
+
+
+def _update_in_forward(search: Search) -> None:
+    """The fastest candidates with optimizer state on the host updated through
+    the device (up to `UPDATE_LATER` that fit) compiled again with
+    `Policy(update_timing="next_forward")`: the stacked layers' update applied
+    layer by layer in the next step's forward scan, where its transfers may hide
+    behind the layers' compute (same numbers); the estimate chooses."""
+    compiled = [c for c, r in search.results.items() if r.report is not None]
+    fitting = sorted((c for c in compiled if search.fits(c)), key=search._rank)
+    ranked = [
+        c
+        for c in fitting
+        if c.state_on_host
+        and c.settings.update == "auto"
+        and c.settings.update_timing == "now"
+    ]
+    tried = [
+        c.with_settings(c.settings._replace(update_timing="next_forward"))
+        for c in ranked
+    ]
+    with search.progress.stage(len(tried[:UPDATE_LATER])):
+        for candidate in tried[:UPDATE_LATER]:
             search.evaluate(candidate)
 
 
