@@ -293,8 +293,8 @@ class Policy(eqx.Module):
             stale (docs: "The update hidden too"). Both apply to the stacked
             leaves updated a layer at a time (two or more axes per layer:
             the weights); the rest of the model (per-layer vectors such as
-            biases and norms too) is updated at the end of every step. Both need the streamed update
-            (`update="auto"` or `"streamed"`).
+            biases and norms too) is updated at the end of every step. Both
+            need the streamed update (`update="auto"` or `"streamed"`).
         """
         self.params = _params(params)
         self.save = "all" if save == "all" else _name_patterns(save, "save")
