@@ -164,6 +164,20 @@ def test_every_layer_read_overlaps_a_matmul_on_gpu():
         assert _exposed_reads(order) == 0, (name, order)
 
 
+def test_the_pending_updates_reads_overlap_a_matmul_on_gpu():
+    """`Policy(update_timing="next_forward")`: the forward loop body reads the next
+    layer's weights, gradients and optimizer state (and writes this layer's
+    update back); every read has a matmul between its start and its done."""
+    _, orders = prefetch_schedule.schedules(
+        "gpt", 256, 4, "gpu-h100", 0, "offload_all", GPU_OPTIONS,
+        update_timing="next_forward",
+    )  # fmt: skip
+    forward = [o for o in orders.values() if "g" in o and o.count("s") > 3]
+    assert len(forward) == 1, orders  # the forward scan writes the update back
+    assert forward[0].count("S") >= 8, forward  # weights, gradients, moments
+    assert _exposed_reads(forward[0]) == 0, forward
+
+
 def test_exposed_reads_are_counted():
     assert _exposed_reads("SSggDD") == 0
     assert _exposed_reads("SDSgD") == 1
