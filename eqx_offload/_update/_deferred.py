@@ -156,7 +156,7 @@ def hold_update(
     mask = _waiting_mask(run)
     waiting = [g for g, m in zip(jtu.tree_leaves(grads), mask, strict=True) if m]
     waiting = [
-        to_space(g.astype(p.dtype), kind, "")
+        to_space(_cast(g, p.dtype), kind, "")
         for g, p, kind in zip(
             waiting, jtu.tree_leaves(state.grads), grad_kinds, strict=True
         )
@@ -167,6 +167,15 @@ def hold_update(
         for key in _waiting_keys(run)
     )
     return new_params, PendingUpdate(inner, kept, held_values, True)
+
+
+def _cast(g: Any, dtype: Any) -> Any:
+    """`g` in `dtype`, cast on the device (a cast of a host-resident array would be
+    computed on the host's CPU): a gradient sent in the compute dtype, kept in its
+    parameter's."""
+    if g.dtype == dtype:
+        return g
+    return to_space(g, "device", "").astype(dtype)
 
 
 def _grads_for(run_params: PyTree, state: PendingUpdate) -> PyTree:
