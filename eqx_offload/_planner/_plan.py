@@ -24,7 +24,7 @@ from .._report import (
     platform as target_platform,
 )
 from .._train_step import train_step
-from .._update import init_opt_state, NotOnHost
+from .._update import apply_pending, init_opt_state, NotOnHost
 from ._budget import parse_bytes
 from ._candidates import Candidate, Move, Settings
 from ._search import IMPROVE_COMPILES, Search
@@ -128,6 +128,12 @@ class Plan:
     def init_opt_state(self, model: Any) -> Any:
         """`eo.init_opt_state(optimizer, model, plan.policy)` for a placed model."""
         return init_opt_state(self.optimizer, model, self.policy)
+
+    def apply_pending(self, model: Any, opt_state: Any) -> tuple[Any, Any]:
+        """`eo.apply_pending(model, opt_state, optimizer, plan.policy)`: where the
+        plan chose `update_timing="next_forward"`, the update the last step left
+        pending, applied (else the arguments as they are)."""
+        return apply_pending(model, opt_state, self.optimizer, self.policy)
 
     def __str__(self) -> str:
         chosen = next(r for r in self.table.rows if r.status == "chosen")
