@@ -63,10 +63,10 @@ from ._update import (
     PendingUpdate as PendingUpdate,
     place_opt_state as place_opt_state,
 )
-from ._verify import (
+from ._verify import verify as verify
+from ._verify_report import (
     Difference as Difference,
     DoesNotMatch as DoesNotMatch,
-    verify as verify,
     VerifyReport as VerifyReport,
 )
 

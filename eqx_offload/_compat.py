@@ -45,6 +45,31 @@ def forward_mode(tree: Any) -> bool:
     )
 
 
+def current_trace() -> Any:
+    """The trace current here (`jax._src.core.trace_ctx`): what a value made now
+    belongs to."""
+    from jax._src import core
+
+    return core.trace_ctx.trace
+
+
+def only_batched_since(traces: list[Any]) -> bool:
+    """Whether the trace current here is one of `traces`, or `jax.vmap`s over one
+    of them (batching traces all the way down to it): not inside a loop, a
+    conditional, a `jax.checkpoint` or a `jax.jit` traced since."""
+    from jax._src import core
+    from jax._src.interpreters import batching
+
+    trace = core.trace_ctx.trace
+    while trace is not None:
+        if any(trace is t for t in traces):
+            return True
+        if not isinstance(trace, batching.BatchTrace):
+            return False
+        trace = trace.parent_trace
+    return False
+
+
 def batched(tree: Any) -> bool:
     """Whether `jax.vmap` is the innermost transformation of the call (the trace
     current here, `jax._src.core.trace_ctx`), batching a leaf of `tree`: not

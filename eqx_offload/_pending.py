@@ -13,6 +13,57 @@ import contextvars
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+import equinox as eqx
+from jaxtyping import PyTree
+
+
+class PendingUpdate(eqx.Module):
+    """The optimizer state under `Policy(update_timing="next_forward")` or
+    `"delayed"`: the optimizer's own state, and the update of the stacked layers
+    it holds over to the next step.
+
+    - `inner`: the wrapped optimizer's state.
+    - `grads`: the gradient of each stacked layer parameter whose update waits
+        (`optax.MaskedNode()` for the other parameters).
+    - `held`: per `Stacked`, the values its update reads besides its own pieces
+        (step counts, global norms), computed when the gradients were.
+    - `ready`: whether an update is waiting (False after `init_opt_state` and
+        `apply_pending`).
+    """
+
+    inner: PyTree
+    grads: PyTree
+    held: tuple
+    ready: bool = eqx.field(static=True)
+
+
+def structure(state: Any) -> Any:
+    """`state` as `init_opt_state` makes it, for checking its structure (whether
+    an update waits is a static field)."""
+    if isinstance(state, PendingUpdate):
+        return PendingUpdate(state.inner, state.grads, state.held, False)
+    return state
+
+
+def steady(state: Any) -> Any:
+    """The state of every step but the first: under `Policy(update_timing=...)`,
+    with an update pending (`init_opt_state` gives one with none, whose first step
+    applies nothing: a program of its own). What `memory_report` compiles."""
+    if isinstance(state, PendingUpdate) and not state.ready:
+        return PendingUpdate(state.inner, state.grads, state.held, True)
+    return state
+
+
+def check_ready(state: Any, where: str) -> None:
+    """Raises if `state` holds an update still waiting."""
+    if isinstance(state, PendingUpdate) and state.ready:
+        raise ValueError(
+            f"{where}: the optimizer state holds a pending update of the stacked "
+            "layers (`Policy(update_timing=...)`), so the model's parameters are "
+            "one update behind; apply it first: `model, opt_state = "
+            "eqx_offload.apply_pending(model, opt_state, optimizer, policy)`."
+        )
+
 
 class Layers(NamedTuple):
     """The update one `Stacked` applies in its forward scan.
@@ -37,47 +88,77 @@ class Layers(NamedTuple):
     writes: tuple[bool, bool, bool]
 
 
-_OWED: contextvars.ContextVar[dict[str, Layers] | None] = contextvars.ContextVar(
+class Record(NamedTuple):
+    """What happened to the updates owed during one trace of the loss: the paths
+    of the scans that took theirs and of those whose backward pass ran (in
+    order), and the traces a scan may take one in (`allow`)."""
+
+    layers: dict[str, Layers]
+    taken: list[str]
+    backward: list[str]
+    traces: list[Any]
+
+    def applied_once(self) -> bool:
+        """Whether each `Stacked` took its update exactly once and its backward
+        pass, which gives the new values back, ran exactly once. Otherwise the
+        new values are wrong: added up (a `Stacked` run twice, or inside a loop
+        traced once), or zero (never run, or its output not differentiated)."""
+        return all(
+            self.taken.count(p) == 1 and self.backward.count(p) == 1
+            for p in self.layers
+        )
+
+
+_RECORD: contextvars.ContextVar[Record | None] = contextvars.ContextVar(
     "eqx_offload_pending", default=None
-)
-_TAKEN: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
-    "eqx_offload_pending_taken", default=None
 )
 
 
 @contextlib.contextmanager
-def owed(layers: dict[str, Layers]) -> Iterator[list[str]]:
-    """Within: each `Stacked` at a path of `layers` applies its update. Yields the
-    paths of the scans that took theirs, in order."""
-    taken: list[str] = []
-    owed_token = _OWED.set(layers)
-    taken_token = _TAKEN.set(taken)
+def owed(layers: dict[str, Layers], trace: Any) -> Iterator[Record]:
+    """Within: each `Stacked` at a path of `layers` may apply its update, where it
+    runs in `trace` (the trace current here) or one `allow`ed. Yields the
+    record of what happened."""
+    record = Record(layers, [], [], [trace])
+    token = _RECORD.set(record)
     try:
-        yield taken
+        yield record
     finally:
-        _OWED.reset(owed_token)
-        _TAKEN.reset(taken_token)
+        _RECORD.reset(token)
+
+
+def allow(trace: Any) -> None:
+    """A trace in which a scan may take its update too: `filter_offload`'s own
+    trace of the loss (it evaluates the jaxpr in the step's trace)."""
+    record = _RECORD.get()
+    if record is not None:
+        record.traces.append(trace)
+
+
+def traces() -> list[Any]:
+    """The traces in which a scan may take its update (none outside a step)."""
+    record = _RECORD.get()
+    return [] if record is None else list(record.traces)
 
 
 def take(path: str) -> Layers | None:
     """The update the `Stacked` at `path` owes its layers, if any (recorded as
     taken)."""
-    owed, taken = _OWED.get(), _TAKEN.get()
-    if owed is None or taken is None or path not in owed:
+    record = _RECORD.get()
+    if record is None or path not in record.layers:
         return None
-    taken.append(path)
-    return owed[path]
+    record.taken.append(path)
+    return record.layers[path]
 
 
-def check_taken(owed: dict[str, Any], taken: list[str], where: str) -> None:
-    """Raises unless each `Stacked` that owed an update applied it exactly once."""
-    for path in owed:
-        count = taken.count(path)
-        if count != 1:
-            ran = "never ran it" if count == 0 else f"ran it {count} times"
-            raise ValueError(
-                f"{where}: `Policy(update_timing=...)` applies the pending update of "
-                f"the `Stacked` at {path!r} in its forward scan, but the loss "
-                f"{ran}; under this option each `Stacked` runs exactly once per "
-                "loss. Use `update_timing='now'` for this loss."
-            )
+def on_backward(path: str) -> Callable[[], None]:
+    """What the scan that took `path`'s update calls when its backward pass is
+    built: it records that in this step's record (the backward pass may be built
+    after the loss has returned, outside `owed`)."""
+    record = _RECORD.get()
+
+    def ran() -> None:
+        if record is not None:
+            record.backward.append(path)
+
+    return ran

@@ -50,6 +50,8 @@ class Pending(NamedTuple):
         new slice of `aux` (on the device or the host).
     - `writes`: a tree of bools with the structure of `aux`: the leaves the
         update writes (the others are only read).
+    - `backward()`: called when the backward scan is built (where it is not, the
+        cotangent of `aux` is zero: the caller must not read it).
 
     The forward scan writes each layer's new slice into `aux` in place; the
     backward scan reads the layers through `merge` from it; and the new `aux` is
@@ -58,6 +60,7 @@ class Pending(NamedTuple):
     apply: Callable[[Any, Any, Any], Any]
     merge: Callable[[Any, Any], Any]
     writes: Any
+    backward: Callable[[], None]
 
 
 def scan(
@@ -329,6 +332,8 @@ def _forward(
 def _backward(meta: _Meta, residuals: Any, cotangents: Any) -> Any:
     kept, last, consts, stacked, xs, owed, perturbed = residuals
     n = meta.length
+    if meta.pending is not None:
+        meta.pending.backward()
     treedef, where = meta.rebuild["treedef"], meta.rebuild["where"]
     p_consts, p_carry, p_stacked, p_xs, p_owed = perturbed
     ct_carry, ct_ys = _instantiate(cotangents)

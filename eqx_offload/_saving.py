@@ -14,7 +14,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jaxtyping import PyTree
 
-from . import _paths, _update
+from . import _paths
+from ._pending import check_ready
 
 
 # Bumped if the layout of a step's directory changes.
@@ -187,7 +188,7 @@ def save(
     """
     directory = _directory(path, "`save(path=...)`")
     # The parameters of a model one update behind would be saved as its own.
-    _update.check_ready(opt_state, "`save(opt_state=...)`")
+    check_ready(opt_state, "`save(opt_state=...)`")
     if not isinstance(step, int | np.integer) or isinstance(step, bool) or step < 0:
         raise ValueError(f"`save(step=...)` must be an int >= 0, got {step!r}.")
     step = int(step)

@@ -75,6 +75,8 @@ class ScanConfig(AbstractScan):
 
             offload = [] if found is None else found[1]
             owed = _pending.take(self.path)
+            if owed is not None and not _can_apply(carry, dynamic, xs):
+                owed = None  # (the step sees it untaken: it applies it before)
             if owed is not None:
                 if found is not None:
                     layer_fn = jax.checkpoint(
@@ -98,6 +100,20 @@ class ScanConfig(AbstractScan):
 
     def check_bypass(self, layers: Any, how: str) -> None:
         _check_bypass(self, layers, how)
+
+
+def _can_apply(carry: Any, dynamic: Any, xs: Any) -> bool:
+    """Whether the forward scan can apply a pending update here: in the step's
+    trace of the loss, or under `jax.vmap`s of it over examples (not over the
+    layers: an ensemble), not in forward mode, without gradient taps or
+    `Explicit` axes. Anywhere else (a loop, a `jax.checkpoint`, a `jax.jit` in
+    the loss) it would run a different number of times than it is traced."""
+    return (
+        _compat.only_batched_since(_pending.traces())
+        and not _compat.batched(dynamic)
+        and not _compat.forward_mode((carry, dynamic, xs))
+        and not _layout.explicit_axes()
+    )
 
 
 def _updating_scan(
@@ -139,7 +155,7 @@ def _updating_scan(
         return (jtu.tree_unflatten(treedef, arrays), piece[1])
 
     writes = tuple([w] * len(part) for w, part in zip(owed.writes, owed.aux))
-    pending = _prefetch.Pending(apply, merge, writes)
+    pending = _prefetch.Pending(apply, merge, writes, _pending.on_backward(path))
     return _prefetch.scan(
         layer_fn,
         read,

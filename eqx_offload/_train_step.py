@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
 from . import (
+    _compat,
     _compiler,
     _diagnose,
     _layout,
@@ -293,10 +294,13 @@ def _pending_step(
         and policy.compute_dtype is None
         and not _layout.explicit_axes()
     )
+    applied = None
     if in_forward:
-        value, grads, model, opt_state = _value_and_grad_applying(
+        applied = _value_and_grad_applying(
             config, optimizer, model, opt_state, batch, param_kinds, state_kinds
         )
+    if applied is not None:
+        value, grads, model, opt_state = applied
     else:
         if policy.update_timing == "next_forward":
             model, opt_state = apply(model, opt_state)
@@ -336,11 +340,13 @@ def _value_and_grad_applying(
     batch: tuple,
     param_kinds: list[str],
     state_kinds: list[str],
-) -> tuple[Any, PyTree, PyTree, Any]:
+) -> tuple[Any, PyTree, PyTree, Any] | None:
     """The loss and gradient, with each `Stacked`'s forward scan applying the
     update `opt_state` holds for it (`_pending.py`): its new parameters and state
     come back as the gradient of its `aux`. **Returns:** the loss, the gradients,
-    and the model and state with the update applied."""
+    and the model and state with the update applied; or None where a `Stacked`
+    did not apply its update exactly once (the caller applies it before the
+    loss instead)."""
     policy = config.policy
     params = _update.trainable(model)
     owed, back = _update.layer_updates(
@@ -355,18 +361,24 @@ def _value_and_grad_applying(
         checked_loss(config.loss_fn, config.has_aux, "`train_step`"), policy
     )
 
+    records = []
+
     def outer(both: tuple[PyTree, dict], *batch: Any) -> Any:
         model, aux = both
         layers = {path: owed[path]._replace(aux=aux[path]) for path in owed}
-        with _pending.owed(layers) as taken:
-            out = loss(model, *batch)
-        _pending.check_taken(layers, taken, "`train_step`")
-        return out
+        with _pending.owed(layers, _compat.current_trace()) as record:
+            records.append(record)
+            return loss(model, *batch)
 
     aux = {path: layers.aux for path, layers in owed.items()}
     value, (grads, new_aux) = eqx.filter_value_and_grad(outer, has_aux=config.has_aux)(
         (model, aux), *batch
     )
+    if not records[0].applied_once():
+        # A `Stacked` run twice, in a loop, not at all or not differentiated: its
+        # new values did not come back as the cotangent. (What was traced here
+        # is left unused: the compiler removes it.)
+        return None
     new_params, inner = back(new_aux)
     model = eqx.combine(
         new_params, eqx.filter(model, _update.is_trainable, inverse=True)

@@ -10,7 +10,17 @@ import jax.extend.core as jex
 import jax.tree_util as jtu
 from jax.sharding import PartitionSpec
 
-from . import _accumulate, _jaxpr, _layout, _paths, _remat_names, _tiling, _vocab_blocks
+from . import (
+    _accumulate,
+    _compat,
+    _jaxpr,
+    _layout,
+    _paths,
+    _pending,
+    _remat_names,
+    _tiling,
+    _vocab_blocks,
+)
 from ._memory_kinds import is_host, is_host_aval
 from ._policy import check_policy, checkpoint_patterns, Policy, replace
 from ._scan_body import configure
@@ -360,6 +370,7 @@ def _trace(fun: Callable, args: tuple, kwargs: dict) -> _Traced:
     out_parts = []
 
     def flat_fun(*dynamic: Any) -> list:
+        _pending.allow(_compat.current_trace())  # (evaluated in the caller's)
         leaves = list(flat)
         for i, x in zip(positions, dynamic):
             leaves[i] = x

@@ -2,7 +2,7 @@
 the model small enough to run both."""
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -27,6 +27,7 @@ from ._update import (
     stepping,
     trainable,
 )
+from ._verify_report import _raise_if_failed, Difference, VerifyReport
 
 
 # Default tolerances by the compared leaf's floating-point width (bytes): see
@@ -37,128 +38,6 @@ _DEFAULT_TOLERANCES = {
     2: (5e-2, 1e-5),
     1: (2e-1, 1e-3),
 }
-_UPSTREAM = (
-    "Offloading and remat change where values are stored and what is recomputed, "
-    "never the mathematics, so a difference beyond rounding is a bug: in the step, "
-    "or in the compiler (upstream XLA has produced silently wrong gradients for "
-    "offloaded scan residuals on GPU, openxla/xla#46231). Narrow it down by "
-    "verifying with less offloading (`Policy.offload_residuals()`, then "
-    "`Policy.remat()`, `opt_state='device'`, `update='whole'`) and train with the "
-    "policy that passes."
-)
-
-
-_SCALES = {
-    "loss": "the reference loss",
-    "gradients": "the largest entry of the reference gradient",
-    "update": "the largest change of a parameter in the whole update, which also "
-    "allows one rounding of the parameter; the largest entry of a state leaf",
-}
-
-
-class DoesNotMatch(ValueError):
-    """Raised by `verify` when the offloaded step differs from the reference beyond
-    the tolerance. The message names the check, the leaf and the difference;
-    `error.report` holds every check's largest difference."""
-
-    report: "VerifyReport"
-
-    def __init__(self, message: str, report: "VerifyReport"):
-        super().__init__(message)
-        self.report = report
-
-
-class Difference(NamedTuple):
-    """The largest difference one check found, relative to its tolerance."""
-
-    leaf: str
-    """The leaf (its dotted path; `"loss"` for the loss) nearest to its tolerance."""
-    difference: float
-    """The largest absolute difference over that leaf."""
-    scale: float
-    """What the tolerance is relative to: the reference's largest magnitude over
-    the leaf (for parameters after the update: the largest change)."""
-    tolerance: float
-    """`atol + rtol * scale` (for a parameter after the update, plus one rounding
-    of it); the check passes if `difference <= tolerance`."""
-
-    @property
-    def passed(self) -> bool:
-        return self.difference <= self.tolerance
-
-
-class VerifyReport(eqx.Module):
-    """What `verify` compared and the largest difference of each check. Print it
-    for a table.
-
-    - `loss`: the offloaded loss against the reference loss.
-    - `gradients`: each leaf's offloaded gradient against the reference gradient;
-        the leaf nearest to its tolerance.
-    - `update`: the model and optimizer state after the streamed update against
-        those after the whole update, or `None` when not checked: the step does
-        not stream (`Policy(update="whole")`, or nothing parameter-shaped on the
-        host), or the loss or gradients already differ.
-    - `layers`, `microbatch`: the slice checked (`None`: all of it): the layers
-        kept of each `Stacked`, and the examples kept of the batch (fewer than
-        `verify(microbatch=...)` asked for when the batch is smaller).
-    - `examples`: how many examples the checked batch holds (its leading axis;
-        `None` for a batch without one).
-    - `microbatches`: how many micro-batches the step split them into.
-    """
-
-    loss: Difference
-    gradients: Difference
-    update: Difference | None
-    layers: int | None
-    microbatch: int | None
-    examples: int | None = None
-    microbatches: int = 1
-
-    @property
-    def passed(self) -> bool:
-        checks = (self.loss, self.gradients, self.update)
-        return all(c.passed for c in checks if c is not None)
-
-    def __str__(self) -> str:
-        rows = [("check", "leaf", "max |difference|", "tolerance", "")]
-        for name in ("loss", "gradients", "update"):
-            check = getattr(self, name)
-            if check is None:
-                rows.append((name, "(not checked)", "-", "-", ""))
-                continue
-            verdict = "ok" if check.passed else "FAILED"
-            difference, tolerance = f"{check.difference:.3g}", f"{check.tolerance:.3g}"
-            rows.append((name, check.leaf, difference, tolerance, verdict))
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        where = _slice_text(
-            self.layers, self.microbatch, self.examples, self.microbatches
-        )
-        lines = [
-            f"eqx_offload.verify: {where}",
-            *(
-                "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4]
-                for row in rows
-            ),
-        ]
-        return "\n".join(line.rstrip() for line in lines)
-
-
-def _slice_text(
-    layers: int | None,
-    microbatch: int | None,
-    examples: int | None = None,
-    microbatches: int = 1,
-) -> str:
-    def first(n: int, noun: str) -> str:
-        return f"the first {noun}" if n == 1 else f"the first {n} {noun}s"
-
-    where = "every layer" if layers is None else first(layers, "layer")
-    what = "the whole batch" if microbatch is None else first(microbatch, "example")
-    if microbatch is None and examples is not None:
-        what += f" ({examples} example{'' if examples == 1 else 's'})"
-    if microbatches > 1:
-        what += f" in {microbatches} micro-batches"
-    return f"{where} of each `Stacked`, {what}"
 
 
 def _check_count(value: Any, argument: str) -> None:
@@ -602,31 +481,3 @@ def _check_kinds(outputs: tuple, inputs: tuple) -> None:
                 f"{kind_of(out.value)!r}, but it lives in {kind_of(into.value)!r}. "
                 "This is a bug in eqx_offload; please report it."
             )
-
-
-def _raise_if_failed(report: VerifyReport) -> None:
-    reference = "the reference (every leaf on the device, no remat)"
-    where = _slice_text(
-        report.layers, report.microbatch, report.examples, report.microbatches
-    )
-    for name in ("loss", "gradients", "update"):
-        check = getattr(report, name)
-        if check is None or check.passed:
-            continue
-        if name == "loss":
-            subject = f"the {check.leaf}"  # "the loss", "the loss (streamed step)"
-            against = reference
-        elif name == "gradients":
-            subject = f"the gradient of leaf {check.leaf!r}"
-            against = reference
-        else:
-            subject = f"leaf {check.leaf!r} after the streamed update"
-            against = "the whole update (`Policy(update='whole')`: plain optax)"
-        raise DoesNotMatch(
-            f"`verify`: {subject} differs between the offloaded step and {against} "
-            f"by {check.difference:.3g}, beyond the tolerance {check.tolerance:.3g} "
-            f"(`atol + rtol * scale`, scale {check.scale:.3g}: {_SCALES[name]}). "
-            f"Checked on {where}. "
-            f"{_UPSTREAM}\n{report}",
-            report,
-        )

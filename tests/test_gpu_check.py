@@ -81,6 +81,7 @@ def test_the_gpu_check_runs_on_a_cpu(tmp_path, monkeypatch, gpu_check):
         "offload_all, whole update",
         "offload_all, host update",
         "offload_all, streamed update, prefetch",
+        "offload_all, streamed update, next_forward",
     }
     for row in numerics["presets"].values():
         assert row["verify passed"] and row["placements kept"]

@@ -20,7 +20,7 @@ import pytest
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 import eqx_offload as eo
-from eqx_offload import _pending, _scan_body
+from eqx_offload import _pending
 
 from .helpers import (
     assert_trees_close,
@@ -117,16 +117,19 @@ POLICIES = {
 
 @contextlib.contextmanager
 def counting_updating_scans() -> Iterator[list[str]]:
-    """The paths of the `Stacked`s whose forward scan applied a pending update
-    (`_scan_body._updating_scan`), one per trace of such a scan."""
+    """The paths of the `Stacked`s whose forward scan applied a pending update,
+    one per trace of the step that kept it (not one the step traced, then
+    replaced by the update before the loss: `_pending.Record.applied_once`)."""
     paths: list[str] = []
-    original = _scan_body._updating_scan
+    original = _pending.Record.applied_once
 
-    def counted(path, *args, **kwargs):
-        paths.append(path)
-        return original(path, *args, **kwargs)
+    def counted(record):
+        once = original(record)
+        if once:
+            paths.extend(record.taken)
+        return once
 
-    with mock.patch.object(_scan_body, "_updating_scan", counted):
+    with mock.patch.object(_pending.Record, "applied_once", counted):
         yield paths
 
 
@@ -451,17 +454,43 @@ def _never(model: Model, tokens, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-@pytest.mark.parametrize("loss, how", [(_twice, "ran it 2 times"), (_never, "never")])
-def test_a_stacked_runs_exactly_once(loss, how):
-    """The first step holds the update; the second, which applies it in the
-    forward scan, refuses a loss that runs the `Stacked` twice or never."""
-    policy = POLICIES["none next_forward"]
-    model = Model(key=jax.random.key(0))
-    state = eo.init_opt_state(OPTIMIZER, model, policy)
-    step = eo.train_step(loss, OPTIMIZER, policy)
-    data = batches(batch=4)
-    model, state, _ = step(model, state, *next(data))
-    assert state.ready is True
-    with pytest.raises(ValueError, match=f"{how}.*exactly once"):
-        step(model, state, *next(data))
+def _mapped(model: Model, tokens, targets):
+    """The model applied one example at a time in a `jax.lax.map`: its `Stacked`'s
+    scan is traced once and runs once per example."""
+    logits = jax.lax.map(model, tokens)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def _frozen(model: Model, tokens, targets):
+    """The layers' output not differentiated: their backward pass never runs."""
+
+    def forward(tokens):
+        x = jax.lax.stop_gradient(model.blocks(jax.vmap(model.embed)(tokens)))
+        return jax.vmap(model.head)(x)
+
+    logits = jax.vmap(forward)(tokens)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+@pytest.mark.parametrize("loss", [_twice, _never, _mapped, _frozen])
+def test_where_the_forward_scan_cannot_apply_it_the_step_does(loss):
+    """A loss that runs the `Stacked` twice, never, in a loop, or without
+    differentiating it: its forward scan cannot give the new values back once
+    (they would be added up, or zero), so the step applies the update before the
+    loss instead, with the numbers of the plain step."""
+
+    def train(policy: eo.Policy) -> tuple[list[float], Any]:
+        model = eo.place(Model(key=jax.random.key(0)), policy)
+        state = eo.init_opt_state(OPTIMIZER, model, policy)
+        step = eo.train_step(loss, OPTIMIZER, policy)
+        data = batches(batch=4)
+        losses = []
+        for _ in range(3):
+            model, state, value = step(model, state, *next(data))
+            losses.append(float(value))
+        return losses, eo.apply_pending(model, state, OPTIMIZER, policy)[0]
+
+    ours, reference = train(POLICIES["none next_forward"]), train(POLICIES["none"])
+    np.testing.assert_allclose(ours[0], reference[0], rtol=1e-6)
+    assert_trees_close(ours[1], reference[1], atol=ADAM_ATOL)
     assert _pending.take("blocks") is None  # (nothing left owed)

@@ -13,14 +13,14 @@ import jax.tree_util as jtu
 from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
-from .. import _compat, _compiler, _mesh, _mixed_precision, _paths, _residuals
+from .. import _compat, _compiler, _mesh, _mixed_precision, _paths, _pending, _residuals
 from .._checkpoint_names import one_microbatch
 from .._diagnose import DoesNotCompile, out_of_memory
 from .._memory_kinds import is_arraylike, kind_of
 from .._mixed_precision import compute_dtypes
 from .._train_step import _TrainStep, join, split
 from .._transform import _OffloadWrapper, filter_offload
-from .._update import own_state, PendingUpdate, trainable
+from .._update import own_state, trainable
 from . import _compiled_traffic, _costs, _minimum, _step_time, _targets, _traffic
 from ._does_not_fit import DoesNotFit, too_big
 from ._hardware import Hardware
@@ -126,7 +126,7 @@ def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
             "the model, the optimizer state and the batch, positionally."
         )
     model, opt_state, *batch = args
-    opt_state = _steady(opt_state)
+    opt_state = _pending.steady(opt_state)
     dynamic, statics = step.split(model, opt_state, *batch)
     batch = join(dynamic[2], statics.batch)  # as laid out by `Policy(batch=...)`
     # `keep_unused`: the compiled signature then lists every argument, which is
@@ -150,15 +150,6 @@ def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
             what, message, mesh, model, opt_state
         ),
     )
-
-
-def _steady(opt_state: PyTree) -> PyTree:
-    """The state of every step but the first: under `Policy(update_timing=...)`,
-    with an update pending (`init_opt_state` gives one with none, whose first step
-    applies nothing, a program of its own)."""
-    if isinstance(opt_state, PendingUpdate) and not opt_state.ready:
-        return PendingUpdate(opt_state.inner, opt_state.grads, opt_state.held, True)
-    return opt_state
 
 
 def _differentiated(

@@ -14,7 +14,6 @@ it, so the numbers are the same.
 
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -23,27 +22,12 @@ from jaxtyping import PyTree
 
 from .. import _paths, _pending, _tiling
 from .._memory_kinds import is_arraylike, to_space
+from .._pending import (
+    check_ready as check_ready,
+    PendingUpdate as PendingUpdate,
+    structure as structure,
+)
 from . import _plan, _streaming
-
-
-class PendingUpdate(eqx.Module):
-    """The optimizer state under `Policy(update_timing="next_forward")` or
-    `"delayed"`: the optimizer's own state, and the update of the stacked layers
-    it holds over to the next step.
-
-    - `inner`: the wrapped optimizer's state.
-    - `grads`: the gradient of each stacked layer parameter whose update waits
-        (`optax.MaskedNode()` for the other parameters).
-    - `held`: per `Stacked`, the values its update reads besides its own pieces
-        (step counts, global norms), computed when the gradients were.
-    - `ready`: whether an update is waiting (False after `init_opt_state` and
-        `apply_pending`).
-    """
-
-    inner: PyTree
-    grads: PyTree
-    held: tuple
-    ready: bool = eqx.field(static=True)
 
 
 def waits(params: PyTree) -> list[str | None]:
@@ -323,22 +307,3 @@ def _piece_update(
 def own_state(state: Any) -> Any:
     """The wrapped optimizer's state, of a `PendingUpdate` (else `state`)."""
     return state.inner if isinstance(state, PendingUpdate) else state
-
-
-def structure(state: Any) -> Any:
-    """`state` as `init` makes it, for checking its structure (whether an update
-    waits is a static field)."""
-    if isinstance(state, PendingUpdate):
-        return PendingUpdate(state.inner, state.grads, state.held, False)
-    return state
-
-
-def check_ready(state: Any, where: str) -> None:
-    """Raises if `state` holds an update still waiting."""
-    if isinstance(state, PendingUpdate) and state.ready:
-        raise ValueError(
-            f"{where}: the optimizer state holds a pending update of the stacked "
-            "layers (`Policy(update_timing=...)`), so the model's parameters are "
-            "one update behind; apply it first: `model, opt_state = "
-            "eqx_offload.apply_pending(model, opt_state, optimizer, policy)`."
-        )
