@@ -266,6 +266,16 @@ POLICIES: dict[str, tuple[str, dict[str, Any]]] = {
     "prefetch": ("offload_all", {"prefetch": 1}),
     "prefetch, host update": ("offload_all", {"prefetch": 1, "update": "host"}),
     "prefetch, residuals": ("offload_residuals", {"prefetch": 1}),
+    "next forward": ("offload_all", {"update_timing": "next_forward"}),
+    "next forward, prefetch": (
+        "offload_all",
+        {"update_timing": "next_forward", "prefetch": 1},
+    ),
+    "next forward, state on host": (
+        "offload_residuals",
+        {"opt_state": "pinned_host", "update_timing": "next_forward"},
+    ),
+    "delayed": ("offload_all", {"update_timing": "delayed"}),
 }
 
 
