@@ -194,6 +194,7 @@ def test_a_local_search_improves_on_the_best_preset(monkeypatch):
     # of them (`offload_all`), towards the device within the budget.
     monkeypatch.setattr(_search, "SINGLES", 0)
     monkeypatch.setattr(_search, "IMPROVE_COMPILES", 3)
+    monkeypatch.setattr(_plan, "UPDATE_LATER", 1)
     p = _v5e_plan(device_budget=BUDGET)
     rows = p.table.rows
     preset = next(r for r in rows if r.label.endswith("Policy.offload_all()"))
