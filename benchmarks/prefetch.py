@@ -13,6 +13,7 @@ compiled program and `eo.Hardware.of(target)`.
 """
 
 import time
+from collections.abc import Callable
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
 import decoder
@@ -28,8 +29,6 @@ ASYNC_LIMIT = "xla_gpu_experimental_parallel_async_compute_limit"
 
 
 def row(target: str, preset: str, prefetch: int, batch: int, options: dict) -> dict:
-    start = time.perf_counter()
-    policy = getattr(eo.Policy, preset)(prefetch=prefetch)
     head = {
         "target": target,
         "preset": preset,
@@ -37,6 +36,36 @@ def row(target: str, preset: str, prefetch: int, batch: int, options: dict) -> d
         "tokens": batch * SEQ,
         "options": ", ".join(f"{k.split('_')[-1]}={v}" for k, v in options.items()),
     }
+
+    def more(r: eo.MemoryReport, t: eo.StepTime) -> dict:
+        exposed, link = t.exposed_seconds_by_phase, t.transfer_seconds_by_phase
+        layers_link = link["forward"] + link["backward"]
+        layers_exposed = exposed["forward"] + exposed["backward"]
+        return {
+            "to device s": t.host_to_device_seconds,
+            "to host s": t.device_to_host_seconds,
+            "layers exposed / link": layers_exposed / layers_link
+            if layers_link
+            else 0.0,
+            "device GiB": r.device_bytes / 2**30,
+        }
+
+    policy = getattr(eo.Policy, preset)(prefetch=prefetch)
+    return compiled_row(head, policy, target, batch, options, more)
+
+
+def compiled_row(
+    head: dict,
+    policy: eo.Policy,
+    target: str,
+    batch: int,
+    options: dict,
+    more: Callable[[eo.MemoryReport, eo.StepTime], dict],
+) -> dict:
+    """`head`, and the figures of the Llama-3.2-1B step under `policy` compiled
+    for `target` with compiler `options`: the step, its exposed link time by
+    part, and `more(report, step_time)`."""
+    start = time.perf_counter()
     try:
         with compiler_options(options):
             r = decoder.step_report(
@@ -46,24 +75,22 @@ def row(target: str, preset: str, prefetch: int, batch: int, options: dict) -> d
         return head | {"step s": None, "fits": False}
     t = r.time
     assert t is not None
-    exposed, link = t.exposed_seconds_by_phase, t.transfer_seconds_by_phase
-    layers_link = link["forward"] + link["backward"]
-    layers_exposed = exposed["forward"] + exposed["backward"]
-    return head | {
-        "step s": t.seconds,
-        "fits": r.fits,
-        "compute s": t.compute_seconds,
-        "to device s": t.host_to_device_seconds,
-        "to host s": t.device_to_host_seconds,
-        "exposed s": t.exposed_transfer_seconds,
-        "layers fwd exposed s": exposed["forward"],
-        "layers bwd exposed s": exposed["backward"],
-        "outside exposed s": exposed["outside"],
-        "update exposed s": exposed["update"],
-        "layers exposed / link": layers_exposed / layers_link if layers_link else 0.0,
-        "device GiB": r.device_bytes / 2**30,
-        "compile s": time.perf_counter() - start,
-    }
+    exposed = t.exposed_seconds_by_phase
+    return (
+        head
+        | {
+            "step s": t.seconds,
+            "fits": r.fits,
+            "compute s": t.compute_seconds,
+            "exposed s": t.exposed_transfer_seconds,
+            "layers fwd exposed s": exposed["forward"],
+            "layers bwd exposed s": exposed["backward"],
+            "outside exposed s": exposed["outside"],
+            "update exposed s": exposed["update"],
+        }
+        | more(r, t)
+        | {"compile s": time.perf_counter() - start}
+    )
 
 
 def main() -> None:

@@ -15,14 +15,9 @@ never run: every time is an estimate from the compiled program and
 `eo.Hardware.of(target)`. `benchmarks/gpu_check.py` measures the step on a GPU.
 """
 
-import time
-
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
-import decoder
 from _common import parser, table, write_json
-from decoder import chunked_loss
-from llama import LLAMA_3_2_1B, SEQ
-from prefetch_schedule import compiler_options
+from prefetch import compiled_row
 
 import eqx_offload as eo
 
@@ -33,7 +28,6 @@ GB = 1e9
 
 
 def row(target: str, preset: str, timing: str, options: dict) -> dict:
-    start = time.perf_counter()
     policy = getattr(eo.Policy, preset)(
         **({} if preset == "remat" else {"update_timing": timing})
     )
@@ -43,32 +37,17 @@ def row(target: str, preset: str, timing: str, options: dict) -> dict:
         "update_timing": timing,
         "options": ", ".join(f"{k.split('_')[-1]}={v}" for k, v in options.items()),
     }
-    try:
-        with compiler_options(options):
-            r = decoder.step_report(
-                LLAMA_3_2_1B, policy, chunked_loss, target=target, batch=BATCH, seq=SEQ
-            )
-    except eo.DoesNotFit:
-        return head | {"step s": None, "fits": False}
-    t = r.time
-    assert t is not None
-    exposed = t.exposed_seconds_by_phase
-    return head | {
-        "step s": t.seconds,
-        "fits": r.fits,
-        "compute s": t.compute_seconds,
-        "exposed s": t.exposed_transfer_seconds,
-        "layers fwd exposed s": exposed["forward"],
-        "layers bwd exposed s": exposed["backward"],
-        "outside exposed s": exposed["outside"],
-        "update exposed s": exposed["update"],
-        "host compute s": t.host_compute_seconds,
-        "to device GB": r.transfer_bytes("host_to_device", compiled=True) / GB,
-        "to host GB": r.transfer_bytes("device_to_host", compiled=True) / GB,
-        "device GiB": r.device_bytes / 2**30,
-        "host GiB": r.host_bytes / 2**30,
-        "compile s": time.perf_counter() - start,
-    }
+
+    def more(r: eo.MemoryReport, t: eo.StepTime) -> dict:
+        return {
+            "host compute s": t.host_compute_seconds,
+            "to device GB": r.transfer_bytes("host_to_device", compiled=True) / GB,
+            "to host GB": r.transfer_bytes("device_to_host", compiled=True) / GB,
+            "device GiB": r.device_bytes / 2**30,
+            "host GiB": r.host_bytes / 2**30,
+        }
+
+    return compiled_row(head, policy, target, BATCH, options, more)
 
 
 def main() -> None:

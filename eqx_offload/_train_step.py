@@ -248,13 +248,25 @@ def _step(
             opt_kinds,
             config.metrics,
         )
-        # Outputs go back where they live, with `device_put` to a memory space
-        # inside the traced function: the same trace then compiles for any backend.
+    return _outputs(model, opt_state, model_kinds, opt_kinds, statics) + (value, norms)
+
+
+def _outputs(
+    model: PyTree,
+    opt_state: PyTree,
+    model_kinds: list,
+    opt_kinds: list,
+    statics: _Statics,
+) -> tuple[list, list]:
+    """The step's new model and optimizer state, flattened as `jitted` returns
+    them, every leaf back where it lives. (With `device_put` to a memory space
+    inside the traced function: the same trace then compiles for any backend.)"""
+    with jax.named_scope(_update.UPDATE_SCOPE):
         with jax.named_scope("params"):
             model = _place_outputs(model, model_kinds, statics.model_shardings)
         with jax.named_scope("opt_state"):
             opt_state = _place_outputs(opt_state, opt_kinds, statics.opt_shardings)
-    return split(model)[0], split(opt_state)[0], value, norms
+    return split(model)[0], split(opt_state)[0]
 
 
 def _pending_step(
@@ -272,12 +284,7 @@ def _pending_step(
     policy = config.policy
     params = _update.trainable(model)
     optimizer = _mixed_precision.for_policy(config.optimizer, params, policy)
-    kind_by_path = {leaf.path: kind for leaf, kind in model_kinds}
-    param_kinds = [
-        kind_by_path[leaf.path]
-        for leaf in _paths.leaves(params)
-        if is_arraylike(leaf.value)
-    ]
+    param_kinds = _update.param_kinds(params, model_kinds)
     state_kinds = [kind for _, kind in opt_kinds]
 
     def apply(model: PyTree, opt_state: Any) -> tuple[PyTree, Any]:
@@ -285,8 +292,7 @@ def _pending_step(
             new, opt_state = _update.apply_waiting(
                 optimizer, opt_state, _update.trainable(model), param_kinds, state_kinds
             )
-        rest = eqx.filter(model, _update.is_trainable, inverse=True)
-        return eqx.combine(new, rest), opt_state
+        return _update.with_params(model, new), opt_state
 
     in_forward = (
         opt_state.ready
@@ -324,12 +330,8 @@ def _pending_step(
             param_kinds,
             state_kinds,
         )
-        model = eqx.combine(new, eqx.filter(model, _update.is_trainable, inverse=True))
-        with jax.named_scope("params"):
-            model = _place_outputs(model, model_kinds, statics.model_shardings)
-        with jax.named_scope("opt_state"):
-            opt_state = _place_outputs(opt_state, opt_kinds, statics.opt_shardings)
-    return split(model)[0], split(opt_state)[0], value, None
+    model = _update.with_params(model, new)
+    return _outputs(model, opt_state, model_kinds, opt_kinds, statics) + (value, None)
 
 
 def _value_and_grad_applying(
@@ -380,9 +382,7 @@ def _value_and_grad_applying(
         # is left unused: the compiler removes it.)
         return None
     new_params, inner = back(new_aux)
-    model = eqx.combine(
-        new_params, eqx.filter(model, _update.is_trainable, inverse=True)
-    )
+    model = _update.with_params(model, new_params)
     opt_state = _update.PendingUpdate(inner, opt_state.grads, opt_state.held, False)
     return value, grads, model, opt_state
 

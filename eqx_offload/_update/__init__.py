@@ -24,6 +24,7 @@ from ._optim import (
     check_state as check_state,
     init_opt_state as init_opt_state,
     is_trainable as is_trainable,
+    param_kinds as param_kinds,
     place_opt_state as place_opt_state,
     place_state as place_state,
     stepping as stepping,
@@ -31,6 +32,7 @@ from ._optim import (
     trainable as trainable,
     update as update,
     UPDATE_SCOPE as UPDATE_SCOPE,
+    with_params as with_params,
 )
 from ._optimizer_update import optimizer_update as optimizer_update
 from ._state_tree import (

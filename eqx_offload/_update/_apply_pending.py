@@ -6,7 +6,7 @@ import jax
 import optax
 from jaxtyping import PyTree
 
-from .. import _mixed_precision, _paths
+from .. import _mixed_precision
 from .._memory_kinds import is_arraylike, to_space
 from .._policy import check_policy, Policy
 from . import _deferred
@@ -14,9 +14,10 @@ from ._optim import (
     as_transformation,
     check_model,
     check_state,
-    is_trainable,
+    param_kinds,
     stepping,
     trainable,
+    with_params,
 )
 
 
@@ -87,18 +88,12 @@ def _apply(
     params = trainable(model)
     full = stepping(optimizer, params, policy)
     opt_kinds = check_state(full, opt_state, model, policy)
-    kind_by_path = {leaf.path: kind for leaf, kind in model_kinds}
-    param_kinds = [
-        kind_by_path[leaf.path]
-        for leaf in _paths.leaves(params)
-        if is_arraylike(leaf.value)
-    ]
     state_kinds = [kind for _, kind in opt_kinds]
     inner = _mixed_precision.for_policy(optimizer, params, policy)
     new, opt_state = _deferred.apply_waiting(
-        inner, opt_state, params, param_kinds, state_kinds
+        inner, opt_state, params, param_kinds(params, model_kinds), state_kinds
     )
-    model = eqx.combine(new, eqx.filter(model, is_trainable, inverse=True))
+    model = with_params(model, new)
     leaves, treedef = jax.tree.flatten(opt_state)
     kinds = iter(state_kinds)
     leaves = [to_space(x, next(kinds), "") if is_arraylike(x) else x for x in leaves]

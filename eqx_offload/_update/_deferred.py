@@ -80,15 +80,16 @@ def with_pending(
     def init(params: PyTree) -> PendingUpdate:
         inner = optimizer.init(params)
 
-        def shapes(params: PyTree, inner: PyTree) -> Any:
-            run = _prepare(optimizer, params, inner, params)
-            kinds = _device_kinds(run)
-            _, _, _, held = _streaming.execute(run, kinds)
-            return tuple(tuple(held[key]) for key in _waiting_keys(run)), run
+        masks: list[list[bool]] = []  # (which leaves wait: static, from the trace)
 
-        abstract = jax.eval_shape(lambda p, s: shapes(p, s)[0], params, inner)
-        run = _prepare(optimizer, params, inner, params)
-        mask = _waiting_mask(run)
+        def held_values(params: PyTree, inner: PyTree) -> Any:
+            run = _prepare(optimizer, params, inner, params)
+            masks.append(_waiting_mask(run))
+            _, _, _, held = _streaming.execute(run, _device_kinds(run))
+            return tuple(tuple(held[key]) for key in _waiting_keys(run))
+
+        abstract = jax.eval_shape(held_values, params, inner)
+        mask = masks[0]
         leaves, treedef = jtu.tree_flatten(params)
         grads = jtu.tree_unflatten(
             treedef,

@@ -66,6 +66,24 @@ def trainable(model: PyTree) -> PyTree:
     return eqx.filter(model, is_trainable)
 
 
+def with_params(model: PyTree, params: PyTree) -> PyTree:
+    """`model` with its trainable leaves replaced by those of `params`."""
+    return eqx.combine(params, eqx.filter(model, is_trainable, inverse=True))
+
+
+def param_kinds(
+    params: PyTree, model_kinds: list[tuple[_paths.Leaf, str]]
+) -> list[str]:
+    """The memory kind of each array leaf of `params` (the trainable part of the
+    model), from the kinds of the model's leaves (`check_model`)."""
+    kind_by_path = {leaf.path: kind for leaf, kind in model_kinds}
+    return [
+        kind_by_path[leaf.path]
+        for leaf in _paths.leaves(params)
+        if is_arraylike(leaf.value)
+    ]
+
+
 def state_kinds(
     optimizer: optax.GradientTransformation | None,
     opt_state: PyTree,
@@ -356,9 +374,8 @@ def update(
         return _update_by_platform(
             optimizer, grads, opt_state, model, policy, model_kinds, opt_kinds, metrics
         )
-    kind_by_path = {leaf.path: kind for leaf, kind in model_kinds}
     leaves = _paths.leaves(params)
-    kinds = ([kind_by_path[leaf.path] for leaf in leaves], [k for _, k in opt_kinds])
+    kinds = (param_kinds(params, model_kinds), [k for _, k in opt_kinds])
     if policy.update == "host":
         _check_host_state(opt_kinds)
         try:
@@ -372,8 +389,7 @@ def update(
                 "`Policy(update='streamed')` (or `'auto'`), or change that part of "
                 "the optimizer."
             ) from e
-        rest = eqx.filter(model, is_trainable, inverse=True)
-        return eqx.combine(new_params, rest), opt_state, norms
+        return with_params(model, new_params), opt_state, norms
     if policy.update == "streamed" and host:
         layers = [
             leaf.value.shape[0] if leaf.stacked is not None else None for leaf in leaves
@@ -397,8 +413,7 @@ def update(
                 "(more device memory), or keep it there with "
                 "`Policy(opt_state='device')`."
             ) from e
-        rest = eqx.filter(model, is_trainable, inverse=True)
-        return eqx.combine(new_params, rest), opt_state, norms
+        return with_params(model, new_params), opt_state, norms
 
     def to_device(tree: PyTree) -> PyTree:
         return jtu.tree_map(
