@@ -8,7 +8,7 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from . import _remat_names, _residuals
+from . import _checkpoint_name_log, _residuals
 from ._memory_kinds import abstract_sharding, is_arraylike
 from ._mixed_precision import compute_dtypes
 from ._policy import Policy, replace
@@ -90,7 +90,7 @@ def checkpoint_names(
         # Every name occurs when a pattern matches every submodule.
         everything = _OffloadWrapper(fn, _saving(base, "**"))
         closed = eqx.filter_make_jaxpr(everything._call)(args, kwargs)[0]
-    except _remat_names.UnusedName as e:
+    except _checkpoint_name_log.UnusedName as e:
         if not e.never_occurred:
             raise
         raise ValueError(
@@ -102,7 +102,7 @@ def checkpoint_names(
     # say), so each name is traced as a policy saving it alone would trace it.
     return tuple(
         _alone(fn, _saving(base, name), name, args, kwargs)
-        for name in _remat_names.NameLog.of(closed).names
+        for name in _checkpoint_name_log.NameLog.of(closed).names
     )
 
 
@@ -168,7 +168,7 @@ def _alone(
 
     try:
         saved = _residuals.saved_residuals(wrt_first, *args, **kwargs)
-    except _remat_names.UnusedName as e:
+    except _checkpoint_name_log.UnusedName as e:
         if e.never_occurred:
             raise
         return CheckpointName(name, False, 0)

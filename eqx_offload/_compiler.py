@@ -47,7 +47,7 @@ def phase(op_name: str) -> Phase:
 
 def host_remat_options(platform: str) -> dict[str, bool] | None:
     """The TPU compiler's option for `Policy(host_remat=True)`: values it would
-    rematerialize kept in host memory instead (DESIGN fact 25); `None` where the
+    rematerialize kept in host memory instead (see "JAX facts relied on" in the design notes); `None` where the
     platform has no such option."""
     if platform != "tpu":
         return None

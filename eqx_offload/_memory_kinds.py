@@ -78,7 +78,7 @@ def is_host_aval(aval: Any) -> bool:
 
 def to_space(x: Any, kind: str, path: str) -> Any:
     """`device_put` inside a trace, naming a memory space rather than a device so the
-    same traced function serves every backend (DESIGN.md §4.9)."""
+    same traced function serves every backend."""
     if kind == "device":
         return x if not is_host(x) else jax.device_put(x, jax.memory.Space.Device)
     if kind == "pinned_host":

@@ -1,6 +1,6 @@
 """The gradient of a step taken in micro-batches, or in a compute dtype: the batch
 split along its leading axis, a `lax.scan` over the parts, and each parameter's
-gradient accumulated where it lives (`_accumulate.py`).
+gradient accumulated where it lives (`_grad_taps.py`).
 
 Micro-batch `i` of `k` holds the examples `i, i + k, i + 2k, ...`: with the batch
 laid out over a mesh in contiguous blocks, each device then keeps its share of
@@ -17,7 +17,7 @@ import jax.tree_util as jtu
 from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
-from . import _accumulate, _paths, _tiling
+from . import _grad_taps, _paths, _tiling
 from ._layout import axis_names
 from ._memory_kinds import is_arraylike, is_host, to_space
 
@@ -132,7 +132,7 @@ def value_and_grad(
     its gradient in the compute dtype (the update casts it).
 
     A host-resident parameter's gradient is accumulated where the loss uses the
-    parameter, through a tap (`_accumulate.py`): one layer at a time, read from
+    parameter, through a tap (`_grad_taps.py`): one layer at a time, read from
     and written back to the host. A parameter on the device is differentiated as
     usual and its gradient added to a device accumulator; so is, over several
     micro-batches, a host-resident leaf outside every `Stacked` whose minor
@@ -175,7 +175,7 @@ def value_and_grad(
     def run(wrt: tuple, arguments: tuple, read: Any) -> tuple[Any, Any]:
         accs, device_params = wrt
         table = {
-            leaf.path: _accumulate.Tap(acc, dtype, read)
+            leaf.path: _grad_taps.Tap(acc, dtype, read)
             for (leaf, dtype), acc in zip(tapped, accs, strict=True)
         }
         cast = {
@@ -185,7 +185,7 @@ def value_and_grad(
         model = jtu.tree_unflatten(
             treedef, [cast.get(leaf.path, leaf.value) for leaf in model_leaves]
         )
-        with _accumulate.taps(table):
+        with _grad_taps.taps(table):
             out = loss(model, *arguments)
         value, aux = out if has_aux else (out, None)
         return value / k, (value, aux)
@@ -203,7 +203,7 @@ def value_and_grad(
         # Received by the compute copies: each gradient crosses to the host once,
         # in the compute dtype (exactly: it is computed in it), and the update
         # casts it to its master's dtype where it runs. (Not a streamed table's,
-        # written into its receiver block by block: `_accumulate._add_host`.)
+        # written into its receiver block by block: `_grad_taps._add_host`.)
         copies = {leaf.path: leaf.value for leaf in model_leaves}
         receivers = [
             leaf.value

@@ -9,7 +9,7 @@ optimizer state: the optimizer is wrapped (`with_compute_copies`) so that its
 update also writes the new parameter's copy, piece by piece in the streamed
 update, next to the new master. The loss then reads the copies, and half the bytes
 move to the device. Parameters on the device are cast where the loss uses them
-(`_accumulate.tap`), with no copy.
+(`_grad_taps.tap`), with no copy.
 """
 
 from typing import Any, NamedTuple

@@ -60,7 +60,7 @@ def join(prefix: str, keys: tuple[Any, ...] | str) -> str:
     return out[1:] if out.startswith(".") else out
 
 
-class LayerStack(eqx.Module):
+class AbstractLayerStack(eqx.Module):
     """A module whose `layers` hold layers stacked along a leading axis.
 
     `leaves` walks into its `layers` without writing that field into the path and
@@ -103,7 +103,7 @@ def _visit(
 ) -> None:
     """Appends the leaves of `node` to `out` (`leaves`' walk; a module-level function
     rather than a closure, since it runs for every tree the library looks at)."""
-    if isinstance(node, LayerStack):
+    if isinstance(node, AbstractLayerStack):
         _visit(node.layers, prefix, segments + (None,), prefix, meta, is_leaf, out)
         return
     flat, _ = jtu.tree_flatten_with_path(
@@ -113,7 +113,7 @@ def _visit(
         path = join(prefix, keys)
         key = segments + tuple(key_segment(k) for k in keys)
         leaf_meta = _field_metadata(node, keys, meta)
-        if isinstance(value, LayerStack) and value is not node:
+        if isinstance(value, AbstractLayerStack) and value is not node:
             _visit(value, path, key, stacked, leaf_meta, is_leaf, out)
         else:
             depth = sum(s is None for s in key)
@@ -125,7 +125,7 @@ def _stops(x: Any, *, node: Any, is_leaf: Callable[[Any], bool] | None) -> bool:
     own) or a leaf by `is_leaf`."""
     if x is node:
         return False
-    return isinstance(x, LayerStack) or (is_leaf is not None and is_leaf(x))
+    return isinstance(x, AbstractLayerStack) or (is_leaf is not None and is_leaf(x))
 
 
 def _field_metadata(node: Any, keys: tuple[Any, ...], meta: Mapping) -> Mapping:

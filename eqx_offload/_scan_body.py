@@ -16,15 +16,15 @@ import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name
 
 from . import (
-    _accumulate,
+    _checkpoint_name_log,
     _compat,
     _compiler,
+    _grad_taps,
     _jaxpr,
     _layout,
     _paths,
     _pending,
     _prefetch,
-    _remat_names,
     _residuals,
 )
 from ._memory_kinds import is_arraylike, is_host
@@ -49,7 +49,7 @@ class ScanConfig(AbstractScan):
     def scan(
         self, f: Callable, carry: Any, dynamic: Any, static: Any, xs: Any, length: int
     ) -> tuple[Any, Any]:
-        # Each leaf with a gradient tap (`_accumulate.py`) is scanned over with its
+        # Each leaf with a gradient tap (`_grad_taps.py`) is scanned over with its
         # accumulator, and tapped as its layer slice reaches the device.
         taps = _layer_taps(self.path, dynamic)
         accs = None
@@ -235,13 +235,13 @@ def _check_bypass(config: ScanConfig, layers: Any, how: str) -> None:
         )
 
 
-def _layer_taps(path: str, layers: Any) -> list[_accumulate.Tap | None] | None:
+def _layer_taps(path: str, layers: Any) -> list[_grad_taps.Tap | None] | None:
     """The gradient tap of each array leaf of the layers of the `Stacked` at
     `path` (in `jax.tree.leaves` order), or None when there are none."""
-    if _accumulate.current() is None:
+    if _grad_taps.current() is None:
         return None
     found = [
-        _accumulate.lookup(_paths.join(path, leaf.path))
+        _grad_taps.lookup(_paths.join(path, leaf.path))
         for leaf in _paths.leaves(layers)
         if eqx.is_array(leaf.value)
     ]
@@ -252,7 +252,7 @@ def _tap_layer(layer_arrays: Any, accs: list, taps: list) -> Any:
     """One layer's arrays, on the device, each seen through its tap."""
     leaves, treedef = jtu.tree_flatten(layer_arrays)
     tapped = [
-        x if t is None else _accumulate.tap(x, acc, *t, layer=True)
+        x if t is None else _grad_taps.tap(x, acc, *t, layer=True)
         for x, acc, t in zip(leaves, accs, taps, strict=True)
     ]
     return jtu.tree_unflatten(treedef, tapped)
@@ -298,7 +298,7 @@ def _body_parts(
             c = jtu.tree_map(lambda v: checkpoint_name(v, carry_name), c)
         layer = eqx.combine(layer_arrays, static)
         layer = _map_submodules(layer, path, configure_inside)
-        with _accumulate.taps(None):  # a nested `Stacked`'s leaves are tapped here
+        with _grad_taps.taps(None):  # a nested `Stacked`'s leaves are tapped here
             new, y = f(layer, c, x)
         return keep_carry_sharding(new, c), y
 
@@ -325,9 +325,9 @@ def _remat_policy(
         offload_src="device",
         offload_dst=policy.offload_dst,
     )
-    occurrence = _remat_names.Occurrence(config.path, names, residual_names)
-    _remat_names.attach(checkpoint_policy, occurrence)
-    _remat_names.record(occurrence)
+    occurrence = _checkpoint_name_log.Occurrence(config.path, names, residual_names)
+    _checkpoint_name_log.attach(checkpoint_policy, occurrence)
+    _checkpoint_name_log.record(occurrence)
     return checkpoint_policy, offload
 
 

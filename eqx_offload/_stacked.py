@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
-from . import _layout, _paths, _remat_names, _tiling
+from . import _checkpoint_name_log, _layout, _paths, _tiling
 from ._memory_kinds import is_arraylike, is_host
 from ._warn import warn_at_caller
 
@@ -43,7 +43,7 @@ class AbstractScan(eqx.Module):
         """Raises, or warns, when a layer is taken out of the scan (`stacked[i]`)."""
 
 
-class Stacked(_paths.LayerStack, Generic[_Layer]):
+class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
     """N structurally identical layers, stored as one layer whose array leaves have a
     leading axis of size N, and applied in order with `jax.lax.scan`.
 
@@ -269,7 +269,7 @@ class Stacked(_paths.LayerStack, Generic[_Layer]):
         dynamic = jtu.tree_map(whole_to_device, dynamic)
         if self._scan is not None:
             return self._scan.scan(f, carry, dynamic, static, xs, len(self))
-        elif _remat_names.is_inside():
+        elif _checkpoint_name_log.is_inside():
             raise ValueError(
                 "A `Stacked` without the configuration `filter_offload` gives it was "
                 "applied inside a `filter_offload` function: it was closed over, or "

@@ -11,13 +11,13 @@ import jax.tree_util as jtu
 from jax.sharding import PartitionSpec
 
 from . import (
-    _accumulate,
+    _checkpoint_name_log,
     _compat,
+    _grad_taps,
     _jaxpr,
     _layout,
     _paths,
     _pending,
-    _remat_names,
     _tiling,
     _vocab_blocks,
 )
@@ -80,9 +80,9 @@ def _configure_all(
                 if is_host(x) and not stays:
                     x = jax.device_put(x, jax.memory.Space.Device)
                 if argument == "argument 0":
-                    found = _accumulate.lookup(path)
+                    found = _grad_taps.lookup(path)
                     if found is not None:
-                        x = _accumulate.tap(x, found.acc, found.dtype, found.read)
+                        x = _grad_taps.tap(x, found.acc, found.dtype, found.read)
                     if not stays:
                         x = _layout.gather_fsdp(x, path, policy.shard)
             out.append(x)
@@ -196,9 +196,9 @@ def call_on_auto_axes(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     `Auto` axes, which moves nothing), so their cotangents come back laid out like
     them: a gradient like its parameter. The array leaves of the output come back
     replicated over the mesh. So do the arrays of `fn` itself (an `eqx.Module`)
-    and the gradient taps of the current step (`_accumulate.py`: accumulators the
+    and the gradient taps of the current step (`_grad_taps.py`: accumulators the
     loss reaches through a context); arrays closed over otherwise cannot enter."""
-    table = _accumulate.current()
+    table = _grad_taps.current()
     taps = None
     if table is not None:
         taps = {path: (t.acc, t.dtype, t.read) for path, t in table.taps.items()}
@@ -211,8 +211,8 @@ def call_on_auto_axes(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         fn, args, kwargs, taps = eqx.combine(dynamic, static)
         inside = None
         if taps is not None:
-            inside = {path: _accumulate.Tap(*tap) for path, tap in taps.items()}
-        with _accumulate.taps(inside):
+            inside = {path: _grad_taps.Tap(*tap) for path, tap in taps.items()}
+        with _grad_taps.taps(inside):
             out = fn(*args, **kwargs)
         out_dynamic, rest = eqx.partition(out, eqx.is_array)
         leaves, out_treedef = jtu.tree_flatten(out_dynamic)
@@ -435,7 +435,7 @@ class _OffloadWrapper(eqx.Module):
             return call_on_auto_axes(self, args, kwargs)
         try:
             return self._call(args, kwargs)
-        except _remat_names.UnusedName as e:
+        except _checkpoint_name_log.UnusedName as e:
             # The names this trace saw are only those the policy asked for: list
             # every residual name the model offers instead (one more trace, only
             # on this error).
@@ -451,24 +451,28 @@ class _OffloadWrapper(eqx.Module):
             and is_host(leaf.value)
             for leaf in _paths.leaves((args, kwargs))
         )
-        with _remat_names.collecting() as log:
+        with _checkpoint_name_log.collecting() as log:
             if host_stacked:
                 # Checking needs the jaxpr before any outer transformation sees it:
                 # trace, check, then evaluate it, so `fun` still runs once.
                 traced = _trace(self._fun, args, kwargs)
                 _check_host_leaves(traced, args, kwargs, streamed)
-                _remat_names.check(self._policy, _remat_names.NameLog.of(traced.closed))
+                _checkpoint_name_log.check(
+                    self._policy, _checkpoint_name_log.NameLog.of(traced.closed)
+                )
                 outputs = jex.jaxpr_as_fun(traced.closed)(*traced.dynamic)
                 return traced.rebuild(outputs)
             out = self._fun(*args, **kwargs)
         if checkpoint_patterns(self._policy):
             try:
-                _remat_names.check(self._policy, log)
-            except _remat_names.UnusedName:
+                _checkpoint_name_log.check(self._policy, log)
+            except _checkpoint_name_log.UnusedName:
                 # Scans served from an inner `jax.jit`'s cache were not traced now,
                 # so they recorded nothing; the jaxpr has them all.
                 traced = _trace(self._fun, args, kwargs)
-                _remat_names.check(self._policy, _remat_names.NameLog.of(traced.closed))
+                _checkpoint_name_log.check(
+                    self._policy, _checkpoint_name_log.NameLog.of(traced.closed)
+                )
         return out
 
 
@@ -483,7 +487,7 @@ def _offered(wrapper: _OffloadWrapper, args: tuple, kwargs: dict) -> tuple[str, 
         traced = _trace(lambda *a, **k: probe._call(a, k), args, kwargs)
     except Exception:  # only a hint for the error being raised: that error wins
         return ()
-    return tuple(_remat_names.NameLog.of(traced.closed).residual_names)
+    return tuple(_checkpoint_name_log.NameLog.of(traced.closed).residual_names)
 
 
 def filter_offload(fun: Callable | None = None, policy: Policy | None = None) -> Any:

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _remat_names, _tiling
+from . import _checkpoint_name_log, _tiling
 from ._memory_kinds import is_host, to_space
 
 
@@ -38,7 +38,7 @@ def streams(table: Any) -> bool:
 def check(table: Any, where: str) -> None:
     """Raises unless `table` can be read by blocks here: inside a `filter_offload`
     function (a step), as a `[vocab, dim]` table of whole tiles."""
-    if not _remat_names.is_inside():
+    if not _checkpoint_name_log.is_inside():
         # Outside a step no `Policy(stream=...)` asked for streaming, and the rest of
         # a host-resident model cannot be computed on there either.
         raise ValueError(

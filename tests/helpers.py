@@ -181,9 +181,9 @@ def assert_trees_close(
     so it moves every element by about `lr` a step whatever the gradient's size.
     Where a gradient is near zero, its float32 rounding is large beside it, and the
     normalisation turns it into an error that is a fraction of `lr`, however small
-    the parameter (DESIGN fact 20). How large a fraction depends on the CPU: after
+    the parameter (design notes, "JAX facts relied on"). How large a fraction depends on the CPU: after
     10 AdamW steps at `lr=1e-2` an AVX2 machine put one element of 1024 1.19e-5
-    relative from the reference, past `rtol=1e-5, atol=1e-7` (DESIGN fact 32).
+    relative from the reference, past `rtol=1e-5, atol=1e-7` (design notes, "JAX facts relied on").
     Measured on an AVX-512 machine in the suite's comparisons, with XLA's
     instruction set also capped at AVX2 and at SSE4.2 (no FMA): ours differ from
     the reference by at most 8.6e-7, 8.6e-6 x lr x steps (`test_train_step`'s L2

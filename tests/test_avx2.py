@@ -1,5 +1,5 @@
 """The comparisons with a plain JAX/Equinox reference pass on an x86-64 CPU without
-AVX-512 too. The instruction set changes float32 results (DESIGN fact 32: after 10
+AVX-512 too. The instruction set changes float32 results (design notes, "JAX facts relied on": after 10
 AdamW steps one element of 1024 differed by 1.2e-5 relative between an AVX-512
 machine and an AVX2 one), so a representative few of them run again here in a
 child process whose XLA compiles for AVX2 at most (`--xla_cpu_max_isa=AVX2`) and

@@ -97,7 +97,7 @@ def test_compiled_bytes_are_the_minimum(update, placement, dtype, target, direct
 
 ACCUMULATOR_READS = (
     "with micro-batches the device reads each layer's gradient sum back from the "
-    "host in every micro-batch, the first included (`_accumulate._add_whole`: "
+    "host in every micro-batch, the first included (`_grad_taps._add_whole`: "
     "`jnp.where(flag, to_space(acc, 'device'), 0)` reads before it selects): k "
     "reads where k - 1 are needed, +4 B/parameter; and the per-layer vectors the "
     "device holds whole are read and summed through the host each micro-batch"

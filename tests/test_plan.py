@@ -18,6 +18,7 @@ import optax
 import pytest
 
 import eqx_offload as eo
+from eqx_offload._checkpoint_name_log import UnusedName
 from eqx_offload._planner import (
     _budget,
     _candidates,
@@ -27,7 +28,6 @@ from eqx_offload._planner import (
     _search,
     _sizes,
 )
-from eqx_offload._remat_names import UnusedName
 
 from .helpers import assert_trees_close, batches, cross_entropy, Model
 

@@ -42,7 +42,7 @@ OPTIMIZER = optax.chain(
 )
 # As `test_host_update.py` and `test_prefetch.py`: Adam turns the rounding of
 # another order of summation into a fraction of `lr` where a gradient is near
-# zero (DESIGN fact 20). Measured: 1.3e-4 x lr x steps (the stacked layers' update
+# zero (design notes, "JAX facts relied on"). Measured: 1.3e-4 x lr x steps (the stacked layers' update
 # a layer at a time inside the forward scan, against the plain step's).
 ADAM_ATOL = 1e-3 * LR * STEPS
 

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import AxisType
 
 import eqx_offload as eo
-from eqx_offload import _cutting, _microbatch, _remat_names, _scan_body
+from eqx_offload import _checkpoint_name_log, _cutting, _microbatch, _scan_body
 from eqx_offload._memory_kinds import is_host
 from eqx_offload._update import _streaming
 
@@ -136,7 +136,7 @@ def test_a_loss_that_differs_under_the_transform_is_named(getkey):
     # Under the offloaded transform only, the loss is shifted and the head gets no
     # gradient: the loss is reported first, and the report names the gradient too.
     def loss_fn(model, tokens, targets):
-        if _remat_names.is_inside():
+        if _checkpoint_name_log.is_inside():
             head = jax.lax.stop_gradient(model.head.weight)
             model = eqx.tree_at(lambda m: m.head.weight, model, head)
             return cross_entropy(model, tokens, targets) + 1.0

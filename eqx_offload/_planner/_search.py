@@ -13,9 +13,9 @@ from typing import Any, Literal
 import jax
 from jax.sharding import AbstractMesh
 
+from .._checkpoint_name_log import UnusedName
 from .._checkpoint_names import checkpoint_names, CheckpointName
 from .._diagnose import DoesNotCompile
-from .._remat_names import UnusedName
 from .._report import (
     DoesNotFit,
     MemoryReport,

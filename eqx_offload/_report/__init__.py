@@ -12,12 +12,12 @@ from ._memory_report import (
     memory_report as memory_report,
     saved_for_backward as saved_for_backward,
 )
-from ._minimum import MinimumTraffic as MinimumTraffic
-from ._record import (
+from ._memory_report_type import (
     MemoryReport as MemoryReport,
     ResidualRow as ResidualRow,
     UnnamedResidual as UnnamedResidual,
 )
+from ._minimum import MinimumTraffic as MinimumTraffic
 from ._step_time import StepTime as StepTime
 from ._targets import (
     abstract as abstract,

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from .. import _compiler, _paths
 from .._policy import Policy
-from ._record import (
+from ._memory_report_type import (
     device_word,
     host_advice,
     host_total,

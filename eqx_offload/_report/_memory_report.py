@@ -24,7 +24,7 @@ from .._update import own_state, trainable
 from . import _compiled_traffic, _costs, _minimum, _step_time, _targets, _traffic
 from ._does_not_fit import DoesNotFit, too_big
 from ._hardware import Hardware
-from ._record import (
+from ._memory_report_type import (
     DESCRIPTIONS,
     device_word,
     host_total,
@@ -106,7 +106,7 @@ def saved_for_backward(fun: Callable, *args: Any, **kwargs: Any) -> _Saved:
     return _Saved(rows, tuple(kept))
 
 
-class _Plan(NamedTuple):
+class _CompileJob(NamedTuple):
     """What to compile (`trace()`), and how to describe it."""
 
     trace: Callable[[], Any]  # -> a `jax.stages.Traced`
@@ -119,7 +119,7 @@ class _Plan(NamedTuple):
     rejected: Callable[[str, str, Any], DoesNotCompile] | None = None
 
 
-def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
+def _train_step_job(step: _TrainStep, args: tuple, kwargs: dict) -> _CompileJob:
     if kwargs or len(args) < 2:
         raise TypeError(
             "`memory_report(step, model, opt_state, *batch)`: a `train_step` takes "
@@ -139,7 +139,7 @@ def _train_step_plan(step: _TrainStep, args: tuple, kwargs: dict) -> _Plan:
         fn, seen = _differentiated(step, model, opt_state)
         return saved_for_backward(fn, seen, *one_microbatch(step, batch))
 
-    return _Plan(
+    return _CompileJob(
         lambda: jitted.trace(*dynamic, statics),
         "train_step",
         {"model": model, "opt_state": opt_state, "batch": tuple(batch)},
@@ -203,14 +203,14 @@ def _has_aux(fn: Any, args: tuple, kwargs: dict) -> bool:
     )
 
 
-def _function_plan(fn: Any, args: tuple, kwargs: dict) -> _Plan:
+def _function_job(fn: Any, args: tuple, kwargs: dict) -> _CompileJob:
     named = {f"argument {i}": a for i, a in enumerate(args)}
     named.update({f"argument `{k}`": v for k, v in kwargs.items()})
     named = {
         k: v for k, v in named.items() if any(map(is_arraylike, jtu.tree_leaves(v)))
     }
     if hasattr(fn, "trace"):  # a `jax.jit` function: its donation and statics hold
-        return _Plan(lambda: fn.trace(*args, **kwargs), "function", named)
+        return _CompileJob(lambda: fn.trace(*args, **kwargs), "function", named)
     # `eqx.filter_jit` functions are re-jitted from the function they wrap (they
     # treat `ShapeDtypeStruct`s as static), keeping their donation.
     parts = _compat.filter_jit_parts(fn)
@@ -232,8 +232,8 @@ def _function_plan(fn: Any, args: tuple, kwargs: dict) -> _Plan:
     jitted = jax.jit(call, static_argnums=2, donate_argnums=donate, keep_unused=True)
     trace = lambda: jitted.trace(first, rest, (first_static, rest_static))  # noqa: E731
     if kind == "function":
-        return _Plan(trace, kind, named)
-    return _Plan(trace, kind, named, args[0] if args else None, None, residuals)
+        return _CompileJob(trace, kind, named)
+    return _CompileJob(trace, kind, named, args[0] if args else None, None, residuals)
 
 
 def _unwrap_filter_jit(fn: Any) -> Any:
@@ -364,15 +364,15 @@ def memory_report(
     kwargs = to_abstract(kwargs)
     with _mesh.context(args, kwargs):
         if isinstance(fn, _TrainStep):
-            plan = _train_step_plan(fn, args, kwargs)
+            job = _train_step_job(fn, args, kwargs)
         else:
-            plan = _function_plan(fn, args, kwargs)
-        traced = plan.trace()
+            job = _function_job(fn, args, kwargs)
+        traced = job.trace()
         lowered = traced.lower()
-        saved = None if plan.residuals is None else plan.residuals()
+        saved = None if job.residuals is None else job.residuals()
         residuals = None if saved is None else saved.rows
-        transfers = _traffic.count(traced.jaxpr, _inputs(plan), platform)
-    what = DESCRIPTIONS[plan.kind]
+        transfers = _traffic.count(traced.jaxpr, _inputs(job), platform)
+    what = DESCRIPTIONS[job.kind]
 
     def count(tree: Any) -> dict[str, int]:
         return bytes_by_kind(tree, per_chip=where.mesh is not None)
@@ -387,7 +387,7 @@ def memory_report(
                 "for a TPU (`target='tpu-v5e'`), or drop `host_remat`."
             )
     refuse = functools.partial(
-        _too_big_for_the_device, plan, fn, residuals, count, what, where, host_capacity
+        _too_big_for_the_device, job, fn, residuals, count, what, where, host_capacity
     )
     try:
         compiled = lowered.compile(compiler_options=options)
@@ -395,9 +395,9 @@ def memory_report(
     except jax.errors.JaxRuntimeError as e:
         if out_of_memory(e):
             raise refuse(str(e)) from e
-        if where.mesh is not None and plan.rejected is not None:
+        if where.mesh is not None and job.rejected is not None:
             message = f"`memory_report`: {what}, compiled for {where.name}"
-            raise plan.rejected(message, str(e), where.chip_mesh) from e
+            raise job.rejected(message, str(e), where.chip_mesh) from e
         raise DoesNotCompile(
             f"`memory_report`: the {where.name} compiler rejected {what}: {e}"
         ) from e
@@ -416,13 +416,13 @@ def memory_report(
     report = MemoryReport(
         target=where.name,
         capacity=where.capacity,
-        kind=plan.kind,
+        kind=job.kind,
         estimate=estimate,
         device=device,
         host=host,
-        arguments={k: count(v) for k, v in plan.arguments.items()},
-        params=None if plan.params is None else count(plan.params),
-        opt_state=None if plan.opt_state is None else count(plan.opt_state),
+        arguments={k: count(v) for k, v in job.arguments.items()},
+        params=None if job.params is None else count(job.params),
+        opt_state=None if job.opt_state is None else count(job.opt_state),
         residuals=residuals,
         largest_unnamed=None if saved is None else saved.largest_unnamed,
         chips=where.chips,
@@ -431,12 +431,12 @@ def memory_report(
         transfers=transfers,
         compiled_transfers=None
         if text is None
-        else _compiled_traffic.count(text, _inputs(plan), _outputs(plan), transfers),
+        else _compiled_traffic.count(text, _inputs(job), _outputs(job), transfers),
         time=None
         if text is None or hardware is None
         else _step_time.estimate(text, hardware, platform),
         host_compute_temp=_costs.host_temporaries(text or "", platform),
-        minimum_transfers=_minimum.of_step(fn, plan, residuals, platform, where),
+        minimum_transfers=_minimum.of_step(fn, job, residuals, platform, where),
     )
     if platform == "gpu":
         _check_host_kept(report, where)
@@ -473,14 +473,14 @@ def _kind_not_kept(target: str, kind: str) -> NotImplementedError:
     )
 
 
-def _inputs(plan: _Plan) -> list[tuple[str, str]]:
+def _inputs(job: _CompileJob) -> list[tuple[str, str]]:
     """What each input of the traced program is, for `_traffic.count`: the array
     leaves of the arguments in order (a parameter, optimizer state or batch leaf
     of a `train_step`; of another function, the leaves of its first argument are
     parameters)."""
     kinds = {"model": "params", "opt_state": "opt_state", "batch": "batch"}
     out = []
-    for i, (name, tree) in enumerate(plan.arguments.items()):
+    for i, (name, tree) in enumerate(job.arguments.items()):
         what = kinds.get(name, "params" if i == 0 else "batch")
         prefix = "" if name in kinds else f"{name}."
         out += [
@@ -491,12 +491,12 @@ def _inputs(plan: _Plan) -> list[tuple[str, str]]:
     return out
 
 
-def _outputs(plan: _Plan) -> list[tuple[str, str]]:
+def _outputs(job: _CompileJob) -> list[tuple[str, str]]:
     """What the first outputs of the compiled program are: a `train_step` returns
     the new parameters and optimizer state first, leaf for leaf."""
-    if plan.kind != "train_step":
+    if job.kind != "train_step":
         return []
-    return [i for i in _inputs(plan) if i[0] in ("params", "opt_state")]
+    return [i for i in _inputs(job) if i[0] in ("params", "opt_state")]
 
 
 class _Where(NamedTuple):
@@ -535,7 +535,7 @@ def _where(target: str | None, trees: Any) -> _Where:
 
 
 def _too_big_for_the_device(
-    plan: _Plan,
+    job: _CompileJob,
     fn: Any,
     residuals: tuple[ResidualRow, ...] | None,
     count: Callable[[Any], dict[str, int]],
@@ -555,12 +555,12 @@ def _too_big_for_the_device(
         target=where.name,
         is_slice=where.is_slice,
         per_device=where.mesh is not None,
-        kind=plan.kind,
+        kind=job.kind,
         policy=_policy_of(fn),
-        params=None if plan.params is None else count(plan.params),
-        opt_state=None if plan.opt_state is None else count(plan.opt_state),
+        params=None if job.params is None else count(job.params),
+        opt_state=None if job.opt_state is None else count(job.opt_state),
         residuals=residuals,
-        arguments={k: count(v) for k, v in plan.arguments.items()},
+        arguments={k: count(v) for k, v in job.arguments.items()},
         capacity=where.capacity,
         host_capacity=host_capacity,
         sizes=sizes,

@@ -10,7 +10,7 @@ from ._units import time_text
 
 
 if TYPE_CHECKING:  # an import cycle, not a type switch: `MemoryReport.plot` calls us
-    from ._record import MemoryReport
+    from ._memory_report_type import MemoryReport
 
 _MEMORIES = ("device", "host")
 _UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}

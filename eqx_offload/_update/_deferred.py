@@ -27,7 +27,7 @@ from .._pending import (
     PendingUpdate as PendingUpdate,
     structure as structure,
 )
-from . import _plan, _streaming
+from . import _dataflow, _streaming
 
 
 def waits(params: PyTree) -> list[str | None]:
@@ -257,12 +257,12 @@ def layer_updates(
     return layers, back
 
 
-def _not_piecewise(plan: _plan.Plan) -> Any:
-    return lambda r: plan.kinds[r].what != _plan.PIECEWISE
+def _not_piecewise(plan: _dataflow.Dataflow) -> Any:
+    return lambda r: plan.kinds[r].what != _dataflow.PIECEWISE
 
 
 def _piece_update(
-    plan: _plan.Plan,
+    plan: _dataflow.Dataflow,
     wanted: list[int],
     pairs: list[tuple[Any, Any]],
     leaves: list[int],
@@ -287,11 +287,11 @@ def _piece_update(
             local[piece.ins[n_p + n_s + t]] = _tiling.lift(p, 1)
         for j, x in zip(states, state, strict=True):
             local[piece.ins[n_p + j]] = _tiling.lift(x, 1)
-        _plan.run(piece, wanted, local)
+        _dataflow.run(piece, wanted, local)
 
         def out(k: int, old: Any) -> Any:
             ref = piece.outs[k]
-            value = ref.value if isinstance(ref, _plan.Literal) else local.get(ref)
+            value = ref.value if isinstance(ref, _dataflow.Literal) else local.get(ref)
             if value is None:  # a state leaf the update reads but does not write
                 return old
             return _tiling.lower(jnp.asarray(value), 1).astype(old.dtype)

@@ -5,7 +5,7 @@ moves over the host link are the gradients the device sends and the parameters i
 computes with.
 
 The update is traced once on the whole tree and inlined into a flat program
-(`_plan.flatten`). Every output is computed on the host if it lives there or
+(`_dataflow.flatten`). Every output is computed on the host if it lives there or
 depends on a host-resident array (a global norm over host-resident gradients makes
 every new leaf depend on all of them), and on the device otherwise: a parameter
 whose state the policy keeps on the device is updated there. Each side evaluates
@@ -29,8 +29,8 @@ from jax.core import Tracer
 
 from .. import _compat, _jaxpr
 from .._memory_kinds import is_host, to_space
-from . import _metrics, _plan
-from ._plan import Literal
+from . import _dataflow, _metrics
+from ._dataflow import Literal
 
 
 class NotOnHost(ValueError):
@@ -84,7 +84,7 @@ def update(
     avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
     closed = jax.make_jaxpr(apply)(*avals)
     check_runnable(closed)
-    program = _plan.flatten(closed)
+    program = _dataflow.flatten(closed)
     kinds = out_kinds[0] + out_kinds[1]
     kinds += ["device"] * (len(program.outs) - len(kinds))
 
@@ -119,10 +119,10 @@ def update(
 
     device_refs = [r for r, h in zip(program.outs, on_host) if not h]
     env: dict[int, Any] = {i: _as_constant(c) for i, c in program.consts.items()}
-    device_eqns = _plan.needed(program, device_refs)
+    device_eqns = _dataflow.needed(program, device_refs)
     for i in _inputs_of(program, device_eqns, device_refs):
         env[i] = to_space(value_of[i], "device", "")
-    _plan.run(program, device_eqns, env)
+    _dataflow.run(program, device_eqns, env)
     for position, (ref, h) in enumerate(zip(program.outs, on_host)):
         if not h:
             outs[position] = ref.value if isinstance(ref, Literal) else env[ref]
@@ -148,7 +148,7 @@ def _upcast(g: Any, p: Any) -> Any:
 
 
 def _on_host(
-    program: _plan.Program,
+    program: _dataflow.FlatJaxpr,
     refs: list,
     value_of: dict[int, Any],
     form: _compat.HostForm,
@@ -156,7 +156,7 @@ def _on_host(
 ) -> list:
     """The values of `refs` (variables of `program`), computed on the host from the
     inputs they need, moved to host memory first."""
-    eqns = _plan.needed(program, refs)
+    eqns = _dataflow.needed(program, refs)
     ins = _inputs_of(program, eqns, refs)
     with jax.named_scope("grad"):  # (device-resident values: mostly gradients)
         args = [to_space(value_of[i], "pinned_host", "") for i in ins]
@@ -165,13 +165,13 @@ def _on_host(
     def compute(*xs: Any) -> list:
         env = dict(consts)
         env.update(zip(ins, xs))
-        env = _plan.run(program, eqns, env)
+        env = _dataflow.run(program, eqns, env)
         return [env[r] for r in refs]
 
     return list(_compat.on_host(compute, form, to_device)(*args))
 
 
-def _inputs_of(program: _plan.Program, eqns: list[int], refs: list) -> list[int]:
+def _inputs_of(program: _dataflow.FlatJaxpr, eqns: list[int], refs: list) -> list[int]:
     """The inputs of `program` that computing `refs` with the equations `eqns`
     reads (in input order)."""
     read = {r for n in eqns for r in program.eqns[n].ins if isinstance(r, int)}

@@ -2,7 +2,7 @@
 the device one piece at a time — one layer of a `Stacked`, or one block of rows of a
 large leaf — inside a `lax.scan` whose transfers the compiler cannot hoist.
 
-The optimizer is applied to pieces without changing its result: `_plan.py`
+The optimizer is applied to pieces without changing its result: `_dataflow.py`
 reads from its jaxpr which values are shared, piecewise or global, and this module
 runs it: global reductions first, from per-piece partials, then one loop per group
 of pieces that writes every new piece into its (donated) leaf in place.
@@ -30,9 +30,9 @@ import optax
 
 from .. import _tiling
 from .._memory_kinds import is_host, to_space
-from . import _plan
+from . import _dataflow
+from ._dataflow import NotStreamable
 from ._metrics import METRICS
-from ._plan import NotStreamable
 from ._state_tree import state_owners
 
 
@@ -89,7 +89,7 @@ class Prepared:
     """An optimizer update read for streaming: the plan, its inputs (gradients,
     state, parameters, flattened), their groups of pieces, and the trees."""
 
-    plan: _plan.Plan
+    plan: _dataflow.Dataflow
     inputs: list
     labels: list[str]
     groups: dict
@@ -178,7 +178,7 @@ def prepare(
     def trace(chunked: bool) -> Any:
         return jax.make_jaxpr(lambda *xs: apply(*split(list(xs))))(*avals(chunked))
 
-    whole = _plan.flatten(trace(False))
+    whole = _dataflow.flatten(trace(False))
     try:
         traced = trace(True)
     # Broad on purpose: the user's optimizer, traced on one piece, may raise anything
@@ -189,12 +189,14 @@ def prepare(
         raise NotStreamable(
             f"traced on one piece of each leaf, it fails ({type(e).__name__}: {first})"
         ) from e
-    piece = _plan.flatten(traced)
-    plan = _plan.Plan(
+    piece = _dataflow.flatten(traced)
+    plan = _dataflow.Dataflow(
         whole,
         piece,
         [
-            _plan.Kind(_plan.SHARED) if g is None else _plan.Kind(_plan.PIECEWISE, g)
+            _dataflow.Kind(_dataflow.SHARED)
+            if g is None
+            else _dataflow.Kind(_dataflow.PIECEWISE, g)
             for g in group_of
         ],
     )
@@ -225,7 +227,7 @@ def pieces(leaf: Any, layers: int | None, index: int) -> tuple[Any, int, int] | 
 class _Output(NamedTuple):
     """One value a loop over the pieces of a group computes, and how it comes back."""
 
-    whole: Any  # the value in the whole program (a reference or a `_plan.Literal`)
+    whole: Any  # the value in the whole program (a reference or a `_dataflow.Literal`)
     piece: Any  # its counterpart in the piece program
     # The memory kind of each new piece, stacked by the loop into the new leaf;
     # None for partials, which come back with a leading axis of pieces.
@@ -252,7 +254,7 @@ def execute(
     env: dict[int, Any] = dict(whole.consts)
 
     def is_piecewise(r: Any) -> bool:
-        return isinstance(r, int) and plan.kinds[r].what == _plan.PIECEWISE
+        return isinstance(r, int) and plan.kinds[r].what == _dataflow.PIECEWISE
 
     # Shared inputs (small leaves, counts) to the device, where they are computed on.
     for i, x, label in zip(whole.ins, inputs, labels):
@@ -292,7 +294,7 @@ def execute(
 
     outs: list = [None] * len(whole.outs)
     for position, out in enumerate(outputs):
-        if isinstance(out.whole, _plan.Literal):
+        if isinstance(out.whole, _dataflow.Literal):
             outs[position] = out.whole.value
         elif not is_piecewise(out.whole):
             assert out.kind is not None
@@ -345,7 +347,7 @@ def output_list(run: Prepared, out_kinds: tuple[list[str], list[str]]) -> list[_
             continue
         source = _source(position, run.n_params, len(kinds))
         out = _Output(ref, p_ref, kinds[position], run.labels[source])
-        piecewise = isinstance(ref, int) and plan.kinds[ref].what == _plan.PIECEWISE
+        piecewise = isinstance(ref, int) and plan.kinds[ref].what == _dataflow.PIECEWISE
         if piecewise and run.group_of[source] == _group_of(run, position, len(kinds)):
             overwrite = _overwritable(
                 run.inputs[source], plan.whole.avals[ref], out.kind
@@ -365,7 +367,7 @@ def waiting_outputs(
         position
         for position, ref in enumerate(run.plan.whole.outs[:n])
         if isinstance(ref, int)
-        and run.plan.kinds[ref].what == _plan.PIECEWISE
+        and run.plan.kinds[ref].what == _dataflow.PIECEWISE
         and _group_of(run, position, n) == key
     ]
 
@@ -396,13 +398,15 @@ def apply_held(
     return new_params, jtu.tree_unflatten(run.s_def, outs[run.n_params :])
 
 
-def shared_inputs(plan: _plan.Plan, outputs: list[_Output]) -> list[tuple[Any, Any]]:
+def shared_inputs(
+    plan: _dataflow.Dataflow, outputs: list[_Output]
+) -> list[tuple[Any, Any]]:
     """The shared and global values (whole-program reference, piece-program
     reference) that computing `outputs` piece by piece reads, in a fixed order."""
     whole, piece = plan.whole, plan.piece
 
     def is_shared(r: Any) -> bool:
-        return plan.kinds[r].what != _plan.PIECEWISE
+        return plan.kinds[r].what != _dataflow.PIECEWISE
 
     pairs: dict[Any, Any] = {}
     for n in plan.needed([o.whole for o in outputs], is_shared):
@@ -428,23 +432,23 @@ def _overwritable(x: Any, aval: Any, kind: str | None) -> bool:
     return same and ("pinned_host" if is_host(x) else "device") == kind
 
 
-def _run_shared(plan: _plan.Plan, env: dict, level: int | None) -> None:
+def _run_shared(plan: _dataflow.Dataflow, env: dict, level: int | None) -> None:
     """Evaluates (on whole values) every shared or global value whose inputs are
     known, up to `level` rounds of global reductions (all of them with None)."""
     whole = plan.whole
     for n, e in enumerate(whole.eqns):
         if all(o in env for o in e.outs) or n in plan.roots:
             continue
-        if any(plan.kinds[o].what == _plan.PIECEWISE for o in e.outs):
+        if any(plan.kinds[o].what == _dataflow.PIECEWISE for o in e.outs):
             continue  # computed piece by piece, in the loops
         if level is not None and any(plan.kinds[o].level > level for o in e.outs):
             continue
         if all(r in env for r in e.ins if isinstance(r, int)):
-            _plan.run(whole, [n], env)
+            _dataflow.run(whole, [n], env)
 
 
 def _scan_pieces(
-    plan: _plan.Plan,
+    plan: _dataflow.Dataflow,
     group: _Group,
     inputs: list,
     labels: list[str],
@@ -475,7 +479,7 @@ def _scan_pieces(
     rows = group.rows
 
     def is_shared(r: Any) -> bool:
-        return plan.kinds[r].what != _plan.PIECEWISE
+        return plan.kinds[r].what != _dataflow.PIECEWISE
 
     wanted = plan.needed([o.whole for o in outputs], is_shared)
     known = dict(piece.consts)
@@ -512,7 +516,7 @@ def _scan_pieces(
             local[piece.ins[position]] = piece_of(x, index, position)
         for position, x in zip(carried, current):
             local[piece.ins[position]] = x
-        _plan.run(piece, wanted, local)
+        _dataflow.run(piece, wanted, local)
         fulls, ys = list(fulls), []
         for k, out in enumerate(outputs):
             value = local[out.piece] if isinstance(out.piece, int) else out.piece.value

@@ -127,7 +127,7 @@ class Eqn:
 
 
 @dataclasses.dataclass
-class Program:
+class FlatJaxpr:
     ins: list[int]
     outs: list  # ids or `Literal`s
     eqns: list[Eqn]
@@ -135,7 +135,7 @@ class Program:
     avals: dict[int, Any]  # of every variable
 
 
-def flatten(closed: Any) -> Program:
+def flatten(closed: Any) -> FlatJaxpr:
     counter = iter(range(1 << 62))
     avals: dict[int, Any] = {}
     consts: dict[int, Any] = {}
@@ -202,7 +202,7 @@ def flatten(closed: Any) -> Program:
 
     ins = [new(v.aval) for v in closed.jaxpr.invars]
     outs = inline(closed.jaxpr, closed.consts, ins)
-    return Program(ins, outs, eqns, consts, avals)
+    return FlatJaxpr(ins, outs, eqns, consts, avals)
 
 
 # --- What every value is: shared, piecewise or global --------------------------
@@ -226,10 +226,10 @@ class Root:
     combine: Callable
 
 
-class Plan:
+class Dataflow:
     """How to run `whole` piece by piece; built by comparing it with `piece`."""
 
-    def __init__(self, whole: Program, piece: Program, inputs: list[Kind]):
+    def __init__(self, whole: FlatJaxpr, piece: FlatJaxpr, inputs: list[Kind]):
         self.whole, self.piece = whole, piece
         if [e.primitive for e in whole.eqns] != [e.primitive for e in piece.eqns]:
             raise NotStreamable(
@@ -317,7 +317,7 @@ class Plan:
 
 
 def needed(
-    program: Program, outs: list, stop: Callable[[int], bool] = lambda r: False
+    program: FlatJaxpr, outs: list, stop: Callable[[int], bool] = lambda r: False
 ) -> list[int]:
     """The equations of `program` (indices, in order) that compute `outs`, not
     looking further back than the variables where `stop` holds (`outs` themselves
@@ -335,7 +335,7 @@ def needed(
     return sorted(wanted)
 
 
-def run(program: Program, eqns: list[int], env: dict[int, Any]) -> dict[int, Any]:
+def run(program: FlatJaxpr, eqns: list[int], env: dict[int, Any]) -> dict[int, Any]:
     """Evaluates some equations of `program` (binding their primitives)."""
     for n in eqns:
         e = program.eqns[n]
