@@ -14,16 +14,13 @@ import re
 from collections.abc import Iterator
 from typing import Literal, NamedTuple
 
+from . import _scopes
+
 
 # Checked against (`tests/fixtures/<JAX_VERSION>/`).
 JAX_VERSION = "0.10.2"
 LIBTPU_VERSION = "0.0.42.1"
 
-
-# Named scopes the step writes around its parts (`_scan_body.py`,
-# `_train_step.py`), read back from a compiled program's `op_name`s (`phase`).
-UPDATE_SCOPE = "optimizer_update"
-LAYERS_SCOPE = "stacked_layers"
 
 Phase = Literal["forward", "backward", "outside", "update"]
 
@@ -35,9 +32,9 @@ def phase(op_name: str) -> Phase:
     outside every `Stacked`: an embedding, a head). JAX names what the backward
     pass computes `transpose(...)`."""
     parts = op_name.split("/")
-    if UPDATE_SCOPE in parts:
+    if _scopes.UPDATE in parts:
         return "update"
-    if not any(LAYERS_SCOPE in part for part in parts):
+    if not any(_scopes.LAYERS in part for part in parts):
         return "outside"
     return "backward" if "transpose(" in op_name else "forward"
 
@@ -47,8 +44,8 @@ def phase(op_name: str) -> Phase:
 
 def host_remat_options(platform: str) -> dict[str, bool] | None:
     """The TPU compiler's option for `Policy(host_remat=True)`: values it would
-    rematerialize kept in host memory instead (see "JAX facts relied on" in the design notes); `None` where the
-    platform has no such option."""
+    rematerialize kept in host memory instead (design notes, "JAX facts relied
+    on"); `None` where the platform has no such option."""
     if platform != "tpu":
         return None
     return {"xla_tpu_rematerialization_use_host_memory_offload": True}

@@ -18,7 +18,6 @@ from jax.ad_checkpoint import checkpoint_name
 from . import (
     _checkpoint_name_log,
     _compat,
-    _compiler,
     _grad_taps,
     _jaxpr,
     _layout,
@@ -26,6 +25,7 @@ from . import (
     _pending,
     _prefetch,
     _residuals,
+    _scopes,
 )
 from ._memory_kinds import is_arraylike, is_host
 from ._policy import checkpoint_patterns, Policy, split_names
@@ -65,7 +65,7 @@ class ScanConfig(AbstractScan):
 
         # Named, so that a compiled program's reader tells the layers' transfers
         # from the rest of the step's (`_compiler.phase`).
-        with jax.named_scope(_compiler.LAYERS_SCOPE):
+        with jax.named_scope(_scopes.LAYERS):
             found = _remat_policy(self, body, carry, layers, xs)
             if found is not None:
                 body = jax.checkpoint(body, policy=found[0], prevent_cse=False)
@@ -145,7 +145,7 @@ def _updating_scan(
 
     def apply(piece: Any, aux: Any, held: Any) -> Any:
         del piece  # (the parameters are read from `aux`)
-        with jax.named_scope(_compiler.UPDATE_SCOPE):
+        with jax.named_scope(_scopes.UPDATE):
             return owed.update(to_device(aux), held)
 
     def merge(piece: Any, aux: Any) -> Any:

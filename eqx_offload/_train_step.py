@@ -23,6 +23,7 @@ from . import (
     _mixed_precision,
     _paths,
     _pending,
+    _scopes,
     _update,
 )
 from ._checked_loss import checked_loss
@@ -237,7 +238,7 @@ def _step(
         (model, opt_state, batch),
         "`train_step`",
     )
-    with jax.named_scope(_update.UPDATE_SCOPE):
+    with jax.named_scope(_scopes.UPDATE):
         model, opt_state, norms = _update.update(
             wrapped,
             grads,
@@ -261,10 +262,10 @@ def _outputs(
     """The step's new model and optimizer state, flattened as `jitted` returns
     them, every leaf back where it lives. (With `device_put` to a memory space
     inside the traced function: the same trace then compiles for any backend.)"""
-    with jax.named_scope(_update.UPDATE_SCOPE):
-        with jax.named_scope("params"):
+    with jax.named_scope(_scopes.UPDATE):
+        with jax.named_scope(_scopes.PARAMS):
             model = _place_outputs(model, model_kinds, statics.model_shardings)
-        with jax.named_scope("opt_state"):
+        with jax.named_scope(_scopes.OPT_STATE):
             opt_state = _place_outputs(opt_state, opt_kinds, statics.opt_shardings)
     return split(model)[0], split(opt_state)[0]
 
@@ -288,7 +289,7 @@ def _pending_step(
     state_kinds = [kind for _, kind in opt_kinds]
 
     def apply(model: PyTree, opt_state: Any) -> tuple[PyTree, Any]:
-        with jax.named_scope(_update.UPDATE_SCOPE):
+        with jax.named_scope(_scopes.UPDATE):
             new, opt_state = _update.apply_waiting(
                 optimizer, opt_state, _update.trainable(model), param_kinds, state_kinds
             )
@@ -321,7 +322,7 @@ def _pending_step(
         )
         if policy.update_timing == "delayed":
             model, opt_state = apply(model, opt_state)
-    with jax.named_scope(_update.UPDATE_SCOPE):
+    with jax.named_scope(_scopes.UPDATE):
         new, opt_state = _update.hold_update(
             optimizer,
             grads,

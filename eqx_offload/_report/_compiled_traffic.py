@@ -18,9 +18,8 @@ The text is read in `_compiler.py`; this module reads the transfers off it.
 from collections import defaultdict
 from collections.abc import Sequence
 
-from .. import _compiler, _vocab_blocks
+from .. import _compiler, _scopes, _vocab_blocks
 from .._compiler import Computation, Instruction
-from .._update import UPDATE_SCOPE
 from . import _traffic
 from ._hlo_program import moved, Walker
 from ._traffic import Transfer
@@ -49,11 +48,11 @@ def count(
         for inst in comp.insts.values():
             for direction, nbytes, source, label in _moves(comp, inst):
                 scope = label or inst.op_name or _users_scope(comp, inst.name)
-                if _compiler.in_host_compute(scope) and UPDATE_SCOPE in scope:
+                if _compiler.in_host_compute(scope) and _scopes.UPDATE in scope:
                     # A move XLA:GPU makes for a host computation's operand or
                     # result (named after the computation that uses it).
                     scope = _HOST_CALL_SCOPES[direction]
-                update = UPDATE_SCOPE in scope
+                update = _scopes.UPDATE in scope
                 number = walker.origin(comp, source)
                 found = None
                 if number is not None and number < len(inputs):
@@ -76,8 +75,8 @@ def _what(found: tuple[str, str] | None, scope: str, update: bool) -> tuple[str,
     (`found`), else what its named scope says."""
     if found is not None and found[0]:
         what, name = found
-        if what == "opt_state" and not update and name.startswith("copies."):
-            what, name = "params", name[len("copies.") :]
+        if what == "opt_state" and not update and name.startswith(_scopes.COPIES + "."):
+            what, name = "params", name[len(_scopes.COPIES) + 1 :]
         return what, name
     what, name = _traffic.guess(_label(scope), update)
     if what == "gradients" and not name and not update:
@@ -91,8 +90,8 @@ def _what(found: tuple[str, str] | None, scope: str, update: bool) -> tuple[str,
 # values it reads from device memory are the gradients (or device-resident
 # parameters and state, found by their argument), what it writes there parameters.
 _HOST_CALL_SCOPES = {
-    "device_to_host": f"jit(step)/{UPDATE_SCOPE}/grad/host_call",
-    "host_to_device": f"jit(step)/{UPDATE_SCOPE}/params/host_call",
+    "device_to_host": f"jit(step)/{_scopes.UPDATE}/{_scopes.GRAD}/host_call",
+    "host_to_device": f"jit(step)/{_scopes.UPDATE}/{_scopes.PARAMS}/host_call",
 }
 
 
@@ -105,7 +104,7 @@ def _moves(comp: Computation, inst: Instruction) -> list[tuple[str, int, str, st
         found = moved(comp, inst)
         return [] if found is None else [(*found, "")]
     # The optimizer update's (a host computation elsewhere keeps its own name).
-    update = UPDATE_SCOPE in inst.op_name
+    update = _scopes.UPDATE in inst.op_name
     scopes = _HOST_CALL_SCOPES if update else {d: "" for d in _HOST_CALL_SCOPES}
     out = []
     for name in inst.operands:
@@ -161,6 +160,6 @@ def _users_scope(comp: Computation, name: str, depth: int = 3) -> str:
 def _label(op_name: str) -> str:
     """The innermost named scope of an instruction's `op_name` that is not one of
     the library's own."""
-    ours = (_vocab_blocks.SCOPE, UPDATE_SCOPE)
+    ours = (_vocab_blocks.SCOPE, _scopes.UPDATE)
     scopes = [s for s in _compiler.named_scopes(op_name) if s not in ours]
     return scopes[-1] if scopes else ""

@@ -59,7 +59,7 @@ import optax
 from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
-from .. import _mixed_precision, _paths, _tiling
+from .. import _mixed_precision, _paths, _scopes, _tiling
 from .._memory_kinds import is_arraylike, is_masked, kind_of
 from .._policy import Policy
 from .._update import own_state, PendingUpdate, state_leaves, trainable
@@ -187,7 +187,7 @@ def minimum_traffic(
     for s in state_leaves(optimizer, opt_state, params):
         if s.owner is None:
             counts.append(s.leaf.value)
-        elif has_copies and s.leaf.path.startswith("copies."):
+        elif has_copies and s.leaf.path.startswith(_scopes.COPIES + "."):
             copies[s.owner] = s.leaf.value
         else:
             states[s.owner].append(s.leaf.value)

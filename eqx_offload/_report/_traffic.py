@@ -22,10 +22,9 @@ from typing import Any, Literal, NamedTuple
 import jax
 import numpy as np
 
-from .. import _jaxpr
+from .. import _jaxpr, _scopes
 from .._custom_types import Direction
 from .._memory_kinds import is_host_aval
-from .._update import UPDATE_SCOPE
 from ._units import size_text
 
 
@@ -95,7 +94,7 @@ def _walk(
     for eqn in jaxpr.eqns:
         ins = [_get(origins, v) for v in eqn.invars]
         # Sub-programs are traced with name stacks of their own.
-        inside = update or UPDATE_SCOPE in _scope(eqn)
+        inside = update or _scopes.UPDATE in _scope(eqn)
         if _jaxpr.is_platform_index(eqn):
             found = _branch(_jaxpr.platform_index_platforms(eqn), platform)
             if found is not None:
@@ -198,9 +197,16 @@ def _count_puts(eqn: Any, ins: list, times: int, totals: dict, update: bool) -> 
         what, name = origin
         if not what:
             what, name = guess(scope_label, update)
-        elif what == "opt_state" and not update and name.startswith("copies."):
-            what, name = "params", name[len("copies.") :]  # a compute copy
+        elif (
+            what == "opt_state" and not update and name.startswith(_scopes.COPIES + ".")
+        ):
+            what, name = "params", name[len(_scopes.COPIES) + 1 :]  # a compute copy
         totals[direction, phase, what, name] += _nbytes(aval) * times
+
+
+def _is_copy(name: str) -> bool:
+    """Whether an optimizer-state path is a compute copy's."""
+    return name.startswith(_scopes.COPIES + ".")
 
 
 def label(scope: str) -> str:
@@ -210,7 +216,7 @@ def label(scope: str) -> str:
         part = part.strip()
         while "(" in part and part.endswith(")"):
             part = part[part.index("(") + 1 : -1]
-        if part and part not in (UPDATE_SCOPE, "rematted_computation"):
+        if part and part not in (_scopes.UPDATE, "rematted_computation"):
             return part
     return ""
 
@@ -219,11 +225,11 @@ def guess(label: str, update: bool) -> tuple[str, str]:
     """What a computed value moving is, from the named scope around it: the
     streamed update's labels (`grad.<path>`, `opt_state.<path>`, `<path>`) and
     the step's (`grad`, `params`, `opt_state`)."""
-    for prefix, what in (("grad", "gradients"), ("opt_state", "opt_state")):
+    for prefix, what in ((_scopes.GRAD, "gradients"), (_scopes.OPT_STATE, "opt_state")):
         if label == prefix or label.startswith(prefix + "."):
             return what, label[len(prefix) + 1 :]
     if update:
-        return "params", "" if label == "params" else label
+        return "params", "" if label == _scopes.PARAMS else label
     # Computed in the forward or backward pass and moved: a gradient written to
     # the host, or an accumulator read back (micro-batches).
     return "gradients", label

@@ -31,7 +31,6 @@ from ._optim import (
     streamed_leaves as streamed_leaves,
     trainable as trainable,
     update as update,
-    UPDATE_SCOPE as UPDATE_SCOPE,
     with_params as with_params,
 )
 from ._optimizer_update import optimizer_update as optimizer_update

@@ -27,7 +27,7 @@ import numpy as np
 import optax
 from jax.core import Tracer
 
-from .. import _compat, _jaxpr
+from .. import _compat, _jaxpr, _scopes
 from .._memory_kinds import is_host, to_space
 from . import _dataflow, _metrics
 from ._dataflow import Literal
@@ -158,7 +158,7 @@ def _on_host(
     inputs they need, moved to host memory first."""
     eqns = _dataflow.needed(program, refs)
     ins = _inputs_of(program, eqns, refs)
-    with jax.named_scope("grad"):  # (device-resident values: mostly gradients)
+    with jax.named_scope(_scopes.GRAD):  # (device-resident values: mostly gradients)
         args = [to_space(value_of[i], "pinned_host", "") for i in ins]
     consts = {i: _as_constant(c) for i, c in program.consts.items()}
 

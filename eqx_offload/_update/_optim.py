@@ -10,7 +10,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxtyping import PyTree
 
-from .. import _compiler, _diagnose, _mesh, _mixed_precision, _paths, _tiling
+from .. import _diagnose, _mesh, _mixed_precision, _paths, _scopes, _tiling
 from .._memory_kinds import (
     backend_kinds,
     is_arraylike,
@@ -27,7 +27,6 @@ from ._state_tree import check_matches, state_leaves, state_owners, StateLeaf
 
 
 # The named scope around a step's optimizer update (`_train_step.py`).
-UPDATE_SCOPE = _compiler.UPDATE_SCOPE
 
 
 # What `init_opt_state` and `train_step` accept. `optax.MultiSteps` is a class of its
@@ -421,7 +420,7 @@ def update(
         )
 
     model = to_device(model)
-    with jax.named_scope("grad"):  # named for `memory_report`'s traffic
+    with jax.named_scope(_scopes.GRAD):  # named for `memory_report`'s traffic
         grads = to_device(grads)
     # A gradient sent in the compute dtype (`_microbatch`), cast on the device.
     grads = jtu.tree_map(
@@ -495,7 +494,9 @@ def _update_by_platform(
             def back(i: int, x: Any, kind: str | None) -> Any:
                 if kind is None:
                     return x
-                with jax.named_scope("params" if i < n_model else "opt_state"):
+                with jax.named_scope(
+                    _scopes.PARAMS if i < n_model else _scopes.OPT_STATE
+                ):
                     return to_space(x, kind, "")
 
             leaves = [

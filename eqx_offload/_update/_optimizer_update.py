@@ -7,11 +7,10 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import PyTree
 
-from .. import _mixed_precision
+from .. import _mixed_precision, _scopes
 from .._memory_kinds import is_arraylike, to_space
 from .._policy import check_policy, Policy
 from . import _optim
-from ._optim import UPDATE_SCOPE
 from ._state_tree import check_matches
 
 
@@ -93,7 +92,7 @@ def optimizer_update(
     check_matches(wrapped, opt_state, params, where)
     model_kinds = _optim.check_model(model, policy, where)
     opt_kinds = _optim.check_state(wrapped, opt_state, model, policy, where)
-    with jax.named_scope(UPDATE_SCOPE):
+    with jax.named_scope(_scopes.UPDATE):
         model, opt_state, norms = _optim.update(
             wrapped, grads, opt_state, model, policy, model_kinds, opt_kinds, metrics
         )
