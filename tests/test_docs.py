@@ -12,9 +12,11 @@ def test_every_catalogued_mistake_names_an_existing_test():
     rows = [
         line
         for line in (ROOT / "docs" / "errors.md").read_text().splitlines()
-        if re.match(r"\| \d+ \|", line)
+        if re.match(r'\| <span id="e\d+"></span>\d+ \|', line)
     ]
-    numbers = [int(line.split("|")[1]) for line in rows]
+    numbers = [int(line.split("|")[1].split("</span>")[1]) for line in rows]
+    anchors = [int(re.search(r'id="e(\d+)"', line)[1]) for line in rows]
+    assert anchors == numbers
     assert numbers == list(range(1, len(rows) + 1))
     assert len(rows) >= 30
     for line in rows:
