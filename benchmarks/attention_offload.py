@@ -16,11 +16,11 @@ gives (the compiled program's).
 """
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
-import decoder
 import jax
 import jax.numpy as jnp
 from _common import GIB, parser, table, write_json
-from decoder import plain_loss, Shape
+from models import decoder
+from models.decoder import plain_loss, Shape
 
 import eqx_offload as eo
 

@@ -17,7 +17,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from _common import GIB, MIB, parser, table, write_json
-from gpt import GPT, loss_fn
+from models.gpt import GPT, loss_fn
 
 import eqx_offload as eo
 

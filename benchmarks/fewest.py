@@ -23,16 +23,16 @@ import time
 from typing import Any
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
-import decoder
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
 import slices
 from _common import GIB, parser, table, write_json
-from gpu_models import MODELS as SHAPES
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 from jaxtyping import Array
+from models import decoder
+from models.shapes import GPU_MODELS as SHAPES
 
 import eqx_offload as eo
 from eqx_offload._report import device_count, target_sizes

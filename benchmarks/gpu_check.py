@@ -137,7 +137,7 @@ def _policy(config: str):
 def _model(vocab: int, dim: int, layers: int):
     import equinox as eqx
     import jax
-    from gpt import GPT
+    from models.gpt import GPT
 
     return eqx.filter_eval_shape(GPT, vocab, dim, layers, key=jax.random.key(0))
 
@@ -206,7 +206,7 @@ def measure(
     import jax
     import jax.numpy as jnp
     import optax
-    from gpt import loss_fn
+    from models.gpt import loss_fn
 
     import eqx_offload as eo
 
@@ -262,7 +262,7 @@ def deviceless(configs: list[str], sizes: dict[str, tuple[int, ...]]) -> list[di
     import jax
     import jax.numpy as jnp
     import optax
-    from gpt import loss_fn
+    from models.gpt import loss_fn
 
     import eqx_offload as eo
 
@@ -306,7 +306,7 @@ def _numerics(configs: list[str]) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import optax
-    from gpt import GPT, loss_fn
+    from models.gpt import GPT, loss_fn
 
     import eqx_offload as eo
 
@@ -401,7 +401,7 @@ def _host_numerics(tokens: Any) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import optax
-    from gpt import GPT, loss_fn
+    from models.gpt import GPT, loss_fn
 
     import eqx_offload as eo
 

@@ -12,7 +12,7 @@ H200 under each preset, without a GPU (JAX's CUDA plugin, the `gpu-aot` extra).
   MLP (14336), an untied head: 7.24e9 parameters.
 
 Both with the plain loss (the full logits), attention 256 queries at a time as a
-fused kernel would (`decoder.py`). A GPU "fits" a step when its device footprint is
+fused kernel would (`models/decoder.py`). A GPU "fits" a step when its device footprint is
 within the 75% of its memory JAX's allocator takes (`XLA_PYTHON_CLIENT_MEM_FRACTION`);
 the host column is what one GPU's host must hold (pinned).
 """
@@ -21,39 +21,14 @@ import time
 from typing import Any
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
-import decoder
 from _common import GIB, parser, table, write_json
-from decoder import plain_loss, Shape
+from models import decoder
+from models.decoder import plain_loss, Shape
+from models.shapes import BATCH, GPU_MODELS as MODELS, SEQ
 
 import eqx_offload as eo
 
 
-MODELS = {
-    "GPT-2 XL": Shape(
-        vocab=50257,
-        dim=1600,
-        layers=48,
-        heads=25,
-        kv_heads=25,
-        head_dim=64,
-        mlp=6400,
-        tied=True,
-        style="gpt2",
-        positions=1024,
-    ),
-    "Mistral-7B-shaped": Shape(
-        vocab=32000,
-        dim=4096,
-        layers=32,
-        heads=32,
-        kv_heads=8,
-        head_dim=128,
-        mlp=14336,
-        tied=False,
-        rope_base=1e6,
-    ),
-}
-BATCH, SEQ = 8, 1024
 PRESETS = ("none", "remat", "offload_residuals", "offload_all")
 
 

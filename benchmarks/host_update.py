@@ -30,19 +30,18 @@ import dataclasses
 import time
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
-import decoder
 import equinox as eqx
 import fewest
-import gpu_models
 import jax
 import jax.numpy as jnp
 import largest
 import optax
 import slices
 from _common import parser, table, write_json
-from decoder import chunked_loss
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
-from llama import LLAMA_3_2_1B, SEQ
+from models import decoder
+from models.decoder import chunked_loss
+from models.shapes import GPU_MODELS, LLAMA_3_2_1B, SEQ
 
 import eqx_offload as eo
 from eqx_offload._report import device_count
@@ -111,7 +110,7 @@ def mistral_row(target: str, update: str) -> dict:
     if n == 1:
         policy, mesh = eo.Policy.offload_all(update=update), None
         model = eqx.filter_eval_shape(
-            decoder.Decoder, gpu_models.MODELS["Mistral-7B-shaped"], key=KEY
+            decoder.Decoder, GPU_MODELS["Mistral-7B-shaped"], key=KEY
         )
         loss, tokens = decoder.plain_loss, jax.ShapeDtypeStruct((8, SEQ), jnp.int32)
     else:

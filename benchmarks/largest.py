@@ -4,7 +4,7 @@ and with `eo.plan`; fp32 parameters and AdamW, batch 8 x 1024 tokens.
 
     python benchmarks/largest.py [--width 2048] [--json FILE] [--probe 65]
 
-The model: `decoder.py`'s GPT-2 style (LayerNorm, multi-head attention, a GELU MLP
+The model: `models/decoder.py`'s GPT-2 style (LayerNorm, multi-head attention, a GELU MLP
 of 4 x width, learned positions, a tied 32768-token table), `width / 64` heads,
 with the chunked loss. Only the depth grows (the width is fixed): for
 `Policy.remat()` and each preset, the largest depth that fits is bisected (each
@@ -25,13 +25,13 @@ from collections.abc import Callable
 from typing import Any
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
-import decoder
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
 from _common import GIB, parser, table, write_json
-from decoder import chunked_loss, Shape
+from models import decoder
+from models.decoder import chunked_loss, Shape
 
 import eqx_offload as eo
 from eqx_offload._planner._search import first_fit, Fitted  # (fewest_chips' probe)

@@ -12,25 +12,14 @@ kernel would) and a SwiGLU MLP (8192), RMSNorm, a tied 128256-token embedding;
 """
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
-import decoder
 from _common import GIB, parser, table, write_json
-from decoder import chunked_loss, plain_loss, Shape, trunk_only
+from models import decoder
+from models.decoder import chunked_loss, plain_loss, trunk_only
+from models.shapes import BATCH, LLAMA_3_2_1B, SEQ
 
 import eqx_offload as eo
 
 
-# Llama 3.2 1B: RMSNorm, grouped-query attention with RoPE, SwiGLU, a tied table.
-LLAMA_3_2_1B = Shape(
-    vocab=128256,
-    dim=2048,
-    layers=16,
-    heads=32,
-    kv_heads=8,
-    head_dim=64,
-    mlp=8192,
-    tied=True,
-)
-BATCH, SEQ = 8, 1024
 PRESETS = ("none", "remat", "offload_residuals", "offload_all")
 
 

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from _common import MIB, parser, table, write_json
-from gpt import GPT, loss_fn
 from microbatch import BATCH, DEPTH, DIM, SEQ, VOCAB
+from models.gpt import GPT, loss_fn
 
 import eqx_offload as eo
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from _common import MIB, parser, table, write_json
-from gpt import GPT, loss_fn
+from models.gpt import GPT, loss_fn
 
 import eqx_offload as eo
 

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from _common import parser, table, write_json
-from decoder import Decoder
-from llama import BATCH, LLAMA_3_2_1B, SEQ
+from models.decoder import Decoder
+from models.shapes import BATCH, LLAMA_3_2_1B, SEQ
 
 import eqx_offload as eo
 from eqx_offload._report._minimum import minimum_traffic, MinimumTraffic

@@ -21,8 +21,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from _common import MIB, parser, table, write_json
-from gpt import GPT, loss_fn as gpt_loss
 from jaxtyping import Array, Float
+from models.gpt import GPT, loss_fn as gpt_loss
 from tutorial import compute_loss, DIM, gelu, optimizer
 
 import eqx_offload as eo

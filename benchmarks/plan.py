@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from _common import GIB, parser, table, write_json
-from decoder import chunked_loss, Decoder
-from llama import LLAMA_3_2_1B, SEQ
+from models.decoder import chunked_loss, Decoder
+from models.shapes import LLAMA_3_2_1B, SEQ
 
 import eqx_offload as eo
 

@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
-import decoder
 from _common import parser, table, write_json
-from decoder import chunked_loss
-from llama import LLAMA_3_2_1B, SEQ
+from models import decoder
+from models.decoder import chunked_loss
+from models.shapes import LLAMA_3_2_1B, SEQ
 from prefetch_schedule import compiler_options
 
 import eqx_offload as eo

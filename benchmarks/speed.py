@@ -1,5 +1,5 @@
 """Speed of the eqx_offload train step against the same model and policy written by
-hand in plain JAX (`handwritten.py`), on this CPU: step time and trace+compile time,
+hand in plain JAX (`models/handwritten.py`), on this CPU: step time and trace+compile time,
 interleaved in one run (single steps alternate), as ratios of medians.
 
     python benchmarks/speed.py [--repeats 7] [--steps 10] [--json FILE]
@@ -21,13 +21,13 @@ from typing import Any
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
 import equinox as eqx
-import handwritten
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from _common import parser, table, write_json
-from gpt import GPT, loss_fn
+from models import handwritten
+from models.gpt import GPT, loss_fn
 
 import eqx_offload as eo
 

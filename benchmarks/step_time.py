@@ -30,10 +30,11 @@ import time
 from pathlib import Path
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
-import decoder
 from _common import GIB, parser, table, write_json
-from decoder import chunked_loss
-from llama import LLAMA_3_2_1B, PRESETS, SEQ
+from llama import PRESETS
+from models import decoder
+from models.decoder import chunked_loss
+from models.shapes import LLAMA_3_2_1B, SEQ
 
 import eqx_offload as eo
 

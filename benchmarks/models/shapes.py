@@ -1,0 +1,44 @@
+"""The public model shapes the benchmarks compile (`decoder.Shape`), and the batch
+they train on: 8 sequences of 1024 tokens."""
+
+from models.decoder import Shape
+
+
+# Llama 3.2 1B: RMSNorm, grouped-query attention with RoPE, SwiGLU, a tied table.
+LLAMA_3_2_1B = Shape(
+    vocab=128256,
+    dim=2048,
+    layers=16,
+    heads=32,
+    kv_heads=8,
+    head_dim=64,
+    mlp=8192,
+    tied=True,
+)
+# On one GPU (`gpu_models.py`, `fewest.py`, `host_update.py`).
+GPU_MODELS = {
+    "GPT-2 XL": Shape(
+        vocab=50257,
+        dim=1600,
+        layers=48,
+        heads=25,
+        kv_heads=25,
+        head_dim=64,
+        mlp=6400,
+        tied=True,
+        style="gpt2",
+        positions=1024,
+    ),
+    "Mistral-7B-shaped": Shape(
+        vocab=32000,
+        dim=4096,
+        layers=32,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        mlp=14336,
+        tied=False,
+        rope_base=1e6,
+    ),
+}
+BATCH, SEQ = 8, 1024
