@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from _common import MIB, parser, table, write_json
-from jaxtyping import Array, Float, PRNGKeyArray
+from models.layers import TanhLayer
 
 import eqx_offload as eo
 
@@ -35,16 +35,6 @@ LABELS = {
     "async": "save (wait=False)",
     "load": "load (beyond the restored state)",
 }
-
-
-class Layer(eqx.Module):
-    w: Float[Array, "dim dim"]
-
-    def __init__(self, dim: int, *, key: PRNGKeyArray):
-        self.w = jax.random.normal(key, (dim, dim)) / dim**0.5
-
-    def __call__(self, x: Float[Array, " dim"]) -> Float[Array, " dim"]:
-        return jnp.tanh(self.w @ x)
 
 
 def status(field: str) -> int:
@@ -74,7 +64,7 @@ def measure(phase: str, root: str, mib: int) -> dict:
     policy = eo.Policy.offload_all()
     optimizer = optax.adamw(1e-3)
     stack = eo.Stacked.from_fn(
-        lambda k: Layer(dim, key=k), depth, key=jax.random.key(0)
+        lambda k: TanhLayer(dim, key=k), depth, key=jax.random.key(0)
     )
     model = eo.place(stack, policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)

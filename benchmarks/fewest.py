@@ -27,25 +27,15 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-import slices
 from _common import GIB, parser, table, write_json
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 from jaxtyping import Array
 from models import decoder
+from models.gpt_7b import loss_fn, PinnedGPT, SEQ
 from models.shapes import GPU_MODELS as SHAPES
 
 import eqx_offload as eo
 from eqx_offload._report import device_count, target_sizes
-
-
-class GPT(slices.GPT):
-    """`slices.GPT`, pinning its activations to the batch layout only where there
-    is a mesh to pin them to."""
-
-    def _batch_sharded(self, x: Array) -> Array:
-        if "fsdp" not in jax.sharding.get_abstract_mesh().axis_names:
-            return x
-        return _pinned(x)
 
 
 def _pinned(x: Array) -> Array:
@@ -63,10 +53,10 @@ def mistral_loss(model: decoder.Decoder, tokens, targets):
 
 
 MODELS = {
-    # (`slices.GPT.__init__`, inherited: Equinox makes no dataclass `__init__`)
+    # (`GPT.__init__`, inherited: Equinox makes no dataclass `__init__`)
     "GPT 7.8B": (
-        lambda: GPT(key=jax.random.key(0)),  # pyright: ignore[reportCallIssue]
-        slices.loss_fn,
+        lambda: PinnedGPT(key=jax.random.key(0)),  # pyright: ignore[reportCallIssue]
+        loss_fn,
     ),
     "Mistral-7B-shaped": (
         lambda: decoder.Decoder(SHAPES["Mistral-7B-shaped"], key=jax.random.key(0)),
@@ -92,7 +82,7 @@ def fsdp_alone(chip: str, name: str) -> dict[str, Any]:
         model = eo.place(abstract, policy, mesh=mesh)
         state = eo.init_opt_state(optimizer, model, policy)
         step = eo.train_step(loss_fn, optimizer, policy)
-        tokens = jax.ShapeDtypeStruct((n, slices.SEQ), jnp.int32)
+        tokens = jax.ShapeDtypeStruct((n, SEQ), jnp.int32)
         compiles += 1
         try:
             r = eo.memory_report(step, model, state, tokens, tokens, target=target)
@@ -115,7 +105,7 @@ def planned(chip: str, name: str) -> dict[str, Any]:
     start = time.perf_counter()
     make, loss_fn = MODELS[name]
     abstract = eqx.filter_eval_shape(make)
-    tokens = jax.ShapeDtypeStruct((1, slices.SEQ), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((1, SEQ), jnp.int32)
     p = eo.fewest_chips(
         loss_fn,
         optax.adamw(1e-4),

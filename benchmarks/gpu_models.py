@@ -12,7 +12,8 @@ H200 under each preset, without a GPU (JAX's CUDA plugin, the `gpu-aot` extra).
   MLP (14336), an untied head: 7.24e9 parameters.
 
 Both with the plain loss (the full logits), attention 256 queries at a time as a
-fused kernel would (`models/decoder.py`). A GPU "fits" a step when its device footprint is
+fused kernel would (`models/decoder.py`). A GPU "fits" a step when its device
+footprint is
 within the 75% of its memory JAX's allocator takes (`XLA_PYTHON_CLIENT_MEM_FRACTION`);
 the host column is what one GPU's host must hold (pinned).
 """

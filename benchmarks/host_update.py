@@ -36,11 +36,11 @@ import jax
 import jax.numpy as jnp
 import largest
 import optax
-import slices
 from _common import parser, table, write_json
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 from models import decoder
 from models.decoder import chunked_loss
+from models.gpt_7b import SEQ as GPT_7B_SEQ
 from models.shapes import GPU_MODELS, LLAMA_3_2_1B, SEQ
 
 import eqx_offload as eo
@@ -118,7 +118,7 @@ def mistral_row(target: str, update: str) -> dict:
         mesh = AbstractMesh((n,), ("fsdp",), axis_types=(AxisType.Auto,))
         make, loss = fewest.MODELS["Mistral-7B-shaped"]
         model = eqx.filter_eval_shape(make)
-        tokens = jax.ShapeDtypeStruct((n, slices.SEQ), jnp.int32)
+        tokens = jax.ShapeDtypeStruct((n, GPT_7B_SEQ), jnp.int32)
     model = eo.place(model, policy, mesh=mesh)
     state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(loss, optimizer, policy)

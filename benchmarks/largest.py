@@ -4,7 +4,8 @@ and with `eo.plan`; fp32 parameters and AdamW, batch 8 x 1024 tokens.
 
     python benchmarks/largest.py [--width 2048] [--json FILE] [--probe 65]
 
-The model: `models/decoder.py`'s GPT-2 style (LayerNorm, multi-head attention, a GELU MLP
+The model: `models/decoder.py`'s GPT-2 style (LayerNorm, multi-head attention, a
+GELU MLP
 of 4 x width, learned positions, a tied 32768-token table), `width / 64` heads,
 with the chunked loss. Only the depth grows (the width is fixed): for
 `Policy.remat()` and each preset, the largest depth that fits is bisected (each

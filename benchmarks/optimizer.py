@@ -21,9 +21,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from _common import MIB, parser, table, write_json
-from jaxtyping import Array, Float
 from models.gpt import GPT, loss_fn as gpt_loss
-from tutorial import compute_loss, DIM, gelu, optimizer
+from models.layers import GeluLayer
+from tutorial import compute_loss, DIM, optimizer
 
 import eqx_offload as eo
 
@@ -31,24 +31,17 @@ import eqx_offload as eo
 PRESETS = ("none", "remat", "offload_residuals", "offload_all")
 
 
-class Layer(eqx.Module):
-    w: Float[Array, "dim dim"]
-
-    def __call__(self, x: Float[Array, "n dim"]) -> Float[Array, "n dim"]:
-        return gelu(x @ self.w)
-
-
-def stacked_loss(model: eo.Stacked[Layer], inputs):
+def stacked_loss(model: eo.Stacked[GeluLayer], inputs):
     outputs = model(inputs)
     l2_reg = 0.001 * sum(jnp.sum(w**2) for w in jax.tree.leaves(model))
     return jnp.mean((outputs - inputs) ** 2) + l2_reg
 
 
-def stacked_loss_in_scan(model: eo.Stacked[Layer], inputs):
+def stacked_loss_in_scan(model: eo.Stacked[GeluLayer], inputs):
     """`stacked_loss` with the penalty summed layer by layer inside the scan, as
     host-resident layers (`offload_all`) require: each is on the device only there."""
 
-    def body(layer: Layer, carry, _):
+    def body(layer: GeluLayer, carry, _):
         x, l2 = carry
         return (layer(x), l2 + 0.001 * jnp.sum(layer.w**2)), None
 
@@ -65,7 +58,7 @@ def dict_case():
 
 
 def stacked_case():
-    model = jax.eval_shape(lambda: eo.Stacked(Layer(jnp.zeros((4, DIM, DIM)))))
+    model = jax.eval_shape(lambda: eo.Stacked(GeluLayer(jnp.zeros((4, DIM, DIM)))))
     inputs = jax.ShapeDtypeStruct((DIM, DIM), jnp.float32)
     return model, stacked_loss, (inputs,)
 

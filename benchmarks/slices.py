@@ -47,12 +47,11 @@ import jax.numpy as jnp
 import optax
 from _common import parser, table, write_json
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from models.gpt_7b import GPT, loss_fn, SEQ
 
 import eqx_offload as eo
 
 
-VOCAB, DIM, HEADS, HIDDEN, DEPTH, SEQ = 32768, 4096, 32, 5 * 4096, 32, 2048
 TOPOLOGIES = ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
 POLICIES = ("remat", "offload_residuals", "offload_all")
 GIB = 2**30
@@ -66,59 +65,6 @@ VM_RAM = {4: 192 * GB, 8: 384 * GB}
 GPU_TOPOLOGIES = ("1", "2", "4", "8", "2x8")
 GPUS_PER_HOST = 8
 GPU_HOST_RAM = 2 * 10**12  # DGX H100: 2 TB for its eight GPUs
-
-
-class Block(eqx.Module):
-    norm1: eqx.nn.LayerNorm
-    attn: eqx.nn.MultiheadAttention
-    norm2: eqx.nn.LayerNorm
-    mlp: eqx.nn.MLP
-
-    def __init__(self, *, key: PRNGKeyArray):
-        k1, k2 = jax.random.split(key)
-        self.norm1 = eqx.nn.LayerNorm(DIM)
-        self.attn = eqx.nn.MultiheadAttention(HEADS, DIM, key=k1)
-        self.norm2 = eqx.nn.LayerNorm(DIM)
-        self.mlp = eqx.nn.MLP(DIM, DIM, HIDDEN, depth=1, activation=jax.nn.gelu, key=k2)
-
-    def __call__(self, x: Float[Array, "seq dim"]) -> Float[Array, "seq dim"]:
-        h = jax.vmap(self.norm1)(x)
-        causal = jnp.tril(jnp.ones((x.shape[0], x.shape[0]), bool))
-        x = x + self.attn(h, h, h, mask=causal)
-        return x + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x))
-
-
-class GPT(eqx.Module):
-    embed: eqx.nn.Embedding
-    blocks: eo.Stacked[Block]
-    norm: eqx.nn.LayerNorm
-    head: eqx.nn.Linear
-    split: bool = eqx.field(static=True)  # the batch over the "fsdp" mesh axis
-
-    def __init__(self, *, key: PRNGKeyArray, split: bool = True):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.split = split
-        self.embed = eqx.nn.Embedding(VOCAB, DIM, key=k1)
-        self.blocks = eo.Stacked.from_fn(lambda k: Block(key=k), DEPTH, key=k2)
-        self.norm = eqx.nn.LayerNorm(DIM)
-        self.head = eqx.nn.Linear(DIM, VOCAB, use_bias=False, key=k3)
-
-    def __call__(self, tokens: Int[Array, "b seq"]) -> Float[Array, "b seq vocab"]:
-        # Batch-level, with the activations pinned to the batch layout: left to
-        # itself, sharding propagation lays the embedding's output out like the
-        # (vocabulary-sharded) table and replicates the batch on every chip.
-        x = self._batch_sharded(self.embed.weight[tokens])
-        x = self._batch_sharded(jax.vmap(self.blocks)(x))
-        x = jax.vmap(jax.vmap(self.norm))(x)
-        return self._batch_sharded(jnp.einsum("bsd,vd->bsv", x, self.head.weight))
-
-    def _batch_sharded(self, x: Array) -> Array:
-        return jax.lax.with_sharding_constraint(x, P("fsdp")) if self.split else x
-
-
-def loss_fn(model: GPT, tokens: Int[Array, "b seq"], targets: Int[Array, "b seq"]):
-    logits = model(tokens)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
 def chips(topology: str) -> int:

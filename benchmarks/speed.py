@@ -1,6 +1,7 @@
 """Speed of the eqx_offload train step against the same model and policy written by
-hand in plain JAX (`models/handwritten.py`), on this CPU: step time and trace+compile time,
-interleaved in one run (single steps alternate), as ratios of medians.
+hand in plain JAX (`models/handwritten.py`), on this CPU: step time and
+trace+compile time, interleaved in one run (single steps alternate), as ratios
+of medians.
 
     python benchmarks/speed.py [--repeats 7] [--steps 10] [--json FILE]
 
