@@ -43,7 +43,7 @@ SUBLANES = 8
 PIECE_BYTES = 32 * 2**20
 # Backends whose memory kinds share one memory: there a large host-resident leaf is
 # updated, or added to, whole. Streaming it saves nothing and costs time (XLA's CPU
-# backend copies the whole array at every block; `docs/benchmarks.md` §3).
+# backend copies the whole array at every block; `docs/benchmarks/speed.md`).
 WHOLE_ON = ("cpu",)
 
 

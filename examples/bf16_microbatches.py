@@ -82,7 +82,7 @@ def main():
         print(
             "bf16 moves half the parameter bytes; micro-batches move the weights "
             "again for each part,\nand pay off where activations, not weights, "
-            "fill the device (docs/benchmarks.md §8).\n"
+            "fill the device (docs/benchmarks/microbatches-bf16-metrics.md).\n"
         )
         if args.plot:
             matplotlib.use("Agg")

@@ -16,7 +16,7 @@ TPU v5e chip, and its memory printed as the tutorial prints it.
    the host and the update streams them through the device in blocks of rows.
 
 `benchmarks/tutorial.py` compares the same steps with the tutorial's hand-written
-recipes (docs/benchmarks.md §1). The figures on this machine are estimates by
+recipes (docs/benchmarks/tutorial.md). The figures on this machine are estimates by
 memory kind (the CPU compiler has one memory); the TPU ones are the compiler's.
 """
 

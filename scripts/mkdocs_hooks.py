@@ -3,7 +3,7 @@
 An HTML comment inside a paragraph or a table cell is kept whole before links are
 looked for, as CommonMark does (raw HTML binds more tightly than links). Python
 Markdown reads such a comment last, after its links and mkdocs-autorefs' cross
-references: the figure comments of `docs/benchmarks.md`'s tables,
+references: the figure comments of the benchmarks pages' tables,
 `<!-- figures: speed.json["results"]["rows"][1]["step ratio"] -->`, read as
 references (`["rows"][1]`) that autorefs cannot find, a warning each. The page
 comes out the same either way: an unresolved reference is put back as written.

@@ -1,11 +1,12 @@
-"""The figures `docs/benchmarks.md` quotes in its tables are those the benchmark
-scripts wrote.
+"""The figures the benchmarks pages quote in their tables are those the benchmark
+scripts wrote: the summary (`docs/benchmarks.md`) and its sections, a page each
+(`docs/benchmarks/*.md`, titled `# 4. ...`).
 
 The summary's rows name where each of their figures comes from, in a hidden
 comment (`<!-- figures: expression; ... -->`): one Python expression per figure of
 the "measured" and verdict columns, in order, over the JSON files
 (`depth.json["results"][12]["device MiB"]`), that rounds to the figure as shown;
-or a section (`"§4"`) whose text quotes the same figure; or `None` for a figure
+or a section (`"§4"`) whose page quotes the same figure; or `None` for a figure
 no result records (listed in `UNRECORDED`).
 
 Every other table with figures follows a hidden comment naming their sources:
@@ -38,7 +39,9 @@ import pytest
 
 
 ROOT = Path(__file__).parent.parent
-PAGE = ROOT / "docs" / "benchmarks.md"
+SUMMARY = ROOT / "docs" / "benchmarks.md"
+SECTIONS = sorted((ROOT / "docs" / "benchmarks").glob("*.md"))
+PAGES = [SUMMARY, *SECTIONS]
 RESULTS = ROOT / "benchmarks" / "results"
 NUMBER = re.compile(r"(?<![\w.])-?\d[\d,]*(?:\.\d+)?(?![\w.])")
 FIGURES = re.compile(r"\s*<!-- figures: (.*?) -->")
@@ -80,8 +83,14 @@ def _shown(value: float, text: str) -> str:
     return shown if "," in text else shown.replace(",", "")
 
 
+def _sections() -> dict[str, str]:
+    """Each section's page by its number (`"4"` for `# 4. ...`)."""
+    texts = [p.read_text() for p in SECTIONS]
+    return {re.match(r"# (\d+)\. ", t)[1]: t for t in texts}
+
+
 def _summary_rows() -> list[str]:
-    summary = PAGE.read_text().split("## Summary of targets\n", 1)[1]
+    summary = SUMMARY.read_text().split("## Summary of targets\n", 1)[1]
     rows = [line for line in summary.split("\n## ", 1)[0].splitlines()]
     return [r for r in rows if r.startswith("|")][2:]  # minus the header
 
@@ -101,13 +110,13 @@ def test_summary_figures_are_those_its_rows_name(row):
     exprs = [e.strip() for e in named[1].split(";")] if named else []
     assert len(exprs) == len(figures), f"{figures} in {row!r}: name each"
     namespace = _results()
-    sections = re.split(r"(?m)^(?=## )", PAGE.read_text())
+    sections = _sections()
     for text, expr in zip(figures, exprs):
         value = eval(expr, {"__builtins__": BUILTINS, **namespace})
         if value is None:
             assert text in UNRECORDED, f"{text} in {row!r} comes from no result"
-        elif isinstance(value, str):  # quoted from the section's text
-            (section,) = [s for s in sections if s.startswith(f"## {value[1:]}.")]
+        elif isinstance(value, str):  # quoted from the section's page
+            section = sections[value.removeprefix("§")]
             assert re.search(rf"(?<![\d.]){re.escape(text)}(?![\d])", section)
         else:
             expected = _shown(value, text)
@@ -153,7 +162,7 @@ def table_errors(page: str) -> list[str]:
     errors = []
     for table in re.finditer(r"(?m)^\|.*\n\|[-:| ]+\|\n(?:\|.*\n)*", page):
         before = page[: table.start()]
-        heading = re.findall(r"(?m)^##+ (.*)", before)[-1]
+        heading = re.findall(r"(?m)^#+ (.*)", before)[-1]
         header, _, *rows = table[0].splitlines()
         if heading == "Summary of targets" or not re.search(r"\d", "".join(rows)):
             continue
@@ -171,8 +180,8 @@ def table_errors(page: str) -> list[str]:
                 f"{heading}: {len(exprs)} expressions, {len(headers)} columns"
             )
             continue
-        after = re.split(r"(?m)^##+ ", page[table.start() :], maxsplit=1)[0]
-        section = re.split(r"(?m)^##+ ", before)[-1] + after
+        after = re.split(r"(?m)^#+ ", page[table.start() :], maxsplit=1)[0]
+        section = re.split(r"(?m)^#+ ", before)[-1] + after
         for stem in re.findall(r"(\w+)\.json\b", named[1]):
             if f"benchmarks/results/{stem}.json" not in section:
                 errors.append(f"{heading}: {stem}.json is not this section's")
@@ -198,8 +207,14 @@ def table_errors(page: str) -> list[str]:
     return errors
 
 
-def test_table_figures_are_those_their_comments_name():
-    assert table_errors(PAGE.read_text()) == []
+def test_every_section_has_its_page():
+    numbers = sorted(int(n) for n in _sections())
+    assert numbers == list(range(1, len(SECTIONS) + 1))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_table_figures_are_those_their_comments_name(page):
+    assert table_errors(page.read_text()) == []
 
 
 ALTERED = [
@@ -250,7 +265,7 @@ ALTERED = [
 
 @pytest.mark.parametrize("old, new, reported", ALTERED)
 def test_a_wrong_figure_is_reported(old, new, reported):
-    page = PAGE.read_text()
+    (page,) = [p.read_text() for p in PAGES if old in p.read_text()]
     assert page.count(old) == 1
     errors = table_errors(page.replace(old, new))
     assert errors and all(reported in e for e in errors), errors

@@ -241,7 +241,8 @@ def test_residuals_offloaded_under_scan_and_remat_are_host_memory():
 
 
 # A share of `benchmarks/compile_matrix.py` (whose full run for gpu-h100 is in
-# docs/benchmarks.md): every policy, every architecture, odd widths, both dtypes.
+# docs/benchmarks/nvidia-gpus.md): every policy, every architecture, odd widths,
+# both dtypes.
 GPU_CASES = [
     ("mlp", "float32", 97, 4, "offload_all"),
     ("mlp", "bfloat16", 200, 2, "host state"),

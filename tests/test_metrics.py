@@ -121,7 +121,7 @@ def test_streamed_on_tpu_without_more_traffic(dim):
     """On `tpu-v5e`, metrics add no traffic: the norms are partial sums carried
     through the update's own loops. (The compiler then keeps a few more pieces
     on the device: +9% here, +6% on the GPT benchmark model; see
-    `docs/benchmarks.md` §8.)"""
+    `docs/benchmarks/microbatches-bf16-metrics.md`.)"""
     optimizer = optax.adamw(1e-3)
     policy = eo.Policy.offload_all()
     abstract = eqx.filter_eval_shape(Model, 64, dim, 4, key=jax.random.key(0))

@@ -1,7 +1,7 @@
 """Every offloaded train step compiles for a TPU: a covering subset of
 `benchmarks/compile_matrix.py` (the full matrix and its results are in
-docs/benchmarks.md), the steps the compiler cannot take refused with the leaves
-named and a way out that compiles, and the tiling rules that avoid them."""
+docs/benchmarks/tpu-compile.md), the steps the compiler cannot take refused with the
+leaves named and a way out that compiles, and the tiling rules that avoid them."""
 
 import re
 import sys
@@ -59,7 +59,7 @@ def test_train_step_compiles_for_tpu(
 # Micro-batches with host-resident parameters (issue 40): at width 2048 and up a
 # layer's leaf (8192 x 2048 floats: 64 MiB) is twice `PIECE_BYTES`, here patched
 # down so that small layers are "large" too; the heads of width 96 are not whole
-# TPU tiles. The matrix at widths 2048 and 4096 is in docs/benchmarks.md (§5).
+# TPU tiles. The matrix at widths 2048 and 4096 is in docs/benchmarks/tpu-compile.md.
 MICROBATCH_CASES = [
     ("llama", "float32", 128, "offload_all", 2),
     ("gpt", "bf16-compute", 96, "offload_all", 4),
