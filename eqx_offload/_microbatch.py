@@ -7,9 +7,10 @@ laid out over a mesh in contiguous blocks, each device then keeps its share of
 every micro-batch, and nothing moves between devices to split it.
 """
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +111,167 @@ def split(batch: tuple, k: int, unsplit: tuple[int, ...]) -> tuple:
     )
 
 
+class _ByPlace(NamedTuple):
+    """The trainable leaves, each with its dtype, by where the gradient adds up."""
+
+    tapped: list[tuple[_paths.Leaf, Any]]  # on the host, through a tap
+    plain: list[tuple[_paths.Leaf, Any]]  # on the device
+    moved: set[str]  # host-resident paths of `plain`, sent to the host at the end
+
+
+def _is_streamed(path: str, stream: tuple[str, ...]) -> bool:
+    return any(_paths.prefix_match(p, path) is not None for p in stream)
+
+
+def _adds_up_on_device(
+    leaf: _paths.Leaf, dtype: Any, k: int, stream: tuple[str, ...]
+) -> bool:
+    """Whether a host-resident leaf's gradient is accumulated on the device.
+
+    That is one outside every `Stacked`, not streamed, over several micro-batches,
+    whose minor dimensions are not whole TPU tiles.
+    """
+    x = leaf.value
+    return (
+        k > 1
+        and leaf.stacked is None
+        and not _is_streamed(leaf.path, stream)
+        and not (
+            _tiling.whole_tiles(x.shape, x.dtype)
+            and _tiling.whole_tiles(x.shape, dtype)
+        )
+    )
+
+
+def _by_place(leaves: list, dtypes: list, k: int, stream: tuple[str, ...]) -> _ByPlace:
+    moved = {
+        leaf.path
+        for leaf, d in zip(leaves, dtypes)
+        if is_host(leaf.value) and _adds_up_on_device(leaf, d, k, stream)
+    }
+    host = [is_host(leaf.value) and leaf.path not in moved for leaf in leaves]
+    tapped = [(leaf, d) for leaf, d, h in zip(leaves, dtypes, host) if h]
+    plain = [(leaf, d) for leaf, d, h in zip(leaves, dtypes, host) if not h]
+    return _ByPlace(tapped, plain, moved)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _MicroLoss:
+    """The loss of one micro-batch, differentiated with respect to its accumulators.
+
+    `wrt` is `(accs, device_params)`: the host accumulators of the tapped leaves,
+    and the device leaves. `read` says whether the taps add to the accumulators.
+    """
+
+    loss: Callable
+    model_leaves: list[_paths.Leaf]  # of the model `sources` the loss sees
+    treedef: Any
+    by_place: _ByPlace
+    k: int
+    has_aux: bool
+
+    def run(self, wrt: tuple, arguments: tuple, read: Any) -> tuple[Any, Any]:
+        accs, device_params = wrt
+        table = {
+            leaf.path: _grad_taps.Tap(acc, dtype, read)
+            for (leaf, dtype), acc in zip(self.by_place.tapped, accs, strict=True)
+        }
+        cast = {
+            leaf.path: x.astype(dtype)
+            for (leaf, dtype), x in zip(self.by_place.plain, device_params, strict=True)
+        }
+        model = jtu.tree_unflatten(
+            self.treedef,
+            [cast.get(leaf.path, leaf.value) for leaf in self.model_leaves],
+        )
+        with _grad_taps.taps(table):
+            out = self.loss(model, *arguments)
+        value, aux = out if self.has_aux else (out, None)
+        return value / self.k, (value, aux)
+
+    def grad(self, wrt: tuple, arguments: tuple, read: Any) -> tuple:
+        out, (accs, new) = jax.value_and_grad(self.run, has_aux=True)(
+            wrt, arguments, read
+        )
+        # A leaf the loss never reaches gets a zero gradient from JAX, on the
+        # device: put it where its accumulator lives.
+        accs = [to_space(a, "pinned_host", "") for a in accs]
+        return out, (accs, new)
+
+
+def _one_batch(
+    micro: _MicroLoss, batch: tuple, device_params: list, stream: tuple[str, ...]
+) -> tuple:
+    """The whole batch at once: `(value, aux), (host grads, device grads)`.
+
+    Each host gradient is received by its compute copy. It crosses to the host
+    once, in the compute dtype (exactly: it is computed in it), and the update
+    casts it to its master's dtype where it runs. A streamed table's is not: it
+    is written into its receiver block by block (`_grad_taps._add_host`).
+    """
+    copies = {leaf.path: leaf.value for leaf in micro.model_leaves}
+    receivers = [
+        leaf.value
+        if _is_streamed(leaf.path, stream)
+        else copies.get(leaf.path, leaf.value)
+        for leaf, _ in micro.by_place.tapped
+    ]
+    (_, (value, aux)), grads = micro.grad((receivers, device_params), batch, False)
+    return (value, aux), grads
+
+
+def _micro_batches(
+    micro: _MicroLoss,
+    batch: tuple,
+    device_params: list,
+    masters: list,
+    unsplit: tuple[int, ...],
+    on_host: bool,
+) -> tuple:
+    """One loop over every micro-batch: `(value, aux), (host grads, device grads)`.
+
+    The first micro-batch does not read the host accumulators. They start as the
+    masters, any value of their shape and placement, so nothing is
+    zero-initialised on the host.
+    """
+    k = micro.k
+    parts = split(batch, k, unsplit)
+
+    def arguments(part: tuple) -> tuple:
+        return tuple(
+            whole if p is None else p for whole, p in zip(batch, part, strict=True)
+        )
+
+    def body(carry: tuple, part: tuple) -> tuple:
+        (accs, device_grads), total, index = carry
+        (_, (value, aux)), (accs, new) = micro.grad(
+            (accs, device_params), arguments(part), index > 0
+        )
+        device_grads = [a + b for a, b in zip(device_grads, new, strict=True)]
+        return ((accs, device_grads), total + value, index + 1), aux
+
+    zeros = [jnp.zeros_like(x) for x in device_params]
+    init = ((masters, zeros), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+    if on_host:
+        # The first micro-batch before the loop: its gradients start the host
+        # accumulators. Started as the masters, the loop's accumulators and the
+        # masters are both operands of the host update, and the TPU compiler fails
+        # to alias them ("output index {0} is already aliased with param 0").
+        first = arguments(jtu.tree_map(lambda p: p[0], parts))
+        (_, (value, aux_first)), (accs, new) = micro.grad(
+            (masters, device_params), first, False
+        )
+        device_grads = [a + b for a, b in zip(zeros, new, strict=True)]
+        init = ((accs, device_grads), init[1] + value, init[2] + 1)
+        parts = jtu.tree_map(lambda p: p[1:], parts)
+    (grads, total, _), aux = jax.lax.scan(body, init, parts)
+    if on_host:
+        aux = jtu.tree_map(
+            lambda a, b: jnp.concatenate([jnp.asarray(a)[None], b]), aux_first, aux
+        )
+    return (total / k, aux), grads
+
+
 def value_and_grad(
     loss: Callable,
     sources: PyTree,
@@ -122,142 +284,48 @@ def value_and_grad(
     stream: tuple[str, ...] = (),
     on_host: bool = False,
 ) -> tuple[Any, PyTree]:
-    """The loss and its gradient with respect to `params` (the trainable part of
-    the model), over `k` micro-batches of `batch`. The loss sees the model
-    `sources` (the model, with compute copies in place of their parameters), each
-    trainable leaf in its dtype from `dtypes` (one per array leaf of `params`).
-    `stream`: the `Policy(stream=...)` patterns (tables the loss reads from the
-    host). `on_host`: the update runs on the host (`Policy(update="host")`).
-    Without micro-batches, a host-resident parameter with a compute copy gets
-    its gradient in the compute dtype (the update casts it).
+    """The loss and its gradient with respect to `params`, over `k` micro-batches.
 
-    A host-resident parameter's gradient is accumulated where the loss uses the
-    parameter, through a tap (`_grad_taps.py`): one layer at a time, read from
-    and written back to the host. A parameter on the device is differentiated as
-    usual and its gradient added to a device accumulator; so is, over several
+    `params` is the trainable part of the model. The loss sees the model
+    `sources`: the model, with compute copies in place of their parameters. Each
+    trainable leaf is in its dtype from `dtypes`, one per array leaf of `params`.
+    `stream` are the `Policy(host_tables=...)` patterns: tables the loss reads from
+    the host. `on_host` says the update runs on the host (`Policy(update="host")`).
+    Without micro-batches, a host-resident parameter with a compute copy gets its
+    gradient in the compute dtype; the update casts it.
+
+    A host-resident parameter's gradient is accumulated where the loss uses it,
+    through a tap (`_grad_taps.py`): one layer at a time, read from and written
+    back to the host. A parameter on the device is differentiated as usual, and
+    its gradient added to a device accumulator. So is, over several
     micro-batches, a host-resident leaf outside every `Stacked` whose minor
-    dimensions are not whole TPU tiles (`_tiling.whole_tiles`: a `(vocab, 96)`
-    head): the step moves it to the device whole anyway, and the TPU compiler
-    cannot read such an accumulator back from the host in the loop. Its gradient
-    goes to the host once, after the last micro-batch.
+    dimensions are not whole TPU tiles (`_tiling.whole_tiles`), such as a
+    `(vocab, 96)` head. The step moves it to the device whole anyway, and the TPU
+    compiler cannot read such an accumulator back from the host in the loop. Its
+    gradient goes to the host once, after the last micro-batch.
 
-    The gradient of each leaf is in its dtype and memory kind; the loss (and its
-    gradient) is the mean over micro-batches, each weighted `1 / k`; with
-    `has_aux` the aux of every micro-batch comes back stacked (leading axis `k`)
-    when `k > 1`.
+    The gradient of each leaf is in its dtype and memory kind. The loss (and its
+    gradient) is the mean over micro-batches, each weighted `1 / k`. With
+    `has_aux` and `k > 1`, the aux of every micro-batch comes back stacked
+    (leading axis `k`).
     """
     leaves = [leaf for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
-
-    def on_device(leaf: _paths.Leaf, dtype: Any) -> bool:
-        """A host-resident leaf accumulated on the device (see above)."""
-        x = leaf.value
-        return (
-            k > 1
-            and leaf.stacked is None
-            and not any(_paths.prefix_match(p, leaf.path) is not None for p in stream)
-            and not (
-                _tiling.whole_tiles(x.shape, x.dtype)
-                and _tiling.whole_tiles(x.shape, dtype)
-            )
-        )
-
-    moved = {
-        leaf.path
-        for leaf, d in zip(leaves, dtypes)
-        if is_host(leaf.value) and on_device(leaf, d)
-    }
-    host = [is_host(leaf.value) and leaf.path not in moved for leaf in leaves]
-    tapped = [(leaf, d) for leaf, d, h in zip(leaves, dtypes, host) if h]
-    plain = [(leaf, d) for leaf, d, h in zip(leaves, dtypes, host) if not h]
-    model_leaves = _paths.leaves(sources)
+    by_place = _by_place(leaves, dtypes, k, stream)
     treedef = jtu.tree_structure(sources)
-
-    def run(wrt: tuple, arguments: tuple, read: Any) -> tuple[Any, Any]:
-        accs, device_params = wrt
-        table = {
-            leaf.path: _grad_taps.Tap(acc, dtype, read)
-            for (leaf, dtype), acc in zip(tapped, accs, strict=True)
-        }
-        cast = {
-            leaf.path: x.astype(dtype)
-            for (leaf, dtype), x in zip(plain, device_params, strict=True)
-        }
-        model = jtu.tree_unflatten(
-            treedef, [cast.get(leaf.path, leaf.value) for leaf in model_leaves]
-        )
-        with _grad_taps.taps(table):
-            out = loss(model, *arguments)
-        value, aux = out if has_aux else (out, None)
-        return value / k, (value, aux)
-
-    def grad(wrt: tuple, arguments: tuple, read: Any) -> tuple:
-        out, (accs, new) = jax.value_and_grad(run, has_aux=True)(wrt, arguments, read)
-        # A leaf the loss never reaches gets a zero gradient from JAX, on the
-        # device: put it where its accumulator lives.
-        accs = [to_space(a, "pinned_host", "") for a in accs]
-        return out, (accs, new)
-
-    device_params = [to_space(leaf.value, "device", "") for leaf, _ in plain]
-    masters = [leaf.value for leaf, _ in tapped]
+    micro = _MicroLoss(loss, _paths.leaves(sources), treedef, by_place, k, has_aux)
+    device_params = [to_space(leaf.value, "device", "") for leaf, _ in by_place.plain]
+    masters = [leaf.value for leaf, _ in by_place.tapped]
     if k == 1:
-        # Received by the compute copies: each gradient crosses to the host once,
-        # in the compute dtype (exactly: it is computed in it), and the update
-        # casts it to its master's dtype where it runs. (Not a streamed table's,
-        # written into its receiver block by block: `_grad_taps._add_host`.)
-        copies = {leaf.path: leaf.value for leaf in model_leaves}
-        receivers = [
-            leaf.value
-            if any(_paths.prefix_match(p, leaf.path) is not None for p in stream)
-            else copies.get(leaf.path, leaf.value)
-            for leaf, _ in tapped
-        ]
-        (_, (value, aux)), grads = grad((receivers, device_params), batch, False)
+        (value, aux), grads = _one_batch(micro, batch, device_params, stream)
     else:
-        # One loop over every micro-batch. The first does not read the host
-        # accumulators (they start as the masters: any value of their shape and
-        # placement), so nothing is zero-initialised on the host.
-        parts = split(batch, k, unsplit)
-
-        def arguments(part: tuple) -> tuple:
-            return tuple(
-                whole if p is None else p for whole, p in zip(batch, part, strict=True)
-            )
-
-        def body(carry: tuple, part: tuple) -> tuple:
-            (accs, device_grads), total, index = carry
-            (_, (value, aux)), (accs, new) = grad(
-                (accs, device_params), arguments(part), index > 0
-            )
-            device_grads = [a + b for a, b in zip(device_grads, new, strict=True)]
-            return ((accs, device_grads), total + value, index + 1), aux
-
-        zeros = [jnp.zeros_like(x) for x in device_params]
-        init = ((masters, zeros), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-        if on_host:
-            # The first micro-batch before the loop, never reading them: its
-            # gradients start the host accumulators. (Started as the masters, the
-            # loop's accumulators and the masters are both operands of the host
-            # update, and the TPU compiler fails to alias them: "output index {0}
-            # is already aliased with param 0".)
-            first = arguments(jtu.tree_map(lambda p: p[0], parts))
-            (_, (value, aux_first)), (accs, new) = grad(
-                (masters, device_params), first, False
-            )
-            device_grads = [a + b for a, b in zip(zeros, new, strict=True)]
-            init = ((accs, device_grads), init[1] + value, init[2] + 1)
-            parts = jtu.tree_map(lambda p: p[1:], parts)
-        (grads, total, _), aux = jax.lax.scan(body, init, parts)
-        if on_host:
-            aux = jtu.tree_map(
-                lambda a, b: jnp.concatenate([jnp.asarray(a)[None], b]), aux_first, aux
-            )
-        value = total / k
-    by_path = dict(
-        zip([leaf.path for leaf, _ in tapped + plain], grads[0] + grads[1], strict=True)
-    )
+        (value, aux), grads = _micro_batches(
+            micro, batch, device_params, masters, unsplit, on_host
+        )
+    paths = [leaf.path for leaf, _ in by_place.tapped + by_place.plain]
+    by_path = dict(zip(paths, grads[0] + grads[1], strict=True))
     flat = [
         to_space(by_path[leaf.path], "pinned_host", "")
-        if leaf.path in moved
+        if leaf.path in by_place.moved
         else by_path[leaf.path]
         for leaf in leaves
     ]
