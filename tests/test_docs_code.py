@@ -13,7 +13,7 @@ import pytest
 
 
 ROOT = Path(__file__).parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^```python([^\n]*)\n(.*?)^```\n", re.S | re.M)
 OUTPUT = re.compile(r"\s*```text title=\"Output\"\n(.*?)^```", re.S | re.M)
 
@@ -120,7 +120,9 @@ def test_every_python_block_is_run_or_marked():
             assert info == "" or "not run" in info, f"{page.name}: {info}"
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "page", [p for p in PAGES if blocks(p)], ids=lambda p: str(p.relative_to(ROOT))
+)
 def test_docs_code_runs(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # checkpoints and files the blocks write
     namespace: dict = {"__name__": "docs"}
