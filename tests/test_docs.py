@@ -1,8 +1,11 @@
 """The docs stand on what the repository holds: every mistake in the error
-catalogue names a test that exists."""
+catalogue names a test that exists, every public name has its entry on an API page,
+and the site builds without a warning."""
 
 import re
 from pathlib import Path
+
+import pytest
 
 
 ROOT = Path(__file__).parent.parent
@@ -53,18 +56,40 @@ def test_every_public_name_has_one_entry_on_the_api_pages():
         assert f"- api/{page.name}\n" in nav, page.name
 
 
-def test_the_site_navigates_when_opened_from_disk(tmp_path):
-    """`site/index.html` opened in a browser: every link between pages names a
-    file (`api.html`), not a directory, whose listing a browser would show."""
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> tuple[Path, str]:
+    """The site built with `mkdocs build --strict`, and what the build printed."""
     import os
     import subprocess
     import sys
-    from urllib.parse import unquote, urlparse
 
+    out = tmp_path_factory.mktemp("site")
     mkdocs = Path(sys.executable).parent / "mkdocs"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    command = [str(mkdocs), "build", "--strict", "--quiet", "-d", str(tmp_path)]
-    subprocess.run(command, cwd=ROOT, env=env, check=True)
+    # Not `--quiet`: it hides the warnings from `--strict` too, which then passes.
+    command = [str(mkdocs), "build", "--strict", "-d", str(out)]
+    built = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert built.returncode == 0, built.stdout + built.stderr
+    return out, built.stdout + built.stderr
+
+
+def test_the_site_builds_printing_only_its_progress(site):
+    """No warning and no notice (an unresolved link or anchor, a page outside the
+    nav, a cross-reference autorefs cannot find): only the build's progress."""
+    _, printed = site
+    progress = re.compile(
+        r"INFO +- +(Cleaning site directory|Building documentation to directory: "
+        r"|Documentation built in )"
+    )
+    assert [line for line in printed.splitlines() if not progress.match(line)] == []
+
+
+def test_the_site_navigates_when_opened_from_disk(site):
+    """`site/index.html` opened in a browser: every link between pages names a
+    file (`tutorial.html`), not a directory, whose listing a browser would show."""
+    from urllib.parse import unquote, urlparse
+
+    tmp_path, _ = site
     # (404.html is only served, never opened: its links are absolute.)
     pages = sorted(set(tmp_path.rglob("*.html")) - {tmp_path / "404.html"})
     assert (tmp_path / "index.html") in pages and len(pages) > 15
