@@ -227,8 +227,8 @@ def on_host(
 
     if form not in host_forms():
         raise NotImplementedError(
-            f"jax {jax.__version__} has no host compute of the {form!r} form "
-            f"(`jax.experimental.compute_on`); it has {list(host_forms())}."
+            f"jax {jax.__version__} has no {form!r} form of "
+            f"`jax.experimental.compute_on`. It has {list(host_forms())}."
         )
     host, device = jax.memory.Space.Host, jax.memory.Space.Device
 

@@ -1,7 +1,10 @@
 """Cutting a model, its optimizer state and a batch to their first few layers and
-examples, as `verify` runs them: the sizes of each leaf's cut, the cut itself (a
-jitted slice that moves only the kept part of a host-resident leaf), and the error
-for a loss that the cut breaks."""
+examples, as `verify` runs them.
+
+This module has the sizes of each leaf's cut, and the cut itself: a jitted slice
+that moves only the kept part of a host-resident leaf. It also has the error for a
+loss that the cut breaks.
+"""
 
 import functools
 import math
@@ -15,15 +18,31 @@ import optax
 from jaxtyping import PyTree
 
 from . import _layout, _mesh, _paths, _tiling
+from ._errors import see
 from ._memory_kinds import is_host, kind_of, to_space
 from ._policy import Policy
 from ._state_dict import layer_axes
 
 
+# Why a loss fails on the cut `verify` makes, and the fix.
+_DEPTH_HELP = (
+    "It sizes something by the model's configured depth (e.g. one KV cache per "
+    "layer from `config.n_layers`) rather than by the `Stacked` it gets. Size it "
+    "by `len(model.blocks)`, or `stacked.scan` over per-layer inputs cut with it. "
+    "Or verify every layer with `verify(..., layers=None)`."
+)
+_BATCH_HELP = (
+    "It depends on the batch size (e.g. a shape from a config). Make it follow the "
+    "batch's shape, or verify the whole batch with `verify(..., examples=None)`."
+)
+
+
 def take(x: Any, sizes: tuple[int, ...]) -> Any:
-    """The first `sizes[k]` entries of `x` along each axis `k`, on the device. A
-    host-resident leaf is cut on the host along axis 0 first where a TPU can slice
-    it there (`_tiling.slices_by_layer`), so only the slice moves."""
+    """The first `sizes[k]` entries of `x` along each axis `k`, on the device.
+
+    A host-resident leaf is first cut on the host along axis 0, where a TPU can
+    slice it there (`_tiling.slices_by_layer`). Then only the slice moves.
+    """
     cut = [(axis, n) for axis, n in enumerate(sizes) if n < x.shape[axis]]
     if is_host(x) and cut and cut[0][0] == 0 and _tiling.slices_by_layer(x.shape):
         x = jax.lax.slice_in_dim(x, 0, cut[0][1], axis=0)
@@ -40,8 +59,10 @@ def take_all(xs: list[Any], sizes: tuple[tuple[int, ...], ...]) -> list[Any]:
 
 
 def cut(tree: Any, sizes: list[tuple[int, ...] | None]) -> Any:
-    """`tree` with each array leaf cut to `sizes` (one entry per leaf; `None` for
-    leaves that are not arrays), every array on the device in a new buffer."""
+    """`tree` with each array leaf cut to `sizes`, on the device in a new buffer.
+
+    `sizes` has one entry per leaf: `None` for the leaves that are not arrays.
+    """
     flat, treedef = jtu.tree_flatten(tree)
     positions = [i for i, x in enumerate(flat) if eqx.is_array(x)]
     cut = take_all(
@@ -53,8 +74,10 @@ def cut(tree: Any, sizes: list[tuple[int, ...] | None]) -> Any:
 
 
 def copy_into(tree: Any, like: Any) -> Any:
-    """A copy of every array of `tree` (new buffers, which a step may donate), each
-    in the memory kind of the matching leaf of `like`."""
+    """A copy of every array of `tree`, in the memory kind of its leaf in `like`.
+
+    The copies are new buffers, which a step may donate.
+    """
 
     def copy(x: Any, y: Any) -> Any:
         if not eqx.is_array(x):
@@ -66,8 +89,10 @@ def copy_into(tree: Any, like: Any) -> Any:
 
 
 def model_sizes(model: PyTree, layers: int | None) -> list[tuple[int, ...] | None]:
-    """The cut of each leaf: every `Stacked` (each of its leaves' leading layer
-    axes) to its first `layers` layers."""
+    """The cut of each leaf: every `Stacked` to its first `layers` layers.
+
+    A `Stacked` leaf is cut along each of its leading layer axes.
+    """
     out: list[tuple[int, ...] | None] = []
     for x, depth in zip(jtu.tree_leaves(model), layer_axes(model)):
         if not eqx.is_array(x):
@@ -83,20 +108,21 @@ def model_sizes(model: PyTree, layers: int | None) -> list[tuple[int, ...] | Non
 def state_sizes(
     optimizer: optax.GradientTransformation, opt_state: PyTree, small_params: PyTree
 ) -> list[tuple[int, ...] | None]:
-    """The cut of each optimizer-state leaf: to the shape `optimizer.init` gives for
-    the sliced parameters, keeping the first entries of each axis that shrinks
-    (the layers kept). Parameter-shaped state is cut with its parameter; a factored
-    moment (`optax.adafactor`) along its layer axis. `optimizer` is the one the
-    step runs (`_mixed_precision.for_policy`): under a compute dtype its state
-    holds the compute copies too."""
+    """The cut of each optimizer-state leaf: the shape `optimizer.init` gives it.
+
+    `optimizer.init` sees the sliced parameters. Each axis that shrinks keeps its
+    first entries, the layers kept. Parameter-shaped state is cut with its
+    parameter; a factored moment (`optax.adafactor`) along its layer axis.
+    `optimizer` is the one the step runs (`_mixed_precision.for_policy`). Under a
+    compute dtype, its state holds the compute copies too.
+    """
     expected = jax.eval_shape(optimizer.init, small_params)
     flat, treedef = jtu.tree_flatten(opt_state)
     flat_expected, expected_def = jtu.tree_flatten(expected)
     if treedef != expected_def:
         raise ValueError(
             "`verify`: `opt_state` does not have the structure `optimizer.init` "
-            "gives for the model; create it with "
-            "`eqx_offload.init_opt_state(optimizer, model, policy)`."
+            "gives. Build it with `eqx_offload.init_opt_state`." + see(43)
         )
     out: list[tuple[int, ...] | None] = []
     for leaf, x, e in zip(_paths.leaves(opt_state), flat, flat_expected):
@@ -106,10 +132,9 @@ def state_sizes(
         shape = tuple(getattr(e, "shape", ()))
         if len(shape) != x.ndim or any(a > b for a, b in zip(shape, x.shape)):
             raise ValueError(
-                f"`verify`: optimizer state leaf {leaf.path!r} has shape "
-                f"{tuple(x.shape)}, which cannot be cut to the {shape} that "
-                "`optimizer.init` gives for the sliced model; verify with "
-                "`layers=None` (the whole model)."
+                f"`verify`: optimizer state leaf {leaf.path!r} of shape "
+                f"{tuple(x.shape)} cannot be cut to {shape}, its `optimizer.init` "
+                "shape. Verify with `layers=None`."
             )
         out.append(shape)
     return out
@@ -118,9 +143,12 @@ def state_sizes(
 def whole_parts(
     microbatch: int | None, policy: Policy, model: PyTree, microbatches: int = 1
 ) -> int | None:
-    """`microbatch` rounded up to a multiple of `microbatches` times the parts
-    `Policy(batch=...)` splits the leading dimension into, so that the cut batch
-    can be laid out and split into the step's micro-batches (of whole blocks)."""
+    """`microbatch` rounded up to whole micro-batches of whole blocks.
+
+    It becomes a multiple of `microbatches` times the parts `Policy(batch=...)`
+    splits the leading dimension into. The cut batch can then be laid out, and
+    split into the step's micro-batches.
+    """
     if microbatch is None:
         return None
     parts = 1
@@ -135,9 +163,11 @@ def whole_parts(
 def batch_sizes(
     batch: tuple, microbatch: int | None, unsplit: tuple[int, ...] = ()
 ) -> list[tuple[int, ...] | None]:
-    """The cut of each batch leaf: its first `microbatch` examples along axis 0,
-    except in the arguments at positions `unsplit` (passed whole to every
-    micro-batch, so not batch-major)."""
+    """The cut of each batch leaf: its first `microbatch` examples along axis 0.
+
+    The arguments at positions `unsplit` are not cut. They are passed whole to
+    every micro-batch, so they are not batch-major.
+    """
     out: list[tuple[int, ...] | None] = []
     for position, argument in enumerate(batch):
         for x in jtu.tree_leaves(argument):
@@ -151,8 +181,7 @@ def batch_sizes(
 
 
 def examples(batch: tuple, unsplit: tuple[int, ...] = ()) -> int | None:
-    """The leading axis of the batch's arrays (the largest, if they differ), but
-    for the arguments at positions `unsplit`."""
+    """The largest leading axis of the batch's arrays, but those in `unsplit`."""
     sizes = [
         x.shape[0]
         for position, argument in enumerate(batch)
@@ -187,35 +216,25 @@ def cut_error(
     small: Any,
     small_batch: tuple,
     layers: int | None,
-    microbatch: int | None,
+    examples: int | None,
     error: Exception,
 ) -> ValueError | None:
-    """Why the loss fails on the slice `verify` cut, when it traces on the whole
-    model and batch (and so the cut is to blame), as an error naming `verify`'s
-    argument and the fix; `None` when the cut is not to blame."""
-    if (layers is None and microbatch is None) or not _traces(loss_fn, model, batch):
+    """Why the loss fails on the slice `verify` cut, or `None`.
+
+    The cut is to blame when the loss traces on the whole model and batch. The
+    error then names `verify`'s argument and the fix.
+    """
+    if (layers is None and examples is None) or not _traces(loss_fn, model, batch):
         return None
     if _traces(loss_fn, small, small_batch):
         return None  # it traces on the slice too: the cut is not to blame
     if layers is not None and not _traces(loss_fn, small, batch):
         what = f"the model cut to the first {layers} layer(s) of each `Stacked`"
-        how = (
-            "it sizes something by the model's configured depth (e.g. one KV cache "
-            "per layer from `config.n_layers`) rather than by the `Stacked` it "
-            "gets. Size it by `len(model.blocks)` (or `stacked.scan` over "
-            "per-layer inputs cut with it), or verify every layer with "
-            "`verify(..., layers=None)`"
-        )
-        argument = f"layers={layers}"
+        argument, how, link = f"layers={layers}", _DEPTH_HELP, see(69)
     else:
-        what = f"the batch cut to its first {microbatch} example(s)"
-        how = (
-            "it depends on the batch size (e.g. a shape from a config). Make it "
-            "follow the batch's shape, or verify the whole batch with "
-            "`verify(..., microbatch=None)`"
-        )
-        argument = f"microbatch={microbatch}"
+        what = f"the batch cut to its first {examples} example(s)"
+        argument, how, link = f"examples={examples}", _BATCH_HELP, ""
     return ValueError(
         f"`verify({argument})`: `loss_fn` fails on {what}, though it traces on the "
-        f"whole model and batch: {how}. It raised {type(error).__name__}: {error}"
+        f"whole model and batch. {how} It raised {type(error).__name__}: {error}" + link
     )

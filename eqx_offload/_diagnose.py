@@ -1,11 +1,13 @@
-"""Why a compiler rejected an offloaded step: each host-resident leaf the step
-streams is compiled alone, the way the step moves it, to name the ones the
-compiler cannot stream, with a policy that keeps them on the device.
+"""Why a compiler rejected an offloaded step.
 
-XLA's TPU compiler picks the tiled layout of each array from its shape, and for
-some shapes (a layer of `(4, 97, 97)` floats, `(layers, 388, 97)` weights) its
-host-offload passes cannot slice the layout it picked, even in a hand-written scan
-(`_tiling.py` has the rules the library follows ahead of time). Such a leaf works
+Each host-resident leaf the step streams is compiled alone, the way the step
+moves it. The ones the compiler cannot stream are named, with a policy that keeps
+them on the device.
+
+XLA's TPU compiler picks the tiled layout of each array from its shape. For some
+shapes its host-offload passes cannot slice the layout it picked, even in a
+hand-written scan: a layer of `(4, 97, 97)` floats, `(layers, 388, 97)` weights.
+`_tiling.py` has the rules the library follows ahead of time. Such a leaf works
 when it and its optimizer state stay on the device.
 """
 
@@ -17,18 +19,31 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _compat, _compiler, _paths, _tiling
+from ._errors import see
 from ._memory_kinds import ParamsSpec
 
 
+# The other way out of a rejection.
+_WHOLE_UPDATE = (
+    "If the operation it names is in the optimizer update, not the forward or "
+    "backward pass, update whole leaves instead: `Policy(update='whole')`."
+)
+
+
 class DoesNotCompile(ValueError):
-    """Raised when the compiler rejects an offloaded step (by `memory_report`, or by
-    a `train_step` compiled on a TPU); the message names the host-resident leaves
-    it could not stream and a policy that keeps them on the device."""
+    """Raised when the compiler rejects an offloaded step.
+
+    `memory_report` raises it, and so does a `train_step` compiled on a TPU. The
+    message names the host-resident leaves the compiler could not stream. It also
+    gives a policy that keeps them on the device.
+    """
 
 
 def out_of_memory(e: RuntimeError) -> bool:
-    """Whether a `jax.errors.JaxRuntimeError` has the status code for running out of
-    memory (the program does not fit), rather than a rejection of the program."""
+    """Whether a `jax.errors.JaxRuntimeError` says the program ran out of memory.
+
+    Running out of memory means the program does not fit. It is not a rejection.
+    """
     return getattr(e, "error_code_string", None) == "RESOURCE_EXHAUSTED"
 
 
@@ -48,8 +63,10 @@ class Rejected(NamedTuple):
 
 
 def _probe(leaf: Streamed, mesh: Mesh) -> str | None:
-    """Compiles, on `mesh`, a scan that streams `leaf` from the host as the step
-    does; returns the compiler's message if it rejects it."""
+    """The compiler's message if it rejects streaming `leaf` as the step does.
+
+    The probe is a scan compiled on `mesh`. None if it compiles.
+    """
     # Compile-only GPU devices list no memories: a plain `NamedSharding` would
     # silently put `w` in device memory (`_compat.named_sharding`).
     host = _compat.named_sharding(mesh, PartitionSpec(), "pinned_host")
@@ -101,10 +118,11 @@ _cache: dict[tuple, str | None] = {}
 
 
 def rejected(leaves: Sequence[Streamed], mesh: Mesh) -> list[Rejected]:
-    """The leaves whose streaming the compiler for `mesh` rejects (cached per
-    shape). A leaf whose probe cannot be built or compiled for a reason of its
-    own is left out: the diagnosis explains a rejection, it never replaces the
-    compiler's error with one of its own."""
+    """The leaves whose streaming the compiler for `mesh` rejects, cached per shape.
+
+    A leaf whose probe fails for a reason of its own is left out. The diagnosis
+    explains a rejection; it never replaces the compiler's error with its own.
+    """
     out = []
     for leaf in leaves:
         key = (tuple(d.device_kind for d in mesh.devices.flat), leaf[1:])
@@ -131,18 +149,22 @@ def _with_device(spec: ParamsSpec, paths: list[str]) -> dict[str, str]:
 
 
 def way_out(params: ParamsSpec, opt_state: ParamsSpec, paths: list[str]) -> str:
-    """The `Policy` fields that keep `paths` and their optimizer state on the
-    device, as the user would write them."""
+    """The `Policy` fields that keep `paths` and their state on the device.
+
+    They are written as the user would write them.
+    """
     p, s = _with_device(params, paths), _with_device(opt_state, paths)
     return f"`params={p!r}, opt_state={s!r}`"
 
 
 def leaves_in_message(message: str, leaves: Sequence[Streamed]) -> list[str]:
-    """The paths of the leaves a compiler message points at: named in its
-    `op_name`s (the streamed update tags each leaf's slices and transfers with
-    `jax.named_scope`), or of a shape of two dimensions or more that it is about
-    (`_compiler.array_shapes`: the whole leaf, one layer of a stacked leaf, or one
-    of its pieces), in the leaves' order."""
+    """The paths of the leaves a compiler message points at, in the leaves' order.
+
+    A leaf is pointed at by name in the message's `op_name`s: the streamed update
+    tags each leaf's slices and transfers with `jax.named_scope`. It is also
+    pointed at by a shape of two dimensions or more (`_compiler.array_shapes`):
+    the whole leaf, one layer of a stacked leaf, or one of its pieces.
+    """
     names = " ".join(_compiler.op_names(message))
     # Matrices and larger: a vector or scalar in a message is no leaf's own.
     shapes = {s for _, s in _compiler.array_shapes(message) if len(s) >= 2}
@@ -168,8 +190,11 @@ def explain(
     params: ParamsSpec,
     opt_state: ParamsSpec,
 ) -> str:
-    """The error text for a step the compiler rejected: the leaves that fail alone
-    and a way out, or (if none does) the leaves its message names."""
+    """The error text for a step the compiler rejected.
+
+    It names the leaves that fail alone, and a way out. If none does, it names
+    the leaves the compiler's message points at.
+    """
     bad = rejected(leaves, mesh)
     if bad:
         first = {r.leaf.path: r for r in bad}  # a parameter, or its state
@@ -185,28 +210,25 @@ def explain(
             )
         lines.append(
             "Keep them and their optimizer state on the device: in the `Policy`, "
-            f"{way_out(params, opt_state, paths)}. (docs/design-notes.md: what the "
-            "TPU compiler cannot stream.)"
+            f"{way_out(params, opt_state, paths)}." + see(54)
         )
         return "\n".join(lines)
     named = leaves_in_message(message, leaves)
     if named:
         keep = (
-            f"Its message points at {_paths.quoted(named)}, host-resident leaves that "
-            "no probe of one leaf alone rejects. Keep them and their optimizer state "
-            f"on the device: in the `Policy`, {way_out(params, opt_state, named)}"
+            f"Its message points at {_paths.quoted(named)}, which no probe of one "
+            "leaf alone rejects. Keep them and their optimizer state on the "
+            f"device: in the `Policy`, {way_out(params, opt_state, named)}."
         )
     else:
         keep = (
             "No single host-resident leaf fails alone. Keep the leaves it is about "
             "on the device: `Policy(params={..., path: 'device'}, "
-            "opt_state={..., path: 'device'})`"
+            "opt_state={..., path: 'device'})`."
         )
     return (
         f"{what}: the compiler rejected it: {_first_line(message).rstrip('.')}. "
-        f"{keep}; or, if "
-        "the operation it names is in the optimizer update (not the forward or "
-        "backward pass), `Policy(update='whole')` (the update on whole leaves)."
+        f"{keep} {_WHOLE_UPDATE}" + see(54)
     )
 
 

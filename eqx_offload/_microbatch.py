@@ -1,10 +1,11 @@
-"""The gradient of a step taken in micro-batches, or in a compute dtype: the batch
-split along its leading axis, a `lax.scan` over the parts, and each parameter's
-gradient accumulated where it lives (`_grad_taps.py`).
+"""The gradient of a step taken in micro-batches, or in a compute dtype.
 
-Micro-batch `i` of `k` holds the examples `i, i + k, i + 2k, ...`: with the batch
-laid out over a mesh in contiguous blocks, each device then keeps its share of
-every micro-batch, and nothing moves between devices to split it.
+The batch is split along its leading axis, and a `lax.scan` runs over the parts.
+Each parameter's gradient is accumulated where it lives (`_grad_taps.py`).
+
+Micro-batch `i` of `k` holds the examples `i, i + k, i + 2k, ...`. A batch laid
+out over a mesh is in contiguous blocks. Each device then keeps its share of every
+micro-batch, and nothing moves between devices to split it.
 """
 
 import dataclasses
@@ -19,6 +20,7 @@ from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
 from . import _grad_taps, _paths, _tiling
+from ._errors import see
 from ._layout import axis_names
 from ._memory_kinds import is_arraylike, is_host, to_space
 
@@ -37,13 +39,13 @@ def check_unsplit(unsplit: Any, microbatches: Any, where: str) -> tuple[int, ...
         isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in unsplit
     ):
         raise TypeError(
-            f"{where}: `unsplit` must be a sequence of batch argument positions "
-            f"(0 for the first argument after the optimizer state), got {unsplit!r}."
+            f"{where}: `unsplit` must be batch argument positions, got {unsplit!r}. "
+            "Position 0 is the argument after `opt_state`."
         )
     if unsplit and microbatches == 1:
         raise ValueError(
             f"{where}: `unsplit={tuple(unsplit)!r}` has no effect without "
-            "`microbatches`; drop it, or give `microbatches=k` with k > 1."
+            "`microbatches`. Drop it, or give `microbatches=k` with k > 1." + see(86)
         )
     return tuple(unsplit)
 
@@ -58,14 +60,17 @@ def _parts(x: Any) -> int:
 
 
 def check(batch: tuple, k: int, unsplit: tuple[int, ...], where: str) -> None:
-    """Raises, naming the argument and the fix, unless every array of the batch
-    arguments not in `unsplit` splits into `k` micro-batches (each of whole
-    blocks, for an array laid out over a mesh)."""
+    """Raises unless every batch array splits into `k` micro-batches.
+
+    The arguments in `unsplit` are not split. An array laid out over a mesh must
+    split into micro-batches of whole blocks. The error names the argument and
+    the fix.
+    """
     for i in unsplit:
         if i >= len(batch):
             raise ValueError(
                 f"{where}: `unsplit` names batch argument {i}, but the step was "
-                f"given {len(batch)} batch argument(s)."
+                f"given {len(batch)} batch argument(s)." + see(86)
             )
     for position, arg in enumerate(batch):
         if position in unsplit:
@@ -78,9 +83,8 @@ def check(batch: tuple, k: int, unsplit: tuple[int, ...], where: str) -> None:
             name += f" ({leaf.path})" if leaf.path else ""
             if x.ndim == 0:
                 raise ValueError(
-                    f"{where}: {name} is a scalar, with no leading axis to split into "
-                    f"{k} micro-batches; pass it whole to every micro-batch with "
-                    f"`unsplit=({position},)`."
+                    f"{where}: {name} is a scalar, which cannot be split into {k} "
+                    f"micro-batches. Pass it whole: `unsplit=({position},)`." + see(85)
                 )
             parts = _parts(x)
             if x.shape[0] % (k * parts):
@@ -89,15 +93,17 @@ def check(batch: tuple, k: int, unsplit: tuple[int, ...], where: str) -> None:
                     f"{where}: {name} has leading axis {x.shape[0]}{laid}, which does "
                     f"not split into {k} micro-batches"
                     + (" of whole blocks" if parts > 1 else "")
-                    + f"; give a batch whose size is a multiple of {k * parts}, "
-                    "another `microbatches`, or pass the argument whole with "
-                    f"`unsplit=({position},)`."
+                    + f". Give a batch whose size is a multiple of {k * parts}, "
+                    "another `microbatches`, or pass it whole with "
+                    f"`unsplit=({position},)`." + see(87 if parts > 1 else 84)
                 )
 
 
 def split(batch: tuple, k: int, unsplit: tuple[int, ...]) -> tuple:
-    """The batch arguments with a leading axis of `k` micro-batches (scan
-    inputs), None for the arguments in `unsplit` (passed whole to each)."""
+    """The batch arguments with a leading axis of `k` micro-batches: scan inputs.
+
+    The arguments in `unsplit` are None: they are passed whole to each.
+    """
 
     def strided(x: Any) -> Any:
         if not is_arraylike(x):

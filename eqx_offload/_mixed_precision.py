@@ -1,15 +1,16 @@
-"""Mixed precision, `Policy(compute_dtype=...)`: the master parameters keep their
-dtype (fp32) where the policy puts them, and the loss computes with a
-`compute_dtype` (bf16) view of them.
+"""Mixed precision, `Policy(compute_dtype=...)`.
+
+The master parameters keep their dtype (fp32) where the policy puts them. The loss
+computes with a `compute_dtype` (bf16) view of them.
 
 Host memory cannot be computed on, so a host-resident parameter cannot be cast
-where it lives: casting on the device would move the fp32 master there first. Each
-such parameter gets a persistent *compute copy* in the compute dtype, kept in the
-optimizer state: the optimizer is wrapped (`with_compute_copies`) so that its
-update also writes the new parameter's copy, piece by piece in the streamed
-update, next to the new master. The loss then reads the copies, and half the bytes
-move to the device. Parameters on the device are cast where the loss uses them
-(`_grad_taps.tap`), with no copy.
+where it lives. Casting on the device would move the fp32 master there first. So
+each such parameter gets a persistent *compute copy* in the compute dtype, kept in
+the optimizer state. The optimizer is wrapped (`with_compute_copies`) so that its
+update also writes the new parameter's copy next to the new master; the streamed
+update writes it piece by piece. The loss then reads the copies, and half the
+bytes move to the device. Parameters on the device are cast where the loss uses
+them (`_grad_taps.tap`), with no copy.
 """
 
 from typing import Any, NamedTuple
@@ -20,14 +21,24 @@ import optax
 from jaxtyping import PyTree
 
 from . import _paths
+from ._errors import see
 from ._memory_kinds import is_arraylike, is_masked, kind_of
 from ._policy import Policy
 
 
+_STATE_FOR_POLICY = (
+    "Build it for this policy with "
+    "`eqx_offload.init_opt_state(optimizer, model, policy)`, or restore it with "
+    "`eqx_offload.load(..., policy)`."
+)
+
+
 class ComputeCopyState(NamedTuple):
-    """The optimizer state under `Policy(compute_dtype=...)`: the wrapped
-    optimizer's own state, and the compute-dtype copy of every host-resident
-    parameter (`optax.MaskedNode()` for the others)."""
+    """The optimizer state under `Policy(compute_dtype=...)`.
+
+    `inner` is the wrapped optimizer's own state. `copies` holds the compute-dtype
+    copy of every host-resident parameter, and `optax.MaskedNode()` for the others.
+    """
 
     inner: PyTree
     copies: PyTree
@@ -38,14 +49,18 @@ def _floating(x: Any) -> bool:
 
 
 def _kept(path: str, policy: Policy) -> bool:
-    """Whether a `keep_dtype` pattern matches the leaf path or a dotted prefix of
-    it (as `params` patterns do: `"head"` keeps every leaf under `head`)."""
+    """Whether a `keep_dtype` pattern matches the leaf path or a dotted prefix of it.
+
+    This is as `params` patterns match: `"head"` keeps every leaf under `head`.
+    """
     return any(_paths.prefix_match(p, path) is not None for p in policy.keep_dtype)
 
 
 def compute_dtypes(params: PyTree, policy: Policy) -> list[Any]:
-    """The dtype the loss computes with for each array leaf of `params` (the
-    trainable part of the model), in `jax.tree.leaves` order."""
+    """The dtype the loss computes with, for each array leaf of `params`.
+
+    `params` is the trainable part of the model; the order is `jax.tree.leaves`'.
+    """
     out = []
     for leaf in _paths.leaves(params):
         x = leaf.value
@@ -58,8 +73,10 @@ def compute_dtypes(params: PyTree, policy: Policy) -> list[Any]:
 
 
 def copy_mask(params: PyTree, policy: Policy) -> PyTree:
-    """`params` with each array leaf replaced by whether it gets a compute copy:
-    host-resident, and computed with in another dtype."""
+    """`params` with each array leaf replaced by whether it gets a compute copy.
+
+    A leaf gets one if it is host-resident and computed with in another dtype.
+    """
     dtypes = iter(compute_dtypes(params, policy))
 
     def wants(x: Any) -> bool:
@@ -76,7 +93,7 @@ def check_keep_dtype(params: PyTree, policy: Policy, where: str) -> None:
         if not any(_paths.prefix_match(pattern, p) is not None for p in paths):
             raise ValueError(
                 f"{where}: `Policy(keep_dtype=...)` has {pattern!r}, which matches no "
-                f"trainable leaf; leaves include {_paths.quoted(paths, 5)}."
+                f"trainable leaf. Leaves include {_paths.quoted(paths, 5)}." + see(91)
             )
 
 
@@ -88,9 +105,11 @@ def _cast(x: Any, dtype: Any) -> Any:
 def with_compute_copies(
     optimizer: optax.GradientTransformation, mask: PyTree, dtype: Any
 ) -> optax.GradientTransformation:
-    """`optimizer`, whose state also holds a `dtype` copy of each parameter `mask`
-    selects, which its update rewrites from the new parameter: `params + updates`,
-    the value `eqx.apply_updates` gives."""
+    """`optimizer`, whose state also holds `dtype` copies of the parameters in `mask`.
+
+    Its update rewrites each copy from the new parameter, `params + updates`: the
+    value `eqx.apply_updates` gives.
+    """
 
     def init(params: PyTree) -> ComputeCopyState:
         copies = jtu.tree_map(
@@ -103,8 +122,8 @@ def with_compute_copies(
     ) -> tuple[PyTree, ComputeCopyState]:
         if params is None:
             raise ValueError(
-                "`Policy(compute_dtype=...)`: the optimizer update needs the "
-                "parameters, to write their compute copies."
+                "`Policy(compute_dtype=...)`: pass `params` to the optimizer update, "
+                "which writes the compute copies from them."
             )
         grads = jtu.tree_map(lambda g, p: g.astype(p.dtype), grads, params)
         updates, inner = optimizer.update(grads, state.inner, params)
@@ -121,8 +140,10 @@ def with_compute_copies(
 def for_policy(
     optimizer: optax.GradientTransformation, params: PyTree, policy: Policy
 ) -> optax.GradientTransformation:
-    """The optimizer a step runs for `policy`: wrapped to keep compute copies when
-    some parameter needs one, else `optimizer` itself."""
+    """The optimizer a step runs for `policy`.
+
+    It is wrapped to keep compute copies when some parameter needs one.
+    """
     if policy.compute_dtype is None:
         return optimizer
     mask = copy_mask(params, policy)
@@ -132,29 +153,25 @@ def for_policy(
 
 
 def check_state(wants: bool, opt_state: PyTree, where: str) -> None:
-    """Raises if `opt_state` has compute copies and the step keeps none (`wants`),
-    or the other way round."""
+    """Raises unless `opt_state` has compute copies just when the step `wants` them."""
     has = isinstance(opt_state, ComputeCopyState)
     if wants and not has:
         raise ValueError(
-            f"{where}: `Policy(compute_dtype=...)` keeps a compute copy of each "
-            "host-resident parameter in the optimizer state, and this state has "
-            "none (it was built for a policy without `compute_dtype`). Build it "
-            "with `eqx_offload.init_opt_state(optimizer, model, policy)` for this "
-            "policy, or restore it with `eqx_offload.load(..., policy)`."
+            f"{where}: `Policy(compute_dtype=...)` keeps compute copies in the "
+            "optimizer state, and this state has none. " + _STATE_FOR_POLICY + see(92)
         )
     if has and not wants:
         raise ValueError(
-            f"{where}: this optimizer state holds compute copies "
-            "(`eqx_offload.ComputeCopyState`), but the policy has no "
-            "`compute_dtype` (or no host-resident parameter to copy); use the "
-            "policy it was built for, or keep just `opt_state.inner`."
+            f"{where}: the optimizer state holds compute copies (`ComputeCopyState`) "
+            "the policy does not keep. Use its policy, or `opt_state.inner`." + see(92)
         )
 
 
 def sources(model: PyTree, params: PyTree, opt_state: PyTree) -> PyTree:
-    """`model` with each parameter that has a compute copy in `opt_state` replaced
-    by the copy: what the loss reads."""
+    """`model` with each parameter that has a compute copy replaced by the copy.
+
+    This is what the loss reads.
+    """
     if not isinstance(opt_state, ComputeCopyState):
         return model
     copies = jtu.tree_leaves(opt_state.copies, is_leaf=is_masked)

@@ -11,6 +11,7 @@ import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
 from . import _checkpoint_name_log, _layout, _paths, _tiling
+from ._errors import see
 from ._memory_kinds import is_arraylike, is_host
 from ._warn import warn_at_caller
 
@@ -18,12 +19,30 @@ from ._warn import warn_at_caller
 _Layer = TypeVar("_Layer")
 _Carry = TypeVar("_Carry")
 
+_PASS_THE_MODEL = (
+    "Pass the model (every half of an `eqx.partition`ed model) as arguments: "
+    "`filter_offload(loss_fn, policy)(model, *batch)`."
+)
+_RUN_INSIDE = (
+    "Its scan moves one layer at a time to the device, without `jax.checkpoint` or "
+    "offloading, and the model's other host-resident leaves cannot be computed on "
+    "here. To evaluate or sample, call the model inside "
+    "`eqx.filter_jit(eo.filter_offload(fn, policy))`. If it fits, put it on the "
+    "device with `eo.place(model, eo.Policy(params='device'))`."
+)
+_USE_SCAN = (
+    "For a layer that also returns its own output (a KV cache), use `stacked.scan`: "
+    "`x, caches = stacked.scan(lambda layer, x, _: layer(x), x)`."
+)
+
 
 class AbstractScan(eqx.Module):
-    """How a `Stacked` configured by `filter_offload` scans its layers: the
-    transform's scan body (`_scan_body.ScanConfig`, its only implementation), kept
-    out of the container. A static field of the configured view, so it is hashable
-    and part of the treedef (every trace cache keys on it)."""
+    """How a `Stacked` configured by `filter_offload` scans its layers.
+
+    This is the transform's scan body, kept out of the container. Its only
+    implementation is `_scan_body.ScanConfig`. It is a static field of the
+    configured view: hashable, and part of the treedef every trace cache keys on.
+    """
 
     path: eqx.AbstractVar[str]
 
@@ -31,8 +50,11 @@ class AbstractScan(eqx.Module):
     def scan(
         self, f: Callable, carry: Any, dynamic: Any, static: Any, xs: Any, length: int
     ) -> tuple[Any, Any]:
-        """`jax.lax.scan` of `f` over the layers (`dynamic` their arrays, each host
-        slice on the device as its layer is reached) with the policy applied."""
+        """`jax.lax.scan` of `f` over the layers, with the policy applied.
+
+        `dynamic` are the layers' arrays. Each host slice goes to the device as its
+        layer is reached.
+        """
 
     @abc.abstractmethod
     def check_slice(self, layers: Any, how: str) -> None:
@@ -44,20 +66,22 @@ class AbstractScan(eqx.Module):
 
 
 class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
-    """N structurally identical layers, stored as one layer whose array leaves have a
-    leading axis of size N, and applied in order with `jax.lax.scan`.
+    """N structurally identical layers, applied in order with `jax.lax.scan`.
 
-    Scanning keeps compile time independent of depth, and it is what lets
-    `filter_offload` move one layer's parameters to the device at a time (a Python
-    loop over layers would keep all of them there). The layer axis is axis 0: XLA
+    The layers are stored as one layer whose array leaves have a leading axis of
+    size N. Scanning keeps compile time independent of depth. It also lets
+    `filter_offload` move one layer's parameters to the device at a time; a Python
+    loop over layers would keep all of them there. The layer axis is axis 0: XLA
     offloads parameters only when scanning over axis 0.
 
-    Outside `filter_offload`, calling a `Stacked` is a plain `lax.scan` (host-resident
-    layer slices are still moved to the device one at a time, with a warning: a
-    host-resident model is run with `eqx.filter_jit(eo.filter_offload(fn, policy))`,
-    see the how-to "Evaluate and sample"). Inside, the transform
-    substitutes a configured view, itself a `Stacked`, that also names the carry
-    entering each layer `"<path>.input"` and applies the policy's `jax.checkpoint`.
+    Outside `filter_offload`, this is a plain `lax.scan`. Host-resident layers are
+    still moved to the device one at a time, with a warning. Run a host-resident
+    model with `eqx.filter_jit(eo.filter_offload(fn, policy))`, as the how-to
+    "Evaluate and sample" shows.
+
+    Inside `filter_offload`, the transform substitutes a configured view, itself a
+    `Stacked`. The view names the carry entering each layer `"<path>.input"`, and
+    applies the policy's `jax.checkpoint`.
 
     !!! Example
 
@@ -77,7 +101,7 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
         - `layers`: one layer whose array leaves all have the same leading (layer)
             axis. Usually built with `Stacked.from_fn` or `Stacked.from_layers`.
 
-        (`_scan` is private: the configuration `filter_offload` gives its view.)
+        `_scan` is private: the configuration `filter_offload` gives its view.
         """
         self.layers = layers
         self._scan = _scan
@@ -94,22 +118,20 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
         ]
         if not sizes:
             raise ValueError(
-                "`Stacked(layers)` needs at least one array leaf, to know how many "
-                "layers there are."
+                "`Stacked(layers)` needs at least one array leaf to count its layers."
             )
         first_path, n = sizes[0]
         if n == 0:
             raise ValueError(
-                f"`Stacked(layers)` has no layers (leaf {first_path!r} has leading "
-                "axis 0, e.g. from `stacked[0:0]`); a `Stacked` needs at least one "
-                "layer: skip applying an empty range of layers instead."
+                f"`Stacked(layers)` has no layers: leaf {first_path!r} has leading "
+                "axis 0. Skip applying an empty range of layers." + see(6)
             )
         for path, size in sizes:
             if size is None or size != n:
                 raise ValueError(
                     f"`Stacked(layers)`: leaf {path!r} has leading axis {size} but "
-                    f"{first_path!r} has {n}; every array leaf needs the layer axis "
-                    "first. Build it with `Stacked.from_fn` or `Stacked.from_layers`."
+                    f"{first_path!r} has {n}. Build it with `Stacked.from_fn` or "
+                    "`Stacked.from_layers`." + see(3)
                 )
 
     @classmethod
@@ -131,15 +153,16 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
         """
         if not isinstance(n, int) or n < 1:
             raise ValueError(
-                f"`Stacked.from_fn(n=...)` must be a positive int, got {n!r}."
+                f"`Stacked.from_fn(n=...)` must be a positive int, got {n!r}." + see(4)
             )
         keys = jax.random.split(key, n)
         return cls(eqx.filter_vmap(make_layer)(keys))
 
     @classmethod
     def from_layers(cls, layers: Sequence[_Layer]) -> "Stacked[_Layer]":
-        """Stacks existing layers, which must have the same structure, shapes and
-        dtypes (and equal non-array fields).
+        """Stacks existing layers of one structure, shape and dtype per leaf.
+
+        Their non-array fields must be equal too.
 
         **Arguments:**
 
@@ -155,7 +178,9 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
         """
         layers = list(layers)
         if not layers:
-            raise ValueError("`Stacked.from_layers(layers)` needs at least one layer.")
+            raise ValueError(
+                "`Stacked.from_layers(layers)` needs at least one layer." + see(2)
+            )
         for i, layer in enumerate(layers[1:], start=1):
             _check_same_layer(layers[0], layer, i)
 
@@ -182,8 +207,8 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
             how = f"`{self._where()}[{_slice_text(index)}]`"
             if not range(n)[index]:
                 raise IndexError(
-                    f"{how} selects no layers of {n}; a `Stacked` needs at least "
-                    "one: skip applying an empty range."
+                    f"{how} selects no layers of {n}. Skip applying an empty range."
+                    + see(5)
                 )
             if self._scan is not None:
                 self._scan.check_slice(self.layers, how)
@@ -193,11 +218,12 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
         return self._layer(index, f"`{self._where()}[{index}]`")
 
     def __iter__(self) -> Iterator[_Layer]:
-        """The layers, one at a time (each an instance of the layer's class).
+        """The layers, one at a time, each an instance of the layer's class.
 
-        Inside `filter_offload` (and `train_step`), iterating bypasses the scan:
-        host-resident layers are an error, and under a policy that asks for
-        rematerialisation or offloading a warning says that none applies."""
+        Inside `filter_offload` and `train_step`, iterating bypasses the scan.
+        Host-resident layers are then an error. Under a policy that asks for
+        rematerialisation or offloading, a warning says that none applies.
+        """
         how = f"`for layer in {self._where()}`"
         return (self._layer(i, how) for i in range(len(self)))
 
@@ -223,11 +249,12 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
         - `x`: the carry (an array or pytree); each layer returns one of the same
             structure, shapes and dtypes.
         - `*args`, `**kwargs`: passed unchanged to every layer (e.g. a mask).
-        - `key`: if given, split into one key per layer (`jax.random.split(key,
-            n)`) and passed as `key=` (e.g. for `eqx.nn.Dropout`). A per-layer
-            loop that chains `key, k = jax.random.split(key)` draws other keys;
-            to keep its chain, carry the key through `scan` (docs: concepts,
-            "Dropout keys when porting a loop").
+        - `key`: if given, split into one key per layer with
+            `jax.random.split(key, n)`, and passed as `key=` (e.g. for
+            `eqx.nn.Dropout`). A per-layer loop that chains
+            `key, k = jax.random.split(key)` draws other keys. To keep its chain,
+            carry the key through `scan`, as the concepts page shows ("Dropout keys
+            when porting a loop").
 
         **Returns:**
 
@@ -251,8 +278,9 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
         carry: _Carry,
         xs: PyTree = None,
     ) -> tuple[_Carry, PyTree]:
-        """The general form: `carry, y = f(layer, carry, x)` for each layer and the
-        matching slice `x` of `xs`, as `jax.lax.scan`.
+        """The general form, as `jax.lax.scan`: `carry, y = f(layer, carry, x)`.
+
+        `f` runs for each layer, with the matching slice `x` of `xs`.
 
         **Arguments:**
 
@@ -271,11 +299,10 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
             return self._scan.scan(f, carry, dynamic, static, xs, len(self))
         elif _checkpoint_name_log.is_inside():
             raise ValueError(
-                "A `Stacked` without the configuration `filter_offload` gives it was "
-                "applied inside a `filter_offload` function: it was closed over, or "
-                "rebuilt inside the function, so the policy cannot apply to it. Pass "
-                "the model (every half of an `eqx.partition`ed model) as arguments: "
-                "`filter_offload(loss_fn, policy)(model, *batch)`."
+                "A `Stacked` inside a `filter_offload` function is not configured: "
+                "it was closed over, or rebuilt inside the function. "
+                + _PASS_THE_MODEL
+                + see(31)
             )
         else:
             _warn_host_outside(self.layers)
@@ -284,10 +311,12 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
 
 
 def _warn_host_outside(layers: Any) -> None:
-    """A `Stacked` with host-resident layers applied outside `filter_offload` works
-    (its scan moves them to the device one layer at a time), but it is usually a
-    host-resident model run outside the step, whose other host-resident leaves
-    cannot be computed on there, and no policy applies to it."""
+    """Warns when a `Stacked` with host-resident layers runs outside `filter_offload`.
+
+    It works: its scan moves them to the device one layer at a time. But it is
+    usually a host-resident model run outside the step. No policy applies to it,
+    and its other host-resident leaves cannot be computed on there.
+    """
     host = [
         leaf.path
         for leaf in _paths.leaves(layers)
@@ -295,22 +324,18 @@ def _warn_host_outside(layers: Any) -> None:
     ]
     if host:
         warn_at_caller(
-            "A `Stacked` whose layers are host-resident "
-            f"({_paths.quoted(host, 3)}) is applied outside `filter_offload`: its "
-            "scan moves them to the device one layer at a time, but no `Policy` "
-            "applies (no `jax.checkpoint`, no offloading: under a gradient every "
-            "layer's activations stay on the device), and the model's other "
-            "host-resident leaves cannot be computed on here (JAX: `memory_space of "
-            "all inputs passed to ... must be the same`). To evaluate or sample, "
-            "call the model inside `eqx.filter_jit(eo.filter_offload(fn, policy))`; "
-            "or, if it fits, put it on the device with "
-            "`eo.place(model, eo.Policy(params='device'))`."
+            f"A `Stacked` whose layers are host-resident ({_paths.quoted(host, 3)}) "
+            "is applied outside `filter_offload`, so no `Policy` applies. "
+            + _RUN_INSIDE
+            + see(106)
         )
 
 
 def _check_carry(carry: PyTree, out: PyTree) -> None:
-    """Raises if a layer applied by `Stacked.__call__` returns something other than
-    a carry like the one it took (e.g. `(x, cache)`)."""
+    """Raises unless a layer returned a carry like the one it took.
+
+    A layer returning `(x, cache)` is the usual mistake.
+    """
     same = jtu.tree_structure(carry) == jtu.tree_structure(out) and all(
         jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) == jnp.result_type(b)
         for a, b in zip(jtu.tree_leaves(carry), jtu.tree_leaves(out))
@@ -324,13 +349,12 @@ def _check_carry(carry: PyTree, out: PyTree) -> None:
         )
         return str(shapes).replace("ShapeDtypeStruct", "")
 
+    changed = jtu.tree_structure(carry) != jtu.tree_structure(out)
     raise TypeError(
-        "`Stacked.__call__` feeds each layer's output to the next, so a layer must "
-        f"return what it takes: it took {describe(carry)} and returned "
-        f"{describe(out)}. For layers that also return something of their own (a "
-        "KV cache, attention weights), use `stacked.scan`: `x, caches = "
-        "stacked.scan(lambda layer, x, _: layer(x), x)` returns the final carry and "
-        "the per-layer outputs stacked."
+        "`Stacked.__call__`: a layer must return what it takes, but it took "
+        f"{describe(carry)} and returned {describe(out)}. "
+        + _USE_SCAN
+        + see(7 if changed else 8)
     )
 
 
@@ -348,24 +372,25 @@ def _check_same_layer(layer0: Any, layer: Any, i: int) -> None:
         if a.path != b.path:
             raise ValueError(
                 f"{where}: layer {i} differs in structure from layer 0: leaf "
-                f"{a.path!r} in layer 0 is {b.path!r} in layer {i}."
+                f"{a.path!r} in layer 0 is {b.path!r} in layer {i}." + see(1)
             )
         if is_arraylike(a.value) != is_arraylike(b.value):
             raise ValueError(
                 f"{where}: leaf {a.path!r} is an array in one of layers 0 and {i} but "
-                "not in the other."
+                "not in the other." + see(1)
             )
         if is_arraylike(a.value):
             if (a.value.shape, a.value.dtype) != (b.value.shape, b.value.dtype):
                 raise ValueError(
                     f"{where}: leaf {a.path!r} is {a.value.dtype}{list(a.value.shape)} "
                     f"in layer 0 but {b.value.dtype}{list(b.value.shape)} in layer {i}."
+                    + see(1)
                 )
         elif not _same(a.value, b.value):
             raise ValueError(
                 f"{where}: non-array leaf {a.path!r} is {a.value!r} in layer 0 but "
-                f"{b.value!r} in layer {i}; every layer must share its non-array "
-                "fields."
+                f"{b.value!r} in layer {i}. Layers share their non-array fields."
+                + see(1)
             )
     if len(first) != len(other):
         extra = (first if len(first) > len(other) else other)[
@@ -373,13 +398,12 @@ def _check_same_layer(layer0: Any, layer: Any, i: int) -> None:
         ]
         raise ValueError(
             f"{where}: layer {i} differs in structure from layer 0 at leaf "
-            f"{extra.path!r}, which only one of them has."
+            f"{extra.path!r}, which only one of them has." + see(1)
         )
     if jtu.tree_structure(layer) != jtu.tree_structure(layer0):
         raise ValueError(
-            f"{where}: layer {i} differs from layer 0 in a static field (their "
-            f"pytree structures differ: {jtu.tree_structure(layer0)} vs "
-            f"{jtu.tree_structure(layer)})."
+            f"{where}: layer {i} differs from layer 0 in a static field: "
+            f"{jtu.tree_structure(layer0)} vs {jtu.tree_structure(layer)}." + see(1)
         )
 
 
@@ -400,9 +424,12 @@ def map_arrays(fn: Callable[[Any], Any], tree: Any) -> Any:
 
 
 def whole_to_device(x: Any) -> Any:
-    """A host-resident stacked leaf that the TPU compiler cannot slice one layer at
-    a time on the host (`_tiling.slices_by_layer`: a per-layer scalar or vector,
-    such as a bias) goes to the device whole, before the scan; it is small."""
+    """A host-resident stacked leaf the TPU compiler cannot slice, on the device.
+
+    Such a leaf is a per-layer scalar or vector, such as a bias
+    (`_tiling.slices_by_layer`). It is small, and goes to the device whole,
+    before the scan.
+    """
     if eqx.is_array(x) and is_host(x) and not _tiling.slices_by_layer(x.shape):
         return jax.device_put(x, jax.memory.Space.Device)
     return x
@@ -417,10 +444,12 @@ def to_device(layer_arrays: Any) -> Any:
 
 
 def keep_carry_sharding(new: Any, old: Any) -> Any:
-    """Under a mesh with `Explicit` axes, a layer's output carry resharded to its
-    input's sharding: a scan carry must keep its type, and a layer whose weights
-    are sharded (FSDP, tensor parallelism) changes the sharding of what it
-    computes. Under `Auto` axes the partitioner does this by itself."""
+    """A layer's output carry, resharded to its input's under `Explicit` axes.
+
+    A scan carry must keep its type. A layer whose weights are sharded (FSDP,
+    tensor parallelism) changes the sharding of what it computes. Under `Auto`
+    axes the partitioner reshards by itself.
+    """
     if not _layout.explicit_axes():
         return new
 

@@ -360,7 +360,7 @@ def test_a_batch_that_does_not_split_into_micro_batches_is_named(getkey):
     with pytest.raises(
         ValueError,
         match=r"`verify\(microbatches=4\)` on the whole batch: batch argument 0 has "
-        r"leading axis 3, which does not split into 4 micro-batches; give a batch "
+        r"leading axis 3, which does not split into 4 micro-batches\. Give a batch "
         r"whose size is a multiple of 4",
     ):
         eo.verify(
