@@ -1,7 +1,7 @@
 """Models and references shared by the tests."""
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import equinox as eqx
 import jax
@@ -73,6 +73,91 @@ class ReferenceModel(eqx.Module):
 
 def as_reference(model: Model) -> ReferenceModel:
     return ReferenceModel(model.embed, list(model.blocks), model.head)
+
+
+class MLPBlock(eqx.Module):
+    """Residual MLP on a vector: `x + fc2(gelu(fc1(x)))`."""
+
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+
+    def __init__(self, width: int, hidden: int, *, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        self.fc1 = eqx.nn.Linear(width, hidden, key=k1)
+        self.fc2 = eqx.nn.Linear(hidden, width, key=k2)
+
+    def __call__(self, x: Float[Array, " width"]) -> Float[Array, " width"]:
+        return x + self.fc2(jax.nn.gelu(self.fc1(x)))
+
+
+class StackedNet(eqx.Module):
+    """`depth` layers made by `layer(key)` in a `Stacked`, then a linear head.
+
+    With `head=(width, out)` the key is split between the layers and the head;
+    with `head=None` the layers get the whole key and there is no head.
+    """
+
+    blocks: eo.Stacked
+    head: eqx.nn.Linear | None
+
+    def __init__(
+        self,
+        layer: Callable[[PRNGKeyArray], eqx.Module],
+        depth: int,
+        head: tuple[int, int] | None = None,
+        *,
+        key: PRNGKeyArray,
+    ):
+        if head is None:
+            self.blocks = eo.Stacked.from_fn(layer, depth, key=key)
+            self.head = None
+        else:
+            k1, k2 = jax.random.split(key)
+            self.blocks = eo.Stacked.from_fn(layer, depth, key=k1)
+            self.head = eqx.nn.Linear(*head, key=k2)
+
+    def __call__(self, x: Float[Array, " width"]) -> Float[Array, " out"]:
+        x = self.blocks(x)
+        return x if self.head is None else self.head(x)
+
+
+class TanhBlock(eqx.Module):
+    """Residual layer of one matrix: `x + tanh(x @ weight)`."""
+
+    weight: jax.Array
+
+    def __call__(self, x: Array) -> Array:
+        return x + jnp.tanh(x @ self.weight)
+
+
+class ProjectedStack(eqx.Module):
+    """An input projection, then stacked `TanhBlock`s: `blocks(x @ w_in)`."""
+
+    w_in: jax.Array
+    blocks: eo.Stacked[TanhBlock]
+
+    def __call__(self, x: Array) -> Array:
+        return self.blocks(x @ self.w_in)
+
+
+class TableLM(eqx.Module):
+    """Bare tables around stacked `TanhBlock`s: `blocks(embed[tokens]) @ head.T`."""
+
+    embed: jax.Array  # [vocab, dim]
+    blocks: eo.Stacked[TanhBlock]
+    head: jax.Array  # [vocab, dim]
+
+    def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+        return self.blocks(self.embed[tokens]) @ self.head.T
+
+
+class Outer(eqx.Module):
+    """A layer that holds a `Stacked` (field `inner`): a stack of stacks."""
+
+    inner: eo.Stacked
+
+    def __call__(self, x: Array) -> Array:
+        return self.inner(x)
 
 
 def cross_entropy(model, tokens, targets):
@@ -181,9 +266,10 @@ def assert_trees_close(
     so it moves every element by about `lr` a step whatever the gradient's size.
     Where a gradient is near zero, its float32 rounding is large beside it, and the
     normalisation turns it into an error that is a fraction of `lr`, however small
-    the parameter (design notes, "JAX facts relied on"). How large a fraction depends on the CPU: after
-    10 AdamW steps at `lr=1e-2` an AVX2 machine put one element of 1024 1.19e-5
-    relative from the reference, past `rtol=1e-5, atol=1e-7` (design notes, "JAX facts relied on").
+    the parameter (design notes, "JAX facts relied on"). How large a fraction
+    depends on the CPU: after 10 AdamW steps at `lr=1e-2` an AVX2 machine put one
+    element of 1024 1.19e-5 relative from the reference, past `rtol=1e-5,
+    atol=1e-7` (design notes, "JAX facts relied on").
     Measured on an AVX-512 machine in the suite's comparisons, with XLA's
     instruction set also capped at AVX2 and at SSE4.2 (no FMA): ours differ from
     the reference by at most 8.6e-7, 8.6e-6 x lr x steps (`test_train_step`'s L2
@@ -208,6 +294,29 @@ def assert_trees_close(
             atol=atol,
             err_msg=f"leaf {jax.tree_util.keystr(path)}",
         )
+
+
+def bits(tree: PyTree) -> list[np.ndarray]:
+    """The bytes of each array leaf, in order (a PRNG key's by its key data)."""
+    out = []
+    for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        out.append(np.asarray(x).reshape(-1).view(np.uint8))
+    return out
+
+
+def assert_trees_equal(ours: PyTree, reference: PyTree) -> None:
+    """`ours` equals `reference` bit for bit: as many array leaves, in order, each
+    with the same shape, dtype and bytes. For copies: saved and loaded, ported,
+    placed. (Values computed another way compare with `assert_trees_close`.)"""
+    ours_leaves = jax.tree.leaves_with_path(eqx.filter(ours, eqx.is_array))
+    reference_leaves = jax.tree.leaves(eqx.filter(reference, eqx.is_array))
+    assert len(ours_leaves) == len(reference_leaves), "not as many array leaves"
+    for (path, x), y in zip(ours_leaves, reference_leaves):
+        where = f"leaf {jax.tree_util.keystr(path)}"
+        assert (x.shape, x.dtype) == (y.shape, y.dtype), where
+        np.testing.assert_array_equal(bits(x)[0], bits(y)[0], err_msg=where)
 
 
 def memory_kind(x) -> str:

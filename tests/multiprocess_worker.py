@@ -46,29 +46,21 @@ from jaxtyping import Array, Float, PRNGKeyArray  # noqa: E402
 
 import eqx_offload as eo  # noqa: E402
 
-from .helpers import CountCompiles  # noqa: E402
+from .helpers import CountCompiles, StackedNet  # noqa: E402
 
 
 DIM, HIDDEN, DEPTH, BATCH = 16, 32, 3, 8
 MESH = jax.make_mesh((4,), ("fsdp",), axis_types=(AxisType.Auto,))
 
 
-class Model(eqx.Module):
-    blocks: eo.Stacked[eqx.nn.MLP]
-    head: eqx.nn.Linear
-
-    def __init__(self, *, key: PRNGKeyArray):
-        k1, k2 = jax.random.split(key)
-        self.blocks = eo.Stacked.from_fn(
-            lambda k: eqx.nn.MLP(DIM, DIM, HIDDEN, 1, key=k), DEPTH, key=k1
-        )
-        self.head = eqx.nn.Linear(DIM, 1, key=k2)
-
-    def __call__(self, x: Float[Array, " dim"]) -> Float[Array, " 1"]:
-        return self.head(self.blocks(x))
+def make_model(*, key: PRNGKeyArray) -> StackedNet:
+    """`DEPTH` MLPs in a `Stacked`, then a linear head to 1 output."""
+    return StackedNet(
+        lambda k: eqx.nn.MLP(DIM, DIM, HIDDEN, 1, key=k), DEPTH, (DIM, 1), key=key
+    )
 
 
-def loss_fn(model: Model, x: Float[Array, "b dim"], y: Float[Array, "b 1"]):
+def loss_fn(model: StackedNet, x: Float[Array, "b dim"], y: Float[Array, "b 1"]):
     return jnp.mean((jax.vmap(model)(x) - y) ** 2)
 
 
@@ -103,7 +95,7 @@ def main() -> None:
     policy = eo.Policy.offload_all(shard=eo.FSDP("fsdp", min_size=0))
     optimizer = optax.adamw(1e-2)
     with jax.set_mesh(MESH):
-        model = eo.place(Model(key=jax.random.key(0)), policy)
+        model = eo.place(make_model(key=jax.random.key(0)), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = CountCompiles(eo.train_step(loss_fn, optimizer, policy))
     losses = []
@@ -118,7 +110,7 @@ def main() -> None:
     directory = os.path.join(OUTDIR, "checkpoint")
     saved_layouts = layouts((model, opt_state))
     eo.save(directory, model, opt_state, step=4)
-    abstract = eqx.filter_eval_shape(Model, key=jax.random.key(0))
+    abstract = eqx.filter_eval_shape(make_model, key=jax.random.key(0))
     abstract = eo.place(abstract, policy, mesh=MESH)
     like = (abstract, eo.init_opt_state(optimizer, abstract, policy))
     restored, restored_state, saved_step = eo.load(directory, like, policy)
@@ -139,7 +131,7 @@ def main() -> None:
     result["verified"] = report.passed
     # An abstract model without shardings would be restored on one process's
     # device only: refused on every process, before orbax is asked.
-    bare = eqx.filter_eval_shape(Model, key=jax.random.key(0))
+    bare = eqx.filter_eval_shape(make_model, key=jax.random.key(0))
     try:
         eo.load(directory, (bare, like[1]), eo.Policy.offload_all())
     except ValueError as e:

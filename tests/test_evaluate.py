@@ -15,6 +15,8 @@ import pytest
 
 import eqx_offload as eo
 
+from .helpers import TableLM, TanhBlock
+
 
 POLICY = eo.Policy.offload_all()
 # Both fixes, as every message names them.
@@ -22,31 +24,17 @@ FIX = r"`eqx\.filter_jit\(eo\.filter_offload\(fn, policy\)\)`.*"
 FIX += r"Policy\(params='device'\)"
 
 
-class _Block(eqx.Module):
-    weight: jax.Array
-
-    def __call__(self, x):
-        return x + jnp.tanh(x @ self.weight)
-
-
-class _LM(eqx.Module):
-    embed: jax.Array  # [vocab, dim]
-    blocks: eo.Stacked[_Block]
-    head: jax.Array  # [vocab, dim]
-
-    def __call__(self, tokens):
-        return self.blocks(self.embed[tokens]) @ self.head.T
-
-
 @functools.cache
-def _models() -> tuple[_LM, _LM]:
+def _models() -> tuple[TableLM, TableLM]:
     """The model on the device, and placed by `POLICY` (from NumPy: no compiles)."""
     rng = np.random.default_rng(0)
 
     def normal(*shape):
         return jnp.asarray(rng.normal(size=shape).astype(np.float32) / shape[-1] ** 0.5)
 
-    plain = _LM(normal(16, 8), eo.Stacked(_Block(normal(2, 8, 8))), normal(16, 8))
+    plain = TableLM(
+        normal(16, 8), eo.Stacked(TanhBlock(normal(2, 8, 8))), normal(16, 8)
+    )
     return plain, eo.place(plain, POLICY)
 
 

@@ -14,36 +14,15 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 import eqx_offload as eo
 
-from .helpers import CountCompiles, unchecked
+from .helpers import CountCompiles, MLPBlock, StackedNet, unchecked
 
 
-class Block(eqx.Module):
-    fc1: eqx.nn.Linear
-    fc2: eqx.nn.Linear
-
-    def __init__(self, *, key: PRNGKeyArray):
-        k1, k2 = jax.random.split(key)
-        self.fc1 = eqx.nn.Linear(16, 24, key=k1)
-        self.fc2 = eqx.nn.Linear(24, 16, key=k2)
-
-    def __call__(self, x: Float[Array, " 16"]) -> Float[Array, " 16"]:
-        return x + self.fc2(jax.nn.gelu(self.fc1(x)))
+def make_net(*, key: PRNGKeyArray) -> StackedNet:
+    """8 residual MLPs (16 wide) in a `Stacked`, then a head to 4 outputs."""
+    return StackedNet(lambda k: MLPBlock(16, 24, key=k), 8, (16, 4), key=key)
 
 
-class Net(eqx.Module):
-    blocks: eo.Stacked[Block]
-    head: eqx.nn.Linear
-
-    def __init__(self, *, key: PRNGKeyArray):
-        k1, k2 = jax.random.split(key)
-        self.blocks = eo.Stacked.from_fn(lambda k: Block(key=k), 8, key=k1)
-        self.head = eqx.nn.Linear(16, 4, key=k2)
-
-    def __call__(self, x: Float[Array, " 16"]) -> Float[Array, " 4"]:
-        return self.head(self.blocks(x))
-
-
-def loss_fn(model: Net, x: Float[Array, "n 16"]) -> Float[Array, ""]:
+def loss_fn(model: StackedNet, x: Float[Array, "n 16"]) -> Float[Array, ""]:
     return jnp.mean(jax.vmap(model)(x) ** 2)
 
 
@@ -70,7 +49,7 @@ def _mesh(shape=(4, 2), names=("fsdp", "tp"), axis_type=AxisType.Auto):
 def test_patterns_and_fsdp_shorthand():
     policy = eo.Policy.offload_all(shard=TP)
     with jax.set_mesh(_mesh()):
-        model = eo.place(Net(key=jax.random.key(0)), policy)
+        model = eo.place(make_net(key=jax.random.key(0)), policy)
     specs = _specs(model)
     # A stacked leaf's spec describes one layer; the layer axis is never split.
     assert specs[".blocks.layers.fc1.weight"] == (
@@ -88,23 +67,23 @@ def test_fsdp_leaves_small_and_undivisible_leaves_replicated():
     mesh = _mesh((8,), ("data",))
     with jax.set_mesh(mesh):
         # Below the default `min_size` of 4096 elements per layer: replicated.
-        model = eo.place(Net(key=jax.random.key(0)), eo.Policy(shard="data"))
+        model = eo.place(make_net(key=jax.random.key(0)), eo.Policy(shard="data"))
         assert set(spec for spec, _ in _specs(model).values()) == {()}
         policy = eo.Policy(shard=eo.FSDP("data", min_size=300))
-        specs = _specs(eo.place(Net(key=jax.random.key(0)), policy))
+        specs = _specs(eo.place(make_net(key=jax.random.key(0)), policy))
         # 24 × 16 elements per layer: split along the 24 (8 divides 24 and 16).
         assert specs[".blocks.layers.fc1.weight"][0] == (None, "data")
         assert specs[".head.weight"][0] == ()  # 4 × 16 elements
         policy = eo.Policy(shard=eo.FSDP("data", min_size=0))
         with pytest.warns(UserWarning, match=r"'head\.bias \(4,\)' replicated"):
-            model = eo.place(Net(key=jax.random.key(0)), policy)
+            model = eo.place(make_net(key=jax.random.key(0)), policy)
     assert _specs(model)[".head.bias"][0] == ()
 
 
 def test_init_opt_state_lays_out_state_like_its_parameter():
     policy = eo.Policy.offload_all(shard=TP)
     with jax.set_mesh(_mesh()):
-        model = eo.place(Net(key=jax.random.key(0)), policy)
+        model = eo.place(make_net(key=jax.random.key(0)), policy)
     state = eo.init_opt_state(optax.adam(1e-3), model, policy)
     mu = state[0].mu
     assert mu.blocks.layers.fc1.weight.sharding.spec == P(None, "tp", "fsdp")
@@ -116,7 +95,7 @@ def test_abstract_mesh_lays_out_an_abstract_model():
     mesh = AbstractMesh((16, 8), ("fsdp", "tp"))
     shard = {"**": eo.FSDP("fsdp", min_size=0), "blocks.fc1.weight": P(None, "tp")}
     policy = eo.Policy.offload_all(shard=shard)
-    abstract = eqx.filter_eval_shape(Net, key=jax.random.key(0))
+    abstract = eqx.filter_eval_shape(make_net, key=jax.random.key(0))
     with pytest.warns(UserWarning, match=r"'blocks.fc1.bias \(8, 24\)'"):
         model = eo.place(abstract, policy, mesh=mesh)  # 24 rows over 16
     weight = model.blocks.layers.fc1.weight
@@ -126,7 +105,7 @@ def test_abstract_mesh_lays_out_an_abstract_model():
     assert weight.sharding.memory_kind == "pinned_host"
     assert model.blocks.layers.fc2.weight.sharding.spec == P(None, "fsdp")
     with pytest.raises(ValueError, match="needs a concrete `jax.sharding.Mesh`"):
-        eo.place(Net(key=jax.random.key(0)), policy, mesh=mesh)
+        eo.place(make_net(key=jax.random.key(0)), policy, mesh=mesh)
 
 
 @pytest.mark.parametrize(
@@ -145,19 +124,19 @@ def test_abstract_mesh_lays_out_an_abstract_model():
 def test_bad_specs_name_the_leaf(shard, match):
     with unchecked(), pytest.raises((ValueError, TypeError), match=match):
         with jax.set_mesh(_mesh()):
-            eo.place(Net(key=jax.random.key(0)), eo.Policy(shard=shard))
+            eo.place(make_net(key=jax.random.key(0)), eo.Policy(shard=shard))
 
 
 def test_no_mesh_is_an_error():
     with pytest.raises(ValueError, match=r"there is no mesh.*jax.set_mesh"):
-        eo.place(Net(key=jax.random.key(0)), eo.Policy(shard="fsdp"))
+        eo.place(make_net(key=jax.random.key(0)), eo.Policy(shard="fsdp"))
 
 
 def test_batch_spec():
     policy = eo.Policy(shard=TP, batch="fsdp")
     optimizer = optax.sgd(0.1)
     with jax.set_mesh(_mesh()):
-        model = eo.place(Net(key=jax.random.key(0)), policy)
+        model = eo.place(make_net(key=jax.random.key(0)), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(loss_fn, optimizer, policy)
     (dynamic, _), _ = step.split(model, opt_state, np.asarray(X)), None
@@ -180,13 +159,13 @@ def test_per_example_keys_are_laid_out_with_the_batch():
     can `jax.vmap` over both. A scalar key and the arguments passed whole to every
     micro-batch (`unsplit`) are replicated."""
 
-    def noisy_loss(model: Net, x: Float[Array, "n 16"], keys: PRNGKeyArray):
+    def noisy_loss(model: StackedNet, x: Float[Array, "n 16"], keys: PRNGKeyArray):
         def one(x, key):
             return model(x + 0.1 * jax.random.normal(key, x.shape))
 
         return jnp.mean(jax.vmap(one)(x, keys) ** 2)
 
-    net, keys = Net(key=jax.random.key(0)), jax.random.split(jax.random.key(1), 8)
+    net, keys = make_net(key=jax.random.key(0)), jax.random.split(jax.random.key(1), 8)
     expected = eqx.filter_jit(noisy_loss)(net, X, keys)
     mesh = _mesh((8,), ("data",), AxisType.Explicit)
     policy = eo.Policy.offload_all(
@@ -201,7 +180,7 @@ def test_per_example_keys_are_laid_out_with_the_batch():
     _, _, loss = step(model, opt_state, X, keys)
     np.testing.assert_allclose(float(loss), float(expected), rtol=1e-5)
 
-    def shared_loss(model: Net, x, keys, scale, key) -> Float[Array, ""]:
+    def shared_loss(model: StackedNet, x, keys, scale, key) -> Float[Array, ""]:
         return noisy_loss(model, x * scale, keys) + jax.random.uniform(key)
 
     step = eo.train_step(shared_loss, optimizer, policy, microbatches=2, unsplit=(2, 3))
@@ -216,7 +195,7 @@ def test_a_loss_closing_over_an_array_traced_on_explicit_axes():
     onto `Auto` axes; an array the loss closes over, traced under `Explicit` axes
     (a batch captured by a `lambda` in a step of your own), cannot enter: JAX's
     error. Passed as an argument, it works."""
-    net = Net(key=jax.random.key(0))
+    net = make_net(key=jax.random.key(0))
     expected = eqx.filter_jit(loss_fn)(net, X)
     mesh = _mesh((8,), ("data",), AxisType.Explicit)
     policy = eo.Policy(shard=eo.FSDP("data", min_size=300), batch="data")
@@ -224,11 +203,11 @@ def test_a_loss_closing_over_an_array_traced_on_explicit_axes():
     x = jax.device_put(X, NamedSharding(mesh, P("data")))
 
     @eqx.filter_jit
-    def closed_over(model: Net, x: Float[Array, "n 16"]) -> Float[Array, ""]:
+    def closed_over(model: StackedNet, x: Float[Array, "n 16"]) -> Float[Array, ""]:
         return eo.filter_offload(lambda m: loss_fn(m, x), policy)(model)
 
     @eqx.filter_jit
-    def passed(model: Net, x: Float[Array, "n 16"]) -> Float[Array, ""]:
+    def passed(model: StackedNet, x: Float[Array, "n 16"]) -> Float[Array, ""]:
         return eo.filter_offload(loss_fn, policy)(model, x)
 
     with jax.set_mesh(mesh):
@@ -243,7 +222,7 @@ def test_train_step_refuses_a_model_not_laid_out_as_declared():
     policy = eo.Policy(shard=TP)
     optimizer = optax.sgd(0.1)
     with jax.set_mesh(_mesh()):
-        model = eo.place(Net(key=jax.random.key(0)), eo.Policy(shard="fsdp"))
+        model = eo.place(make_net(key=jax.random.key(0)), eo.Policy(shard="fsdp"))
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(loss_fn, optimizer, policy)
     with pytest.raises(ValueError, match=r"'blocks.fc1.weight' is laid out as"):
@@ -256,7 +235,7 @@ def test_fsdp_trains_like_one_device_on_both_axis_types(axis_type):
     gathers each FSDP-sharded layer before use (JAX would otherwise refuse the
     sharded contraction)."""
     optimizer = optax.sgd(0.1)
-    reference = Net(key=jax.random.key(0))
+    reference = make_net(key=jax.random.key(0))
     state = optimizer.init(eqx.filter(reference, eqx.is_array))
     expected = []
     for _ in range(3):
@@ -271,7 +250,7 @@ def test_fsdp_trains_like_one_device_on_both_axis_types(axis_type):
     with jax.set_mesh(_mesh((8,), ("data",), axis_type)):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # head.bias (4,): replicated
-            model = eo.place(Net(key=jax.random.key(0)), policy)
+            model = eo.place(make_net(key=jax.random.key(0)), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = CountCompiles(eo.train_step(loss_fn, optimizer, policy))
     losses = []
@@ -292,7 +271,7 @@ def test_verify_with_declared_layouts():
     into (4 here, not the default 2)."""
     policy = eo.Policy.offload_all(shard=TP, batch="fsdp")
     with jax.set_mesh(_mesh()):
-        model = eo.place(Net(key=jax.random.key(0)), policy)
+        model = eo.place(make_net(key=jax.random.key(0)), policy)
     optimizer = optax.adamw(1e-2)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     report = eo.verify(loss_fn, optimizer, policy, model, opt_state, X)
@@ -303,13 +282,13 @@ def test_a_loss_may_name_mesh_axes_under_auto_axes():
     """`train_step` and `memory_report` enter the model's mesh whatever its axis
     types, so a loss may constrain its activations with a bare `PartitionSpec`."""
 
-    def pinned_loss(model: Net, x: Float[Array, "n 16"]) -> Float[Array, ""]:
+    def pinned_loss(model: StackedNet, x: Float[Array, "n 16"]) -> Float[Array, ""]:
         y = jax.lax.with_sharding_constraint(jax.vmap(model)(x), P("data"))
         return jnp.mean(y**2)
 
     policy = eo.Policy.offload_all(shard=eo.FSDP("data", min_size=300), batch="data")
     with jax.set_mesh(_mesh((8,), ("data",))):
-        model = eo.place(Net(key=jax.random.key(0)), policy)
+        model = eo.place(make_net(key=jax.random.key(0)), policy)
     optimizer = optax.sgd(0.1)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(pinned_loss, optimizer, policy)
@@ -317,5 +296,5 @@ def test_a_loss_may_name_mesh_axes_under_auto_axes():
     assert report.host_bytes > 0
     _, _, loss = step(model, opt_state, X)
     np.testing.assert_allclose(
-        float(loss), float(loss_fn(Net(key=jax.random.key(0)), X)), rtol=1e-5
+        float(loss), float(loss_fn(make_net(key=jax.random.key(0)), X)), rtol=1e-5
     )

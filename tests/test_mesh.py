@@ -12,25 +12,15 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 import eqx_offload as eo
 
-from .helpers import CountCompiles
+from .helpers import CountCompiles, StackedNet
 
 
-class Net(eqx.Module):
-    blocks: eo.Stacked[eqx.nn.Linear]
-    head: eqx.nn.Linear
-
-    def __init__(self, *, key: PRNGKeyArray):
-        k1, k2 = jax.random.split(key)
-        self.blocks = eo.Stacked.from_fn(
-            lambda k: eqx.nn.Linear(16, 16, key=k), 3, key=k1
-        )
-        self.head = eqx.nn.Linear(16, 4, key=k2)
-
-    def __call__(self, x: Float[Array, " 16"]) -> Float[Array, " 4"]:
-        return self.head(self.blocks(x))
+def make_net(*, key: PRNGKeyArray) -> StackedNet:
+    """3 `Linear` layers (16 wide) in a `Stacked`, then a head to 4 outputs."""
+    return StackedNet(lambda k: eqx.nn.Linear(16, 16, key=k), 3, (16, 4), key=key)
 
 
-def loss_fn(model: Net, x: Float[Array, "n 16"]) -> Float[Array, ""]:
+def loss_fn(model: StackedNet, x: Float[Array, "n 16"]) -> Float[Array, ""]:
     return jnp.mean(jax.vmap(model)(x) ** 2)
 
 
@@ -42,14 +32,14 @@ def _mesh(axis_type: AxisType):
     return jax.make_mesh((8,), ("x",), axis_types=(axis_type,))
 
 
-def _fsdp(model: Net, mesh, spec=P(None, "x")) -> Net:
+def _fsdp(model: StackedNet, mesh, spec=P(None, "x")) -> StackedNet:
     """The stacked weights sharded over `x`, everything else left as it is."""
     weight = jax.device_put(model.blocks.layers.weight, NamedSharding(mesh, spec))
     return eqx.tree_at(lambda m: m.blocks.layers.weight, model, weight)
 
 
 def _reference_losses(steps: int) -> list[float]:
-    model = Net(key=jax.random.key(0))
+    model = make_net(key=jax.random.key(0))
     state = OPTIMIZER.init(eqx.filter(model, eqx.is_inexact_array))
 
     @eqx.filter_jit
@@ -76,7 +66,7 @@ def test_a_partly_sharded_model_trains_like_one_device(axis_type, preset):
     policy = getattr(eo.Policy, preset)(**({"update": update} if update else {}))
     # Only the stacked weight is laid out on the mesh; the biases and the head are
     # plain arrays, which `place` replicates over the mesh (as a jit would).
-    model = eo.place(_fsdp(Net(key=jax.random.key(0)), mesh), policy)
+    model = eo.place(_fsdp(make_net(key=jax.random.key(0)), mesh), policy)
     shardings = [x.sharding for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
     assert all(len(s.device_set) == 8 for s in shardings)
     opt_state = eo.init_opt_state(OPTIMIZER, model, policy)
@@ -97,7 +87,7 @@ def test_a_partly_sharded_model_trains_like_one_device(axis_type, preset):
 def test_specs_spelled_with_trailing_none_compile_once():
     mesh = _mesh(AxisType.Auto)
     policy = eo.Policy.offload_all()
-    model = _fsdp(Net(key=jax.random.key(0)), mesh, P(None, "x", None))
+    model = _fsdp(make_net(key=jax.random.key(0)), mesh, P(None, "x", None))
     model = eo.place(model, policy)
     opt_state = eo.init_opt_state(OPTIMIZER, model, policy)
     step = CountCompiles(eo.train_step(loss_fn, OPTIMIZER, policy))
@@ -109,7 +99,7 @@ def test_specs_spelled_with_trailing_none_compile_once():
 def test_a_leaf_committed_elsewhere_is_named():
     mesh = _mesh(AxisType.Auto)
     policy = eo.Policy.none()
-    model = eo.place(_fsdp(Net(key=jax.random.key(0)), mesh), policy)
+    model = eo.place(_fsdp(make_net(key=jax.random.key(0)), mesh), policy)
     opt_state = eo.init_opt_state(OPTIMIZER, model, policy)
     bias = jax.device_put(model.head.bias, jax.devices()[3])
     moved = eqx.tree_at(lambda m: m.head.bias, model, bias)
@@ -125,7 +115,7 @@ def test_a_leaf_committed_elsewhere_is_named():
 def test_leaves_on_two_meshes_are_named():
     one = _mesh(AxisType.Auto)
     two = jax.make_mesh((2,), ("y",), devices=jax.devices()[:2])
-    model = _fsdp(Net(key=jax.random.key(0)), one)
+    model = _fsdp(make_net(key=jax.random.key(0)), one)
     bias = jax.device_put(model.head.bias, NamedSharding(two, P()))
     model = eqx.tree_at(lambda m: m.head.bias, model, bias)
     with pytest.raises(
@@ -137,7 +127,7 @@ def test_leaves_on_two_meshes_are_named():
 def test_report_of_a_sharded_step_with_a_prng_key():
     mesh = _mesh(AxisType.Auto)
     policy = eo.Policy.offload_all()
-    model = eo.place(_fsdp(Net(key=jax.random.key(0)), mesh), policy)
+    model = eo.place(_fsdp(make_net(key=jax.random.key(0)), mesh), policy)
     opt_state = eo.init_opt_state(OPTIMIZER, model, policy)
 
     def noisy(model, x, key):

@@ -20,6 +20,8 @@ from .helpers import (
     cross_entropy,
     memory_kind,
     Model,
+    ProjectedStack,
+    TanhBlock,
 )
 
 
@@ -208,24 +210,12 @@ def test_bad_arguments_name_the_fix(getkey):
         step(model, copies, *next(batches()))
 
 
-class _Block(eqx.Module):
-    weight: jax.Array
-
-    def __call__(self, x):
-        return x + jnp.tanh(x @ self.weight)
-
-
-class _Small(eqx.Module):
-    w_in: jax.Array
-    blocks: eo.Stacked[_Block]
-
-    def __init__(self, key):
-        k1, k2 = jax.random.split(key)
-        self.w_in = jax.random.normal(k1, (16, 64)) / 4
-        self.blocks = eo.Stacked(_Block(jax.random.normal(k2, (3, 64, 64)) / 8))
-
-    def __call__(self, x):
-        return self.blocks(x @ self.w_in)
+def _small(key) -> ProjectedStack:
+    k1, k2 = jax.random.split(key)
+    w_in = jax.random.normal(k1, (16, 64)) / 4
+    return ProjectedStack(
+        w_in, eo.Stacked(TanhBlock(jax.random.normal(k2, (3, 64, 64)) / 8))
+    )
 
 
 def _mse(model, x, y):
@@ -251,7 +241,7 @@ def test_on_a_mesh_under_both_axis_types(getkey, axis_type, preset):
     optimizer = optax.adam(1e-2)
 
     def run(policy):
-        model = eo.place(_Small(key), policy)
+        model = eo.place(_small(key), policy)
         opt_state = eo.init_opt_state(optimizer, model, policy)
         step = eo.train_step(_mse, optimizer, policy, microbatches=2)
         losses = []

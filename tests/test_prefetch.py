@@ -17,7 +17,7 @@ import pytest
 import eqx_offload as eo
 from eqx_offload._policy import replace
 
-from .helpers import assert_trees_close, batches, cross_entropy, Model
+from .helpers import assert_trees_close, batches, cross_entropy, Model, Outer
 
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
@@ -292,20 +292,13 @@ def test_an_ensemble():
         eqx.filter_grad(total)(ensemble, tokens, targets)
 
 
-class _Outer(eqx.Module):
-    inner: eo.Stacked
-
-    def __call__(self, x):
-        return self.inner(x)
-
-
 def test_nested_stacked():
     """An outer `Stacked` whose layer holds another, its parameters on the host:
     the outer scan reads each outer layer ahead (the inner stack whole), the
     inner scan runs on it on the device; gradients as plain JAX's."""
 
     def make(k):
-        return _Outer(
+        return Outer(
             eo.Stacked.from_fn(lambda k2: eqx.nn.Linear(8, 8, key=k2), 2, key=k)
         )
 

@@ -14,7 +14,14 @@ from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 import eqx_offload as eo
 from eqx_offload._residuals import checkpoint_names, saved_residuals
 
-from .helpers import all_eqns, batches, cross_entropy, Model, primitive_names
+from .helpers import (
+    all_eqns,
+    batches,
+    cross_entropy,
+    Model,
+    primitive_names,
+    TanhBlock,
+)
 
 
 def test_agrees_with_jax_print_saved_residuals():
@@ -175,19 +182,12 @@ def test_the_line_saving_a_value_is_the_users_not_a_type_checkers():
         assert saved.where == where
 
 
-class _Layer(eqx.Module):
-    weight: jax.Array
-
-    def __call__(self, x):
-        return x + jnp.tanh(x @ self.weight)
-
-
 class _Tokens(eqx.Module):
     """An embedding and stacked layers: the carry entering each layer has the
     embedding's dtype (bf16 under `compute_dtype`), whatever the batch's."""
 
     embed: jax.Array
-    blocks: eo.Stacked[_Layer]
+    blocks: eo.Stacked[TanhBlock]
 
     def __call__(self, tokens):
         return jnp.tanh(self.blocks(self.embed[tokens])).astype(jnp.float32)
@@ -201,7 +201,7 @@ def test_a_train_step_counts_residuals_in_the_dtype_and_micro_batch_saved():
     host buffer agree."""
     layers, dim, batch, seq = 3, 128, 4, 16
     model = _Tokens(
-        jnp.zeros((64, dim)), eo.Stacked(_Layer(jnp.zeros((layers, dim, dim))))
+        jnp.zeros((64, dim)), eo.Stacked(TanhBlock(jnp.zeros((layers, dim, dim))))
     )
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     optimizer = optax.sgd(0.1)

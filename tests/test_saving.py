@@ -21,12 +21,19 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import PRNGKeyArray
 
 import eqx_offload as eo
 from eqx_offload import _loading
 
-from .helpers import compiles, CountCompiles, unchecked
+from .helpers import (
+    assert_trees_equal,
+    bits,
+    compiles,
+    CountCompiles,
+    StackedNet,
+    unchecked,
+)
 
 
 if __name__ == "__main__":  # run by a test in a new process: set up as conftest.py
@@ -44,19 +51,11 @@ POLICIES = {
 OPTIMIZER = optax.adamw(1e-2)
 
 
-class Model(eqx.Module):
-    blocks: eo.Stacked[eqx.nn.MLP]
-    head: eqx.nn.Linear
-
-    def __init__(self, depth: int = DEPTH, *, key: PRNGKeyArray):
-        k1, k2 = jax.random.split(key)
-        self.blocks = eo.Stacked.from_fn(
-            lambda k: eqx.nn.MLP(DIM, DIM, 2 * DIM, 1, key=k), depth, key=k1
-        )
-        self.head = eqx.nn.Linear(DIM, 2, key=k2)
-
-    def __call__(self, x: Float[Array, " dim"]) -> Float[Array, " 2"]:
-        return self.head(self.blocks(x))
+def make_model(depth: int = DEPTH, *, key: PRNGKeyArray) -> StackedNet:
+    """`depth` MLPs in a `Stacked`, then a linear head to 2 outputs."""
+    return StackedNet(
+        lambda k: eqx.nn.MLP(DIM, DIM, 2 * DIM, 1, key=k), depth, (DIM, 2), key=key
+    )
 
 
 def loss_fn(model, x, y):
@@ -83,7 +82,7 @@ def train(step, model, opt_state, extra, stop, on_step=None):
 
 
 def abstract_like(policy):
-    model = eqx.filter_eval_shape(Model, key=jax.random.key(0))
+    model = eqx.filter_eval_shape(make_model, key=jax.random.key(0))
     return model, eo.init_opt_state(OPTIMIZER, model, policy)
 
 
@@ -123,23 +122,6 @@ def save_until_killed(directory: str) -> None:
         eo.save(directory, big, None, step=s, keep=2)
 
 
-def bits(tree) -> list[np.ndarray]:
-    """The array leaves, as raw bits (PRNG keys as their key data)."""
-    out = []
-    for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)):
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x = jax.random.key_data(x)
-        out.append(np.asarray(x).reshape(-1).view(np.uint8))
-    return out
-
-
-def assert_bitwise_equal(a, b):
-    xs, ys = bits(a), bits(b)
-    assert len(xs) == len(ys)
-    for x, y in zip(xs, ys):
-        np.testing.assert_array_equal(x, y)
-
-
 def placements(tree) -> list:
     return [x.sharding for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array))]
 
@@ -165,7 +147,7 @@ def runs(tmp_path_factory):
     out = {}
     for name, make in POLICIES.items():
         policy = make()
-        model = eo.place(Model(key=jax.random.key(0)), policy)
+        model = eo.place(make_model(key=jax.random.key(0)), policy)
         opt_state = eo.init_opt_state(OPTIMIZER, model, policy)
         step = eo.train_step(loss_fn, OPTIMIZER, policy)
         extra = {"key": jax.random.key(1), "step": 0}
@@ -215,7 +197,7 @@ def test_resume_in_new_process_is_exact(runs, name):
         extra=EXTRA_TEMPLATE,
     )
     assert step == STEPS == extra["step"]
-    assert_bitwise_equal(
+    assert_trees_equal(
         (model, opt_state, extra), (run["model"], run["opt_state"], run["extra"])
     )
     assert placements((model, opt_state)) == placements(
@@ -238,7 +220,7 @@ def test_every_leaf_restored_in_its_memory_kind(runs, name):
     }
     assert kinds.pop(()) == "device"  # Adam's step count stays on the device
     assert set(kinds.values()) == {params}
-    fresh = eo.place(Model(key=jax.random.key(0)), policy)
+    fresh = eo.place(make_model(key=jax.random.key(0)), policy)
     assert placements(model) == placements(fresh)
     assert placements(opt_state) == placements(
         eo.init_opt_state(OPTIMIZER, fresh, policy)
@@ -266,8 +248,7 @@ def test_async_save_survives_donation(runs, name):
     model, opt_state, _ = eo.load(
         root / name, abstract_like(run["policy"]), run["policy"], optimizer=OPTIMIZER
     )
-    for x, y in zip(bits((model, opt_state)), run["saved"]):
-        np.testing.assert_array_equal(x, y)
+    assert_trees_equal(bits((model, opt_state)), run["saved"])
 
 
 def test_sigkill_mid_save_leaves_previous_step(tmp_path):
@@ -309,7 +290,7 @@ def test_sharded_host_leaves_keep_their_sharding(tmp_path):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "x"))
-    model = Model(key=jax.random.key(0))
+    model = make_model(key=jax.random.key(0))
     params, static = eqx.partition(model, eqx.is_array)
     model = eqx.combine(jax.device_put(params, replicated), static)
     weight = lambda m: m.blocks.layers.layers[0].weight  # noqa: E731
@@ -327,7 +308,7 @@ def test_sharded_host_leaves_keep_their_sharding(tmp_path):
     assert weight(restored.model).sharding == rows.with_memory_kind("pinned_host")
     assert placements(restored[:2]) == placements((model, opt_state))
     assert jax.typeof(weight(restored.model)).memory_space == jax.memory.Space.Host
-    assert_bitwise_equal(restored[:2], (model, opt_state))
+    assert_trees_equal(restored[:2], (model, opt_state))
     batch = data(jax.random.key(3))
     with compiles() as compiled:
         step(restored.model, restored.opt_state, *batch)
@@ -351,7 +332,7 @@ PARTLY = eo.Policy(
 )
 
 
-def lay_out(model: Model, mesh: jax.sharding.Mesh) -> Model:
+def lay_out(model: StackedNet, mesh: jax.sharding.Mesh) -> StackedNet:
     """Every array leaf (or `jax.ShapeDtypeStruct`) laid out on `mesh`: as
     `MESH_SPECS` says, else replicated."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(model)
@@ -379,7 +360,7 @@ def layouts(tree) -> list[tuple]:
 def test_mesh_sharded_partly_offloaded_state_keeps_its_layout(tmp_path):
     mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
     assert mesh.size == 8
-    model = eo.place(lay_out(Model(key=jax.random.key(0)), mesh), PARTLY)
+    model = eo.place(lay_out(make_model(key=jax.random.key(0)), mesh), PARTLY)
     opt_state = eo.init_opt_state(OPTIMIZER, model, PARTLY)
     step = eo.train_step(loss_fn, OPTIMIZER, PARTLY)
     batch = [
@@ -393,23 +374,23 @@ def test_mesh_sharded_partly_offloaded_state_keeps_its_layout(tmp_path):
     assert ((None, "fsdp", "tp"), "pinned_host") in kinds  # ... its state offloaded
     eo.save(tmp_path, model, opt_state, step=1)
 
-    abstract = eqx.filter_eval_shape(Model, key=jax.random.key(0))
+    abstract = eqx.filter_eval_shape(make_model, key=jax.random.key(0))
     abstract = eo.place(lay_out(abstract, mesh), PARTLY)
     like = (abstract, eo.init_opt_state(OPTIMIZER, abstract, PARTLY))
     restored = eo.load(tmp_path, like, PARTLY, optimizer=OPTIMIZER)
     assert restored.step == 1
     assert layouts(restored[:2]) == saved
     assert placements(restored[:2]) == placements((model, opt_state))
-    assert_bitwise_equal(restored[:2], (model, opt_state))
+    assert_trees_equal(restored[:2], (model, opt_state))
     weight = restored.model.blocks.layers.layers[0].weight
     assert jax.typeof(weight).memory_space == jax.memory.Space.Host
     # A `like` only laid out (everything on the device), without the optimizer:
     # the policy gives the memory kinds, the `like` the shardings.
-    bare = lay_out(eqx.filter_eval_shape(Model, key=jax.random.key(0)), mesh)
+    bare = lay_out(eqx.filter_eval_shape(make_model, key=jax.random.key(0)), mesh)
     bare_state = eo.init_opt_state(OPTIMIZER, bare, eo.Policy.none())
     again = eo.load(tmp_path, (bare, bare_state), PARTLY)
     assert layouts(again[:2]) == saved
-    assert_bitwise_equal(again[:2], (model, opt_state))
+    assert_trees_equal(again[:2], (model, opt_state))
     # Laid out as the step returns its outputs: it trains on without compiling.
     with compiles() as compiled:
         step(restored.model, restored.opt_state, *batch)
@@ -468,14 +449,14 @@ def test_extra_keeps_types_and_sharding(tmp_path, getkey):
         k: type(v) for k, v in extra.items()
     }
     assert (got["pos"], got["lr"], got["name"], got["flag"]) == (7, 0.25, "run-1", True)
-    assert_bitwise_equal(got, extra)
+    assert_trees_equal(got, extra)
     assert got["table"].sharding == sharding
     assert jax.random.key_impl(got["key"]) == jax.random.key_impl(extra["key"])
 
 
 def test_place_opt_state_keeps_values(getkey):
     policy = eo.Policy.offload_all()
-    model = eo.place(Model(key=getkey()), policy)
+    model = eo.place(make_model(key=getkey()), policy)
     opt_state = eo.init_opt_state(OPTIMIZER, model, policy)
     step = eo.train_step(loss_fn, OPTIMIZER, policy)
     model, opt_state, _ = step(model, opt_state, *data(getkey()))
@@ -485,8 +466,7 @@ def test_place_opt_state_keeps_values(getkey):
         step(model, moved, *data(getkey()))
     placed = eo.place_opt_state(OPTIMIZER, moved, model, policy)
     assert placements(placed) == placements(opt_state)
-    for x, y in zip(bits(placed), before):
-        np.testing.assert_array_equal(x, y)
+    assert_trees_equal(bits(placed), before)
     step(model, placed, *data(getkey()))  # accepted
     abstract = eo.place_opt_state(
         OPTIMIZER, _loading._abstract(opt_state), model, policy
@@ -495,7 +475,7 @@ def test_place_opt_state_keeps_values(getkey):
         x.sharding.memory_kind for x in jax.tree.leaves(opt_state)
     ]
     # A state for another model is named, not placed.
-    deeper = eo.place(Model(DEPTH + 1, key=getkey()), policy)
+    deeper = eo.place(make_model(DEPTH + 1, key=getkey()), policy)
     with pytest.raises(
         ValueError, match=r"`place_opt_state`: optimizer state leaf .* has shape"
     ):
@@ -507,13 +487,13 @@ def test_errors(tmp_path):
     like = abstract_like(policy)
     with pytest.raises(FileNotFoundError, match="no saved step .*no such directory"):
         eo.load(tmp_path / "missing", like, policy, optimizer=OPTIMIZER)
-    model = eo.place(Model(key=jax.random.key(0)), policy)
+    model = eo.place(make_model(key=jax.random.key(0)), policy)
     opt_state = eo.init_opt_state(OPTIMIZER, model, policy)
     for s in (3, 7):
         eo.save(tmp_path, model, opt_state, step=s)
     with pytest.raises(FileNotFoundError, match=r"`load\(step=5\)`.*steps saved: 3, 7"):
         eo.load(tmp_path, like, policy, optimizer=OPTIMIZER, step=5)
-    deeper = eqx.filter_eval_shape(Model, DEPTH + 1, key=jax.random.key(0))
+    deeper = eqx.filter_eval_shape(make_model, DEPTH + 1, key=jax.random.key(0))
     with pytest.raises(
         ValueError,
         match=r"model saved at step 7 does not match `like\[0\]`.*"

@@ -16,6 +16,8 @@ from jaxtyping import Array, Float, PRNGKeyArray
 import eqx_offload as eo
 from eqx_offload._report import _targets
 
+from .helpers import MLPBlock, StackedNet
+
 
 pytest.importorskip("libtpu")
 
@@ -244,30 +246,12 @@ def test_a_mesh_of_another_size_than_the_slice():
         eo.memory_report(lambda x: x, x, target=TARGET)
 
 
-class _MLPBlock(eqx.Module):
-    fc1: eqx.nn.Linear
-    fc2: eqx.nn.Linear
-
-    def __init__(self, width: int, *, key: PRNGKeyArray):
-        k1, k2 = jax.random.split(key)
-        self.fc1 = eqx.nn.Linear(width, 3 * width, key=k1)
-        self.fc2 = eqx.nn.Linear(3 * width, width, key=k2)
-
-    def __call__(self, x: Float[Array, " w"]) -> Float[Array, " w"]:
-        return x + self.fc2(jax.nn.gelu(self.fc1(x)))
+def _mlp_stack(width: int, *, key: PRNGKeyArray) -> StackedNet:
+    """3 residual MLPs in a `Stacked`, no head."""
+    return StackedNet(lambda k: MLPBlock(width, 3 * width, key=k), 3, key=key)
 
 
-class _MLPStack(eqx.Module):
-    blocks: eo.Stacked[_MLPBlock]
-
-    def __init__(self, width: int, *, key: PRNGKeyArray):
-        self.blocks = eo.Stacked.from_fn(lambda k: _MLPBlock(width, key=k), 3, key=key)
-
-    def __call__(self, x: Float[Array, " w"]) -> Float[Array, " w"]:
-        return self.blocks(x)
-
-
-def _loss(model: _MLPStack, x: Float[Array, "b w"]) -> Float[Array, ""]:
+def _loss(model: StackedNet, x: Float[Array, "b w"]) -> Float[Array, ""]:
     return jnp.mean(jax.vmap(model)(x) ** 2)
 
 
@@ -284,7 +268,7 @@ def test_fsdp_under_explicit_axes_streams_like_auto(width):
         policy = eo.Policy.offload_all(
             shard=eo.FSDP("fsdp", min_size=0), batch="fsdp", loss_axes="explicit"
         )
-        abstract = eqx.filter_eval_shape(_MLPStack, width, key=jax.random.key(0))
+        abstract = eqx.filter_eval_shape(_mlp_stack, width, key=jax.random.key(0))
         model = eo.place(abstract, policy, mesh=mesh)
         optimizer = optax.adamw(0.1)
         opt_state = eo.init_opt_state(optimizer, model, policy)
@@ -301,19 +285,13 @@ def test_fsdp_under_explicit_axes_streams_like_auto(width):
     assert explicit["temp"] <= 1.25 * auto["temp"]
 
 
-class _Square(eqx.Module):
-    blocks: eo.Stacked[eqx.nn.Linear]
-
-    def __init__(self, *, key: PRNGKeyArray):
-        self.blocks = eo.Stacked.from_fn(
-            lambda k: eqx.nn.Linear(256, 256, use_bias=False, key=k), 8, key=key
-        )
-
-    def __call__(self, x: Float[Array, " 256"]) -> Float[Array, " 256"]:
-        return self.blocks(x)
+def _square(*, key: PRNGKeyArray) -> StackedNet:
+    """8 square `Linear` layers without biases in a `Stacked`, no head."""
+    linear = lambda k: eqx.nn.Linear(256, 256, use_bias=False, key=k)  # noqa: E731
+    return StackedNet(linear, 8, key=key)
 
 
-def _square_loss(model: _Square, x: Float[Array, "b 256"]) -> Float[Array, ""]:
+def _square_loss(model: StackedNet, x: Float[Array, "b 256"]) -> Float[Array, ""]:
     return jnp.mean(jax.vmap(model)(x) ** 2)
 
 
@@ -325,7 +303,7 @@ def test_host_outputs_are_not_copied_on_the_host():
     mesh = AbstractMesh((8,), ("fsdp",))
     policy = eo.Policy.offload_all(shard=eo.FSDP("fsdp", min_size=0), batch="fsdp")
     model = eo.place(
-        eqx.filter_eval_shape(_Square, key=jax.random.key(0)), policy, mesh=mesh
+        eqx.filter_eval_shape(_square, key=jax.random.key(0)), policy, mesh=mesh
     )
     optimizer = optax.adamw(0.1)
     opt_state = eo.init_opt_state(optimizer, model, policy)

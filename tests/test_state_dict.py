@@ -13,7 +13,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 import eqx_offload as eo
 from eqx_offload._state_dict import layer_axes
 
-from .helpers import batches, memory_kind
+from .helpers import assert_trees_equal, batches, memory_kind
 
 
 class Net(eqx.Module):
@@ -51,13 +51,6 @@ class PerLayerNet(eqx.Module):
 
 def as_per_layer(model: Net) -> PerLayerNet:
     return PerLayerNet(model.embed, list(model.blocks), model.head)
-
-
-def assert_trees_equal(a, b):
-    a, b = eqx.filter((a, b), eqx.is_array)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        assert x.shape == y.shape and x.dtype == y.dtype
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def per_layer_model(key: PRNGKeyArray) -> PerLayerNet:

@@ -9,29 +9,19 @@ import pytest
 
 import eqx_offload as eo
 
+from .helpers import ProjectedStack, TanhBlock
+
 
 B, SEQ_IN, LAYERS = 8, 16, 3
 F32 = 4
 
 
-class _Block(eqx.Module):
-    weight: jax.Array
-
-    def __call__(self, x):
-        return x + jnp.tanh(x @ self.weight)
-
-
-class _Model(eqx.Module):
-    w_in: jax.Array
-    blocks: eo.Stacked[_Block]
-
-    def __init__(self, dim, key):
-        k1, k2 = jax.random.split(key)
-        self.w_in = jax.random.normal(k1, (SEQ_IN, dim))
-        self.blocks = eo.Stacked(_Block(jax.random.normal(k2, (LAYERS, dim, dim))))
-
-    def __call__(self, x):
-        return self.blocks(x @ self.w_in)
+def _model(dim, key) -> ProjectedStack:
+    k1, k2 = jax.random.split(key)
+    w_in = jax.random.normal(k1, (SEQ_IN, dim))
+    return ProjectedStack(
+        w_in, eo.Stacked(TanhBlock(jax.random.normal(k2, (LAYERS, dim, dim))))
+    )
 
 
 def _loss(model, x):
@@ -40,7 +30,7 @@ def _loss(model, x):
 
 def _report(dim, policy, target, microbatches=1):
     optimizer = optax.sgd(0.1)
-    model = eo.place(eqx.filter_eval_shape(_Model, dim, jax.random.key(0)), policy)
+    model = eo.place(eqx.filter_eval_shape(_model, dim, jax.random.key(0)), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(_loss, optimizer, policy, microbatches=microbatches)
     x = jax.ShapeDtypeStruct((B, SEQ_IN), jnp.float32)

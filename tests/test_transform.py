@@ -21,6 +21,7 @@ from .helpers import (
     cross_entropy,
     loss_with_l2,
     Model,
+    Outer,
     primitive_names,
 )
 
@@ -288,12 +289,6 @@ def test_closed_over_model_is_an_error(getkey):
 
 
 def test_nested_stacked_and_slices_are_configured(getkey):
-    class Outer(eqx.Module):
-        inner: eo.Stacked
-
-        def __call__(self, x):
-            return self.inner(x)
-
     def make(k):
         return Outer(
             eo.Stacked.from_fn(lambda k2: eqx.nn.Linear(3, 3, key=k2), 2, key=k)

@@ -12,32 +12,22 @@ from jax.sharding import PartitionSpec as P
 
 import eqx_offload as eo
 
-from .helpers import assert_trees_close, CountCompiles
+from .helpers import assert_trees_close, CountCompiles, TableLM, TanhBlock
 
 
 VOCAB, DIM = 256, 128  # a TPU can move row blocks of this table
 
 
-class _Block(eqx.Module):
-    weight: jax.Array
-
-    def __init__(self, dim, key):
-        self.weight = jax.random.normal(key, (dim, dim)) / dim**0.5
-
-    def __call__(self, x):
-        return x + jnp.tanh(x @ self.weight)
+def _block(dim, key) -> TanhBlock:
+    return TanhBlock(jax.random.normal(key, (dim, dim)) / dim**0.5)
 
 
-class _LM(eqx.Module):
-    embed: jax.Array
-    blocks: eo.Stacked[_Block]
-    head: jax.Array  # used by the untied loss only
-
-    def __init__(self, key, vocab=VOCAB, dim=DIM):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.embed = jax.random.normal(k1, (vocab, dim)) * 0.1
-        self.blocks = eo.Stacked.from_fn(lambda k: _Block(dim, k), 3, key=k2)
-        self.head = jax.random.normal(k3, (vocab, dim)) * 0.1
+def _lm(key, vocab=VOCAB, dim=DIM) -> TableLM:
+    """The losses below read its tables; `head` only the untied one."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    embed = jax.random.normal(k1, (vocab, dim)) * 0.1
+    blocks = eo.Stacked.from_fn(lambda k: _block(dim, k), 3, key=k2)
+    return TableLM(embed, blocks, jax.random.normal(k3, (vocab, dim)) * 0.1)
 
 
 def tied(model, tokens, targets):
@@ -69,7 +59,7 @@ def _batch(seed=1, shape=(4, 24)):
 
 def _train(loss, policy, steps=3, batch=(4, 24), **kwargs):
     optimizer = optax.sgd(0.5)
-    model = eo.place(_LM(jax.random.key(0)), policy)
+    model = eo.place(_lm(jax.random.key(0)), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = CountCompiles(eo.train_step(loss, optimizer, policy, **kwargs))
     losses = []
@@ -120,7 +110,7 @@ def test_embed_on_a_device_table_is_the_lookup():
 
 def _step_error(loss, policy, match):
     optimizer = optax.sgd(0.1)
-    model = eo.place(_LM(jax.random.key(0)), policy)
+    model = eo.place(_lm(jax.random.key(0)), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(loss, optimizer, policy)
     with pytest.raises(ValueError, match=match):
@@ -163,12 +153,12 @@ def test_a_table_without_row_blocks_is_an_error():
 
 class _Nested(eqx.Module):
     embed: eqx.nn.Embedding  # the table at `embed.weight`
-    blocks: eo.Stacked[_Block]
+    blocks: eo.Stacked[TanhBlock]
 
     def __init__(self, key, vocab, dim):
         k1, k2 = jax.random.split(key)
         self.embed = eqx.nn.Embedding(vocab, dim, key=k1)
-        self.blocks = eo.Stacked.from_fn(lambda k: _Block(dim, k), 2, key=k2)
+        self.blocks = eo.Stacked.from_fn(lambda k: _block(dim, k), 2, key=k2)
 
 
 @pytest.mark.parametrize("microbatches", [1, 2])
@@ -206,7 +196,7 @@ def test_compiles_for_tpu_and_streams_the_table(vocab, dim):
     device = {}
     for stream in ((), ("embed",)):
         policy = eo.Policy.offload_all(stream=stream)
-        abstract = eqx.filter_eval_shape(_LM, jax.random.key(0), vocab, dim)
+        abstract = eqx.filter_eval_shape(_lm, jax.random.key(0), vocab, dim)
         model = eo.place(abstract, policy)
         opt_state = eo.init_opt_state(optimizer, model, policy)
         step = eo.train_step(tied, optimizer, policy)
@@ -253,7 +243,7 @@ def test_a_spec_that_splits_a_streamed_table_is_an_error():
         stream=("embed",), shard={"embed": P("fsdp"), "**": "fsdp"}
     )
     with pytest.raises(ValueError, match=r"'embed' is streamed.*PartitionSpec\(\)"):
-        eo.place(_LM(jax.random.key(0)), policy, mesh=mesh)
+        eo.place(_lm(jax.random.key(0)), policy, mesh=mesh)
 
 
 @pytest.mark.parametrize("stream", [("embed",), ()])
@@ -266,7 +256,7 @@ def test_fsdp_with_a_streamed_table_compiles_for_a_slice(stream):
         (8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,)
     )
     policy = eo.Policy.offload_all(stream=stream, shard="fsdp", batch="fsdp")
-    abstract = eqx.filter_eval_shape(_LM, jax.random.key(0), 272, 384)
+    abstract = eqx.filter_eval_shape(_lm, jax.random.key(0), 272, 384)
     model = eo.place(abstract, policy, mesh=mesh)
     opt_state = eo.init_opt_state(optax.adamw(1e-3), model, policy)
     step = eo.train_step(tied, optax.adamw(1e-3), policy)
