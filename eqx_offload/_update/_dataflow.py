@@ -15,11 +15,13 @@ shapes; comparing them tells what every value is:
   every piece's partial reduction is computed in a first scan, the partials are
   combined, and the rest of the update uses the combined value.
 
-Anything else (a value that mixes pieces, a constant that depends on the piece
-size, control flow over piecewise values) is `NotStreamable`, with the operation.
+Each value's `Flow` says which. Anything else (a value that mixes pieces, a
+constant that depends on the piece size, control flow over piecewise values) is
+`NotStreamable`, with the operation.
 """
 
 import dataclasses
+import enum
 from collections.abc import Callable
 from typing import Any
 
@@ -114,11 +116,15 @@ class NotStreamable(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Literal:
+    """A constant written into an equation."""
+
     value: Any
 
 
 @dataclasses.dataclass
 class Eqn:
+    """One equation: a primitive on variable ids, without sub-jaxprs."""
+
     primitive: Any
     params: dict
     ins: list  # variable ids (int) or `Literal`s
@@ -128,6 +134,8 @@ class Eqn:
 
 @dataclasses.dataclass
 class FlatJaxpr:
+    """A jaxpr with every call inlined: variables are ids, equations a list."""
+
     ins: list[int]
     outs: list  # ids or `Literal`s
     eqns: list[Eqn]
@@ -136,6 +144,8 @@ class FlatJaxpr:
 
 
 def flatten(closed: Any) -> FlatJaxpr:
+    """`closed` (a closed jaxpr) as a `FlatJaxpr`: calls inlined, and each `cond`
+    as both branches and a `select_n` per output."""
     counter = iter(range(1 << 62))
     avals: dict[int, Any] = {}
     consts: dict[int, Any] = {}
@@ -207,12 +217,20 @@ def flatten(closed: Any) -> FlatJaxpr:
 
 # --- What every value is: shared, piecewise or global --------------------------
 
-SHARED, PIECEWISE, GLOBAL = "shared", "piecewise", "global"
+
+class Flow(enum.Enum):
+    """How a value of the update is computed when it is streamed."""
+
+    SHARED = "shared"  # once, on whole values
+    PIECEWISE = "piecewise"  # piece by piece, in a loop over its group
+    GLOBAL = "global"  # from per-piece partial reductions, combined
 
 
-@dataclasses.dataclass
-class Kind:
-    what: str
+@dataclasses.dataclass(frozen=True)
+class ValueFlow:
+    """The flow of one value, with its group of pieces and its level."""
+
+    flow: Flow
     group: Any = None  # the streamed group of a piecewise value (None: any group)
     level: int = 0  # how many rounds of global reductions it needs first
 
@@ -223,29 +241,36 @@ class Root:
 
     eqn: int
     group: Any
-    combine: Callable
+    combine: Callable  # of the partials, over their leading axis of pieces
+    out: int  # the reduced value in `whole`
+    piece_out: int  # a piece's partial in `piece`
 
 
 class Dataflow:
     """How to run `whole` piece by piece; built by comparing it with `piece`."""
 
-    def __init__(self, whole: FlatJaxpr, piece: FlatJaxpr, inputs: list[Kind]):
+    def __init__(self, whole: FlatJaxpr, piece: FlatJaxpr, inputs: list[ValueFlow]):
         self.whole, self.piece = whole, piece
         if [e.primitive for e in whole.eqns] != [e.primitive for e in piece.eqns]:
             raise NotStreamable(
-                "its computation depends on the shapes of the leaves (traced on one "
-                "piece, it does different operations)"
+                "its operations depend on the leaves' shapes (a piece traces others)"
             )
-        self.kinds: dict[int, Kind] = dict(zip(whole.ins, inputs))
+        self.flows: dict[int, ValueFlow] = dict(zip(whole.ins, inputs))
         for i in whole.consts:
             self._check_same_const(i)
-            self.kinds[i] = Kind(SHARED)
+            self.flows[i] = ValueFlow(Flow.SHARED)
         self.roots: dict[int, Root] = {}
         for n, (e, p) in enumerate(zip(whole.eqns, piece.eqns)):
             self._classify(n, e, p)
 
-    def kind(self, ref: Any) -> Kind:
-        return Kind(SHARED) if isinstance(ref, Literal) else self.kinds[ref]
+    def flow_of(self, ref: Any) -> ValueFlow:
+        """The flow of a variable or literal of `whole`."""
+        if isinstance(ref, Literal):
+            return ValueFlow(Flow.SHARED)
+        return self.flows[ref]
+
+    def is_piecewise(self, ref: Any) -> bool:
+        return self.flow_of(ref).flow is Flow.PIECEWISE
 
     def _check_same_const(self, i: int) -> None:
         a, b = self.whole.consts[i], self.piece.consts.get(i)
@@ -253,76 +278,91 @@ class Dataflow:
             raise NotStreamable("it closes over a constant that depends on the leaves")
 
     def _classify(self, n: int, e: Eqn, p: Eqn) -> None:
+        """The flow of the outputs of equation `n` (`e` in `whole`, `p` in `piece`)."""
         name = _jaxpr.primitive_name(e)
-        kinds = [self.kind(r) for r in e.ins]
-        pieces = [k for k in kinds if k.what == PIECEWISE]
-        groups = {k.group for k in pieces if k.group is not None}
-        if len(groups) > 1:
-            raise NotStreamable(
-                f"`{name}` combines leaves streamed in different groups of pieces "
-                "(layers of a `Stacked`, row blocks of a large leaf)"
-            )
-        group = next(iter(groups), None)
-        level = max([k.level for k in kinds], default=0)
+        ins = [self.flow_of(r) for r in e.ins]
+        pieces = [v for v in ins if v.flow is Flow.PIECEWISE]
+        group = _common_group(pieces, name)
+        level = max([v.level for v in ins], default=0)
         reshaped = [a.shape != b.shape for a, b in zip(e.avals, p.avals)]
         if not pieces and not any(reshaped):
-            what = GLOBAL if any(k.what == GLOBAL for k in kinds) else SHARED
-            for o in e.outs:
-                self.kinds[o] = Kind(what, None, level)
+            global_ = any(v.flow is Flow.GLOBAL for v in ins)
+            flow = ValueFlow(Flow.GLOBAL if global_ else Flow.SHARED, None, level)
+            self.flows.update((o, flow) for o in e.outs)
             return
-        literals = [
-            (a.value, b.value)
-            for a, b in zip(e.ins, p.ins)
-            if isinstance(a, Literal) and isinstance(b, Literal)
-        ]
-        if any(
-            np.shape(a) != np.shape(b) or not np.array_equal(a, b) for a, b in literals
+        _check_same_literals(e, p, name)
+        reduces = e.primitive in _REDUCTIONS and bool(pieces)
+        if reduces and _reduces_pieces(e, p, name):
+            if group is None or any(reshaped):
+                raise NotStreamable(f"`{name}` reduces a constant over the pieces")
+            combine = _REDUCTIONS[e.primitive]
+            self.roots[n] = Root(n, group, combine, e.outs[0], p.outs[0])
+            self.flows[e.outs[0]] = ValueFlow(Flow.GLOBAL, None, level + 1)
+            return
+        if not reduces:
+            _check_piecewise(e, p, name, bool(pieces))
+        for o, changed in zip(e.outs, reshaped):
+            if not changed:
+                raise NotStreamable(f"`{name}` drops the leading axis of a piece")
+            self.flows[o] = ValueFlow(Flow.PIECEWISE, group, level)
+
+    def piece_eqns(self, outs: list) -> list[int]:
+        """The equations (indices, in order) that compute `outs` piece by piece:
+        back to the piecewise inputs and to the shared and global values."""
+        return needed(self.whole, outs, lambda r: not self.is_piecewise(r))
+
+
+def _common_group(pieces: list[ValueFlow], name: str) -> Any:
+    """The one group of pieces of an equation's piecewise inputs (None: any)."""
+    groups = {v.group for v in pieces if v.group is not None}
+    if len(groups) > 1:
+        raise NotStreamable(
+            f"`{name}` combines leaves streamed in different groups of pieces "
+            "(layers of a `Stacked`, row blocks of a large leaf)"
+        )
+    return next(iter(groups), None)
+
+
+def _check_same_literals(e: Eqn, p: Eqn, name: str) -> None:
+    """Refuses literals that differ between the whole and the piece jaxprs."""
+    for a, b in zip(e.ins, p.ins):
+        if not (isinstance(a, Literal) and isinstance(b, Literal)):
+            continue
+        if np.shape(a.value) != np.shape(b.value) or not np.array_equal(
+            a.value, b.value
         ):
             raise NotStreamable(
                 f"`{name}` uses a constant that depends on the piece size"
             )
-        if e.primitive in _REDUCTIONS and pieces:
-            axes = _jaxpr.reduction_axes(e)
-            if axes != _jaxpr.reduction_axes(p):
-                raise NotStreamable(f"`{name}` reduces different axes on a piece")
-            if 0 in axes:  # over the pieces: a global value, from partials
-                if group is None or any(reshaped):
-                    raise NotStreamable(f"`{name}` reduces a constant over the pieces")
-                self.roots[n] = Root(n, group, _REDUCTIONS[e.primitive])
-                self.kinds[e.outs[0]] = Kind(GLOBAL, None, level + 1)
-                return
-        elif e.primitive is primitives.broadcast_in_dim_p:
-            dims_e, dims_p = (
-                _jaxpr.broadcast_dimensions(e),
-                _jaxpr.broadcast_dimensions(p),
-            )
-            if dims_e != dims_p or (pieces and (not dims_e or dims_e[0] != 0)):
-                raise NotStreamable("`broadcast_in_dim` moves the leading axis")
-        elif e.primitive not in _ELEMENTWISE:
-            raise NotStreamable(f"`{name}` mixes the pieces of a leaf")
-        elif e.params != p.params:
-            raise NotStreamable(
-                f"`{name}` has parameters that depend on the piece size"
-            )
-        for o, changed in zip(e.outs, reshaped):
-            if not changed:
-                raise NotStreamable(f"`{name}` drops the leading axis of a piece")
-            self.kinds[o] = Kind(PIECEWISE, group, level)
 
-    def needed(self, outs: list, stop: Callable[[int], bool]) -> list[int]:
-        """The equations (indices, in order) that compute `outs`, not looking
-        further back than the variables where `stop` holds (`outs` themselves are
-        always computed)."""
-        return needed(self.whole, outs, stop)
+
+def _reduces_pieces(e: Eqn, p: Eqn, name: str) -> bool:
+    """Whether a reduction of piecewise values reduces over the pieces (axis 0)."""
+    axes = _jaxpr.reduction_axes(e)
+    if axes != _jaxpr.reduction_axes(p):
+        raise NotStreamable(f"`{name}` reduces different axes on a piece")
+    return 0 in axes
+
+
+def _check_piecewise(e: Eqn, p: Eqn, name: str, pieces: bool) -> None:
+    """Refuses an equation on reshaped values that does not act piece by piece."""
+    if e.primitive is primitives.broadcast_in_dim_p:
+        dims_e, dims_p = _jaxpr.broadcast_dimensions(e), _jaxpr.broadcast_dimensions(p)
+        if dims_e != dims_p or (pieces and (not dims_e or dims_e[0] != 0)):
+            raise NotStreamable("`broadcast_in_dim` moves the leading axis")
+    elif e.primitive not in _ELEMENTWISE:
+        raise NotStreamable(f"`{name}` mixes the pieces of a leaf")
+    elif e.params != p.params:
+        raise NotStreamable(f"`{name}` has parameters that depend on the piece size")
 
 
 def needed(
-    program: FlatJaxpr, outs: list, stop: Callable[[int], bool] = lambda r: False
+    jaxpr: FlatJaxpr, outs: list, stop: Callable[[int], bool] = lambda r: False
 ) -> list[int]:
-    """The equations of `program` (indices, in order) that compute `outs`, not
+    """The equations of `jaxpr` (indices, in order) that compute `outs`, not
     looking further back than the variables where `stop` holds (`outs` themselves
     are always computed)."""
-    producer = {o: n for n, e in enumerate(program.eqns) for o in e.outs}
+    producer = {o: n for n, e in enumerate(jaxpr.eqns) for o in e.outs}
     wanted: set[int] = set()
     todo = [(r, True) for r in outs if not isinstance(r, Literal)]
     while todo:
@@ -330,16 +370,21 @@ def needed(
         if (stop(r) and not start) or r not in producer or producer[r] in wanted:
             continue
         wanted.add(producer[r])
-        ins = program.eqns[producer[r]].ins
+        ins = jaxpr.eqns[producer[r]].ins
         todo.extend((x, False) for x in ins if not isinstance(x, Literal))
     return sorted(wanted)
 
 
-def run(program: FlatJaxpr, eqns: list[int], env: dict[int, Any]) -> dict[int, Any]:
-    """Evaluates some equations of `program` (binding their primitives)."""
+def run(jaxpr: FlatJaxpr, eqns: list[int], env: dict[int, Any]) -> dict[int, Any]:
+    """Evaluates some equations of `jaxpr` into `env`, and returns `env`."""
     for n in eqns:
-        e = program.eqns[n]
+        e = jaxpr.eqns[n]
         args = [r.value if isinstance(r, Literal) else env[r] for r in e.ins]
-        out = e.primitive.bind(*args, **e.params)
-        env.update(zip(e.outs, out if e.primitive.multiple_results else [out]))
+        env.update(zip(e.outs, _bind(e, args)))
     return env
+
+
+def _bind(e: Eqn, args: list) -> list:
+    """The outputs of `e` on `args`, as `jax.core.eval_jaxpr` computes them."""
+    out = e.primitive.bind(*args, **e.params)
+    return out if e.primitive.multiple_results else [out]

@@ -12,7 +12,7 @@ by the same piece program from the same values as `update_timing="now"` computes
 it, so the numbers are the same.
 """
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,9 +66,8 @@ def _waiting_keys(run: _streaming.Prepared) -> list[Any]:
 
 def _waiting_mask(run: _streaming.Prepared) -> list[bool]:
     """Per trainable leaf: whether its update waits."""
-    n_g = run.n_params
-    waiting = {i for key in _waiting_keys(run) for i in run.groups[key].inputs}
-    return [i in waiting for i in range(n_g)]
+    waiting = _waiting_keys(run)
+    return [g.group in waiting for g in run.grads]
 
 
 def with_pending(
@@ -112,8 +111,7 @@ def with_pending(
 
 
 def _device_kinds(run: _streaming.Prepared) -> tuple[list[str], list[str]]:
-    n_s = len(run.inputs) - 2 * run.n_params
-    return ["device"] * run.n_params, ["device"] * n_s
+    return ["device"] * len(run.params), ["device"] * len(run.state)
 
 
 def _split_kinds(
@@ -204,39 +202,24 @@ def layer_updates(
     a function that takes the gradient of the step's `aux` (the new values) back
     to the new parameters and inner state."""
     inner_kinds, _ = _split_kinds(state, state_kinds)
-    kinds = (param_kinds, inner_kinds)
     run = _prepare(optimizer, _grads_for(params, state), state.inner, params)
-    plan, n_p = run.plan, run.n_params
-    n_s = len(run.inputs) - 2 * n_p
-    outputs = _streaming.output_list(run, kinds)
+    outputs = _streaming.output_list(run, (param_kinds, inner_kinds))
     mask = _waiting_mask(run)
     names = [leaf.path for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
-    grad_slot = {t: k for k, t in enumerate(i for i in range(n_p) if mask[i])}
+    grad_slot = {t: k for k, t in enumerate(t for t, m in enumerate(mask) if m)}
+    p_leaves = jtu.tree_leaves(params)
+    g_leaves = jtu.tree_leaves(state.grads)  # the waiting leaves' only
+    s_leaves = jtu.tree_leaves(state.inner)
     layers: dict[str, _pending.Layers] = {}
     places: dict[str, tuple[list[int], list[int]]] = {}
     for key, held in zip(_waiting_keys(run), state.held, strict=True):
         path = key[1]
-        positions = _streaming.waiting_outputs(run, kinds, key)
-        mine = [outputs[k] for k in positions]
-        leaves = [k for k in positions if k < n_p]
-        states = sorted(
-            {k - n_p for k in positions if k >= n_p}
-            | {i - n_p for i in run.groups[key].inputs if n_p <= i < n_p + n_s}
-        )
-        pairs = _streaming.shared_inputs(plan, mine)
-        wanted = plan.needed([o.whole for o in mine], _not_piecewise(plan))
-        update = _piece_update(plan, wanted, pairs, leaves, states, n_p, n_s, delayed)
-        grads = [jtu.tree_leaves(state.grads)[grad_slot[t]] for t in leaves]
-        inner = jtu.tree_leaves(state.inner)
-        p_leaves = jtu.tree_leaves(params)
-        aux = ([p_leaves[t] for t in leaves], grads, [inner[j] for j in states])
-        layers[path] = _pending.Layers(
-            tuple(names[t] for t in leaves),
-            update,
-            aux,
-            tuple(held),
-            (False, True, True) if delayed else (True, False, True),
-        )
+        leaves, states, update = _stack_update(run, outputs, key, delayed)
+        grads = [g_leaves[grad_slot[t]] for t in leaves]
+        aux = ([p_leaves[t] for t in leaves], grads, [s_leaves[j] for j in states])
+        writes = (False, True, True) if delayed else (True, False, True)
+        paths = tuple(names[t] for t in leaves)
+        layers[path] = _pending.Layers(paths, update, aux, tuple(held), writes)
         places[path] = (leaves, states)
 
     def back(new_aux: dict[str, Any]) -> tuple[PyTree, PyTree]:
@@ -257,47 +240,74 @@ def layer_updates(
     return layers, back
 
 
-def _not_piecewise(plan: _dataflow.Dataflow) -> Any:
-    return lambda r: plan.kinds[r].what != _dataflow.PIECEWISE
+def _stack_update(
+    run: _streaming.Prepared,
+    outputs: list[_streaming.Output],
+    key: Any,
+    delayed: bool,
+) -> tuple[list[int], list[int], Any]:
+    """For the waiting group `key` (one `Stacked`'s layers): the trainable leaves
+    and the state leaves its update reads and writes, and one layer's update."""
+    n_p = run.n_params
+    positions = _streaming.waiting_outputs(outputs, key)
+    mine = [outputs[k] for k in positions]
+    leaves = [k for k in positions if k < n_p]  # new parameters, then new state
+    states = sorted(
+        {k - n_p for k in positions if k >= n_p}
+        | {j for j, x in enumerate(run.state) if x.group == key}
+    )
+    pairs = _streaming.shared_inputs(run.dataflow, mine)
+    wanted = run.dataflow.piece_eqns([o.whole for o in mine])
+    refs = _PieceRefs(
+        [ref for _, ref in pairs],
+        [run.dataflow.piece.ins[run.params[t].position] for t in leaves],
+        [run.dataflow.piece.ins[run.grads[t].position] for t in leaves],
+        [run.dataflow.piece.ins[run.state[j].position] for j in states],
+        [run.dataflow.piece.outs[t] for t in leaves],
+        [run.dataflow.piece.outs[n_p + j] for j in states],
+    )
+    return leaves, states, _piece_update(run.dataflow.piece, wanted, refs, delayed)
+
+
+class _PieceRefs(NamedTuple):
+    """The variables of the piece jaxpr one layer's update sets and reads."""
+
+    held: list  # the shared and global values it reads
+    params: list
+    grads: list
+    state: list
+    new_params: list  # outputs (variable ids or `Literal`s)
+    new_state: list
 
 
 def _piece_update(
-    plan: _dataflow.Dataflow,
-    wanted: list[int],
-    pairs: list[tuple[Any, Any]],
-    leaves: list[int],
-    states: list[int],
-    n_p: int,
-    n_s: int,
-    delayed: bool,
+    piece: _dataflow.FlatJaxpr, wanted: list[int], refs: _PieceRefs, delayed: bool
 ) -> Any:
-    """One layer's update of the waiting leaves: the piece program on one layer's
+    """One layer's update of the waiting leaves: the piece jaxpr on one layer's
     slice of `aux = (params, grads, state)` (on the device, without the layer
     axis), to the new slice: the new parameters in place of the old, or (where
     the layers compute with the old ones, `delayed`) of the gradients."""
-    piece = plan.piece
 
     def update(aux: Any, held: Any) -> Any:
         params, grads, state = aux
         local = dict(piece.consts)
-        for (_, ref), value in zip(pairs, held, strict=True):
-            local[ref] = value
-        for t, p, g in zip(leaves, params, grads, strict=True):
-            local[piece.ins[t]] = _tiling.lift(g, 1)
-            local[piece.ins[n_p + n_s + t]] = _tiling.lift(p, 1)
-        for j, x in zip(states, state, strict=True):
-            local[piece.ins[n_p + j]] = _tiling.lift(x, 1)
+        local.update(zip(refs.held, held, strict=True))
+        pairs = zip(refs.params, refs.grads, params, grads, strict=True)
+        for p_ref, g_ref, p, g in pairs:
+            local[g_ref] = _tiling.lift(g, 1)
+            local[p_ref] = _tiling.lift(p, 1)
+        for ref, x in zip(refs.state, state, strict=True):
+            local[ref] = _tiling.lift(x, 1)
         _dataflow.run(piece, wanted, local)
 
-        def out(k: int, old: Any) -> Any:
-            ref = piece.outs[k]
+        def out(ref: Any, old: Any) -> Any:
             value = ref.value if isinstance(ref, _dataflow.Literal) else local.get(ref)
             if value is None:  # a state leaf the update reads but does not write
                 return old
             return _tiling.lower(jnp.asarray(value), 1).astype(old.dtype)
 
-        new_params = [out(t, p) for t, p in zip(leaves, params, strict=True)]
-        new_state = [out(n_p + j, x) for j, x in zip(states, state, strict=True)]
+        new_params = [out(r, p) for r, p in zip(refs.new_params, params, strict=True)]
+        new_state = [out(r, x) for r, x in zip(refs.new_state, state, strict=True)]
         if delayed:
             return params, new_params, new_state
         return new_params, grads, new_state

@@ -1,0 +1,255 @@
+"""The loop over the pieces of one group (`_streaming.py`): a `lax.scan` whose
+step reads a piece of each input, runs the piece jaxpr on it, and writes the new
+piece back.
+
+How the inputs a loop overwrites are read depends on the backend. On a TPU, step
+`k` reads piece `k` of each, and the compiler streams it from the host. Elsewhere,
+XLA (its CPU backend, at least) fuses that read into the computation of another
+input's new piece, after the write into the first, and then copies every
+overwritten input at every step. So there, step `k` reads piece `k + 1` from the
+arrays it has just written piece `k` into, and carries it to the next step; the
+last piece is updated after the loop, so that nothing is read twice. (On a TPU
+that read-ahead keeps two pieces on the device and costs memory.)
+"""
+
+import dataclasses
+import functools
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .. import _tiling
+from .._memory_kinds import is_host, to_space
+from . import _dataflow
+
+
+class Input(NamedTuple):
+    """One input of the update: a gradient, a state leaf or a parameter."""
+
+    position: int  # among the update's inputs: gradients, state, then parameters
+    value: Any
+    label: str  # the named scope of its transfers
+    group: Any  # the key of its group of pieces; None: it is updated whole
+
+
+@dataclasses.dataclass
+class Group:
+    """Leaves streamed together: `pieces` slices of `rows` rows along axis 0."""
+
+    key: Any
+    pieces: int
+    rows: int
+    inputs: list[Input] = dataclasses.field(default_factory=list)
+
+
+class Output(NamedTuple):
+    """One value a loop over the pieces of a group computes, and how it comes back."""
+
+    whole: Any  # its reference in the whole jaxpr (a variable id or a `Literal`)
+    piece: Any  # its counterpart in the piece jaxpr
+    # The memory kind of each new piece, stacked by the loop into the new leaf;
+    # None for partials, which come back with a leading axis of pieces.
+    kind: str | None = None
+    label: str = ""  # the named scope of its transfers
+    overwrite: int | None = None  # the input written piece by piece with it, in place
+    summed: bool = False  # a metric: added up over the pieces, back as its sum
+    group: Any = None  # the key of the group whose loop computes it; None: none
+    replaces: Input | None = None  # the input whose new value it is (a new leaf)
+
+
+def shared_inputs(
+    dataflow: _dataflow.Dataflow, outputs: list[Output]
+) -> list[tuple[Any, Any]]:
+    """The shared and global values that computing `outputs` piece by piece
+    reads: pairs of references (whole jaxpr, piece jaxpr), in a fixed order."""
+    whole, piece = dataflow.whole, dataflow.piece
+    pairs: dict[Any, Any] = {}
+    for n in dataflow.piece_eqns([o.whole for o in outputs]):
+        for w_ref, p_ref in zip(whole.eqns[n].ins, piece.eqns[n].ins):
+            if isinstance(w_ref, int) and not dataflow.is_piecewise(w_ref):
+                pairs.setdefault(w_ref, p_ref)
+    return list(pairs.items())
+
+
+def scan_pieces(
+    dataflow: _dataflow.Dataflow,
+    group: Group,
+    env: dict,
+    outputs: list[Output],
+    read_in_step: tuple[str, ...],
+) -> list:
+    """The value of each of `outputs`, computed by the piece jaxpr over the pieces
+    of `group` in a `lax.scan`. Each piece's inputs are sliced from their leaves
+    and moved to the device inside the body: one piece is there at a time.
+
+    An output with an `overwrite` input is written piece by piece into that input
+    (a loop carry: with the input donated, in place) and comes back whole. A
+    `summed` output is added up over the pieces in the carry. The others come
+    back stacked by the scan, with a leading axis of pieces. Step `k` reads piece
+    `k` on the backends of `read_in_step`, piece `k + 1` elsewhere."""
+    loop = _Loop.build(dataflow, group, env, outputs)
+    fulls = [x.value for x in loop.carried]
+    fulls += [jnp.zeros((), jnp.float32)] * len(loop.sum_slot)
+    others = [x.value for x in loop.streamed]
+    if loop.carried:
+        direct = {
+            p: functools.partial(loop.run, read_ahead=False) for p in read_in_step
+        }
+        ahead = functools.partial(loop.run, read_ahead=True)
+        fulls, ys = jax.lax.platform_dependent(fulls, others, **direct, default=ahead)
+    else:
+        fulls, ys = loop.run(fulls, others, read_ahead=False)
+    return loop.collect(fulls, iter(ys))
+
+
+@dataclasses.dataclass
+class _Loop:
+    """One loop over the pieces of a group: what each step reads and writes.
+
+    A step's carry (`fulls`) is the overwritten inputs, then one running sum
+    per summed output; `others` are the inputs only read."""
+
+    piece: _dataflow.FlatJaxpr
+    group: Group
+    outputs: list[Output]
+    known: dict  # values of the piece jaxpr every step reads (constants, shared)
+    wanted: list[int]  # the equations each step evaluates
+    used: set[int]  # the variables of the piece jaxpr the steps read
+    carried: list[Input]  # the inputs overwritten piece by piece
+    streamed: list[Input]  # the inputs only read, a piece per step
+    sum_slot: dict[int, int]  # output index -> carry slot of its running sum
+
+    @classmethod
+    def build(
+        cls,
+        dataflow: _dataflow.Dataflow,
+        group: Group,
+        env: dict,
+        outputs: list[Output],
+    ) -> "_Loop":
+        piece = dataflow.piece
+        wanted = dataflow.piece_eqns([o.whole for o in outputs])
+        known = dict(piece.consts)
+        for w_ref, p_ref in shared_inputs(dataflow, outputs):  # what the body reads
+            known[p_ref] = env[w_ref]
+        # Only the pieces the body computes with are read (a global norm's scan
+        # needs the gradients, not the moments).
+        refs = [r for n in wanted for r in piece.eqns[n].ins]
+        refs += [o.piece for o in outputs]
+        used = {r for r in refs if isinstance(r, int)}
+        overwritten = {o.overwrite for o in outputs}
+        carried = [x for x in group.inputs if x.position in overwritten]
+        streamed = [
+            x
+            for x in group.inputs
+            if x.position not in overwritten and piece.ins[x.position] in used
+        ]
+        summed = [k for k, o in enumerate(outputs) if o.summed]
+        sum_slot = dict(zip(summed, range(len(carried), len(carried) + len(outputs))))
+        return cls(
+            piece, group, outputs, known, wanted, used, carried, streamed, sum_slot
+        )
+
+    def read(self, full: Any, index: Any, x: Input) -> Any:
+        """Piece `index` of `full` (input `x`'s leaf), on the device."""
+        rows = self.group.rows
+        with jax.named_scope(x.label):
+            value = _tiling.read(full, index, rows)
+            value = to_space(value, "device", "") if is_host(value) else value
+            return _tiling.lift(value, rows)
+
+    def current(self, fulls: list, index: Any) -> list:
+        """Piece `index` of each overwritten input. A leaf whose new value does
+        not read the old (a compute copy) is written without being read."""
+        return [
+            self.read(f, index, x) if self.piece.ins[x.position] in self.used else None
+            for f, x in zip(fulls, self.carried)
+        ]
+
+    def step(self, index: Any, others: list, current: list, fulls: list) -> tuple:
+        """One piece: its new values, written into `fulls` or returned as `ys`."""
+        ins = self.piece.ins
+        local = dict(self.known)
+        for x, full in zip(self.streamed, others):
+            local[ins[x.position]] = self.read(full, index, x)
+        for x, value in zip(self.carried, current):
+            local[ins[x.position]] = value
+        _dataflow.run(self.piece, self.wanted, local)
+        fulls, ys = list(fulls), []
+        for k, out in enumerate(self.outputs):
+            value = local[out.piece] if isinstance(out.piece, int) else out.piece.value
+            self._write(k, out, value, index, fulls, ys)
+        return fulls, ys
+
+    def _write(
+        self, k: int, out: Output, value: Any, index: Any, fulls: list, ys: list
+    ) -> None:
+        """Output `k`'s piece `value`: added to its sum, written into its input
+        (in `fulls`), or appended to `ys` for the scan to stack."""
+        rows = self.group.rows
+        if out.summed:
+            fulls[self.sum_slot[k]] = fulls[self.sum_slot[k]] + jnp.sum(value)
+        elif out.overwrite is None:  # stacked by the scan
+            if out.kind is not None:  # a new leaf's piece (of a layer: the leaf)
+                value = to_space(_tiling.lower(value, rows), out.kind, "")
+            ys.append(value)
+        else:
+            c = self._slot(out.overwrite)
+            # The transfer under the leaf's scope, which names it in reports.
+            with jax.named_scope(out.label):
+                new = _tiling.lower(value, rows)
+                new = new if out.kind is None else to_space(new, out.kind, "")
+                fulls[c] = _tiling.write(fulls[c], new, index, rows)
+
+    def _slot(self, position: int) -> int:
+        """The carry slot of the overwritten input at `position`."""
+        return [x.position for x in self.carried].index(position)
+
+    def run(self, fulls: list, others: list, read_ahead: bool) -> tuple[list, list]:
+        """The loop: the new carry, and the outputs the scan stacks."""
+        pieces = self.group.pieces
+        indices = jnp.arange(pieces)
+        if not read_ahead:
+
+            def body(carry: Any, index: Any) -> tuple[Any, list]:
+                return self.step(index, others, self.current(carry, index), carry)
+
+            return jax.lax.scan(body, fulls, indices)
+
+        def ahead_body(carry: Any, index: Any) -> tuple[Any, list]:
+            fulls, ys = self.step(index, others, *carry)
+            ahead = jnp.minimum(index + 1, pieces - 1)
+            return (self.current(fulls, ahead), fulls), ys
+
+        # The last piece after the loop: it has no next piece to read ahead (in
+        # the loop it would read itself again). Not where a new host-resident
+        # leaf is stacked from the pieces (it would be joined on the host).
+        stacked_on_host = any(
+            o.overwrite is None and o.kind == "pinned_host" for o in self.outputs
+        )
+        first = (self.current(fulls, 0), fulls)
+        if pieces == 1 or stacked_on_host:
+            (_, fulls), ys = jax.lax.scan(ahead_body, first, indices)
+            return fulls, ys
+        (now, fulls), ys = jax.lax.scan(ahead_body, first, indices[:-1])
+        fulls, last = self.step(indices[-1], others, now, fulls)
+        return fulls, [jnp.concatenate([y, z[None]]) for y, z in zip(ys, last)]
+
+    def collect(self, fulls: list, ys: Iterator) -> list:
+        """The value of each output from what the loop gave back: its overwritten
+        input or its sum (in the carry), or its stacked pieces."""
+        rows = self.group.rows
+        values = []
+        for k, out in enumerate(self.outputs):
+            if out.summed:
+                values.append(fulls[self.sum_slot[k]])
+            elif out.overwrite is not None:
+                values.append(fulls[self._slot(out.overwrite)])
+            else:
+                y = next(ys)
+                if out.kind is not None and rows > 1:  # pieces of rows: one leaf
+                    y = y.reshape((y.shape[0] * rows,) + y.shape[2:])
+                values.append(y)
+        return values
