@@ -83,13 +83,18 @@ def test_a_slice_of_host_resident_layers_inside_a_step_is_refused(getkey):
 
 
 def test_a_slice_of_device_resident_layers_scans_under_the_policy(getkey):
+    """The step's slice `blocks[1:]` offloads its 3 layers' inputs to the host."""
     policy = eo.Policy.offload_residuals()
     model, opt_state, optimizer = _setup(policy, getkey)
 
     tokens, _ = next(batches())
+    step = eo.train_step(_slice_loss, optimizer, policy)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a slice is a `Stacked`: no bypass
-        eo.train_step(_slice_loss, optimizer, policy)(model, opt_state, tokens)
+        report = eo.memory_report(step, model, opt_state, tokens)
+    assert report.residuals is not None
+    saved = {(r.name, r.memory_kind): r.bytes for r in report.residuals}
+    assert saved[("blocks.input", "pinned_host")] == 3 * 8 * 16 * 4  # seq 8, dim 16
 
 
 _NO_CHECKPOINT = r"`jax\.checkpoint`.*does not apply"
