@@ -14,20 +14,11 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jaxtyping import PyTree
 
-from . import _compat, _update
+from . import _compat, _orbax, _update
+from ._errors import see
 from ._placement import place
 from ._policy import check_policy, Policy
-from ._saving import (
-    _check_global,
-    _directory,
-    _flatten,
-    _FORMAT,
-    _is_key,
-    _manager,
-    _name,
-    _wait_for,
-    saved_steps,
-)
+from ._saving import saved_steps, wait_for
 
 
 # The saved items `like` describes, in its order, and `extra`.
@@ -144,36 +135,63 @@ def load(
         )
         ```
     """
-    directory = _directory(path, "`load(path=...)`")
+    directory = _orbax.directory(path, "`load(path=...)`")
     if optimizer is not None:
         optimizer = _update.as_transformation(optimizer, "`load(optimizer=...)`")
     check_policy(policy, "`load(policy=...)`")
+    _check_arguments(like, step)
+    step = _saved_step(directory, step)
+    _orbax.check_global_load(like, extra)
+    targets = _targets(like, extra, policy, optimizer)
+    meta, flats, arrays = _restore(directory, step, targets)
+    out = {
+        name: _rebuild(name, target, flats[name], meta, arrays)
+        for name, target in targets.items()
+    }
+    if extra is None:
+        return Restored(out["model"], out["opt_state"], step)
+    return RestoredWithExtra(out["model"], out["opt_state"], step, out["extra"])
+
+
+def _check_arguments(like: Any, step: int | None) -> None:
     if not isinstance(like, tuple | list) or len(like) != 2:
         raise TypeError(
-            "`load(like=...)` must be a pair `(model, opt_state)` describing what to "
-            f"restore (abstract is fine), got {type(like).__name__}."
+            "`load(like=...)` must be a pair `(model, opt_state)` (abstract is fine), "
+            f"got {type(like).__name__}."
         )
     if step is not None and (isinstance(step, bool) or step < 0):
         raise ValueError(
             f"`load(step=...)` must be None (the latest) or an int >= 0, got {step!r}."
         )
-    _wait_for(directory)
+
+
+def _saved_step(directory: str, step: int | None) -> int:
+    """`step`, or the latest step saved in `directory`, after checking it is there."""
+    wait_for(directory)
     available = saved_steps(directory)
     if not available:
+        missing = "" if os.path.isdir(directory) else " (no such directory)"
         raise FileNotFoundError(
-            f"`load`: no saved step in {directory!r}"
-            + ("" if os.path.isdir(directory) else " (no such directory)")
-            + "; save one with `eqx_offload.save(path, model, opt_state, step=...)`."
+            f"`load`: no saved step in {directory!r}{missing}. Save one with "
+            "`eqx_offload.save`." + see(55)
         )
     if step is None:
-        step = available[-1]
-    elif step not in available:
+        return available[-1]
+    if step not in available:
         raise FileNotFoundError(
             f"`load(step={step})`: no such step in {directory!r}; steps saved: "
-            f"{', '.join(map(str, available))}."
+            f"{', '.join(map(str, available))}." + see(56)
         )
+    return step
 
-    _check_global(like, extra, "load")
+
+def _targets(
+    like: tuple[PyTree, PyTree],
+    extra: PyTree,
+    policy: Policy,
+    optimizer: optax.GradientTransformation | None,
+) -> dict[str, PyTree]:
+    """The saved items to restore, abstract, each leaf placed as `policy` says."""
     model = place(_abstract(like[0]), policy)
     # A checkpoint holds no pending update (`save` refuses one): the state comes
     # back with none waiting, whatever `like`'s state says (a static field).
@@ -187,46 +205,55 @@ def load(
     targets = {"model": model, "opt_state": opt_state}
     if extra is not None:
         targets["extra"] = _abstract(extra)
+    return targets
 
-    manager = _manager(directory, create=False)
+
+def _restore(
+    directory: str, step: int, targets: dict[str, PyTree]
+) -> tuple[dict, dict[str, list], Any]:
+    """The step's description, each target's flattened leaves, and the arrays
+    orbax restored into them, after checking that the step matches the targets."""
+    manager = _orbax.manager(directory, create=False)
     try:
         meta = manager.restore(
             step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
         )["meta"]
-        if meta.get("format") != _FORMAT:
+        if meta.get("format") != _orbax.FORMAT:
             raise ValueError(
-                f"`load`: step {step} in {directory!r} was not written by "
-                "`eqx_offload.save` (or by a version with another layout)."
+                f"`load`: step {step} in {directory!r} was not written by this "
+                "version of `eqx_offload.save`."
             )
         args, flats = {}, {}
         for name, target in targets.items():
-            flats[name] = _flatten(target)
+            flats[name] = _orbax.flatten(target)
             abstract = _check_match(name, meta["leaves"][name], flats[name], step)
             if abstract:
                 args[name] = ocp.args.StandardRestore(abstract)
         arrays = manager.restore(step, args=ocp.args.Composite(**args)) if args else {}
     finally:
         manager.close()
+    return meta, flats, arrays
 
-    out = {}
-    for name, target in targets.items():
-        saved = meta["leaves"][name]
-        values = meta["values"][name]
-        impls = {leaf_path: impl for leaf_path, _, _, impl in saved}
-        restored = []
-        for leaf_path, x in flats[name]:
-            if isinstance(x, jax.ShapeDtypeStruct):
-                data = _host_aval(arrays[name][_name(leaf_path)])
-                impl = impls[leaf_path]
-                restored.append(data if impl is None else _wrap_key(data, impl))
-            elif name == "extra":
-                restored.append(type(x)(values[leaf_path]))
-            else:
-                restored.append(x)
-        out[name] = jtu.tree_unflatten(jtu.tree_structure(target), restored)
-    if extra is None:
-        return Restored(out["model"], out["opt_state"], step)
-    return RestoredWithExtra(out["model"], out["opt_state"], step, out["extra"])
+
+def _rebuild(
+    name: str, target: PyTree, flat: list[tuple[str, Any]], meta: dict, arrays: Any
+) -> PyTree:
+    """The restored item `name`: `target`'s structure with its abstract leaves
+    restored from `arrays`, `extra`'s scalars from the step's description, and the
+    rest from `target`."""
+    impls = {leaf_path: impl for leaf_path, _, _, impl in meta["leaves"][name]}
+    values = meta["values"][name]
+    restored = []
+    for leaf_path, x in flat:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            data = _host_aval(arrays[name][_orbax.name(leaf_path)])
+            impl = impls[leaf_path]
+            restored.append(data if impl is None else _wrap_key(data, impl))
+        elif name == "extra":
+            restored.append(type(x)(values[leaf_path]))
+        else:
+            restored.append(x)
+    return jtu.tree_unflatten(jtu.tree_structure(target), restored)
 
 
 def _wrap_key(data: jax.Array, impl: str) -> jax.Array:
@@ -278,9 +305,17 @@ def _restore_target(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     elif isinstance(sharding, NamedSharding) and len(sharding.device_set) == 1:
         (device,) = sharding.device_set
         sharding = SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
-    if _is_key(x):
+    if _orbax.is_key(x):
         x = jax.eval_shape(jax.random.key_data, x)
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+class _Saved(NamedTuple):
+    """One leaf as the step's description lists it (and as `like` would)."""
+
+    path: str
+    shape: list[int] | None  # None for a Python scalar of `extra`
+    dtype: str  # the dtype, or the scalar's type name
 
 
 def _check_match(
@@ -288,58 +323,73 @@ def _check_match(
 ) -> dict[str, jax.ShapeDtypeStruct]:
     """The restore targets of one saved item, after checking that what was saved is
     what `like` (or the `extra` template) describes, leaf by leaf."""
-    argument = "extra" if name == "extra" else f"like[{_ITEMS.index(name)}]"
-    fix = (
-        "pass a template of the `extra` given to `save`"
-        if name == "extra"
-        else "build `like` the way the saved model and optimizer were built (same "
-        "configuration and optimizer), e.g. with `eqx.filter_eval_shape`"
-    )
-    wanted = []
-    for leaf_path, x in flat:
-        if isinstance(x, jax.ShapeDtypeStruct):
-            wanted.append([leaf_path, list(x.shape), str(x.dtype)])
-        elif name == "extra":
-            if isinstance(x, np.generic):
-                x = x.item()
-            wanted.append([leaf_path, None, type(x).__name__])
-    have = [[p, shape, dtype] for p, shape, dtype, _ in saved]
+    have = [_Saved(p, shape, dtype) for p, shape, dtype, _ in saved]
+    wanted = _wanted(name, flat)
     if name == "extra" and not have and wanted:
         raise ValueError(
-            f"`load(extra=...)`: step {step} was saved without `extra`; leave "
-            "`extra` out, or load a step saved with it."
+            f"`load(extra=...)`: step {step} was saved without `extra`. Leave "
+            "`extra` out." + see(58)
         )
-    for i in range(max(len(have), len(wanted))):
-        a = have[i] if i < len(have) else None
-        b = wanted[i] if i < len(wanted) else None
-        if a == b:
-            continue
-        if a is None or b is None or a[0] != b[0]:
-            saved_leaf = "nothing" if a is None else repr(a[0])
-            like_leaf = "nothing" if b is None else repr(b[0])
-            detail = (
-                f"leaf {i} is {saved_leaf} in the checkpoint but {like_leaf} in "
-                f"`{argument}`"
-            )
-        else:
-            detail = (
-                f"leaf {a[0]!r} is {_describe(a)} in the checkpoint but "
-                f"{_describe(b)} in `{argument}`"
-            )
+    argument = "extra" if name == "extra" else f"like[{_ITEMS.index(name)}]"
+    difference = _first_difference(have, wanted, argument)
+    if difference is not None:
         raise ValueError(
             f"`load`: the {name} saved at step {step} does not match `{argument}` "
-            f"({len(have)} leaves saved, {len(wanted)} in `{argument}`): first "
-            f"difference: {detail}; {fix}."
+            f"({len(have)} leaves saved, {len(wanted)} given): {difference}. "
+            + (_EXTRA_FIX if name == "extra" else _LIKE_FIX)
+            + see(57)
         )
     return {
-        _name(leaf_path): _restore_target(x)
+        _orbax.name(leaf_path): _restore_target(x)
         for leaf_path, x in flat
         if isinstance(x, jax.ShapeDtypeStruct)
     }
 
 
-def _describe(leaf: list) -> str:
-    _, shape, dtype = leaf
-    if shape is None:
-        return f"a Python {dtype}"
-    return f"{dtype}{shape}"
+_LIKE_FIX = (
+    "Build `like` the way the saved model and optimizer were built (same "
+    "configuration and optimizer), e.g. with `eqx.filter_eval_shape`."
+)
+_EXTRA_FIX = "Pass a template of the `extra` given to `save`."
+
+
+def _wanted(name: str, flat: list[tuple[str, Any]]) -> list[_Saved]:
+    """The leaves `like` (or the `extra` template) describes, as `save` lists them."""
+    wanted = []
+    for leaf_path, x in flat:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            wanted.append(_Saved(leaf_path, list(x.shape), str(x.dtype)))
+        elif name == "extra":
+            if isinstance(x, np.generic):
+                x = x.item()
+            wanted.append(_Saved(leaf_path, None, type(x).__name__))
+    return wanted
+
+
+def _first_difference(
+    have: list[_Saved], wanted: list[_Saved], argument: str
+) -> str | None:
+    """The first leaf that differs between the checkpoint and `argument`."""
+    for i in range(max(len(have), len(wanted))):
+        a = have[i] if i < len(have) else None
+        b = wanted[i] if i < len(wanted) else None
+        if a == b:
+            continue
+        if a is None or b is None or a.path != b.path:
+            saved_leaf = "nothing" if a is None else repr(a.path)
+            like_leaf = "nothing" if b is None else repr(b.path)
+            return (
+                f"leaf {i} is {saved_leaf} in the checkpoint but {like_leaf} in "
+                f"`{argument}`"
+            )
+        return (
+            f"leaf {a.path!r} is {_describe(a)} in the checkpoint but {_describe(b)} "
+            f"in `{argument}`"
+        )
+    return None
+
+
+def _describe(leaf: _Saved) -> str:
+    if leaf.shape is None:
+        return f"a Python {leaf.dtype}"
+    return f"{leaf.dtype}{leaf.shape}"

@@ -1,6 +1,5 @@
 """Checkpoints: `save` a model, its optimizer state and your own state to a
-directory of numbered steps (`load` in `_loading.py` reads them back), and what
-both share: the directory, its manager and the leaves' names."""
+directory of numbered steps (`load` in `_loading.py` reads them back)."""
 
 import atexit
 import os
@@ -9,17 +8,15 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.tree_util as jtu
 import numpy as np
 import orbax.checkpoint as ocp
 from jaxtyping import PyTree
 
-from . import _paths
+from . import _orbax
+from ._errors import see
 from ._pending import check_ready
 
 
-# Bumped if the layout of a step's directory changes.
-_FORMAT = 1
 # JSON-able leaves of `extra` (a data position, an epoch); saved by value.
 _SCALARS = (bool, int, float, str)
 
@@ -113,11 +110,11 @@ def saved_steps(path: str | os.PathLike) -> list[int]:
             model, opt_state, step, _ = eo.load("ckpt", like, policy, optimizer=opt)
         ```
     """
-    directory = _directory(path, "`saved_steps(path=...)`")
-    _wait_for(directory)
+    directory = _orbax.directory(path, "`saved_steps(path=...)`")
+    wait_for(directory)
     if not os.path.isdir(directory):
         return []
-    manager = _manager(directory, create=False)
+    manager = _orbax.manager(directory, create=False)
     try:
         return sorted(manager.all_steps())
     finally:
@@ -178,7 +175,7 @@ def save(
 
         ```python
         for i in range(start, steps):
-            model, opt_state, loss = step_fn(model, opt_state, *batch)
+            model, opt_state, loss, _ = step_fn(model, opt_state, *batch)
             key, _ = jax.random.split(key)
             if (i + 1) % 100 == 0:
                 eo.save("ckpt", model, opt_state, step=i + 1,
@@ -186,33 +183,33 @@ def save(
         eo.wait_until_finished()
         ```
     """
-    directory = _directory(path, "`save(path=...)`")
+    directory = _orbax.directory(path, "`save(path=...)`")
     # The parameters of a model one update behind would be saved as its own.
     check_ready(opt_state, "`save(opt_state=...)`")
     if not isinstance(step, int | np.integer) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"`save(step=...)` must be an int >= 0, got {step!r}.")
+        raise ValueError(
+            f"`save(step=...)` must be an int >= 0, got {step!r}." + see(60)
+        )
     step = int(step)
     if keep is not None and (isinstance(keep, bool) or keep < 1):
         raise ValueError(
             f"`save(keep=...)` must be None (keep every step) or an int >= 1, got "
             f"{keep!r}."
         )
-    _wait_for(directory)
-    manager = _manager(directory, keep=keep, asynchronous=not wait)
+    wait_for(directory)
+    manager = _orbax.manager(directory, keep=keep, asynchronous=not wait)
     try:
         steps = manager.all_steps()
         if step in steps:
             raise ValueError(
-                f"`save(step=...)`: step {step} is already saved in {directory!r}; "
-                "save under a new step number, or delete that step's directory first."
+                f"`save(step=...)`: step {step} is already saved in {directory!r}. "
+                "Save under a new step number."
             )
         if steps and step < max(steps):
             # Orbax would skip it without a word: steps only go up in a directory.
             raise ValueError(
                 f"`save(step={step})`: {directory!r} already holds step {max(steps)}, "
-                "and the steps of a checkpoint directory only go up (after resuming "
-                "from an earlier step, for instance). Save to a new directory, or "
-                "delete the later steps' directories first."
+                "and steps only go up. Save to a new directory." + see(61)
             )
         args = _save_args(model, opt_state, extra, step, wait)
     except BaseException:
@@ -233,23 +230,28 @@ def _save_args(
     """The orbax items of a step: the array leaves of each tree as a flat dict from
     path to array (a copy for an asynchronous save), and a JSON description."""
     trees = {"model": model, "opt_state": opt_state, "extra": extra}
-    _check_global(trees, None, "save")
-    meta: dict[str, Any] = {"format": _FORMAT, "step": step, "leaves": {}, "values": {}}
+    _orbax.check_global_save(trees)
+    meta: dict[str, Any] = {
+        "format": _orbax.FORMAT,
+        "step": step,
+        "leaves": {},
+        "values": {},
+    }
     args = {}
     for name, tree in trees.items():
         leaves, values, arrays = [], {}, {}
-        for leaf_path, x in _flatten(tree):
+        for leaf_path, x in _orbax.flatten(tree):
             if isinstance(x, jax.ShapeDtypeStruct):
                 raise TypeError(
                     f"`save({name}=...)`: leaf {leaf_path!r} is abstract (a "
-                    "`jax.ShapeDtypeStruct`); save a model with concrete arrays."
+                    "`jax.ShapeDtypeStruct`). Save concrete arrays." + see(59)
                 )
             if eqx.is_array(x):
                 impl = _key_impl(x)
                 data = x if impl is None else jax.random.key_data(x)
                 if not wait:
                     data = _snapshot(data)
-                arrays[_name(leaf_path)] = data
+                arrays[_orbax.name(leaf_path)] = data
                 leaves.append([leaf_path, list(x.shape), str(x.dtype), impl])
             elif name == "extra":
                 if isinstance(x, np.generic):
@@ -257,8 +259,8 @@ def _save_args(
                 if not isinstance(x, _SCALARS):
                     raise TypeError(
                         f"`save(extra=...)`: leaf {leaf_path!r} is a "
-                        f"{type(x).__name__}; `extra` holds arrays and Python scalars "
-                        "(int, float, bool, str). Convert it, or keep it elsewhere."
+                        f"{type(x).__name__}. Give arrays or Python scalars (int, "
+                        "float, bool, str)."
                     )
                 values[leaf_path] = x
                 leaves.append([leaf_path, None, type(x).__name__, None])
@@ -270,64 +272,20 @@ def _save_args(
     return args
 
 
-def _directory(path: Any, where: str) -> str:
-    if not isinstance(path, str | os.PathLike):
-        raise TypeError(
-            f"{where} must be a directory path (a `str` or `os.PathLike`), got "
-            f"{type(path).__name__}."
-        )
-    return os.path.abspath(os.fspath(path))
-
-
-def _wait_for(directory: str) -> None:
-    """Orbax saves one step of a directory at a time, and a load must see it."""
+def wait_for(directory: str) -> None:
+    """Waits for the asynchronous save in progress in `directory`, if any: orbax
+    saves one step of a directory at a time, and a load must see it."""
     saving = _pending.get(directory)
     if saving is not None:
         saving.wait()
 
 
-def _manager(
-    directory: str,
-    *,
-    keep: int | None = None,
-    asynchronous: bool = False,
-    create: bool = True,
-) -> ocp.CheckpointManager:
-    """A manager that saves (`create=True`) or only reads."""
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep,
-        enable_async_checkpointing=asynchronous,
-        create=create,
-        # A saver owns the directory: the temporary directory of a save that was
-        # killed is removed by the next save.
-        cleanup_tmp_directories=create,
-    )
-    return ocp.CheckpointManager(directory, options=options)
-
-
-def _flatten(tree: Any) -> list[tuple[str, Any]]:
-    """Leaves of `tree` (`None` is no leaf) with their dotted paths."""
-    flat, _ = jtu.tree_flatten_with_path(tree)
-    return [(_paths.join("", keys), x) for keys, x in flat]
-
-
-def _name(leaf_path: str) -> str:
-    """A leaf's name in the saved item (a flat dict): its path; the root of a tree
-    that is a single array has no path."""
-    return leaf_path or "(root)"
-
-
 def _key_impl(x: Any) -> str | None:
     """The PRNG implementation of a key array, else None."""
-    if not _is_key(x):
+    if not _orbax.is_key(x):
         return None
     impl = jax.random.key_impl(x)
     return impl if isinstance(impl, str) else str(impl)
-
-
-def _is_key(x: Any) -> bool:
-    """Whether `x` (an array or its abstract value) is an array of PRNG keys."""
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _snapshot(x: Any) -> Any:
@@ -343,49 +301,3 @@ def _snapshot(x: Any) -> Any:
             return jax.device_put(x, x.sharding, may_alias=False)
         return x
     return np.array(x, copy=True)  # NumPy: the caller may change it in place
-
-
-def _check_global(like: Any, extra: Any, what: str) -> None:
-    """In a run of several processes, refuses (on every process alike, before orbax
-    is asked) an array leaf that is not laid out over the devices of every process:
-    orbax cannot save one ("host local jax.Array"), and would restore it on one
-    process's device only, fail on the others and leave that one waiting."""
-    count = jax.process_count()
-    if count == 1:
-        return
-    names = ("like", "extra") if what == "load" else ("trees", "")
-    for name, tree in zip(names, (like, extra)):
-        for leaf_path, x in _flatten(tree):
-            if not eqx.is_array(x) and not isinstance(x, jax.ShapeDtypeStruct):
-                continue
-            sharding = getattr(x, "sharding", None)
-            processes = (
-                {d.process_index for d in sharding.device_set} if sharding else set()
-            )
-            if len(processes) != count:
-                has = (
-                    "no sharding"
-                    if sharding is None
-                    else f"a sharding on {len(processes)} of them"
-                )
-                if what == "load":
-                    where, fix = (
-                        f"`load({name}=...)`",
-                        "Give every leaf the global `NamedSharding` to restore it in: "
-                        "`jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding("
-                        "mesh, spec))` over a mesh of all devices.",
-                    )
-                else:
-                    where, fix = (
-                        "`save`",
-                        "Lay it out over a mesh of all devices first (replicated: "
-                        "`jax.make_array_from_callback(shape, NamedSharding(mesh, "
-                        "PartitionSpec()), ...)`; for a PRNG key, its "
-                        "`jax.random.key_data`), or keep it in `extra` as a Python "
-                        "scalar.",
-                    )
-                raise ValueError(
-                    f"{where}: leaf {leaf_path!r} is not laid out over the "
-                    f"devices of all {count} processes of this run (it has {has}). "
-                    + fix
-                )
