@@ -76,64 +76,92 @@ def _origin(v: Any, jaxpr: Any, producers: dict[int, dict]) -> Residual:
     `reduce_precision`, a cast onto `Auto` axes, the `device_put` that offloads a
     named value, and into the body of a scan whose per-iteration output (one slice
     per layer) it is."""
-    enclosing: list[tuple[Any, Any]] = []  # (outer jaxpr, jit or scan equation)
-    per_iteration = False
-    name, at = None, None  # its checkpoint name; the equation that computes it
-    while True:
-        if _jaxpr.is_literal(v):
-            source = "literal"
-            break
-        eqn = _producers(jaxpr, producers).get(v)
+    return _Origin(v, jaxpr, producers).find()
+
+
+class _Origin:
+    """A walk back from a value to the equation or input it comes from."""
+
+    def __init__(self, v: Any, jaxpr: Any, producers: dict[int, dict]):
+        self.v = v
+        self.jaxpr = jaxpr
+        self.producers = producers  # per jaxpr, the equation producing each var
+        self.enclosing: list[tuple[Any, Any]] = []  # (outer jaxpr, jit or scan)
+        self.per_iteration = False  # inside a scan, for its stacked output
+
+    def find(self) -> Residual:
+        found = None
+        while found is None:
+            found = self._step()
+        return found
+
+    def _step(self) -> Residual | None:
+        """One step back: the residual if it is found, else None."""
+        if _jaxpr.is_literal(self.v):
+            return self._found("literal")
+        eqn = _producers(self.jaxpr, self.producers).get(self.v)
         if eqn is None:
-            if not (enclosing and v in jaxpr.invars):
-                source = "argument" if v in jaxpr.invars else "constant"
-                break
-            outer, call = enclosing.pop()
-            position = jaxpr.invars.index(v)
-            if _jaxpr.is_scan(call):
-                scan = _jaxpr.scan_layout(call)
-                if scan.consts <= position < scan.consts + scan.carry:
-                    # The carry entering an iteration (a layer's input), saved.
-                    names = [
-                        _jaxpr.checkpoint_name_of(e)
-                        for e in jaxpr.eqns
-                        if _jaxpr.is_checkpoint_name(e) and e.invars[0] is v
-                    ]
-                    source, name = ("named", names[0]) if names else ("carry", None)
-                    break
-            v, jaxpr = call.invars[position], outer
-            continue
-        index = eqn.outvars.index(v)
+            return self._out_of_call()
+        return self._through(eqn)
+
+    def _out_of_call(self) -> Residual | None:
+        """`v` is an input of the jaxpr: on to the operand of the call around it."""
+        invars = self.jaxpr.invars
+        if not (self.enclosing and self.v in invars):
+            return self._found("argument" if self.v in invars else "constant")
+        outer, call = self.enclosing.pop()
+        position = invars.index(self.v)
+        if _jaxpr.is_scan(call):
+            scan = _jaxpr.scan_layout(call)
+            if scan.consts <= position < scan.consts + scan.carry:
+                # The carry entering an iteration (a layer's input), saved.
+                names = [
+                    _jaxpr.checkpoint_name_of(e)
+                    for e in self.jaxpr.eqns
+                    if _jaxpr.is_checkpoint_name(e) and e.invars[0] is self.v
+                ]
+                return self._found("named", names[0]) if names else self._found("carry")
+        self.v, self.jaxpr = call.invars[position], outer
+        return None
+
+    def _through(self, eqn: Any) -> Residual | None:
+        """On through `eqn`, which computes `v`, where it only passes a value on."""
+        index = eqn.outvars.index(self.v)
         body = _jaxpr.jit_body(eqn)
         if _jaxpr.is_reduce_precision(eqn) or (
             _jaxpr.is_reshard(eqn) and _to_auto(eqn)
         ):
-            v = eqn.invars[0]
+            self.v = eqn.invars[0]
         elif body is not None:
-            enclosing.append((jaxpr, eqn))
-            jaxpr = body
-            v = jaxpr.outvars[index]
+            self.enclosing.append((self.jaxpr, eqn))
+            self.jaxpr = body
+            self.v = body.outvars[index]
         elif _jaxpr.is_scan(eqn) and index >= _jaxpr.scan_layout(eqn).carry:
-            enclosing.append((jaxpr, eqn))
-            per_iteration = True
-            jaxpr = _jaxpr.scan_layout(eqn).body
-            v = jaxpr.outvars[index]
+            self.enclosing.append((self.jaxpr, eqn))
+            self.per_iteration = True
+            self.jaxpr = _jaxpr.scan_layout(eqn).body
+            self.v = self.jaxpr.outvars[index]
         else:
-            named = eqn
-            if _jaxpr.is_device_put(eqn):  # the offload of a named value?
-                named = _producers(jaxpr, producers).get(eqn.invars[index])
-            if named is not None and _jaxpr.is_checkpoint_name(named):
-                source, name = "named", _jaxpr.checkpoint_name_of(named)
-            else:
-                source, at = _jaxpr.primitive_name(eqn), eqn
-            break
-    # An equation inside a `jit` keeps only the frames below that call: the calls
-    # around it have the rest.
-    where = None
-    if at is not None:
-        calls = [at] + [call for _, call in reversed(enclosing)]
+            return self._computed(eqn, index)
+        return None
+
+    def _computed(self, eqn: Any, index: int) -> Residual:
+        """`v` computed by `eqn`: a named value (perhaps offloaded), or the user's."""
+        named = eqn
+        if _jaxpr.is_device_put(eqn):  # the offload of a named value?
+            named = _producers(self.jaxpr, self.producers).get(eqn.invars[index])
+        if named is not None and _jaxpr.is_checkpoint_name(named):
+            return self._found("named", _jaxpr.checkpoint_name_of(named))
+        # An equation inside a `jit` keeps only the frames below that call: the
+        # calls around it have the rest.
+        calls = [eqn] + [call for _, call in reversed(self.enclosing)]
         where = _user_line([e.source_info for e in calls])
-    return Residual(v.aval, source, name, per_iteration, where)
+        return self._found(_jaxpr.primitive_name(eqn), where=where)
+
+    def _found(
+        self, source: str, name: str | None = None, where: str | None = None
+    ) -> Residual:
+        return Residual(self.v.aval, source, name, self.per_iteration, where)
 
 
 def _directories(*modules: Any) -> tuple[str, ...]:

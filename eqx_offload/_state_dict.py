@@ -35,7 +35,11 @@ from jax.sharding import (
 from jaxtyping import Array, PyTree
 
 from . import _layout, _paths, _tiling
+from ._errors import see
 from ._memory_kinds import is_arraylike, is_host, kind_of, to_space
+
+
+_LOAD = "`eqx_offload.load_state_dict`"
 
 
 class LeafIndex(NamedTuple):
@@ -88,8 +92,7 @@ def _entries(model: Any, where: str) -> list[_Entry | None]:
         if key in seen:
             raise ValueError(
                 f"{where}: leaves {seen[key]!r} and {leaf.path!r} both have the "
-                f"state-dict key {key!r} (a dictionary key containing a '.'?); rename "
-                "one of them."
+                f"state-dict key {key!r}. Rename one."
             )
         seen[key] = leaf.path
         out.append(entry)
@@ -183,15 +186,14 @@ def state_dict_key(model: PyTree, path: str, index: tuple[int, ...] = ()) -> str
             if len(index) != len(layers) or not all(
                 0 <= i < n for i, n in zip(index, layers)
             ):
+                axes = "axis" if len(layers) == 1 else "axes"
                 raise ValueError(
-                    f"{where}: leaf {path!r} has {len(layers)} layer ax"
-                    f"{'is' if len(layers) == 1 else 'es'} of sizes {layers}; "
-                    f"index {index!r} does not fit. Give one index per enclosing "
-                    "`Stacked`, outermost first."
+                    f"{where}: leaf {path!r} has {len(layers)} layer {axes} of sizes "
+                    f"{layers}; index {index!r} does not fit. One index per `Stacked`."
                 )
             return entry.key(tuple(index))
     raise ValueError(
-        f"{where}: no array leaf has path {path!r}; array leaves are: "
+        f"{where}: no array leaf has path {path!r}. Array leaves are: "
         f"{_paths.quoted([e.path for e in entries])}."
     )
 
@@ -247,9 +249,8 @@ def state_dict(model: PyTree) -> dict[str, Array]:
             continue
         if not eqx.is_array(entry.value):
             raise TypeError(
-                f"`eqx_offload.state_dict`: leaf {entry.path!r} is abstract "
-                f"({entry.value}); a state dict holds arrays. Load weights into an "
-                "abstract model with `eqx_offload.load_state_dict` instead."
+                f"`eqx_offload.state_dict`: leaf {entry.path!r} is abstract. Load "
+                "weights into it with `load_state_dict`."
             )
         if not entry.depth:
             arrays[entry.key(())] = entry.value
@@ -332,11 +333,9 @@ def _target_sharding(x: Any, path: str) -> Any:
     if mesh.empty or same(mesh) != same(abstract):
         context = "none" if mesh.empty else dict(mesh.shape)
         raise ValueError(
-            f"`eqx_offload.load_state_dict`: leaf {path!r} is laid out on an "
-            f"`AbstractMesh` {dict(abstract.shape)}, which has no devices to create "
-            f"its array on, and the mesh of `jax.set_mesh` is {context}. Call "
-            "`load_state_dict` inside `with jax.set_mesh(mesh):`, `mesh` a "
-            "`jax.sharding.Mesh` with the same axes (as when the model was made)."
+            f"{_LOAD}: leaf {path!r} is laid out on an `AbstractMesh` "
+            f"{dict(abstract.shape)}; `jax.set_mesh` is {context}. Call "
+            "`load_state_dict` inside `with jax.set_mesh(mesh):`." + see(70)
         )
     return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
 
@@ -350,22 +349,21 @@ def _join_mesh(sharding: Any) -> Mesh | None:
 
 
 def _check_value(key: str, value: Any, shape: tuple, dtype: Any) -> None:
-    where = "`eqx_offload.load_state_dict`"
+    where = _LOAD
     if not (hasattr(value, "shape") and hasattr(value, "dtype")):
         raise TypeError(
-            f"{where}: state_dict[{key!r}] is a {type(value).__name__}, not an array; "
-            "give a JAX or NumPy array."
+            f"{where}: state_dict[{key!r}] is a {type(value).__name__}, not an array. "
+            "Give a JAX or NumPy array." + see(66)
         )
     if tuple(value.shape) != tuple(shape):
         raise ValueError(
             f"{where}: state_dict[{key!r}] has shape {tuple(value.shape)} but the "
-            f"model expects {tuple(shape)}."
+            f"model expects {tuple(shape)}." + see(66)
         )
     if value.dtype != dtype:
         raise ValueError(
             f"{where}: state_dict[{key!r}] has dtype {value.dtype} but the model "
-            f"expects {dtype}; cast it first (e.g. `x.astype(jnp.{dtype})`), "
-            "nothing is converted silently."
+            f"expects {dtype}. Cast it first." + see(66)
         )
 
 
@@ -413,65 +411,73 @@ def load_state_dict(
         model = eo.load_state_dict(model, weights)  # arrays, in their memory kinds
         ```
     """
-    where = "`eqx_offload.load_state_dict`"
     flat, treedef = jtu.tree_flatten(model)
-    entries = _entries(model, where)
+    entries = _entries(model, _LOAD)
     assert len(flat) == len(entries)
     expected = {key: entry for key, entry, _ in _per_layer_order(entries)}
+    _check_keys(expected, state_dict, strict)
+    out = [
+        x if entry is None else _load_leaf(x, entry, state_dict)
+        for x, entry in zip(flat, entries)
+    ]
+    return jtu.tree_unflatten(treedef, out)
+
+
+def _check_keys(
+    expected: dict[str, _Entry], state_dict: Mapping[str, Any], strict: bool
+) -> None:
+    """Raises naming the missing and unexpected keys: any of them if `strict`, else
+    the missing keys of abstract leaves (which have no arrays to keep)."""
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
     abstract_missing = [k for k in missing if not eqx.is_array(expected[k].value)]
-    if (strict and (missing or unexpected)) or abstract_missing:
-        parts = []
-        if missing:
-            parts.append(f"missing keys: {_paths.quoted(missing)}")
-        if unexpected and strict:
-            parts.append(f"unexpected keys: {_paths.quoted(unexpected)}")
-        fix = (
-            "the model's keys are dotted with layer indices as numeric segments, "
-            f"e.g. {next(iter(expected), 'blocks.0.weight')!r} "
-            "(`eqx_offload.state_dict_keys(model)` lists them)"
-        )
-        if abstract_missing:
-            fix += (
-                "; abstract leaves have no values to keep, so their keys are needed "
-                "even with `strict=False`"
-            )
-        else:
-            fix += "; pass `strict=False` to keep the model's arrays for missing keys"
-        raise ValueError(f"{where}: {'; '.join(parts)}. {fix}.")
+    if not ((strict and (missing or unexpected)) or abstract_missing):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing keys: {_paths.quoted(missing)}")
+    if unexpected and strict:
+        parts.append(f"unexpected keys: {_paths.quoted(unexpected)}")
+    example = next(iter(expected), "blocks.0.weight")
+    if abstract_missing:
+        fix = "Abstract leaves have no values to keep: give every key, even with "
+        fix += "`strict=False`."
+    else:
+        fix = "Pass `strict=False` to keep the model's arrays for missing keys."
+    raise ValueError(
+        f"{_LOAD}: {'; '.join(parts)}. Keys have layer indices as segments, e.g. "
+        f"{example!r} (`state_dict_keys` lists them). "
+        + fix
+        + see(65 if unexpected and strict else 64)
+    )
 
-    out = []
-    for x, entry in zip(flat, entries):
-        if entry is None:
-            out.append(x)
-            continue
-        layer_shape = x.shape[entry.depth :]
-        keys = [entry.key(index) for index in entry.indices()]
-        for key in keys:
-            if key in state_dict:
-                _check_value(key, state_dict[key], layer_shape, x.dtype)
-        sharding = _target_sharding(x, entry.path)
-        if not entry.depth:
-            value = state_dict.get(keys[0])
-            out.append(
-                x if value is None else jax.device_put(value, sharding, may_alias=False)
-            )
-            continue
-        pieces = [state_dict.get(key) for key in keys]
-        if all(p is None for p in pieces):
-            out.append(x)
-            continue
-        kind = kind_of(x)
-        if kind != "device":
-            # Into host memory before the jitted join: its NumPy arguments would
-            # otherwise all go to the device at once, the whole stacked leaf.
-            target = _piece_sharding(sharding, entry.depth, kind)
-            pieces = [None if p is None else jax.device_put(p, target) for p in pieces]
-        spec = getattr(sharding, "spec", PartitionSpec())
-        layout = _Layout(tuple(x.shape), x.dtype, entry.depth, kind, spec)
-        old = x if eqx.is_array(x) else None
-        with jax.set_mesh(_join_mesh(sharding)):
-            new = _join_layers(layout, old, pieces)
-        out.append(jax.device_put(new, sharding))
-    return jtu.tree_unflatten(treedef, out)
+
+def _load_leaf(x: Any, entry: _Entry, state_dict: Mapping[str, Any]) -> Any:
+    """The leaf `x` (at `entry`) with the arrays `state_dict` has for its keys, in
+    its memory kind and sharding; `x` itself if it has none."""
+    layer_shape = x.shape[entry.depth :]
+    keys = [entry.key(index) for index in entry.indices()]
+    for key in keys:
+        if key in state_dict:
+            _check_value(key, state_dict[key], layer_shape, x.dtype)
+    sharding = _target_sharding(x, entry.path)
+    if not entry.depth:
+        value = state_dict.get(keys[0])
+        if value is None:
+            return x
+        return jax.device_put(value, sharding, may_alias=False)
+    pieces = [state_dict.get(key) for key in keys]
+    if all(p is None for p in pieces):
+        return x
+    kind = kind_of(x)
+    if kind != "device":
+        # Into host memory before the jitted join: its NumPy arguments would
+        # otherwise all go to the device at once, the whole stacked leaf.
+        target = _piece_sharding(sharding, entry.depth, kind)
+        pieces = [None if p is None else jax.device_put(p, target) for p in pieces]
+    spec = getattr(sharding, "spec", PartitionSpec())
+    layout = _Layout(tuple(x.shape), x.dtype, entry.depth, kind, spec)
+    old = x if eqx.is_array(x) else None
+    with jax.set_mesh(_join_mesh(sharding)):
+        new = _join_layers(layout, old, pieces)
+    return jax.device_put(new, sharding)
