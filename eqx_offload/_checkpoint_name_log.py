@@ -1,11 +1,12 @@
-"""Checkpoint names: which occurred while tracing, which are residuals, and the
-checks that a policy's names mean something.
+"""Checkpoint names: which occurred while tracing, and which are residuals.
 
-What a configured `Stacked` learned about one layer (an `Occurrence`) is recorded
-while tracing, and also attached to the checkpoint policy it builds, so that it
-travels inside the jaxpr as a parameter of the `checkpoint` equation: a scan that
-JAX serves from a cache (an inner `jax.jit` traced before) records nothing, but its
-jaxpr still carries the occurrence.
+It also checks that a policy's names mean something.
+
+What a configured `Stacked` learned about one layer is an `Occurrence`. It is
+recorded while tracing. It is also attached to the checkpoint policy the
+`Stacked` builds, so it travels inside the jaxpr, as a parameter of the
+`checkpoint` equation. A scan that JAX serves from a cache (an inner `jax.jit`
+traced before) records nothing, but its jaxpr still carries the occurrence.
 """
 
 import contextlib
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from . import _compat, _jaxpr, _paths
+from ._errors import see
 from ._policy import Policy
 
 
@@ -61,11 +63,19 @@ class NameLog:
         )
 
 
+_NOT_RESIDUAL = (
+    "A layer's output is not one of its residuals: the next layer saves it as its "
+    "input, `<path>.input`."
+)
+
+
 class UnusedName(ValueError):
-    """A `save`/`offload` entry of a policy that would do nothing: it matches no
-    name that occurred (`matched` is empty), or only names that are not saved for
-    the backward pass. `offered` are names a policy can select instead (residual
-    names), when known."""
+    """A `save`/`offload` entry of a policy that would do nothing.
+
+    It matches no name that occurred (`matched` is empty), or only names that are
+    not saved for the backward pass. `offered` are the residual names a policy can
+    select instead, when known.
+    """
 
     def __init__(
         self,
@@ -107,19 +117,22 @@ class UnusedName(ValueError):
             )
         if self.never_occurred:
             seen = _paths.quoted(self.seen) if self.seen else "(none: no `Stacked`)"
-            return f"{entry}, which never occurred; names seen: {seen}. {usable}"
+            link = see(27 if self.seen else 29)
+            return f"{entry}, which never occurred; names seen: {seen}. {usable}{link}"
         return (
             f"{entry}, which occurred ({_paths.quoted(self.matched)}) but is not "
-            "saved for the backward pass, so listing it does nothing. A layer's "
-            "output is not one of its residuals (the next layer saves it as its "
-            f"input, `<path>.input`). {usable}"
+            f"saved for the backward pass, so listing it does nothing. {_NOT_RESIDUAL} "
+            f"{usable}" + see(30)
         )
 
 
 def check(policy: Policy, log: NameLog) -> None:
-    """Every `save`/`offload` entry of `policy` must match a name that occurred, and
-    one of its matches must be a residual: otherwise it would silently do nothing
-    (`UnusedName`, listing the residual names this trace found)."""
+    """Raises `UnusedName` unless every `save`/`offload` entry of `policy` applies.
+
+    Each entry must match a name that occurred, and one of its matches must be a
+    residual. Otherwise it would silently do nothing. The error lists the
+    residual names this trace found.
+    """
     seen = tuple(log.names)
     residuals = set(log.residual_names)
     offered = tuple(log.residual_names)
@@ -139,8 +152,10 @@ _log: contextvars.ContextVar[NameLog | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def collecting() -> Iterator[NameLog]:
-    """Marks a `filter_offload` function being traced, and collects the
-    occurrences of the configured `Stacked`s traced meanwhile."""
+    """Marks a `filter_offload` function being traced, and collects occurrences.
+
+    The occurrences are those of the configured `Stacked`s traced meanwhile.
+    """
     log = NameLog()
     token = _log.set(log)
     try:
@@ -156,4 +171,5 @@ def record(occurrence: Occurrence) -> None:
 
 
 def is_inside() -> bool:
+    """Whether a `filter_offload` function is being traced (`collecting`)."""
     return _log.get() is not None

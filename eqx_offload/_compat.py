@@ -18,8 +18,10 @@ EQUINOX_VERSION = "0.13.8"
 
 
 def _inner(x: Any) -> Iterator[Any]:
-    """`x` and the values it wraps, transformation by transformation (a batched
-    value's, a differentiated value's primal)."""
+    """`x` and the values it wraps, transformation by transformation.
+
+    A batched value wraps its value; a differentiated value, its primal.
+    """
     from jax._src.interpreters import ad, batching
 
     while True:
@@ -33,11 +35,13 @@ def _inner(x: Any) -> Iterator[Any]:
 
 
 def forward_mode(tree: Any) -> bool:
-    """Whether a leaf of `tree` is differentiated in forward mode (`jax.jvp`,
-    `jax.jacfwd`), at any depth of the transformations around it (inside a
-    `jax.vmap`, say), where a `jax.custom_vjp` cannot run. Reverse mode
-    (`jax.vjp`, `jax.grad`) linearizes with another tracer (JAX's direct
-    linearization, on by default since jax 0.7)."""
+    """Whether a leaf of `tree` is differentiated in forward mode.
+
+    Forward mode is `jax.jvp` or `jax.jacfwd`, at any depth of the transformations
+    around it (inside a `jax.vmap`, say). A `jax.custom_vjp` cannot run there.
+    Reverse mode (`jax.vjp`, `jax.grad`) linearizes with another tracer: JAX's
+    direct linearization, on by default since jax 0.7.
+    """
     from jax._src.interpreters import ad
 
     return any(
@@ -46,17 +50,21 @@ def forward_mode(tree: Any) -> bool:
 
 
 def current_trace() -> Any:
-    """The trace current here (`jax._src.core.trace_ctx`): what a value made now
-    belongs to."""
+    """The trace current here (`jax._src.core.trace_ctx`).
+
+    A value made now belongs to it.
+    """
     from jax._src import core
 
     return core.trace_ctx.trace
 
 
 def only_batched_since(traces: list[Any]) -> bool:
-    """Whether the trace current here is one of `traces`, or `jax.vmap`s over one
-    of them (batching traces all the way down to it): not inside a loop, a
-    conditional, a `jax.checkpoint` or a `jax.jit` traced since."""
+    """Whether the trace current here is one of `traces`, or `jax.vmap`s over one.
+
+    That is, batching traces all the way down to it. It is not inside a loop, a
+    conditional, a `jax.checkpoint` or a `jax.jit` traced since.
+    """
     from jax._src import core
     from jax._src.interpreters import batching
 
@@ -71,10 +79,12 @@ def only_batched_since(traces: list[Any]) -> bool:
 
 
 def batched(tree: Any) -> bool:
-    """Whether `jax.vmap` is the innermost transformation of the call (the trace
-    current here, `jax._src.core.trace_ctx`), batching a leaf of `tree`: not
-    `jax.vmap` around a gradient (per-example gradients), whose batch is outside
-    the differentiation."""
+    """Whether `jax.vmap` is the innermost transformation, batching a leaf of `tree`.
+
+    The innermost transformation is the trace current here. `jax.vmap` around a
+    gradient (per-example gradients) does not count: its batch is outside the
+    differentiation.
+    """
     from jax._src import core
     from jax._src.interpreters import batching
 
@@ -88,13 +98,12 @@ def batched(tree: Any) -> bool:
 
 
 def retype_in_host_memory(x: jax.Array) -> jax.Array:
-    """The buffers of `x`, a host-resident array whose type says device memory, as
-    an array whose type says host memory (no copy).
+    """`x`, typed as host memory, without a copy.
 
-    JAX 0.10 builds the arrays orbax restores (`make_array_from_single_device_arrays`)
-    with a device-memory type whatever their sharding's memory kind, and `jax.jit`
-    traces arrays by type. No public function changes an array's type without
-    copying it.
+    `x` is a host-resident array whose type says device memory. JAX 0.10 builds
+    the arrays orbax restores (`make_array_from_single_device_arrays`) with a
+    device-memory type, whatever their sharding's memory kind. `jax.jit` traces
+    arrays by type. No public function changes an array's type without copying it.
 
     **Raises:**
 
@@ -115,10 +124,13 @@ def retype_in_host_memory(x: jax.Array) -> jax.Array:
 
 
 def tag_checkpoint_policy(policy: Callable, name: str, value: Any) -> None:
-    """Sets the attribute `name` of `policy`, a `jax.checkpoint` policy, which the
-    `checkpoint` equation keeps as its `policy` parameter: a function in jax 0.10;
-    in jax 0.11 `save_and_offload_only_these_names` returns a frozen dataclass,
-    whose `__setattr__` refuses (its instance `__dict__` still takes the value)."""
+    """Sets the attribute `name` of `policy`, a `jax.checkpoint` policy.
+
+    The `checkpoint` equation keeps the policy as its `policy` parameter. It is a
+    function in jax 0.10. In jax 0.11, `save_and_offload_only_these_names` returns
+    a frozen dataclass, whose `__setattr__` refuses. Its instance `__dict__` still
+    takes the value.
+    """
     object.__setattr__(policy, name, value)
 
 
@@ -131,10 +143,12 @@ class FilterJit(NamedTuple):
 
 
 def filter_jit_parts(fn: Any) -> FilterJit | None:
-    """The function inside an `eqx.filter_jit` and its donation, or None if `fn` is
-    not one. Equinox keeps both on its private wrapper (`equinox._jit._JitWrapper`:
-    `__wrapped__`, `donate_first`, `donate_rest`), whose public `lower` treats
-    `jax.ShapeDtypeStruct`s as static, so it cannot compile abstract arguments."""
+    """The function inside an `eqx.filter_jit` and its donation, or None.
+
+    Equinox keeps both on its private wrapper, `equinox._jit._JitWrapper`:
+    `__wrapped__`, `donate_first`, `donate_rest`. Its public `lower` treats
+    `jax.ShapeDtypeStruct`s as static, so it cannot compile abstract arguments.
+    """
     if hasattr(fn, "trace") or not hasattr(fn, "lower"):
         return None  # a `jax.jit` function, or no jitted function at all
     fun = getattr(fn, "__wrapped__", None)
@@ -148,13 +162,14 @@ def filter_jit_parts(fn: Any) -> FilterJit | None:
 class _KindSharding(NamedSharding):
     """A `NamedSharding` that keeps its memory kind on devices that list no memories.
 
-    JAX's compile-only GPU devices (`jax.experimental.topologies` with the CUDA
-    plugin, jax 0.10.2) have no `addressable_memories()`, and a `NamedSharding` built
-    on them with `memory_kind="pinned_host"` reads back `memory_kind=None`: the
-    argument or output is compiled into device memory, without an error. This
-    subclass answers the kind it was given; its own equality and hash keep jit's
-    cache from returning a device-memory compile for it (the C++ equality ignores
-    the subclass)."""
+    JAX's compile-only GPU devices have no `addressable_memories()`: those of
+    `jax.experimental.topologies` with the CUDA plugin, jax 0.10.2. A
+    `NamedSharding` built on them with `memory_kind="pinned_host"` reads back
+    `memory_kind=None`. The argument or output is then compiled into device
+    memory, without an error. This subclass answers the kind it was given. Its
+    own equality and hash keep jit's cache from returning a device-memory compile
+    for it; the C++ equality ignores the subclass.
+    """
 
     _eqx_offload_kind: str
 
@@ -174,8 +189,9 @@ class _KindSharding(NamedSharding):
 
 
 def named_sharding(mesh: Mesh, spec: PartitionSpec, kind: str) -> NamedSharding:
-    """`NamedSharding(mesh, spec, memory_kind=kind)`, whose memory kind holds also on
-    compile-only devices that list no memories (`_KindSharding`).
+    """`NamedSharding(mesh, spec, memory_kind=kind)`, whose memory kind holds.
+
+    It holds also on compile-only devices that list no memories (`_KindSharding`).
 
     **Raises:**
 
@@ -199,8 +215,10 @@ HostForm = Literal["decorator", "context"]
 
 
 def host_forms() -> tuple[str, ...]:
-    """The forms of host compute this JAX offers: `"decorator"` and, up to jax
-    0.11.0, `"context"`."""
+    """The forms of host compute this JAX offers.
+
+    They are `"decorator"` and, up to jax 0.11.0, `"context"`.
+    """
     from jax.experimental import compute_on as module
 
     if hasattr(module, "compute_on2"):
@@ -213,11 +231,13 @@ def on_host(
     form: HostForm = "decorator",
     to_device: tuple[bool, ...] | None = None,
 ) -> Callable:
-    """`fn` (arrays to a list of arrays), run on the host's CPU inside the traced
-    program: JAX's `compute_on("device_host")`, in `form`. Its arguments must be
-    in host memory (the TPU compiler aborts on a device-memory operand aliased to
-    a host result); its results are, but those `to_device` marks, which the host
-    computation writes to device memory.
+    """`fn`, run on the host's CPU inside the traced program.
+
+    `fn` takes arrays and returns a list of arrays. This is JAX's
+    `compute_on("device_host")`, in `form`. Its arguments must be in host memory:
+    the TPU compiler aborts on a device-memory operand aliased to a host result.
+    Its results are in host memory too, but those `to_device` marks. The host
+    computation writes those to device memory.
 
     **Raises:**
 

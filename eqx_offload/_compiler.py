@@ -1,11 +1,11 @@
-"""Reading the compiler's text: the StableHLO of a lowered function, the HLO of a
-compiled one (the TPU compiler's, after optimisation), and its error messages.
+"""Reading the compiler's text: StableHLO, HLO, and error messages.
 
-None of these texts is a stable interface. Checked against jax 0.10.2, jaxlib
-0.10.2 and libtpu 0.0.42.1: samples captured with them are in
-`tests/fixtures/0.10.2/`, which `tests/test_compiler.py` parses, and compares
-with what this installation's compiler writes, so an upgrade that changes the
-text fails there. The private Python parts of JAX and Equinox are in
+The StableHLO is a lowered function's. The HLO is a compiled one's, the TPU
+compiler's after optimisation. None of these texts is a stable interface. Checked
+against jax 0.10.2, jaxlib 0.10.2 and libtpu 0.0.42.1. Samples captured with them
+are in `tests/fixtures/0.10.2/`. `tests/test_compiler.py` parses them, and
+compares them with what this installation's compiler writes. So an upgrade that
+changes the text fails there. The private Python parts of JAX and Equinox are in
 `_compat.py`.
 """
 
@@ -26,11 +26,13 @@ Phase = Literal["forward", "backward", "outside", "update"]
 
 
 def phase(op_name: str) -> Phase:
-    """The part of a train step an instruction belongs to, by its `op_name`: the
-    optimizer update, the forward or backward pass of a `Stacked`'s layers
-    (inside its scans), or the rest of the forward and backward passes (leaves
-    outside every `Stacked`: an embedding, a head). JAX names what the backward
-    pass computes `transpose(...)`."""
+    """The part of a train step an instruction belongs to, by its `op_name`.
+
+    It is the optimizer update, or the forward or backward pass of a `Stacked`'s
+    layers, inside its scans. Or it is the rest of the forward and backward
+    passes: leaves outside every `Stacked`, such as an embedding or a head. JAX
+    names what the backward pass computes `transpose(...)`.
+    """
     parts = op_name.split("/")
     if _scopes.UPDATE in parts:
         return "update"
@@ -43,9 +45,12 @@ def phase(op_name: str) -> Phase:
 
 
 def host_remat_options(platform: str) -> dict[str, bool] | None:
-    """The TPU compiler's option for `Policy(host_remat=True)`: values it would
-    rematerialize kept in host memory instead (design notes, "JAX facts relied
-    on"); `None` where the platform has no such option."""
+    """The TPU compiler's option for `Policy(host_remat=True)`, or `None`.
+
+    With it, values the compiler would rematerialize are kept in host memory
+    instead (design notes, "JAX facts relied on"). `None` means the platform has
+    no such option.
+    """
     if platform != "tpu":
         return None
     return {"xla_tpu_rematerialization_use_host_memory_offload": True}
@@ -104,12 +109,14 @@ _EXPECTED = re.compile(r"shape equal to \((.*?)\), actual shape is \((.*?)\):", 
 
 
 def array_shapes(text: str) -> list[tuple[str, tuple[int, ...]]]:
-    """The array types a compiler message (or HLO) is about, in order and without
-    repeats: `(dtype name, shape)`, e.g. `("float32", (2, 2048, 8192))` for
-    `f32[2,2048,8192]{2,1,0:T(8,128)S(5)}`. Where the message compares an expected
-    tuple of types with the actual one ("Expected instruction to have shape equal
-    to (...), actual shape is (...)"), only the entries that differ (in layout or
-    memory space: `S(5)` is host memory)."""
+    """The array types a compiler message (or HLO) is about, in order, no repeats.
+
+    Each is `(dtype name, shape)`: `("float32", (2, 2048, 8192))` for
+    `f32[2,2048,8192]{2,1,0:T(8,128)S(5)}`. A message may compare an expected tuple
+    of types with the actual one: "Expected instruction to have shape equal to
+    (...), actual shape is (...)". Then only the entries that differ count, in
+    layout or memory space (`S(5)` is host memory).
+    """
     compared = _EXPECTED.search(text)
     if compared is not None:
         expected, actual = (_HLO_SHAPE.findall(t) for t in compared.groups())

@@ -1,12 +1,12 @@
-"""Reading jaxprs: the one place that knows how JAX lays out the parameters and
-operands of its equations, and which primitive is which.
+"""Reading jaxprs: how JAX lays out its equations, and which primitive is which.
 
-Checked against jax 0.10.2 (`tests/test_jaxpr.py` pins every layout read here, so
-a JAX upgrade that changes one fails there first); the scan's layout also against
-jax 0.11.2. Every other module that walks a jaxpr asks this one: which primitive
-an equation is (by the primitive objects JAX exports, not by name, where it
-exports one), which sub-jaxprs it runs on which of its operands, and the few
-parameters the library reads.
+This is the one place that knows the parameters and operands of JAX's equations.
+Checked against jax 0.10.2, and the scan's layout also against jax 0.11.2.
+`tests/test_jaxpr.py` pins every layout read here, so a JAX upgrade that changes
+one fails there first. Every other module that walks a jaxpr asks this one. It
+says which primitive an equation is, by the primitive objects JAX exports where
+it exports one. It says which sub-jaxprs run on which operands. And it reads the
+few parameters the library needs.
 """
 
 from collections.abc import Iterator
@@ -144,9 +144,12 @@ class SubJaxpr(NamedTuple):
 
 
 class ScanLayout(NamedTuple):
-    """A scan's operands are `consts + carry + xs`; its body's inputs the same
-    (one slice of each `xs`), its outputs `carry + ys` and the scan's `carry + ys`
-    stacked over `length` iterations."""
+    """A scan's operands are `consts + carry + xs`.
+
+    Its body's inputs are the same, with one slice of each `xs`. The body's
+    outputs are `carry + ys`. The scan's are `carry + ys`, stacked over `length`
+    iterations.
+    """
 
     body: Any  # the body `jax.extend.core.Jaxpr`
     consts: int
@@ -315,12 +318,14 @@ def has_effects(eqn: Any) -> bool:
 
 
 def closure_converted(fn: Any, *examples: Any) -> tuple[Any, list[Any]]:
-    """`fn` traced once at the types of `examples`, as a function that takes every
-    value it closes over as trailing arguments, and those values (arrays and
-    tracers of the traces around). Unlike `jax.closure_convert`, every closed-over
-    value is hoisted, differentiated or not, and nothing is cached across
-    traces (`jax.closure_convert` caches by function and types, and handed an
-    earlier trace's tracer to a later one)."""
+    """`fn` traced once at the types of `examples`, with its closed-over values.
+
+    The function returned takes every value `fn` closes over as trailing
+    arguments. Those values are arrays and tracers of the traces around. Unlike
+    `jax.closure_convert`, every closed-over value is hoisted, differentiated or
+    not. And nothing is cached across traces: `jax.closure_convert` caches by
+    function and types, and handed an earlier trace's tracer to a later one.
+    """
     closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*examples)
     out_tree = jax.tree.structure(shapes)
     jaxpr = closed.jaxpr

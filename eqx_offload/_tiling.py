@@ -1,28 +1,30 @@
 """Which host-resident arrays a TPU compiler can move to the device a slice at a
-time, and how to slice them: the rules behind streaming a `Stacked` layer by layer
-(in the forward and backward passes and in the optimizer update) and a large leaf
-block by block.
+time, and how to slice them.
 
-XLA's TPU backend stores an array in tiles over its two minor dimensions: 8 rows
-("sublanes") by 128 columns ("lanes") for 32-bit types, with 2 (16-bit) or 4 (8-bit)
-rows packed into each sublane. Its host-offload passes move slices made of whole
-tiles along the major dimensions. Checked with libtpu 0.0.42 (`tpu-v5e`, `tpu-v6e`,
-`tpu-v5p`, `tpu-v4`) on hand-written scans, it rejects:
+These are the rules behind streaming a `Stacked` layer by layer, and a large leaf
+block by block. They apply in the forward and backward passes, and in the
+optimizer update.
 
-- one element per layer (a stacked leaf of shape `(layers,)`, e.g. a per-layer
-  scalar): "Lane slice updating is not supported in async dynamic update slice";
-- one row per layer of a 16- or 8-bit type (a stacked bias or LayerNorm scale,
-  `(layers, dim)` in bfloat16): "Sublane slicing size must be multiple of element
-  packing factor"; and on `tpu-v4`, one row per layer wider than 128 lanes in any
-  type (a `(layers, 256)` float32 bias), whose transfer is strided: libtpu aborts
-  the process ("Strided host DMA (non iova) is not supported");
+XLA's TPU backend stores an array in tiles over its two minor dimensions. A tile
+is 8 rows ("sublanes") by 128 columns ("lanes") for 32-bit types. Each sublane
+packs 2 rows of a 16-bit type, or 4 of an 8-bit type. Its host-offload passes move
+slices made of whole tiles along the major dimensions. Checked with libtpu 0.0.42
+(`tpu-v5e`, `tpu-v6e`, `tpu-v5p`, `tpu-v4`) on hand-written scans, it rejects:
+
+- one element per layer, a stacked leaf of shape `(layers,)` such as a per-layer
+  scalar: "Lane slice updating is not supported in async dynamic update slice";
+- one row per layer of a 16- or 8-bit type, such as a stacked bias in bfloat16:
+  "Sublane slicing size must be multiple of element packing factor";
+- on `tpu-v4`, one row per layer wider than 128 lanes in any type, such as a
+  `(layers, 256)` float32 bias. Its transfer is strided, and libtpu aborts the
+  process ("Strided host DMA (non iova) is not supported");
 - blocks of rows of a 2-D leaf whose row count is not a multiple of the packed
-  tile height, or whose last dimension is not a multiple of 128 (the compiler may
-  then lay the array out transposed, making a row block a lane slice).
+  tile height, or whose last dimension is not a multiple of 128. The compiler may
+  then lay the array out transposed, making a row block a lane slice.
 
-The library never asks it to: a stacked leaf with fewer than two dimensions per
-layer (they are small: biases, scales) is moved to the device whole where a step
-starts using it and updated whole, and a large leaf without such blocks is updated
+The library never asks for these. A stacked leaf with fewer than two dimensions
+per layer is small: a bias, a scale. It is moved to the device whole where a step
+starts using it, and updated whole. A large leaf without such blocks is updated
 whole. The rules hold on every backend, so what the CPU runs is what a TPU
 compiles.
 """
@@ -61,20 +63,24 @@ def slices_by_layer(shape: tuple[int, ...]) -> bool:
 
 
 def whole_tiles(shape: tuple[int, ...], dtype: Any) -> bool:
-    """Whether a leaf's two minor dimensions are whole tiles (or it has fewer than
-    two): else the TPU compiler may lay it out transposed in host memory, and then
+    """Whether a leaf's two minor dimensions are whole tiles, or it has fewer.
+
+    Otherwise the TPU compiler may lay it out transposed in host memory. It then
     cannot copy it to the device into the layout an addition there wants. Checked
-    with libtpu 0.0.42: a `(vocab, 96)` head read back from the host inside the
-    loop over micro-batches fails with "Expected instruction to have shape equal
-    to (f32[256,96]{0,1:...S(5)} ...)" at a `copy-start`."""
+    with libtpu 0.0.42: a `(vocab, 96)` head read back from the host, inside the
+    loop over micro-batches, fails at a `copy-start`. The message is "Expected
+    instruction to have shape equal to (f32[256,96]{0,1:...S(5)} ...)".
+    """
     if len(shape) < 2:
         return True
     return shape[-1] % LANES == 0 and shape[-2] % (SUBLANES * packing(dtype)) == 0
 
 
 def row_blocks(shape: tuple[int, ...], dtype: Any, max_bytes: int) -> int:
-    """How many equal blocks of rows a large non-stacked leaf is streamed in (each
-    at most `max_bytes` if possible), or 1: it is updated whole."""
+    """How many equal blocks of rows a large non-stacked leaf is streamed in.
+
+    Each block is at most `max_bytes` if possible. 1 means it is updated whole.
+    """
     if len(shape) < 2:
         return 1
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
@@ -89,11 +95,13 @@ def row_blocks(shape: tuple[int, ...], dtype: Any, max_bytes: int) -> int:
 
 
 def read(full: Any, index: Any, rows: int) -> Any:
-    """Piece `index` of `full` (`rows` rows along axis 0), still in `full`'s memory.
-    One row (a layer) is read without its axis, `dynamic_index_in_dim`: read as a
-    `(1, ...)` slice from the host, the TPU compiler keeps more pieces on the device
-    (two more layers per Adam update loop in `benchmarks/optimizer.py`). Add the
-    axis back on the device (`lift`)."""
+    """Piece `index` of `full`, `rows` rows along axis 0, still in `full`'s memory.
+
+    One row (a layer) is read without its axis, with `dynamic_index_in_dim`. Read
+    as a `(1, ...)` slice from the host, the TPU compiler keeps more pieces on the
+    device: two more layers per Adam update loop in `benchmarks/optimizer.py`. Add
+    the axis back on the device with `lift`.
+    """
     if rows == 1:
         return jax.lax.dynamic_index_in_dim(full, index, keepdims=False)
     return jax.lax.dynamic_slice_in_dim(full, index * rows, rows)
@@ -110,8 +118,7 @@ def lower(piece: Any, rows: int) -> Any:
 
 
 def write(full: Any, piece: Any, index: Any, rows: int) -> Any:
-    """`full` with piece `index` replaced by `piece` (from `lower`, in `full`'s
-    memory)."""
+    """`full` with piece `index` replaced by `piece`, from `lower`, in its memory."""
     if rows == 1:
         return jax.lax.dynamic_update_index_in_dim(full, piece, index, 0)
     return jax.lax.dynamic_update_slice_in_dim(full, piece, index * rows, 0)

@@ -5,10 +5,12 @@ import warnings
 
 
 def warn_at_caller(message: str) -> None:
-    """A `UserWarning` attributed to the first frame outside this library, Equinox
-    (which wraps module methods), JAX (which traces what the library calls while
-    a step is jitted) and a runtime type checker's wrappers: the line that called
-    into the library."""
+    """A `UserWarning` attributed to the line that called into the library.
+
+    That is the first frame outside this library, Equinox, JAX and a runtime type
+    checker's wrappers. Equinox wraps module methods. JAX traces what the library
+    calls while a step is jitted.
+    """
     internal = ("eqx_offload.", "equinox.", "jax.", "jaxtyping.", "beartype.")
     frame = sys._getframe(1)
     while frame.f_back is not None and (
