@@ -1,6 +1,6 @@
 """A Llama-3.2-1B-shaped model on one TPU v5e chip: which policies fit, and what
 `eo.chunked_cross_entropy` saves over the plain loss on its 128k vocabulary, with
-the tied table on the device and streamed from the host (`Policy(stream=...)`).
+the tied table on the device and streamed from the host (`Policy(host_tables=...)`).
 
     python benchmarks/llama.py [--json FILE]
 
@@ -24,7 +24,8 @@ PRESETS = ("none", "remat", "offload_residuals", "offload_all")
 
 
 # "streamed": the chunked loss with the tied table left on the host and read by
-# blocks of rows (`Policy(stream=("embed",))`); only where the table is on the host.
+# blocks of rows (`Policy(host_tables=("embed",))`); only where the table is on the
+# host.
 # "trunk only": the same without the head, what no loss can go below.
 LOSSES = {
     "plain": plain_loss,

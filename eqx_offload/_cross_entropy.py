@@ -47,7 +47,7 @@ def chunked_cross_entropy(
         (the padding has no weight). Not used for a streamed `weight`.
 
     **A weight streamed from the host.** A `weight` the step keeps in host memory
-    (`Policy(stream=("embed",))`) is read one block of rows at a time instead:
+    (`Policy(host_tables=("embed",))`) is read one block of rows at a time instead:
     each block's logits for all tokens, a running log-sum-exp in the forward pass,
     and in the backward pass the block's gradient, written back to the host. For a
     tied embedding pass the table that `eo.embed` returned.

@@ -19,7 +19,7 @@ def embed(
     projection.
 
     On a device-resident table this is `(table[tokens], table)`. A table the
-    step keeps in host memory (`Policy(stream=("embed",))`) is read one block of
+    step keeps in host memory (`Policy(host_tables=("embed",))`) is read one block of
     rows at a time, so it never exists whole on the device; its gradient is
     written back to the host block by block. Outside a step, a host-resident table
     is an error: run the model with `eqx.filter_jit(eo.filter_offload(fn, policy))`

@@ -158,7 +158,7 @@ def _add_by_blocks(g: Any, acc: Any, flag: Any, blocks: int) -> Any:
 
 
 def _add_host(g: Any, acc: Any, flag: Any) -> Any:
-    """`g` (host-resident: a table streamed by `Policy(stream=...)`) cast to
+    """`g` (host-resident: a table streamed by `Policy(host_tables=...)`) cast to
     `acc`'s dtype, plus `acc` where `flag`, written into `acc` block by block."""
     blocks = _tiling.row_blocks(acc.shape, g.dtype, _tiling.PIECE_BYTES)
     rows = acc.shape[0] // blocks

@@ -13,6 +13,7 @@ from jax.sharding import AxisType, PartitionSpec
 
 from . import _paths, _tiling
 from ._custom_types import AnyMesh as AnyMesh
+from ._errors import see
 from ._warn import warn_at_caller
 
 
@@ -52,8 +53,7 @@ class FSDP(eqx.Module):
         names = axis_names(self.axis)
         if not names or not all(isinstance(n, str) and n for n in names):
             raise ValueError(
-                f"`FSDP(axis={self.axis!r})`: give a mesh axis name, or a tuple of "
-                "them."
+                f"`FSDP(axis={self.axis!r})`: give a mesh axis name, or a tuple."
             )
         if not isinstance(self.min_size, int) or self.min_size < 0:
             raise ValueError(
@@ -77,8 +77,8 @@ def _rule(value: Any, where: str) -> Rule:
     if value is None:
         return PartitionSpec()
     raise TypeError(
-        f"{where} must be a `jax.sharding.PartitionSpec`, an `eqx_offload.FSDP`, or a "
-        f"mesh axis name (FSDP along that axis), got {value!r}."
+        f"{where} must be a `jax.sharding.PartitionSpec`, an `FSDP` or a mesh axis "
+        f"name, got {value!r}."
     )
 
 
@@ -100,8 +100,8 @@ def check_rules(value: Any, argument: str = "shard") -> Rules | None:
     for pattern, rule in items:
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(
-                f"{where} has key {pattern!r}; keys are non-empty leaf path patterns "
-                "such as 'blocks.mlp.fc1.weight' or 'blocks.**'."
+                f"{where} has key {pattern!r}. Keys are non-empty leaf path patterns, "
+                "such as 'blocks.**'."
             )
         out.append((pattern, _rule(rule, f"{where}[{pattern!r}]")))
     return tuple(out)
@@ -113,9 +113,8 @@ def check_batch(value: Any) -> PartitionSpec | None:
     if isinstance(value, str | tuple):
         return PartitionSpec(value)
     raise TypeError(
-        "`Policy(batch=...)` must be a `jax.sharding.PartitionSpec` of the batch "
-        "arguments' leading dimensions (e.g. `PartitionSpec('data')`), a mesh axis "
-        f"name, or None; got {value!r}."
+        "`Policy(batch=...)` must be a `PartitionSpec`, a mesh axis name or None, "
+        f"got {value!r}."
     )
 
 
@@ -153,8 +152,8 @@ def check_spec(
     sizes = _sizes(mesh)
     if len(spec) > len(shape):
         raise ValueError(
-            f"{what} has shape {shape} but is given {spec}, which has {len(spec)} "
-            "entries; give at most one per dimension."
+            f"{what} has shape {shape} but is given {spec}, with {len(spec)} "
+            "entries. Give one per dimension at most." + see(74)
         )
     seen: set[str] = set()
     for dim, entry in enumerate(spec):
@@ -163,21 +162,19 @@ def check_spec(
             if name not in sizes:
                 raise ValueError(
                     f"{what} is given {spec}, but the mesh has no axis {name!r}; its "
-                    f"axes are {sizes}. Name one of them, or lay the model out on a "
-                    "mesh with that axis."
+                    f"axes are {sizes}. Name one of them." + see(71)
                 )
             if name in seen:
                 raise ValueError(
-                    f"{what} is given {spec}, which uses mesh axis {name!r} twice; "
-                    "each axis can split one dimension."
+                    f"{what} is given {spec}, which uses mesh axis {name!r} twice. "
+                    "Each axis can split one dimension."
                 )
             seen.add(name)
         parts = math.prod(sizes[n] for n in names)
         if shape[dim] % parts:
             raise ValueError(
-                f"{what} has shape {shape}; {spec} splits dimension {dim} "
-                f"({shape[dim]}) into {parts} parts ({'×'.join(names)}), which does "
-                "not divide it. Pad the dimension, or use another spec or mesh axis."
+                f"{what} has shape {shape}; {spec} splits dimension {dim} into "
+                f"{parts} parts, which does not divide it. Pad it." + see(72)
             )
 
 
@@ -196,7 +193,7 @@ def _fsdp_spec(
     if missing:
         raise ValueError(
             f"`Policy(shard=...)`: `FSDP` along {rule.axis!r} for leaf {path!r}, but "
-            f"the mesh has no axis {missing[0]!r}; its axes are {sizes}."
+            f"the mesh has no axis {missing[0]!r}; its axes are {sizes}." + see(71)
         )
     per_layer = shape[layer_axes:]
     if math.prod(per_layer) < rule.min_size or not per_layer:
@@ -223,7 +220,7 @@ def rule_of(
 ) -> tuple[str, Rule] | None:
     """The (pattern, rule) of `Policy(shard=...)` that applies to the leaf at
     `path` (`_paths.best_match`)."""
-    return _paths.best_match(path, rules, "`Policy(shard=...)`", used)
+    return _paths.best_match(path, rules, "`Policy(shard=...)`", used, see(17))
 
 
 def explicit_mesh(mesh: AnyMesh) -> bool:
@@ -291,7 +288,7 @@ def specs(
     rules: Rules | None,
     mesh: AnyMesh,
     warn: bool = True,
-    streamed: tuple[str, ...] = (),
+    host_tables: tuple[str, ...] = (),
 ) -> list[PartitionSpec | None]:
     """The spec the rules give each leaf in full spelling (`None`: no rule matches
     it, it keeps its layout). Where several patterns match, the one with the most
@@ -299,10 +296,10 @@ def specs(
     apply, or (for `FSDP`) a large leaf with no divisible dimension (a warning) are
     reported naming the leaf.
 
-    `streamed`: the `Policy(stream=...)` patterns. A table read by blocks of rows
-    from the host stays whole on every device: `FSDP` leaves it replicated, and a
-    spec that splits it is an error (the TPU compiler cannot read row blocks of a
-    host table split over chips)."""
+    `host_tables`: the `Policy(host_tables=...)` patterns. A table read by blocks
+    of rows from the host stays whole on every device: `FSDP` leaves it replicated,
+    and a spec that splits it is an error (the TPU compiler cannot read row blocks
+    of a host table split over chips)."""
     if rules is None:
         return [None] * len(leaves)
     used = {pattern: False for pattern, _ in rules}
@@ -315,20 +312,16 @@ def specs(
             continue
         shape = tuple(leaf.value.shape)
         rule = best[1]
-        is_streamed = not leaf.layer_axes and any(
-            _paths.prefix_match(p, leaf.path) is not None for p in streamed
+        host_table = not leaf.layer_axes and any(
+            _paths.prefix_match(p, leaf.path) is not None for p in host_tables
         )
-        if is_streamed:
+        if host_table:
             if isinstance(rule, FSDP) or not any(axis_names(e) for e in rule):
                 out.append(normalise(PartitionSpec(), len(shape)))
                 continue
             raise ValueError(
-                f"`Policy(shard=...)`: leaf {leaf.path!r} is streamed from the host "
-                f"(`Policy(stream=...)`), but {best[0]!r} splits it with {rule}. A "
-                "streamed table stays whole on every device (the TPU compiler cannot "
-                "read row blocks of a host table split over chips): give it its own "
-                f"rule, `Policy(shard={{..., {leaf.path!r}: PartitionSpec()}})`, or "
-                "drop it from `Policy(stream=...)`."
+                f"`Policy(shard=...)`: leaf {leaf.path!r} is streamed from the host, "
+                f"but {best[0]!r} splits it. Give it `PartitionSpec()`." + see(103)
             )
         if isinstance(rule, FSDP):
             spec = _fsdp_spec(
@@ -344,9 +337,8 @@ def specs(
                 if len(rule) > len(per_layer):
                     raise ValueError(
                         f"{what} is in a `Stacked` and has shape {per_layer} per "
-                        f"layer, but is given {rule}. A spec of a stacked leaf "
-                        "describes one layer (the layer axis is never split): drop "
-                        "the entry for the layer axis."
+                        f"layer, but is given {rule}: drop the entry for the layer "
+                        "axis." + see(73)
                     )
                 check_spec(rule, per_layer, mesh, what)
                 spec = PartitionSpec(*((None,) * leaf.layer_axes + tuple(rule)))
@@ -354,7 +346,8 @@ def specs(
                 check_spec(rule, shape, mesh, what)
                 spec = rule
         out.append(normalise(spec, len(shape)))
-    _paths.check_used(used, [leaf.path for leaf in leaves], "`Policy(shard=...)`")
+    paths = [leaf.path for leaf in leaves]
+    _paths.check_used(used, paths, "`Policy(shard=...)`", see(75))
     if undivided and warn:
         warn_at_caller(
             f"`Policy(shard=...)`: `FSDP` leaves {_paths.quoted(undivided)} "

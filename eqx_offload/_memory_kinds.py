@@ -9,6 +9,7 @@ import optax
 
 from . import _paths
 from ._custom_types import MemoryKind as MemoryKind, ParamsSpec as ParamsSpec
+from ._errors import see
 
 
 MEMORY_KINDS: tuple[str, ...] = get_args(MemoryKind)
@@ -29,7 +30,7 @@ def check_kind(kind: Any, where: str) -> None:
     if kind not in MEMORY_KINDS:
         raise ValueError(
             f"{where} is {kind!r}, which is not a memory kind; valid kinds: "
-            f"{_paths.quoted(MEMORY_KINDS)}."
+            f"{_paths.quoted(MEMORY_KINDS)}." + see(9)
         )
 
 
@@ -84,6 +85,6 @@ def to_space(x: Any, kind: str, path: str) -> Any:
     if kind == "pinned_host":
         return x if is_host(x) else jax.device_put(x, jax.memory.Space.Host)
     raise ValueError(
-        f"Leaf {path!r} is to live in {kind!r}, which JAX 0.10 does not track inside "
-        "`jax.jit` (a jitted step cannot return it); use 'pinned_host' instead."
+        f"Leaf {path!r} is to live in {kind!r}, which a step cannot return. Use "
+        "'pinned_host' instead." + see(44)
     )

@@ -10,6 +10,7 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
 from . import _paths
+from ._errors import see
 
 
 def _named(x: Any) -> NamedSharding | None:
@@ -33,8 +34,8 @@ def tree_mesh(tree: Any, abstract: bool = False) -> Any:
         elif named.mesh != found[1]:
             raise ValueError(
                 f"Leaves {found[0]!r} and {leaf.path!r} are laid out on two different "
-                f"meshes ({dict(found[1].shape)} and {dict(named.mesh.shape)}); lay "
-                "out the model, optimizer state and batch on one mesh."
+                f"meshes ({dict(found[1].shape)} and {dict(named.mesh.shape)}). Use "
+                "one mesh." + see(48)
             )
     return None if found is None else found[1]
 
@@ -81,8 +82,6 @@ def check_devices(named_trees: dict[str, Any], where: str) -> None:
             elif devices != first[1]:
                 raise ValueError(
                     f"{where}: leaf {path!r} is on devices {sorted(devices)} but "
-                    f"{first[0]!r} is on devices {sorted(first[1])}. Lay every leaf "
-                    "out on the same mesh: e.g. replicated, `jax.device_put(x, "
-                    "NamedSharding(mesh, PartitionSpec()))`; `eqx_offload.place` "
-                    "does that for arrays not yet committed to devices."
+                    f"{first[0]!r} is on devices {sorted(first[1])}. Lay them out on "
+                    "one mesh." + see(47)
                 )

@@ -195,11 +195,12 @@ def best_match(
     items: Sequence[tuple[str, Any]],
     where: str,
     used: dict[str, bool] | None = None,
+    link: str = "",
 ) -> tuple[str, Any] | None:
     """The (pattern, value) of `items` that applies to the leaf at `path`: of the
     patterns that match it or a dotted prefix of it, the one with the most literal
-    characters. Two equally specific ones that disagree are a `ValueError`. Marks
-    the matching patterns in `used`."""
+    characters. Two equally specific ones that disagree are a `ValueError` (ending
+    with `link`, the error catalogue's). Marks the matching patterns in `used`."""
     best: tuple[str, Any] | None = None
     best_len = -1
     for pattern, value in items:
@@ -213,19 +214,22 @@ def best_match(
         elif length == best_len and best is not None and value != best[1]:
             raise ValueError(
                 f"{where}: patterns {best[0]!r} and {pattern!r} both match leaf "
-                f"{path!r} equally well but give {best[1]!r} and {value!r}; make one "
-                "of them more specific."
+                f"{path!r} equally well but give {best[1]!r} and {value!r}. Make one "
+                "of them more specific." + link
             )
     return best
 
 
-def check_used(used: dict[str, bool], paths: Sequence[str], where: str) -> None:
-    """Raises a `ValueError` naming the patterns of `used` that matched no leaf."""
+def check_used(
+    used: dict[str, bool], paths: Sequence[str], where: str, link: str = ""
+) -> None:
+    """Raises a `ValueError` naming the patterns of `used` that matched no leaf
+    (ending with `link`, the error catalogue's)."""
     unused = [p for p, hit in used.items() if not hit]
     if unused:
         raise ValueError(
-            f"{where}: pattern(s) {quoted(unused)} match no leaf; array leaves are: "
-            f"{quoted(paths)}."
+            f"{where}: pattern(s) {quoted(unused)} match no leaf. Array leaves are: "
+            f"{quoted(paths)}." + link
         )
 
 

@@ -17,6 +17,7 @@ from jax.sharding import (
 from jaxtyping import PyTree
 
 from . import _layout, _mesh, _paths
+from ._errors import see
 from ._memory_kinds import (
     abstract_sharding,
     backend_kinds,
@@ -76,9 +77,9 @@ def match_params(
     used = {pattern: False for pattern, _ in params}
     out: list[str | None] = []
     for leaf in leaves:
-        best = _paths.best_match(leaf.path, params, where, used)
+        best = _paths.best_match(leaf.path, params, where, used, see(17))
         out.append(None if best is None else best[1])
-    _paths.check_used(used, [leaf.path for leaf in leaves], where)
+    _paths.check_used(used, [leaf.path for leaf in leaves], where, see(16))
     return out
 
 
@@ -104,8 +105,7 @@ def resolve(
             if annotated not in (None, "device"):
                 raise ValueError(
                     f"{where}: leaf {leaf.path!r} is a PRNG key array annotated "
-                    f"{annotated!r}; keys stay on the device (JAX 0.10 does not track "
-                    "their memory kind inside `jax.jit`). Drop the annotation."
+                    f"{annotated!r}. Drop the annotation." + see(11)
                 )
             out.append((leaf, "device"))
             continue
@@ -114,8 +114,8 @@ def resolve(
         if kind not in available:
             raise ValueError(
                 f"{where}: leaf {leaf.path!r} is to live in {kind!r}, which the "
-                f"{jax.default_backend()!r} backend does not have; valid kinds here: "
-                f"{_paths.quoted(available)}."
+                f"{jax.default_backend()!r} backend lacks; valid kinds here: "
+                f"{_paths.quoted(available)}." + see(10)
             )
         out.append((leaf, kind))
     return out
@@ -213,11 +213,11 @@ def layout(
     rules: Any,
     mesh: Any,
     where: str,
-    streamed: tuple[str, ...] = (),
+    host_tables: tuple[str, ...] = (),
 ) -> tuple[list[PartitionSpec | None] | None, Any]:
     """The spec `rules` (a `Policy(shard=...)`) give each leaf of `kinds` on the mesh
     (`mesh`, else the one of `jax.set_mesh`, else the tree's), and that mesh;
-    `streamed`: the `Policy(stream=...)` patterns (`_layout.specs`)."""
+    `host_tables`: the `Policy(host_tables=...)` patterns (`_layout.specs`)."""
     if rules is None:
         return None, mesh
     if mesh is None:
@@ -226,9 +226,8 @@ def layout(
         mesh = _mesh.tree_mesh(tree, abstract=True)
     if mesh is None:
         raise ValueError(
-            f"{where}: `Policy(shard=...)` names mesh axes, but there is no mesh: "
-            "call it inside `with jax.set_mesh(mesh):`, pass `mesh=`, or lay the "
-            "model's arrays out on the mesh first."
+            f"{where}: `Policy(shard=...)` names mesh axes, but there is no mesh. "
+            "Use `with jax.set_mesh(mesh):`, or pass `mesh=`." + see(76)
         )
     concrete = [
         leaf.path
@@ -238,13 +237,11 @@ def layout(
     if concrete and not isinstance(mesh, jax.sharding.Mesh):
         raise ValueError(
             f"{where}: leaf {concrete[0]!r} is an array, which needs a concrete "
-            f"`jax.sharding.Mesh` of devices, but the mesh is {mesh}; an "
-            "`AbstractMesh` lays out abstract models (`jax.ShapeDtypeStruct` "
-            "leaves) only."
+            f"`jax.sharding.Mesh`, not {mesh}. Pass a mesh of devices." + see(77)
         )
     # PRNG keys stay replicated.
     leaves = [leaf for leaf, _ in kinds if not _is_key(leaf.value)]
-    found = iter(_layout.specs(leaves, rules, mesh, streamed=streamed))
+    found = iter(_layout.specs(leaves, rules, mesh, host_tables=host_tables))
     specs = [None if _is_key(leaf.value) else next(found) for leaf, _ in kinds]
     return specs, mesh
 
@@ -267,10 +264,8 @@ def place_batch(
         mesh = _layout.current_mesh()
     if mesh is None:
         raise ValueError(
-            f"{where}: `Policy(batch={spec})` names mesh axes, but the model is not "
-            "laid out on a mesh and there is none in `jax.set_mesh`; place the model "
-            "with a `Policy(shard=...)` on a mesh, or call it inside "
-            "`with jax.set_mesh(mesh):`."
+            f"{where}: `Policy(batch={spec})` names mesh axes, but there is no mesh. "
+            "Use `with jax.set_mesh(mesh):`."
         )
 
     def lay_out(leaf: _paths.Leaf, whole: bool) -> Any:
@@ -371,6 +366,6 @@ def place(
     params = None if policy is None else policy.params
     kinds = resolve(tree, params)
     rules = None if policy is None else policy.shard
-    streamed = () if policy is None else policy.stream
-    specs, mesh = layout(tree, kinds, rules, mesh, "`eqx_offload.place`", streamed)
+    tables = () if policy is None else policy.host_tables
+    specs, mesh = layout(tree, kinds, rules, mesh, "`eqx_offload.place`", tables)
     return move_leaves(tree, kinds, specs, mesh)

@@ -2,7 +2,7 @@
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec
 from jax.typing import DTypeLike
 
 from . import _paths
+from ._errors import see
 from ._layout import check_batch, check_rules, FSDP, Rules
 from ._memory_kinds import check_kind, MemoryKind, ParamsSpec
 from ._warn import warn_at_caller
@@ -20,17 +21,17 @@ def _name_patterns(value: Any, argument: str) -> tuple[str, ...]:
     if isinstance(value, str):
         value = (value,)
     if not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
-        paths = argument in ("keep_dtype", "stream")
+        paths = argument in ("keep_dtype", "host_tables")
         what = "leaf-path patterns" if paths else "checkpoint names"
         raise TypeError(
-            f"`Policy({argument}=...)` must be a sequence of {what} or patterns "
-            f"(strings), got {value!r}."
+            f"`Policy({argument}=...)` must be a sequence of {what} (strings), got "
+            f"{value!r}." + see(20)
         )
     for name in value:
         if not name or name != name.strip():
             raise ValueError(
-                f"`Policy({argument}=...)` contains {name!r}; names must be non-empty "
-                "and have no surrounding spaces."
+                f"`Policy({argument}=...)` contains {name!r}. Names are non-empty, "
+                "without surrounding spaces."
             )
     return tuple(value)
 
@@ -50,31 +51,33 @@ def _params(value: Any, argument: str = "params") -> ParamsSpec:
     else:
         raise TypeError(
             f"`Policy({argument}=...)` must be None, a memory kind, or a mapping from "
-            f"leaf path patterns to memory kinds, got {value!r}."
+            f"patterns to kinds, got {value!r}." + see(20)
         )
     for pattern, kind in items:
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(
-                f"`Policy({argument}=...)` has key {pattern!r}; keys are non-empty "
-                "leaf path patterns such as 'blocks' or 'blocks.mlp.*'."
+                f"`Policy({argument}=...)` has key {pattern!r}. Keys are non-empty "
+                "leaf path patterns, e.g. 'blocks'."
             )
         check_kind(kind, f"`Policy({argument}=...)[{pattern!r}]`")
         if ":" in pattern:
-            part, _, params = pattern.partition(":")
-            if argument != "opt_state":
-                raise ValueError(
-                    f"`Policy({argument}=...)` has key {pattern!r}: a "
-                    "'part:pattern' key names a part of the optimizer state "
-                    "(`{'nu:**': 'pinned_host'}`) and belongs in "
-                    "`Policy(opt_state=...)`."
-                )
-            if not part.isidentifier() or not params:
-                raise ValueError(
-                    f"`Policy(opt_state=...)` has key {pattern!r}; a key naming a "
-                    "part of the state is '<part>:<parameter pattern>', such as "
-                    "'nu:**' or 'mu:blocks'."
-                )
+            _check_part_key(pattern, argument)
     return items
+
+
+def _check_part_key(pattern: str, argument: str) -> None:
+    """A key `"<part>:<pattern>"` names a part of the optimizer state."""
+    part, _, params = pattern.partition(":")
+    if argument != "opt_state":
+        raise ValueError(
+            f"`Policy({argument}=...)` has key {pattern!r}, a part of the optimizer "
+            "state. Move it to `opt_state=`." + see(117)
+        )
+    if not part.isidentifier() or not params:
+        raise ValueError(
+            f"`Policy(opt_state=...)` has key {pattern!r}. Write "
+            "'<part>:<parameter pattern>', e.g. 'nu:**'." + see(117)
+        )
 
 
 def _compute_dtype(value: Any) -> np.dtype | None:
@@ -87,7 +90,7 @@ def _compute_dtype(value: Any) -> np.dtype | None:
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(
             f"`Policy(compute_dtype={value!r})` must be a floating-point dtype such "
-            "as `jnp.bfloat16`, or None."
+            "as `jnp.bfloat16`, or None." + see(89)
         )
     return dtype
 
@@ -125,7 +128,7 @@ class Policy(eqx.Module):
     batch: PartitionSpec | None = eqx.field(static=True)
     compute_dtype: np.dtype | None = eqx.field(static=True)
     keep_dtype: tuple[str, ...] = eqx.field(static=True)
-    stream: tuple[str, ...] = eqx.field(static=True)
+    host_tables: tuple[str, ...] = eqx.field(static=True)
     loss_axes: Literal["auto", "explicit"] = eqx.field(static=True)
     host_remat: bool = eqx.field(static=True)
     prefetch: int = eqx.field(static=True)
@@ -148,154 +151,155 @@ class Policy(eqx.Module):
         batch: None | PartitionSpec | str = None,
         compute_dtype: DTypeLike | None = None,
         keep_dtype: Sequence[str] = (),
-        stream: Sequence[str] = (),
+        host_tables: Sequence[str] = (),
         loss_axes: Literal["auto", "explicit"] = "auto",
         host_remat: bool = False,
         prefetch: int = 0,
         update_timing: Literal["now", "next_forward", "delayed"] = "now",
+        **renamed: Any,
     ):
         """**Arguments:**
 
         - `params`: where parameter leaves live between steps. `None`: no opinion
-            (field annotations and current placement decide); one memory kind for
-            every array leaf; or a mapping from leaf-path pattern to kind, where a
-            pattern matches a leaf path or a dotted prefix of it (`"blocks"` covers
-            every leaf under `blocks`) and the longest match wins. A pattern that
-            matches no leaf is a `ValueError` when the policy is applied.
-        - `save`: checkpoint names kept on the device in the forward pass, or
-            `"all"`: no `jax.checkpoint` at all, nothing is recomputed.
+            (field annotations and current placement decide). A memory kind: every
+            array leaf. A mapping from leaf-path pattern to kind: a pattern matches
+            a leaf path or a dotted prefix of it (`"blocks"` covers every leaf
+            under `blocks`), and the longest match wins. A pattern that matches no
+            leaf is a `ValueError` when the policy is applied.
+        - `save`: checkpoint names kept on the device in the forward pass. `"all"`:
+            no `jax.checkpoint` at all, so nothing is recomputed.
         - `offload`: checkpoint names moved to `offload_dst` in the forward pass and
-            brought back for the backward pass. Names in neither `save` nor `offload`
-            are recomputed.
-        - `offload_dst`: where offloaded residuals go; only `"pinned_host"` works
+            brought back for the backward pass. Names in neither `save` nor
+            `offload` are recomputed.
+        - `offload_dst`: where offloaded residuals go. Only `"pinned_host"` works
             in JAX 0.10.
         - `opt_state`: where the parameter-shaped optimizer state lives between
-            steps (step counters and other scalars stay on the device): one memory
+            steps. Step counters and other scalars stay on the device. One memory
             kind, or a mapping from parameter-path pattern to kind, matched as in
-            `params` (the state of a parameter no pattern matches stays on the
-            device). `{"**": "pinned_host", "blocks.norm.weight": "device"}` keeps
+            `params`. The state of a parameter no pattern matches stays on the
+            device. `{"**": "pinned_host", "blocks.norm.weight": "device"}` keeps
             one parameter's state on the device and the rest on the host. A key
-            `"<part>:<pattern>"` also names the part of the state, the field of
-            the optimizer's state holding that copy of the parameters:
+            `"<part>:<pattern>"` also names the part of the state: the field of
+            the optimizer's state holding that copy of the parameters.
             `{"nu:**": "pinned_host"}` moves Adam's second moment to the host and
             keeps its first on the device. The pattern naming the parameter most
             precisely wins; of two equally precise ones, the one naming a part.
         - `update`: how `train_step` applies the optimizer when parameters,
-            gradients or state are on the host. `"auto"` (the default):
-            `"streamed"` where host memory is its own (TPU, GPU), `"whole"` on the
-            CPU, whose memory kinds share one memory, so streaming saves nothing
-            there and costs time; chosen inside the one traced program
-            (`jax.lax.platform_dependent`), so a report compiled for a TPU shows
-            the streamed update. `"streamed"`: one layer of each
-            `Stacked` (or one block of rows of a large leaf) on the device at a
-            time, with the same result as optax's whole-tree update; an update that
-            cannot be split that way is an error naming the operation. `"whole"`:
-            everything is brought to the device at once (more device memory).
-            `"host"`: the update of the host-resident parameters and state runs on
-            the host's CPU inside the step (JAX's host compute), so the device
+            gradients or state are on the host.
+            `"auto"` (the default) is `"streamed"` where host memory is its own
+            (TPU, GPU), and `"whole"` on the CPU. The CPU's memory kinds share one
+            memory, so streaming saves nothing there. The choice is made inside
+            the traced program (`jax.lax.platform_dependent`): a report compiled
+            for a TPU shows the streamed update.
+            `"streamed"`: one layer of each `Stacked`, or one block of rows of a
+            large leaf, is on the device at a time. The result is that of optax's
+            whole-tree update. An update that cannot be split that way is an
+            error naming the operation.
+            `"whole"`: everything is brought to the device at once (more device
+            memory).
+            `"host"`: the update of the host-resident parameters and state runs
+            on the host's CPU inside the step (JAX's host compute). The device
             sends each gradient once and receives only the parameters it computes
             with: no optimizer state crosses the host link. Parameters whose state
             stays on the device are updated there, unless the update ties them to
-            host-resident values (a global-norm clip), when they are updated on
-            the host too. Needs optimizer state on the host; an optimizer the host
-            cannot run (a loop, a callback) is an error naming the optax code.
-            `eo.plan` picks it where the estimate says it is faster.
-        - `shard`: how parameter leaves are laid out over the device mesh, naming
-            mesh axes only (the mesh comes from `jax.set_mesh`, the arrays, or
-            `place(..., mesh=...)`). `None`: no opinion (leaves keep the sharding
-            they have). A mapping from leaf-path pattern (matched as in `params`)
-            to a `PartitionSpec`, an `eqx_offload.FSDP`, or a mesh axis name
-            (short for `FSDP(name)`); one such value applies to every leaf:
-            `shard="fsdp"` shards every large leaf along the axis `"fsdp"`. The
-            spec of a leaf inside a `Stacked` describes one layer: the layer axis
-            is never split. Leaves no pattern matches keep their sharding.
+            host-resident values (a global-norm clip). It needs optimizer state on
+            the host. An optimizer the host cannot run (a loop, a callback) is an
+            error naming the optax code. `eo.plan` picks it where the estimate
+            says it is faster.
+        - `shard`: how parameter leaves are laid out over the device mesh. It names
+            mesh axes only; the mesh comes from `jax.set_mesh`, the arrays, or
+            `place(..., mesh=...)`. `None`: no opinion, so leaves keep their
+            sharding. A mapping from leaf-path pattern (matched as in `params`) to
+            a `PartitionSpec`, an `eqx_offload.FSDP`, or a mesh axis name (short
+            for `FSDP(name)`). One such value applies to every leaf: `shard="fsdp"`
+            shards every large leaf along the axis `"fsdp"`. The spec of a leaf
+            inside a `Stacked` describes one layer: the layer axis is never split.
+            Leaves no pattern matches keep their sharding.
         - `batch`: the `PartitionSpec` of the batch arguments' leading dimensions
-            (`PartitionSpec("data")`, or just `"data"`): `train_step` lays out
-            batch arrays not yet on the mesh this way (scalars are replicated).
+            (`PartitionSpec("data")`, or just `"data"`). `train_step` lays out
+            batch arrays not yet on the mesh this way. Scalars are replicated.
         - `compute_dtype`: the dtype the loss computes with (`jnp.bfloat16`), or
-            `None`: the parameters' own. The parameters stay in their dtype (the
-            fp32 master) where `params` puts them, and the optimizer updates them
-            with fp32 gradients. Each host-resident parameter gets a persistent
-            copy in `compute_dtype`, kept in the optimizer state (where
-            `opt_state` puts that parameter's state) and rewritten by every
-            update, so that half the bytes move to the device; parameters on the
-            device are cast where the loss uses them.
-        - `keep_dtype`: leaf-path patterns of parameters the loss uses in their
-            own dtype under `compute_dtype`, matched as in `params` (e.g.
-            `("**.norm*",)` keeps every LayerNorm's weight and bias fp32). A
+            `None` for the parameters' own. The parameters stay in their dtype (the
+            fp32 master) where `params` puts them. The optimizer updates them with
+            fp32 gradients. Each host-resident parameter gets a persistent copy in
+            `compute_dtype`, so that half the bytes move to the device. The copy
+            lives in the optimizer state (where `opt_state` puts that parameter's
+            state), and every update rewrites it. Parameters on the device are
+            cast where the loss uses them.
+        - `keep_dtype`: leaf-path patterns of parameters the loss uses in their own
+            dtype under `compute_dtype`, matched as in `params`. E.g.
+            `("**.norm*",)` keeps every LayerNorm's weight and bias in fp32. A
             pattern that matches no trainable leaf is a `ValueError` when the
             policy is applied.
-        - `stream`: leaf-path patterns of large `[vocab, dim]` tables (an
+        - `host_tables`: leaf-path patterns of large `[vocab, dim]` tables (an
             embedding, an output projection) that stay in host memory inside the
-            step, rather than moving to the device whole where it starts:
-            `eo.embed` and `eo.chunked_cross_entropy` read them one block of rows
-            at a time and write their gradients back the same way. Such a leaf
-            must be host-resident (`params`), outside any `Stacked`, and used
-            only by those two functions (anything else is an error naming the
-            leaf); a pattern that matches no host-resident leaf is a
-            `ValueError`. E.g. `Policy.offload_all(stream=("embed",))`. Over
-            a mesh a streamed table stays whole on every device: `FSDP` rules
-            leave it replicated, and a spec that splits it is an error (the TPU
-            compiler cannot read row blocks of a host table split over chips).
-        - `loss_axes`: the mesh axis types the loss (the function `filter_offload`
-            wraps) is traced under when the model's mesh has `Explicit` axes.
-            `"auto"` (the default): on `Auto` axes (`jax.sharding.auto_axes`), as
-            plain JAX code is written: an unmodified model runs (an
-            `eqx.nn.Embedding` lookup of token ids split over the batch, a cache
-            written with `.at[i].set`), the partitioner lays out what it
-            computes, the gradients come back laid out like the parameters, and
-            the loss and `aux` come back replicated over the mesh. Arrays enter
-            the loss through its arguments: one it closes over, traced under
-            `Explicit` axes, is refused by JAX. `"explicit"`:
-            the mesh's `Explicit` axes are kept inside the loss, for a model
-            written for explicit sharding (`out_sharding=`,
-            `jax.sharding.reshard`); the step then gathers each `FSDP`-sharded
-            weight before use, one layer at a time, and gives each layer's
-            output carry the sharding of its input. On a mesh with `Auto` axes
-            (or none) both are the same.
+            step. Otherwise they move to the device whole where the step starts.
+            `eo.embed` and `eo.chunked_cross_entropy` read such a table one block
+            of rows at a time, and write its gradient back the same way. The leaf
+            must be host-resident (`params`) and outside any `Stacked`. Only those
+            two functions may use it: anything else is an error naming the leaf.
+            A pattern that matches no host-resident leaf is a `ValueError`. E.g.
+            `Policy.offload_all(host_tables=("embed",))`. Over a mesh a host table
+            stays whole on every device: `FSDP` rules leave it replicated, and a
+            spec that splits it is an error. (The TPU compiler cannot read row
+            blocks of a host table split over chips.)
+        - `loss_axes`: the mesh axis types the loss is traced under, when the
+            model's mesh has `Explicit` axes. (The loss is the function
+            `filter_offload` wraps.) `"auto"` (the default): on `Auto` axes
+            (`jax.sharding.auto_axes`), as plain JAX code is written. An unmodified
+            model runs: an `eqx.nn.Embedding` lookup of token ids split over the
+            batch, a cache written with `.at[i].set`. The partitioner lays out
+            what it computes. The gradients come back laid out like the
+            parameters, and the loss and `aux` come back replicated over the mesh.
+            Arrays enter the loss through its arguments: JAX refuses one it closes
+            over, traced under `Explicit` axes. `"explicit"`: the mesh's `Explicit`
+            axes are kept inside the loss, for a model written for explicit
+            sharding (`out_sharding=`, `jax.sharding.reshard`). The step then
+            gathers each `FSDP`-sharded weight before use, one layer at a time.
+            Each layer's output carry gets the sharding of its input. On a mesh
+            with `Auto` axes (or none) both are the same.
         - `host_remat`: on a TPU, let the compiler keep in host memory the values
-            it would otherwise recompute to fit the chip's memory (its own
-            rematerialization, not `save`/`offload`'s: the parts of the step
-            outside `Stacked` scans; the TPU compiler's remat-to-host option).
-            It changes where
-            values wait, not what is computed. A compile option of the TPU
-            compiler: `train_step` and `memory_report(target="tpu-...")` pass it,
-            and on another backend the step raises a `ValueError`; a step of your
-            own (`eo.filter_offload`) does not: pass the option to its `jax.jit`.
-            libtpu 0.0.42 aborted the process compiling a 66-layer GPT step with
-            it (a failed check in its rematerialization pass): `plan` compiles
-            it in a child process; try it on small programs first.
+            it would otherwise recompute to fit the chip's memory. This is the
+            compiler's own rematerialization, not `save`/`offload`'s: the parts of
+            the step outside `Stacked` scans. It changes where values wait, not
+            what is computed. It is a TPU compiler option: `train_step` and
+            `memory_report(target="tpu-...")` pass it, and on another backend the
+            step raises a `ValueError`. A step of your own (`eo.filter_offload`)
+            does not pass it: give the option to its `jax.jit`. Try it on small
+            programs first: it can abort the compiling process (design notes,
+            "What the TPU compiler cannot stream").
         - `prefetch`: how many layers ahead a `Stacked`'s scan reads its layers.
-            `0` (the default): each layer is read where the scan reaches it, as
-            a plain `jax.lax.scan` does. `1`: while layer `i` computes, the
-            forward pass reads layer `i + 1`'s parameters and the backward pass
-            layer `i - 1`'s parameters and offloaded residuals, so the compiler
-            can hide the host link behind compute, for one more layer on the
-            device and one more layer read per step. It applies to a `Stacked`
-            whose parameters live on the host or whose residuals are offloaded
-            (elsewhere the scan is plain), and not yet under a mesh with
-            `Explicit` axes. Under forward-mode differentiation (`jax.jvp`)
-            the scan is plain whatever the value (a prefetching scan is a
-            `jax.custom_vjp`); `jax.linearize` of a prefetching step cannot be
-            evaluated: use `prefetch=0` there.
+            `0` (the default): each layer is read where the scan reaches it, as a
+            plain `jax.lax.scan` does. `1`: while layer `i` computes, the forward
+            pass reads layer `i + 1`'s parameters. The backward pass reads layer
+            `i - 1`'s parameters and offloaded residuals. So the compiler can hide
+            the host link behind compute, for one more layer on the device and one
+            more layer read per step. It applies to a `Stacked` whose parameters
+            live on the host or whose residuals are offloaded (elsewhere the scan
+            is plain). It does not apply yet under a mesh with `Explicit` axes.
+            Under forward-mode differentiation (`jax.jvp`) the scan is plain
+            whatever the value: a prefetching scan is a `jax.custom_vjp`.
+            `jax.linearize` of a prefetching step cannot be evaluated: use
+            `prefetch=0` there.
         - `update_timing`: when `train_step` applies the optimizer update of the
             stacked layers' parameters and state. `"now"` (the default): at the
-            end of the step that computed the gradients. `"next_forward"`: in
-            the next step, layer by layer inside the forward scan, just before
-            each layer computes, so that the update's reads and writes can
-            overlap the layers' compute; the numbers are those of `"now"`.
-            Between steps the model and state hold that update *pending*:
-            apply it with `eqx_offload.apply_pending` before reading the
-            model (`save` and `verify` refuse a pending update and say so).
-            `"delayed"`: DeepSpeed's delayed parameter update: each step's
-            layers compute with their weights before the previous step's
-            update, which is applied alongside; their gradients are one step
-            stale (docs: "The update hidden too"). Both apply to the stacked
-            leaves updated a layer at a time (two or more axes per layer:
-            the weights); the rest of the model (per-layer vectors such as
-            biases and norms too) is updated at the end of every step. Both
-            need the streamed update (`update="auto"` or `"streamed"`).
+            end of the step that computed the gradients. `"next_forward"`: in the
+            next step, layer by layer inside the forward scan, just before each
+            layer computes. The update's reads and writes can then overlap the
+            layers' compute; the numbers are those of `"now"`. Between steps the
+            model and state hold that update *pending*. Apply it with
+            `eqx_offload.apply_pending` before reading the model (`save` and
+            `verify` refuse a pending update and say so). `"delayed"`: DeepSpeed's
+            delayed parameter update. Each step's layers compute with their
+            weights before the previous step's update, which is applied alongside.
+            Their gradients are one step stale (docs: "The update hidden too").
+            Both apply to the stacked leaves updated a layer at a time: those with
+            two or more axes per layer, the weights. The rest of the model
+            (per-layer vectors such as biases and norms too) is updated at the end
+            of every step. Both need the streamed update (`update="auto"` or
+            `"streamed"`).
         """
+        _check_renamed(renamed)
         self.params = _params(params)
         self.save = "all" if save == "all" else _name_patterns(save, "save")
         self.offload = _name_patterns(offload, "offload")
@@ -304,7 +308,7 @@ class Policy(eqx.Module):
         if opt is None:
             raise TypeError(
                 "`Policy(opt_state=None)`: give a memory kind (e.g. 'device') or a "
-                "mapping from parameter-path pattern to memory kind."
+                "mapping from patterns to kinds."
             )
         self.opt_state = opt
         self.update = update
@@ -312,7 +316,7 @@ class Policy(eqx.Module):
         self.batch = check_batch(batch)
         self.compute_dtype = _compute_dtype(compute_dtype)
         self.keep_dtype = _name_patterns(keep_dtype, "keep_dtype")
-        self.stream = _name_patterns(stream, "stream")
+        self.host_tables = _name_patterns(host_tables, "host_tables")
         self.loss_axes = loss_axes
         if not isinstance(host_remat, bool):
             raise TypeError(f"`Policy(host_remat={host_remat!r})`: give True or False.")
@@ -322,8 +326,7 @@ class Policy(eqx.Module):
         if self.keep_dtype and self.compute_dtype is None:
             raise ValueError(
                 f"`Policy(keep_dtype={self.keep_dtype!r})` has no effect without "
-                "`compute_dtype`; give `compute_dtype=jnp.bfloat16` too, or drop "
-                "`keep_dtype`."
+                "`compute_dtype`. Give `compute_dtype` too." + see(90)
             )
 
     def __check_init__(self):
@@ -331,61 +334,33 @@ class Policy(eqx.Module):
         if self.offload_dst != "pinned_host":
             raise ValueError(
                 f"`Policy(offload_dst={self.offload_dst!r})`: residuals can only be "
-                "offloaded to 'pinned_host' (JAX 0.10 leaves them on the device for "
-                "'unpinned_host'); to keep them on the device, list them in `save=`."
+                "offloaded to 'pinned_host'. Use `save=` to keep them." + see(22)
             )
-        if self.update not in ("auto", "streamed", "whole", "host"):
+        _check_choice("update", self.update)
+        if self.update == "host" and _state_kinds(self.opt_state) <= {"device"}:
             raise ValueError(
-                f"`Policy(update={self.update!r})`: valid values are 'auto', "
-                "'streamed', 'whole' and 'host'."
-            )
-        state_kinds = (
-            {self.opt_state}
-            if isinstance(self.opt_state, str)
-            else {k for _, k in self.opt_state}
-        )
-        if self.update == "host" and state_kinds <= {"device"}:
-            raise ValueError(
-                "`Policy(update='host')` runs the optimizer on the host's CPU where "
-                "its state lives, but `opt_state` keeps it on the device; put it on "
-                "the host with `opt_state='pinned_host'` (as "
-                "`Policy.offload_all()` does), or drop `update='host'`."
+                "`Policy(update='host')` needs optimizer state on the host, but "
+                "`opt_state` keeps it on the device. Give `opt_state='pinned_host'`."
+                + see(128)
             )
         if isinstance(self.prefetch, bool) or self.prefetch not in (0, 1):
             raise ValueError(
-                f"`Policy(prefetch={self.prefetch!r})`: valid values are 0 (read "
-                "each layer where the scan reaches it) and 1 (read one layer ahead)."
+                f"`Policy(prefetch={self.prefetch!r})`: valid values are 0 and 1 "
+                "(read one layer ahead)." + see(131)
             )
-        if self.update_timing not in ("now", "next_forward", "delayed"):
-            raise ValueError(
-                f"`Policy(update_timing={self.update_timing!r})`: valid values are "
-                "'now', 'next_forward' and 'delayed'."
-            )
+        _check_choice("update_timing", self.update_timing)
         if self.update_timing != "now" and self.update not in ("auto", "streamed"):
             raise ValueError(
-                f"`Policy(update_timing={self.update_timing!r})` applies the stacked "
-                "layers' update a layer at a time, as the streamed update does; "
-                f"`update={self.update!r}` cannot. Use `update='streamed'` (or "
-                "'auto'), or `update_timing='now'`."
+                f"`Policy(update_timing={self.update_timing!r})` updates a layer at "
+                f"a time, which `update={self.update!r}` cannot. Use "
+                "`update='streamed'`." + see(136)
             )
-        if self.loss_axes not in ("auto", "explicit"):
-            raise ValueError(
-                f"`Policy(loss_axes={self.loss_axes!r})`: valid values are 'auto' "
-                "and 'explicit'."
-            )
-        if self.save == "all" and self.offload:
-            raise ValueError(
-                "`Policy(save='all')` keeps every residual on the device, so "
-                f"`offload={self.offload!r}` could never apply; list the names to keep "
-                "in `save=` instead, or drop `offload`."
-            )
-        if self.save != "all":
-            both = [n for n in self.save if _paths.is_literal(n) and n in self.offload]
-            if both:
-                raise ValueError(
-                    f"`Policy`: {_paths.quoted(both)} is in both `save` and `offload`; "
-                    "a residual is either kept on the device or offloaded, not both."
-                )
+        _check_choice("loss_axes", self.loss_axes)
+        _check_save_and_offload(self.save, self.offload)
+
+    @property
+    def stream(self) -> NoReturn:
+        raise AttributeError(_RENAMED["stream"])
 
     @classmethod
     def none(cls, **overrides: Any) -> "Policy":
@@ -425,6 +400,60 @@ class Policy(eqx.Module):
         )
 
 
+# The old keywords of `Policy(...)`: the message naming the new one.
+_RENAMED = {
+    "stream": "`Policy(stream=...)` is now `Policy(host_tables=...)`. Rename the "
+    "keyword (the attribute too: `policy.host_tables`)." + see(140),
+}
+# The valid values of each mode option, with the entry of its error.
+_CHOICES = {
+    "update": (("auto", "streamed", "whole", "host"), 23),
+    "update_timing": (("now", "next_forward", "delayed"), 135),
+    "loss_axes": (("auto", "explicit"), 26),
+}
+
+
+def _check_renamed(renamed: dict[str, Any]) -> None:
+    for name in renamed:
+        if name in _RENAMED:
+            raise TypeError(_RENAMED[name])
+        raise TypeError(f"`Policy` got an unexpected keyword argument {name!r}.")
+
+
+def _check_choice(name: str, value: Any) -> None:
+    valid, number = _CHOICES[name]
+    if value not in valid:
+        *rest, last = map(repr, valid)
+        raise ValueError(
+            f"`Policy({name}={value!r})`: valid values are {', '.join(rest)} and "
+            f"{last}." + see(number)
+        )
+
+
+def _state_kinds(opt_state: str | tuple[tuple[str, str], ...]) -> set[str]:
+    if isinstance(opt_state, str):
+        return {opt_state}
+    return {kind for _, kind in opt_state}
+
+
+def _check_save_and_offload(
+    save: Literal["all"] | tuple[str, ...], offload: tuple[str, ...]
+) -> None:
+    if save == "all":
+        if offload:
+            raise ValueError(
+                f"`Policy(save='all')` keeps every residual, so `offload={offload!r}` "
+                "never applies. Drop `offload`." + see(21)
+            )
+        return
+    both = [n for n in save if _paths.is_literal(n) and n in offload]
+    if both:
+        raise ValueError(
+            f"`Policy`: {_paths.quoted(both)} is in both `save` and `offload`. Keep "
+            "it in one." + see(21)
+        )
+
+
 def replace(policy: Policy, **changes: Any) -> Policy:
     """`policy` with some fields changed, as `dataclasses.replace` would give it,
     but with its patterns given back to `Policy(...)` as the mappings it takes."""
@@ -452,8 +481,8 @@ def split_names(policy: Policy, names: Sequence[str]) -> tuple[list[str], list[s
         if s and o:
             raise ValueError(
                 f"`Policy`: checkpoint name {name!r} matches `save` pattern "
-                f"{s[0]!r} and `offload` pattern {o[0]!r}; make the patterns "
-                "disjoint."
+                f"{s[0]!r} and `offload` pattern {o[0]!r}. Make them disjoint."
+                + see(24)
             )
         if s:
             to_save.append(name)
@@ -495,15 +524,16 @@ def check_policy(policy: Any, where: str) -> None:
     `Policy`."""
     if isinstance(policy, Policy):
         return
-    hint = ""
+    hint, number = "", 13
     if isinstance(policy, str) and policy in PRESETS:
-        hint = f"; for the preset, write `eqx_offload.Policy.{policy}()`"
+        hint = f" For the preset, write `eqx_offload.Policy.{policy}()`."
     elif getattr(policy, "__self__", None) is Policy:
         name = getattr(policy, "__name__", "")
-        hint = f"; call the preset: `eqx_offload.Policy.{name}()`"
+        hint, number = f" Call the preset: `eqx_offload.Policy.{name}()`.", 14
     elif isinstance(policy, str):
-        hint = f"; the presets are {_paths.quoted(f'Policy.{p}()' for p in PRESETS)}"
+        presets = _paths.quoted(f"Policy.{p}()" for p in PRESETS)
+        hint = f" The presets are {presets}."
     raise TypeError(
         f"{where} must be an `eqx_offload.Policy`, got {type(policy).__name__} "
-        f"{policy!r}{hint}."
+        f"{policy!r}.{hint}" + see(number)
     )

@@ -124,7 +124,7 @@ def _check_layout(model: PyTree, policy: Policy, shardings: tuple) -> None:
             policy.shard,
             meshes[0],
             False,
-            policy.stream,
+            policy.host_tables,
         )
         if meshes
         else [
@@ -198,7 +198,7 @@ def value_and_grad(
         microbatches,
         unsplit,
         has_aux,
-        policy.stream,
+        policy.host_tables,
         policy.update == "host",
     )
 

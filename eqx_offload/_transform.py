@@ -2,7 +2,7 @@
 
 import functools
 from collections.abc import Callable
-from typing import Any, cast, NamedTuple
+from typing import Any, cast, NamedTuple, overload, ParamSpec, TypeVar
 
 import equinox as eqx
 import jax
@@ -14,37 +14,34 @@ from . import (
     _checkpoint_name_log,
     _compat,
     _grad_taps,
-    _jaxpr,
+    _host_leaves,
     _layout,
     _paths,
     _pending,
-    _tiling,
-    _vocab_blocks,
 )
-from ._memory_kinds import is_host, is_host_aval
+from ._errors import see
+from ._host_leaves import Argument, arguments
+from ._memory_kinds import is_host
 from ._policy import check_policy, checkpoint_patterns, Policy, replace
 from ._scan_body import configure
 from ._stacked import Stacked
 from ._warn import warn_at_caller
 
 
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
 def _is_stacked(x: Any) -> bool:
     return isinstance(x, Stacked)
 
 
-def _named_arguments(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
-    """The arguments in the order `jax.tree.flatten((args, kwargs))` visits them."""
-    return [(f"argument {i}", a) for i, a in enumerate(args)] + [
-        (f"argument `{k}`", kwargs[k]) for k in sorted(kwargs)
-    ]
-
-
 def _configure_all(
-    args: tuple, kwargs: dict, policy: Policy, streamed: set[str]
+    args: tuple, kwargs: dict, policy: Policy, tables: set[str]
 ) -> tuple[tuple, dict]:
     """Replaces every top-level `Stacked` in the arguments by its configured view,
     and moves host-resident leaves outside any `Stacked` to the device, except the
-    model's `streamed` ones.
+    model's host `tables`.
 
     Every half of an `eqx.partition`ed model is configured alike, so `eqx.combine`
     inside `fun` sees matching pytrees. Two halves may share a path; two different
@@ -52,54 +49,54 @@ def _configure_all(
     """
     owners: dict[str, tuple[str, set[str]]] = {}
 
-    def prepare(arg: Any, argument: str) -> Any:
-        flat, treedef = jtu.tree_flatten_with_path(arg, is_leaf=_is_stacked)
+    def stacked(x: Stacked, path: str, argument: Argument) -> Stacked:
+        arrays = {
+            leaf.path for leaf in _paths.leaves(x.layers) if eqx.is_array(leaf.value)
+        }
+        other, other_arrays = owners.get(path, (None, set()))
+        if other is not None and arrays & other_arrays:
+            raise ValueError(
+                f"`filter_offload`: {other} and {argument.name} both hold a "
+                f"`Stacked` at {path!r}. Pass them in one pytree (a tuple)." + see(32)
+            )
+        owners[path] = (argument.name, arrays | other_arrays)
+        return configure(x, path, policy)
+
+    def array(x: Any, path: str, argument: Argument) -> Any:
+        stays = argument.is_model and path in tables
+        if is_host(x) and not stays:
+            x = jax.device_put(x, jax.memory.Space.Device)
+        if argument.is_model:
+            found = _grad_taps.lookup(path)
+            if found is not None:
+                x = _grad_taps.tap(x, found.acc, found.dtype, found.read)
+            if not stays:
+                x = _layout.gather_fsdp(x, path, policy.shard)
+        return x
+
+    def prepare(argument: Argument) -> Any:
+        flat, treedef = jtu.tree_flatten_with_path(argument.value, is_leaf=_is_stacked)
         out = []
         for keys, x in flat:
             if isinstance(x, Stacked):
-                path = _paths.join("", keys)
-                arrays = {
-                    leaf.path
-                    for leaf in _paths.leaves(x.layers)
-                    if eqx.is_array(leaf.value)
-                }
-                other, other_arrays = owners.get(path, (None, set()))
-                if other is not None and arrays & other_arrays:
-                    raise ValueError(
-                        f"`filter_offload`: {other} and {argument} both hold a "
-                        f"`Stacked` at path {path!r} with arrays at the same leaves, "
-                        "so their checkpoint names would collide; pass them inside "
-                        "one pytree (e.g. a tuple or dict) instead."
-                    )
-                owners[path] = (argument, arrays | other_arrays)
-                x = configure(x, path, policy)
+                x = stacked(x, _paths.join("", keys), argument)
             elif eqx.is_array(x):
-                path = _paths.join("", keys)
-                # The model (argument 0) is what `Policy` describes.
-                stays = argument == "argument 0" and path in streamed
-                if is_host(x) and not stays:
-                    x = jax.device_put(x, jax.memory.Space.Device)
-                if argument == "argument 0":
-                    found = _grad_taps.lookup(path)
-                    if found is not None:
-                        x = _grad_taps.tap(x, found.acc, found.dtype, found.read)
-                    if not stays:
-                        x = _layout.gather_fsdp(x, path, policy.shard)
+                x = array(x, _paths.join("", keys), argument)
             out.append(x)
         return jtu.tree_unflatten(treedef, out)
 
-    named = dict(_named_arguments(args, kwargs))  # validate in flattening order
-    done = {name: prepare(arg, name) for name, arg in named.items()}
-    args = tuple(done[f"argument {i}"] for i in range(len(args)))
-    kwargs = {k: done[f"argument `{k}`"] for k in kwargs}
+    # Validated in flattening order.
+    done = {a.key: prepare(a) for a in arguments(args, kwargs)}
+    args = tuple(done[i] for i in range(len(args)))
+    kwargs = {k: done[k] for k in kwargs}
     return args, kwargs
 
 
-def _streamed_paths(model: Any, policy: Policy) -> set[str]:
-    """The paths of the model's leaves that `Policy(stream=...)` keeps on the host
-    inside the step. Each pattern must match a host-resident `[vocab, dim]` leaf
-    outside any `Stacked`."""
-    if not policy.stream:
+def _host_table_paths(model: Any, policy: Policy) -> set[str]:
+    """The paths of the model's leaves that `Policy(host_tables=...)` keeps on the
+    host inside the step. Each pattern must match a host-resident `[vocab, dim]`
+    leaf outside any `Stacked`."""
+    if not policy.host_tables:
         return set()
     flat = jtu.tree_flatten_with_path(model, is_leaf=_is_stacked)[0]
     arrays = {
@@ -108,35 +105,33 @@ def _streamed_paths(model: Any, policy: Policy) -> set[str]:
         if eqx.is_array(x) and not isinstance(x, Stacked)
     }
     found = set()
-    for pattern in policy.stream:
+    for pattern in policy.host_tables:
         matched = {p for p in arrays if _paths.prefix_match(pattern, p) is not None}
         if not matched:
+            leaves = _paths.quoted(sorted(arrays), 5)
             raise ValueError(
-                f"`Policy(stream=...)` has {pattern!r}, which matches no leaf of the "
-                "model outside a `Stacked` (layers are streamed by their scan "
-                f"already); leaves include {_paths.quoted(sorted(arrays), 5)}."
+                f"`Policy(host_tables=...)`: {pattern!r} matches no leaf outside a "
+                f"`Stacked`. Leaves include {leaves}." + see(97)
             )
         for path in sorted(matched):
             x = arrays[path]
             if not is_host(x) or x.ndim != 2:
                 where = "on the device" if not is_host(x) else f"of shape {x.shape}"
                 raise ValueError(
-                    f"`Policy(stream=...)`: leaf {path!r} is {where}; a streamed "
-                    "leaf is a host-resident `[vocab, dim]` table. Place it on the "
-                    f"host (`Policy(params={{{path!r}: 'pinned_host'}})` or "
-                    "`offload_all`) or drop the pattern."
+                    f"`Policy(host_tables=...)`: leaf {path!r} is {where}, not a "
+                    "host `[vocab, dim]` table. Place it on the host." + see(98)
                 )
         found |= matched
     return found
 
 
-def _warn_layer_lists(args: tuple, kwargs: dict, streamed: set[str]) -> None:
+def _warn_layer_lists(args: tuple, kwargs: dict, tables: set[str]) -> None:
     """Warns of layers held in a Python list or tuple with host-resident parameters:
     outside a `Stacked`, host-resident leaves are moved to the device where the
     function starts, so every layer is on the device at once and nothing streams."""
-    for argument, arg in _named_arguments(args, kwargs):
+    for argument in arguments(args, kwargs):
         flat = jtu.tree_flatten_with_path(
-            arg, is_leaf=lambda x: _is_stacked(x) or _is_layer_list(x)
+            argument.value, is_leaf=lambda x: _is_stacked(x) or _is_layer_list(x)
         )[0]
         for keys, x in flat:
             if not _is_layer_list(x):
@@ -147,13 +142,12 @@ def _warn_layer_lists(args: tuple, kwargs: dict, streamed: set[str]) -> None:
                 for leaf in _paths.leaves(x)
                 if eqx.is_array(leaf.value) and is_host(leaf.value)
             ]
-            model = argument == "argument 0"  # what `Policy(stream=...)` is of
-            if model:
-                host = [p for p in host if p not in streamed]
+            if argument.is_model:
+                host = [p for p in host if p not in tables]
             if not host:
                 continue
             name = path.rsplit(".", 1)[-1] or "layers"
-            where = repr(path) if model else f"{path!r} of {argument}"
+            where = repr(path) if argument.is_model else f"{path!r} of {argument.name}"
             warn_at_caller(
                 f"`filter_offload`: {where} is a Python {type(x).__name__} of "
                 f"{len(x)} layers of one structure with host-resident parameters "
@@ -225,136 +219,6 @@ def call_on_auto_axes(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     return eqx.combine(jtu.tree_unflatten(out_treedef, leaves), rest)
 
 
-class _Watched(NamedTuple):
-    """A host-resident stacked leaf as it flows through a jaxpr."""
-
-    argument: str
-    leaf: _paths.Leaf
-    is_slice: bool  # one layer's slice, inside a scan over the whole leaf
-    streamed: bool = False  # a `Policy(stream=...)` table (or one `embed` returned)
-
-
-def _find_misuse(
-    jaxpr: Any, watched: dict[Any, _Watched], reading: bool = False
-) -> tuple[_Watched, str] | None:
-    """Finds an operation that computes on a host-resident stacked leaf outside the
-    scan that brings it to the device one layer at a time.
-
-    The whole leaf may flow through calls and control flow and be scanned over; its
-    slice, inside such a scan, may only be moved to the device.
-    """
-    consumed: dict[Any, str] = {}  # streamed table -> the block loop that read it
-    for eqn in jaxpr.eqns:
-        used = {
-            i: watched[v]
-            for i, v in enumerate(eqn.invars)
-            if not _jaxpr.is_literal(v) and v in watched
-        }
-        if not used:
-            continue
-        if all(w.streamed for w in used.values()) and _vocab_blocks.SCOPE in str(
-            eqn.source_info.name_stack
-        ):
-            # `embed` / `chunked_cross_entropy` reading the table by blocks. Each
-            # table is read by one of them: two would sum two host gradients.
-            for i, w in used.items():
-                if eqn.invars[i] in consumed:
-                    return w, "twice"
-                consumed[eqn.invars[i]] = _jaxpr.primitive_name(eqn)
-            for out in eqn.outvars:  # the table `embed` hands on
-                if _host_table(out.aval):
-                    watched[out] = next(iter(used.values()))
-            continue
-        if _jaxpr.is_device_put(eqn):
-            destinations = _jaxpr.device_put_destinations(eqn)
-            for i, w in used.items():
-                # A slice inside the scan, or (for a leaf the TPU compiler cannot
-                # slice on the host) the whole leaf, moved to the device by the scan.
-                whole_ok = not _tiling.slices_by_layer(w.leaf.value.shape)
-                if (
-                    not (w.is_slice or whole_ok)
-                    or destinations[i] != jax.memory.Space.Device
-                ):
-                    return w, "device_put"
-            continue
-        if (
-            reading
-            and set(used) == {0}
-            and (
-                _jaxpr.is_dynamic_slice(eqn)
-                or (used[0].is_slice and _jaxpr.is_squeeze(eqn))
-            )
-        ):
-            # A layer read ahead by a prefetching scan (`_prefetch._at`, a
-            # `custom_vmap` slice): like a slice the scan takes, it may only be
-            # moved to the device.
-            watched[eqn.outvars[0]] = used[0]._replace(is_slice=True)
-            continue
-        subs = _jaxpr.sub_jaxprs(eqn)
-        if subs is None:
-            return next(iter(used.values())), _jaxpr.primitive_name(eqn)
-        for sub, operands, sliced in subs:
-            inner = {}
-            for i, k in operands.items():
-                if i in used:
-                    w = used[i]
-                    inner[sub.invars[k]] = w._replace(is_slice=True) if sliced else w
-            inside = reading or _jaxpr.is_custom_vmap(eqn)
-            found = _find_misuse(sub, inner, inside) if inner else None
-            if found is not None:
-                return found
-            if not sliced and len(sub.outvars) == len(eqn.outvars):
-                # A call that returns a watched value as it is (a gradient tap of
-                # the same dtype, an inner `jax.jit`) hands it on.
-                for inner_out, out in zip(sub.outvars, eqn.outvars):
-                    if _jaxpr.is_literal(inner_out):  # a constant output
-                        continue
-                    w = inner.get(inner_out)
-                    if w is not None and (w.streamed or w.is_slice):
-                        watched[out] = w
-    return None
-
-
-def _host_table(aval: Any) -> bool:
-    return is_host_aval(aval) and getattr(aval, "ndim", 0) == 2
-
-
-def _misuse_error(w: _Watched, primitive: str) -> ValueError:
-    if w.streamed and primitive == "twice":
-        return ValueError(
-            f"`filter_offload`: the streamed table {w.leaf.path!r} of {w.argument} "
-            "is read by two of `eo.embed` / `eo.chunked_cross_entropy`, whose two "
-            "host-resident gradients cannot be added. For a tied embedding, pass "
-            "the table `eo.embed` returns to the output projection: "
-            "`h, table = eo.embed(model.embed, tokens)`, then "
-            "`eo.chunked_cross_entropy(hidden, table, targets)`."
-        )
-    if w.streamed:
-        return ValueError(
-            f"`filter_offload`: leaf {w.leaf.path!r} of {w.argument} is streamed "
-            "from the host (`Policy(stream=...)`), so only `eo.embed` and "
-            "`eo.chunked_cross_entropy` can read it, block by block; here it is "
-            f"computed on by `{primitive}`, on the host, which no backend can do. "
-            "Use those two functions, or drop the leaf from `Policy(stream=...)` "
-            "so that it moves to the device whole."
-        )
-    keep = (
-        "Policy(params='device')"
-        if not w.leaf.stacked
-        else (f"Policy(params={{{w.leaf.stacked!r}: 'device'}})")
-    )
-    return ValueError(
-        f"`filter_offload`: leaf {w.leaf.path!r} of {w.argument} is a host-resident "
-        f"layer of the `Stacked` at {w.leaf.stacked!r}. It is brought to the device "
-        "one layer at a time inside that `Stacked`'s scan, but here it is computed on "
-        f"outside it (by `{primitive}`), on the host, which the backward pass (and "
-        "accelerators) cannot do. Compute this inside the layers (cast inside a "
-        "layer, not the whole model); for weight decay use "
-        f"`optax.add_decayed_weights`; or keep these parameters on the device, e.g. "
-        f"`{keep}`."
-    )
-
-
 class _Traced(NamedTuple):
     """`fun` traced to a jaxpr on the array leaves of its arguments."""
 
@@ -390,31 +254,6 @@ def _trace(fun: Callable, args: tuple, kwargs: dict) -> _Traced:
     return _Traced(closed, dynamic, positions, rebuild)
 
 
-def _check_host_leaves(
-    traced: _Traced, args: tuple, kwargs: dict, streamed: set[str]
-) -> None:
-    """Host-resident stacked leaves must only be used inside their scans, streamed
-    tables only by the functions that read them by blocks."""
-    info = [
-        (argument, leaf)
-        for argument, arg in _named_arguments(args, kwargs)
-        for leaf in _paths.leaves(arg)
-    ]
-
-    def stream(argument: str, leaf: _paths.Leaf) -> bool:
-        return argument == "argument 0" and leaf.path in streamed
-
-    watched = {
-        var: _Watched(*info[i], is_slice=False, streamed=stream(*info[i]))
-        for var, i in zip(traced.closed.jaxpr.invars, traced.positions)
-        if (info[i][1].stacked is not None or stream(*info[i]))
-        and is_host(info[i][1].value)
-    }
-    misuse = _find_misuse(traced.closed.jaxpr, watched)
-    if misuse is not None:
-        raise _misuse_error(*misuse)
-
-
 class _OffloadWrapper(eqx.Module):
     _fun: Callable
     _policy: Policy = eqx.field(static=True)
@@ -442,10 +281,10 @@ class _OffloadWrapper(eqx.Module):
             raise e.with_offered(_offered(self, args, kwargs) or e.offered) from None
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
-        streamed = _streamed_paths(args[0] if args else None, self._policy)
-        _warn_layer_lists(args, kwargs, streamed)
-        args, kwargs = _configure_all(args, kwargs, self._policy, streamed)
-        host_stacked = bool(streamed) or any(
+        tables = _host_table_paths(args[0] if args else None, self._policy)
+        _warn_layer_lists(args, kwargs, tables)
+        args, kwargs = _configure_all(args, kwargs, self._policy, tables)
+        host_stacked = bool(tables) or any(
             leaf.stacked is not None
             and eqx.is_array(leaf.value)
             and is_host(leaf.value)
@@ -456,7 +295,9 @@ class _OffloadWrapper(eqx.Module):
                 # Checking needs the jaxpr before any outer transformation sees it:
                 # trace, check, then evaluate it, so `fun` still runs once.
                 traced = _trace(self._fun, args, kwargs)
-                _check_host_leaves(traced, args, kwargs, streamed)
+                _host_leaves.check(
+                    traced.closed.jaxpr, traced.positions, args, kwargs, tables
+                )
                 _checkpoint_name_log.check(
                     self._policy, _checkpoint_name_log.NameLog.of(traced.closed)
                 )
@@ -488,6 +329,16 @@ def _offered(wrapper: _OffloadWrapper, args: tuple, kwargs: dict) -> tuple[str, 
     except Exception:  # only a hint for the error being raised: that error wins
         return ()
     return tuple(_checkpoint_name_log.NameLog.of(traced.closed).residual_names)
+
+
+@overload
+def filter_offload(
+    *, policy: Policy
+) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
+
+
+@overload
+def filter_offload(fun: Callable[_P, _T], policy: Policy) -> Callable[_P, _T]: ...
 
 
 def filter_offload(fun: Callable | None = None, policy: Policy | None = None) -> Any:
@@ -541,12 +392,12 @@ def filter_offload(fun: Callable | None = None, policy: Policy | None = None) ->
             return jnp.mean((jax.vmap(model)(x) - y) ** 2)
         ```
     """
-    if fun is None:
-        return functools.partial(filter_offload, policy=policy)
+    if fun is None:  # a decorator: `@filter_offload(policy=policy)`
+        return functools.partial(cast(Callable, filter_offload), policy=policy)
     if policy is None:
         raise TypeError(
             "`filter_offload(fun, policy)` needs a policy, e.g. "
-            "`eqx_offload.Policy.offload_residuals()`."
+            "`eqx_offload.Policy.offload_residuals()`." + see(15)
         )
     if not callable(fun):
         raise TypeError(f"`filter_offload(fun=...)` must be callable, got {fun!r}.")

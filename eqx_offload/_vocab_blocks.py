@@ -1,6 +1,6 @@
 """A large `[vocab, dim]` table that stays in host memory inside a step and is read
 (and its gradient written) one block of rows at a time: how `embed` and
-`chunked_cross_entropy` use a vocabulary table named in `Policy(stream=...)`.
+`chunked_cross_entropy` use a vocabulary table named in `Policy(host_tables=...)`.
 
 Host memory cannot be computed on (a sum, a gather), so every operation on such a
 table is a loop over its blocks: read block `i` onto the device, use it, and, in
@@ -31,7 +31,7 @@ LOGIT_BYTES = 32 * 2**20
 
 def streams(table: Any) -> bool:
     """Whether `table` is read by blocks: it is in host memory (inside a step, only
-    a leaf named in `Policy(stream=...)` is)."""
+    a leaf named in `Policy(host_tables=...)` is)."""
     return is_host(table)
 
 
@@ -39,16 +39,16 @@ def check(table: Any, where: str) -> None:
     """Raises unless `table` can be read by blocks here: inside a `filter_offload`
     function (a step), as a `[vocab, dim]` table of whole tiles."""
     if not _checkpoint_name_log.is_inside():
-        # Outside a step no `Policy(stream=...)` asked for streaming, and the rest of
-        # a host-resident model cannot be computed on there either.
+        # Outside a step no `Policy(host_tables=...)` asked for streaming, and the
+        # rest of a host-resident model cannot be computed on there either.
         raise ValueError(
             f"`{where}` was given a host-resident table of shape "
             f"{tuple(table.shape)} outside `filter_offload` (and `train_step`). A "
             "host-resident model is run outside the step with "
             "`eqx.filter_jit(eo.filter_offload(fn, policy))`, which moves the table "
             "to the device where `fn` starts (or reads it by blocks, as the step "
-            "does, if `Policy(stream=...)` names it); or, if it fits, put the model "
-            "on the device with `eo.place(model, eo.Policy(params='device'))`."
+            "does, if `Policy(host_tables=...)` names it); or, if it fits, put the "
+            "model on the device with `eo.place(model, eo.Policy(params='device'))`."
         )
     if table.ndim != 2:
         raise ValueError(
@@ -61,7 +61,7 @@ def check(table: Any, where: str) -> None:
             "cannot be cut into blocks of rows a TPU can move (rows a multiple of "
             f"{_tiling.SUBLANES * _tiling.packing(table.dtype)}, `dim` a multiple "
             f"of {_tiling.LANES}); keep it on the device (remove it from "
-            "`Policy(stream=...)`) or pad the vocabulary."
+            "`Policy(host_tables=...)`) or pad the vocabulary."
         )
 
 

@@ -129,7 +129,7 @@ def test_a_host_resident_table_outside_filter_offload_is_an_error():
 
     # The fixes: moved to the device where the function starts, or read by blocks
     # when the policy streams it; or a device copy.
-    for policy in (eo.Policy(), eo.Policy(stream=("embed",))):
+    for policy in (eo.Policy(), eo.Policy(host_tables=("embed",))):
         found = eqx.filter_jit(eo.filter_offload(lookup, policy))(model, ids)
         np.testing.assert_array_equal(found, table[ids])
     on_device = eo.place(model, eo.Policy(params="device"))

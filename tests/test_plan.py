@@ -510,7 +510,7 @@ def test_planning_mistakes():
 def test_a_vocabulary_table_is_a_candidate_for_streaming():
     """A `[vocab, dim]` table of 1024 rows or more outside any `Stacked` is offered
     as streamed from the host: the candidate puts it on the host and names it in
-    `Policy(stream=...)`; smaller tables and stacked leaves are not offered."""
+    `Policy(host_tables=...)`; smaller tables and stacked leaves are not offered."""
     big = eqx.filter_eval_shape(Model, 1024, 16, 2, key=jax.random.key(0))
     table = 1024 * 16 * 4  # the head's weight is `[vocab, dim]` too
     assert _sizes.tables_of(big) == {"embed.weight": table, "head.weight": table}
@@ -522,7 +522,7 @@ def test_a_vocabulary_table_is_a_candidate_for_streaming():
     assert move in start.moves(())
     streamed = start.apply(move, ())
     policy = streamed.policy()
-    assert policy.stream == ("embed.weight",)
+    assert policy.host_tables == ("embed.weight",)
     assert isinstance(policy.params, tuple)
     assert dict(policy.params) == {
         "embed": "device",
@@ -532,7 +532,7 @@ def test_a_vocabulary_table_is_a_candidate_for_streaming():
     }
     assert streamed.label == "stream embed.weight from host; no remat"
     assert _candidates.Move("stream", "embed.weight", "device") in streamed.flips({})
-    assert start.policy().stream == ()
+    assert start.policy().host_tables == ()
 
 
 def test_a_part_placed_apart_folds_back_into_its_field():

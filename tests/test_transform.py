@@ -244,7 +244,7 @@ def test_same_path_in_two_arguments_is_an_error(getkey):
     fn = eo.filter_offload(lambda a, b, x: jnp.sum(a(x) + b(x)), eo.Policy.remat())
     a = eo.Stacked.from_fn(lambda k: eqx.nn.Linear(2, 2, key=k), 2, key=getkey())
     with pytest.raises(
-        ValueError, match=r"argument 0 and argument 1 both hold a `Stacked` at path ''"
+        ValueError, match=r"argument 0 and argument 1 both hold a `Stacked` at ''"
     ):
         fn(a, a, jnp.ones(2))
     b = eo.Stacked.from_fn(lambda k: eqx.nn.Linear(2, 2, key=k), 2, key=getkey())

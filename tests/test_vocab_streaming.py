@@ -1,4 +1,4 @@
-"""A vocabulary table streamed from the host (`Policy(stream=...)`): `eo.embed` and
+"""A vocabulary table streamed from the host (`Policy(host_tables=...)`): `eo.embed` and
 `eo.chunked_cross_entropy` read it block by block, with the plain model's loss and
 gradients, and misuse is an error that names the leaf."""
 
@@ -80,7 +80,7 @@ def _train(loss, policy, steps=3, batch=(4, 24), **kwargs):
 def test_equals_the_plain_model(tie, stream, update, microbatches):
     """SGD, 3 steps: losses and every parameter equal the plain model's with the
     whole logits (rtol 1e-5); the streamed tables stay on the host."""
-    policy = eo.Policy.offload_all(stream=stream, update=update)
+    policy = eo.Policy.offload_all(host_tables=stream, update=update)
     model, losses, step = _train(
         tied if tie else untied, policy, microbatches=microbatches
     )
@@ -94,7 +94,7 @@ def test_equals_the_plain_model(tie, stream, update, microbatches):
 def test_bf16_compute_copy_tracks_fp32():
     """The bf16 compute copy of a streamed table is what the blocks read; the
     losses stay within bf16 rounding of the fp32 run (rtol 1e-4)."""
-    policy = eo.Policy.offload_all(stream=("embed",), compute_dtype=jnp.bfloat16)
+    policy = eo.Policy.offload_all(host_tables=("embed",), compute_dtype=jnp.bfloat16)
     _, losses, _ = _train(tied, policy)
     _, ref, _ = _train(_plain(True), eo.Policy.none())
     np.testing.assert_allclose(losses, ref, rtol=1e-4)
@@ -118,7 +118,7 @@ def _step_error(loss, policy, match):
 
 
 def test_misuse_names_the_leaf_and_the_fix():
-    policy = eo.Policy.offload_all(stream=("embed",))
+    policy = eo.Policy.offload_all(host_tables=("embed",))
 
     def twice(model, tokens, targets):  # the tie through `model.embed` again
         h, _ = eo.embed(model.embed, tokens)
@@ -132,10 +132,12 @@ def test_misuse_names_the_leaf_and_the_fix():
 
     _step_error(computed, policy, r"'embed'.*only `eo.embed` and")
     _step_error(
-        tied, eo.Policy.offload_all(stream=("embedding",)), r"'embedding'.*no leaf"
+        tied, eo.Policy.offload_all(host_tables=("embedding",)), r"'embedding'.*no leaf"
     )
     _step_error(
-        tied, eo.Policy.offload_all(stream=("embed",), params="device"), "on the device"
+        tied,
+        eo.Policy.offload_all(host_tables=("embed",), params="device"),
+        "on the device",
     )
 
 
@@ -145,7 +147,7 @@ def test_a_table_without_row_blocks_is_an_error():
         table,
         jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"),
     )
-    policy = eo.Policy(stream=("table",))
+    policy = eo.Policy(host_tables=("table",))
     lookup = eo.filter_offload(lambda m, ids: eo.embed(m["table"], ids)[0], policy)
     with pytest.raises(ValueError, match="pad the vocabulary"):
         eqx.filter_jit(lookup)({"table": host}, jnp.zeros((3,), jnp.int32))
@@ -163,7 +165,7 @@ class _Nested(eqx.Module):
 
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_a_module_pattern_names_its_table_with_micro_batches_too(microbatches):
-    """`stream=("embed",)` covers the table of an `embed` module (`embed.weight`),
+    """`host_tables=("embed",)` covers the table of an `embed` module (`embed.weight`),
     with micro-batches too: a table whose rows make no blocks is the same error
     (with micro-batches, it was once moved to the device like an odd-shaped leaf,
     and then called misplaced)."""
@@ -172,7 +174,7 @@ def test_a_module_pattern_names_its_table_with_micro_batches_too(microbatches):
         h, table = eo.embed(model.embed.weight, tokens)
         return eo.chunked_cross_entropy(jax.vmap(model.blocks)(h), table, targets)
 
-    policy = eo.Policy.offload_all(stream=("embed",))
+    policy = eo.Policy.offload_all(host_tables=("embed",))
     optimizer = optax.sgd(0.1)
     model = eo.place(_Nested(jax.random.key(0), 56, 16), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
@@ -195,7 +197,7 @@ def test_compiles_for_tpu_and_streams_the_table(vocab, dim):
     table = vocab * dim * 4
     device = {}
     for stream in ((), ("embed",)):
-        policy = eo.Policy.offload_all(stream=stream)
+        policy = eo.Policy.offload_all(host_tables=stream)
         abstract = eqx.filter_eval_shape(_lm, jax.random.key(0), vocab, dim)
         model = eo.place(abstract, policy)
         opt_state = eo.init_opt_state(optimizer, model, policy)
@@ -228,7 +230,7 @@ def test_fsdp_over_8_devices_equals_the_plain_model(axis_type, tie, stream):
     kind = getattr(jax.sharding.AxisType, axis_type)
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(kind,))
     with jax.set_mesh(mesh):
-        policy = eo.Policy.offload_all(stream=stream, shard="fsdp", batch="fsdp")
+        policy = eo.Policy.offload_all(host_tables=stream, shard="fsdp", batch="fsdp")
         model, losses, _ = _train(tied if tie else untied, policy, batch=(8, 24))
     ref, ref_losses, _ = _train(_plain(tie), eo.Policy.none(), batch=(8, 24))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -240,7 +242,7 @@ def test_fsdp_over_8_devices_equals_the_plain_model(axis_type, tie, stream):
 def test_a_spec_that_splits_a_streamed_table_is_an_error():
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
     policy = eo.Policy.offload_all(
-        stream=("embed",), shard={"embed": P("fsdp"), "**": "fsdp"}
+        host_tables=("embed",), shard={"embed": P("fsdp"), "**": "fsdp"}
     )
     with pytest.raises(ValueError, match=r"'embed' is streamed.*PartitionSpec\(\)"):
         eo.place(_lm(jax.random.key(0)), policy, mesh=mesh)
@@ -255,7 +257,7 @@ def test_fsdp_with_a_streamed_table_compiles_for_a_slice(stream):
     mesh = jax.sharding.AbstractMesh(
         (8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,)
     )
-    policy = eo.Policy.offload_all(stream=stream, shard="fsdp", batch="fsdp")
+    policy = eo.Policy.offload_all(host_tables=stream, shard="fsdp", batch="fsdp")
     abstract = eqx.filter_eval_shape(_lm, jax.random.key(0), 272, 384)
     model = eo.place(abstract, policy, mesh=mesh)
     opt_state = eo.init_opt_state(optax.adamw(1e-3), model, policy)

@@ -219,7 +219,7 @@ def plain_loss(model: Decoder, tokens, targets):
 
 def chunked_loss(model: Decoder, tokens, targets):
     """`eo.chunked_cross_entropy` over the tied table (`eo.embed` returns it, read
-    by blocks of rows where `Policy(stream=("embed",))` leaves it on the host)."""
+    by blocks of rows where `Policy(host_tables=("embed",))` leaves it on the host)."""
     h, table = eo.embed(model.embed, tokens)
     hidden = jax.vmap(model.trunk)(h)
     return eo.chunked_cross_entropy(hidden, table, targets, chunk=1024)

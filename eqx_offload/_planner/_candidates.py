@@ -29,7 +29,7 @@ class Move(NamedTuple):
 
     knob: Literal["params", "opt_state", "stream", "copies", "residual"]
     # a top-level field, a part of a field's state, a vocabulary table (streamed
-    # from the host, `Policy(stream=...)`, when "pinned_host"), a field whose
+    # from the host, `Policy(host_tables=...)`, when "pinned_host"), a field whose
     # compute copies move, or a checkpoint name
     name: str
     to: str  # "device", "pinned_host"; "save", "offload" or "recompute"
@@ -81,7 +81,7 @@ class Candidate(NamedTuple):
     # None: no remat at all (`Policy.none()`); else checkpoint name -> choice
     residuals: tuple[tuple[str, Residual], ...] | None
     settings: Settings = Settings()
-    # a vocabulary table -> "pinned_host": streamed from the host (`Policy(stream=)`)
+    # a vocabulary table -> "pinned_host": kept on the host (`Policy(host_tables=)`)
     stream: tuple[tuple[str, Kind], ...] = ()
     # Under a compute dtype, a field's compute copies (`ComputeCopyState`: one for
     # each of its host parameters) -> "pinned_host": with their parameters, on
@@ -252,7 +252,7 @@ class Candidate(NamedTuple):
             batch=None if axis is None else PartitionSpec(axis),
             compute_dtype=None if dtype is None else np.dtype(dtype),
             host_remat=host_remat,
-            stream=streamed,
+            host_tables=streamed,
             update=update,
             prefetch=prefetch,
             update_timing=timing,

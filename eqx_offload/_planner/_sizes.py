@@ -124,11 +124,11 @@ def parts_of(
 
 
 def tables_of(model: Any) -> dict[str, int]:
-    """The vocabulary tables `plan` can stream from the host (`Policy(stream=...)`):
-    the two largest trainable `[vocab, dim]` leaves outside any `Stacked`, of 1024
-    rows or more (an embedding and a head), with their bytes. Whether the model
-    reads one only through `eo.embed` and `eo.chunked_cross_entropy`, as streaming
-    needs, the compile says."""
+    """The vocabulary tables `plan` can keep on the host
+    (`Policy(host_tables=...)`): the two largest trainable `[vocab, dim]` leaves
+    outside any `Stacked`, of 1024 rows or more (an embedding and a head), with
+    their bytes. Whether the model reads one only through `eo.embed` and
+    `eo.chunked_cross_entropy`, as streaming needs, the compile says."""
     found = {
         leaf.path: _nbytes(leaf.value)
         for leaf in _paths.leaves(model)

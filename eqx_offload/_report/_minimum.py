@@ -10,7 +10,7 @@ counts the shard one device holds):
   `compute_dtype` copy where it has one, else the master) moves to the device each
   time the step needs it and the policy does not keep it there: a layer-sliced
   leaf of a `Stacked` (two or more dimensions per layer, `_tiling.slices_by_layer`)
-  or a table `Policy(stream=...)` reads by blocks of rows is read in the forward
+  or a table `Policy(host_tables=...)` reads by blocks of rows is read in the forward
   scan and again in the backward scan of every micro-batch (once per micro-batch
   under `save="all"`, which keeps what it read); a leaf the device holds whole
   (outside every `Stacked`, or a per-layer vector such as a bias) once a step.
@@ -202,7 +202,7 @@ def minimum_traffic(
         master = _nbytes(x)
         grad = master * jnp.dtype(dtype).itemsize // jnp.dtype(x.dtype).itemsize
         streamed = any(
-            _paths.prefix_match(p, leaf.path) is not None for p in policy.stream
+            _paths.prefix_match(p, leaf.path) is not None for p in policy.host_tables
         )
         sliced = streamed or (
             leaf.stacked is not None and _tiling.slices_by_layer(tuple(x.shape))
