@@ -454,39 +454,3 @@ def test_the_old_policy_stream_names_host_tables():
         _ = eo.Policy().stream
     with pytest.raises(TypeError, match="unexpected keyword argument 'strem'"):
         eo.Policy(strem=("embed",))
-
-
-def test_memory_report_kind_is_now_compiled():
-    """`MemoryReport.kind` (what was compiled) is `MemoryReport.compiled`: the old
-    name says so."""
-    report = eo.memory_report(lambda x: x * 2, jnp.ones(3))
-    assert report.compiled == "function"
-    with pytest.raises(
-        AttributeError, match=r"`MemoryReport\.kind` is now `MemoryReport\.compiled`"
-    ):
-        getattr(report, "kind")
-
-
-def test_verify_takes_the_step_and_examples(getkey):
-    """`verify(loss_fn, optimizer, policy, ...)` and `verify(..., microbatches=)`
-    name the new form, `verify(step, model, opt_state, *batch)`; `microbatch=` is
-    `examples=`, and `VerifyReport.microbatch` is `.examples`."""
-    policy = eo.Policy.remat()
-    model, opt_state, optimizer = _setup(policy, getkey, optax.sgd(0.1), depth=2)
-    tokens, targets = next(batches())
-    new_form = r"`verify` takes the step.*`verify\(step, model, opt_state, \*batch\)`"
-    with pytest.raises(TypeError, match=new_form):
-        eo.verify(cross_entropy, optimizer, policy, model, opt_state, tokens, targets)
-    step = eo.train_step(cross_entropy, optimizer, policy)
-    with pytest.raises(TypeError, match=new_form):
-        eo.verify(step, model, opt_state, tokens, targets, microbatches=2)
-    with pytest.raises(
-        TypeError, match=r"`verify\(microbatch=\.\.\.\)` is now `verify\(examples="
-    ):
-        eo.verify(step, model, opt_state, tokens, targets, microbatch=2)
-    report = eo.verify(step, model, opt_state, tokens, targets, examples=2)
-    assert report.passed and (report.examples, report.whole_batch) == (2, False)
-    with pytest.raises(
-        AttributeError, match=r"`VerifyReport\.microbatch` is now `\.examples`"
-    ):
-        getattr(report, "microbatch")
