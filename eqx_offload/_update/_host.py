@@ -4,7 +4,7 @@ step (JAX's host compute, `_compat.on_host`), so that the only bytes the update
 moves over the host link are the gradients the device sends and the parameters it
 computes with.
 
-The update is traced once on the whole tree and inlined into a flat program
+The update is traced once on the whole tree and inlined into a flat jaxpr
 (`_dataflow.flatten`). Every output is computed on the host if it lives there or
 depends on a host-resident array (a global norm over host-resident gradients makes
 every new leaf depend on all of them), and on the device otherwise: a parameter
@@ -62,10 +62,46 @@ def update(
     `NotOnHost` naming the optax code that cannot run on the host.
     """
     p_leaves, p_def = jtu.tree_flatten(params)
-    g_leaves = jtu.tree_leaves(grads)
     s_leaves, s_def = jtu.tree_flatten(opt_state)
-    n_p, n_g, n_s = len(p_leaves), len(g_leaves), len(s_leaves)
-    inputs = g_leaves + s_leaves + p_leaves
+    args = (jtu.tree_leaves(grads), s_leaves, p_leaves)
+    jaxpr = _trace(optimizer, args, (p_def, s_def), metrics)
+    inputs = args[0] + args[1] + args[2]
+    n_new = len(out_kinds[0] + out_kinds[1])
+    kinds = out_kinds[0] + out_kinds[1]
+    kinds += ["device"] * (len(jaxpr.outs) - len(kinds))
+    on_host = _on_host_outputs(jaxpr, inputs, kinds)
+    value_of = dict(zip(jaxpr.ins, inputs))
+    outs: list[Any] = [None] * len(jaxpr.outs)
+    if any(on_host):
+        values = _host_values(jaxpr, on_host, kinds, value_of, form)
+        positions = [k for k, h in enumerate(on_host) if h]
+        for position, value in zip(positions, values, strict=True):
+            outs[position] = value
+    for position, value in _device_values(jaxpr, on_host, value_of).items():
+        outs[position] = value
+    outs = [
+        to_space(jnp.asarray(x), kind, "") for x, kind in zip(outs, kinds, strict=True)
+    ]
+    n_p = len(p_leaves)
+    new_params = jtu.tree_unflatten(p_def, outs[:n_p])
+    new_state = jtu.tree_unflatten(s_def, outs[n_p:n_new])
+    if not metrics:
+        return new_params, new_state, None
+    squares = outs[n_new:]
+    sums = [sum(squares[i * n_p : (i + 1) * n_p]) for i in range(3)]
+    return new_params, new_state, dict(zip(_metrics.METRICS, map(jnp.sqrt, sums)))
+
+
+def _trace(
+    optimizer: optax.GradientTransformation,
+    args: tuple[list, list, list],
+    trees: tuple[Any, Any],
+    metrics: bool,
+) -> _dataflow.FlatJaxpr:
+    """The update on the leaves `args` (gradients, state, parameters), as a flat
+    jaxpr; `trees` are the treedefs of the parameters and the state."""
+    p_def, s_def = trees
+    n_g, n_s = len(args[0]), len(args[1])
 
     def apply(*xs: Any) -> list:
         g, s, p = xs[:n_g], xs[n_g : n_g + n_s], xs[n_g + n_s :]
@@ -81,62 +117,63 @@ def update(
                 out += [_metrics.squares(x) for x in jtu.tree_leaves(tree)]
         return out
 
+    inputs = args[0] + args[1] + args[2]
     avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
     closed = jax.make_jaxpr(apply)(*avals)
     check_runnable(closed)
-    program = _dataflow.flatten(closed)
-    kinds = out_kinds[0] + out_kinds[1]
-    kinds += ["device"] * (len(program.outs) - len(kinds))
+    return _dataflow.flatten(closed)
 
-    # Which values depend on a host-resident array (scalars are not counted: a
-    # step count is read by both sides).
-    host_ins = {i for i, x in zip(program.ins, inputs) if is_host(x) and x.ndim}
-    tainted = set(host_ins)
-    for e in program.eqns:
+
+def _on_host_outputs(
+    jaxpr: _dataflow.FlatJaxpr, inputs: list, kinds: list[str]
+) -> list[bool]:
+    """Per output: whether the host computes it. It does for an output that lives
+    there or depends on a host-resident array (scalars are not counted: a step
+    count is read by both sides)."""
+    tainted = {i for i, x in zip(jaxpr.ins, inputs) if is_host(x) and x.ndim}
+    for e in jaxpr.eqns:
         if any(isinstance(r, int) and r in tainted for r in e.ins):
             tainted.update(e.outs)
-    on_host = [
+    return [
         isinstance(ref, int) and (kind == "pinned_host" or ref in tainted)
-        for ref, kind in zip(program.outs, kinds)
+        for ref, kind in zip(jaxpr.outs, kinds)
     ]
-    value_of = dict(zip(program.ins, inputs))
-    outs: list[Any] = [None] * len(program.outs)
 
-    host_refs = [r for r, h in zip(program.outs, on_host) if h]
-    if host_refs:
-        # Non-scalar results the device keeps are written to device memory by the
-        # host computation itself (not to the host, then copied).
-        to_device = tuple(
-            kind == "device" and bool(program.avals[r].shape)
-            for r, kind, h in zip(program.outs, kinds, on_host)
-            if h
-        )
-        values = _on_host(program, host_refs, value_of, form, to_device)
-        for position, value in zip(
-            [k for k, h in enumerate(on_host) if h], values, strict=True
-        ):
-            outs[position] = value
 
-    device_refs = [r for r, h in zip(program.outs, on_host) if not h]
-    env: dict[int, Any] = {i: _as_constant(c) for i, c in program.consts.items()}
-    device_eqns = _dataflow.needed(program, device_refs)
-    for i in _inputs_of(program, device_eqns, device_refs):
+def _host_values(
+    jaxpr: _dataflow.FlatJaxpr,
+    on_host: list[bool],
+    kinds: list[str],
+    value_of: dict[int, Any],
+    form: _compat.HostForm,
+) -> list:
+    """The outputs the host computes, in order. Non-scalar results the device
+    keeps are written to device memory by the host computation itself (not to
+    the host, then copied)."""
+    refs = [r for r, h in zip(jaxpr.outs, on_host) if h]
+    to_device = tuple(
+        kind == "device" and bool(jaxpr.avals[r].shape)
+        for r, kind, h in zip(jaxpr.outs, kinds, on_host)
+        if h
+    )
+    return _on_host(jaxpr, refs, value_of, form, to_device)
+
+
+def _device_values(
+    jaxpr: _dataflow.FlatJaxpr, on_host: list[bool], value_of: dict[int, Any]
+) -> dict[int, Any]:
+    """The outputs the device computes, by position."""
+    refs = [r for r, h in zip(jaxpr.outs, on_host) if not h]
+    env: dict[int, Any] = {i: _as_constant(c) for i, c in jaxpr.consts.items()}
+    eqns = _dataflow.needed(jaxpr, refs)
+    for i in _inputs_of(jaxpr, eqns, refs):
         env[i] = to_space(value_of[i], "device", "")
-    _dataflow.run(program, device_eqns, env)
-    for position, (ref, h) in enumerate(zip(program.outs, on_host)):
-        if not h:
-            outs[position] = ref.value if isinstance(ref, Literal) else env[ref]
-
-    outs = [
-        to_space(jnp.asarray(x), kind, "") for x, kind in zip(outs, kinds, strict=True)
-    ]
-    new_params = jtu.tree_unflatten(p_def, outs[:n_p])
-    new_state = jtu.tree_unflatten(s_def, outs[n_p : len(out_kinds[0] + out_kinds[1])])
-    if not metrics:
-        return new_params, new_state, None
-    squares = outs[len(out_kinds[0] + out_kinds[1]) :]
-    sums = [sum(squares[i * n_p : (i + 1) * n_p]) for i in range(3)]
-    return new_params, new_state, dict(zip(_metrics.METRICS, map(jnp.sqrt, sums)))
+    _dataflow.run(jaxpr, eqns, env)
+    return {
+        position: ref.value if isinstance(ref, Literal) else env[ref]
+        for position, (ref, h) in enumerate(zip(jaxpr.outs, on_host))
+        if not h
+    }
 
 
 def _upcast(g: Any, p: Any) -> Any:
@@ -148,35 +185,35 @@ def _upcast(g: Any, p: Any) -> Any:
 
 
 def _on_host(
-    program: _dataflow.FlatJaxpr,
+    jaxpr: _dataflow.FlatJaxpr,
     refs: list,
     value_of: dict[int, Any],
     form: _compat.HostForm,
     to_device: tuple[bool, ...],
 ) -> list:
-    """The values of `refs` (variables of `program`), computed on the host from the
+    """The values of `refs` (variables of `jaxpr`), computed on the host from the
     inputs they need, moved to host memory first."""
-    eqns = _dataflow.needed(program, refs)
-    ins = _inputs_of(program, eqns, refs)
+    eqns = _dataflow.needed(jaxpr, refs)
+    ins = _inputs_of(jaxpr, eqns, refs)
     with jax.named_scope(_scopes.GRAD):  # (device-resident values: mostly gradients)
         args = [to_space(value_of[i], "pinned_host", "") for i in ins]
-    consts = {i: _as_constant(c) for i, c in program.consts.items()}
+    consts = {i: _as_constant(c) for i, c in jaxpr.consts.items()}
 
     def compute(*xs: Any) -> list:
         env = dict(consts)
         env.update(zip(ins, xs))
-        env = _dataflow.run(program, eqns, env)
+        env = _dataflow.run(jaxpr, eqns, env)
         return [env[r] for r in refs]
 
     return list(_compat.on_host(compute, form, to_device)(*args))
 
 
-def _inputs_of(program: _dataflow.FlatJaxpr, eqns: list[int], refs: list) -> list[int]:
-    """The inputs of `program` that computing `refs` with the equations `eqns`
+def _inputs_of(jaxpr: _dataflow.FlatJaxpr, eqns: list[int], refs: list) -> list[int]:
+    """The inputs of `jaxpr` that computing `refs` with the equations `eqns`
     reads (in input order)."""
-    read = {r for n in eqns for r in program.eqns[n].ins if isinstance(r, int)}
+    read = {r for n in eqns for r in jaxpr.eqns[n].ins if isinstance(r, int)}
     read.update(r for r in refs if isinstance(r, int))
-    return [i for i in program.ins if i in read]
+    return [i for i in jaxpr.ins if i in read]
 
 
 def _as_constant(c: Any) -> Any:
@@ -200,5 +237,5 @@ def check_runnable(closed: Any) -> None:
         what = _jaxpr.primitive_name(eqn)
         source = _jaxpr.source_function(eqn, "optax")
         where = f" in optax's {source}" if source else ""
-        kind = "a loop" if loop else "a side effect"
-        raise NotOnHost(f"`{what}` ({kind}){where}")
+        reason = "a loop" if loop else "a side effect"
+        raise NotOnHost(f"`{what}` ({reason}){where}")

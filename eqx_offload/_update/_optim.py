@@ -1,7 +1,7 @@
 """Optimizer state: where it lives (`init_opt_state`) and how a step updates it."""
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -20,13 +20,10 @@ from .._memory_kinds import (
     to_space,
 )
 from .._placement import move, resolve
-from .._policy import check_policy, Policy, replace
+from .._policy import check_policy, Policy
 from . import _deferred, _host, _metrics, _streaming
 from ._state_kinds import state_leaf_kinds
 from ._state_tree import check_matches, state_leaves, state_owners, StateLeaf
-
-
-# The named scope around a step's optimizer update (`_train_step.py`).
 
 
 # What `init_opt_state` and `train_step` accept. `optax.MultiSteps` is a class of its
@@ -344,6 +341,21 @@ def check_state(
     return kinds
 
 
+class UpdateArgs(NamedTuple):
+    """What one optimizer update takes: the optimizer, the gradients, the state
+    and the model, the policy, the kinds of the model's and the state's leaves
+    (`check_model`, `check_state`), and whether to compute the metrics."""
+
+    optimizer: optax.GradientTransformation
+    grads: PyTree
+    opt_state: PyTree
+    model: PyTree
+    policy: Policy
+    model_kinds: list[tuple[_paths.Leaf, str]]
+    opt_kinds: list[tuple[_paths.Leaf, str]]
+    metrics: bool = False
+
+
 def update(
     optimizer: optax.GradientTransformation,
     grads: PyTree,
@@ -358,70 +370,97 @@ def update(
     kinds, and (with `metrics`) the global norms of the gradients, the updates and
     the new parameters (`_metrics.norms`), else None.
 
-    With `policy.update == "streamed"` and anything parameter-shaped on the host,
-    the update streams (`_streaming.py`): one layer of each `Stacked`, or one block
-    of rows of each large leaf, on the device at a time, and the norms are
-    streamed reductions. Otherwise gradients, state and parameters are brought to
-    the device and updated there all at once."""
-    params = trainable(model)
-    host = any(
-        is_host(x)
-        for x in jtu.tree_leaves((grads, opt_state, params))
-        if eqx.is_array(x)
+    `policy.update` chooses how (`_UPDATES`): whole on the device, streamed
+    (`_streaming.py`) or on the host (`_host.py`). `"auto"` streams on the
+    backends that stream, where anything is on the host."""
+    args = UpdateArgs(
+        optimizer, grads, opt_state, model, policy, model_kinds, opt_kinds, metrics
     )
-    if policy.update == "auto" and host:
-        return _update_by_platform(
-            optimizer, grads, opt_state, model, policy, model_kinds, opt_kinds, metrics
+    if policy.update == "auto" and _any_on_host(args):
+        return _by_platform(args)
+    return _UPDATES.get(policy.update, _whole_update)(args)
+
+
+def _any_on_host(args: UpdateArgs) -> bool:
+    """Whether any gradient, state leaf or trainable parameter is on the host."""
+    trees = (args.grads, args.opt_state, trainable(args.model))
+    return any(is_host(x) for x in jtu.tree_leaves(trees) if eqx.is_array(x))
+
+
+def _new_kinds(args: UpdateArgs) -> tuple[list[str], list[str]]:
+    """The memory kinds of the new parameters and of the new state leaves."""
+    params = trainable(args.model)
+    return param_kinds(params, args.model_kinds), [k for _, k in args.opt_kinds]
+
+
+def _host_update(args: UpdateArgs) -> tuple[PyTree, PyTree, dict[str, Any] | None]:
+    """`Policy(update="host")`: the update on the host's CPU (`_host.py`)."""
+    _check_host_state(args.opt_kinds)
+    params = trainable(args.model)
+    try:
+        new_params, opt_state, norms = _host.update(
+            args.optimizer,
+            args.grads,
+            args.opt_state,
+            params,
+            _new_kinds(args),
+            args.metrics,
         )
+    except _host.NotOnHost as e:
+        raise ValueError(
+            f"`Policy(update='host')`: the optimizer's update cannot run on the "
+            f"host's CPU: {e}. Update on the device instead, streamed with "
+            "`Policy(update='streamed')` (or `'auto'`), or change that part of "
+            "the optimizer."
+        ) from e
+    return with_params(args.model, new_params), opt_state, norms
+
+
+def _streamed_update(args: UpdateArgs) -> tuple[PyTree, PyTree, dict[str, Any] | None]:
+    """`Policy(update="streamed")`: one layer or row block of each host-resident
+    leaf on the device at a time (`_streaming.py`); whole with nothing on the
+    host."""
+    if not _any_on_host(args):
+        return _whole_update(args)
+    params = trainable(args.model)
     leaves = _paths.leaves(params)
-    kinds = (param_kinds(params, model_kinds), [k for _, k in opt_kinds])
-    if policy.update == "host":
-        _check_host_state(opt_kinds)
-        try:
-            new_params, opt_state, norms = _host.update(
-                optimizer, grads, opt_state, params, kinds, metrics
-            )
-        except _host.NotOnHost as e:
-            raise ValueError(
-                f"`Policy(update='host')`: the optimizer's update cannot run on the "
-                f"host's CPU: {e}. Update on the device instead, streamed with "
-                "`Policy(update='streamed')` (or `'auto'`), or change that part of "
-                "the optimizer."
-            ) from e
-        return with_params(model, new_params), opt_state, norms
-    if policy.update == "streamed" and host:
-        layers = [
-            leaf.value.shape[0] if leaf.stacked is not None else None for leaf in leaves
-        ]
-        try:
-            new_params, opt_state, norms = _streaming.update(
-                optimizer,
-                grads,
-                opt_state,
-                params,
-                layers,
-                kinds,
-                [leaf.path for leaf in leaves],
-                metrics,
-            )
-        except _streaming.NotStreamable as e:
-            raise ValueError(
-                "`train_step`: this optimizer's update cannot be streamed piece by "
-                f"piece without changing its result: {e}. Bring the whole state to "
-                "the device for the update instead, with `Policy(update='whole')` "
-                "(more device memory), or keep it there with "
-                "`Policy(opt_state='device')`."
-            ) from e
-        return with_params(model, new_params), opt_state, norms
+    layers = [
+        leaf.value.shape[0] if leaf.stacked is not None else None for leaf in leaves
+    ]
+    try:
+        new_params, opt_state, norms = _streaming.update(
+            args.optimizer,
+            args.grads,
+            args.opt_state,
+            params,
+            layers,
+            _new_kinds(args),
+            [leaf.path for leaf in leaves],
+            args.metrics,
+        )
+    except _streaming.NotStreamable as e:
+        raise ValueError(
+            "`train_step`: this optimizer's update cannot be streamed piece by "
+            f"piece without changing its result: {e}. Bring the whole state to "
+            "the device for the update instead, with `Policy(update='whole')` "
+            "(more device memory), or keep it there with "
+            "`Policy(opt_state='device')`."
+        ) from e
+    return with_params(args.model, new_params), opt_state, norms
+
+
+def _whole_update(args: UpdateArgs) -> tuple[PyTree, PyTree, dict[str, Any] | None]:
+    """`Policy(update="whole")`: gradients, state and parameters brought to the
+    device and updated there all at once."""
 
     def to_device(tree: PyTree) -> PyTree:
         return jtu.tree_map(
             lambda x: to_space(x, "device", "") if eqx.is_array(x) else x, tree
         )
 
-    model = to_device(model)
+    model = to_device(args.model)
     with jax.named_scope(_scopes.GRAD):  # named for `memory_report`'s traffic
-        grads = to_device(grads)
+        grads = to_device(args.grads)
     # A gradient sent in the compute dtype (`_microbatch`), cast on the device.
     grads = jtu.tree_map(
         lambda g, p: (
@@ -433,10 +472,19 @@ def update(
         trainable(model),
         is_leaf=lambda x: x is None,
     )
-    updates, opt_state = optimizer.update(grads, to_device(opt_state), trainable(model))
+    updates, opt_state = args.optimizer.update(
+        grads, to_device(args.opt_state), trainable(model)
+    )
     model = eqx.apply_updates(model, updates)
-    norms = _metrics.norms(grads, updates, trainable(model)) if metrics else None
+    norms = _metrics.norms(grads, updates, trainable(model)) if args.metrics else None
     return model, opt_state, norms
+
+
+_UPDATES = {
+    "whole": _whole_update,
+    "streamed": _streamed_update,
+    "host": _host_update,
+}
 
 
 def _check_host_state(opt_kinds: list[tuple[_paths.Leaf, str]]) -> None:
@@ -451,56 +499,29 @@ def _check_host_state(opt_kinds: list[tuple[_paths.Leaf, str]]) -> None:
         )
 
 
-def _update_by_platform(
-    optimizer: optax.GradientTransformation,
-    grads: PyTree,
-    opt_state: PyTree,
-    model: PyTree,
-    policy: Policy,
-    model_kinds: list[tuple[_paths.Leaf, str]],
-    opt_kinds: list[tuple[_paths.Leaf, str]],
-    metrics: bool,
-) -> tuple[PyTree, PyTree, dict[str, Any] | None]:
-    """`Policy(update="auto")`: the streamed update, and the whole one on the
-    backends of `_tiling.WHOLE_ON`, chosen inside the one traced program
-    (`jax.lax.platform_dependent`), so that a step traced here and compiled for a
-    TPU streams. Both give every leaf back in its memory kind."""
-    kinds = iter([kind for _, kind in model_kinds] + [kind for _, kind in opt_kinds])
-    targets = [
-        next(kinds) if is_arraylike(x) else None
-        for x in jtu.tree_leaves((model, opt_state))
-    ]
+def _by_platform(args: UpdateArgs) -> tuple[PyTree, PyTree, dict[str, Any] | None]:
+    """`Policy(update="auto")` with leaves on the host: the streamed update, and
+    the whole one on the backends of `_tiling.WHOLE_ON`, chosen inside the one
+    traced program (`jax.lax.platform_dependent`), so that a step traced here
+    and compiled for a TPU streams. Both give every leaf back in its memory kind."""
+    kinds = [kind for _, kind in args.model_kinds + args.opt_kinds]
+    leaves = jtu.tree_leaves((args.model, args.opt_state))
+    found = iter(kinds)
+    targets = [next(found) if is_arraylike(x) else None for x in leaves]
     # Only arrays pass through `platform_dependent`; the rest is closed over.
-    arrays, static = eqx.partition((grads, opt_state, model), is_arraylike)
+    trees = (args.grads, args.opt_state, args.model)
+    arrays, static = eqx.partition(trees, is_arraylike)
 
-    def branch(how: str) -> Callable[[PyTree], PyTree]:
-        chosen = replace(policy, update=how)
-
+    def branch(how: Callable[[UpdateArgs], tuple]) -> Callable[[PyTree], PyTree]:
         def run(arrays: PyTree) -> PyTree:
             grads, opt_state, model = eqx.combine(arrays, static)
-            new_model, new_state, norms = update(
-                optimizer,
-                grads,
-                opt_state,
-                model,
-                chosen,
-                model_kinds,
-                opt_kinds,
-                metrics,
+            new_model, new_state, norms = how(
+                args._replace(grads=grads, opt_state=opt_state, model=model)
             )
             leaves, treedef = jtu.tree_flatten((new_model, new_state))
             n_model = len(jtu.tree_leaves(new_model))
-
-            def back(i: int, x: Any, kind: str | None) -> Any:
-                if kind is None:
-                    return x
-                with jax.named_scope(
-                    _scopes.PARAMS if i < n_model else _scopes.OPT_STATE
-                ):
-                    return to_space(x, kind, "")
-
             leaves = [
-                back(i, x, kind)
+                _back(x, kind, i < n_model)
                 for i, (x, kind) in enumerate(zip(leaves, targets, strict=True))
             ]
             new = eqx.filter(jtu.tree_unflatten(treedef, leaves), is_arraylike)
@@ -508,11 +529,20 @@ def _update_by_platform(
 
         return run
 
-    whole = {platform: branch("whole") for platform in _tiling.WHOLE_ON}
-    new, norms = jax.lax.platform_dependent(arrays, **whole, default=branch("streamed"))
-    rest = eqx.filter((model, opt_state), is_arraylike, inverse=True)
+    whole = {platform: branch(_whole_update) for platform in _tiling.WHOLE_ON}
+    streamed = branch(_streamed_update)
+    new, norms = jax.lax.platform_dependent(arrays, **whole, default=streamed)
+    rest = eqx.filter((args.model, args.opt_state), is_arraylike, inverse=True)
     new_model, new_state = eqx.combine(new, rest)
     return new_model, new_state, norms
+
+
+def _back(x: Any, kind: str | None, param: bool) -> Any:
+    """A new leaf in its memory kind (None: not an array, as it is)."""
+    if kind is None:
+        return x
+    with jax.named_scope(_scopes.PARAMS if param else _scopes.OPT_STATE):
+        return to_space(x, kind, "")
 
 
 def streamed_leaves(
