@@ -1,11 +1,11 @@
-"""`chunked_cross_entropy`: a language-model head and its cross-entropy that never
-hold the whole `[tokens, vocab]` logits.
+"""`chunked_cross_entropy`: a language-model head and its cross-entropy.
 
-The tokens are cut into chunks; a `lax.scan` computes one chunk's logits, its
-log-sum-exp and its loss at a time, and the backward pass (a `jax.custom_vjp`)
-computes each chunk's logits again rather than keeping them. Device memory for the
-head is then one chunk of logits (and its gradient) instead of all of them: for a
-128k vocabulary and 8 x 1024 tokens in fp32, 4 GiB become `chunk x 128256 x 4` B.
+They never hold the whole `[tokens, vocab]` logits. The tokens are cut into
+chunks. A `lax.scan` computes one chunk's logits, log-sum-exp and loss at a time.
+The backward pass (a `jax.custom_vjp`) computes each chunk's logits again, rather
+than keeping them. The head then needs one chunk of logits (and its gradient) in
+device memory, instead of all of them. For a 128k vocabulary and 8 x 1024 tokens
+in fp32, 4 GiB become `chunk x 128256 x 4` B.
 """
 
 from typing import Any
@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int, Real
 
 from . import _layout, _vocab_blocks
+from ._errors import see
 
 
 def chunked_cross_entropy(
@@ -26,13 +27,13 @@ def chunked_cross_entropy(
     mask: Bool[Array, "*tokens"] | Real[Array, "*tokens"] | None = None,
     chunk: int = 1024,
 ) -> Float[Array, ""]:
-    """The mean cross-entropy of the logits `hidden @ weight.T` against `targets`,
-    computed `chunk` tokens at a time, so that the whole logits never exist.
+    """The mean cross-entropy of the logits `hidden @ weight.T` against `targets`.
 
-    Equal to `optax.softmax_cross_entropy_with_integer_labels(hidden @ weight.T,
-    targets)` averaged over the (unmasked) tokens, with the same gradients for
-    `hidden` and `weight`; the backward pass recomputes each chunk's logits.
-    Logits are computed and reduced in float32 whatever the inputs' dtype.
+    It is computed `chunk` tokens at a time, so the whole logits never exist. It
+    equals `optax.softmax_cross_entropy_with_integer_labels(hidden @ weight.T,
+    targets)`, averaged over the unmasked tokens. The gradients for `hidden` and
+    `weight` are the same too: the backward pass recomputes each chunk's logits.
+    Logits are computed and reduced in float32, whatever the inputs' dtype.
 
     **Arguments:**
 
@@ -43,14 +44,14 @@ def chunked_cross_entropy(
     - `targets`: integer labels, with `hidden`'s token axes.
     - `mask`: which tokens count (booleans), or per-token weights; `None`: all.
         The loss is the weighted mean `sum(mask * loss) / sum(mask)`.
-    - `chunk`: tokens per chunk. Token counts that are not a multiple are padded
-        (the padding has no weight). Not used for a streamed `weight`.
+    - `chunk`: tokens per chunk. A token count that is not a multiple is padded;
+        the padding has no weight. Not used for a `weight` in host memory.
 
-    **A weight streamed from the host.** A `weight` the step keeps in host memory
-    (`Policy(host_tables=("embed",))`) is read one block of rows at a time instead:
-    each block's logits for all tokens, a running log-sum-exp in the forward pass,
-    and in the backward pass the block's gradient, written back to the host. For a
-    tied embedding pass the table that `eo.embed` returned.
+    **A weight in host memory.** The step may keep `weight` in host memory, with
+    `Policy(host_tables=("embed",))`. It is then read one block of rows at a time.
+    The forward pass computes each block's logits for all tokens, with a running
+    log-sum-exp. The backward pass writes each block's gradient back to the host.
+    For a tied embedding, pass the table that `eo.embed` returned.
 
     **Returns:**
 
@@ -66,25 +67,25 @@ def chunked_cross_entropy(
     """
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(
-            f"`chunked_cross_entropy(chunk={chunk!r})` must be a positive int "
-            "(tokens per chunk)."
+            f"`chunked_cross_entropy(chunk={chunk!r})` must be a positive int, the "
+            "tokens per chunk." + see(96)
         )
     if weight.ndim != 2 or hidden.shape[-1:] != weight.shape[1:]:
         raise ValueError(
-            "`chunked_cross_entropy`: `weight` must be `[vocab, dim]` with the "
-            f"`dim` of `hidden`; got hidden {tuple(hidden.shape)} and weight "
-            f"{tuple(weight.shape)} (an `eqx.nn.Linear(dim, vocab)` weight has "
-            "this layout; transpose a `[dim, vocab]` matrix)."
+            f"`chunked_cross_entropy`: `weight` {tuple(weight.shape)} is not "
+            f"`[vocab, dim]` for `hidden` {tuple(hidden.shape)}. Transpose a "
+            "`[dim, vocab]` matrix." + see(95)
         )
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(
             "`chunked_cross_entropy`: `targets` must have the token axes of "
             f"`hidden` {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}."
+            + see(95)
         )
     if not jnp.issubdtype(targets.dtype, jnp.integer):
         raise ValueError(
             "`chunked_cross_entropy`: `targets` must be integer labels, got "
-            f"{targets.dtype}."
+            f"{targets.dtype}." + see(96)
         )
     if mask is not None and tuple(mask.shape) != tuple(targets.shape):
         raise ValueError(

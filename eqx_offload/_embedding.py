@@ -1,5 +1,7 @@
-"""`embed`: an embedding lookup that also works on a table streamed from the host,
-and hands the table on to a tied output projection."""
+"""`embed`: an embedding lookup that also works on a table in host memory.
+
+It hands the table on to a tied output projection.
+"""
 
 from typing import Any
 
@@ -15,31 +17,30 @@ from . import _layout, _vocab_blocks
 def embed(
     table: Float[Array, "vocab dim"], tokens: Int[Array, "*tokens"]
 ) -> tuple[Float[Array, "*tokens dim"], Float[Array, "vocab dim"]]:
-    """The rows of `table` at `tokens`, and `table` itself, for a tied output
-    projection.
+    """The rows of `table` at `tokens`, and `table` itself for a tied projection.
 
-    On a device-resident table this is `(table[tokens], table)`. A table the
-    step keeps in host memory (`Policy(host_tables=("embed",))`) is read one block of
-    rows at a time, so it never exists whole on the device; its gradient is
-    written back to the host block by block. Outside a step, a host-resident table
-    is an error: run the model with `eqx.filter_jit(eo.filter_offload(fn, policy))`
-    (see the how-to "Evaluate and sample").
+    On a device-resident table this is `(table[tokens], table)`. The step may keep
+    the table in host memory, with `Policy(host_tables=("embed",))`. It is then
+    read one block of rows at a time, so it never exists whole on the device. Its
+    gradient is written back to the host block by block. Outside a step, a
+    host-resident table is an error. Run the model with
+    `eqx.filter_jit(eo.filter_offload(fn, policy))`, as the how-to "Evaluate and
+    sample" shows.
 
-    **Tied embeddings.** Pass the *returned* table to the output projection
-    (`eo.chunked_cross_entropy(hidden, table, targets)`): the projection's
-    gradient then flows into this lookup's backward pass, which adds its own rows
-    to it in place. Using `model.embed` a second time instead would add two
-    host-resident gradients, which no backend can compute; the step raises an
-    error naming the leaf.
+    **Tied embeddings.** Pass the *returned* table to the output projection:
+    `eo.chunked_cross_entropy(hidden, table, targets)`. The projection's gradient
+    then flows into this lookup's backward pass, which adds its own rows to it in
+    place. Using `model.embed` a second time would add two host-resident
+    gradients, which no backend can compute. The step raises an error naming the
+    leaf.
 
-    Call it on the whole batch (`tokens` may have any shape), not inside
-    `jax.vmap`.
+    Call it on the whole batch, not inside `jax.vmap`: `tokens` may have any shape.
 
     **Arguments:**
 
     - `table`: the embedding, `[vocab, dim]`.
     - `tokens`: integer token ids, any shape. Ids outside `[0, vocab)` give zeros
-        on a streamed table (no block holds them).
+        on a table in host memory: no block holds them.
 
     **Returns:**
 

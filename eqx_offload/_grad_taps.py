@@ -1,22 +1,23 @@
-"""Gradient taps: where a parameter enters the computation, the value the loss sees
-(cast to the compute dtype) and the gradient that leaves it (added to an
-accumulator, in the master dtype).
+"""Gradient taps: where a parameter enters the computation.
 
-A step with micro-batches or a compute dtype differentiates its loss not with
-respect to the model but with respect to one *accumulator* per trainable leaf. The
-loss sees each parameter through `tap(value, acc)`, which returns `value` in the
-compute dtype; its gradient rule sends the parameter's gradient, cast to the
-accumulator's dtype and (after the first micro-batch) added to the accumulator's
-old value, to `acc`. The tap sits right after the parameter is moved to the device:
-for a leaf of a `Stacked`, inside the scan body, one layer at a time. So a
-host-resident accumulator is read and written one layer at a time, in the backward
-pass, on the device (host memory cannot be computed on), and a bf16 copy is what
-moves to the device, not the fp32 master.
+A tap gives the value the loss sees, cast to the compute dtype. It sends the
+gradient that leaves it to an accumulator, in the master dtype.
 
-The taps of a call are a table from leaf path to `Tap`, made current with `taps(...)`
-while the loss is traced; `filter_offload` (`_transform.py`) applies them to the
-model's leaves outside any `Stacked`, and a configured `Stacked` (`_stacked.py`) to
-its layers' leaves, one layer slice at a time.
+A step with micro-batches or a compute dtype differentiates its loss with respect
+to one *accumulator* per trainable leaf, not the model. The loss sees each
+parameter through `tap(value, acc)`, which returns `value` in the compute dtype.
+Its gradient rule sends the parameter's gradient to `acc`, cast to the
+accumulator's dtype. After the first micro-batch, it is added to the
+accumulator's old value. The tap sits right after the parameter is moved to the
+device. For a leaf of a `Stacked`, that is inside the scan body, one layer at a
+time. So a host-resident accumulator is read and written one layer at a time, in
+the backward pass, on the device: host memory cannot be computed on. And a bf16
+copy is what moves to the device, not the fp32 master.
+
+The taps of a call are a table from leaf path to `Tap`. `taps(...)` makes it
+current while the loss is traced. `filter_offload` (`_transform.py`) applies the
+taps to the model's leaves outside any `Stacked`. A configured `Stacked`
+(`_stacked.py`) applies them to its layers' leaves, one layer slice at a time.
 """
 
 import contextlib
@@ -54,8 +55,11 @@ _CURRENT: contextvars.ContextVar[Table | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def taps(table: dict[str, Tap] | None) -> Iterator[None]:
-    """Makes `table` the current taps (None: none, e.g. inside a layer body, whose
-    leaves the enclosing `Stacked` has tapped already)."""
+    """Makes `table` the current taps.
+
+    None means no taps: inside a layer body, the enclosing `Stacked` has tapped
+    the leaves already.
+    """
     token = _CURRENT.set(None if table is None else Table(table))
     try:
         yield
@@ -68,31 +72,37 @@ def current() -> Table | None:
 
 
 def lookup(path: str) -> Tap | None:
-    """The tap of the leaf at `path`, or None. (A leaf the loss never reaches
-    through its tap gets a zero gradient, as it would without one.)"""
+    """The tap of the leaf at `path`, or None.
+
+    A leaf the loss never reaches through its tap gets a zero gradient, as it
+    would without one.
+    """
     table = _CURRENT.get()
     return None if table is None else table.taps.get(path)
 
 
 def tap(value: Any, acc: Any, dtype: Any, read: Any, *, layer: bool = False) -> Any:
-    """`value` cast to `dtype`; its gradient, cast to `acc.dtype` (plus `acc` if
-    `read`), becomes the gradient of `acc`, and `value` gets none.
+    """`value` cast to `dtype`, whose gradient goes to `acc`.
 
-    `value` is on the device, `acc` of the same shape and sharding (one layer's
-    slice, for a `Stacked`) in its memory kind: a host-resident `acc` is read onto
-    the device in the backward pass, when its gradient is known, and the new value
-    goes back to the host. `read` is `False` (never read: the first micro-batch,
-    or a step without micro-batches) or a traced boolean (read when true, inside
-    the loop over micro-batches).
+    The gradient is cast to `acc.dtype`, plus `acc` if `read`. It becomes the
+    gradient of `acc`, and `value` gets none.
+
+    `value` is on the device. `acc` has the same shape and sharding, in its memory
+    kind; for a `Stacked`, it is one layer's slice. A host-resident `acc` is read
+    onto the device in the backward pass, when its gradient is known. The new
+    value goes back to the host. `read` is `False`: never read, in the first
+    micro-batch or a step without micro-batches. Or it is a traced boolean, read
+    when true, inside the loop over micro-batches.
 
     `layer`: `acc` is one layer's slice inside a `Stacked`'s scan. It is added
-    whole, however large: the layer is the unit the scan moves (its weights are on
-    the device whole already), and a loop over blocks of rows nested in the scan's
-    backward pass is what XLA's host-offload passes reject (`tpu-v5e`: "The
-    async-start expects the shape of operand 3 to match"; `gpu-h100`: "Expected
-    instruction to have shape equal to", for a layer of 64 MiB or more). A large
-    leaf outside every `Stacked` (an embedding) is added a block of rows at a
-    time."""
+    whole, however large. The layer is the unit the scan moves: its weights are on
+    the device whole already. And XLA's host-offload passes reject a loop over
+    blocks of rows nested in the scan's backward pass, for a layer of 64 MiB or
+    more. On `tpu-v5e` the message is "The async-start expects the shape of
+    operand 3 to match"; on `gpu-h100`, "Expected instruction to have shape equal
+    to". A large leaf outside every `Stacked` (an embedding) is added a block of
+    rows at a time.
+    """
     reads = read is not False
     flag = jnp.asarray(read if reads else False)
     static = (reads, layer, jnp.dtype(dtype), jnp.dtype(acc.dtype))

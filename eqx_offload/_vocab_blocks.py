@@ -1,14 +1,16 @@
-"""A large `[vocab, dim]` table that stays in host memory inside a step and is read
-(and its gradient written) one block of rows at a time: how `embed` and
-`chunked_cross_entropy` use a vocabulary table named in `Policy(host_tables=...)`.
+"""A large `[vocab, dim]` table that stays in host memory inside a step.
 
-Host memory cannot be computed on (a sum, a gather), so every operation on such a
-table is a loop over its blocks: read block `i` onto the device, use it, and, in
-the backward pass, write block `i` of the gradient back into a host buffer with
-`dynamic_update_slice` (in place). Two loops that write gradients for the same table
-(a tied embedding's lookup and output projection) cannot add host arrays either:
-the lookup returns the table, the head uses the returned one, and the lookup's
-backward pass adds its rows into the head's gradient block by block.
+It is read, and its gradient written, one block of rows at a time. This is how
+`embed` and `chunked_cross_entropy` use a table named in `Policy(host_tables=...)`.
+
+Host memory cannot be computed on (a sum, a gather). So every operation on such a
+table is a loop over its blocks. Block `i` is read onto the device and used. In the
+backward pass, block `i` of the gradient is written back into a host buffer with
+`dynamic_update_slice`, in place. Two loops that write gradients for the same
+table cannot add host arrays either: a tied embedding's lookup and output
+projection. So the lookup returns the table, and the head uses the returned one.
+The lookup's backward pass then adds its rows into the head's gradient, block by
+block.
 """
 
 from typing import Any
@@ -17,12 +19,20 @@ import jax
 import jax.numpy as jnp
 
 from . import _checkpoint_name_log, _tiling
+from ._errors import see
 from ._memory_kinds import is_host, to_space
 
 
 # Name scope of every operation that reads a host-resident table by blocks; the
 # transform allows a streamed leaf to be used only under it.
 SCOPE = "eqx_offload_vocab_blocks"
+# How a host-resident model runs outside the step.
+_RUN_INSIDE = (
+    "Run the model with `eqx.filter_jit(eo.filter_offload(fn, policy))`: it moves "
+    "the table to the device where `fn` starts, or reads it by blocks if "
+    "`Policy(host_tables=...)` names it. If it fits, put the model on the device "
+    "with `eo.place(model, eo.Policy(params='device'))`."
+)
 # One block of the table is at most this large...
 BLOCK_BYTES = 32 * 2**20
 # ...and one block's `[tokens, rows]` float32 logits (or gradient) too, if possible.
@@ -30,25 +40,25 @@ LOGIT_BYTES = 32 * 2**20
 
 
 def streams(table: Any) -> bool:
-    """Whether `table` is read by blocks: it is in host memory (inside a step, only
-    a leaf named in `Policy(host_tables=...)` is)."""
+    """Whether `table` is read by blocks, being in host memory.
+
+    Inside a step, only a leaf named in `Policy(host_tables=...)` is.
+    """
     return is_host(table)
 
 
 def check(table: Any, where: str) -> None:
-    """Raises unless `table` can be read by blocks here: inside a `filter_offload`
-    function (a step), as a `[vocab, dim]` table of whole tiles."""
+    """Raises unless `table` can be read by blocks here.
+
+    That is inside a `filter_offload` function (a step), as a `[vocab, dim]` table
+    of whole tiles.
+    """
     if not _checkpoint_name_log.is_inside():
         # Outside a step no `Policy(host_tables=...)` asked for streaming, and the
         # rest of a host-resident model cannot be computed on there either.
         raise ValueError(
-            f"`{where}` was given a host-resident table of shape "
-            f"{tuple(table.shape)} outside `filter_offload` (and `train_step`). A "
-            "host-resident model is run outside the step with "
-            "`eqx.filter_jit(eo.filter_offload(fn, policy))`, which moves the table "
-            "to the device where `fn` starts (or reads it by blocks, as the step "
-            "does, if `Policy(host_tables=...)` names it); or, if it fits, put the "
-            "model on the device with `eo.place(model, eo.Policy(params='device'))`."
+            f"`{where}` was given a host-resident table of shape {tuple(table.shape)} "
+            "outside `filter_offload` and `train_step`. " + _RUN_INSIDE + see(107)
         )
     if table.ndim != 2:
         raise ValueError(
@@ -56,18 +66,19 @@ def check(table: Any, where: str) -> None:
             f"{tuple(table.shape)}."
         )
     if rows_per_block(table, 1) == table.shape[0] and table.shape[0] > 1:
+        rows = _tiling.SUBLANES * _tiling.packing(table.dtype)
         raise ValueError(
-            f"`{where}`: the host-resident table of shape {tuple(table.shape)} "
-            "cannot be cut into blocks of rows a TPU can move (rows a multiple of "
-            f"{_tiling.SUBLANES * _tiling.packing(table.dtype)}, `dim` a multiple "
-            f"of {_tiling.LANES}); keep it on the device (remove it from "
-            "`Policy(host_tables=...)`) or pad the vocabulary."
+            f"`{where}`: the host-resident table of shape {tuple(table.shape)} has "
+            f"no row blocks a TPU can move ({rows}-row, {_tiling.LANES}-wide tiles). "
+            "Drop it from `Policy(host_tables=...)`, or pad the vocabulary." + see(100)
         )
 
 
 def rows_per_block(table: Any, tokens: int) -> int:
-    """Rows per block: a block of the table and its `[tokens, rows]` logits each
-    about `BLOCK_BYTES`/`LOGIT_BYTES` at most."""
+    """Rows per block: a block of at most `BLOCK_BYTES`, its logits `LOGIT_BYTES`.
+
+    The logits of a block are `[tokens, rows]`.
+    """
     vocab, dim = table.shape
     limit = min(BLOCK_BYTES, LOGIT_BYTES * dim * table.dtype.itemsize // (4 * tokens))
     blocks = _tiling.row_blocks(table.shape, table.dtype, max(limit, 1))
@@ -85,8 +96,10 @@ def write(table: Any, block: Any, index: Any, rows: int) -> Any:
 
 
 def loop(body: Any, carry: Any, table: Any, rows: int) -> Any:
-    """`body(carry, index, start)` for every block of `table`, in order, under the
-    scope the transform recognises."""
+    """`body(carry, index, start)` for every block of `table`, in order.
+
+    It runs under the scope the transform recognises.
+    """
     starts = jnp.arange(table.shape[0] // rows) * rows
 
     def step(carry: Any, xs: tuple) -> tuple[Any, None]:
