@@ -198,8 +198,9 @@ def _misuse_error(misuse: _Misuse) -> ValueError:
     if w.host_table:
         return ValueError(
             f"`filter_offload`: leaf {path!r} of {argument} is a host table, computed "
-            f"on by `{primitive}`. Read it only with `eo.embed` and "
-            "`eo.chunked_cross_entropy`, or drop it from `host_tables`." + see(99)
+            f"on by `{primitive}`. Let only `eo.embed` and "
+            "`eo.chunked_cross_entropy` read it, or drop it from `host_tables`."
+            + see(99)
         )
     keep = (
         "Policy(params='device')"

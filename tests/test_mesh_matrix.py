@@ -467,7 +467,7 @@ def test_an_unmodified_model_trains_on_explicit_axes_as_on_auto_axes():
         params = jax.tree.leaves(eqx.filter(model, eqx.is_array))
         assert {x.sharding.memory_kind for x in params} == {"pinned_host"}
         # What the backward pass saves, as `memory_report` lists it.
-        loss = eo.filter_offload(lambda *a: lm_loss(*a)[0], policy)
+        loss = eo.filter_offload(lambda m, t, y: lm_loss(m, t, y)[0], policy)
         with jax.set_mesh(mesh):
             saved = saved_for_backward(loss, model, tokens, targets).rows
         runs[axis] = losses, [np.asarray(x) for x in params], aux, saved

@@ -372,7 +372,7 @@ def test_decorates_a_method(getkey):
 
 def test_policy_is_required():
     with pytest.raises(TypeError, match="needs a policy"):
-        eo.filter_offload(lambda x: x)
+        eo.filter_offload(lambda x: x)  # pyright: ignore[reportCallIssue]
 
 
 def per_layer_residuals_on_host(fn, *args):
