@@ -19,7 +19,6 @@ only probes `plan` at those depths, printing the candidates the compiler
 refused or crashed on where nothing fits.
 """
 
-import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -35,7 +34,7 @@ from models import decoder
 from models.decoder import chunked_loss, Shape
 
 import eqx_offload as eo
-from eqx_offload._planner._search import first_fit, Fitted  # (fewest_chips' probe)
+from eqx_offload._planner._plan import search_plan  # (fewest_chips' probe)
 from eqx_offload._report import capacity
 
 
@@ -105,22 +104,17 @@ def attempt(width: int, depth: int, probe: bool) -> eo.Plan | bool | eo.DoesNotF
         decoder.Decoder, shape(width, depth), key=jax.random.key(0)
     )
     tokens = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
-    try:
-        with first_fit() if probe else contextlib.nullcontext():
-            return eo.plan(
-                chunked_loss,
-                optax.adamw(1e-4),
-                abstract,
-                tokens,
-                tokens,
-                target=TARGET,
-                host_budget=HOST,
-                progress=True,
-            )
-    except Fitted:
-        return True
-    except eo.DoesNotFit as e:
-        return e
+    found = search_plan(
+        chunked_loss,
+        optax.adamw(1e-4),
+        abstract,
+        (tokens, tokens),
+        target=TARGET,
+        host_budget=HOST,
+        progress=True,
+        first_fit=probe,
+    ).found
+    return True if found is None else found
 
 
 def probe_only(width: int, depths: list[int]) -> None:

@@ -231,7 +231,7 @@ def test_a_second_plan_reuses_the_first_ones_compiles(tight):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_search, "SINGLES", 3)
         patch.setattr(_search, "COMBINATIONS", 1)
-        patch.setattr(_search, "checkpoint_names", counted)
+        patch.setattr(_compile, "checkpoint_names", counted)
         same = _v5e_plan(device_budget=BUDGET)
         assert traced == []
         other = eo.plan(
@@ -333,10 +333,11 @@ def test_a_candidate_compiled_in_a_child_process_reports_as_here():
     report (the step's functions sent with cloudpickle); a refusal comes back as
     `DoesNotFit`; without cloudpickle, a clear `ImportError`."""
     policy = eo.Policy.remat(host_remat=True)
-    arguments = (cross_entropy, OPTIMIZER, _abstract(), (TOKENS, TOKENS), policy)
-    arguments += (1, False, "tpu-v5e", None)
-    here = _compile.report(*arguments)
-    child = _compile.report_in_child(*arguments)
+    task = _compile.Task(
+        cross_entropy, OPTIMIZER, _abstract(), (TOKENS, TOKENS), target="tpu-v5e"
+    )
+    here = _compile.report(task, policy, 1)
+    child = _compile.report_in_child(task, policy, 1)
     assert child == here and child.time is not None
 
     # The child's other answers, round-tripped in this process: a refusal.
@@ -348,7 +349,7 @@ def test_a_candidate_compiled_in_a_child_process_reports_as_here():
         patch.setattr(_compile.subprocess, "run", in_this_process)
         with pytest.raises(eo.DoesNotFit, match="tpu-v5e") as e:
             big = eqx.filter_eval_shape(Model, 256, 16384, 4, key=KEY)  # over a chip
-            _compile.report_in_child(*arguments[:2], big, *arguments[3:])
+            _compile.report_in_child(task._replace(model=big), policy, 1)
     required, available = e.value.required_bytes, e.value.available_bytes
     assert required is not None and available is not None and required > available
     assert "Ran out of memory" in e.value.compiler_message  # the whole error
@@ -360,8 +361,8 @@ def test_a_candidate_compiled_in_a_child_process_reports_as_here():
     assert (again.pattern, again.offered) == ("blocks.x", ("blocks.input",))
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(sys.modules, "cloudpickle", None)  # not installed
-        with pytest.raises(ImportError, match=r"needs cloudpickle: `pip install"):
-            _compile.report_in_child(*arguments)
+        with pytest.raises(ImportError, match=r"needs cloudpickle\. Install it: `pip"):
+            _compile.report_in_child(task, policy, 1)
 
 
 def test_budgets():
@@ -372,7 +373,7 @@ def test_budgets():
     for bad in ("16 apples", "0GB", -1, True, "GiB"):
         with pytest.raises(ValueError, match=r"`plan\(device_budget="):
             _budget.parse_bytes(bad, "device_budget")  # pyright: ignore[reportArgumentType]
-    with pytest.raises(ValueError, match="give both budgets"):
+    with pytest.raises(ValueError, match="Give both budgets"):
         eo.plan(cross_entropy, optax.adam(1e-3), _abstract(), TOKENS, TOKENS)
 
 
@@ -487,17 +488,17 @@ def test_planning_mistakes():
     optimizer = optax.adam(1e-3)
     for bad, match in [
         ({"microbatches": (4,)}, r"4 micro-batches do not split a batch of leading"),
-        ({"microbatches": ()}, r"give positive micro-batch counts"),
-        ({"microbatches": (0,)}, r"give positive micro-batch counts"),
-        ({"compute_dtypes": ()}, r"give at least one"),
-        ({"target": "tpu-v5e:*"}, r"call `eo.fewest_chips\(..., chip='tpu-v5e'\)`"),
-        ({"axis": ""}, r"give a mesh axis name"),
+        ({"microbatches": ()}, r"needs positive micro-batch counts"),
+        ({"microbatches": (0,)}, r"needs positive micro-batch counts"),
+        ({"compute_dtypes": ()}, r"Give at least one"),
+        ({"target": "tpu-v5e:*"}, r"Call `eo.fewest_chips\(..., chip='tpu-v5e'\)`"),
+        ({"axis": ""}, r"is not a mesh axis name"),
     ]:
         with pytest.raises(ValueError, match=match):
             kwargs = {"target": "tpu-v5e", **bad}
             eo.plan(cross_entropy, optimizer, model, tokens, tokens, **kwargs)
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
-    with pytest.raises(ValueError, match=r"a batch argument is a scalar"):
+    with pytest.raises(ValueError, match=r"cannot split a scalar batch argument"):
         bad = {"microbatches": (1, 2), "target": "tpu-v5e"}
         eo.plan(cross_entropy, optimizer, model, tokens, scalar, **bad)
     with pytest.raises(TypeError, match=r"int32'>,\)\)`: .* is not a floating-point"):
@@ -518,7 +519,7 @@ def test_a_vocabulary_table_is_a_candidate_for_streaming():
     start = _candidates.Candidate.start(
         ("embed", "blocks", "head"), (), _candidates.Settings(), ("embed.weight",)
     )
-    move = _candidates.Move("stream", "embed.weight", "pinned_host")
+    move = _candidates.Move("host_tables", "embed.weight", "pinned_host")
     assert move in start.moves(())
     streamed = start.apply(move, ())
     policy = streamed.policy()
@@ -531,7 +532,8 @@ def test_a_vocabulary_table_is_a_candidate_for_streaming():
         "embed.weight": "pinned_host",
     }
     assert streamed.label == "stream embed.weight from host; no remat"
-    assert _candidates.Move("stream", "embed.weight", "device") in streamed.flips({})
+    back = _candidates.Move("host_tables", "embed.weight", "device")
+    assert back in streamed.flips({})
     assert start.policy().host_tables == ()
 
 
@@ -539,27 +541,24 @@ def test_a_part_placed_apart_folds_back_into_its_field():
     """A part of a field's state placed apart from it is dropped once it is placed
     as the field again, either way: the policy names each placement once; the
     last part is not placed apart (that is the field moved)."""
-    Move = _candidates.Move
-    start = _candidates.Candidate.start(
-        ("blocks",), ("mu:blocks", "nu:blocks"), _candidates.Settings()
-    )
-    host = start.apply(Move("opt_state", "nu:blocks", "pinned_host"), ())
-    apart = host.apply(Move("opt_state", "nu:blocks.mlp", "device"), ())
-    assert dict(apart.opt_state) == {
-        "mu:blocks": "device",
-        "nu:blocks": "pinned_host",
-        "nu:blocks.mlp": "device",
-    }
-    parts = {"nu:blocks": ("nu:blocks.attn", "nu:blocks.mlp", "nu:blocks.norm1")}
-    assert Move("opt_state", "nu:blocks.attn", "device") in apart.flips(parts)
-    assert Move("opt_state", "nu:blocks.mlp", "device") not in apart.flips(parts)
+    Move, Part = _candidates.Move, _candidates.Part
+    mu, nu = Part("blocks", slot="mu"), Part("blocks", slot="nu")
+    attn, mlp, norm = (Part("blocks", c, "nu") for c in ("attn", "mlp", "norm1"))
+    start = _candidates.Candidate.start(("blocks",), (mu, nu), _candidates.Settings())
+    host = start.apply(Move("opt_state", nu, "pinned_host"), ())
+    apart = host.apply(Move("opt_state", mlp, "device"), ())
+    assert dict(apart.opt_state) == {mu: "device", nu: "pinned_host", mlp: "device"}
+    assert mlp.pattern == "nu:blocks.mlp" and mlp.whole == nu
+    parts = {nu: (attn, mlp, norm)}
+    assert Move("opt_state", attn, "device") in apart.flips(parts)
+    assert Move("opt_state", mlp, "device") not in apart.flips(parts)
     # Every part placed apart is the field moved: not offered as a part.
-    two = {"nu:blocks": ("nu:blocks.attn", "nu:blocks.mlp")}
-    assert Move("opt_state", "nu:blocks.attn", "device") not in apart.flips(two)
+    two = {nu: (attn, mlp)}
+    assert Move("opt_state", attn, "device") not in apart.flips(two)
     # The part back on the host, as its field: no longer apart.
-    assert apart.apply(Move("opt_state", "nu:blocks.mlp", "pinned_host"), ()) == host
+    assert apart.apply(Move("opt_state", mlp, "pinned_host"), ()) == host
     # The field back on the device, as its part: no longer apart either.
-    assert apart.apply(Move("opt_state", "nu:blocks", "device"), ()) == start
+    assert apart.apply(Move("opt_state", nu, "device"), ()) == start
     assert apart.policy().opt_state != host.policy().opt_state
 
 
@@ -602,9 +601,8 @@ def test_a_presets_row_is_its_memory_report():
     model = eqx.filter_eval_shape(_Tiny, KEY)
     batch = jax.ShapeDtypeStruct((8, 32), jnp.float32)
     settings = [_candidates.Settings(compute_dtype="bfloat16")]
-    search = _search.Search(
-        _squared, OPTIMIZER, model, (batch,), "tpu-v5e", None, False, False
-    )
+    task = _compile.Task(_squared, OPTIMIZER, model, (batch,), target="tpu-v5e")
+    search = _search.Search(task, budgets=(0, 0))
     base, names = _plan._start(search, settings)
     candidates = [("", base), *_candidates.presets(base, names)]
     presets = ("none", "remat", "offload_residuals", "offload_all")
@@ -625,8 +623,8 @@ def test_a_presets_row_is_its_memory_report():
     )
     # Moves: the layers' parameters to the host take their copies along; the
     # copies can come back to the device (and go with the parameters).
-    Move = _candidates.Move
-    moved = base.apply(Move("params", "layers", "pinned_host"), names)
+    Move, layers = _candidates.Move, _candidates.Part("layers")
+    moved = base.apply(Move("params", layers, "pinned_host"), names)
     copies = [k for k in _kinds(model, moved.policy()) if k == "pinned_host"]
     assert len(copies) == 2 * len(jax.tree.leaves(_sizes.trainable(model.layers)))
     kept = moved.apply(Move("copies", "layers", "device"), names)
@@ -635,7 +633,7 @@ def test_a_presets_row_is_its_memory_report():
     state = kept.policy().opt_state
     assert isinstance(state, tuple) and dict(state)["copies:layers"] == "device"
     assert _kinds(model, kept.policy()).count("pinned_host") == len(copies) // 2
-    assert kept.apply(Move("params", "layers", "device"), names) == base
+    assert kept.apply(Move("params", layers, "device"), names) == base
 
 
 def test_labels_are_unique_and_printed_whole():
@@ -643,11 +641,13 @@ def test_labels_are_unique_and_printed_whole():
     and parts) has a label of its own, and two candidates that compile alike (a
     saved name recomputed, as it is not saved in that combination) keep theirs;
     the table prints each label whole, over several lines where it is long."""
-    Move, Settings = _candidates.Move, _candidates.Settings
+    Move, Part, Settings = _candidates.Move, _candidates.Part, _candidates.Settings
     names = ("blocks.input", "blocks.mlp")
-    slots = ("mu:blocks", "nu:blocks", "mu:head", "nu:head")
-    parts = {"blocks": ("blocks.attn", "blocks.mlp")}
-    parts |= {f"{p}:blocks": (f"{p}:blocks.attn", f"{p}:blocks.mlp") for p in "mn"}
+    slots = tuple(Part(f, slot=s) for f in ("blocks", "head") for s in ("mu", "nu"))
+    parts = {
+        Part("blocks", slot=s): tuple(Part("blocks", c, s) for c in ("attn", "mlp"))
+        for s in (None, "m", "n")
+    }
     seen: dict[_candidates.Candidate, str] = {}
     for settings in (Settings(), Settings(compute_dtype="bfloat16")):
         start = _candidates.Candidate.start(
@@ -670,7 +670,7 @@ def test_labels_are_unique_and_printed_whole():
             raise UnusedName("save", "blocks.mlp", ("blocks.mlp",), names, names)
         return mock.Mock(spec=eo.MemoryReport)  # (not looked at)
 
-    search = _search.Search(None, None, None, (), None, None, False, False)
+    search = _search.Search(_compile.Task(None, None, None, ()), budgets=(0, 0))
     search._report = report  # pyright: ignore[reportAttributeAccessIssue]
     start = _candidates.Candidate.start(("blocks",), (), Settings())
     alike = [

@@ -4,6 +4,8 @@ what to change when a step exceeds them."""
 import re
 from collections.abc import Sequence
 
+from .._errors import see
+
 
 _UNITS = {
     "": 1,
@@ -34,8 +36,8 @@ def parse_bytes(value: int | str, argument: str) -> int:
             if n >= 1:
                 return int(n)
     raise ValueError(
-        f"`plan({argument}={value!r})`: give a positive number of bytes, as an int "
-        "or a string with a unit: '16GiB', '48GB', '512MiB'."
+        f"`plan({argument}={value!r})` is not a size. Give positive bytes: an int, "
+        "or a string such as '16GiB'." + see(114)
     )
 
 

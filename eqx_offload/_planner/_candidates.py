@@ -1,50 +1,117 @@
-"""What `plan` chooses between: a `Candidate` is one placement of a model's
-parameters (per top-level field) and optimizer state (per part of each field's
-state: `"nu:blocks"`; under a compute dtype, the compute copies of each field's
-host parameters too) and one choice per
-checkpoint name (saved, offloaded or recomputed), or no remat at all, with the
-step's settings (FSDP over a mesh axis on a slice, the micro-batch count, the
-compute dtype); it turns into the `Policy` that trains that way. Moves are the
-one-knob changes that free device memory; `presets` are `Policy`'s presets as
-candidates."""
+"""What `plan` chooses between. A `Candidate` places each top-level field's
+parameters and each part of its optimizer state (a `Part`), and under a compute
+dtype the compute copies of its host parameters. It makes one choice per
+checkpoint name (saved, offloaded or recomputed), or no remat at all. Its
+`Settings` are FSDP over a mesh axis, the micro-batch count and the compute
+dtype. `Candidate.policy` is the `Policy` that trains that way. A `Move` turns one
+knob; `presets` are `Policy`'s presets as candidates."""
 
-from typing import Literal, NamedTuple
+from collections.abc import Iterable, Iterator, Mapping
+from typing import cast, Literal, NamedTuple, TypeVar
 
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from .._custom_types import MemoryKind
 from .._layout import FSDP
 from .._policy import Policy
 
 
 Residual = Literal["save", "offload", "recompute"]
 _CHOICES: tuple[Residual, ...] = ("save", "offload", "recompute")
-Kind = Literal["device", "pinned_host"]
+# What a move turns: a field's parameters or a part of them, a part of its
+# optimizer state, a vocabulary table streamed from the host
+# (`Policy(host_tables=...)`), a field's compute copies, or a checkpoint name.
+Knob = Literal["params", "opt_state", "host_tables", "copies", "residual"]
+_OTHER: dict[MemoryKind, MemoryKind] = {
+    "device": "pinned_host",
+    "pinned_host": "device",
+}
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+class Placements(Mapping[_K, _V]):
+    """A frozen mapping, hashable, equal to another with the same items in the
+    same order (as the `Policy` it becomes is ordered)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[_K, _V] | Iterable[tuple[_K, _V]] = ()):
+        self._items: dict[_K, _V] = dict(items)
+
+    @classmethod
+    def fromkeys(cls, keys: Iterable[_K], value: _V) -> "Placements[_K, _V]":
+        return cls((k, value) for k in keys)
+
+    def __getitem__(self, key: _K) -> _V:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[_K]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Placements):
+            return NotImplemented
+        return list(self._items.items()) == list(other._items.items())
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._items.items()))
+
+    def __repr__(self) -> str:
+        return f"Placements({self._items!r})"
+
+    def set(self, key: _K, value: _V) -> "Placements[_K, _V]":
+        """A copy with `key` mapped to `value` (a new key goes last)."""
+        return Placements({**self._items, key: value})
+
+
+class Part(NamedTuple):
+    """What a placement names: a top-level field (`Part("blocks")`) or a part of it
+    one level down (`Part("blocks", "mlp")`). For optimizer state, `slot` names one
+    part of the state (`"nu"`: Adam's second moment); `None` is all of it."""
+
+    field: str
+    child: str | None = None
+    slot: str | None = None
+
+    @property
+    def whole(self) -> "Part":
+        """The field, or the field's state slot, that this part belongs to."""
+        return self._replace(child=None)
+
+    @property
+    def pattern(self) -> str:
+        """The `Policy` pattern: `"blocks"`, `"blocks.mlp"`, `"nu:blocks.mlp"`."""
+        path = self.field if self.child is None else f"{self.field}.{self.child}"
+        return path if self.slot is None else f"{self.slot}:{path}"
 
 
 class Move(NamedTuple):
-    """One knob turned: a field's parameters, a part of its state or the compute
-    copies of its host parameters to a memory kind, or a checkpoint name to a
-    choice."""
+    """One knob turned to a memory kind or a residual choice. `name` is a `Part`
+    (parameters, state), a leaf path (a streamed table), a top-level field
+    (compute copies) or a checkpoint name."""
 
-    knob: Literal["params", "opt_state", "stream", "copies", "residual"]
-    # a top-level field, a part of a field's state, a vocabulary table (streamed
-    # from the host, `Policy(host_tables=...)`, when "pinned_host"), a field whose
-    # compute copies move, or a checkpoint name
-    name: str
-    to: str  # "device", "pinned_host"; "save", "offload" or "recompute"
+    knob: Knob
+    name: Part | str
+    to: MemoryKind | Residual
 
 
 class Settings(NamedTuple):
-    """How the step runs, apart from where things live: FSDP over a mesh axis (a
-    slice target) with the batch split over it, the micro-batch count, the
-    compute dtype (`None`: the model's own), whether the TPU compiler keeps
-    what it rematerializes on the host (`Policy(host_remat=True)`), and where
-    the optimizer update runs (`Policy(update=...)`: `"auto"`, streamed through
-    the device where state is on the host, or `"host"`, on the host's CPU),
-    how many layers ahead a `Stacked` reads (`Policy(prefetch=...)`), and when
-    the stacked layers' update is applied (`Policy(update_timing=...)`: `"now"`,
-    or `"next_forward"`, in the next step's forward scan)."""
+    """How the step runs, apart from where things live.
+
+    - `axis`: FSDP over this mesh axis (a slice), with the batch split over it.
+    - `microbatches`; `compute_dtype` (`None`: the model's own).
+    - `host_remat`: the TPU compiler keeps what it rematerializes on the host.
+    - `update`: where the optimizer update runs (`Policy(update=...)`).
+    - `prefetch`: how many layers ahead a `Stacked` reads.
+    - `update_timing`: `"next_forward"` applies the stacked layers' update in the
+        next step's forward scan.
+    """
 
     axis: str | None = None
     microbatches: int = 1
@@ -56,297 +123,287 @@ class Settings(NamedTuple):
 
     @property
     def label(self) -> str:
-        parts = []
-        if self.update == "host":
-            parts.append("update on host")
-        if self.microbatches != 1:
-            parts.append(f"{self.microbatches} micro-batches")
-        if self.compute_dtype is not None:
-            parts.append(f"{self.compute_dtype} compute")
-        if self.host_remat:
-            parts.append("compiler remat to host")
-        if self.prefetch:
-            parts.append("layers read ahead")
-        if self.update_timing == "next_forward":
-            parts.append("update in the next forward")
-        return ", ".join(parts)
+        parts = [
+            "update on host" if self.update == "host" else "",
+            f"{self.microbatches} micro-batches" if self.microbatches != 1 else "",
+            f"{self.compute_dtype} compute" if self.compute_dtype is not None else "",
+            "compiler remat to host" if self.host_remat else "",
+            "layers read ahead" if self.prefetch else "",
+            "update in the next forward"
+            if self.update_timing == "next_forward"
+            else "",
+        ]
+        return ", ".join(p for p in parts if p)
+
+
+Kinds = Placements[Part, MemoryKind]
 
 
 class Candidate(NamedTuple):
-    """A placement and a remat choice (what `Candidate.policy` trains with)."""
+    """A placement and a remat choice (what `Candidate.policy` trains with).
 
-    params: tuple[tuple[str, Kind], ...]  # top-level field -> kind
-    # a part of a field's state ("nu:blocks"), or a field's whole state -> kind
-    opt_state: tuple[tuple[str, Kind], ...]
-    # None: no remat at all (`Policy.none()`); else checkpoint name -> choice
-    residuals: tuple[tuple[str, Residual], ...] | None
+    - `params`: top-level field or part of one -> memory kind.
+    - `opt_state`: state slot of a field, or part of one -> memory kind.
+    - `residuals`: checkpoint name -> choice; `None` is no remat (`Policy.none()`).
+    - `host_tables`: vocabulary table -> `"pinned_host"` when streamed from the
+        host (`Policy(host_tables=...)`).
+    - `copies`: under a compute dtype, a field's compute copies of its host
+        parameters -> memory kind (`"device"`: kept there while the parameters
+        are on the host). One entry for each field with copies.
+    """
+
+    params: Kinds
+    opt_state: Kinds
+    residuals: Placements[str, Residual] | None
     settings: Settings = Settings()
-    # a vocabulary table -> "pinned_host": kept on the host (`Policy(host_tables=)`)
-    stream: tuple[tuple[str, Kind], ...] = ()
-    # Under a compute dtype, a field's compute copies (`ComputeCopyState`: one for
-    # each of its host parameters) -> "pinned_host": with their parameters, on
-    # the host; "device": kept on the device while the parameters are on the host.
-    # One entry for each field that has copies (`_sizes.copies_of`).
-    copies: tuple[tuple[str, Kind], ...] = ()
+    host_tables: Placements[str, MemoryKind] = Placements()
+    copies: Placements[str, MemoryKind] = Placements()
 
     @classmethod
     def start(
         cls,
         fields: tuple[str, ...],
-        slots: tuple[str, ...],
+        slots: tuple[Part, ...],
         settings: Settings,
         tables: tuple[str, ...] = (),
         copied: tuple[str, ...] = (),
     ) -> "Candidate":
         """Everything on the device, nothing recomputed: `Policy.none()`."""
-        params: tuple[tuple[str, Kind], ...] = tuple((f, "device") for f in fields)
-        state: tuple[tuple[str, Kind], ...] = tuple((s, "device") for s in slots)
-        stream: tuple[tuple[str, Kind], ...] = tuple((t, "device") for t in tables)
-        copies: tuple[tuple[str, Kind], ...] = tuple((f, "pinned_host") for f in copied)
-        return cls(params, state, None, settings, stream, copies)
+        return cls(
+            Placements.fromkeys((Part(f) for f in fields), "device"),
+            Placements.fromkeys(slots, "device"),
+            None,
+            settings,
+            Placements.fromkeys(tables, "device"),
+            Placements.fromkeys(copied, "pinned_host"),
+        )
 
     def remat(self, names: tuple[str, ...]) -> "Candidate":
-        """Every name recomputed, the placements unchanged: `Policy.remat()` of
-        a candidate with everything on the device."""
-        return self._replace(residuals=tuple((n, "recompute") for n in names))
+        """Every name recomputed, the placements unchanged."""
+        return self._replace(residuals=Placements.fromkeys(names, "recompute"))
 
     @property
     def microbatches(self) -> int:
         return self.settings.microbatches
 
     def with_settings(self, settings: Settings) -> "Candidate":
-        """This placement in other settings (without a compute dtype, no copies
-        are kept on the device)."""
+        """This placement in other settings."""
         return self._replace(settings=settings)._normal()
 
     def _host(self, field: str) -> bool:
-        """Whether some of a field's parameters are on the host (placed whole, in
-        a part placed apart, or a table of it streamed): it has compute copies."""
-        return any(
-            field_of(n) == field and k != "device" for n, k in self.params + self.stream
+        """Whether some of a field's parameters are on the host (whole, a part, or
+        a streamed table): then it has compute copies."""
+        params = any(p.field == field and k != "device" for p, k in self.params.items())
+        return params or any(
+            field_of(t) == field and k != "device" for t, k in self.host_tables.items()
         )
 
     def _normal(self) -> "Candidate":
-        """Compute copies are kept on the device only of a field whose parameters
-        are on the host, under a compute dtype: elsewhere they have none."""
-        copies = tuple(
-            (
-                f,
-                k
-                if self.settings.compute_dtype is not None and self._host(f)
-                else "pinned_host",
-            )
-            for f, k in self.copies
+        """Copies stay on the device only for a field with host parameters, under
+        a compute dtype; elsewhere there are none."""
+        cast = self.settings.compute_dtype is not None
+        copies = Placements(
+            (f, k if cast and self._host(f) else "pinned_host")
+            for f, k in self.copies.items()
         )
         return self._replace(copies=copies)
 
     def apply(self, move: Move, names: tuple[str, ...]) -> "Candidate":
-        """This candidate with `move` made (from no remat, a residual move first
-        saves every other name, so that only this one changes)."""
+        """This candidate with `move` made. From no remat, a residual move first
+        saves every other name."""
         if move.knob == "residual":
+            assert isinstance(move.name, str)
             residuals = self.residuals
             if residuals is None:
-                residuals = tuple((n, "save") for n in names)
-            changed = tuple(
-                (n, move.to if n == move.name else c)  # type: ignore[misc]
-                for n, c in residuals
-            )
-            return self._replace(residuals=changed)
-        if move.knob == "copies":
-            copies = tuple(
-                (f, move.to if f == move.name else k)  # type: ignore[misc]
-                for f, k in self.copies
-            )
-            return self._replace(copies=copies)._normal()
-        field = move.knob
-        entries: tuple[tuple[str, Kind], ...] = getattr(self, field)
-        if move.name not in dict(entries):  # a part of a field, placed apart
-            entries += ((move.name, move.to),)  # type: ignore[assignment]
-        kinds = dict(
-            (f, move.to if f == move.name else k)  # type: ignore[misc]
-            for f, k in entries
-        )
+                residuals = Placements.fromkeys(names, "save")
+            moved = residuals.set(move.name, cast(Residual, move.to))
+            return self._replace(residuals=moved)
+        if move.knob in ("host_tables", "copies"):
+            moved = getattr(self, move.knob).set(move.name, move.to)
+            return self._replace(**{move.knob: moved})._normal()
+        moved = getattr(self, move.knob).set(move.name, move.to)
         # A part placed as its field is no longer placed apart.
-        kept = tuple(
-            (f, k)
-            for f, k in kinds.items()
-            if field == "stream" or kinds.get(_parent(f) or "") != k
+        kept = Placements(
+            (p, k)
+            for p, k in moved.items()
+            if p.child is None or moved.get(p.whole) != k
         )
-        return self._replace(**{field: kept})._normal()
+        return self._replace(**{move.knob: kept})._normal()
 
     def moves(self, names: tuple[str, ...]) -> list[Move]:
         """The one-knob changes from here that can free device memory."""
         out = [
-            Move("params", f, "pinned_host") for f, k in self.params if k == "device"
-        ]
-        out += [
-            Move("opt_state", f, "pinned_host")
-            for f, k in self.opt_state
+            Move(knob, n, "pinned_host")
+            for knob in ("params", "opt_state", "host_tables", "copies")
+            for n, k in getattr(self, knob).items()
             if k == "device"
         ]
-        out += [
-            Move("stream", t, "pinned_host") for t, k in self.stream if k == "device"
-        ]
-        out += [
-            Move("copies", f, "pinned_host") for f, k in self.copies if k == "device"
-        ]
-        current = dict(self.residuals or ())
+        current = self.residuals or {}
         for n in names:
-            choice = current.get(n, "save")
-            if choice == "save":
-                out += [
-                    Move("residual", n, "offload"),
-                    Move("residual", n, "recompute"),
-                ]
+            if current.get(n, "save") == "save":
+                out += [Move("residual", n, c) for c in ("offload", "recompute")]
         return out
 
-    def flips(self, parts: dict[str, tuple[str, ...]]) -> list[Move]:
-        """Every one-knob change from here, either way: a field's parameters or a
-        part of its state to the other memory kind, a checkpoint name to another
-        choice (not between no remat and remat); a part of a field
-        (`parts`: `"blocks"` -> `"blocks.mlp"`, `"nu:blocks"` -> `"nu:blocks.mlp"`)
-        placed apart from the rest of it, unless every other part already is (that
-        is the field moved); and under a compute dtype, the compute copies of a
-        field whose parameters are on the host to the other memory kind."""
-        other: dict[str, Kind] = {"device": "pinned_host", "pinned_host": "device"}
-        out = []
-        out += [Move("stream", t, other[k]) for t, k in self.stream]
+    def flips(self, parts: Mapping[Part, tuple[Part, ...]]) -> list[Move]:
+        """Every one-knob change from here, either way (not between no remat and
+        remat). A part of a field (`parts`: whole -> its parts) is placed apart
+        unless every other part already is: that is the field moved. Under a
+        compute dtype, the copies of a field with host parameters move too."""
+        out = [Move("host_tables", t, _OTHER[k]) for t, k in self.host_tables.items()]
         for knob in ("params", "opt_state"):
-            entries: tuple[tuple[str, Kind], ...] = getattr(self, knob)
-            placed = dict(entries)
-            out += [Move(knob, f, other[k]) for f, k in entries]
-            out += [
-                Move(knob, part, other[k])
-                for f, k in entries
-                for part in parts.get(f, ())
-                if part not in placed
-                and any(p not in placed for p in parts[f] if p != part)
-            ]
+            placed: Kinds = getattr(self, knob)
+            out += [Move(knob, p, _OTHER[k]) for p, k in placed.items()]
+            out += _parts_apart(knob, placed, parts)
         if self.settings.compute_dtype is not None:
             out += [
-                Move("copies", f, other[k]) for f, k in self.copies if self._host(f)
+                Move("copies", f, _OTHER[k])
+                for f, k in self.copies.items()
+                if self._host(f)
             ]
-        for n, c in self.residuals or ():
-            out += [
-                Move("residual", n, choice)
-                for choice in ("save", "offload", "recompute")
-                if choice != c
-            ]
+        for n, c in (self.residuals or {}).items():
+            out += [Move("residual", n, other) for other in _CHOICES if other != c]
         return out
 
     def policy(self) -> Policy:
-        axis, _, dtype, host_remat, update, prefetch, timing = self.settings
-        streamed = tuple(t for t, k in self.stream if k != "device")
+        s = self.settings
+        dtype = None if s.compute_dtype is None else np.dtype(s.compute_dtype)
+        streamed = tuple(t for t, k in self.host_tables.items() if k != "device")
         if self.residuals is None:
             save: str | tuple[str, ...] = "all"
             offload: tuple[str, ...] = ()
         else:
-            save = tuple(n for n, c in self.residuals if c == "save")
-            offload = tuple(n for n, c in self.residuals if c == "offload")
+            save = tuple(n for n, c in self.residuals.items() if c == "save")
+            offload = tuple(n for n, c in self.residuals.items() if c == "offload")
+        params: dict[str, MemoryKind] = {p.pattern: k for p, k in self.params.items()}
+        params |= {t: "pinned_host" for t in streamed}
         return Policy(
             save=save,
             offload=offload,
-            params={**dict(self.params), **{t: "pinned_host" for t in streamed}},
-            opt_state={**dict(self.opt_state), **self._copies()},
-            shard=None if axis is None else FSDP(axis),
-            batch=None if axis is None else PartitionSpec(axis),
-            compute_dtype=None if dtype is None else np.dtype(dtype),
-            host_remat=host_remat,
+            params=params,
+            opt_state={
+                **{p.pattern: k for p, k in self.opt_state.items()},
+                **self._copies(),
+            },
+            shard=None if s.axis is None else FSDP(s.axis),
+            batch=None if s.axis is None else PartitionSpec(s.axis),
+            compute_dtype=dtype,
+            host_remat=s.host_remat,
             host_tables=streamed,
-            update=update,
-            prefetch=prefetch,
-            update_timing=timing,
+            update=s.update,
+            prefetch=s.prefetch,
+            update_timing=s.update_timing,
         )
 
     @property
     def reads_from_host(self) -> bool:
         """Whether some parameters are on the host or some residual is offloaded:
-        what a `Stacked` reads from the host inside its scans (`prefetch`)."""
-        offloaded = self.residuals is not None and any(
-            c == "offload" for _, c in self.residuals
-        )
-        return offloaded or any(k != "device" for _, k in self.params)
+        what a `Stacked` reads from the host inside its scans."""
+        offloaded = "offload" in (self.residuals or {}).values()
+        return offloaded or any(k != "device" for k in self.params.values())
 
     @property
     def state_on_host(self) -> bool:
-        """Whether some optimizer state is on the host (what `update="host"`
-        updates there)."""
-        return any(k != "device" for _, k in self.opt_state)
+        """Whether some optimizer state is on the host."""
+        return any(k != "device" for k in self.opt_state.values())
 
-    def _copies(self) -> dict[str, Kind]:
+    def _copies(self) -> dict[str, MemoryKind]:
         """The `Policy(opt_state=...)` patterns that place the compute copies: one
-        `"copies:<field>"` for each field with copies (some parameters on the
-        host), more specific than the field's own state pattern, which it would
-        otherwise follow. Only patterns that name copies that exist: one naming
-        none is an error."""
+        `"copies:<field>"` for each field with copies. A pattern naming no copies
+        is an error, so only those that exist."""
         if self.settings.compute_dtype is None:
             return {}
-        return {f"copies:{f}": k for f, k in self.copies if self._host(f)}
+        return {f"copies:{f}": k for f, k in self.copies.items() if self._host(f)}
 
     @property
     def label(self) -> str:
-        """A short description: what differs from everything on the device and
-        nothing recomputed."""
-        parts = []
-        host = [f for f, k in self.params if k != "device" and _parent(f) is None]
-        if host:
-            parts.append(f"params on host: {', '.join(host)}")
-        state = _by_field(tuple((s, k) for s, k in self.opt_state if not _parent(s)))
-        if state:
-            parts.append(f"opt_state on host: {', '.join(state)}")
-        apart = [
-            f"{'params of ' if knob == 'params' else ''}"
-            f"{'opt_state of ' if knob == 'opt_state' and ':' not in name else ''}"
-            f"{name} on "
-            f"{'device' if kind == 'device' else 'host'}"
-            for knob in ("params", "opt_state")
-            for name, kind in getattr(self, knob)
-            if _parent(name) is not None
+        """A short description: what differs from `Policy.none()`."""
+        parts = [
+            *_placement_labels(self),
+            _residual_label(self.residuals),
+            self.settings.label,
         ]
-        if apart:
-            parts.append(", ".join(apart))
-        streamed = [t for t, k in self.stream if k != "device"]
-        if streamed:
-            parts.append(f"stream {', '.join(streamed)} from host")
-        kept = [f for f, k in self.copies if k == "device"]
-        if kept and self.settings.compute_dtype is not None:
-            parts.append(f"compute copies of {', '.join(kept)} on device")
-        if self.residuals is None:
-            parts.append("no remat")
-        else:
-            # The shorter of the names saved and the names recomputed.
-            by = {c: [n for n, x in self.residuals if x == c] for c in _CHOICES}
-            if by["offload"]:
-                parts.append(f"offload {', '.join(by['offload'])}")
-            if not by["recompute"]:
-                parts.append("save the rest" if by["offload"] else "save all")
-            elif not by["save"]:
-                parts.append("recompute the rest" if by["offload"] else "recompute all")
-            elif len(by["save"]) <= len(by["recompute"]):
-                parts.append(f"save {', '.join(by['save'])}")
-            else:
-                parts.append(f"recompute {', '.join(by['recompute'])}")
-        if self.settings.label:
-            parts.append(self.settings.label)
-        return "; ".join(parts)
+        return "; ".join(p for p in parts if p)
+
+
+def _parts_apart(
+    knob: Knob, placed: Kinds, parts: Mapping[Part, tuple[Part, ...]]
+) -> list[Move]:
+    """Each part of a placed whole, to the other kind, while some other part of
+    that whole is not placed apart."""
+    return [
+        Move(knob, part, _OTHER[k])
+        for whole, k in placed.items()
+        for part in parts.get(whole, ())
+        if part not in placed
+        and any(p not in placed for p in parts[whole] if p != part)
+    ]
+
+
+def _placement_labels(c: Candidate) -> list[str]:
+    """What a label says of the placements: fields and state on the host, parts
+    placed apart, streamed tables, compute copies kept on the device."""
+    host = [p.pattern for p, k in c.params.items() if k != "device" and p.child is None]
+    state = _by_field([(p, k) for p, k in c.opt_state.items() if p.child is None])
+    apart = [
+        f"{_apart_prefix(knob, p)}{p.pattern} on "
+        f"{'device' if k == 'device' else 'host'}"
+        for knob in ("params", "opt_state")
+        for p, k in getattr(c, knob).items()
+        if p.child is not None
+    ]
+    streamed = [t for t, k in c.host_tables.items() if k != "device"]
+    kept = [f for f, k in c.copies.items() if k == "device"]
+    if c.settings.compute_dtype is None:
+        kept = []
+    return [
+        f"params on host: {', '.join(host)}" if host else "",
+        f"opt_state on host: {', '.join(state)}" if state else "",
+        ", ".join(apart),
+        f"stream {', '.join(streamed)} from host" if streamed else "",
+        f"compute copies of {', '.join(kept)} on device" if kept else "",
+    ]
+
+
+def _apart_prefix(knob: str, part: Part) -> str:
+    """`"params of "`, `"opt_state of "` for a whole field's state, else none."""
+    if knob == "params":
+        return "params of "
+    return "opt_state of " if part.slot is None else ""
+
+
+def _residual_label(residuals: Mapping[str, Residual] | None) -> str:
+    """The offloaded names, and the shorter of the names saved and recomputed."""
+    if residuals is None:
+        return "no remat"
+    by = {c: [n for n, x in residuals.items() if x == c] for c in _CHOICES}
+    offload = by["offload"]
+    if not by["recompute"]:
+        rest = "save the rest" if offload else "save all"
+    elif not by["save"]:
+        rest = "recompute the rest" if offload else "recompute all"
+    elif len(by["save"]) <= len(by["recompute"]):
+        rest = f"save {', '.join(by['save'])}"
+    else:
+        rest = f"recompute {', '.join(by['recompute'])}"
+    return "; ".join([f"offload {', '.join(offload)}", rest] if offload else [rest])
 
 
 def presets(base: Candidate, names: tuple[str, ...]) -> list[tuple[str, Candidate]]:
     """`Policy.remat()`, `Policy.offload_residuals()` and `Policy.offload_all()` as
-    candidates in `base`'s settings (`base` is `Policy.none()`), with their labels:
-    each places what the preset places, compute copies included (`offload_all`'s
-    are on the host with their parameters)."""
+    candidates in `base`'s settings (`base` is `Policy.none()`), with their labels.
+    Each places what its preset places, compute copies included."""
     remat = base.remat(names)
     inputs = tuple(n for n in names if n.endswith(".input"))
     offloaded = remat._replace(
-        residuals=tuple(
-            (n, "offload" if n in inputs else c) for n, c in remat.residuals or ()
+        residuals=Placements(
+            (n, "offload" if n in inputs else c)
+            for n, c in (remat.residuals or {}).items()
         )
     )
     everything = offloaded._replace(
-        params=tuple((f, "pinned_host") for f, _ in remat.params),
-        opt_state=tuple((s, "pinned_host") for s, _ in remat.opt_state),
-        copies=tuple((f, "pinned_host") for f, _ in remat.copies),
+        params=Placements.fromkeys(remat.params, "pinned_host"),
+        opt_state=Placements.fromkeys(remat.opt_state, "pinned_host"),
+        copies=Placements.fromkeys(remat.copies, "pinned_host"),
     )
     return [
         ("recompute all: Policy.remat()", remat),
@@ -355,34 +412,23 @@ def presets(base: Candidate, names: tuple[str, ...]) -> list[tuple[str, Candidat
     ]
 
 
-def field_of(name: str) -> str:
-    """The top-level field of a field, a part of it or a leaf path: `"blocks"` of
-    `"blocks.mlp"` and of `"blocks.mlp.weight"`, `"layers"` of `"layers[0]"`."""
-    return name.split(".", 1)[0].split("[", 1)[0]
+def field_of(path: str) -> str:
+    """The top-level field of a leaf path: `"blocks"` of `"blocks.mlp.weight"`,
+    `"layers"` of `"layers[0]"`."""
+    return path.split(".", 1)[0].split("[", 1)[0]
 
 
-def _parent(name: str) -> str | None:
-    """The field (or field's state part) a part of a field belongs to:
-    `"blocks"` of `"blocks.mlp"`, `"nu:blocks"` of `"nu:blocks.mlp"`; `None` for a
-    whole field."""
-    part, colon, path = name.rpartition(":")
-    if "." not in path:
-        return None
-    return f"{part}{colon}{path.split('.', 1)[0]}"
-
-
-def _by_field(slots: tuple[tuple[str, Kind], ...]) -> list[str]:
+def _by_field(slots: list[tuple[Part, MemoryKind]]) -> list[str]:
     """The host-resident state by field: `"blocks"` where all of its state is on
-    the host, `"blocks (nu)"` where some of its parts are."""
-    fields: dict[str, list[tuple[str | None, Kind]]] = {}
-    for slot, kind in slots:
-        part, _, field = slot.rpartition(":")
-        fields.setdefault(field, []).append((part or None, kind))
+    the host, `"blocks (nu)"` where some of its slots are."""
+    fields: dict[str, list[tuple[str | None, MemoryKind]]] = {}
+    for part, kind in slots:
+        fields.setdefault(part.field, []).append((part.slot, kind))
     out = []
     for field, kinds in fields.items():
-        host = [part for part, kind in kinds if kind != "device"]
+        host = [slot for slot, kind in kinds if kind != "device"]
         if len(host) == len(kinds):
             out.append(field)
         elif host:
-            out.append(f"{field} ({', '.join(str(p) for p in host)})")
+            out.append(f"{field} ({', '.join(str(s) for s in host)})")
     return out

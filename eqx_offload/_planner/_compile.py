@@ -1,23 +1,27 @@
-"""Compiling one candidate of `plan`: here, or in a child process for a compiler
-option that can abort the process it runs in. libtpu 0.0.42's remat to host
-(`Policy(host_remat=True)`) ended a whole Python process compiling a 66-layer GPT
-(a failed check in its rematerialization pass: no Python exception to catch), so
-`plan` compiles those candidates in a child: it sends back the report, or what the
-compile raised, and a child that dies is a `CompilerCrashed` row, not the end of
-the plan."""
+"""Compiling one candidate of `plan` (`report`), here or in a child process
+(`report_in_child`) for a compiler option that can abort the process it runs in;
+and what a process keeps of its compiles (`Cache`), so that none is repeated."""
 
+import collections
+import dataclasses
 import os
 import pickle
 import subprocess
 import sys
 import tempfile
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import NamedTuple, TypeVar
 
 import jax
+import optax
 from jax.sharding import AbstractMesh
+from jaxtyping import PyTree
 
+from .._checkpoint_names import checkpoint_names, CheckpointName
 from .._compiler import crash_line
+from .._errors import see
 from .._placement import place
+from .._policy import Policy
 from .._report import memory_report, MemoryReport
 from .._train_step import train_step
 from .._update import init_opt_state
@@ -25,6 +29,15 @@ from .._update import init_opt_state
 
 # A child's compile that takes longer than this is stopped (and counted as crashed).
 CHILD_SECONDS = 1800
+# Compiles (and checkpoint names) kept by the cache; the oldest go first.
+KEPT = 256
+_NO_CLOUDPICKLE = (
+    "`plan`: compiling `Policy(host_remat=True)` in a child process needs "
+    "cloudpickle. Install it: `pip install 'eqx_offload[tpu]'`."
+)
+
+
+_T = TypeVar("_T")
 
 
 class CompilerCrashed(Exception):
@@ -39,42 +52,44 @@ class CompilerCrashed(Exception):
         self.last_line = last_line
 
 
-def report(
-    loss_fn: Any,
-    optimizer: Any,
-    model: Any,
-    batch: tuple,
-    policy: Any,
-    microbatches: int,
-    has_aux: bool,
-    target: str | None,
-    mesh: AbstractMesh | None,
-) -> MemoryReport:
-    """`memory_report` of the step under `policy`, compiled in this process."""
-    placed = place(model, policy, mesh=mesh)
-    opt_state = init_opt_state(optimizer, placed, policy)
+class Task(NamedTuple):
+    """What `plan` compiles candidates of: the step's loss, optimizer and `has_aux`,
+    an abstract model and batch, and the target (`mesh`: a slice's)."""
+
+    loss_fn: Callable
+    optimizer: optax.GradientTransformation | optax.MultiSteps
+    model: PyTree
+    batch: tuple
+    has_aux: bool = False
+    target: str | None = None
+    mesh: AbstractMesh | None = None
+
+
+def report(task: Task, policy: Policy, microbatches: int) -> MemoryReport:
+    """`memory_report` of the task's step under `policy`, compiled here."""
+    placed = place(task.model, policy, mesh=task.mesh)
+    opt_state = init_opt_state(task.optimizer, placed, policy)
     step = train_step(
-        loss_fn, optimizer, policy, has_aux=has_aux, microbatches=microbatches
+        task.loss_fn,
+        task.optimizer,
+        policy,
+        has_aux=task.has_aux,
+        microbatches=microbatches,
     )
-    return memory_report(step, placed, opt_state, *batch, target=target)
+    return memory_report(step, placed, opt_state, *task.batch, target=task.target)
 
 
-def report_in_child(*arguments: Any) -> MemoryReport:
-    """`report(*arguments)` compiled in a child process (the same Python, `sys.path`
-    and environment; the functions sent with `cloudpickle`). Raises what the
-    compile raised there (`DoesNotFit`, `DoesNotCompile`, `UnusedName`,
-    `ValueError`), or `CompilerCrashed`."""
+def report_in_child(task: Task, policy: Policy, microbatches: int) -> MemoryReport:
+    """`report(...)` compiled in a child process: the same Python, `sys.path` and
+    environment, the functions sent with `cloudpickle`. Raises what the compile
+    raised there (`DoesNotFit`, `UnusedName`, ...), or `CompilerCrashed`."""
     try:
         import cloudpickle
     except ImportError:
-        raise ImportError(
-            "`plan`: where nothing fits on a TPU, it compiles the best candidate "
-            "with `Policy(host_remat=True)` in a child process, which needs "
-            "cloudpickle: `pip install 'eqx_offload[tpu]'` (or `cloudpickle`)."
-        ) from None
+        raise ImportError(_NO_CLOUDPICKLE + see(122)) from None
 
     sixty_four = jax.dtypes.canonicalize_dtype(float) == jax.numpy.float64
-    payload = cloudpickle.dumps(arguments)
+    payload = cloudpickle.dumps((task, policy, microbatches))
     with tempfile.TemporaryDirectory() as folder:
         sent, received = (os.path.join(folder, n) for n in ("sent", "received"))
         with open(sent, "wb") as f:
@@ -98,14 +113,100 @@ def report_in_child(*arguments: Any) -> MemoryReport:
     return answer
 
 
+@dataclasses.dataclass
+class Cache:
+    """What searches share, so that a step is compiled once in a process: each
+    compile's report or what it raised (`reports`, by step, shapes, policy and
+    target), and each loss's checkpoint names (`names`, by the loss and shapes).
+    A step is its loss and optimizer objects, as `jax.jit` keys its cache."""
+
+    reports: collections.OrderedDict[Hashable, MemoryReport | Exception] = (
+        dataclasses.field(default_factory=collections.OrderedDict)
+    )
+    names: collections.OrderedDict[Hashable, tuple[CheckpointName, ...]] = (
+        dataclasses.field(default_factory=collections.OrderedDict)
+    )
+
+    def report(
+        self, task: Task, policy: Policy, microbatches: int
+    ) -> tuple[MemoryReport | Exception, bool]:
+        """The report of the task's step under `policy`, or what its compile
+        raised; and whether an earlier search compiled it."""
+
+        def compile_once() -> MemoryReport | Exception:
+            # The TPU compiler's remat to host can abort the process: in a child.
+            here_or_child = report_in_child if policy.host_remat else report
+            try:
+                return here_or_child(task, policy, microbatches)
+            # `DoesNotFit`, `DoesNotCompile`, `UnusedName` and other refusals
+            except (ValueError, CompilerCrashed) as e:
+                return e
+
+        more = (task.optimizer, task.target, task.mesh, repr(policy), microbatches)
+        return _keep(self.reports, _key(task, *more), compile_once)
+
+    def checkpoint_names(self, task: Task) -> tuple[CheckpointName, ...]:
+        """`checkpoint_names(loss_fn, model, *batch)`, traced once."""
+        names, _ = _keep(
+            self.names,
+            _key(task),
+            lambda: checkpoint_names(task.loss_fn, task.model, *task.batch),
+        )
+        return names
+
+
+# The cache of this process's searches (`plan` again with other budgets,
+# `fewest_chips` planning the target its probe found).
+CACHE = Cache()
+
+
+def _key(task: Task, *more: Hashable) -> Hashable | None:
+    """The loss function (by identity), the model's and batch's structure and
+    shapes, and `more`, as a key of the cache; `None` if it cannot be hashed (a
+    static field that is not)."""
+    key = (
+        task.loss_fn,
+        task.has_aux,
+        jax.tree.structure(task.model),
+        tuple(jax.tree.leaves(task.model)),
+        jax.tree.structure(task.batch),
+        tuple(jax.tree.leaves(task.batch)),
+        jax.dtypes.canonicalize_dtype(float),  # 64-bit or not
+        *more,
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _keep(
+    store: collections.OrderedDict[Hashable, _T],
+    key: Hashable | None,
+    make: Callable[[], _T],
+) -> tuple[_T, bool]:
+    """`(store[key], True)` if kept, else `(make(), False)`, kept under `key`
+    (unless `None`: not hashable), dropping the oldest of more than `KEPT`."""
+    if key is not None and key in store:
+        store.move_to_end(key)
+        return store[key], True
+    value = make()
+    if key is not None:
+        store[key] = value
+        while len(store) > KEPT:
+            store.popitem(last=False)
+    return value, False
+
+
 def _child(sent: str, received: str) -> None:
     with open(sent, "rb") as f:
         path, sixty_four, payload = pickle.load(f)
     sys.path[:] = path
     jax.config.update("jax_enable_x64", sixty_four)
-    arguments = pickle.loads(payload)
+    task, policy, microbatches = pickle.loads(payload)
     try:
-        answer: MemoryReport | ValueError = report(*arguments)
+        answer: MemoryReport | ValueError = report(task, policy, microbatches)
     except ValueError as e:  # `DoesNotFit`, `DoesNotCompile`, `UnusedName`, ...
         answer = e
     with open(received, "wb") as f:

@@ -1,7 +1,6 @@
 """`fewest_chips`: the smallest slice (or number of GPUs) of a chip kind on which a
 training step fits with its best plan."""
 
-import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -9,20 +8,20 @@ from typing import Any
 
 import jax
 import jax.tree_util as jtu
-from jaxtyping import DTypeLike
+import optax
+from jaxtyping import DTypeLike, PyTree
 
 from .._memory_kinds import is_arraylike
 from .._report import device_count, DoesNotFit, size_text, target_sizes
 from . import _budget
-from ._plan import Plan, plan
-from ._search import first_fit, Fitted, Search
+from ._plan import Plan, search_plan, Searched
 
 
 def fewest_chips(
     loss_fn: Callable,
-    optimizer: Any,
-    model: Any,
-    *batch: Any,
+    optimizer: optax.GradientTransformation | optax.MultiSteps,
+    model: PyTree,
+    *batch: PyTree,
     chip: str,
     device_budget: int | str | None = None,
     host_budget: int | str | None = None,
@@ -72,49 +71,36 @@ def fewest_chips(
     when its device and its host bytes, both per device, are within their
     budgets, as in `eo.plan`).
     """
-    start, compiles, reused = time.perf_counter(), Search.compiles, Search.reuses
+    start = time.perf_counter()
     targets = list(target_sizes(chip))
     counts = {t: device_count(t) for t in targets}
-    leading = {x.shape[0] for x in jtu.tree_leaves(batch) if getattr(x, "ndim", 0) > 0}
     skipped: list[tuple[str, str]] = []
     if not batch_per_device:
-        k = max(microbatches, default=1)
-        for t in list(targets):
-            if any(n % (counts[t] * k) for n in leading):
-                targets.remove(t)
-                parts = "" if k == 1 else f" (in {k} micro-batches)"
-                skipped.append(
-                    (
-                        t,
-                        f"skipped: {counts[t]} devices do not split a batch of "
-                        f"leading size {sorted(leading)}{parts}",
-                    )
-                )
+        most = max(microbatches, default=1)
+        targets, skipped = _splitting(targets, counts, batch, most)
     tried: dict[str, Plan | DoesNotFit | None] = {}  # None: fits (not planned)
+    searches: list[Searched] = []
 
     def attempt(target: str, full: bool = False) -> Plan | DoesNotFit | None:
         if target not in tried or (full and tried[target] is None):
             local = batch if not batch_per_device else _scaled(batch, counts[target])
-            try:
-                with contextlib.nullcontext() if full else first_fit():
-                    tried[target] = plan(
-                        loss_fn,
-                        optimizer,
-                        model,
-                        *local,
-                        device_budget=device_budget,
-                        host_budget=host_budget,
-                        target=target,
-                        has_aux=has_aux,
-                        axis=axis,
-                        microbatches=microbatches,
-                        compute_dtypes=compute_dtypes,
-                        progress=progress,
-                    )
-            except DoesNotFit as e:
-                tried[target] = e
-            except Fitted:
-                tried[target] = None
+            searched = search_plan(
+                loss_fn,
+                optimizer,
+                model,
+                local,
+                device_budget=device_budget,
+                host_budget=host_budget,
+                target=target,
+                has_aux=has_aux,
+                axis=axis,
+                microbatches=microbatches,
+                compute_dtypes=compute_dtypes,
+                progress=progress,
+                first_fit=not full,
+            )
+            searches.append(searched)
+            tried[target] = searched.found
         return tried[target]
 
     low, high = 0, len(targets)  # the fewest that fits is in targets[low:high]
@@ -135,10 +121,30 @@ def fewest_chips(
     return dataclasses.replace(
         chosen,
         tried=notes,
-        compiled=Search.compiles - compiles,
-        reused=Search.reuses - reused,
+        compiled=sum(s.compiled for s in searches),
+        reused=sum(s.reused for s in searches),
         seconds=time.perf_counter() - start,
     )
+
+
+def _splitting(
+    targets: list[str], counts: dict[str, int], batch: tuple, microbatches: int
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """The targets whose devices (times the most micro-batches offered) split the
+    batch's leading sizes; and the others, each with why it is skipped."""
+    leading = {x.shape[0] for x in jtu.tree_leaves(batch) if getattr(x, "ndim", 0) > 0}
+    parts = "" if microbatches == 1 else f" (in {microbatches} micro-batches)"
+    kept, skipped = [], []
+    for t in targets:
+        if any(n % (counts[t] * microbatches) for n in leading):
+            why = (
+                f"skipped: {counts[t]} devices do not split a batch of leading size "
+                f"{sorted(leading)}{parts}"
+            )
+            skipped.append((t, why))
+        else:
+            kept.append(t)
+    return kept, skipped
 
 
 def _scaled(batch: tuple, n: int) -> tuple:

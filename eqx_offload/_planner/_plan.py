@@ -5,13 +5,15 @@ memory budget, chosen from compiled candidates ranked by the step-time estimate;
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.tree_util as jtu
-from jax.sharding import AbstractMesh, AxisType
-from jaxtyping import DTypeLike
+import optax
+from jax.sharding import AbstractMesh, AxisType, Mesh
+from jaxtyping import DTypeLike, PyTree
 
+from .._errors import see
 from .._memory_kinds import is_arraylike
 from .._placement import place
 from .._policy import Policy
@@ -19,6 +21,7 @@ from .._report import (
     abstract,
     capacity,
     device_count,
+    DoesNotFit,
     Hardware,
     MemoryReport,
     platform as target_platform,
@@ -27,6 +30,8 @@ from .._train_step import train_step
 from .._update import apply_pending, init_opt_state, NotOnHost
 from ._budget import parse_bytes
 from ._candidates import Candidate, Move, Settings
+from ._compile import Task
+from ._progress import Progress
 from ._search import IMPROVE_COMPILES, Search
 from ._sizes import (
     copies_of,
@@ -79,7 +84,9 @@ class Plan:
     compiled: int
     seconds: float
     loss_fn: Callable = dataclasses.field(repr=False)
-    optimizer: Any = dataclasses.field(repr=False)
+    optimizer: optax.GradientTransformation | optax.MultiSteps = dataclasses.field(
+        repr=False
+    )
     has_aux: bool = False
     microbatches: int = 1
     target: str | None = None
@@ -98,38 +105,33 @@ class Plan:
             microbatches=self.microbatches,
         )
 
-    def place(self, model: Any, mesh: Any = None) -> Any:
-        """`eo.place(model, plan.policy)`. For a plan with a `mesh`: an abstract
-        model is laid out on `plan.mesh`, a concrete one on `mesh` (a
-        `jax.sharding.Mesh` of as many devices, with the same axis name), by default
-        `jax.make_mesh` over this backend's devices."""
-        if self.mesh is None:
+    def place(self, model: PyTree, mesh: Mesh | None = None) -> PyTree:
+        """`eo.place(model, plan.policy)`. For a plan with a `mesh`, an abstract
+        model is laid out on `plan.mesh`, a concrete one on `mesh`: a
+        `jax.sharding.Mesh` of as many devices, with the same axis name. By
+        default `jax.make_mesh` over this backend's devices."""
+        if self.mesh is None or mesh is not None:
             return place(model, self.policy, mesh=mesh)
-        if mesh is None:
-            concrete = any(isinstance(x, jax.Array) for x in jtu.tree_leaves(model))
-            if not concrete:
-                mesh = self.mesh
-            elif len(jax.devices()) != self.mesh.size:
-                raise ValueError(
-                    f"`Plan.place`: the plan is for {self.mesh.size} devices "
-                    f"({self.target}) and this backend has {len(jax.devices())}; "
-                    "pass `mesh=` (a `jax.sharding.Mesh` of "
-                    f"{self.mesh.size} devices with the axis "
-                    f"{self.mesh.axis_names[0]!r}), or place an abstract model."
-                )
-            else:
-                mesh = jax.make_mesh(
-                    self.mesh.axis_sizes,
-                    self.mesh.axis_names,
-                    axis_types=self.mesh.axis_types,
-                )
-        return place(model, self.policy, mesh=mesh)
+        if not any(isinstance(x, jax.Array) for x in jtu.tree_leaves(model)):
+            return place(model, self.policy, mesh=self.mesh)
+        if len(jax.devices()) != self.mesh.size:
+            raise ValueError(
+                f"`Plan.place`: the plan is for {self.mesh.size} devices, this "
+                f"backend has {len(jax.devices())}. Pass `mesh=` (axis "
+                f"{self.mesh.axis_names[0]!r})." + see(120)
+            )
+        here = jax.make_mesh(
+            self.mesh.axis_sizes,
+            self.mesh.axis_names,
+            axis_types=self.mesh.axis_types,
+        )
+        return place(model, self.policy, mesh=here)
 
-    def init_opt_state(self, model: Any) -> Any:
+    def init_opt_state(self, model: PyTree) -> PyTree:
         """`eo.init_opt_state(optimizer, model, plan.policy)` for a placed model."""
         return init_opt_state(self.optimizer, model, self.policy)
 
-    def apply_pending(self, model: Any, opt_state: Any) -> tuple[Any, Any]:
+    def apply_pending(self, model: PyTree, opt_state: PyTree) -> tuple[PyTree, PyTree]:
         """`eo.apply_pending(model, opt_state, optimizer, plan.policy)`: where the
         plan chose `update_timing="next_forward"`, the update the last step left
         pending, applied (else the arguments as they are)."""
@@ -149,9 +151,9 @@ class Plan:
 
 def plan(
     loss_fn: Callable,
-    optimizer: Any,
-    model: Any,
-    *batch: Any,
+    optimizer: optax.GradientTransformation | optax.MultiSteps,
+    model: PyTree,
+    *batch: PyTree,
     device_budget: int | str | None = None,
     host_budget: int | str | None = None,
     target: str | None = None,
@@ -162,20 +164,20 @@ def plan(
     progress: bool = False,
 ) -> Plan:
     """Chooses where a training step's parameters, optimizer state and saved
-    activations live: the candidate with the lowest estimated step time whose
-    compiled step fits both memory budgets. Compiles candidates (`memory_report`),
-    never runs them.
+    activations live. The plan is the candidate with the lowest estimated step
+    time whose compiled step fits both memory budgets. Compiles candidates
+    (`memory_report`), never runs them.
 
     **Arguments:**
 
     - `loss_fn`, `optimizer`: as for `eo.train_step`.
     - `model`, `*batch`: the model and one batch (the whole batch, on a slice):
-        arrays or `jax.ShapeDtypeStruct`s (`eqx.filter_eval_shape(Model, ...)`);
-        the model's memory kinds are ignored (each candidate places it).
+        arrays or `jax.ShapeDtypeStruct`s (`eqx.filter_eval_shape(Model, ...)`).
+        The model's memory kinds are ignored: each candidate places it.
     - `device_budget`, `host_budget`: bytes of device memory and of host memory
         per device, as an int or a string (`"16GiB"`, `"48GB"`). By default the
         target's capacity (`MemoryReport.capacity`) and its host RAM per device
-        (`eo.Hardware.of(target).host_memory_bytes`); on the CPU backend give
+        (`eo.Hardware.of(target).host_memory_bytes`). On the CPU backend give
         both.
     - `target`: as for `memory_report` (`"tpu-v5e"`, `"tpu-v5e:4x4"`,
         `"gpu-h100"`, `"gpu-h100:8"`, ...). On a slice (or several GPUs) every
@@ -187,32 +189,28 @@ def plan(
     - `microbatches`, `compute_dtypes`: the micro-batch counts
         (`train_step(microbatches=...)`) and compute dtypes
         (`Policy(compute_dtype=...)`, `None`: the model's own) to choose from.
-        They change the numerics (or the batch each micro-step sees), so by
-        default only the first of each (1, `None`) is tried: opt in with e.g.
-        `microbatches=(1, 2, 4)`, `compute_dtypes=(None, jnp.bfloat16)`. Under
-        a compute dtype, a field's compute copies go where its parameters go
-        (to the host with them, as in `Policy.offload_all(compute_dtype=...)`);
-        the local search may keep them on the device instead.
-    - `progress`: a progress bar over the compiles (tqdm, if installed), whose
-        total is the candidates compiled and the most the search still plans
-        to compile (it grows when the search adds a stage).
+        They change the numerics, so by default only `1` and `None` are tried.
+        Opt in with e.g. `microbatches=(1, 2, 4)`, `compute_dtypes=(None,
+        jnp.bfloat16)`. Under a compute dtype, a field's compute copies go where
+        its parameters go; the local search may keep them on the device.
+    - `progress`: a progress bar over the compiles (tqdm, if installed). Its
+        total is the candidates compiled and the most the search still plans to
+        compile.
 
-    **The search** (`docs/plan.md`): `Policy.none()` first, the plan if it fits;
-    else the presets, the single moves (a field's parameters or a part of its
-    optimizer state to the host, a checkpoint name offloaded or recomputed) that
-    free the most device memory by estimate, the combinations of compiled moves
-    estimated to fit (fastest first), and a local search one knob at a time from
-    the best so far; then each other micro-batch count and compute dtype offered,
-    on the best candidate, and the local search again; for a TPU target where
+    **The search** (`docs/plan.md`): `Policy.none()` first, the plan if it fits.
+    Else the presets; the single moves that free the most device memory by
+    estimate (a field's parameters or a part of its optimizer state to the host,
+    a checkpoint name offloaded or recomputed); the combinations of compiled moves
+    estimated to fit, fastest first; and a local search one knob at a time from
+    the best so far. Then each other micro-batch count and compute dtype offered,
+    on the best candidate, and the local search again. For a TPU target where
     nothing fits yet, the best candidate with the compiler's own remat to host
-    (`Policy(host_remat=True)`, compiled in a child process: it can abort the
-    process it runs in), and the local search again. Of everything compiled, the
-    fitting candidate with the lowest estimated step time is the plan (the
+    (`Policy(host_remat=True)`, in a child process), and the local search again.
+    The plan is the fitting candidate with the lowest estimated step time; the
     smallest device footprint among equals, and on the CPU backend, which has no
-    step time). Each step is compiled once in a process: `plan` again (other
-    budgets, say) reuses what an earlier one compiled for the same step (the same
-    `loss_fn` and `optimizer` objects, as `jax.jit` keys its cache), shapes,
-    policy and target.
+    step time. Each step is compiled once in a process: `plan` again reuses what
+    an earlier one compiled for the same `loss_fn` and `optimizer` objects,
+    shapes, policy and target.
 
     **Returns:**
 
@@ -226,52 +224,84 @@ def plan(
     candidate). `ValueError` for a budget that is not a size, a micro-batch
     count that does not split the batch.
     """
+    found = search_plan(
+        loss_fn,
+        optimizer,
+        model,
+        batch,
+        device_budget=device_budget,
+        host_budget=host_budget,
+        target=target,
+        has_aux=has_aux,
+        axis=axis,
+        microbatches=microbatches,
+        compute_dtypes=compute_dtypes,
+        progress=progress,
+    ).found
+    if isinstance(found, DoesNotFit):
+        raise found
+    assert found is not None
+    return found
+
+
+class Searched(NamedTuple):
+    """What one search found: the plan, the error when nothing fits, or `None`
+    where `first_fit` stopped it at a candidate that fits. With how many
+    candidates it compiled, and how many of those an earlier search had."""
+
+    found: Plan | DoesNotFit | None
+    compiled: int
+    reused: int
+
+
+def search_plan(
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation | optax.MultiSteps,
+    model: PyTree,
+    batch: tuple,
+    *,
+    device_budget: int | str | None = None,
+    host_budget: int | str | None = None,
+    target: str | None = None,
+    has_aux: bool = False,
+    axis: str = "fsdp",
+    microbatches: Sequence[int] = (1,),
+    compute_dtypes: Sequence[DTypeLike | None] = (None,),
+    progress: bool = False,
+    first_fit: bool = False,
+) -> Searched:
+    """`plan`'s search. With `first_fit`, it stops at the first candidate that
+    fits (the probe of `fewest_chips`)."""
     start = time.perf_counter()
     if isinstance(target, str) and target.endswith(":*"):
         raise ValueError(
-            f"`plan(target={target!r})`: for the fewest devices that fit, call "
-            f"`eo.fewest_chips(..., chip={target[:-2]!r})`; `plan` takes one target."
+            f"`plan(target={target!r})`: `plan` takes one target. Call "
+            f"`eo.fewest_chips(..., chip={target[:-2]!r})`." + see(119)
         )
-    device, host = _budgets(device_budget, host_budget, target)
-    model = _abstract(model)
-    batch = tuple(_abstract(b) for b in batch)
-    settings = _settings(target, axis, microbatches, compute_dtypes, batch)
-    mesh = None
+    budgets = _budgets(device_budget, host_budget, target)
+    task = Task(
+        loss_fn,
+        optimizer,
+        _abstract(model),
+        tuple(_abstract(b) for b in batch),
+        has_aux,
+        target,
+    )
+    settings = _settings(target, axis, microbatches, compute_dtypes, task.batch)
     if settings[0].axis is not None:
         assert target is not None
         n = device_count(target)
         mesh = AbstractMesh((n,), (axis,), axis_types=(AxisType.Auto,))
-    search = Search(loss_fn, optimizer, model, batch, target, mesh, has_aux, progress)
-    search.budgets = (device, host)
+        task = task._replace(mesh=mesh)
+    search = Search(task, budgets, Progress(progress), first_fit=first_fit)
     base, names = _start(search, settings)
-    with search.progress.stage(1):
-        search.evaluate(base, "no remat, all on device: Policy.none()")
-    if search.fits(base):
-        search.variants(base, settings[1:])
-    else:
-        search.progress.expect(search.most(base, names, len(settings) - 1))
-        search.presets(base, names)
-        search.combine(base, names)
-        search.improve(names)
-        if settings[1:]:
-            best = search.best()
-            if best is not None:
-                search.variants(best, settings[1:])
-                search.improve(names)
-        best = search.best()
-        on_tpu = target is not None and target_platform(target) == "tpu"
-        if HOST_REMAT and on_tpu and best is not None and not search.fits(best):
-            # The TPU compiler's own remat to host, where nothing else fits
-            # (compiled in a child process: it can abort the process).
-            search.progress.expect(1 + IMPROVE_COMPILES)
-            search.variants(best, [best.settings._replace(host_remat=True)])
-            search.improve(names)
-    _update_on_host(search)
-    _read_ahead(search)
-    _update_in_forward(search)
-    result, table = search.finish()
+    _run(search, base, names, settings)
+    finished = None if search.stopped else search.finish()
+    if not isinstance(finished, tuple):
+        return Searched(finished, len(search.results), search.reused)
+    result, table = finished
     assert result.report is not None
-    return Plan(
+    found = Plan(
         result.policy,
         result.report,
         table,
@@ -283,32 +313,77 @@ def plan(
         has_aux=has_aux,
         microbatches=result.candidate.microbatches,
         target=target,
-        mesh=mesh,
+        mesh=task.mesh,
     )
+    return Searched(found, found.compiled, found.reused)
+
+
+def _run(
+    search: Search, base: Candidate, names: tuple[str, ...], settings: list[Settings]
+) -> None:
+    """The steps of the search (`plan`'s docstring), from `base`: `Policy.none()`
+    in the first settings."""
+    with search.progress.stage(1):
+        search.evaluate(base, "no remat, all on device: Policy.none()")
+    if search.fits(base):
+        search.variants(base, settings[1:])
+    else:
+        _moves(search, base, names, settings)
+    _update_on_host(search)
+    _read_ahead(search)
+    _update_in_forward(search)
+
+
+def _moves(
+    search: Search, base: Candidate, names: tuple[str, ...], settings: list[Settings]
+) -> None:
+    """Where `Policy.none()` does not fit: the presets, single moves and their
+    combinations, the local search, the other settings; on a TPU where nothing
+    fits yet, the compiler's own remat to host."""
+    search.progress.expect(search.most(base, names, len(settings) - 1))
+    search.presets(base, names)
+    search.combine(base, names)
+    search.improve(names)
+    if settings[1:]:
+        best = search.best()
+        if best is not None:
+            search.variants(best, settings[1:])
+            search.improve(names)
+    best = search.best()
+    target = search.task.target
+    on_tpu = target is not None and target_platform(target) == "tpu"
+    if HOST_REMAT and on_tpu and best is not None and not search.fits(best):
+        # Compiled in a child process: it can abort the process.
+        search.progress.expect(1 + IMPROVE_COMPILES)
+        search.variants(best, [best.settings._replace(host_remat=True)])
+        search.improve(names)
+
+
+def _fastest(search: Search) -> list[Candidate]:
+    """The compiled candidates that fit, the fastest first."""
+    compiled = [c for c, r in search.results.items() if r.report is not None]
+    return sorted((c for c in compiled if search.fits(c)), key=search.rank)
 
 
 def _update_on_host(search: Search) -> None:
-    """Where the update runs: the fastest candidates with optimizer state on the
+    """Where the update runs. The fastest candidates with optimizer state on the
     host (up to `HOST_UPDATES` that fit, else the nearest to fitting) compiled
-    again with `update="host"`, which moves no optimizer state over the host link
+    again with `update="host"`. It moves no optimizer state over the host link
     but costs host memory bandwidth; the estimate chooses."""
-    compiled = [c for c, r in search.results.items() if r.report is not None]
-    fitting = [c for c in compiled if search.fits(c)]
-    ranked = (
-        sorted(fitting, key=search._rank)
-        if fitting
-        else sorted(compiled, key=search._over)[:1]
-    )
+    ranked = _fastest(search)
+    if not ranked:
+        compiled = [c for c, r in search.results.items() if r.report is not None]
+        ranked = sorted(compiled, key=search.over)[:1]
     ranked = [c for c in ranked if c.state_on_host and c.settings.update != "host"]
     # The fastest with all its state on the host first: where the host update
     # saves most (state split between host and device goes to the host for it).
-    whole = [c for c in ranked if all(k != "device" for _, k in c.opt_state)]
+    whole = [c for c in ranked if "device" not in c.opt_state.values()]
     tried = [
         c.with_settings(c.settings._replace(update="host"))
         for c in dict.fromkeys(whole[:1] + ranked)
     ][:HOST_UPDATES]
     with search.progress.stage(len(tried)):
-        for candidate in tried:
+        for candidate in search.until_stopped(tried):
             try:
                 search.evaluate(candidate)
             except ValueError as e:
@@ -320,29 +395,26 @@ def _update_on_host(search: Search) -> None:
 def _read_ahead(search: Search) -> None:
     """The fastest candidates that read from the host inside their scans (up to
     `READ_AHEAD` that fit) compiled again with `Policy(prefetch=1)`: one more
-    layer on the device, and reads the compiler may hide behind compute (or may
-    not: on a GPU it already moves some reads of the plain scan); the estimate
-    chooses."""
-    compiled = [c for c, r in search.results.items() if r.report is not None]
-    fitting = sorted((c for c in compiled if search.fits(c)), key=search._rank)
-    ranked = [c for c in fitting if c.reads_from_host and not c.settings.prefetch]
+    layer on the device, and reads the compiler may hide behind compute. On a
+    GPU it may already move some reads of the plain scan; the estimate chooses."""
+    ranked = [
+        c for c in _fastest(search) if c.reads_from_host and not c.settings.prefetch
+    ]
     tried = [c.with_settings(c.settings._replace(prefetch=1)) for c in ranked]
     with search.progress.stage(len(tried[:READ_AHEAD])):
-        for candidate in tried[:READ_AHEAD]:
+        for candidate in search.until_stopped(tried[:READ_AHEAD]):
             search.evaluate(candidate)
 
 
 def _update_in_forward(search: Search) -> None:
     """The fastest candidates with optimizer state on the host updated through
     the device (up to `UPDATE_LATER` that fit) compiled again with
-    `Policy(update_timing="next_forward")`: the stacked layers' update applied
-    layer by layer in the next step's forward scan, where its transfers may hide
-    behind the layers' compute (same numbers); the estimate chooses."""
-    compiled = [c for c, r in search.results.items() if r.report is not None]
-    fitting = sorted((c for c in compiled if search.fits(c)), key=search._rank)
+    `Policy(update_timing="next_forward")`. The stacked layers' update is applied
+    in the next step's forward scan, where its transfers may hide behind the
+    layers' compute (same numbers); the estimate chooses."""
     ranked = [
         c
-        for c in fitting
+        for c in _fastest(search)
         if c.state_on_host
         and c.settings.update == "auto"
         and c.settings.update_timing == "now"
@@ -352,7 +424,7 @@ def _update_in_forward(search: Search) -> None:
         for c in ranked
     ]
     with search.progress.stage(len(tried[:UPDATE_LATER])):
-        for candidate in tried[:UPDATE_LATER]:
+        for candidate in search.until_stopped(tried[:UPDATE_LATER]):
             search.evaluate(candidate)
 
 
@@ -362,7 +434,7 @@ def _start(
     """What `search` knows before compiling (the bytes each move frees by
     estimate, the parts of fields that can be placed apart), where it starts
     (`Policy.none()` in the first settings), and the checkpoint names offered."""
-    model, optimizer, mesh = search.model, search.optimizer, search.mesh
+    model, optimizer, mesh = search.task.model, search.task.optimizer, search.task.mesh
     fields = fields_of(model)
     offered = [n for n in search.names() if n.residual]
     slots = state_slots(optimizer, model)
@@ -371,7 +443,9 @@ def _start(
     search.estimates |= finer
     # Streamed tables stay whole on every device: offered on one device only.
     tables = tables_of(model) if mesh is None else {}
-    search.estimates |= {Move("stream", t, "pinned_host"): n for t, n in tables.items()}
+    search.estimates |= {
+        Move("host_tables", t, "pinned_host"): n for t, n in tables.items()
+    }
     # Compute copies of host parameters, under the compute dtypes offered.
     copies = copies_of(model, tuple(s.compute_dtype for s in settings))
     search.estimates |= {Move("copies", f, "pinned_host"): n for f, n in copies.items()}
@@ -393,17 +467,30 @@ def _settings(
     """Every combination of the micro-batch counts and compute dtypes offered, the
     first ones first; FSDP over `axis` on a target of several devices."""
     if not isinstance(axis, str) or not axis:
-        raise ValueError(f"`plan(axis={axis!r})`: give a mesh axis name, 'fsdp'.")
-    devices = 1 if target is None else device_count(target)
-    several = devices > 1
-    counts = tuple(microbatches)
-    if not counts or any(
-        isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in counts
-    ):
         raise ValueError(
-            f"`plan(microbatches={microbatches!r})`: give positive micro-batch "
-            "counts, e.g. `(1, 2, 4)`; `(1,)` (the default) trains the whole batch "
-            "at once."
+            f"`plan(axis={axis!r})` is not a mesh axis name. Give one, such as "
+            "'fsdp'." + see(118)
+        )
+    devices = 1 if target is None else device_count(target)
+    counts = _counts(microbatches, batch, devices)
+    dtypes = tuple(compute_dtypes)
+    if not dtypes:
+        raise ValueError(
+            "`plan(compute_dtypes=())` offers no dtype. Give at least one, such as "
+            "`(None,)`." + see(118)
+        )
+    names = tuple(None if d is None else _dtype_name(d, dtypes) for d in dtypes)
+    sharded = axis if devices > 1 else None
+    return [Settings(sharded, k, d) for k in counts for d in names]
+
+
+def _counts(microbatches: Sequence[int], batch: tuple, devices: int) -> tuple[int, ...]:
+    """The micro-batch counts offered, each checked to split the batch."""
+    counts = tuple(microbatches)
+    if not counts or not all(_is_count(k) for k in counts):
+        raise ValueError(
+            f"`plan(microbatches={microbatches!r})` needs positive micro-batch "
+            "counts. Offer e.g. `(1, 2, 4)`." + see(118)
         )
     leaves = [x for x in jtu.tree_leaves(batch) if hasattr(x, "ndim")]
     leading = {x.shape[0] for x in leaves if x.ndim}
@@ -412,23 +499,20 @@ def _settings(
             over = "" if devices == 1 else f" over {devices} devices"
             raise ValueError(
                 f"`plan(microbatches={microbatches!r})`: {k} micro-batches{over} do "
-                f"not split a batch of leading size {sorted(leading)}; offer counts "
-                "that divide it."
+                f"not split a batch of leading size {sorted(leading)}. Offer "
+                "divisors." + see(118)
             )
         if k > 1 and any(x.ndim == 0 for x in leaves):
             raise ValueError(
-                f"`plan(microbatches={microbatches!r})`: a batch argument is a "
-                "scalar, which micro-batches cannot split (`plan` passes no "
-                "`unsplit=`); offer `(1,)`, or bind the scalar into the loss."
+                f"`plan(microbatches={microbatches!r})`: micro-batches cannot split "
+                "a scalar batch argument. Offer `(1,)`, or bind it into the loss."
+                + see(118)
             )
-    dtypes = tuple(compute_dtypes)
-    if not dtypes:
-        raise ValueError(
-            "`plan(compute_dtypes=())`: give at least one; `(None,)` (the default) "
-            "computes in the model's own dtypes."
-        )
-    names = tuple(None if d is None else _dtype_name(d, dtypes) for d in dtypes)
-    return [Settings(axis if several else None, k, d) for k in counts for d in names]
+    return counts
+
+
+def _is_count(k: object) -> bool:
+    return isinstance(k, int) and not isinstance(k, bool) and k >= 1
 
 
 def _dtype_name(dtype: DTypeLike, offered: tuple) -> str:
@@ -439,8 +523,7 @@ def _dtype_name(dtype: DTypeLike, offered: tuple) -> str:
     if checked is None:
         raise TypeError(
             f"`plan(compute_dtypes={offered!r})`: {dtype!r} is not a floating-point "
-            "dtype; offer `None` (the model's own dtypes) and floating-point dtypes "
-            "such as `jnp.bfloat16`."
+            "dtype. Offer `None` or dtypes such as `jnp.bfloat16`." + see(118)
         )
     return checked.name
 
@@ -455,10 +538,8 @@ def _budgets(
         if d is None or h is None:
             missing = "device_budget" if d is None else "host_budget"
             raise ValueError(
-                f"`plan({missing}=None)` without a `target=`: this backend states "
-                "no memory to plan for; give both budgets (`device_budget='16GiB', "
-                "host_budget='48GB'`), or a `target=` such as 'tpu-v5e' or "
-                "'gpu-h100'."
+                f"`plan({missing}=None)` on this backend, which states no memory. "
+                "Give both budgets, or a `target=`." + see(113)
             )
         return d, h
     d = capacity(target) if d is None else d
@@ -466,7 +547,7 @@ def _budgets(
     return d, h
 
 
-def _abstract(tree: Any) -> Any:
+def _abstract(tree: PyTree) -> PyTree:
     """Array leaves as `jax.ShapeDtypeStruct`s in their memory kinds and layouts
     (as `memory_report` takes them): each candidate places its own copy."""
     return jtu.tree_map(lambda x: abstract(x, None) if is_arraylike(x) else x, tree)

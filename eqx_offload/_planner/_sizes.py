@@ -15,7 +15,7 @@ from .._update import (
     state_leaves,
     trainable,
 )
-from ._candidates import field_of, Move
+from ._candidates import field_of, Knob, Move, Part
 
 
 def fields_of(model: Any) -> tuple[str, ...]:
@@ -27,12 +27,11 @@ def fields_of(model: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
-def state_slots(optimizer: Any, model: Any) -> dict[str, int]:
-    """Where `plan` can put optimizer state, with the bytes of each: one part of
-    the state of one top-level field (`"nu:blocks"`: Adam's second moment of the
-    blocks), or a whole field's state where the optimizer's state names no parts.
-    Step counts and other state that mirrors no parameter are not counted: they
-    stay on the device."""
+def state_slots(optimizer: Any, model: Any) -> dict[Part, int]:
+    """Where `plan` can put optimizer state, with the bytes of each. A slot is one
+    part of one top-level field's state (`Part("blocks", slot="nu")`: Adam's second
+    moment of the blocks), or all of it where the optimizer names no parts. State
+    that mirrors no parameter (step counts) stays on the device, uncounted."""
     params = trainable(model)
     state = init_opt_state(optimizer, model, Policy())
     owned = [
@@ -41,15 +40,15 @@ def state_slots(optimizer: Any, model: Any) -> dict[str, int]:
         if s.owner_path is not None
     ]
     unnamed = {field for s, field in owned if s.part is None}
-    out: dict[str, int] = {}
+    out: dict[Part, int] = {}
     for s, field in owned:
-        slot = field if field in unnamed else f"{s.part}:{field}"
+        slot = Part(field) if field in unnamed else Part(field, slot=s.part)
         out[slot] = out.get(slot, 0) + _nbytes(s.leaf.value)
     return out
 
 
 def estimates(
-    model: Any, fields: tuple[str, ...], slots: dict[str, int], offered: list
+    model: Any, fields: tuple[str, ...], slots: dict[Part, int], offered: list
 ) -> dict[Move, int]:
     """The device bytes each single move frees, before compiling anything: a
     field's parameters, a slot's optimizer state (`state_slots`), a checkpoint
@@ -58,7 +57,7 @@ def estimates(
     for leaf in _paths.leaves(model):
         if is_trainable(leaf.value):
             params[field_of(leaf.path)] += _nbytes(leaf.value)
-    out = {Move("params", f, "pinned_host"): n for f, n in params.items()}
+    out = {Move("params", Part(f), "pinned_host"): n for f, n in params.items()}
     out |= {Move("opt_state", s, "pinned_host"): n for s, n in slots.items()}
     for n in offered:
         out[Move("residual", n.name, "offload")] = n.bytes
@@ -88,36 +87,33 @@ def copies_of(model: Any, dtypes: tuple[str | None, ...]) -> dict[str, int]:
 
 
 def parts_of(
-    optimizer: Any, model: Any, slots: dict[str, int]
-) -> tuple[dict[str, tuple[str, ...]], dict[Move, int]]:
-    """The parts of each top-level field one level down (`"blocks.mlp"`,
-    `"blocks.attn"`), of the fields that have two or more, and of each of its
-    state slots (`"nu:blocks.mlp"`), which `plan` can place apart from the rest
-    of the field; with the device bytes each frees by estimate."""
+    optimizer: Any, model: Any, slots: dict[Part, int]
+) -> tuple[dict[Part, tuple[Part, ...]], dict[Move, int]]:
+    """The parts one level down (`Part("blocks", "mlp")`) of each top-level field
+    with two or more, and of each of its state slots, which `plan` can place apart
+    from the rest of the field; with the device bytes each frees by estimate."""
     sizes: dict[Move, int] = {}
-    children: dict[str, list[str]] = {}
+    children: dict[Part, list[Part]] = {}
 
-    def add(knob: Any, whole: str, part: str, n: int) -> None:
+    def add(knob: Knob, part: Part, n: int) -> None:
         move = Move(knob, part, "pinned_host")
         sizes[move] = sizes.get(move, 0) + n
-        if part not in children.setdefault(whole, []):
-            children[whole].append(part)
+        if part not in children.setdefault(part.whole, []):
+            children[part.whole].append(part)
 
     for leaf in _paths.leaves(model):
-        group = _group(leaf.path)
-        if is_trainable(leaf.value) and group is not None:
-            add("params", field_of(leaf.path), group, _nbytes(leaf.value))
+        part = _part(leaf.path)
+        if is_trainable(leaf.value) and part is not None:
+            add("params", part, _nbytes(leaf.value))
     params = trainable(model)
     state = init_opt_state(optimizer, model, Policy())
     transformation = as_transformation(optimizer, "`plan`")
     for s in state_leaves(transformation, state, params):
-        group = None if s.owner_path is None else _group(s.owner_path)
-        if group is None or s.owner_path is None:
-            continue
-        field = field_of(s.owner_path)
-        whole = field if field in slots else f"{s.part}:{field}"
-        part = group if field in slots else f"{s.part}:{group}"
-        add("opt_state", whole, part, _nbytes(s.leaf.value))
+        part = None if s.owner_path is None else _part(s.owner_path)
+        if part is not None:
+            # A part of one state slot, or of all of the field's state.
+            slot = None if part.whole in slots else s.part
+            add("opt_state", part._replace(slot=slot), _nbytes(s.leaf.value))
     split = {w: tuple(p) for w, p in children.items() if len(p) > 1}
     kept = {m: n for m, n in sizes.items() if any(m.name in p for p in split.values())}
     return split, kept
@@ -141,16 +137,15 @@ def tables_of(model: Any) -> dict[str, int]:
     return {p: n for p, n in found.items() if p in largest}
 
 
-def _group(path: str) -> str | None:
-    """The part of a top-level field a leaf path is in: `"blocks.mlp"` of
-    `"blocks.mlp.layers[0].weight"`; `None` for a leaf that is the field itself
-    or is in a list of it."""
+def _part(path: str) -> Part | None:
+    """The part of a top-level field a leaf path is in: `Part("blocks", "mlp")` of
+    `"blocks.mlp.layers[0].weight"`; `None` for a leaf that is the field itself or
+    is in a list of it."""
     field = field_of(path)
     rest = path[len(field) :]
     if not rest.startswith("."):
         return None
-    head = rest[1:].split(".", 1)[0].split("[", 1)[0]
-    return f"{field}.{head}"
+    return Part(field, rest[1:].split(".", 1)[0].split("[", 1)[0])
 
 
 def _nbytes(x: Any) -> int:
