@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 import equinox as eqx
 from jaxtyping import PyTree
 
+from ._errors import see
+
 
 class PendingUpdate(eqx.Module):
     """The optimizer state under `Policy(update_timing="next_forward")` or
@@ -58,11 +60,13 @@ def check_ready(state: Any, where: str) -> None:
     """Raises if `state` holds an update still waiting."""
     if isinstance(state, PendingUpdate) and state.ready:
         raise ValueError(
-            f"{where}: the optimizer state holds a pending update of the stacked "
-            "layers (`Policy(update_timing=...)`), so the model's parameters are "
-            "one update behind; apply it first: `model, opt_state = "
-            "eqx_offload.apply_pending(model, opt_state, optimizer, policy)`."
+            f"{where}: `opt_state` holds a pending update. Call "
+            "`eqx_offload.apply_pending` first." + see(_PENDING_ENTRIES.get(where, 133))
         )
+
+
+# The catalogue's entry for each caller's refusal (`docs/errors.md`).
+_PENDING_ENTRIES = {"`verify`": 133, "`save(opt_state=...)`": 134}
 
 
 class Layers(NamedTuple):

@@ -36,6 +36,7 @@ import jax.tree_util as jtu
 from jax.custom_derivatives import SymbolicZero
 
 from . import _compat, _jaxpr
+from ._errors import see
 from ._memory_kinds import is_host, to_space
 
 
@@ -92,10 +93,8 @@ def scan(
     if _compat.forward_mode(consts):
         if pending is not None:
             raise ValueError(
-                "`Policy(update_timing=...)`: the layers of a `Stacked` whose "
-                "forward scan applies a pending update close over a value "
-                "differentiated in forward mode (`jax.jvp`), where that scan "
-                "cannot run; use `update_timing='now'` for this loss."
+                "`Policy(update_timing=...)`: the layers close over a `jax.jvp` "
+                "tangent. Use `update_timing='now'`."
             )
         if plain is not None:
             return plain()  # a tangent the layers close over: no `custom_vjp`
@@ -134,9 +133,8 @@ def _run(
         b_consts, b_carry, b_stacked, b_xs, b_owed = batched
         if any(jtu.tree_leaves((b_stacked, b_owed))):
             raise ValueError(
-                "`Policy(prefetch=1)`: the layers of a `Stacked` are batched by "
-                "`jax.vmap` (one set of layers per example, e.g. an ensemble), "
-                "which the prefetching scan does not support; use `prefetch=0`."
+                "`Policy(prefetch=1)`: a `Stacked`'s layers are batched by "
+                "`jax.vmap`. Use `prefetch=0`." + see(132)
             )
 
         def every(x: Any, b: bool) -> Any:  # the carry batched throughout

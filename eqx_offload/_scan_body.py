@@ -27,6 +27,7 @@ from . import (
     _residuals,
     _scopes,
 )
+from ._errors import see
 from ._memory_kinds import is_arraylike, is_host
 from ._policy import checkpoint_patterns, Policy, split_names
 from ._stacked import (
@@ -131,10 +132,8 @@ def _updating_scan(
     layers' parameters, to each layer before it computes (`_pending.py`)."""
     if taps is not None or _layout.explicit_axes():
         raise ValueError(
-            "`Policy(update_timing=...)`: the forward scan cannot apply the pending "
-            "update with gradient taps (micro-batches) or over a mesh with "
-            "`Explicit` axes, where `train_step` applies it before the loss; "
-            "this scan was handed one anyway."
+            "A pending update reached a scan with gradient taps or `Explicit` axes "
+            "(a bug)."
         )
     names = [
         _paths.join(path, leaf.path)
@@ -195,10 +194,9 @@ def _check_host_slice(config: ScanConfig, layers: Any, how: str) -> None:
         raise ValueError(
             f"{how}: the layers of the `Stacked` at {path!r} are host-resident "
             f"({_paths.quoted(host, 3)}), and slicing them inside a step is a "
-            "computation on the host, which the backward pass (and accelerators) "
-            f"cannot do. Apply the whole `Stacked` (`{path}(x)`); or slice the model "
-            "before the step, so that it holds only the layers it applies; or keep "
-            f"them on the device with `Policy(params={{{path!r}: 'device'}})`."
+            f"computation on the host. Apply `{path}(x)` whole, slice the model "
+            f"before the step, or use `Policy(params={{{path!r}: 'device'}})`."
+            + see(36)
         )
 
 
@@ -213,17 +211,15 @@ def _check_bypass(config: ScanConfig, layers: Any, how: str) -> None:
     if _layer_taps(path, layers) is not None:
         raise ValueError(
             f"{how}: a layer is taken out of the `Stacked` at {path!r} in a step with "
-            "micro-batches or a compute dtype, whose gradients are taken where each "
-            "`Stacked` applies its layers: a layer used outside its scan would get "
-            f"none. Apply the layers with `{path}(x)` or `{path}.scan(f, carry)`."
+            "micro-batches or a compute dtype, so it gets no gradient. Apply the "
+            f"layers with `{path}(x)` or `{path}.scan(f, carry)`." + see(88)
         )
     if host:
         raise ValueError(
             f"{how}: the layers of the `Stacked` at {path!r} are host-resident "
-            f"({_paths.quoted(host, 3)}); they are moved to the device one at a "
-            "time only inside its scan, so a layer taken out of it cannot be computed "
-            f"with. Apply the layers with `{path}(x)` or `{path}.scan(f, carry)`, or "
-            f"keep them on the device with {keep}."
+            f"({_paths.quoted(host, 3)}) and reach the device only inside its scan. "
+            f"Apply the layers with `{path}(x)` or `{path}.scan(f, carry)`, or use "
+            f"{keep}." + see(34)
         )
     if policy.save != "all":
         warn_at_caller(
@@ -269,8 +265,8 @@ def _body_parts(
     if isinstance(static, Stacked):
         raise ValueError(
             f"`filter_offload`: the layers of the `Stacked` at {path!r} are themselves "
-            "a `Stacked`, whose checkpoint names would collide with its own; make "
-            "the layer a module that holds the inner `Stacked` as a field."
+            "a `Stacked`. Make the layer a module with the inner `Stacked` as a field."
+            + see(12)
         )
     carry_name = _paths.join(path, "input")
     patterns = checkpoint_patterns(policy)

@@ -3,7 +3,8 @@ streamed, one layer or row block of the parameters on the device at a time.
 
 `_optim` places the state and dispatches the update, `_state_tree` pairs state leaves
 with the parameters they mirror, `_dataflow` reads the update's jaxpr (which values are
-shared, piecewise or global), `_streaming` runs it piece by piece, and
+shared, piecewise or global), `_streaming` runs it piece by piece (`_piece_loop`: the
+loop over one group of pieces), `_host` runs it on the host's CPU, and
 `_optimizer_update` is the public update for a hand-written step.
 """
 

@@ -7,6 +7,7 @@ import optax
 from jaxtyping import PyTree
 
 from .. import _mixed_precision
+from .._errors import see
 from .._memory_kinds import is_arraylike, to_space
 from .._policy import check_policy, Policy
 from . import _deferred
@@ -61,15 +62,15 @@ def apply_pending(
     if not isinstance(opt_state, _deferred.PendingUpdate):
         if policy.update_timing != "now":
             raise ValueError(
-                "`apply_pending`: `opt_state` is not the state of a "
-                f"`Policy(update_timing={policy.update_timing!r})` step; build it "
-                "with `eqx_offload.init_opt_state(optimizer, model, policy)`."
+                "`apply_pending`: `opt_state` is not from a "
+                f"`Policy(update_timing={policy.update_timing!r})` step. Build it "
+                "with `eqx_offload.init_opt_state`." + see(139)
             )
         return model, opt_state
     if policy.update_timing == "now":
         raise ValueError(
             "`apply_pending`: `opt_state` holds a pending update, but `policy` has "
-            "`update_timing='now'`; pass the policy the step was built with."
+            "`update_timing='now'`. Pass the step's policy." + see(139)
         )
     if not opt_state.ready:
         return model, opt_state

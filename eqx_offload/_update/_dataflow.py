@@ -111,7 +111,7 @@ class NotStreamable(ValueError):
     """The optimizer's update cannot be applied piece by piece unchanged."""
 
 
-# --- A flat program: the update's jaxpr with every call inlined -----------------
+# --- A flat jaxpr: the update's jaxpr with every call inlined -------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,8 +317,7 @@ def _common_group(pieces: list[ValueFlow], name: str) -> Any:
     groups = {v.group for v in pieces if v.group is not None}
     if len(groups) > 1:
         raise NotStreamable(
-            f"`{name}` combines leaves streamed in different groups of pieces "
-            "(layers of a `Stacked`, row blocks of a large leaf)"
+            f"`{name}` combines leaves streamed in different groups of pieces"
         )
     return next(iter(groups), None)
 

@@ -8,7 +8,7 @@ the values computed from the whole tree (step counts, the global gradient norm),
 *held* in the optimizer state (`PendingUpdate`). The next step applies it: layer by
 layer inside the forward scan (`_pending.py`, `_prefetch.py`), or, where the scan
 cannot, in a streamed loop of its own (`apply`). Either way each piece is computed
-by the same piece program from the same values as `update_timing="now"` computes
+by the same piece jaxpr from the same values as `update_timing="now"` computes
 it, so the numbers are the same.
 """
 
@@ -102,9 +102,8 @@ def with_pending(
 
     def update(grads: PyTree, state: PendingUpdate, params: PyTree = None) -> Any:
         raise ValueError(
-            "`Policy(update_timing=...)`: this optimizer state holds a pending "
-            "update, which only `eqx_offload.train_step` applies; call "
-            "`eqx_offload.apply_pending` first and use `state.inner`."
+            "Only `train_step` updates a `Policy(update_timing=...)` state. Call "
+            "`eqx_offload.apply_pending` first."
         )
 
     return optax.GradientTransformation(init, update)  # pyright: ignore

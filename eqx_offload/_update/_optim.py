@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxtyping import PyTree
 
 from .. import _diagnose, _mesh, _mixed_precision, _paths, _scopes, _tiling
+from .._errors import see
 from .._memory_kinds import (
     backend_kinds,
     is_arraylike,
@@ -41,12 +42,12 @@ def as_transformation(optimizer: Any, where: str) -> optax.GradientTransformatio
         module = getattr(optimizer, "__module__", "") or ""
         prefix = "optax." if module.startswith("optax") else ""
         hint = (
-            f"; `{prefix}{name}` builds an optimizer: call it, e.g. "
-            f"`{prefix}{name}(learning_rate=3e-4)`"
+            f" `{prefix}{name}` builds an optimizer: call it, e.g. "
+            f"`{prefix}{name}(learning_rate=3e-4)`."
         )
     raise TypeError(
         f"{where} must be an `optax.GradientTransformation` (or `optax.MultiSteps`), "
-        f"got {type(optimizer).__name__} {optimizer!r}{hint}."
+        f"got {type(optimizer).__name__} {optimizer!r}.{hint}" + see(39)
     )
 
 
@@ -110,10 +111,9 @@ def _kinds(
         if kind not in available:
             raise ValueError(  # parameter-shaped state: the rest is on the device
                 f"{where}: the optimizer state of {s.owner_path!r} "
-                f"({s.leaf.path!r}) is to live in "
-                f"{kind!r} (`Policy(opt_state=...)`), which the "
-                f"{jax.default_backend()!r} backend does not have; valid kinds here: "
-                f"{_paths.quoted(available)}."
+                f"({s.leaf.path!r}) is to live in {kind!r} (`Policy(opt_state=...)`), "
+                f"which the {jax.default_backend()!r} backend lacks; valid kinds here: "
+                f"{_paths.quoted(available)}." + see(19)
             )
     return list(zip(leaves, kinds))
 
@@ -312,7 +312,8 @@ def check_model(
             raise ValueError(
                 f"{where}: model leaf {leaf.path!r} is in {kind_of(leaf.value)!r} "
                 f"but should live in {kind!r}; place the model first with "
-                "`model = eqx_offload.place(model, policy)`."
+                "`eqx_offload.place(model, policy)`."
+                + see(_NOT_PLACED_ENTRIES.get(where, 40))
             )
     return kinds
 
@@ -332,13 +333,20 @@ def check_state(
         if kind_of(leaf.value) != kind:
             raise ValueError(
                 f"{where}: optimizer state leaf {leaf.path!r} is in "
-                f"{kind_of(leaf.value)!r} but the policy puts it in {kind!r}. Move "
-                "a trained state there, keeping its values, with "
-                "`eqx_offload.place_opt_state(optimizer, opt_state, model, policy)`; "
-                "make a new one with `eqx_offload.init_opt_state(optimizer, model, "
-                "policy)` (not `optimizer.init`)."
+                f"{kind_of(leaf.value)!r} but the policy puts it in {kind!r}. "
+                + _MISPLACED_STATE_HELP
+                + see(41)
             )
     return kinds
+
+
+# The catalogue's entry for a model not placed, by caller (`docs/errors.md`).
+_NOT_PLACED_ENTRIES = {"`optimizer_update`": 94}
+_MISPLACED_STATE_HELP = (
+    "Move a trained state there with `eqx_offload.place_opt_state(optimizer, "
+    "opt_state, model, policy)`; make a new one with "
+    "`eqx_offload.init_opt_state(optimizer, model, policy)`, not `optimizer.init`."
+)
 
 
 class UpdateArgs(NamedTuple):
@@ -409,9 +417,8 @@ def _host_update(args: UpdateArgs) -> tuple[PyTree, PyTree, dict[str, Any] | Non
     except _host.NotOnHost as e:
         raise ValueError(
             f"`Policy(update='host')`: the optimizer's update cannot run on the "
-            f"host's CPU: {e}. Update on the device instead, streamed with "
-            "`Policy(update='streamed')` (or `'auto'`), or change that part of "
-            "the optimizer."
+            f"host's CPU: {e}. Use `Policy(update='streamed')` (or `'auto'`), or "
+            "change that part of the optimizer." + see(130)
         ) from e
     return with_params(args.model, new_params), opt_state, norms
 
@@ -441,10 +448,8 @@ def _streamed_update(args: UpdateArgs) -> tuple[PyTree, PyTree, dict[str, Any] |
     except _streaming.NotStreamable as e:
         raise ValueError(
             "`train_step`: this optimizer's update cannot be streamed piece by "
-            f"piece without changing its result: {e}. Bring the whole state to "
-            "the device for the update instead, with `Policy(update='whole')` "
-            "(more device memory), or keep it there with "
-            "`Policy(opt_state='device')`."
+            f"piece unchanged: {e}. Use `Policy(update='whole')` or "
+            "`Policy(opt_state='device')`." + see(45)
         ) from e
     return with_params(args.model, new_params), opt_state, norms
 
@@ -491,11 +496,9 @@ def _check_host_state(opt_kinds: list[tuple[_paths.Leaf, str]]) -> None:
     """`Policy(update="host")` needs optimizer state on the host to update there."""
     if not any(kind == "pinned_host" for _, kind in opt_kinds):
         raise ValueError(
-            "`Policy(update='host')` runs the optimizer on the host's CPU where its "
-            "state lives, but the policy keeps no optimizer state on the host. Put "
-            "it there with `Policy(opt_state='pinned_host')` (as "
-            "`Policy.offload_all()` does), or update on the device with "
-            "`Policy(update='auto')`."
+            "`Policy(update='host')`: the policy keeps no optimizer state on the "
+            "host. Put it there with `Policy(opt_state='pinned_host')`, or use "
+            "`Policy(update='auto')`." + see(129)
         )
 
 

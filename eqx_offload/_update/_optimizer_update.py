@@ -8,6 +8,7 @@ import optax
 from jaxtyping import PyTree
 
 from .. import _mixed_precision, _scopes
+from .._errors import see
 from .._memory_kinds import is_arraylike, to_space
 from .._policy import check_policy, Policy
 from . import _optim
@@ -74,17 +75,15 @@ def optimizer_update(
     check_policy(policy, "`optimizer_update(policy=...)`")
     if policy.update_timing != "now":
         raise ValueError(
-            f"{where} applies the update now, and `Policy(update_timing="
-            f"{policy.update_timing!r})` holds the stacked layers' update over to "
-            "the next step's forward scan, which only `train_step` runs; use "
-            "`update_timing='now'` with a hand-written step."
+            f"{where} cannot hold the update over to the next step "
+            f"(`Policy(update_timing={policy.update_timing!r})`); only `train_step` "
+            "can. Use `update_timing='now'` in a hand-written step." + see(138)
         )
     arrays = [x for x in jtu.tree_leaves((model, opt_state)) if is_arraylike(x)]
     if arrays and not any(isinstance(x, jax.core.Tracer) for x in arrays):
         raise ValueError(
-            f"{where} is called outside a jitted function: the update moves pieces "
-            "of host-resident arrays to the device, which only a traced program "
-            "can do. Call it inside your step, e.g. under `eqx.filter_jit`."
+            f"{where} is called outside a jitted function. Call it inside a "
+            "jitted step (`eqx.filter_jit`)." + see(93)
         )
     params = _optim.trainable(model)
     wrapped = _mixed_precision.for_policy(optimizer, params, policy)

@@ -10,6 +10,7 @@ state part wins. State that is not parameter-shaped (step counts) stays on the
 device."""
 
 from .. import _paths
+from .._errors import see
 from .._memory_kinds import ParamsSpec
 from ._state_tree import StateLeaf
 
@@ -84,12 +85,11 @@ def _check_parts(
     have = list(dict.fromkeys(s.part for s in leaves if s.part is not None))
     for part in parts:
         if part not in have:
+            patterns = _paths.quoted(f"{part}:{p}" for p, _ in parts[part])
             raise ValueError(
-                f"{where}: pattern(s) "
-                f"{_paths.quoted(f'{part}:{p}' for p, _ in parts[part])} name the "
-                f"state part {part!r}, which this optimizer's state does not have; "
-                f"its parameter-shaped parts are {_paths.quoted(have)} (e.g. "
-                f"`{{'{have[0] if have else 'nu'}:**': 'pinned_host'}}`)."
+                f"{where}: pattern(s) {patterns} name the state part {part!r}, "
+                "which this optimizer's state lacks. Its parameter-shaped parts are "
+                f"{_paths.quoted(have)}." + see(116)
             )
         unused = {f"{part}:{p}": hit for p, hit in used[part].items()}
         _paths.check_used(unused, [leaf.path for leaf in param_leaves], where)

@@ -11,6 +11,7 @@ import optax
 from jaxtyping import PyTree
 
 from .. import _paths
+from .._errors import see
 from .._memory_kinds import is_arraylike, is_masked
 
 
@@ -91,16 +92,14 @@ def check_matches(
             detail = f" It lacks {sorted(want - got)[0]!r}."
         raise ValueError(
             f"{where}: the optimizer state does not have the structure "
-            f"`optimizer.init(model)` gives: it was built for another optimizer or "
-            f"model.{detail} {fix}"
+            f"`optimizer.init(model)` gives.{detail} {fix}" + see(43)
         )
     for got, want in zip(got_leaves, want_leaves):
         if is_arraylike(got.value) and got.value.shape != want.value.shape:
             raise ValueError(
                 f"{where}: optimizer state leaf {got.path!r} has shape "
                 f"{tuple(got.value.shape)} where `optimizer.init(model)` gives "
-                f"{tuple(want.value.shape)}: the state was built for another model "
-                f"(e.g. of another depth). {fix}"
+                f"{tuple(want.value.shape)}. {fix}" + see(42)
             )
 
 
