@@ -130,7 +130,7 @@ def test_misuse_names_the_leaf_and_the_fix():
     def computed(model, tokens, targets):
         return tied(model, tokens, targets) + 1e-4 * jnp.sum(model.embed**2)
 
-    _step_error(computed, policy, r"'embed'.*only with `eo.embed` and")
+    _step_error(computed, policy, r"'embed'.*only `eo.embed` and")
     _step_error(
         tied, eo.Policy.offload_all(host_tables=("embedding",)), r"'embedding'.*no leaf"
     )
