@@ -60,14 +60,14 @@ def _prepare(
     )
 
 
-def _waiting_keys(run: _streaming.Prepared) -> list[Any]:
-    return [key for key in run.groups if key[0] == "waits"]
+def _waiting_keys(prepared: _streaming.Prepared) -> list[Any]:
+    return [key for key in prepared.groups if key[0] == "waits"]
 
 
-def _waiting_mask(run: _streaming.Prepared) -> list[bool]:
+def _waiting_mask(prepared: _streaming.Prepared) -> list[bool]:
     """Per trainable leaf: whether its update waits."""
-    waiting = _waiting_keys(run)
-    return [g.group in waiting for g in run.grads]
+    waiting = _waiting_keys(prepared)
+    return [g.group in waiting for g in prepared.grads]
 
 
 def with_pending(
@@ -82,10 +82,10 @@ def with_pending(
         masks: list[list[bool]] = []  # (which leaves wait: static, from the trace)
 
         def held_values(params: PyTree, inner: PyTree) -> Any:
-            run = _prepare(optimizer, params, inner, params)
-            masks.append(_waiting_mask(run))
-            _, _, _, held = _streaming.execute(run, _device_kinds(run))
-            return tuple(tuple(held[key]) for key in _waiting_keys(run))
+            prepared = _prepare(optimizer, params, inner, params)
+            masks.append(_waiting_mask(prepared))
+            _, _, _, held = _streaming.execute(prepared, _device_kinds(prepared))
+            return tuple(tuple(held[key]) for key in _waiting_keys(prepared))
 
         abstract = jax.eval_shape(held_values, params, inner)
         mask = masks[0]
@@ -109,8 +109,8 @@ def with_pending(
     return optax.GradientTransformation(init, update)  # pyright: ignore
 
 
-def _device_kinds(run: _streaming.Prepared) -> tuple[list[str], list[str]]:
-    return ["device"] * len(run.params), ["device"] * len(run.state)
+def _device_kinds(prepared: _streaming.Prepared) -> tuple[list[str], list[str]]:
+    return ["device"] * len(prepared.params), ["device"] * len(prepared.state)
 
 
 def _split_kinds(
@@ -133,9 +133,11 @@ def hold_update(
     """The end of a step: every leaf updated but the stacked layers', whose
     gradients and held values are kept for the next step."""
     inner_kinds, grad_kinds = _split_kinds(state, state_kinds)
-    run = _prepare(optimizer, grads, state.inner, params)
-    new_params, inner, _, held = _streaming.execute(run, (param_kinds, inner_kinds))
-    mask = _waiting_mask(run)
+    prepared = _prepare(optimizer, grads, state.inner, params)
+    new_params, inner, _, held = _streaming.execute(
+        prepared, (param_kinds, inner_kinds)
+    )
+    mask = _waiting_mask(prepared)
     waiting = [g for g, m in zip(jtu.tree_leaves(grads), mask, strict=True) if m]
     waiting = [
         to_space(_cast(g, p.dtype), kind, "")
@@ -146,7 +148,7 @@ def hold_update(
     kept = jtu.tree_unflatten(jtu.tree_structure(state.grads), waiting)
     held_values = tuple(
         tuple(to_space(jnp.asarray(x), "device", "") for x in held[key])
-        for key in _waiting_keys(run)
+        for key in _waiting_keys(prepared)
     )
     return new_params, PendingUpdate(inner, kept, held_values, True)
 
@@ -183,9 +185,13 @@ def apply_waiting(
     if not state.ready:
         return params, state
     inner_kinds, _ = _split_kinds(state, state_kinds)
-    run = _prepare(optimizer, _grads_for(params, state), state.inner, params)
-    held = dict(zip(_waiting_keys(run), [list(h) for h in state.held], strict=True))
-    new_params, inner = _streaming.apply_held(run, (param_kinds, inner_kinds), held)
+    prepared = _prepare(optimizer, _grads_for(params, state), state.inner, params)
+    held = dict(
+        zip(_waiting_keys(prepared), [list(h) for h in state.held], strict=True)
+    )
+    new_params, inner = _streaming.apply_held(
+        prepared, (param_kinds, inner_kinds), held
+    )
     return new_params, PendingUpdate(inner, state.grads, state.held, False)
 
 
@@ -201,9 +207,9 @@ def layer_updates(
     a function that takes the gradient of the step's `aux` (the new values) back
     to the new parameters and inner state."""
     inner_kinds, _ = _split_kinds(state, state_kinds)
-    run = _prepare(optimizer, _grads_for(params, state), state.inner, params)
-    outputs = _streaming.output_list(run, (param_kinds, inner_kinds))
-    mask = _waiting_mask(run)
+    prepared = _prepare(optimizer, _grads_for(params, state), state.inner, params)
+    outputs = _streaming.output_list(prepared, (param_kinds, inner_kinds))
+    mask = _waiting_mask(prepared)
     names = [leaf.path for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
     grad_slot = {t: k for k, t in enumerate(t for t, m in enumerate(mask) if m)}
     p_leaves = jtu.tree_leaves(params)
@@ -211,9 +217,9 @@ def layer_updates(
     s_leaves = jtu.tree_leaves(state.inner)
     layers: dict[str, _pending.Layers] = {}
     places: dict[str, tuple[list[int], list[int]]] = {}
-    for key, held in zip(_waiting_keys(run), state.held, strict=True):
+    for key, held in zip(_waiting_keys(prepared), state.held, strict=True):
         path = key[1]
-        leaves, states, update = _stack_update(run, outputs, key, delayed)
+        leaves, states, update = _stack_update(prepared, outputs, key, delayed)
         grads = [g_leaves[grad_slot[t]] for t in leaves]
         aux = ([p_leaves[t] for t in leaves], grads, [s_leaves[j] for j in states])
         writes = (False, True, True) if delayed else (True, False, True)
@@ -240,32 +246,33 @@ def layer_updates(
 
 
 def _stack_update(
-    run: _streaming.Prepared,
+    prepared: _streaming.Prepared,
     outputs: list[_streaming.Output],
     key: Any,
     delayed: bool,
 ) -> tuple[list[int], list[int], Any]:
     """For the waiting group `key` (one `Stacked`'s layers): the trainable leaves
     and the state leaves its update reads and writes, and one layer's update."""
-    n_p = run.n_params
+    n_p = prepared.n_params
     positions = _streaming.waiting_outputs(outputs, key)
     mine = [outputs[k] for k in positions]
     leaves = [k for k in positions if k < n_p]  # new parameters, then new state
     states = sorted(
         {k - n_p for k in positions if k >= n_p}
-        | {j for j, x in enumerate(run.state) if x.group == key}
+        | {j for j, x in enumerate(prepared.state) if x.group == key}
     )
-    pairs = _streaming.shared_inputs(run.dataflow, mine)
-    wanted = run.dataflow.piece_eqns([o.whole for o in mine])
+    dataflow, piece = prepared.dataflow, prepared.dataflow.piece
+    pairs = _streaming.shared_inputs(dataflow, mine)
+    wanted = dataflow.piece_eqns([o.whole for o in mine])
     refs = _PieceRefs(
         [ref for _, ref in pairs],
-        [run.dataflow.piece.ins[run.params[t].position] for t in leaves],
-        [run.dataflow.piece.ins[run.grads[t].position] for t in leaves],
-        [run.dataflow.piece.ins[run.state[j].position] for j in states],
-        [run.dataflow.piece.outs[t] for t in leaves],
-        [run.dataflow.piece.outs[n_p + j] for j in states],
+        [piece.ins[prepared.params[t].position] for t in leaves],
+        [piece.ins[prepared.grads[t].position] for t in leaves],
+        [piece.ins[prepared.state[j].position] for j in states],
+        [piece.outs[t] for t in leaves],
+        [piece.outs[n_p + j] for j in states],
     )
-    return leaves, states, _piece_update(run.dataflow.piece, wanted, refs, delayed)
+    return leaves, states, _piece_update(piece, wanted, refs, delayed)
 
 
 class _PieceRefs(NamedTuple):

@@ -62,8 +62,8 @@ def update(
     **Returns:** the new parameters and optimizer state, in their memory kinds,
     and the metrics (on the device) or None.
     """
-    run = prepare(optimizer, grads, opt_state, params, stacked, paths, metrics)
-    new_params, new_state, extra, _ = execute(run, out_kinds)
+    prepared = prepare(optimizer, grads, opt_state, params, stacked, paths, metrics)
+    new_params, new_state, extra, _ = execute(prepared, out_kinds)
     if not metrics:
         return new_params, new_state, None
     n = len(jtu.tree_leaves(params))
@@ -245,33 +245,33 @@ def pieces(leaf: Any, layers: int | None, index: int) -> tuple[Any, int, int] | 
 
 
 def execute(
-    run: Prepared, out_kinds: tuple[list[str], list[str]]
+    prepared: Prepared, out_kinds: tuple[list[str], list[str]]
 ) -> tuple[Any, Any, list, dict[Any, list]]:
-    """Runs the update `run`, each new leaf in its memory kind (`out_kinds`). A
+    """Runs the update `prepared`, each new leaf in its memory kind (`out_kinds`). A
     group of pieces whose update waits (`prepare(waits=...)`) is not run: its
     leaves come back as they are, and the values its update reads besides its
     pieces (step counts, global norms) come back by group key, for `apply_held`.
 
     **Returns:** the new parameters and state, the metrics' per-row partial sums,
     and the held values."""
-    dataflow = run.dataflow
+    dataflow = prepared.dataflow
     env: dict[int, Any] = dict(dataflow.whole.consts)
     # Shared inputs (small leaves, counts) to the device, where they are computed on.
-    for x in run.inputs:
+    for x in prepared.inputs:
         if x.group is None:
             with jax.named_scope(x.label):
                 value = x.value
                 value = to_space(value, "device", "") if eqx.is_array(value) else value
                 env[dataflow.whole.ins[x.position]] = value
-    _run_globals(run, env)
+    _run_globals(prepared, env)
     _run_shared(dataflow, env, None)
 
     # The outputs: the new parameters, the new state, then the metrics' per-row
     # partial sums (on the device).
-    outputs = output_list(run, out_kinds)
+    outputs = output_list(prepared, out_kinds)
     outs = [_whole_value(out, env) for out in outputs]
     held: dict[Any, list] = {}
-    for key, group in run.groups.items():
+    for key, group in prepared.groups.items():
         positions = [k for k, out in enumerate(outputs) if out.group == key]
         if not positions:
             continue
@@ -283,16 +283,16 @@ def execute(
             values = scan_pieces(dataflow, group, env, mine, READ_IN_STEP)
         for k, value in zip(positions, values):
             outs[k] = value
-    n_p, n = run.n_params, len(run.replaced)
-    new_params = jtu.tree_unflatten(run.p_def, outs[:n_p])
-    new_state = jtu.tree_unflatten(run.s_def, outs[n_p:n])
+    n_p, n = prepared.n_params, len(prepared.replaced)
+    new_params = jtu.tree_unflatten(prepared.p_def, outs[:n_p])
+    new_state = jtu.tree_unflatten(prepared.s_def, outs[n_p:n])
     return new_params, new_state, outs[n:], held
 
 
-def _run_globals(run: Prepared, env: dict) -> None:
+def _run_globals(prepared: Prepared, env: dict) -> None:
     """The global values, level by level: partial reductions scanned over the
     pieces, combined, and what is computed from them on whole values."""
-    dataflow = run.dataflow
+    dataflow = prepared.dataflow
     roots = list(dataflow.roots.values())
     for level in sorted({dataflow.flows[r.out].level for r in roots}):
         _run_shared(dataflow, env, level - 1)
@@ -300,7 +300,9 @@ def _run_globals(run: Prepared, env: dict) -> None:
         for key in dict.fromkeys(r.group for r in now):
             mine = [r for r in now if r.group == key]
             partials = [Output(r.out, r.piece_out) for r in mine]
-            values = scan_pieces(dataflow, run.groups[key], env, partials, READ_IN_STEP)
+            values = scan_pieces(
+                dataflow, prepared.groups[key], env, partials, READ_IN_STEP
+            )
             for r, value in zip(mine, values):
                 env[r.out] = r.combine(value, axis=0)
 
@@ -323,15 +325,17 @@ def _unchanged(out: Output) -> Any:
     return to_space(out.replaces.value, out.kind or "device", "")
 
 
-def output_list(run: Prepared, out_kinds: tuple[list[str], list[str]]) -> list[Output]:
+def output_list(
+    prepared: Prepared, out_kinds: tuple[list[str], list[str]]
+) -> list[Output]:
     """Each output of the update: its references, memory kind, label, group, and
     the input it replaces and may overwrite."""
-    dataflow = run.dataflow
+    dataflow = prepared.dataflow
     kinds = out_kinds[0] + out_kinds[1]
     pairs = list(zip(dataflow.whole.outs, dataflow.piece.outs))
     outputs = [
         Output(ref, p_ref, kind, x.label, replaces=x)
-        for (ref, p_ref), kind, x in zip(pairs, kinds, run.replaced, strict=False)
+        for (ref, p_ref), kind, x in zip(pairs, kinds, prepared.replaced, strict=False)
     ]
     outputs += [
         Output(ref, p_ref, "device", "metrics", summed=True)
@@ -365,26 +369,29 @@ def waiting_outputs(outputs: list[Output], key: Any) -> list[int]:
 
 
 def apply_held(
-    run: Prepared,
+    prepared: Prepared,
     out_kinds: tuple[list[str], list[str]],
     held: dict[Any, list],
 ) -> tuple[Any, Any]:
     """The update of the groups in `held` (by key, the values `execute` held for
-    them), every other leaf as it is in `run`'s inputs."""
+    them), every other leaf as it is in `prepared`'s inputs."""
     kinds = out_kinds[0] + out_kinds[1]
-    outputs = output_list(run, out_kinds)
+    outputs = output_list(prepared, out_kinds)
     outs = [
-        to_space(x.value, kind, "") for x, kind in zip(run.replaced, kinds, strict=True)
+        to_space(x.value, kind, "")
+        for x, kind in zip(prepared.replaced, kinds, strict=True)
     ]
     for key, values in held.items():
         positions = waiting_outputs(outputs, key)
         mine = [outputs[k] for k in positions]
-        env = dict(zip([w for w, _ in shared_inputs(run.dataflow, mine)], values))
-        found = scan_pieces(run.dataflow, run.groups[key], env, mine, READ_IN_STEP)
+        env = dict(zip([w for w, _ in shared_inputs(prepared.dataflow, mine)], values))
+        found = scan_pieces(
+            prepared.dataflow, prepared.groups[key], env, mine, READ_IN_STEP
+        )
         for k, value in zip(positions, found):
             outs[k] = value
-    new_params = jtu.tree_unflatten(run.p_def, outs[: run.n_params])
-    return new_params, jtu.tree_unflatten(run.s_def, outs[run.n_params :])
+    new_params = jtu.tree_unflatten(prepared.p_def, outs[: prepared.n_params])
+    return new_params, jtu.tree_unflatten(prepared.s_def, outs[prepared.n_params :])
 
 
 def _overwritable(x: Any, aval: Any, kind: str | None) -> bool:
