@@ -670,7 +670,8 @@ def test_labels_are_unique_and_printed_whole():
             raise UnusedName("save", "blocks.mlp", ("blocks.mlp",), names, names)
         return mock.Mock(spec=eo.MemoryReport)  # (not looked at)
 
-    search = _search.Search(_compile.Task(None, None, None, ()), budgets=(0, 0))
+    task = _compile.Task(cross_entropy, OPTIMIZER, None, ())  # (never compiled)
+    search = _search.Search(task, budgets=(0, 0))
     search._report = report  # pyright: ignore[reportAttributeAccessIssue]
     start = _candidates.Candidate.start(("blocks",), (), Settings())
     alike = [
