@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import eqx_offload as eo
-from eqx_offload._report._memory_report import saved_for_backward
+from eqx_offload.internal import saved_for_backward
 
 from .helpers import Block, cross_entropy, Model
 

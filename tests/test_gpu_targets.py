@@ -18,8 +18,7 @@ import pytest
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 import eqx_offload as eo
-from eqx_offload import _compat, _diagnose, _tiling
-from eqx_offload._report import _targets
+import eqx_offload.internal as eoi
 
 from .helpers import cross_entropy, Model
 
@@ -54,34 +53,34 @@ def _abstract_step(policy: eo.Policy, *, mesh=None, model=(), batch=(2, 8)):
     ],
 )
 def test_gpu_targets_parse(target, chip, topology):
-    assert _targets.parse(target) == (chip, topology)
-    assert _targets.platform(target) == "gpu"
+    assert eoi.targets.parse(target) == (chip, topology)
+    assert eoi.targets.platform(target) == "gpu"
 
 
 @pytest.mark.parametrize("target", ["gpu-a100", "gpu-h100:2x2x2", "tpu-v5e:8"])
 def test_unknown_targets_name_the_valid_ones(target):
     with pytest.raises(ValueError, match="'gpu-h100:8'.*'gpu-h100:4x8'"):
-        _targets.parse(target)
+        eoi.targets.parse(target)
 
 
 def test_the_devices_of_nodes_and_hosts():
-    assert len(_targets.devices("gpu-h100")) == 1
-    assert len(_targets.devices("gpu-h100:8")) == 8
-    assert len(_targets.devices("gpu-h100:4x8")) == 32
-    assert _targets.chips_per_host("gpu-h100:4x8") == 8
+    assert len(eoi.targets.devices("gpu-h100")) == 1
+    assert len(eoi.targets.devices("gpu-h100:8")) == 8
+    assert len(eoi.targets.devices("gpu-h100:4x8")) == 32
+    assert eoi.targets.chips_per_host("gpu-h100:4x8") == 8
 
 
 def test_capacity_is_the_allocators_share_of_the_device(monkeypatch):
     """79.1 GiB (H100 SXM) and 141.0 GiB (H200), as XLA's target configurations
     state them, times 0.75 (JAX's default), or `XLA_PYTHON_CLIENT_MEM_FRACTION`."""
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-    assert _targets.capacity("gpu-h100") == int(84942979072 * 0.75)
-    assert _targets.capacity("gpu-h200:8") == int(151397597184 * 0.75)
+    assert eoi.targets.capacity("gpu-h100") == int(84942979072 * 0.75)
+    assert eoi.targets.capacity("gpu-h200:8") == int(151397597184 * 0.75)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
-    assert _targets.capacity("gpu-h100") == int(84942979072 * 0.9)
+    assert eoi.targets.capacity("gpu-h100") == int(84942979072 * 0.9)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "lots")
     with pytest.raises(ValueError, match="XLA_PYTHON_CLIENT_MEM_FRACTION"):
-        _targets.capacity("gpu-h100")
+        eoi.targets.capacity("gpu-h100")
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +99,7 @@ def test_host_leaves_are_counted_on_the_host(offload_all_report):
     assert on_host > 0 and report.params.get("device", 0) == 0
     assert report.host["argument"] == on_host
     assert report.host["output"] == on_host  # written back in place
-    assert report.capacity == _targets.capacity("gpu-h100") and report.fits
+    assert report.capacity == eoi.targets.capacity("gpu-h100") and report.fits
     assert report.compiled_transfers
     moved = {(t.what, t.direction) for t in report.compiled_transfers}
     assert ("params", "host_to_device") in moved
@@ -117,17 +116,17 @@ def test_the_trap_is_refused_not_reported(monkeypatch):
     """Without the workaround, a compile-only GPU device drops the memory kind of
     a `NamedSharding` and counts host leaves as device memory: the report refuses
     rather than print wrong numbers."""
-    device = _targets.devices("gpu-h100")[0]
+    device = eoi.targets.devices("gpu-h100")[0]
     mesh = Mesh([device], ("x",))
     plain = NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host")
     assert plain.memory_kind is None  # the trap, in this JAX
-    kept = _compat.named_sharding(mesh, PartitionSpec(), "pinned_host")
+    kept = eoi.compat.named_sharding(mesh, PartitionSpec(), "pinned_host")
     assert kept.memory_kind == "pinned_host" and kept != plain
 
     def dropped(mesh, spec, kind):
         return NamedSharding(mesh, spec, memory_kind=kind)
 
-    monkeypatch.setattr(_compat, "named_sharding", dropped)
+    monkeypatch.setattr(eoi.compat, "named_sharding", dropped)
     step, model, opt_state, *batch = _abstract_step(eo.Policy.offload_all())
     with pytest.raises(NotImplementedError, match="pinned_host would be compiled"):
         eo.memory_report(step, model, opt_state, *batch, target="gpu-h100")
@@ -148,20 +147,19 @@ def test_a_missing_plugin_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "jax_plugins.xla_cuda12", None)
     monkeypatch.setitem(sys.modules, "jax_plugins.xla_cuda13", None)
     with pytest.raises(ImportError, match=r"pip install -e '\.\[gpu-aot\]'"):
-        _targets.devices("gpu-h200:8")
+        eoi.targets.devices("gpu-h200:8")
 
 
 def test_a_compile_that_lost_the_host_is_refused(offload_all_report):
     """The second guard, after compiling: host-resident arguments the compiler
     did not count on the host."""
-    from eqx_offload._report import _memory_report
 
     report = offload_all_report
-    where = _memory_report._where("gpu-h100", ())
-    _memory_report._check_host_kept(report, where)  # as compiled: fine
+    where = eoi.memory_report._where("gpu-h100", ())
+    eoi.memory_report._check_host_kept(report, where)  # as compiled: fine
     lost = eqx.tree_at(lambda r: r.host, report, {**report.host, "argument": 0})
     with pytest.raises(NotImplementedError, match="host memory"):
-        _memory_report._check_host_kept(lost, where)
+        eoi.memory_report._check_host_kept(lost, where)
 
 
 # --- The same answers as on a TPU -------------------------------------------------
@@ -313,7 +311,7 @@ def test_a_plugin_that_did_not_load_names_jax_platforms(monkeypatch):
 
     monkeypatch.setattr(topologies, "get_topology_desc", not_loaded)
     with pytest.raises(RuntimeError, match="JAX_PLATFORMS=cpu"):
-        _targets.devices("gpu-h100:3")  # a topology not compiled (cached) before
+        eoi.targets.devices("gpu-h100:3")  # a topology not compiled (cached) before
 
 
 def test_the_quickstart_compiles_for_gpus_without_the_cuda_plugins_noise(capfd):
@@ -374,7 +372,7 @@ def test_the_quickstart_compiles_for_gpus_without_the_cuda_plugins_noise(capfd):
     ],
 )
 def test_micro_batches_compile_for_gpu(arch, dtype, width, policy, k, monkeypatch):
-    monkeypatch.setattr(_tiling, "PIECE_BYTES", 32 * 1024)
+    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 32 * 1024)
     result = cm.compile_case(
         arch, width, 2, cm.DTYPES[dtype], policy, "gpu-h100", microbatches=k, mlp=256
     )
@@ -386,13 +384,13 @@ def test_the_diagnosis_of_a_rejected_step_compiles_its_probes_for_a_gpu(monkeypa
     devices (it used to be traced in device memory, and the probe itself raised
     "memory_space of all inputs passed to `dynamic_update_slice` must be the
     same"); and a probe that fails for a reason of its own blames no leaf."""
-    mesh = _targets.chip_mesh("gpu-h100")
-    leaf = _diagnose.Streamed("blocks.w", (2, 256, 128), jnp.float32, 1, True)
-    assert _diagnose._probe(leaf, mesh) is None  # it compiles
+    mesh = eoi.targets.chip_mesh("gpu-h100")
+    leaf = eoi.diagnose.Streamed("blocks.w", (2, 256, 128), jnp.float32, 1, True)
+    assert eoi.diagnose._probe(leaf, mesh) is None  # it compiles
 
     def broken(leaf, mesh):
         raise ValueError("the probe's own bug")
 
-    monkeypatch.setattr(_diagnose, "_probe", broken)
+    monkeypatch.setattr(eoi.diagnose, "_probe", broken)
     other = leaf._replace(shape=(2, 128, 128))  # not in the probes' cache
-    assert _diagnose.rejected([other], mesh) == []
+    assert eoi.diagnose.rejected([other], mesh) == []

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import eqx_offload as eo
-from eqx_offload import _compat, _compiler
+import eqx_offload.internal as eoi
 
 from .helpers import assert_trees_close, batches, cross_entropy, Model
 
@@ -171,10 +171,10 @@ def test_errors():
         train(host_policy(), optimizer, steps=1)
 
 
-@pytest.mark.parametrize("form", _compat.host_forms())
+@pytest.mark.parametrize("form", eoi.compat.host_forms())
 def test_both_forms_of_host_compute(form):
     """Pinned to jax 0.10.2, which has both; after 0.11.0 only the decorator."""
-    assert jax.__version__ != "0.10.2" or _compat.host_forms() == (
+    assert jax.__version__ != "0.10.2" or eoi.compat.host_forms() == (
         "decorator",
         "context",
     )
@@ -186,7 +186,7 @@ def test_both_forms_of_host_compute(form):
     def double(x):
         return [x * 2 + jnp.zeros_like(x)]  # a fresh array, typed device memory
 
-    (out,) = jax.jit(lambda x: _compat.on_host(double, form)(x))(x)
+    (out,) = jax.jit(lambda x: eoi.compat.on_host(double, form)(x))(x)
     assert out.sharding.memory_kind == "pinned_host"
     np.testing.assert_array_equal(out, [0.0, 2.0, 4.0, 6.0])
 
@@ -213,7 +213,7 @@ def compiled_texts():
 
 def host_and_device_ops(text: str) -> tuple[list, list]:
     """The instructions the program runs on the host's CPU and the others."""
-    comps, entry = _compiler.parse_hlo(text)
+    comps, entry = eoi.compiler.parse_hlo(text)
     on_host: set[str] = set()
     todo = [
         c for comp in comps.values() for i in comp.insts.values() for c in i.host_calls

@@ -31,7 +31,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 import eqx_offload as eo
-from eqx_offload._report._memory_report import saved_for_backward
+from eqx_offload.internal import saved_for_backward
 
 from .helpers import assert_trees_close, CountCompiles
 from .test_state_dict import Net as LM  # embedding, `Stacked` MLPs, head

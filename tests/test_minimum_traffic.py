@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import eqx_offload as eo
-from eqx_offload._report import _minimum
+import eqx_offload.internal as eoi
 
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
@@ -234,11 +234,11 @@ def test_the_minimum_follows_the_state_and_the_residuals():
     policy = eo.Policy.offload_all(opt_state={"nu:**": "device", "**": "pinned_host"})
     model, opt_state = _stacked_model(policy, optimizer)
     n = sum(x.size for x in jax.tree.leaves(model))
-    m = _minimum.minimum_traffic(model, opt_state, policy, optimizer)
+    m = eoi.minimum.minimum_traffic(model, opt_state, policy, optimizer)
     assert (m.opt_state_to_device / n, m.opt_state_to_host / n) == (4, 4)  # mu
     policy = eo.Policy.offload_all(opt_state="device", compute_dtype=jnp.bfloat16)
     model, opt_state = _stacked_model(policy, optimizer)
-    m = _minimum.minimum_traffic(
+    m = eoi.minimum.minimum_traffic(
         model, opt_state, policy, optimizer, microbatches=2, residual_bytes=100
     )
     # The copies are on the device: the forward reads nothing from the host.

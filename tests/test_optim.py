@@ -5,6 +5,7 @@ import optax
 import pytest
 
 import eqx_offload as eo
+import eqx_offload.internal as eoi
 
 from .helpers import (
     assert_trees_close,
@@ -82,7 +83,7 @@ def test_abstract_model_gives_abstract_state(getkey):
 
 
 def test_kind_missing_on_backend(monkeypatch, getkey):
-    monkeypatch.setattr(eo._update._optim, "backend_kinds", lambda: ("device",))
+    monkeypatch.setattr(eoi.optim, "backend_kinds", lambda: ("device",))
     with pytest.raises(
         ValueError,
         match=r"state of 'embed.weight'.*'pinned_host'.*opt_state.*valid kinds here",

@@ -18,15 +18,15 @@ import optax
 import pytest
 
 import eqx_offload as eo
-from eqx_offload._checkpoint_name_log import UnusedName
-from eqx_offload._planner import (
-    _budget,
-    _candidates,
-    _compile,
-    _plan,
-    _progress,
-    _search,
-    _sizes,
+from eqx_offload.internal import (  # named as in eqx_offload/_planner/
+    planner_budget as _budget,
+    planner_candidates as _candidates,
+    planner_compile as _compile,
+    planner_plan as _plan,
+    planner_progress as _progress,
+    planner_search as _search,
+    planner_sizes as _sizes,
+    UnusedName,
 )
 
 from .helpers import assert_trees_close, batches, cross_entropy, Model

@@ -8,7 +8,7 @@ import pytest
 matplotlib.use("Agg")
 
 import eqx_offload as eo  # noqa: E402
-from eqx_offload._report._plot import categories
+from eqx_offload.internal import plot_categories
 
 from .helpers import batches, cross_entropy, Model  # noqa: E402
 
@@ -25,7 +25,7 @@ def _report(getkey, preset: str, target: str | None = None) -> eo.MemoryReport:
 @pytest.mark.parametrize("target", [None, "tpu-v5e"])
 def test_parts_add_up_to_the_footprints(getkey, target):
     report = _report(getkey, "offload_all", target)
-    device, host = categories(report, "device"), categories(report, "host")
+    device, host = plot_categories(report, "device"), plot_categories(report, "host")
     assert sum(device.values()) == report.device_bytes
     assert sum(host.values()) == report.host_bytes
     assert all(v >= 0 for v in (*device.values(), *host.values()))
@@ -71,6 +71,6 @@ def test_a_report_read_back_from_json_draws_the_same(getkey):
     report = _report(getkey, "offload_all", "tpu-v5e")
     again = eo.MemoryReport.from_dict(json.loads(json.dumps(report.to_dict())))
     assert again.to_dict() == report.to_dict()
-    assert categories(again, "device") == categories(report, "device")
+    assert plot_categories(again, "device") == plot_categories(report, "device")
     with pytest.raises(ValueError, match="lacks device, estimate, host"):
         eo.MemoryReport.from_dict({"target": "tpu-v5e", "kind": "function"})

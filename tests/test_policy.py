@@ -1,7 +1,7 @@
 import pytest
 
 import eqx_offload as eo
-from eqx_offload._policy import split_names
+from eqx_offload.internal import split_names
 
 from .helpers import unchecked
 

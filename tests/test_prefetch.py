@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import eqx_offload as eo
-from eqx_offload._policy import replace
+from eqx_offload.internal import replace_policy
 
 from .helpers import assert_trees_close, batches, cross_entropy, Model, Outer
 
@@ -63,7 +63,7 @@ def train(policy: eo.Policy, *, microbatches: int = 1) -> tuple[Any, list[float]
 )
 def test_trains_as_the_plain_scan(policy):
     plain_model, plain_losses = train(policy)
-    model, losses = train(replace(policy, prefetch=1))
+    model, losses = train(replace_policy(policy, prefetch=1))
     np.testing.assert_allclose(losses, plain_losses, rtol=1e-6)
     assert_trees_close(model, plain_model, atol=ADAM_ATOL)
     kinds = {
@@ -78,7 +78,7 @@ def test_trains_as_the_plain_scan(policy):
 def test_micro_batches():
     policy = eo.Policy.offload_all(compute_dtype=jnp.bfloat16)
     plain = train(policy, microbatches=2)
-    ours = train(replace(policy, prefetch=1), microbatches=2)
+    ours = train(replace_policy(policy, prefetch=1), microbatches=2)
     np.testing.assert_allclose(ours[1], plain[1], rtol=1e-6)
     assert_trees_close(ours[0], plain[0], atol=ADAM_ATOL)
 
@@ -95,7 +95,7 @@ def _grads(policy: eo.Policy):
 def test_gradients_land_where_the_parameters_live():
     policy = eo.Policy.offload_all()
     (loss0, g0) = _grads(policy)
-    (loss1, g1) = _grads(replace(policy, prefetch=1))
+    (loss1, g1) = _grads(replace_policy(policy, prefetch=1))
     assert float(loss0) == float(loss1)
     assert_trees_close(g1, g0)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):

@@ -12,9 +12,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_offload as eo
-from eqx_offload._planner import _fewest
-from eqx_offload._report import _targets
-from eqx_offload._report._does_not_fit import device_advice
+import eqx_offload.internal as eoi
+from eqx_offload.internal import device_advice, mesh_shardings
 
 from .helpers import batches, cross_entropy, Model
 
@@ -157,7 +156,7 @@ def test_tpu_target_matches_a_direct_compile():
         to_host(w),
         target="tpu-v5e",
     )
-    mesh = _targets.chip_mesh("tpu-v5e")
+    mesh = eoi.targets.chip_mesh("tpu-v5e")
     args = (
         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
         jax.ShapeDtypeStruct(
@@ -190,7 +189,7 @@ def test_every_tpu_target_compiles_a_train_step(target):
 
 def test_without_libtpu_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "libtpu", None)  # `import libtpu` fails
-    _targets.chip_mesh.cache_clear()
+    eoi.targets.chip_mesh.cache_clear()
     try:
         with pytest.raises(
             ImportError,
@@ -199,7 +198,7 @@ def test_without_libtpu_the_error_names_the_extra(monkeypatch):
         ):
             eo.memory_report(lambda x: x * 2, jnp.ones(3), target="tpu-v5e")
     finally:
-        _targets.chip_mesh.cache_clear()
+        eoi.targets.chip_mesh.cache_clear()
 
 
 def test_unknown_target():
@@ -326,7 +325,6 @@ def test_capacity_and_static_arguments():
 
 
 def test_single_device_leaves_get_no_sharding_constraint():
-    from eqx_offload._train_step import _mesh_shardings
 
     mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     one = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(mesh, P()))
@@ -337,12 +335,12 @@ def test_single_device_leaves_get_no_sharding_constraint():
         devices=jax.devices()[:4],
     )
     four = jax.device_put(jnp.ones(4), NamedSharding(mesh4, P("x")))
-    assert _mesh_shardings([one, four, None]) == (None, four.sharding, None)
+    assert mesh_shardings([one, four, None]) == (None, four.sharding, None)
 
 
 def test_capacities_are_what_the_compiler_allows():
     # As libtpu 0.0.42 states them ("exceeds available HBM (15.75G)").
-    assert _targets.HBM_BYTES == {
+    assert eoi.targets.HBM_BYTES == {
         "tpu-v5e": int(15.75 * 2**30),
         "tpu-v6e": int(31.25 * 2**30),
         "tpu-v5p": int(95.74 * 2**30),
@@ -531,7 +529,7 @@ def test_does_not_fit_keeps_the_memories_it_exceeds():
     assert back.exceeded == ("host",) and back.required_bytes == 2**30
     assert (back.host_required_bytes, back.host_available_bytes) == (3 * 2**30, 2**30)
     # Over the host only: the host's footprint first.
-    why = _fewest._why(back)
+    why = eoi.planner_fewest._why(back)
     assert (
         why == "does not fit: smallest host footprint 3.00 GiB (over the host budget)"
     )
@@ -544,11 +542,11 @@ def test_does_not_fit_keeps_the_memories_it_exceeds():
         host_sizes=(3 * 2**30, 2**30),
         exceeded=("device", "host"),
     )
-    assert _fewest._why(both) == (
+    assert eoi.planner_fewest._why(both) == (
         "does not fit: smallest device footprint 1.00 GiB (over the host budget, "
         "host footprint 3.00 GiB)"
     )
-    none = _fewest._none_fits("tpu-v5e", ["tpu-v5e"], {"tpu-v5e": back}, ())
+    none = eoi.planner_fewest._none_fits("tpu-v5e", ["tpu-v5e"], {"tpu-v5e": back}, ())
     assert none.exceeded == ("host",) and none.host_required_bytes == 3 * 2**30
     assert "on tpu-v5e it exceeds the host budget" in str(none)
     assert "mu_dtype=jnp.bfloat16" in str(none) and "micro" not in str(none)

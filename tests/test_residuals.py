@@ -12,7 +12,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 
 import eqx_offload as eo
-from eqx_offload._residuals import checkpoint_names, saved_residuals
+from eqx_offload.internal import jaxpr_checkpoint_names, saved_residuals
 
 from .helpers import (
     all_eqns,
@@ -71,7 +71,7 @@ def test_checkpoint_names_finds_nested_names():
             lambda c, _: (checkpoint_name(c, "b") * 2, None), x, None, 3
         )[0]
 
-    assert checkpoint_names(jax.make_jaxpr(f)(1.0)) == ["a", "b"]
+    assert jaxpr_checkpoint_names(jax.make_jaxpr(f)(1.0)) == ["a", "b"]
 
 
 def stacked_residuals(depth, policy):

@@ -24,7 +24,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from jaxtyping import PRNGKeyArray
 
 import eqx_offload as eo
-from eqx_offload import _loading
+import eqx_offload.internal as eoi
 
 from .helpers import (
     assert_trees_equal,
@@ -469,7 +469,7 @@ def test_place_opt_state_keeps_values(getkey):
     assert_trees_equal(bits(placed), before)
     step(model, placed, *data(getkey()))  # accepted
     abstract = eo.place_opt_state(
-        OPTIMIZER, _loading._abstract(opt_state), model, policy
+        OPTIMIZER, eoi.loading._abstract(opt_state), model, policy
     )
     assert [x.sharding.memory_kind for x in jax.tree.leaves(abstract)] == [
         x.sharding.memory_kind for x in jax.tree.leaves(opt_state)

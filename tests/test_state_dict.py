@@ -11,7 +11,7 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 import eqx_offload as eo
-from eqx_offload._state_dict import layer_axes
+from eqx_offload.internal import layer_axes
 
 from .helpers import assert_trees_equal, batches, memory_kind
 

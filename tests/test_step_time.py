@@ -17,9 +17,8 @@ import pytest
 from jaxtyping import Array, Float
 
 import eqx_offload as eo
-from eqx_offload import _jaxpr
-from eqx_offload._report import _costs, _step_time
-from eqx_offload._report._units import time_text
+import eqx_offload.internal as eoi
+from eqx_offload.internal import time_text
 
 
 D, H = 256, 512  # the blocks' width and hidden width
@@ -78,20 +77,20 @@ def _traced_dot_flops(closed, times: int = 1) -> float:
     (the first branch of a `cond`, as the compiled program's first branch)."""
     total = 0.0
     for eqn in closed.jaxpr.eqns if hasattr(closed, "jaxpr") else closed.eqns:
-        if _jaxpr.primitive_name(eqn) == "dot_general":
+        if eoi.jaxpr.primitive_name(eqn) == "dot_general":
             (contracting, _), _ = eqn.params["dimension_numbers"]
             lhs = eqn.invars[0].aval.shape
             inner = math.prod(lhs[d] for d in contracting)
             total += times * 2 * math.prod(eqn.outvars[0].aval.shape) * inner
             continue
-        if _jaxpr.is_scan(eqn):
-            layout = _jaxpr.scan_layout(eqn)
+        if eoi.jaxpr.is_scan(eqn):
+            layout = eoi.jaxpr.scan_layout(eqn)
             total += _traced_dot_flops(layout.body, times * layout.length)
             continue
-        if _jaxpr.is_cond(eqn):
-            total += _traced_dot_flops(_jaxpr.cond_branches(eqn)[0], times)
+        if eoi.jaxpr.is_cond(eqn):
+            total += _traced_dot_flops(eoi.jaxpr.cond_branches(eqn)[0], times)
             continue
-        for sub in _jaxpr.sub_jaxprs(eqn) or []:
+        for sub in eoi.jaxpr.sub_jaxprs(eqn) or []:
             total += _traced_dot_flops(sub.jaxpr, times)
     return total
 
@@ -144,12 +143,12 @@ def test_float32_dots_run_as_the_platform_runs_them():
 
 
 def test_precision_names():
-    assert _costs.precision(("f32", "f32"), [], "tpu") == "bf16"
-    assert _costs.precision(("f32", "f32"), ["high", "high"], "tpu") == "bf16x3"
-    assert _costs.precision(("f32", "f32"), ["high", "high"], "gpu") == "tf32"
-    assert _costs.precision(("bf16", "bf16"), ["highest"], "gpu") == "bf16"
-    assert _costs.precision(("s8", "s8"), [], "tpu") == "int8"
-    assert _costs.precision(("f8e4m3fn", "bf16"), [], "gpu") == "fp8"
+    assert eoi.costs.precision(("f32", "f32"), [], "tpu") == "bf16"
+    assert eoi.costs.precision(("f32", "f32"), ["high", "high"], "tpu") == "bf16x3"
+    assert eoi.costs.precision(("f32", "f32"), ["high", "high"], "gpu") == "tf32"
+    assert eoi.costs.precision(("bf16", "bf16"), ["highest"], "gpu") == "bf16"
+    assert eoi.costs.precision(("s8", "s8"), [], "tpu") == "int8"
+    assert eoi.costs.precision(("f8e4m3fn", "bf16"), [], "gpu") == "fp8"
     # A precision the chip has no rate for runs at a slower one it has.
     assert eo.Hardware.of("tpu-v5e").flops_per_second("fp8")[0] == "bf16"
     assert eo.Hardware.of("tpu-v5e").flops_per_second("f32")[0] == "bf16x6"
@@ -249,11 +248,11 @@ def test_a_transfer_hides_behind_the_compute_scheduled_before_its_done():
     link = layer / hw.host_to_device_bytes_per_second
     flops = 2 * 4096 * 1024 * 1024
     matmul = flops / hw.matmul_flops["bf16"]  # 43.6 us
-    t = _step_time.estimate(_hlo(asynchronous=True), hw, "tpu")
+    t = eoi.step_time.estimate(_hlo(asynchronous=True), hw, "tpu")
     assert t.host_to_device_bytes == layer and t.flops == flops
     assert t.exposed_transfer_seconds == pytest.approx(link - matmul, rel=0.02)
     assert t.seconds == pytest.approx(link, rel=0.02)
-    sync = _step_time.estimate(_hlo(asynchronous=False), hw, "tpu")
+    sync = eoi.step_time.estimate(_hlo(asynchronous=False), hw, "tpu")
     assert sync.host_to_device_bytes == layer and sync.flops == flops
     assert sync.exposed_transfer_seconds == pytest.approx(link, rel=0.02)
     assert sync.seconds == pytest.approx(link + matmul, rel=0.05)
@@ -266,7 +265,7 @@ def test_a_transfer_hides_behind_the_compute_scheduled_before_its_done():
         "%w = bf16[1024,1024]{1,0:T(8,128)(2,1)}",
         "%w = bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)}",
     )
-    assert _step_time.estimate(on_chip, hw, "tpu").hbm_bytes == x + y
+    assert eoi.step_time.estimate(on_chip, hw, "tpu").hbm_bytes == x + y
 
 
 def _hlo(asynchronous: bool) -> str:
@@ -455,8 +454,8 @@ ENTRY %main (a: f32[512,384], b: f32[384,256]) -> f32[512,256] {{
 def test_a_cublas_call_is_a_matmul():
     h100 = eo.Hardware.of("gpu-h100")
     flops = 2 * 512 * 384 * 256
-    t = _step_time.estimate(_cublas_hlo("DEFAULT"), h100, "gpu")
+    t = eoi.step_time.estimate(_cublas_hlo("DEFAULT"), h100, "gpu")
     assert t.flops_by_precision == {"tf32": flops}
-    t = _step_time.estimate(_cublas_hlo("HIGHEST"), h100, "gpu")
+    t = eoi.step_time.estimate(_cublas_hlo("HIGHEST"), h100, "gpu")
     assert t.flops_by_precision == {"f32": flops}
     assert t.compute_seconds == pytest.approx(flops / h100.matmul_flops["f32"])

@@ -8,8 +8,7 @@ import optax
 import pytest
 
 import eqx_offload as eo
-from eqx_offload import _tiling
-from eqx_offload._update import _streaming
+import eqx_offload.internal as eoi
 
 from .helpers import (
     all_eqns,
@@ -72,7 +71,9 @@ def streamed_steps(optimizer, params, grads, steps=3):
     @jax.jit
     def step(params, state, grads):
         paths = sorted(params)
-        new = _streaming.update(optimizer, grads, state, params, layers, kinds, paths)
+        new = eoi.streaming.update(
+            optimizer, grads, state, params, layers, kinds, paths
+        )
         return new[:2]
 
     params, state, grads = host(params), host(state), host(grads)
@@ -106,7 +107,7 @@ def assert_streamed_equals_optax(make_optimizer, getkey, steps=3, lamb=False):
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_streamed_update_equals_optax(name, monkeypatch, getkey):
-    monkeypatch.setattr(_tiling, "PIECE_BYTES", 8192)  # "large" is 32 KiB
+    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 8192)  # "large" is 32 KiB
     ours = assert_streamed_equals_optax(OPTIMIZERS[name], getkey, lamb="lamb" in name)
     assert {x.sharding.memory_kind for x in jax.tree.leaves(ours)} == {"pinned_host"}
 
@@ -115,8 +116,8 @@ def test_streamed_update_equals_optax(name, monkeypatch, getkey):
 def test_the_tpu_loop_equals_optax_too(name, monkeypatch, getkey):
     # On the CPU the streamed loops read one piece ahead; this runs the loop a TPU
     # compiles (each step reads its own piece) here.
-    monkeypatch.setattr(_streaming, "READ_IN_STEP", ("cpu",))
-    monkeypatch.setattr(_tiling, "PIECE_BYTES", 8192)
+    monkeypatch.setattr(eoi.streaming, "READ_IN_STEP", ("cpu",))
+    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 8192)
     assert_streamed_equals_optax(OPTIMIZERS[name], getkey, lamb="lamb" in name)
 
 
@@ -129,7 +130,7 @@ def test_the_tpu_loop_equals_optax_too(name, monkeypatch, getkey):
     ids=["zero_nans + adam", "adafactor"],
 )
 def test_state_not_shaped_like_its_parameter_is_shared(make, monkeypatch, getkey):
-    monkeypatch.setattr(_tiling, "PIECE_BYTES", 8192)
+    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 8192)
     assert_streamed_equals_optax(make, getkey)
 
 
@@ -146,7 +147,7 @@ def fresh_state():
 
 
 def test_state_made_afresh_is_written_in_its_leafs_loop(monkeypatch, getkey):
-    monkeypatch.setattr(_tiling, "PIECE_BYTES", 8192)
+    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 8192)
     make = lambda: optax.chain(fresh_state(), optax.adam(1e-2))  # noqa: E731
     assert_streamed_equals_optax(make, getkey)
 
@@ -163,9 +164,9 @@ def test_state_made_afresh_is_written_in_its_leafs_loop(monkeypatch, getkey):
     ids=["factored adafactor"],
 )
 def test_other_unstreamable_updates_are_refused(make, why, monkeypatch, getkey):
-    monkeypatch.setattr(_tiling, "PIECE_BYTES", 8192)
+    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 8192)
     params, grads = random_tree(getkey()), random_tree(getkey())
-    with pytest.raises(_streaming.NotStreamable, match=why):
+    with pytest.raises(eoi.streaming.NotStreamable, match=why):
         streamed_steps(make(), params, grads, 1)
 
 
@@ -185,12 +186,12 @@ CONDS = {
 def test_conds_over_several_groups_of_pieces(name, monkeypatch, getkey):
     # "layers" and "large" are streamed in different groups; a `cond` over every
     # leaf is computed as both branches and a select, piece by piece.
-    monkeypatch.setattr(_tiling, "PIECE_BYTES", 8192)
+    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 8192)
     assert_streamed_equals_optax(CONDS[name], getkey, steps=5)
 
 
 def test_a_skipped_step_is_skipped_when_streamed(monkeypatch, getkey):
-    monkeypatch.setattr(_tiling, "PIECE_BYTES", 8192)
+    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 8192)
     params, grads = random_tree(getkey()), random_tree(getkey())
     grads["large"] = grads["large"].at[3, 5].set(jnp.nan)  # not finite: no update
     ours = streamed_steps(CONDS["apply_if_finite(adam)"](), params, grads, 2)
@@ -235,7 +236,7 @@ def size_dependent():
 )
 def test_an_update_that_changes_piece_by_piece_is_refused(transformation, why, getkey):
     params, grads = random_tree(getkey()), random_tree(getkey())
-    with pytest.raises(_streaming.NotStreamable, match=why):
+    with pytest.raises(eoi.streaming.NotStreamable, match=why):
         streamed_steps(optax.chain(transformation(), optax.sgd(0.1)), params, grads, 1)
     # ...and in a train step, with the way out.
     policy = eo.Policy.remat(opt_state="pinned_host")
@@ -304,7 +305,7 @@ def test_streamed_and_whole_updates_agree_in_a_train_step(getkey):
 
 def test_gradient_accumulation_streams_in_a_train_step(monkeypatch, getkey):
     # With small pieces the embedding is streamed in row blocks besides the layers.
-    monkeypatch.setattr(_tiling, "PIECE_BYTES", 1024)
+    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 1024)
     assert_streamed_equals_whole(
         lambda: optax.MultiSteps(
             optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2)),

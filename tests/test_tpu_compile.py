@@ -14,8 +14,7 @@ import optax
 import pytest
 
 import eqx_offload as eo
-from eqx_offload import _tiling
-from eqx_offload._update import _streaming
+import eqx_offload.internal as eoi
 
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
@@ -51,7 +50,7 @@ def test_train_step_compiles_for_tpu(
     target, arch, dtype, width, depth, policy, monkeypatch
 ):
     # Small enough leaves of the dict model are streamed in blocks of rows too.
-    monkeypatch.setattr(_tiling, "PIECE_BYTES", 32 * 1024)
+    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 32 * 1024)
     result = cm.compile_case(arch, width, depth, cm.DTYPES[dtype], policy, target)
     assert result.outcome == "compiles", result.message
 
@@ -68,7 +67,7 @@ MICROBATCH_CASES = [
 
 @pytest.mark.parametrize("arch, dtype, width, policy, k", MICROBATCH_CASES)
 def test_micro_batches_compile_for_tpu(arch, dtype, width, policy, k, monkeypatch):
-    monkeypatch.setattr(_tiling, "PIECE_BYTES", 32 * 1024)
+    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 32 * 1024)
     result = cm.compile_case(
         arch, width, 2, cm.DTYPES[dtype], policy, "tpu-v5e", microbatches=k, mlp=256
     )
@@ -76,9 +75,9 @@ def test_micro_batches_compile_for_tpu(arch, dtype, width, policy, k, monkeypatc
 
 
 def test_row_blocks_are_streamed_in_the_dict_case(monkeypatch):
-    monkeypatch.setattr(_tiling, "PIECE_BYTES", 32 * 1024)
+    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 32 * 1024)
     leaf = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)  # 128 KiB: 4 blocks
-    cut = _streaming.pieces(leaf, None, 0)
+    cut = eoi.streaming.pieces(leaf, None, 0)
     assert cut is not None and cut[1:] == (4, 64)
 
 
@@ -110,23 +109,23 @@ def test_a_step_the_compiler_rejects_names_the_leaves_and_a_way_out():
 
 def test_tiling_rules():
     f32, bf16 = jnp.float32, jnp.bfloat16
-    assert not _tiling.slices_by_layer((4,))  # one element per layer
-    assert not _tiling.slices_by_layer((4, 128))  # one row per layer (a bias)
-    assert _tiling.slices_by_layer((4, 97, 97))
-    assert _tiling.slices_by_layer((4, 2, 64, 32))
+    assert not eoi.tiling.slices_by_layer((4,))  # one element per layer
+    assert not eoi.tiling.slices_by_layer((4, 128))  # one row per layer (a bias)
+    assert eoi.tiling.slices_by_layer((4, 97, 97))
+    assert eoi.tiling.slices_by_layer((4, 2, 64, 32))
     mib = 2**20
-    assert _tiling.row_blocks((4096, 1024), f32, 4 * mib) == 4  # 1024 rows each
-    assert _tiling.row_blocks((4096, 1000), f32, 4 * mib) == 1  # lanes not whole
-    assert _tiling.row_blocks((40, 1024), bf16, 8 * 1024) == 1  # 16-row tiles
-    assert _tiling.row_blocks((48, 1024), bf16, 8 * 1024) == 3
-    assert _tiling.row_blocks((6, 64, 128), f32, 64 * 1024) == 3  # any rows
+    assert eoi.tiling.row_blocks((4096, 1024), f32, 4 * mib) == 4  # 1024 rows each
+    assert eoi.tiling.row_blocks((4096, 1000), f32, 4 * mib) == 1  # lanes not whole
+    assert eoi.tiling.row_blocks((40, 1024), bf16, 8 * 1024) == 1  # 16-row tiles
+    assert eoi.tiling.row_blocks((48, 1024), bf16, 8 * 1024) == 3
+    assert eoi.tiling.row_blocks((6, 64, 128), f32, 64 * 1024) == 3  # any rows
 
 
 @pytest.mark.parametrize("arch, width", [("gpt", 64), ("dict", 256)])
 def test_the_default_update_streams_on_a_tpu(arch, width, monkeypatch):
     """`Policy(update="auto")` runs the whole update on the CPU, but the program it
     traces compiles for a TPU exactly as `update="streamed"` does."""
-    monkeypatch.setattr(_tiling, "PIECE_BYTES", 32 * 1024)
+    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 32 * 1024)
     model, loss, batch = cm.case(arch, width, 4, jnp.float32)
     optimizer = optax.adam(1e-3)
     figures = {}

@@ -9,8 +9,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import eqx_offload as eo
-from eqx_offload._checkpoint_name_log import UnusedName
-from eqx_offload._residuals import saved_residuals
+from eqx_offload.internal import saved_residuals, UnusedName
 
 from .helpers import (
     all_eqns,

@@ -11,6 +11,7 @@ from beartype.roar import BeartypeCallHintParamViolation
 from jaxtyping import Array, Float, Int, jaxtyped, PRNGKeyArray
 
 import eqx_offload as eo
+import eqx_offload.internal as eoi
 
 from .helpers import batches, unchecked
 from .runtime_typecheck import check
@@ -115,11 +116,10 @@ def test_library_functions_are_checked_at_run_time():
 def test_private_helpers_are_checked_too():
     """Beartype alone checks a signature without array shapes; the error is still
     jaxtyping's, naming the parameter."""
-    from eqx_offload import _paths
 
-    assert _paths.join("a", ("b",)) == "a.b"
+    assert eoi.paths.join("a", ("b",)) == "a.b"
     with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'prefix'"):
-        _paths.join(3, ("b",))  # pyright: ignore[reportArgumentType]
+        eoi.paths.join(3, ("b",))  # pyright: ignore[reportArgumentType]
 
 
 def test_named_dimensions_agree_across_arguments():

@@ -20,7 +20,7 @@ import pytest
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 import eqx_offload as eo
-from eqx_offload import _pending
+import eqx_offload.internal as eoi
 
 from .helpers import (
     assert_trees_close,
@@ -119,9 +119,9 @@ POLICIES = {
 def counting_updating_scans() -> Iterator[list[str]]:
     """The paths of the `Stacked`s whose forward scan applied a pending update,
     one per trace of the step that kept it (not one the step traced, then
-    replaced by the update before the loss: `_pending.Record.applied_once`)."""
+    replaced by the update before the loss: `eoi.pending.Record.applied_once`)."""
     paths: list[str] = []
-    original = _pending.Record.applied_once
+    original = eoi.pending.Record.applied_once
 
     def counted(record):
         once = original(record)
@@ -129,7 +129,7 @@ def counting_updating_scans() -> Iterator[list[str]]:
             paths.extend(record.taken)
         return once
 
-    with mock.patch.object(_pending.Record, "applied_once", counted):
+    with mock.patch.object(eoi.pending.Record, "applied_once", counted):
         yield paths
 
 
@@ -489,4 +489,4 @@ def test_where_the_forward_scan_cannot_apply_it_the_step_does(loss):
     ours, reference = train(POLICIES["none next_forward"]), train(POLICIES["none"])
     np.testing.assert_allclose(ours[0], reference[0], rtol=1e-6)
     assert_trees_close(ours[1], reference[1], atol=ADAM_ATOL)
-    assert _pending.take("blocks") is None  # (nothing left owed)
+    assert eoi.pending.take("blocks") is None  # (nothing left owed)

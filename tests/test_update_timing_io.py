@@ -15,8 +15,7 @@ import optax
 import pytest
 
 import eqx_offload as eo
-from eqx_offload import _pending
-from eqx_offload._report import _minimum
+import eqx_offload.internal as eoi
 
 from .helpers import (
     assert_trees_close,
@@ -91,9 +90,8 @@ def test_verify_checks_compute_copies_and_micro_batches():
 def test_verify_finds_a_pending_update_left_unapplied(monkeypatch):
     """Negative control: without `apply_pending`, the streamed step's stacked
     layers are one update behind the whole one's, and `verify` says so."""
-    from eqx_offload import _verify
 
-    monkeypatch.setattr(_verify, "apply_pending", lambda m, s, o, p: (m, s))
+    monkeypatch.setattr(eoi.verify, "apply_pending", lambda m, s, o, p: (m, s))
     policy = eo.Policy.offload_all(update_timing="next_forward")
     optimizer, model, opt_state = _start(policy)
     with pytest.raises(eo.DoesNotMatch, match="after the streamed update"):
@@ -231,7 +229,7 @@ def test_memory_report_compiles_the_steady_state(monkeypatch):
         assert _transfers(report) == _transfers(steady)
         assert report.device_bytes == steady.device_bytes
     # The first step's program reads less: the pending update is not there.
-    monkeypatch.setattr(_pending, "steady", lambda s: s)
+    monkeypatch.setattr(eoi.pending, "steady", lambda s: s)
     first = eo.memory_report(step, model, opt_state, *batch)
     assert _transfers(first) < _transfers(steady)
 
@@ -248,8 +246,8 @@ def test_minimum_traffic_counts_the_gradients_held_on_the_host():
         timed = preset(opt_state="pinned_host", update_timing="next_forward")
         optimizer, model, state_now = _start(now)
         _, _, state_timed = _start(timed)
-        a = _minimum.minimum_traffic(model, state_now, now, optimizer)
-        b = _minimum.minimum_traffic(model, state_timed, timed, optimizer)
+        a = eoi.minimum.minimum_traffic(model, state_now, now, optimizer)
+        b = eoi.minimum.minimum_traffic(model, state_timed, timed, optimizer)
         held = sum(
             x.size * x.dtype.itemsize for x in jax.tree.leaves(state_timed.grads)
         )

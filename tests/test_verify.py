@@ -12,9 +12,8 @@ import pytest
 from jax.sharding import AxisType
 
 import eqx_offload as eo
-from eqx_offload import _checkpoint_name_log, _cutting, _microbatch, _scan_body
-from eqx_offload._memory_kinds import is_host
-from eqx_offload._update import _streaming
+import eqx_offload.internal as eoi
+from eqx_offload.internal import is_host
 
 from .helpers import batches, memory_kind
 from .test_state_dict import make_nested, Net
@@ -112,9 +111,9 @@ def test_optimizer_state_is_cut_with_its_parameters(getkey):
     model = Net(key=getkey())
     optimizer = optax.adafactor(1e-2, min_dim_size_to_factor=8)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-    small = _cutting.cut(model, _cutting.model_sizes(model, 2))
+    small = eoi.cutting.cut(model, eoi.cutting.model_sizes(model, 2))
     assert len(small.blocks) == 2
-    sizes = _cutting.state_sizes(
+    sizes = eoi.cutting.state_sizes(
         optimizer, opt_state, eqx.filter(small, eqx.is_inexact_array)
     )
     expected = jax.eval_shape(optimizer.init, eqx.filter(small, eqx.is_inexact_array))
@@ -127,7 +126,7 @@ def test_optimizer_state_is_cut_with_its_parameters(getkey):
 
 def test_nested_stacked_are_cut_too(getkey):
     model = make_nested(key=getkey())  # 2 blocks of 3 linears
-    small = _cutting.cut(model, _cutting.model_sizes(model, 2))
+    small = eoi.cutting.cut(model, eoi.cutting.model_sizes(model, 2))
     assert small.blocks.layers.linears.layers.weight.shape == (2, 2, 8, 8)
     assert small.blocks.layers.scale.shape == (2, 8)
 
@@ -136,7 +135,7 @@ def test_a_loss_that_differs_under_the_transform_is_named(getkey):
     # Under the offloaded transform only, the loss is shifted and the head gets no
     # gradient: the loss is reported first, and the report names the gradient too.
     def loss_fn(model, tokens, targets):
-        if _checkpoint_name_log.is_inside():
+        if eoi.checkpoint_name_log.is_inside():
             head = jax.lax.stop_gradient(model.head.weight)
             model = eqx.tree_at(lambda m: m.head.weight, model, head)
             return cross_entropy(model, tokens, targets) + 1.0
@@ -169,7 +168,7 @@ def test_a_corrupted_transfer_in_the_backward_pass_is_named(monkeypatch, getkey)
         return x
 
     corrupt.defvjp(lambda x: (x, None), lambda _, g: (2.0 * g,))
-    to_device = _scan_body.to_device
+    to_device = eoi.scan_body.to_device
 
     def corrupted(layer_arrays):
         def one(x):
@@ -177,7 +176,7 @@ def test_a_corrupted_transfer_in_the_backward_pass_is_named(monkeypatch, getkey)
 
         return to_device(jax.tree.map(one, layer_arrays))
 
-    monkeypatch.setattr(_scan_body, "to_device", corrupted)
+    monkeypatch.setattr(eoi.scan_body, "to_device", corrupted)
 
     def loss_fn(*args):  # its own: no program traced before the patch is reused
         return cross_entropy(*args)
@@ -195,14 +194,14 @@ def test_a_corrupted_streamed_update_is_named(monkeypatch, getkey):
         policy, getkey(), optimizer=optax.sgd(1e-2)
     )
     before = snapshot((model, opt_state))
-    update = _streaming.update
+    update = eoi.streaming.update
 
     def corrupted(*args, **kwargs):
         params, state, norms = update(*args, **kwargs)
         head = params.head.weight
         return eqx.tree_at(lambda p: p.head.weight, params, head + 1e-3), state, norms
 
-    monkeypatch.setattr(_streaming, "update", corrupted)
+    monkeypatch.setattr(eoi.streaming, "update", corrupted)
     with pytest.raises(
         eo.DoesNotMatch,
         match=r"leaf 'head.weight' after the streamed update differs between the "
@@ -347,9 +346,9 @@ def test_micro_batched_steps_are_verified(getkey):
     def loss_fn(*args):  # its own: no program traced before the patch is reused
         return summed_cross_entropy(*args)
 
-    split = _microbatch.split
+    split = eoi.microbatch.split
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_microbatch, "split", repeated)
+        patch.setattr(eoi.microbatch, "split", repeated)
         with pytest.raises(eo.DoesNotMatch, match="the loss differs"):
             eo.verify(loss_fn, *args, microbatches=2)
 
@@ -396,5 +395,5 @@ def test_fsdp_steps_are_verified():
 def test_unsplit_arguments_are_not_cut():
     # Passed whole to every micro-batch, so not batch-major: a shared mask.
     tokens, mask = jnp.zeros((8, 4), jnp.int32), jnp.ones((4, 4))
-    assert _cutting.batch_sizes((tokens, mask), 2, (1,)) == [(2, 4), (4, 4)]
-    assert _cutting.examples((tokens, mask), (1,)) == 8
+    assert eoi.cutting.batch_sizes((tokens, mask), 2, (1,)) == [(2, 4), (4, 4)]
+    assert eoi.cutting.examples((tokens, mask), (1,)) == 8
