@@ -18,7 +18,7 @@ def test_every_catalogued_mistake_names_an_existing_test():
         if re.match(r'\| <span id="e\d+"></span>\d+ \|', line)
     ]
     numbers = [int(line.split("|")[1].split("</span>")[1]) for line in rows]
-    anchors = [int(re.search(r'id="e(\d+)"', line)[1]) for line in rows]
+    anchors = [int(re.findall(r'id="e(\d+)"', line)[0]) for line in rows]
     assert anchors == numbers
     assert numbers == list(range(1, len(rows) + 1))
     assert len(rows) >= 30

@@ -86,7 +86,7 @@ def _shown(value: float, text: str) -> str:
 def _sections() -> dict[str, str]:
     """Each section's page by its number (`"4"` for `# 4. ...`)."""
     texts = [p.read_text() for p in SECTIONS]
-    return {re.match(r"# (\d+)\. ", t)[1]: t for t in texts}
+    return {re.findall(r"\A# (\d+)\. ", t)[0]: t for t in texts}
 
 
 def _summary_rows() -> list[str]:
