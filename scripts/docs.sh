@@ -9,5 +9,5 @@ export NO_MKDOCS_2_WARNING=1
 if [ "${1:-}" = "serve" ]; then
     exec .venv/bin/mkdocs serve
 fi
-.venv/bin/mkdocs build --strict --quiet
+.venv/bin/mkdocs build --strict  # (not --quiet: it hides the warnings --strict fails on)
 echo "built site/index.html"
