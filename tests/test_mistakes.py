@@ -455,3 +455,14 @@ def test_the_old_policy_stream_names_host_tables():
         _ = eo.Policy().stream
     with pytest.raises(TypeError, match="unexpected keyword argument 'strem'"):
         eo.Policy(strem=("embed",))
+
+
+def test_memory_report_kind_is_now_compiled():
+    """`MemoryReport.kind` (what was compiled) is `MemoryReport.compiled`: the old
+    name says so."""
+    report = eo.memory_report(lambda x: x * 2, jnp.ones(3))
+    assert report.compiled == "function"
+    with pytest.raises(
+        AttributeError, match=r"`MemoryReport\.kind` is now `MemoryReport\.compiled`"
+    ):
+        getattr(report, "kind")

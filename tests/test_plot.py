@@ -44,7 +44,7 @@ def test_several_reports_side_by_side(getkey, tmp_path):
     assert {"parameters", "optimizer state", "saved: blocks.input"} <= labels
     ax.figure.savefig(tmp_path / "memory.png")
     assert (tmp_path / "memory.png").stat().st_size > 0
-    with pytest.raises(ValueError, match="2 reports; give one label per report"):
+    with pytest.raises(ValueError, match=r"2 reports\. Give one label per report"):
         reports[0].plot(reports[1], labels=["one"])
     with pytest.raises((ValueError, TypeError), match="unit"):
         reports[0].plot(unit="GB")  # type: ignore[arg-type]
@@ -73,4 +73,4 @@ def test_a_report_read_back_from_json_draws_the_same(getkey):
     assert again.to_dict() == report.to_dict()
     assert plot_categories(again, "device") == plot_categories(report, "device")
     with pytest.raises(ValueError, match="lacks device, estimate, host"):
-        eo.MemoryReport.from_dict({"target": "tpu-v5e", "kind": "function"})
+        eo.MemoryReport.from_dict({"target": "tpu-v5e", "compiled": "function"})

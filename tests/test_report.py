@@ -43,7 +43,7 @@ def test_train_step_report_never_runs_the_step():
     step = eo.train_step(loss_fn, optimizer, policy)
     report = eo.memory_report(step, model, opt_state, *next(batches()))
     assert calls == [] and not model.head.weight.is_deleted()
-    assert report.kind == "train_step" and report.estimate
+    assert report.compiled == "train_step" and report.estimate
     assert report.device_bytes > 0 and report.host_bytes > 0
     params = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
     assert report.params == {"pinned_host": params}
@@ -87,7 +87,7 @@ def test_filter_offload_and_plain_functions():
     tokens, targets = next(batches())
     fn = eqx.filter_jit(eo.filter_offload(cross_entropy, eo.Policy.offload_residuals()))
     report = eo.memory_report(fn, model, tokens, targets)
-    assert report.kind == "filter_offload"
+    assert report.compiled == "filter_offload"
     assert {(r.name, r.memory_kind) for r in report.residuals or ()} >= {
         ("blocks.input", "pinned_host")
     }
@@ -97,7 +97,7 @@ def test_filter_offload_and_plain_functions():
         jnp.ones((4, 8)),
         w=w,
     )
-    assert plain.kind == "function" and plain.residuals is None
+    assert plain.compiled == "function" and plain.residuals is None
     assert plain.arguments == {
         "argument 0": {"device": 128},
         "argument `w`": {"pinned_host": 256},
@@ -289,7 +289,7 @@ def test_a_filter_offload_function_is_reported_as_its_gradient():
         )
         for name in ("none", "remat")
     }
-    assert all(r.kind == "filter_offload" for r in reports.values())
+    assert all(r.compiled == "filter_offload" for r in reports.values())
     # The gradient's footprint depends on what is saved for it.
     assert reports["none"].device_bytes > reports["remat"].device_bytes
     assert "gradient" in str(reports["remat"])
@@ -305,7 +305,7 @@ def test_a_filter_offload_function_is_reported_as_its_gradient():
     aux = eo.memory_report(
         eo.filter_offload(with_aux, eo.Policy.remat()), model, *batch
     )
-    assert aux.kind == "filter_offload"
+    assert aux.compiled == "filter_offload"
 
 
 def test_capacity_and_static_arguments():
@@ -477,7 +477,7 @@ def test_does_not_fit_never_suggests_the_policy_in_use():
         advice = device_advice(
             target="tpu-v5e",
             is_slice=False,
-            kind="train_step",
+            compiled="train_step",
             policy=policy,
             residuals=(),
             capacity=2**34,

@@ -2,18 +2,13 @@
 device of its target, with what is known of it as data, and what to change."""
 
 import functools
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from .. import _compiler, _paths
+from .._errors import see
 from .._policy import Policy
-from ._memory_report_type import (
-    device_word,
-    host_advice,
-    host_total,
-    ResidualRow,
-    size_text,
-    UNNAMED,
-)
+from ._memory_report_type import host_advice, host_total, ResidualRow, UNNAMED
+from ._units import device_word, size_text
 
 
 Memory = Literal["device", "host"]
@@ -111,7 +106,7 @@ def too_big(
     target: str,
     is_slice: bool,
     per_device: bool,
-    kind: str,
+    compiled: str,
     policy: Policy | None,
     params: dict[str, int] | None,
     opt_state: dict[str, int] | None,
@@ -123,11 +118,14 @@ def too_big(
     host_bytes: int | None = None,
 ) -> DoesNotFit:
     """`memory_report`'s error for `what` (`"a train step"`), too big for the
-    device memory of `one_device` (`"one tpu-v5e chip"`): what it holds, whether
-    its host memory (`host_bytes`, or where the compile failed its host-resident
-    arguments, a floor) exceeds `host_capacity` too, and what would shrink each
-    memory it exceeds, never the placement of `policy`, the policy in use.
-    `message` is the compiler's, or with `sizes` (required, available) our own."""
+    device memory of `one_device` (`"one tpu-v5e chip"`).
+
+    It says what the step holds, and whether its host memory exceeds
+    `host_capacity` too: `host_bytes`, or where the compile failed, its
+    host-resident arguments (a floor). It advises what would shrink each memory
+    it exceeds, never the placement of `policy`, the policy in use. `message` is
+    the compiler's; with `sizes` (required, available) our own.
+    """
     said = "" if sizes is not None else "the compiler says: "
     u = device_word(target)
     lines = [
@@ -137,23 +135,7 @@ def too_big(
         + (f", per {u}" if per_device else "")
         + "):",
     ]
-
-    def row(label: str, by_kind: dict[str, int]) -> None:
-        device, host = by_kind.get("device", 0), host_total(by_kind)
-        lines.append(f"  {label}: {size_text(device)} / {size_text(host)}")
-
-    if params is not None and opt_state is not None:
-        row("parameters", params)
-        row("optimizer state", opt_state)
-    else:
-        for name, by_kind in arguments.items():
-            row(f"argument {name}", by_kind)
-    if residuals is not None:
-        saved: dict[str, int] = {}
-        for r in residuals:
-            saved[r.memory_kind] = saved.get(r.memory_kind, 0) + r.bytes
-        label = "saved for the backward pass"
-        row(label + (" (whole arrays)" if is_slice else ""), saved)
+    lines += _holdings(params, opt_state, residuals, arguments, is_slice)
     on_host = sum(host_total(by_kind) for by_kind in arguments.values())
     host_need = on_host if host_bytes is None else host_bytes
     host_full = host_capacity is not None and host_need > host_capacity
@@ -163,16 +145,11 @@ def too_big(
             if host_bytes is None
             else f"its host footprint is {size_text(host_bytes)}"
         )
-        lines.append(
-            f"Host memory: {needs} per {u}, {'over' if host_full else 'within'} "
-            f"the {size_text(host_capacity)} behind one {u} "
-            "(`Hardware.host_memory_bytes`)"
-            + (": both memories are exceeded." if host_full else ".")
-        )
+        lines.append(_host_line(needs, host_capacity, host_full, u))
     advice = device_advice(
         target=target,
         is_slice=is_slice,
-        kind=kind,
+        compiled=compiled,
         policy=policy,
         params=params,
         opt_state=opt_state,
@@ -189,7 +166,7 @@ def too_big(
         lines += ["To shrink the host memory:"] + [f"  - {a}" for a in advice]
     lines.append(
         "The numbers are on the exception (`e.params`, `e.residuals`, "
-        "`e.host_required_bytes`, ...)."
+        "`e.host_required_bytes`, ...)." + see(124 if host_full else 53)
     )
     return DoesNotFit(
         "\n".join(lines),
@@ -205,16 +182,61 @@ def too_big(
     )
 
 
+def _host_line(needs: str, host_capacity: int, host_full: bool, u: str) -> str:
+    """The host memory a step needs (`needs`) against what one device has."""
+    return (
+        f"Host memory: {needs} per {u}, {'over' if host_full else 'within'} "
+        f"the {size_text(host_capacity)} behind one {u} "
+        "(`Hardware.host_memory_bytes`)"
+        + (": both memories are exceeded." if host_full else ".")
+    )
+
+
+def _holdings(
+    params: dict[str, int] | None,
+    opt_state: dict[str, int] | None,
+    residuals: tuple[ResidualRow, ...] | None,
+    arguments: dict[str, dict[str, int]],
+    is_slice: bool,
+) -> list[str]:
+    """The rows of what a step holds: device / host bytes of each part."""
+    rows: list[tuple[str, dict[str, int]]] = []
+    if params is not None and opt_state is not None:
+        rows += [("parameters", params), ("optimizer state", opt_state)]
+    else:
+        rows += [(f"argument {name}", by_kind) for name, by_kind in arguments.items()]
+    if residuals is not None:
+        saved: dict[str, int] = {}
+        for r in residuals:
+            saved[r.memory_kind] = saved.get(r.memory_kind, 0) + r.bytes
+        label = "saved for the backward pass"
+        rows.append((label + (" (whole arrays)" if is_slice else ""), saved))
+    return [
+        f"  {label}: {size_text(by_kind.get('device', 0))} / "
+        f"{size_text(host_total(by_kind))}"
+        for label, by_kind in rows
+    ]
+
+
 # A part of the step is worth moving (or naming) when it holds at least this share
 # of the memory it is in: a scalar counter on the device is not.
 WORTH = 0.01
+
+
+class _OnDevice(NamedTuple):
+    """What a step too big for the device holds there: the bytes worth advice."""
+
+    params: int
+    opt_state: int
+    saved: dict[str, int]  # residuals, by checkpoint name
+    least: int  # the fewest bytes worth moving
 
 
 def device_advice(
     *,
     target: str,
     is_slice: bool,
-    kind: str,
+    compiled: str,
     policy: Policy | None,
     params: dict[str, int] | None,
     opt_state: dict[str, int] | None,
@@ -223,34 +245,63 @@ def device_advice(
     host_full: bool,
 ) -> list[str]:
     """What would shrink the device memory of a step too big for one device of
-    `target` under `policy` (a `Policy`, or `None` for a plain function), given
-    what it holds: only the moves that change something (a part still on the
-    device, a preset other than `policy`), and no move to the host when the
-    host's memory is exceeded too (`host_full`)."""
-    least = max(int((capacity or 2**30) * WORTH), 1)
-    on_device = {
-        "params": (params or {}).get("device", 0),
-        "opt_state": (opt_state or {}).get("device", 0),
-    }
+    `target`, under `policy` (`None` for a plain function).
+
+    Only the moves that change something: a part still on the device, a preset
+    other than `policy`. No move to the host when its memory is full too
+    (`host_full`).
+    """
     saved: dict[str, int] = {}
     for r in residuals or ():
         if r.memory_kind == "device":
             saved[r.name] = saved.get(r.name, 0) + r.bytes
+    held = _OnDevice(
+        params=(params or {}).get("device", 0),
+        opt_state=(opt_state or {}).get("device", 0),
+        saved=saved,
+        least=max(int((capacity or 2**30) * WORTH), 1),
+    )
+    advice = [] if host_full else _to_the_host(held)
+    advice += _residual_advice(held, policy, host_full)
+    both = held.params >= held.least and held.opt_state >= held.least
+    if not host_full and both and not _placed_as(policy, "offload_all"):
+        advice.append("all of these at once: `Policy.offload_all()`")
+    if compiled == "function" and not host_full:
+        advice.append(
+            "arguments in `pinned_host`, moved to the device by the function itself"
+        )
+    batch = "a smaller batch"
+    if compiled == "train_step":
+        batch += ", or micro-batches (`eo.train_step(..., microbatches=4)`)"
+    u = device_word(target)
+    more = (
+        f"more {u}s" if is_slice else f"more {u}s (a slice), or a {u} with more memory"
+    )
+    return advice + [batch, more]
+
+
+def _to_the_host(held: _OnDevice) -> list[str]:
+    """Parameters and optimizer state moved to the host, where worth it."""
     advice = []
-    if not host_full:
-        if on_device["params"] >= least:
-            advice.append(
-                f"parameters on the host ({size_text(on_device['params'])} on the "
-                "device): `Policy(params='pinned_host')`"
-            )
-        if on_device["opt_state"] >= least:
-            advice.append(
-                f"optimizer state on the host ({size_text(on_device['opt_state'])} "
-                "on the device): `Policy(opt_state='pinned_host')`"
-            )
-    stacked = saved.get(UNNAMED[1], 0)
+    if held.params >= held.least:
+        advice.append(
+            f"parameters on the host ({size_text(held.params)} on the "
+            "device): `Policy(params='pinned_host')`"
+        )
+    if held.opt_state >= held.least:
+        advice.append(
+            f"optimizer state on the host ({size_text(held.opt_state)} "
+            "on the device): `Policy(opt_state='pinned_host')`"
+        )
+    return advice
+
+
+def _residual_advice(held: _OnDevice, policy: Any, host_full: bool) -> list[str]:
+    """Residuals recomputed, named or offloaded, where worth it."""
+    advice = []
+    stacked = held.saved.get(UNNAMED[1], 0)
     recomputes = policy is not None and policy.save == "all"
-    if recomputes and stacked >= least:
+    if recomputes and stacked >= held.least:
         offload = (
             ""
             if host_full
@@ -260,17 +311,32 @@ def device_advice(
             f"recompute each layer in the backward pass ({size_text(stacked)} saved "
             f"in the layers): `Policy(save=())`{offload}"
         )
-    elif stacked >= least:
+    elif stacked >= held.least:
         advice.append(
             f"of what the layers save unnamed ({size_text(stacked)}), name a value "
             "inside the layer (`checkpoint_name(x, 'h')`) and offload or recompute "
             "it by name"
         )
-    named = {n: b for n, b in saved.items() if n not in UNNAMED and b >= least}
-    # A name the policy saves can be recomputed instead; the others are the carries
-    # a scan keeps between layers, which only offloading moves.
+    advice += _named_advice(held, policy, host_full)
+    other = held.saved.get(UNNAMED[0], 0)
+    if other >= held.least:
+        advice.append(
+            f"what is saved outside every `Stacked` ({size_text(other)}): for "
+            "logits `eo.chunked_cross_entropy`, else `eqx.filter_checkpoint` around "
+            "that code"
+        )
+    return advice
+
+
+def _named_advice(held: _OnDevice, policy: Any, host_full: bool) -> list[str]:
+    """Named residuals on the device: recomputed if `save` keeps them, else (the
+    carries a scan keeps between layers, which only offloading moves) offloaded."""
+    named = {
+        n: b for n, b in held.saved.items() if n not in UNNAMED and b >= held.least
+    }
     kept = [n for n in named if _saves(policy, n)]
     carries = [n for n in named if n not in kept]
+    advice = []
     if kept:
         offload = "" if host_full else f", or offload them (`offload={tuple(kept)!r}`)"
         advice.append(
@@ -282,33 +348,6 @@ def device_advice(
             f"what the layers pass on, saved on the device, {_sized(carries, named)}: "
             f"offload it (`Policy(offload={tuple(carries)!r})`)"
         )
-    other = saved.get(UNNAMED[0], 0)
-    if other >= least:
-        advice.append(
-            f"what is saved outside every `Stacked` ({size_text(other)}): for "
-            "logits `eo.chunked_cross_entropy`, else `eqx.filter_checkpoint` around "
-            "that code"
-        )
-    moves = ("params", "opt_state")
-    if (
-        not host_full
-        and all(on_device[m] >= least for m in moves)
-        and not _placed_as(policy, "offload_all")
-    ):
-        advice.append("all of these at once: `Policy.offload_all()`")
-    if kind == "function" and not host_full:
-        advice.append(
-            "arguments in `pinned_host`, moved to the device by the function itself"
-        )
-    batch = "a smaller batch"
-    if kind == "train_step":
-        batch += ", or micro-batches (`eo.train_step(..., microbatches=4)`)"
-    advice.append(batch)
-    u = device_word(target)
-    more = (
-        f"more {u}s" if is_slice else f"more {u}s (a slice), or a {u} with more memory"
-    )
-    advice.append(more)
     return advice
 
 

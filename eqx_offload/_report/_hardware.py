@@ -11,6 +11,8 @@ from typing import Any
 
 import jax
 
+from .._errors import see
+
 
 # Matmul precisions, as the compiled program runs them (`_step_time.precision`):
 # "bf16x3"/"bf16x6" are float32 dots at `Precision.HIGH`/`HIGHEST` on a TPU, which
@@ -90,16 +92,15 @@ class Hardware:
             number = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not number or not math.isfinite(value) or value <= 0:
                 raise ValueError(
-                    f"`Hardware(name={self.name!r})`: `{field}` is {value!r}; give a "
-                    "positive, finite number (per second for rates, bytes for "
-                    "memory)."
+                    f"`Hardware(name={self.name!r})`: `{field}` is {value!r}. Give a "
+                    "positive, finite number." + see(111)
                 )
         unknown = set(self.matmul_flops) - set(PRECISIONS)
         if unknown or "bf16" not in self.matmul_flops:
             raise ValueError(
                 f"`Hardware(name={self.name!r})`: `matmul_flops` has "
-                f"{sorted(self.matmul_flops)}; its keys are precisions among "
-                f"{', '.join(PRECISIONS)}, and it needs `'bf16'`."
+                f"{sorted(self.matmul_flops)}. Key it by precision; it needs `'bf16'`."
+                + see(111)
             )
         object.__setattr__(self, "matmul_flops", dict(self.matmul_flops))
 

@@ -104,47 +104,49 @@ class Walker:
             inst = comp.insts.get(name)
             if inst is None:
                 return None
-            op = inst.opcode
-            if op == "parameter":
+            if inst.opcode == "parameter":
                 if comp.name == self.entry:
                     return inst.parameter_number
-                caller = self.callers.get(comp.name)
-                if caller is None:
+                found = self._argument(comp, name)
+                if found is None:
                     return None
-                caller_comp, call = self.comps[caller[0]], caller[1]
-                number = next((k for k, v in comp.params.items() if v == name), None)
-                if call.opcode == "while":
-                    name = call.operands[0]  # the loop's initial tuple
-                elif number is not None and number < len(call.operands):
-                    name = call.operands[number]
-                else:
-                    return None
-                comp = caller_comp
+                comp, name = found
                 continue
-            if op == "get-tuple-element":
-                name, index = inst.operands[0], inst.index
-                continue
-            if op in ("tuple", "opt-barrier") and index is not None:
-                if op == "opt-barrier":
-                    name = inst.operands[0]
-                    continue
-                if index >= len(inst.operands):
-                    return None
-                name, index = inst.operands[index], None
-                continue
-            if op == "while":
-                name = inst.operands[0]
-                continue
-            if op in _PASS or op.endswith("-done"):
-                if not inst.operands:
-                    return None
-                name, index = inst.operands[0], None
-                continue
-            if op == "async-start" and inst.operands:
-                name, index = inst.operands[0], None
-                continue
-            return None
+            back = _operand(inst, index)
+            if back is None:
+                return None
+            name, index = back
         return None
+
+    def _argument(self, comp: Computation, name: str) -> tuple[Computation, str] | None:
+        """What the caller of `comp` passes as its parameter `name`."""
+        caller = self.callers.get(comp.name)
+        if caller is None:
+            return None
+        caller_comp, call = self.comps[caller[0]], caller[1]
+        if call.opcode == "while":
+            return caller_comp, call.operands[0]  # the loop's initial tuple
+        number = next((k for k, v in comp.params.items() if v == name), None)
+        if number is not None and number < len(call.operands):
+            return caller_comp, call.operands[number]
+        return None
+
+
+def _operand(inst: Instruction, index: int | None) -> tuple[str, int | None] | None:
+    """The value (and tuple element) that `inst`'s result, or its element `index`,
+    is a piece or view of; None if it computes it."""
+    op = inst.opcode
+    if op == "get-tuple-element":
+        return inst.operands[0], inst.index
+    if op == "opt-barrier" and index is not None:
+        return inst.operands[0], index
+    if op == "tuple" and index is not None:
+        return (inst.operands[index], None) if index < len(inst.operands) else None
+    if op == "while":
+        return inst.operands[0], index
+    if op in _PASS or op.endswith("-done") or op == "async-start":
+        return (inst.operands[0], None) if inst.operands else None
+    return None
 
 
 _MOVES = ("dynamic-slice", "slice", "copy", "dynamic-update-slice")
@@ -152,37 +154,44 @@ _MOVES = ("dynamic-slice", "slice", "copy", "dynamic-update-slice")
 
 def moved(comp: Computation, inst: Instruction) -> tuple[str, int, str] | None:
     """(direction, bytes, the operand moved) if `inst` moves data between host and
-    device memory: synchronously, or the start of an asynchronous move (whose
-    shape is `(operands, result, context)`; a copy's `(result, operand, ...)`)."""
-    op, shape = inst.opcode, inst.shape
-    if op.endswith("-start") and op[: -len("-start")] in _MOVES:
-        op = op[: -len("-start")]
-        parts = _compiler.tuple_elements(shape)
-        if len(parts) < 2:
-            return None
-        shape = parts[0] if op == "copy" else parts[1]
-    elif op not in _MOVES:
+    device memory: synchronously, or the start of an asynchronous move."""
+    found = _move(inst)
+    if found is None:
         return None
+    op, shape = found
     out = _compiler.arrays(shape)
-    if len(out) != 1:
-        return None
     operands = [comp.insts.get(o) for o in inst.operands]
-    if not operands or operands[0] is None:
+    if len(out) != 1 or not operands or operands[0] is None:
         return None
     first = _compiler.arrays(operands[0].shape)
     if len(first) != 1:
         return None
+    source = inst.operands[0]
     if op == "dynamic-update-slice":
         update = operands[1] if len(operands) > 1 else None
         written = _compiler.arrays(update.shape) if update is not None else []
         if out[0].host and len(written) == 1 and not written[0].host:
-            return "device_to_host", written[0].nbytes, inst.operands[0]
+            return "device_to_host", written[0].nbytes, source
         return None
     if first[0].host and not out[0].host:
-        return "host_to_device", out[0].nbytes, inst.operands[0]
+        return "host_to_device", out[0].nbytes, source
     if out[0].host and not first[0].host and op == "copy":
-        return "device_to_host", out[0].nbytes, inst.operands[0]
+        return "device_to_host", out[0].nbytes, source
     return None
+
+
+def _move(inst: Instruction) -> tuple[str, str] | None:
+    """The move `inst` is (a slice, a copy, ...) and the shape it makes; None if
+    it is none. An asynchronous start's shape is `(operands, result, context)`,
+    a copy's `(result, operand, ...)`."""
+    op = inst.opcode
+    if op.endswith("-start") and op.removesuffix("-start") in _MOVES:
+        op = op.removesuffix("-start")
+        parts = _compiler.tuple_elements(inst.shape)
+        if len(parts) < 2:
+            return None
+        return op, parts[0] if op == "copy" else parts[1]
+    return (op, inst.shape) if op in _MOVES else None
 
 
 class Event(NamedTuple):

@@ -416,7 +416,7 @@ def memory_report(
     report = MemoryReport(
         target=where.name,
         capacity=where.capacity,
-        kind=job.kind,
+        compiled=job.kind,
         estimate=estimate,
         device=device,
         host=host,
@@ -555,7 +555,7 @@ def _too_big_for_the_device(
         target=where.name,
         is_slice=where.is_slice,
         per_device=where.mesh is not None,
-        kind=job.kind,
+        compiled=job.kind,
         policy=_policy_of(fn),
         params=None if job.params is None else count(job.params),
         opt_state=None if job.opt_state is None else count(job.opt_state),

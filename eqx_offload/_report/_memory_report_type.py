@@ -1,17 +1,18 @@
 """`MemoryReport` and its rows: where a step's bytes live, as figures and as the
 table `str(report)` prints (`memory_report` in `_memory_report.py` builds it)."""
 
+import dataclasses
+import functools
 import textwrap
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, NoReturn
 
-import equinox as eqx
-
+from .._errors import see
 from . import _minimum, _plot, _step_time, _traffic
 from ._step_time import StepTime
 from ._traffic import Transfer
-from ._units import size_text
+from ._units import device_word, size_text
 
 
 PARTS = ("argument", "output", "temp", "alias")
@@ -49,93 +50,71 @@ class UnnamedResidual(NamedTuple):
 UNNAMED = ("(other)", "(unnamed, in stacked layers)")
 LARGEST = 3  # unnamed residuals shown per group
 
+_KIND_IS_COMPILED = (
+    "`MemoryReport.kind` is now `MemoryReport.compiled`. Read `report.compiled`."
+    + see(144)
+)
 
-class MemoryReport(eqx.Module):
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
     """Where the memory of one compiled step lives. Print it for a table.
 
-    Compiled for a TPU (one chip or a whole slice) or for GPUs (one, a node or
-    several nodes), every byte count is **per chip** (per GPU): the step is one SPMD
-    program, and each chip or GPU runs it on its own shards.
+    Every byte count is **per device** (per TPU chip or GPU): the step is one SPMD
+    program, and each device runs it on its own shards.
 
+    - `compiled`: what was compiled: `"train_step"`, `"filter_offload"` (its
+        gradient) or `"function"`.
     - `device_bytes`, `host_bytes`: the footprints of one chip, `argument + output +
-        temp - alias` of each memory (`device` and `host` hold the parts, as the
-        compiler counts them: each array as the shard one chip holds, padded to the
-        tiled layout the compiler chose; a replicated array whole).
-    - `chips`, `chips_per_host`: the devices the step was compiled for (1 for
-        `"tpu-v5e"`, 16 for `"tpu-v5e:4x4"`, 32 GPUs for `"gpu-h100:4x8"`) and how
-        many of them one host serves (libtpu's layout of the slice: 4 for v5e, v6e
-        and v5p; 8 TensorCores, four chips, for v4; for GPUs, the GPUs per host of
-        the target); `None` on this backend.
-    - `host_bytes_per_host`: the host memory of one host, `host_bytes *
-        chips_per_host`: each chip's host-resident shards (and its own copy of each
-        replicated host-resident array) are separate buffers in the RAM of the host
-        that serves it. On this backend, `host_bytes`.
-    - `params`, `opt_state`: bytes by memory kind between steps (`train_step` and
-        `filter_offload` objects; `None` otherwise); on a TPU, the unpadded bytes of
-        one chip's shards.
-    - `residuals`: bytes saved for the backward pass, by checkpoint name and memory
-        kind, as traced (`train_step` and `filter_offload` objects; `None`
-        otherwise): whole arrays, summed over the chips of a slice, each in the
-        dtype it is saved in. A `train_step`'s are those of what it
-        differentiates: its loss on one micro-batch, computing from the
-        `compute_dtype` copies (under `compute_dtype=jnp.bfloat16`, a carry
-        computed from a bf16 embedding is saved in bf16, and so are the device's
-        parameters cast for the backward pass). The compiler may still place a
-        small residual elsewhere.
+        temp - alias` of each memory. `device` and `host` hold the parts as the
+        compiler counts them: each array as one chip's shard, padded to the
+        compiler's tiles; a replicated array whole.
+    - `chips`, `chips_per_host`: the devices compiled for (1 for `"tpu-v5e"`, 16
+        for `"tpu-v5e:4x4"`, 32 GPUs for `"gpu-h100:4x8"`), and how many one host
+        serves (4 chips for v5e, v6e and v5p; 8 TensorCores for v4; the target's
+        GPUs per host). `None` on this backend.
+    - `host_bytes_per_host`: `host_bytes * chips_per_host`, the host memory of
+        one host (each chip's host-resident shards are its own buffers).
+    - `params`, `opt_state`: bytes by memory kind between steps (`None` for a plain
+        function). On a TPU, the unpadded bytes of one chip's shards.
+    - `residuals`: bytes saved for the backward pass by checkpoint name and memory
+        kind, as traced (`None` for a plain function). Whole arrays, summed over the
+        chips of a slice, in the dtype they are saved in. A `train_step`'s are
+        those of its loss on one micro-batch, computed from the `compute_dtype`
+        copies. The compiler may still place a small residual elsewhere.
     - `largest_unnamed`: the largest values saved without a checkpoint name
-        (`eo.UnnamedResidual` rows, up to three for each of `"(other)"`, outside
-        every `Stacked`, and `"(unnamed, in stacked layers)"`), each with its
-        shape, dtype, the operation and the line of your code that computed it.
-    - `capacity`, `fits_device`: the device memory the compiler lets a program use
-        on one chip of the target (15.75 GiB of a v5e's 16; on a GPU, the share of
-        its memory JAX's allocator takes: 75% of an H100's 79.1 GiB by default) and
-        whether `device_bytes` fits in it; `None` without a target (this backend).
-    - `host_capacity`, `fits_host`: the host memory behind one chip of the target,
-        the host's RAM over the chips it serves (`Hardware.host_memory_bytes`: 48 GB
-        a v5e chip; from `memory_report(..., hardware=...)` when given), and whether
-        `host_bytes` fits in it; `None` without a target. Comparing per chip is
-        comparing per host: every chip of a host runs the same program, so
-        `host_bytes_per_host` is within the host's RAM (`host_capacity *
-        chips_per_host`) exactly when `host_bytes` is within `host_capacity`. It
-        is the rule of `eo.plan`'s `host_budget`, also per device.
-    - `fits`: both: `False` if either memory is exceeded, `True` if neither is,
-        `None` if a capacity is unknown (as on the CPU).
-    - `arguments`: bytes of each argument by memory kind (per chip on a TPU, as
-        `params`).
-    - `estimate`: `True` on the CPU backend, whose compiler does not tell host from
-        device memory: the split there follows the leaves' memory kinds, and
-        temporaries are counted as device memory.
-    - `transfers`: the bytes moved host <-> device per step that the traced
-        program asks for (`eo.Transfer` rows by direction, phase, what and name:
-        each parameter, optimizer-state leaf and checkpoint name).
-    - `compiled_transfers`: the same read from the compiled program, on a TPU or
-        GPU target (`None` otherwise): what the compiler kept (it drops the moves of
-        values nothing uses). A move of a value computed in the step that no named
-        scope describes (a gradient, a residual, an accumulator) is `"computed"`.
-    - `time`: the estimated step time on one device of the target (an
-        `eo.StepTime`: compute, HBM and host-link times, what is not hidden, and
-        what bounds it), read from the compiled program; `None` on the CPU
-        backend.
+        (`eo.UnnamedResidual` rows, up to three per group). Each has its shape,
+        dtype, operations and the line of your code that computed it.
+    - `capacity`, `fits_device`: the device memory a program may use on one chip
+        (15.75 GiB of a v5e's 16; on a GPU, the share JAX's allocator takes, 75% by
+        default), and whether `device_bytes` fits in it. `None` on this backend.
+    - `host_capacity`, `fits_host`: the host memory behind one chip
+        (`Hardware.host_memory_bytes`: 48 GB for a v5e chip), and whether
+        `host_bytes` fits in it; `None` on this backend. (Every chip of a host runs
+        the same program: this is the host's verdict too.)
+    - `fits`: both: `False` if either is exceeded, `None` if one is unknown.
+    - `arguments`: bytes of each argument by memory kind (per chip on a TPU).
+    - `estimate`: `True` on the CPU backend, whose compiler has one memory: the
+        split follows the leaves' memory kinds; temporaries count as device's.
+    - `transfers`: bytes moved host <-> device per step, as the traced program asks
+        (`eo.Transfer` rows by direction, phase, what and name).
+    - `compiled_transfers`: the same, read from the compiled program of a TPU or GPU
+        target (else `None`). The compiler drops moves of values nothing uses. A
+        computed value that no named scope describes is `"computed"`.
+    - `time`: the estimated step time (an `eo.StepTime`); `None` on the CPU.
     - `host_to_device_bytes`, `device_to_host_bytes`: the totals per step, from
-        `compiled_transfers` where there are some, else from `transfers`;
-        `transfer_bytes(direction, *, phase, what, compiled)` for a part.
+        `compiled_transfers` where there are some, else from `transfers`.
+        `transfer_bytes(direction, *, phase, what, compiled)` gives a part.
     - `minimum_transfers`: the fewest bytes a `train_step` must move per step (a
-        `MinimumTraffic`, residuals apart; `_report/_minimum.py` has the rules),
-        printed under the transfers beside their total (`None` for other kinds).
-
-    The compiler's `host["temp"]` is what it allocates in host memory for one chip
-    while the step runs (e.g. a gradient gathered on the host before it is written
-    back); like every figure here it is per chip, and it is not checked against
-    anything the library computes. It leaves out what a host computation
-    (`compute_on("device_host")`, `Policy(update="host")`) takes while it runs on
-    the host's CPU: `host_compute_temp` estimates that from the compiled program
-    (`_costs.Program.host_temporaries`: one array of the largest shape it
-    computes), and `host_bytes` (so `fits_host` and `eo.plan`'s `host_budget`)
-    counts it; 0 without host compute.
+        `MinimumTraffic`, residuals apart; `None` for other functions).
+    - `host_compute_temp`: the host memory host compute (`compute_on("device_host")`,
+        `Policy(update="host")`) takes while it runs: one array of the largest shape
+        it computes. The compiler's `host["temp"]` leaves it out; `host_bytes`
+        counts it. 0 without host compute.
     """
 
     target: str
-    kind: str  # what was compiled: "train_step", "filter_offload" or "function"
+    compiled: str  # "train_step", "filter_offload" or "function"
     estimate: bool
     capacity: int | None  # device memory of one chip of the target, if known
     device: dict[str, int]
@@ -155,20 +134,28 @@ class MemoryReport(eqx.Module):
     minimum_transfers: _minimum.MinimumTraffic | None = None  # the fewest moves
 
     @property
+    def kind(self) -> NoReturn:
+        raise AttributeError(_KIND_IS_COMPILED)
+
+    @property
     def host_to_device_bytes(self) -> int:
         """Bytes moved from host to device memory per step: what the compiled
         program moves (`compiled_transfers`) on a TPU or GPU target, else what the
         traced program asks for (`transfers`)."""
-        return self.transfer_bytes("host_to_device", compiled=self._compiled)
+        return self.transfer_bytes(
+            "host_to_device", compiled=self._has_compiled_transfers
+        )
 
     @property
     def device_to_host_bytes(self) -> int:
         """Bytes moved from device to host memory per step, counted as
         `host_to_device_bytes` is."""
-        return self.transfer_bytes("device_to_host", compiled=self._compiled)
+        return self.transfer_bytes(
+            "device_to_host", compiled=self._has_compiled_transfers
+        )
 
     @property
-    def _compiled(self) -> bool:
+    def _has_compiled_transfers(self) -> bool:
         return self.compiled_transfers is not None
 
     def transfer_bytes(
@@ -179,17 +166,18 @@ class MemoryReport(eqx.Module):
         what: str | None = None,
         compiled: bool = False,
     ) -> int:
-        """The bytes moved per step in one direction, of one phase and kind of
-        value if given (`what`: `"params"`, `"opt_state"`, `"gradients"`,
-        `"residuals"`, `"batch"`, `"other"`; in the compiled program also
-        `"computed"`), from `transfers`, or from `compiled_transfers` if
-        `compiled` (a TPU or GPU target's report has them)."""
+        """The bytes moved per step in one direction, from `transfers`.
+
+        `phase` and `what` select a part (`what`: `"params"`, `"opt_state"`,
+        `"gradients"`, `"residuals"`, `"batch"`, `"other"`; compiled, also
+        `"computed"`). `compiled=True` reads `compiled_transfers` instead (a TPU or
+        GPU target's report has them).
+        """
         rows = self.compiled_transfers if compiled else self.transfers
         if compiled and rows is None:
             raise ValueError(
-                "`MemoryReport.transfer_bytes(compiled=True)`: this report has no "
-                "compiled transfers (they are read from a TPU or GPU compile: "
-                "`memory_report(..., target='tpu-v5e')` or `target='gpu-h100'`)."
+                "`MemoryReport.transfer_bytes(compiled=True)`: no compiled transfers. "
+                "Report with a `target=`."
             )
         return sum(
             t.bytes
@@ -211,9 +199,8 @@ class MemoryReport(eqx.Module):
         `transfer_seconds("host_to_device", what="params")`."""
         if self.time is None:
             raise ValueError(
-                "`MemoryReport.transfer_seconds`: this report has no step time "
-                "(`time` is estimated for a TPU or GPU target: "
-                "`memory_report(..., target='tpu-v5e')`)."
+                "`MemoryReport.transfer_seconds`: this report has no step time. "
+                "Report with a `target=`." + see(112)
             )
         hw = self.time.hardware
         rate = (
@@ -274,7 +261,7 @@ class MemoryReport(eqx.Module):
         """The report as JSON-serialisable data (bytes as ints)."""
         return {
             "target": self.target,
-            "kind": self.kind,
+            "compiled": self.compiled,
             "estimate": self.estimate,
             "capacity": self.capacity,
             "host_capacity": self.host_capacity,
@@ -288,9 +275,7 @@ class MemoryReport(eqx.Module):
             "arguments": {k: dict(v) for k, v in self.arguments.items()},
             "params": None if self.params is None else dict(self.params),
             "opt_state": None if self.opt_state is None else dict(self.opt_state),
-            "residuals": None
-            if self.residuals is None
-            else [r._asdict() for r in self.residuals],
+            "residuals": _as_dicts(self.residuals),
             "largest_unnamed": None
             if self.largest_unnamed is None
             else [r._asdict() | {"shape": list(r.shape)} for r in self.largest_unnamed],
@@ -299,12 +284,8 @@ class MemoryReport(eqx.Module):
             "host_bytes_per_host": self.host_bytes_per_host,
             "host_to_device_bytes": self.host_to_device_bytes,
             "device_to_host_bytes": self.device_to_host_bytes,
-            "transfers": None
-            if self.transfers is None
-            else [t._asdict() for t in self.transfers],
-            "compiled_transfers": None
-            if self.compiled_transfers is None
-            else [t._asdict() for t in self.compiled_transfers],
+            "transfers": _as_dicts(self.transfers),
+            "compiled_transfers": _as_dicts(self.compiled_transfers),
             "time": None if self.time is None else self.time.to_dict(),
             "host_compute_temp": self.host_compute_temp,
             "minimum_transfers": _minimum.to_dict(self.minimum_transfers),
@@ -314,11 +295,13 @@ class MemoryReport(eqx.Module):
     def from_dict(cls, data: dict[str, Any]) -> "MemoryReport":
         """The report `to_dict()` gave (read back from JSON, say): its derived
         figures (`device_bytes`, `fits`, ...) are computed again."""
-        missing = {"target", "kind", "estimate", "device", "host"} - set(data)
+        if "compiled" not in data and "kind" in data:  # saved before the rename
+            data = {**data, "compiled": data["kind"]}
+        missing = {"target", "compiled", "estimate", "device", "host"} - set(data)
         if missing:
             raise ValueError(
-                "`MemoryReport.from_dict(data)` takes what `MemoryReport.to_dict()` "
-                f"returns; `data` lacks {', '.join(sorted(missing))}."
+                f"`MemoryReport.from_dict(data)`: `data` lacks "
+                f"{', '.join(sorted(missing))}. Pass what `to_dict()` returns."
             )
 
         def rows(key: str, row: Callable[..., Any]) -> Any:
@@ -327,7 +310,7 @@ class MemoryReport(eqx.Module):
 
         return cls(
             target=data["target"],
-            kind=data["kind"],
+            compiled=data["compiled"],
             estimate=data["estimate"],
             capacity=data.get("capacity"),
             device=dict(data["device"]),
@@ -355,16 +338,15 @@ class MemoryReport(eqx.Module):
         unit: Literal["GiB", "MiB", "KiB", "B"] | None = None,
         title: str | None = None,
     ) -> Any:
-        """Draws where the memory lives: for this report and each of `others`, side
-        by side, a stacked bar for the device and one for the host (per chip on a
-        TPU), split into parameters, optimizer state, other arguments (the batch;
-        on a TPU also the padding of arrays to the compiler's tiles),
-        saved activations by checkpoint name (as traced; one-chip reports), the
-        rest of the temporaries, what host compute takes while it runs
-        (`host_compute_temp`), and outputs not written in place; under each
-        label, the estimated step time and what bounds it (`time`). When a device
-        bar comes within half of the chip's capacity, the capacity is drawn as a
-        dashed line.
+        """Draws where the memory lives, for this report and each of `others`.
+
+        Each report gets a stacked bar for the device and one for the host (per
+        chip). The parts: parameters, optimizer state, other arguments (the batch;
+        on a TPU also tile padding), saved activations by checkpoint name (one
+        chip's reports), other temporaries, host compute's (`host_compute_temp`),
+        and outputs not written in place. Under each label: the estimated step
+        time and its bound. A device bar within half of the capacity gets the
+        capacity as a dashed line.
 
         Needs matplotlib (`pip install matplotlib`; from a clone, the `plot` extra).
 
@@ -385,102 +367,129 @@ class MemoryReport(eqx.Module):
         return _plot.plot((self, *others), labels, ax=ax, unit=unit, title=title)
 
     def __str__(self) -> str:
-        what = DESCRIPTIONS[self.kind]
-        if self.estimate:
-            lines = [
-                f"Memory report for {what}, compiled for this CPU backend",
-                "(an estimate: XLA's CPU compiler has one memory, so the split follows "
-                "the leaves' memory kinds",
-                "and temporaries count as device memory)",
-            ]
-        elif self.chips is not None and self.chips > 1:
-            hosts = self.chips // (self.chips_per_host or self.chips)
-            lines = [
-                f"Memory report for {what}, compiled for {self.target}: "
-                f"{self.chips} {self._unit}s, {self.chips_per_host} per host "
-                f"({hosts} host{'s' if hosts > 1 else ''})"
-            ]
-        else:
-            lines = [f"Memory report for {what}, compiled for {self.target}"]
-        per_chip = f"per {self._unit}" if self.chips is not None else ""
-        header = f"{per_chip:<34}{'device':>14}{'host':>14}"
-        lines += [header, "-" * len(header)]
-
-        def row(label: str, device: int | None, host: int) -> None:
-            shown = "" if device is None else size_text(device)
-            lines.append(f"{label:<34}{shown:>14}{size_text(host):>14}")
-
-        row("footprint", self.device_bytes, self.host_bytes)
-        for part, label in zip(PARTS, ("arguments", "outputs", "temporaries")):
-            row(f"  {label}", self.device[part], self.host[part])
-        if self.host_compute_temp:
-            row("  host compute temporaries", None, self.host_compute_temp)
-        row(
-            "  aliased (donated, counted once)",
-            -self.device["alias"],
-            -self.host["alias"],
+        lines = _title(self) + _footprint(self) + _capacities(self) + _held(self)
+        traffic = (
+            (self.transfers, "as traced"),
+            (self.compiled_transfers, "as compiled"),
         )
-        if self.capacity is not None or self.host_capacity is not None:
-            lines.append(
-                f"{f'capacity of one {self._unit}':<34}"
-                f"{_size_or_blank(self.capacity):>14}"
-                f"{_size_or_blank(self.host_capacity):>14}"
-            )
-            lines.append(
-                f"{'  verdict':<34}{_verdict(self.fits_device):>14}"
-                f"{_verdict(self.fits_host):>14}"
-            )
-            if self.fits_host is False:
-                lines.append("  the host memory is exceeded; to shrink it:")
-                for advice in host_advice(
-                    self.target,
-                    self.opt_state,
-                    self.residuals,
-                    self.host_capacity or 0,
-                    device_room=self.fits_device is True,
-                ):
-                    lines += textwrap.wrap(
-                        advice,
-                        80,
-                        initial_indent="    - ",
-                        subsequent_indent="      ",
-                        break_on_hyphens=False,
-                    )
-        if self.chips is not None and self.chips > 1:
-            label = f"host memory of a host ({self.chips_per_host} {self._unit}s)"
-            row(label, None, self.host_bytes_per_host)
-        for label, by_kind in (
-            ("parameters", self.params),
-            ("optimizer state", self.opt_state),
-        ):
-            if by_kind is not None:
-                row(label, by_kind.get("device", 0), host_total(by_kind))
-        if self.residuals is not None:
-            if self.chips is not None and self.chips > 1:
-                lines.append("saved for the backward pass (as traced, whole arrays)")
-            else:
-                lines.append("saved for the backward pass (as traced)")
-            totals: dict[str, dict[str, int]] = defaultdict(dict)
-            for r in self.residuals:
-                totals[r.name][r.memory_kind] = r.bytes
-            for name, by_kind in totals.items():
-                row(f"  {name}", by_kind.get("device", 0), host_total(by_kind))
-                lines += _unnamed_lines(self.largest_unnamed or (), name)
-            if not totals:
-                lines.append("  (nothing)")
-            lines += _unnamed_hints({name for name in totals if name in UNNAMED})
-        if self.params is None:
-            lines.append("arguments")
-            for name, by_kind in self.arguments.items():
-                row(f"  {name}", by_kind.get("device", 0), host_total(by_kind))
-        if self.transfers:
-            lines += _traffic.table_lines(self.transfers, "as traced")
-        if self.compiled_transfers:
-            lines += _traffic.table_lines(self.compiled_transfers, "as compiled")
+        for rows, how in traffic:
+            lines += _traffic.table_lines(rows, how) if rows else []
         lines += _minimum.table_lines(self)
         if self.time is not None:
             lines += _step_time.lines(self.time)
         return "\n".join(lines)
+
+
+def _as_dicts(rows: Sequence[Any] | None) -> list[dict[str, Any]] | None:
+    return None if rows is None else [r._asdict() for r in rows]
+
+
+def _row(label: str, device: int | None, host: int) -> str:
+    shown = "" if device is None else size_text(device)
+    return f"{label:<34}{shown:>14}{size_text(host):>14}"
+
+
+def _title(r: MemoryReport) -> list[str]:
+    """What was compiled for what, and the table's header."""
+    what = DESCRIPTIONS[r.compiled]
+    if r.estimate:
+        lines = [
+            f"Memory report for {what}, compiled for this CPU backend",
+            "(an estimate: XLA's CPU compiler has one memory, so the split follows "
+            "the leaves' memory kinds",
+            "and temporaries count as device memory)",
+        ]
+    elif r.chips is not None and r.chips > 1:
+        hosts = r.chips // (r.chips_per_host or r.chips)
+        lines = [
+            f"Memory report for {what}, compiled for {r.target}: "
+            f"{r.chips} {r._unit}s, {r.chips_per_host} per host "
+            f"({hosts} host{'s' if hosts > 1 else ''})"
+        ]
+    else:
+        lines = [f"Memory report for {what}, compiled for {r.target}"]
+    per_chip = f"per {r._unit}" if r.chips is not None else ""
+    header = f"{per_chip:<34}{'device':>14}{'host':>14}"
+    return lines + [header, "-" * len(header)]
+
+
+def _footprint(r: MemoryReport) -> list[str]:
+    """The footprints and their parts."""
+    lines = [_row("footprint", r.device_bytes, r.host_bytes)]
+    for part, label in zip(PARTS, ("arguments", "outputs", "temporaries")):
+        lines.append(_row(f"  {label}", r.device[part], r.host[part]))
+    if r.host_compute_temp:
+        lines.append(_row("  host compute temporaries", None, r.host_compute_temp))
+    label = "  aliased (donated, counted once)"
+    return lines + [_row(label, -r.device["alias"], -r.host["alias"])]
+
+
+def _capacities(r: MemoryReport) -> list[str]:
+    """The capacities of one device, whether the step fits them, and what would
+    shrink the host's share if it does not; the host memory of a host."""
+    lines = []
+    if r.capacity is not None or r.host_capacity is not None:
+        lines.append(
+            f"{f'capacity of one {r._unit}':<34}"
+            f"{_size_or_blank(r.capacity):>14}{_size_or_blank(r.host_capacity):>14}"
+        )
+        lines.append(
+            f"{'  verdict':<34}{_verdict(r.fits_device):>14}{_verdict(r.fits_host):>14}"
+        )
+    if r.fits_host is False:
+        lines.append("  the host memory is exceeded; to shrink it:")
+        for advice in host_advice(
+            r.target,
+            r.opt_state,
+            r.residuals,
+            r.host_capacity or 0,
+            device_room=r.fits_device is True,
+        ):
+            lines += _wrap(advice)
+    if r.chips is not None and r.chips > 1:
+        label = f"host memory of a host ({r.chips_per_host} {r._unit}s)"
+        lines.append(_row(label, None, r.host_bytes_per_host))
+    return lines
+
+
+_wrap = functools.partial(
+    textwrap.wrap,
+    width=80,
+    initial_indent="    - ",
+    subsequent_indent="      ",
+    break_on_hyphens=False,
+)
+
+
+def _held(r: MemoryReport) -> list[str]:
+    """Parameters, optimizer state and residuals, or the arguments, by memory."""
+    held = {"parameters": r.params, "optimizer state": r.opt_state}
+    lines = [_by_kind(label, by) for label, by in held.items() if by is not None]
+    if r.residuals is not None:
+        lines += _residual_lines(r)
+    if r.params is None:
+        lines.append("arguments")
+        lines += [_by_kind(f"  {name}", by) for name, by in r.arguments.items()]
+    return lines
+
+
+def _by_kind(label: str, by_kind: dict[str, int]) -> str:
+    return _row(label, by_kind.get("device", 0), host_total(by_kind))
+
+
+def _residual_lines(r: MemoryReport) -> list[str]:
+    """What is saved for the backward pass, by name, with the largest unnamed."""
+    whole = ", whole arrays" if r.chips is not None and r.chips > 1 else ""
+    lines = [f"saved for the backward pass (as traced{whole})"]
+    totals: dict[str, dict[str, int]] = defaultdict(dict)
+    for row in r.residuals or ():
+        totals[row.name][row.memory_kind] = row.bytes
+    for name, by_kind in totals.items():
+        lines.append(_by_kind(f"  {name}", by_kind))
+        lines += _unnamed_lines(r.largest_unnamed or (), name)
+    if not totals:
+        lines.append("  (nothing)")
+    return lines + _unnamed_hints({name for name in totals if name in UNNAMED})
 
 
 def _size_or_blank(n: int | None) -> str:
@@ -566,28 +575,24 @@ def _unnamed_lines(largest: tuple[UnnamedResidual, ...], group: str) -> list[str
     return lines
 
 
+# How to shrink each unnamed group the table shows.
+_HINTS = {
+    "(other)": [
+        "  (other) is saved outside every `Stacked`, where no policy applies:",
+        "    hold repeated layers in an `eo.Stacked` (a Python list of them is",
+        "    on the device whole), recompute other code (`eqx.filter_checkpoint`",
+        "    around it), or for logits use `eo.chunked_cross_entropy`",
+    ],
+    "(unnamed, in stacked layers)": [
+        "  (unnamed, in stacked layers): name a value inside the layer",
+        "    (`jax.ad_checkpoint.checkpoint_name(x, 'h')`), then save or offload",
+        "    it by name (`Policy(offload=('blocks.h',))`), or recompute it",
+    ],
+}
+
+
 def _unnamed_hints(groups: set[str]) -> list[str]:
-    """How to shrink the unnamed groups the table shows."""
-    hints = {
-        "(other)": [
-            "  (other) is saved outside every `Stacked`, where no policy applies:",
-            "    hold repeated layers in an `eo.Stacked` (a Python list of them is",
-            "    on the device whole), recompute other code (`eqx.filter_checkpoint`",
-            "    around it), or for logits use `eo.chunked_cross_entropy`",
-        ],
-        "(unnamed, in stacked layers)": [
-            "  (unnamed, in stacked layers): name a value inside the layer",
-            "    (`jax.ad_checkpoint.checkpoint_name(x, 'h')`), then save or offload",
-            "    it by name (`Policy(offload=('blocks.h',))`), or recompute it",
-        ],
-    }
-    return [line for group in UNNAMED if group in groups for line in hints[group]]
-
-
-def device_word(target: str) -> str:
-    """What one device of `target` is called in reports and errors: "GPU" for the
-    `gpu-*` targets, "chip" otherwise."""
-    return "GPU" if target.startswith("gpu-") else "chip"
+    return [line for group in UNNAMED if group in groups for line in _HINTS[group]]
 
 
 def host_total(by_kind: dict[str, int]) -> int:

@@ -106,8 +106,8 @@ class MinimumTraffic(NamedTuple):
             total, apart = self.device_to_host, self.residuals_to_host
         else:
             raise ValueError(
-                f"`MinimumTraffic.bytes(direction={direction!r})`: valid directions "
-                "are 'host_to_device' and 'device_to_host'."
+                f"`MinimumTraffic.bytes(direction={direction!r})` is unknown. "
+                "Use 'host_to_device' or 'device_to_host'."
             )
         return total if residuals else total - apart
 
@@ -123,6 +123,28 @@ def _nbytes(x: Any) -> int:
 
 def _on_host(x: Any) -> bool:
     return kind_of(x) != "device"
+
+
+class _Leaf(NamedTuple):
+    """A trainable array leaf, with what the rules read of it."""
+
+    value: Any  # the master
+    source: Any  # what its compute value is made from (its compute copy, or it)
+    state: list[Any]  # its optimizer-state leaves
+    copy: Any  # its compute copy in the optimizer state, or None
+    held: Any  # its gradient held over to the next step, or None
+    master: int  # bytes of the master
+    grad: int  # bytes of its gradient, in the compute dtype
+    sliced: bool  # read by the layer (or by blocks of rows), not whole
+
+
+class _StateOf(NamedTuple):
+    """The optimizer state by trainable leaf: its own leaves and its compute copy;
+    and the state that mirrors no parameter (step counts)."""
+
+    states: list[list[Any]]
+    copies: list[Any]
+    counts: list[Any]
 
 
 def minimum_traffic(
@@ -144,7 +166,7 @@ def minimum_traffic(
     - `opt_state`: its optimizer state from `eo.init_opt_state` (placed; with the
         compute copies of `Policy(compute_dtype=...)`).
     - `policy`: the step's `eo.Policy`: its update mode, compute dtype, `save`,
-        `stream`.
+        `host_tables`.
     - `optimizer`: the optimizer the state belongs to, to find which state leaves
         mirror which parameter; without it, the state's subtrees shaped like the
         parameters.
@@ -159,17 +181,54 @@ def minimum_traffic(
     A `MinimumTraffic`.
     """
     k = microbatches
-    waiting: list[Any] = []  # per trainable leaf: its gradient held over, or None
+    mode = _update_mode(policy, platform)
+    leaves, counts = _trainable_leaves(model, opt_state, policy, optimizer)
+    passes = 1 if policy.save == "all" else 2
+    totals = dict.fromkeys(MinimumTraffic._fields, 0)
+    host_update_reads_counts = False
+    for leaf in leaves:
+        if _on_host(leaf.source):
+            reads = passes * k if leaf.sliced else 1
+            totals["params_to_device"] += reads * _nbytes(leaf.source)
+        if mode == "host":
+            host_update_reads_counts |= _host_update(leaf, k, totals)
+        else:
+            _device_update(leaf, k, totals)
+    if host_update_reads_counts:
+        totals["opt_state_to_host"] += sum(
+            _nbytes(c) for c in counts if not _on_host(c)
+        )
+    totals["residuals_to_host"] = totals["residuals_to_device"] = k * residual_bytes
+    return MinimumTraffic(**totals)
+
+
+def _update_mode(policy: Policy, platform: str) -> str:
+    """Where `policy` updates on `platform`: `"whole"`, `"streamed"` or `"host"`."""
+    if policy.update == "auto":
+        return "whole" if platform in _tiling.WHOLE_ON else "streamed"
+    if policy.update in ("whole", "streamed", "host"):
+        return policy.update
+    raise ValueError(
+        f"`minimum_traffic`: unknown `Policy(update={policy.update!r})`. "
+        "Use 'auto', 'streamed', 'whole' or 'host'."
+    )
+
+
+def _trainable_leaves(
+    model: PyTree,
+    opt_state: PyTree,
+    policy: Policy,
+    optimizer: optax.GradientTransformation | None,
+) -> tuple[list[_Leaf], list[Any]]:
+    """Each trainable array leaf with its state, copy and held-over gradient; and
+    the state that mirrors no parameter."""
+    held: list[Any] = []  # per trainable leaf: its gradient held over, or None
     if isinstance(opt_state, PendingUpdate):
-        waiting = [
+        held = [
             None if is_masked(g) else g
             for g in jax.tree.leaves(opt_state.grads, is_leaf=is_masked)
         ]
         opt_state = own_state(opt_state)
-    if policy.update == "auto":
-        mode = "whole" if platform in _tiling.WHOLE_ON else "streamed"
-    else:
-        mode = policy.update
     params = trainable(model)
     leaves = [leaf for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
     dtypes = _mixed_precision.compute_dtypes(params, policy)
@@ -179,85 +238,102 @@ def minimum_traffic(
     }
     if optimizer is not None:
         optimizer = _mixed_precision.for_policy(optimizer, params, policy)
-    states: list[list[Any]] = [[] for _ in leaves]  # each leaf's state leaves
-    copies: list[Any] = [None] * len(leaves)
-    counts: list[Any] = []  # state mirroring no parameter: step counts
+    state = _state_of(optimizer, opt_state, params, len(leaves))
+    out = []
+    for leaf, dtype, mine, copy, grad in zip(
+        leaves,
+        dtypes,
+        state.states,
+        state.copies,
+        held or [None] * len(leaves),
+        strict=True,
+    ):
+        x = leaf.value
+        master = _nbytes(x)
+        in_table = any(
+            _paths.prefix_match(p, leaf.path) is not None for p in policy.host_tables
+        )
+        sliced = in_table or (
+            leaf.stacked is not None and _tiling.slices_by_layer(tuple(x.shape))
+        )
+        out.append(
+            _Leaf(
+                value=x,
+                source=sources.get(leaf.path, x),
+                state=mine,
+                copy=copy,
+                held=grad,
+                master=master,
+                grad=master * jnp.dtype(dtype).itemsize // jnp.dtype(x.dtype).itemsize,
+                sliced=bool(sliced),
+            )
+        )
+    return out, state.counts
+
+
+def _state_of(
+    optimizer: optax.GradientTransformation | None,
+    opt_state: PyTree,
+    params: PyTree,
+    n: int,
+) -> _StateOf:
+    """`opt_state`'s leaves by the trainable leaf (of `n`) each belongs to."""
+    found = _StateOf([[] for _ in range(n)], [None] * n, [])
     has_copies = isinstance(opt_state, _mixed_precision.ComputeCopyState)
     # (`owner` indexes `_paths.leaves(params)`: every leaf of `trainable` is an array.)
     for s in state_leaves(optimizer, opt_state, params):
         if s.owner is None:
-            counts.append(s.leaf.value)
+            found.counts.append(s.leaf.value)
         elif has_copies and s.leaf.path.startswith(_scopes.COPIES + "."):
-            copies[s.owner] = s.leaf.value
+            found.copies[s.owner] = s.leaf.value
         else:
-            states[s.owner].append(s.leaf.value)
-    passes = 1 if policy.save == "all" else 2
-    totals = dict.fromkeys(MinimumTraffic._fields, 0)
-    host_update_reads_counts = False
-    waiting = waiting or [None] * len(leaves)
-    for leaf, dtype, state, copy, held in zip(
-        leaves, dtypes, states, copies, waiting, strict=True
-    ):
-        x = leaf.value
-        master = _nbytes(x)
-        grad = master * jnp.dtype(dtype).itemsize // jnp.dtype(x.dtype).itemsize
-        streamed = any(
-            _paths.prefix_match(p, leaf.path) is not None for p in policy.host_tables
-        )
-        sliced = streamed or (
-            leaf.stacked is not None and _tiling.slices_by_layer(tuple(x.shape))
-        )
-        source = sources.get(leaf.path, x)
-        if _on_host(source):
-            reads = passes * k if sliced else 1
-            totals["params_to_device"] += reads * _nbytes(source)
-        host_state = any(_on_host(s) for s in state)
-        if mode == "host":
-            if not (_on_host(x) or host_state):
-                continue  # updated on the device
-            host_update_reads_counts = True
-            if _on_host(x) and sliced:
-                totals["gradients_to_host"] += k * grad
-            else:
-                totals["gradients_to_host"] += min(k * grad, master)
-            if not _on_host(x):
-                totals["params_to_host"] += master
-                totals["params_to_device"] += master
-            for s in state:
-                if not _on_host(s):
-                    totals["opt_state_to_host"] += _nbytes(s)
-                    totals["opt_state_to_device"] += _nbytes(s)
-            if copy is not None and not _on_host(copy):
-                totals["opt_state_to_device"] += _nbytes(copy)
-        elif mode in ("whole", "streamed"):
-            if held is not None and _on_host(held) and not (_on_host(x) and sliced):
-                totals["gradients_to_host"] += _nbytes(held)
-                totals["gradients_to_device"] += _nbytes(held)
-            if _on_host(x):
-                if sliced:
-                    moved = grad if k == 1 else k * master
-                    totals["gradients_to_host"] += moved
-                    totals["gradients_to_device"] += moved
-                if sliced or source is not x:
-                    totals["params_to_device"] += master
-                totals["params_to_host"] += master
-            for s in state:
-                if _on_host(s):
-                    totals["opt_state_to_device"] += _nbytes(s)
-                    totals["opt_state_to_host"] += _nbytes(s)
-            if copy is not None and _on_host(copy):
-                totals["opt_state_to_host"] += _nbytes(copy)
-        else:
-            raise ValueError(
-                f"`minimum_traffic`: `Policy(update={policy.update!r})`; valid values "
-                "are 'auto', 'streamed', 'whole' and 'host'."
-            )
-    if host_update_reads_counts:
-        totals["opt_state_to_host"] += sum(
-            _nbytes(c) for c in counts if not _on_host(c)
-        )
-    totals["residuals_to_host"] = totals["residuals_to_device"] = k * residual_bytes
-    return MinimumTraffic(**totals)
+            found.states[s.owner].append(s.leaf.value)
+    return found
+
+
+def _host_update(leaf: _Leaf, k: int, totals: dict[str, int]) -> bool:
+    """Adds what the update on the host moves for `leaf`; whether the host
+    updates it (else the device does, moving nothing)."""
+    x, on_host = leaf.value, _on_host(leaf.value)
+    if not (on_host or any(_on_host(s) for s in leaf.state)):
+        return False
+    if on_host and leaf.sliced:
+        totals["gradients_to_host"] += k * leaf.grad
+    else:
+        totals["gradients_to_host"] += min(k * leaf.grad, leaf.master)
+    if not _on_host(x):
+        totals["params_to_host"] += leaf.master
+        totals["params_to_device"] += leaf.master
+    for s in leaf.state:
+        if not _on_host(s):
+            totals["opt_state_to_host"] += _nbytes(s)
+            totals["opt_state_to_device"] += _nbytes(s)
+    if leaf.copy is not None and not _on_host(leaf.copy):
+        totals["opt_state_to_device"] += _nbytes(leaf.copy)
+    return True
+
+
+def _device_update(leaf: _Leaf, k: int, totals: dict[str, int]) -> None:
+    """Adds what the update on the device moves for `leaf`."""
+    x, on_host = leaf.value, _on_host(leaf.value)
+    held = leaf.held
+    if held is not None and _on_host(held) and not (on_host and leaf.sliced):
+        totals["gradients_to_host"] += _nbytes(held)
+        totals["gradients_to_device"] += _nbytes(held)
+    if on_host:
+        if leaf.sliced:
+            moved = leaf.grad if k == 1 else k * leaf.master
+            totals["gradients_to_host"] += moved
+            totals["gradients_to_device"] += moved
+        if leaf.sliced or leaf.source is not x:
+            totals["params_to_device"] += leaf.master
+        totals["params_to_host"] += leaf.master
+    for s in leaf.state:
+        if _on_host(s):
+            totals["opt_state_to_device"] += _nbytes(s)
+            totals["opt_state_to_host"] += _nbytes(s)
+    if leaf.copy is not None and _on_host(leaf.copy):
+        totals["opt_state_to_host"] += _nbytes(leaf.copy)
 
 
 def of_step(fn: Any, plan: Any, residuals: Any, platform: str, where: Any) -> Any:

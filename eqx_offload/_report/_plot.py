@@ -6,6 +6,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, TYPE_CHECKING
 
+from .._errors import see
 from ._units import time_text
 
 
@@ -96,14 +97,13 @@ def plot(
         from matplotlib.patches import Patch
     except ImportError as e:
         raise ImportError(
-            "`MemoryReport.plot` draws with matplotlib, which is not installed: "
-            "`pip install matplotlib` (from a clone of eqx_offload, its `plot` extra: "
-            "`pip install -e '.[plot]'`)."
+            "`MemoryReport.plot` needs matplotlib. Install it: `pip install "
+            "matplotlib` (from a clone, the `plot` extra)."
         ) from e
     if unit is not None and unit not in _UNITS:
         raise ValueError(
-            f"`MemoryReport.plot(unit=...)` must be one of {', '.join(_UNITS)}, got "
-            f"{unit!r}."
+            f"`MemoryReport.plot(unit={unit!r})` is not a unit. Use one of "
+            f"{', '.join(_UNITS)}." + see(102)
         )
     if labels is None:
         labels = [r.target for r in reports]
@@ -112,8 +112,8 @@ def plot(
     labels = list(labels)
     if len(labels) != len(reports):
         raise ValueError(
-            f"`MemoryReport.plot(labels=...)` has {len(labels)} labels for "
-            f"{len(reports)} reports; give one label per report."
+            f"`MemoryReport.plot(labels=...)`: {len(labels)} labels for "
+            f"{len(reports)} reports. Give one label per report." + see(102)
         )
     split = [{m: categories(r, m) for m in _MEMORIES} for r in reports]
     if unit is None:  # the largest unit in which the tallest bar is at least 1

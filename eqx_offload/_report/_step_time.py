@@ -41,9 +41,10 @@ from collections import defaultdict
 from typing import Any, Literal
 
 from .. import _compiler
-from .._compiler import Computation
+from .._compiler import Computation, Instruction
+from .._errors import see
 from . import _hardware
-from ._costs import FREE, Program
+from ._costs import FREE, HostWork, Program
 from ._hardware import Hardware
 from ._units import flops_text, size_text, time_text
 
@@ -237,6 +238,35 @@ class _Tally:
             self.link_by_phase[k] += times * v
 
 
+@dataclasses.dataclass
+class _Run:
+    """One replay of a computation: its clock, when each resource is next free,
+    and the asynchronous work started and not yet waited for."""
+
+    tally: _Tally
+    clock: float = 0.0
+    link_free: dict[str, float] = dataclasses.field(
+        default_factory=lambda: {"host_to_device": 0.0, "device_to_host": 0.0}
+    )
+    other_free: float = 0.0  # the device's asynchronous work
+    host_free: float = 0.0  # the host's CPU
+    # start -> (finish, on what, the part of the step it belongs to)
+    pending: dict[str, tuple[float, _On, str]] = dataclasses.field(default_factory=dict)
+
+    def wait(self, until: float, on: _On, phase: str = "") -> None:
+        """Moves the clock to `until`, counting the wait against what it is on."""
+        if until > self.clock:
+            t = self.tally
+            if on == "link":
+                t.exposed += until - self.clock
+                t.exposed_by_phase[phase] += until - self.clock
+            elif on == "host":
+                t.host_bound += until - self.clock
+            else:
+                t.hbm_bound += until - self.clock
+            self.clock = until
+
+
 class _Replay:
     def __init__(self, program: Program, hardware: Hardware):
         self.program = program
@@ -257,117 +287,127 @@ class _Replay:
         return tally
 
     def _run(self, comp: Computation) -> _Tally:
-        t = _Tally()
-        clock = 0.0
-        link_free = {"host_to_device": 0.0, "device_to_host": 0.0}
-        other_free = host_free = 0.0
-        # start -> (finish, on what, the part of the step it belongs to)
-        pending: dict[str, tuple[float, _On, str]] = {}
-
-        def wait(until: float, on: _On, phase: str = "") -> None:
-            nonlocal clock
-            if until > clock:
-                if on == "link":
-                    t.exposed += until - clock
-                    t.exposed_by_phase[phase] += until - clock
-                elif on == "host":
-                    t.host_bound += until - clock
-                else:
-                    t.hbm_bound += until - clock
-                clock = until
-
+        run = _Run(_Tally())
         for inst in comp.insts.values():
-            op = inst.opcode
-            if op in FREE:
-                continue
-            if op.endswith("-done"):
-                start = inst.operands[0] if inst.operands else ""
-                if start in pending:
-                    wait(*pending.pop(start))
-                continue
-            moving = self.program.transfer(comp, inst)
-            if moving is not None:
-                direction, nbytes = moving
-                t.link_bytes[direction] += nbytes
-                begin = max(clock, link_free[direction])
-                finish = begin + nbytes / self.rate[direction]
-                link_free[direction] = finish
-                phase = _compiler.phase(inst.op_name)
-                t.link_by_phase[phase] += nbytes / self.rate[direction]
-                if op.endswith("-start"):
-                    pending[inst.name] = (finish, "link", phase)
-                else:
-                    wait(finish, "link", phase)
-                continue
-            work = self.program.host_work(comp, inst)
-            if work is not None:
-                took = max(
-                    work.nbytes / self.hw.host_memory_bytes_per_second,
-                    work.flops / self.hw.host_flops,
-                )
-                t.host += took
-                t.host_bytes += work.nbytes
-                t.host_flops += work.flops
-                host_free = max(clock, host_free) + took
-                if work.asynchronous:
-                    pending[inst.name] = (host_free, "host", "")
-                else:
-                    wait(host_free, "host")
-                continue
-            if op == "while":
-                body = inst.computation("body")
-                if body is not None:
-                    trips = self.program.walker.trips(comp, inst)
-                    inner = self.run(body)
-                    t.add(inner, trips)
-                    clock += trips * inner.seconds
-                continue
-            if op == "conditional":
-                branches = inst.branches
-                if branches:
-                    inner = self.run(branches[0])
-                    t.add(inner)
-                    clock += inner.seconds
-                continue
-            if op == "call" and inst.computation("to_apply"):
-                inner = self.run(inst.computation("to_apply") or "")
-                t.add(inner)
-                clock += inner.seconds
-                continue
-            # Work: a fusion, a dot, a copy, a collective, ...
-            flops: dict[str, float] = defaultdict(float)
-            found = self.program.dot_flops(comp, inst)
-            if found is not None:
-                flops[found[0]] += found[1]
-            callee = inst.computation("calls")
-            if callee is not None:
-                for p, n in self.program.fused_flops(callee):
-                    flops[p] += n
-            compute = 0.0
-            for p, n in flops.items():
-                used, rate = self.hw.flops_per_second(p)
-                t.flops[used] += n
-                compute += n / rate
-            nbytes = self.program.device_bytes(comp, inst)
-            memory = nbytes / self.hw.hbm_bytes_per_second
-            t.compute += compute
-            t.hbm += memory
-            t.hbm_bytes += nbytes
-            took = max(compute, memory)
-            if op.endswith("-start"):
-                begin = max(clock, other_free)
-                other_free = begin + took
-                pending[inst.name] = (other_free, "device", "")
-                continue
-            if compute >= memory:
-                t.compute_bound += took
-            else:
-                t.hbm_bound += took
-            clock += took
-        for finish, on, phase in pending.values():  # never waited for here
-            wait(finish, on, phase)
-        t.seconds = clock
-        return t
+            self._step(run, comp, inst)
+        for finish, on, phase in run.pending.values():  # never waited for here
+            run.wait(finish, on, phase)
+        run.tally.seconds = run.clock
+        return run.tally
+
+    def _step(self, run: _Run, comp: Computation, inst: Instruction) -> None:
+        """Replays one instruction."""
+        op = inst.opcode
+        if op in FREE:
+            return
+        if op.endswith("-done"):
+            start = inst.operands[0] if inst.operands else ""
+            if start in run.pending:
+                run.wait(*run.pending.pop(start))
+            return
+        moving = self.program.transfer(comp, inst)
+        if moving is not None:
+            self._transfer(run, inst, *moving)
+            return
+        work = self.program.host_work(comp, inst)
+        if work is not None:
+            self._host_work(run, inst, work)
+            return
+        called = self._called(comp, inst)
+        if called is None:  # work: a fusion, a dot, a copy, a collective, ...
+            self._device_work(run, comp, inst)
+        for name, times in called or ():
+            inner = self.run(name)
+            run.tally.add(inner, times)
+            run.clock += times * inner.seconds
+
+    def _transfer(
+        self, run: _Run, inst: Instruction, direction: str, nbytes: int
+    ) -> None:
+        """A transfer occupies the link in its direction from when it is issued."""
+        t = run.tally
+        t.link_bytes[direction] += nbytes
+        begin = max(run.clock, run.link_free[direction])
+        finish = begin + nbytes / self.rate[direction]
+        run.link_free[direction] = finish
+        phase = _compiler.phase(inst.op_name)
+        t.link_by_phase[phase] += nbytes / self.rate[direction]
+        if inst.opcode.endswith("-start"):
+            run.pending[inst.name] = (finish, "link", phase)
+        else:
+            run.wait(finish, "link", phase)
+
+    def _host_work(self, run: _Run, inst: Instruction, work: HostWork) -> None:
+        """Host compute occupies the host's CPU from when it is issued."""
+        took = max(
+            work.nbytes / self.hw.host_memory_bytes_per_second,
+            work.flops / self.hw.host_flops,
+        )
+        t = run.tally
+        t.host += took
+        t.host_bytes += work.nbytes
+        t.host_flops += work.flops
+        run.host_free = max(run.clock, run.host_free) + took
+        if work.asynchronous:
+            run.pending[inst.name] = (run.host_free, "host", "")
+        else:
+            run.wait(run.host_free, "host")
+
+    def _called(
+        self, comp: Computation, inst: Instruction
+    ) -> list[tuple[str, int]] | None:
+        """The computations a loop, conditional or call runs, with how many times
+        each (a loop's body per trip, a conditional's first branch); `None` for
+        other instructions."""
+        op = inst.opcode
+        if op == "while":
+            body = inst.computation("body")
+            if body is None:
+                return []
+            return [(body, self.program.walker.trips(comp, inst))]
+        if op == "conditional":
+            return [(name, 1) for name in inst.branches[:1]]
+        if op == "call" and inst.computation("to_apply"):
+            return [(inst.computation("to_apply") or "", 1)]
+        return None
+
+    def _device_work(self, run: _Run, comp: Computation, inst: Instruction) -> None:
+        """An instruction that computes takes the longer of its matmul FLOPs and
+        its device-memory bytes."""
+        t = run.tally
+        compute = 0.0
+        for p, n in self._flops(comp, inst).items():
+            used, rate = self.hw.flops_per_second(p)
+            t.flops[used] += n
+            compute += n / rate
+        nbytes = self.program.device_bytes(comp, inst)
+        memory = nbytes / self.hw.hbm_bytes_per_second
+        t.compute += compute
+        t.hbm += memory
+        t.hbm_bytes += nbytes
+        took = max(compute, memory)
+        if inst.opcode.endswith("-start"):
+            begin = max(run.clock, run.other_free)
+            run.other_free = begin + took
+            run.pending[inst.name] = (run.other_free, "device", "")
+            return
+        if compute >= memory:
+            t.compute_bound += took
+        else:
+            t.hbm_bound += took
+        run.clock += took
+
+    def _flops(self, comp: Computation, inst: Instruction) -> dict[str, float]:
+        """An instruction's matmul FLOPs by precision, fused ones included."""
+        flops: dict[str, float] = defaultdict(float)
+        found = self.program.dot_flops(comp, inst)
+        if found is not None:
+            flops[found[0]] += found[1]
+        callee = inst.computation("calls")
+        if callee is not None:
+            for p, n in self.program.fused_flops(callee):
+                flops[p] += n
+        return flops
 
 
 def hardware_for(
@@ -379,15 +419,14 @@ def hardware_for(
     if hardware is not None and not isinstance(hardware, Hardware):
         raise TypeError(
             f"`memory_report(hardware=...)` takes an `eo.Hardware`, not "
-            f"{type(hardware).__name__}: e.g. `dataclasses.replace("
-            "eo.Hardware.of('tpu-v5e'), host_to_device_bytes_per_second=10e9)`."
+            f"{type(hardware).__name__}. Use e.g. `eo.Hardware.of('tpu-v5e')`."
+            + see(110)
         )
     if platform not in ("tpu", "gpu"):
         if hardware is not None:
             raise ValueError(
-                f"`memory_report(hardware=...)`: the step is compiled for this "
-                f"{platform} backend, whose program says nothing of TPU or GPU "
-                "time; pass a `target=` (e.g. 'tpu-v5e', 'gpu-h100') with it."
+                f"`memory_report(hardware=...)`: a {platform} program has no TPU or "
+                "GPU time. Pass a `target=` too." + see(109)
             )
         return None
     if hardware is not None:

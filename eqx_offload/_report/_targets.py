@@ -15,6 +15,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from .. import _compat, _paths
+from .._errors import see
 from .._memory_kinds import abstract_sharding, kind_of
 
 
@@ -78,7 +79,7 @@ def parse(target: str) -> tuple[str, str | None]:
     ):
         raise ValueError(
             f"`memory_report(target={target!r})`: unknown target; valid targets: "
-            f"{_FORMS}."
+            f"{_FORMS}." + see(51)
         )
     return found["chip"], found["topology"]
 
@@ -100,8 +101,8 @@ def target_sizes(chip: str) -> tuple[str, ...]:
     """The targets of `chip` from one device up (`SIZES`)."""
     if chip not in SIZES:
         raise ValueError(
-            f"`fewest_chips(chip={chip!r})`: give a chip kind, one of "
-            f"{_paths.quoted(SIZES)}; its slices (or GPU counts) are searched."
+            f"`fewest_chips(chip={chip!r})` is not a chip kind. Use one of "
+            f"{_paths.quoted(SIZES)}." + see(119)
         )
     return (chip,) + tuple(f"{chip}:{t}" for t in SIZES[chip])
 
@@ -138,9 +139,8 @@ def capacity(target: str) -> int:
         share = -1.0
     if not 0 < share <= 1:
         raise ValueError(
-            f"`memory_report(target={target!r})`: `XLA_PYTHON_CLIENT_MEM_FRACTION` "
-            f"is {fraction!r}; set it to a fraction in (0, 1], as JAX reads it "
-            "(0.75 when unset)."
+            f"`memory_report`: `XLA_PYTHON_CLIENT_MEM_FRACTION` is {fraction!r}, "
+            "not in (0, 1]. Set a fraction, or unset it."
         )
     return int(int(found[1]) * share)
 
@@ -158,12 +158,11 @@ def _import_cuda_plugin() -> None:
         import jax_plugins.xla_cuda13  # noqa: F401  # pyright: ignore[reportMissingImports]
     except ImportError as e:
         raise ImportError(
-            "`memory_report(target='gpu-...')` compiles for a GPU with JAX's CUDA "
-            "plugin, which is not installed. Install it (about 175 MB; no GPU or "
-            f"CUDA needed): `pip install jax-cuda12-plugin=={jax.__version__} "
-            f"jax-cuda12-pjrt=={jax.__version__}`, or from a clone of eqx_offload, "
-            "its `gpu-aot` extra: `pip install -e '.[gpu-aot]'`. On a machine "
-            "without GPUs, run with `JAX_PLATFORMS=cpu`."
+            "`memory_report(target='gpu-...')` needs JAX's CUDA plugin, which is not "
+            "installed. Install it (no GPU or CUDA needed): `pip install "
+            f"jax-cuda12-plugin=={jax.__version__} "
+            f"jax-cuda12-pjrt=={jax.__version__}`, or from a clone, the `gpu-aot` "
+            "extra: `pip install -e '.[gpu-aot]'`."
         ) from e
 
 
@@ -181,10 +180,8 @@ def _gpu_devices(chip: str, hosts: int, per_host: int) -> tuple[Any, ...]:
         # The CUDA plugin registers its compile-only topologies when it loads; on a
         # machine without CUDA it fails to load unless JAX runs on the CPU alone.
         raise RuntimeError(
-            "`memory_report(target='gpu-...')`: JAX's CUDA plugin did not load "
-            f"({e}; on a machine without a GPU it looks for CUDA and fails). Run "
-            "with `JAX_PLATFORMS=cpu` in the environment (set before JAX is "
-            "imported): the plugin then compiles for GPUs without one."
+            f"`memory_report(target='gpu-...')`: the CUDA plugin did not load ({e})."
+            " Set `JAX_PLATFORMS=cpu` before importing JAX."
         ) from e
     return tuple(desc.devices)
 
@@ -194,11 +191,9 @@ def _import_libtpu() -> None:
         import libtpu  # noqa: F401  # pyright: ignore[reportMissingImports]
     except ImportError as e:
         raise ImportError(
-            "`memory_report(target=...)` compiles for a TPU with libtpu, which is not "
-            f"installed. Install it: `pip install 'jax[tpu]=={jax.__version__}'` (the "
-            "libtpu of this JAX, about 140 MB; Linux x86_64), or from a clone of "
-            "eqx_offload, its `tpu` extra: `pip install -e '.[tpu]'`. On a machine "
-            "without TPUs, run with `JAX_PLATFORMS=cpu`."
+            "`memory_report(target=...)` needs libtpu, which is not installed. Install "
+            f"it: `pip install 'jax[tpu]=={jax.__version__}'`, or from a clone of "
+            "eqx_offload, its `tpu` extra: `pip install -e '.[tpu]'`." + see(52)
         ) from e
 
 
@@ -230,8 +225,7 @@ def devices(target: str) -> tuple[Any, ...]:
         except jax.errors.JaxRuntimeError as e:
             raise ValueError(
                 f"`memory_report(target={target!r})`: the CUDA plugin does not "
-                f"compile for {hosts} host(s) of {per_host} GPUs: {e}. Use one GPU "
-                f"({chip!r}) or one node ('{chip}:8')."
+                f"compile for these GPUs ({e}). Use {chip!r} or '{chip}:8'."
             ) from e
     _import_libtpu()
     if topology is None:
@@ -243,9 +237,8 @@ def devices(target: str) -> tuple[Any, ...]:
         message = str(e).strip().removeprefix("INVALID_ARGUMENT: ").rstrip(".")
         raise ValueError(
             f"`memory_report(target={target!r})`: libtpu does not accept the "
-            f"topology {name!r}: {message}. Use a topology of whole hosts it accepts "
-            f"(for {chip}: e.g. '{chip}:2x2', '{chip}:4x4'), or {chip!r} for one "
-            f"chip; valid targets: {_FORMS}."
+            f"topology {name!r}: {message}. Use whole hosts ('{chip}:4x4'), or "
+            f"{chip!r} for one chip." + see(81)
         ) from e
 
 
@@ -268,13 +261,11 @@ def slice_mesh(target: str, like: Mesh | AbstractMesh | None) -> Mesh:
     if like is None:
         return _slice_mesh(target, (len(devices(target)),), ("chips",), None)
     if like.size != len(devices(target)):
+        n = len(devices(target))
         raise ValueError(
             f"`memory_report(target={target!r})`: the inputs are laid out on a mesh "
             f"of shape {dict(like.shape)} ({like.size} devices), but {target} has "
-            f"{len(devices(target))} chips. Lay them out on a mesh of "
-            f"{len(devices(target))} devices (e.g. `AbstractMesh(("
-            f"{len(devices(target))},), ('fsdp',))`), or choose the slice of "
-            f"{like.size} chips."
+            f"{n} chips. Lay them out on a mesh of {n} devices." + see(82)
         )
     sizes = tuple(like.shape.values())
     return _slice_mesh(target, sizes, tuple(like.axis_names), tuple(like.axis_types))
@@ -320,10 +311,8 @@ def abstract(
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named)
     elif mesh.size > 1 and sharding is not None and len(sharding.device_set) > 1:
         raise ValueError(
-            f"`memory_report(target=...)`: an argument of shape {tuple(x.shape)} is "
-            f"laid out with a {type(sharding).__name__}; lay it out with a "
-            "`NamedSharding` over a mesh, so that its layout can be carried over to "
-            "the slice."
+            f"`memory_report(target=...)`: an argument of shape {tuple(x.shape)} has "
+            f"a {type(sharding).__name__}. Lay it out with a `NamedSharding`."
         )
     if not replicate:
         return jax.ShapeDtypeStruct(x.shape, x.dtype)

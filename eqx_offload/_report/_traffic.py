@@ -16,7 +16,7 @@ compiler kept of it. `table_lines` prints either as a section of a report's tabl
 """
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -57,7 +57,7 @@ def count(
     origins: dict[Any, _Origin] = {}
     if len(inputs) == len(jaxpr.invars):
         origins = {v: _Origin(*i) for v, i in zip(jaxpr.invars, inputs)}
-    _walk(jaxpr, origins, 1, platform, totals)
+    _walk(jaxpr, origins, _Walk(platform, totals))
     rows = [
         Transfer(direction, phase, what, name, n)
         for (direction, phase, what, name), n in totals.items()
@@ -80,87 +80,127 @@ def _get(origins: dict, v: Any) -> _Origin:
     return origins.get(v, _UNKNOWN)
 
 
-def _walk(
-    jaxpr: Any,
-    origins: dict,
-    times: int,
-    platform: str,
-    totals: dict,
-    update: bool = False,
-) -> None:
-    """Counts the transfers of `jaxpr` into `totals`, `times` times each (the
-    scans around it); `update`: inside the optimizer update."""
-    branch_of: dict[Any, int] = {}  # platform_index outputs: the branch taken
+class _Walk(NamedTuple):
+    """Where a walk is: the program's platform, the totals it adds to, how many
+    times a step runs it (the scans around it), and whether it is in the update."""
+
+    platform: str
+    totals: dict
+    times: int = 1
+    update: bool = False
+
+
+class _Frame(NamedTuple):
+    """One jaxpr's values: where each comes from, and the branch each
+    `platform_index` output chooses."""
+
+    origins: dict
+    branch_of: dict
+
+
+def _walk(jaxpr: Any, origins: dict, walk: _Walk) -> None:
+    """Counts the transfers of `jaxpr` into `walk.totals`, `walk.times` times each;
+    `origins` holds where its inputs come from, and gains its values'."""
+    frame = _Frame(origins, {})
     for eqn in jaxpr.eqns:
         ins = [_get(origins, v) for v in eqn.invars]
         # Sub-programs are traced with name stacks of their own.
-        inside = update or _scopes.UPDATE in _scope(eqn)
-        if _jaxpr.is_platform_index(eqn):
-            found = _branch(_jaxpr.platform_index_platforms(eqn), platform)
-            if found is not None:
-                branch_of[eqn.outvars[0]] = found
+        update = walk.update or _scopes.UPDATE in _scope(eqn)
+        handle = next((h for match, h in _HANDLERS if match(eqn)), _other)
+        handle(frame, eqn, ins, walk._replace(update=update))
+
+
+def _platform_index(frame: _Frame, eqn: Any, ins: list, walk: _Walk) -> None:
+    found = _branch(_jaxpr.platform_index_platforms(eqn), walk.platform)
+    if found is not None:
+        frame.branch_of[eqn.outvars[0]] = found
+
+
+def _device_put(frame: _Frame, eqn: Any, ins: list, walk: _Walk) -> None:
+    _count_puts(eqn, ins, walk)
+    _pass_through(frame, eqn, ins, walk)
+
+
+def _pass_through(frame: _Frame, eqn: Any, ins: list, walk: _Walk) -> None:
+    for out, origin in zip(eqn.outvars, ins):
+        frame.origins[out] = origin
+
+
+def _checkpoint_name(frame: _Frame, eqn: Any, ins: list, walk: _Walk) -> None:
+    if eqn.invars:
+        for out in eqn.outvars:
+            frame.origins[out] = _Origin("residuals", _jaxpr.checkpoint_name_of(eqn))
+
+
+def _scan(frame: _Frame, eqn: Any, ins: list, walk: _Walk) -> None:
+    scan = _jaxpr.scan_layout(eqn)
+    # A carry is the leaf it starts as only in the first iteration: it is not
+    # followed (the streamed update names what it carries).
+    carries = set(scan.body.invars[scan.consts : scan.consts + scan.carry])
+    inner = {v: o for v, o in zip(scan.body.invars, ins) if v not in carries}
+    _walk(scan.body, inner, walk._replace(times=walk.times * scan.length))
+    _pass_out(scan.body, inner, eqn, frame.origins)
+
+
+def _cond(frame: _Frame, eqn: Any, ins: list, walk: _Walk) -> None:
+    index = frame.branch_of.get(eqn.invars[0])
+    platforms = _jaxpr.cond_platforms(eqn)
+    if platforms:
+        index = _branch(platforms, walk.platform)
+    # A conditional that is not a platform's choice: its largest branch.
+    best: tuple[Any, dict, dict] | None = None
+    for i, sub in enumerate(_jaxpr.sub_jaxprs(eqn) or ()):
+        if index is not None and i != index:
             continue
-        if _jaxpr.is_device_put(eqn):
-            _count_puts(eqn, ins, times, totals, inside)
-            for out, origin in zip(eqn.outvars, ins):
-                origins[out] = origin
-            continue
-        if _jaxpr.is_optimization_barrier(eqn):
-            for out, origin in zip(eqn.outvars, ins):
-                origins[out] = origin
-            continue
-        if _jaxpr.is_checkpoint_name(eqn) and eqn.invars:
-            for out in eqn.outvars:
-                origins[out] = _Origin("residuals", _jaxpr.checkpoint_name_of(eqn))
-            continue
-        if _jaxpr.is_scan(eqn):
-            scan = _jaxpr.scan_layout(eqn)
-            body = scan.body
-            # A carry is the leaf it starts as only in the first iteration: it
-            # is not followed (the streamed update names what it carries).
-            inner = dict(zip(body.invars, ins))
-            for v in body.invars[scan.consts : scan.consts + scan.carry]:
-                inner.pop(v, None)
-            _walk(body, inner, times * scan.length, platform, totals, inside)
-            _pass_out(body, inner, eqn, origins)
-            continue
-        if _jaxpr.is_cond(eqn):
-            branches = _jaxpr.cond_branches(eqn)
-            index = branch_of.get(eqn.invars[0])
-            platforms = _jaxpr.cond_platforms(eqn)
-            if platforms:
-                index = _branch(platforms, platform)
-            # A conditional that is not a platform's choice: its largest branch.
-            best: tuple[int, dict, dict] | None = None
-            for i, branch in enumerate(branches):
-                if index is not None and i != index:
-                    continue
-                inner = dict(zip(branch.jaxpr.invars, ins[1:]))
-                mine: dict[tuple, int] = defaultdict(int)
-                _walk(branch.jaxpr, inner, times, platform, mine, inside)
-                if best is None or sum(mine.values()) > sum(best[1].values()):
-                    best = (i, mine, inner)
-            if best is not None:
-                i, mine, inner = best
-                for key, n in mine.items():
-                    totals[key] += n
-                _pass_out(branches[i].jaxpr, inner, eqn, origins)
-            continue
-        if _jaxpr.is_while(eqn):  # not made by this library; counted once
-            loop = _jaxpr.while_layout(eqn)
-            inner = dict(zip(loop.body.invars, ins[loop.cond_consts :]))
-            _walk(loop.body, inner, times, platform, totals, inside)
-            continue
-        subs = _jaxpr.sub_jaxprs(eqn)
-        if subs is not None:  # a call: `jax.jit`, `jax.checkpoint`, ...
-            (sub,) = subs
-            inner = {sub.jaxpr.invars[k]: ins[i] for i, k in sub.operands.items()}
-            _walk(sub.jaxpr, inner, times, platform, totals, inside)
-            _pass_out(sub.jaxpr, inner, eqn, origins)
-            continue
-        if _jaxpr.keeps_first_operand(eqn) and ins and ins[0] != _UNKNOWN:
-            for out in eqn.outvars:
-                origins[out] = ins[0]
+        inner = _inputs_of(sub, ins)
+        mine: dict[tuple, int] = defaultdict(int)
+        _walk(sub.jaxpr, inner, walk._replace(totals=mine))
+        if best is None or sum(mine.values()) > sum(best[1].values()):
+            best = (sub.jaxpr, mine, inner)
+    if best is not None:
+        branch, mine, inner = best
+        for key, n in mine.items():
+            walk.totals[key] += n
+        _pass_out(branch, inner, eqn, frame.origins)
+
+
+def _while(frame: _Frame, eqn: Any, ins: list, walk: _Walk) -> None:
+    # Not made by this library: its body is counted once.
+    subs = _jaxpr.sub_jaxprs(eqn)
+    assert subs is not None
+    _, body = subs
+    _walk(body.jaxpr, _inputs_of(body, ins), walk)
+
+
+def _other(frame: _Frame, eqn: Any, ins: list, walk: _Walk) -> None:
+    """A call (`jax.jit`, `jax.checkpoint`, ...), or an operation whose result is
+    its first operand (a slice, a cast)."""
+    subs = _jaxpr.sub_jaxprs(eqn)
+    if subs is not None:
+        (sub,) = subs
+        inner = _inputs_of(sub, ins)
+        _walk(sub.jaxpr, inner, walk)
+        _pass_out(sub.jaxpr, inner, eqn, frame.origins)
+    elif _jaxpr.keeps_first_operand(eqn) and ins and ins[0] != _UNKNOWN:
+        for out in eqn.outvars:
+            frame.origins[out] = ins[0]
+
+
+# Each equation goes to the first handler whose test it passes, else to `_other`.
+_HANDLERS: tuple[tuple[Callable[[Any], bool], Callable[..., None]], ...] = (
+    (_jaxpr.is_platform_index, _platform_index),
+    (_jaxpr.is_device_put, _device_put),
+    (_jaxpr.is_optimization_barrier, _pass_through),
+    (_jaxpr.is_checkpoint_name, _checkpoint_name),
+    (_jaxpr.is_scan, _scan),
+    (_jaxpr.is_cond, _cond),
+    (_jaxpr.is_while, _while),
+)
+
+
+def _inputs_of(sub: _jaxpr.SubJaxpr, ins: list) -> dict:
+    """Where each input of a sub-program comes from: the operands that feed it."""
+    return {sub.jaxpr.invars[k]: ins[i] for i, k in sub.operands.items()}
 
 
 def _branch(platforms: tuple, platform: str) -> int | None:
@@ -182,8 +222,8 @@ def _pass_out(sub: Any, inner: dict, eqn: Any, origins: dict) -> None:
             origins[out] = found
 
 
-def _count_puts(eqn: Any, ins: list, times: int, totals: dict, update: bool) -> None:
-    phase = "update" if update else "forward/backward"
+def _count_puts(eqn: Any, ins: list, walk: _Walk) -> None:
+    phase = "update" if walk.update else "forward/backward"
     scope_label = label(_scope(eqn))
     destinations = _jaxpr.device_put_destinations(eqn)
     for v, origin, where in zip(eqn.invars, ins, destinations):
@@ -196,12 +236,10 @@ def _count_puts(eqn: Any, ins: list, times: int, totals: dict, update: bool) -> 
         direction = "device_to_host" if dst_host else "host_to_device"
         what, name = origin
         if not what:
-            what, name = guess(scope_label, update)
-        elif (
-            what == "opt_state" and not update and name.startswith(_scopes.COPIES + ".")
-        ):
+            what, name = guess(scope_label, walk.update)
+        elif what == "opt_state" and not walk.update and _is_copy(name):
             what, name = "params", name[len(_scopes.COPIES) + 1 :]  # a compute copy
-        totals[direction, phase, what, name] += _nbytes(aval) * times
+        walk.totals[direction, phase, what, name] += _nbytes(aval) * walk.times
 
 
 def _is_copy(name: str) -> bool:

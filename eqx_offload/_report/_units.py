@@ -1,4 +1,9 @@
-"""How reports write sizes, times and FLOP counts."""
+"""How reports write sizes, times, FLOP counts and devices."""
+
+
+def device_word(target: str) -> str:
+    """What one device of `target` is called: "GPU" for `gpu-*`, else "chip"."""
+    return "GPU" if target.startswith("gpu-") else "chip"
 
 
 def size_text(n: int) -> str:
