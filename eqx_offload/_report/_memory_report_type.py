@@ -135,27 +135,23 @@ class MemoryReport:
 
     @property
     def kind(self) -> NoReturn:
+        """Of earlier versions; now `compiled` (reading it raises an error)."""
         raise AttributeError(_KIND_IS_COMPILED)
 
     @property
     def host_to_device_bytes(self) -> int:
-        """Bytes moved from host to device memory per step: what the compiled
-        program moves (`compiled_transfers`) on a TPU or GPU target, else what the
-        traced program asks for (`transfers`)."""
-        return self.transfer_bytes(
-            "host_to_device", compiled=self._has_compiled_transfers
-        )
+        """Bytes moved from host to device memory per step: from
+        `compiled_transfers` on a TPU or GPU target, else from `transfers`."""
+        return self.transfer_bytes("host_to_device", compiled=self._from_compiled)
 
     @property
     def device_to_host_bytes(self) -> int:
-        """Bytes moved from device to host memory per step, counted as
-        `host_to_device_bytes` is."""
-        return self.transfer_bytes(
-            "device_to_host", compiled=self._has_compiled_transfers
-        )
+        """Bytes moved from device to host memory per step, as
+        `host_to_device_bytes`."""
+        return self.transfer_bytes("device_to_host", compiled=self._from_compiled)
 
     @property
-    def _has_compiled_transfers(self) -> bool:
+    def _from_compiled(self) -> bool:
         return self.compiled_transfers is not None
 
     def transfer_bytes(
