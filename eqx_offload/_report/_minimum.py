@@ -125,7 +125,7 @@ def _on_host(x: Any) -> bool:
     return kind_of(x) != "device"
 
 
-class _Leaf(NamedTuple):
+class _TrainableLeaf(NamedTuple):
     """A trainable array leaf, with what the rules read of it."""
 
     value: Any  # the master
@@ -219,7 +219,7 @@ def _trainable_leaves(
     opt_state: PyTree,
     policy: Policy,
     optimizer: optax.GradientTransformation | None,
-) -> tuple[list[_Leaf], list[Any]]:
+) -> tuple[list[_TrainableLeaf], list[Any]]:
     """Each trainable array leaf with its state, copy and held-over gradient; and
     the state that mirrors no parameter."""
     held: list[Any] = []  # per trainable leaf: its gradient held over, or None
@@ -257,7 +257,7 @@ def _trainable_leaves(
             leaf.stacked is not None and _tiling.slices_by_layer(tuple(x.shape))
         )
         out.append(
-            _Leaf(
+            _TrainableLeaf(
                 value=x,
                 source=sources.get(leaf.path, x),
                 state=mine,
@@ -291,7 +291,7 @@ def _state_of(
     return found
 
 
-def _host_update(leaf: _Leaf, k: int, totals: dict[str, int]) -> bool:
+def _host_update(leaf: _TrainableLeaf, k: int, totals: dict[str, int]) -> bool:
     """Adds what the update on the host moves for `leaf`; whether the host
     updates it (else the device does, moving nothing)."""
     x, on_host = leaf.value, _on_host(leaf.value)
@@ -313,7 +313,7 @@ def _host_update(leaf: _Leaf, k: int, totals: dict[str, int]) -> bool:
     return True
 
 
-def _device_update(leaf: _Leaf, k: int, totals: dict[str, int]) -> None:
+def _device_update(leaf: _TrainableLeaf, k: int, totals: dict[str, int]) -> None:
     """Adds what the update on the device moves for `leaf`."""
     x, on_host = leaf.value, _on_host(leaf.value)
     held = leaf.held

@@ -57,7 +57,7 @@ def count(
     origins: dict[Any, _Origin] = {}
     if len(inputs) == len(jaxpr.invars):
         origins = {v: _Origin(*i) for v, i in zip(jaxpr.invars, inputs)}
-    _walk(jaxpr, origins, _Walk(platform, totals))
+    _walk(jaxpr, origins, _Counting(platform, totals))
     rows = [
         Transfer(direction, phase, what, name, n)
         for (direction, phase, what, name), n in totals.items()
@@ -80,9 +80,10 @@ def _get(origins: dict, v: Any) -> _Origin:
     return origins.get(v, _UNKNOWN)
 
 
-class _Walk(NamedTuple):
-    """Where a walk is: the program's platform, the totals it adds to, how many
-    times a step runs it (the scans around it), and whether it is in the update."""
+class _Counting(NamedTuple):
+    """How a (sub-)program's transfers count: for which platform, into which
+    totals, how many times a step runs it (the scans around it), and whether it
+    is in the optimizer update."""
 
     platform: str
     totals: dict
@@ -98,7 +99,7 @@ class _Frame(NamedTuple):
     branch_of: dict
 
 
-def _walk(jaxpr: Any, origins: dict, walk: _Walk) -> None:
+def _walk(jaxpr: Any, origins: dict, walk: _Counting) -> None:
     """Counts the transfers of `jaxpr` into `walk.totals`, `walk.times` times each;
     `origins` holds where its inputs come from, and gains its values'."""
     frame = _Frame(origins, {})
@@ -110,29 +111,29 @@ def _walk(jaxpr: Any, origins: dict, walk: _Walk) -> None:
         handle(frame, eqn, ins, walk._replace(update=update))
 
 
-def _platform_index(frame: _Frame, eqn: Any, ins: list, walk: _Walk) -> None:
+def _platform_index(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
     found = _branch(_jaxpr.platform_index_platforms(eqn), walk.platform)
     if found is not None:
         frame.branch_of[eqn.outvars[0]] = found
 
 
-def _device_put(frame: _Frame, eqn: Any, ins: list, walk: _Walk) -> None:
+def _device_put(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
     _count_puts(eqn, ins, walk)
     _pass_through(frame, eqn, ins, walk)
 
 
-def _pass_through(frame: _Frame, eqn: Any, ins: list, walk: _Walk) -> None:
+def _pass_through(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
     for out, origin in zip(eqn.outvars, ins):
         frame.origins[out] = origin
 
 
-def _checkpoint_name(frame: _Frame, eqn: Any, ins: list, walk: _Walk) -> None:
+def _checkpoint_name(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
     if eqn.invars:
         for out in eqn.outvars:
             frame.origins[out] = _Origin("residuals", _jaxpr.checkpoint_name_of(eqn))
 
 
-def _scan(frame: _Frame, eqn: Any, ins: list, walk: _Walk) -> None:
+def _scan(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
     scan = _jaxpr.scan_layout(eqn)
     # A carry is the leaf it starts as only in the first iteration: it is not
     # followed (the streamed update names what it carries).
@@ -142,7 +143,7 @@ def _scan(frame: _Frame, eqn: Any, ins: list, walk: _Walk) -> None:
     _pass_out(scan.body, inner, eqn, frame.origins)
 
 
-def _cond(frame: _Frame, eqn: Any, ins: list, walk: _Walk) -> None:
+def _cond(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
     index = frame.branch_of.get(eqn.invars[0])
     platforms = _jaxpr.cond_platforms(eqn)
     if platforms:
@@ -164,7 +165,7 @@ def _cond(frame: _Frame, eqn: Any, ins: list, walk: _Walk) -> None:
         _pass_out(branch, inner, eqn, frame.origins)
 
 
-def _while(frame: _Frame, eqn: Any, ins: list, walk: _Walk) -> None:
+def _while(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
     # Not made by this library: its body is counted once.
     subs = _jaxpr.sub_jaxprs(eqn)
     assert subs is not None
@@ -172,7 +173,7 @@ def _while(frame: _Frame, eqn: Any, ins: list, walk: _Walk) -> None:
     _walk(body.jaxpr, _inputs_of(body, ins), walk)
 
 
-def _other(frame: _Frame, eqn: Any, ins: list, walk: _Walk) -> None:
+def _other(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
     """A call (`jax.jit`, `jax.checkpoint`, ...), or an operation whose result is
     its first operand (a slice, a cast)."""
     subs = _jaxpr.sub_jaxprs(eqn)
@@ -222,7 +223,7 @@ def _pass_out(sub: Any, inner: dict, eqn: Any, origins: dict) -> None:
             origins[out] = found
 
 
-def _count_puts(eqn: Any, ins: list, walk: _Walk) -> None:
+def _count_puts(eqn: Any, ins: list, walk: _Counting) -> None:
     phase = "update" if walk.update else "forward/backward"
     scope_label = label(_scope(eqn))
     destinations = _jaxpr.device_put_destinations(eqn)
