@@ -236,7 +236,7 @@ def measure(
     times = []
     for i in range(2 + steps):
         start = time.perf_counter()
-        model, opt_state, loss = step(model, opt_state, tokens, tokens)
+        model, opt_state, loss, _ = step(model, opt_state, tokens, tokens)
         jax.block_until_ready((model, opt_state, loss))
         if i >= 2:
             times.append(time.perf_counter() - start)
@@ -343,15 +343,15 @@ def _numerics(configs: list[str]) -> dict[str, Any]:
             kinds = [x.sharding.memory_kind for x in arrays(placed)]
             opt_state = eo.init_opt_state(optimizer, placed, policy)
             x = tokens[0]
+            step = eo.train_step(loss_fn, optimizer, policy)
             try:
-                report = eo.verify(loss_fn, optimizer, policy, placed, opt_state, x, x)
+                report = eo.verify(step, placed, opt_state, x, x)
                 row["verify passed"] = report.passed
             except Exception as e:  # recorded; the steps are still compared
                 row["verify passed"], row["verify error"] = False, _error(e)
-            step = eo.train_step(loss_fn, optimizer, policy)
             losses, ours = [], placed
             for x in tokens:
-                ours, opt_state, loss = step(ours, opt_state, x, x)
+                ours, opt_state, loss, _ = step(ours, opt_state, x, x)
                 losses.append(float(loss))
             # (`update_timing="next_forward"`: the last update is still pending)
             ours, opt_state = eo.apply_pending(ours, opt_state, optimizer, policy)
@@ -436,12 +436,12 @@ def _host_numerics(tokens: Any) -> dict[str, Any]:
             placed = eo.place(GPT(64, 32, 3, key=jax.random.key(0)), policy)
             opt_state = eo.init_opt_state(optimizer, placed, policy)
             x = tokens[0]
+            step = eo.train_step(loss_fn, optimizer, policy)
             try:
-                report = eo.verify(loss_fn, optimizer, policy, placed, opt_state, x, x)
+                report = eo.verify(step, placed, opt_state, x, x)
                 row["verify passed"] = report.passed
             except Exception as e:  # recorded; the steps are still compared
                 row["verify passed"], row["verify error"] = False, _error(e)
-            step = eo.train_step(loss_fn, optimizer, policy)
             row["host compute"] = _host_compute(step, placed, opt_state, x, x)
             ours, losses, norms, row["placements kept"] = train(policy)
             row["smallest gradient norm"] = min(ref_norms)

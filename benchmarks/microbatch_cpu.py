@@ -42,7 +42,8 @@ def train(width: int, mlp: int | None, policy: eo.Policy, k: int, steps: int):
     losses = []
     for key in keys:
         tokens = jax.random.randint(key, (BATCH, SEQ + 1), 0, cm.VOCAB)
-        model, opt_state, loss = step(model, opt_state, tokens[:, :-1], tokens[:, 1:])
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        model, opt_state, loss, _ = step(model, opt_state, inputs, targets)
         losses.append(float(loss))
     params = [np.asarray(x) for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
     return losses, params

@@ -130,7 +130,7 @@ def main():
     start = time.perf_counter()
     for i in range(1, args.steps + 1):
         batch = qs.counting_sequences(rng, batch_size, seq, vocab)
-        model, opt_state, loss = step(model, opt_state, *batch)
+        model, opt_state, loss, _ = step(model, opt_state, *batch)
         if args.report_every and (i % args.report_every == 0 or i == 1):
             eo.memory_report(train_step, model, opt_state, *batch)
             reports += 1

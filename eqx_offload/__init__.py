@@ -54,7 +54,7 @@ from ._state_dict import (
     state_dict_key as state_dict_key,
     state_dict_keys as state_dict_keys,
 )
-from ._train_step import train_step as train_step
+from ._train_step import train_step as train_step, TrainStep as TrainStep
 from ._transform import filter_offload as filter_offload
 from ._update import (
     apply_pending as apply_pending,
@@ -116,6 +116,7 @@ __all__ = [
     "state_dict_keys",
     "StepTime",
     "train_step",
+    "TrainStep",
     "Transfer",
     "UnnamedResidual",
     "verify",

@@ -5,9 +5,12 @@ prints the table of candidates (when nothing fits too, before the message, and
 finds the fewest devices (`eo.fewest_chips`).
 
 The factory is a function of no arguments, named by its module's dotted path and
-its name (`mypackage.models:llama_1b`), that returns `(loss_fn, optimizer, model,
-batch)`: the model and the batch (a tuple of the loss's batch arguments) as arrays
-or `jax.ShapeDtypeStruct`s, e.g. `eqx.filter_eval_shape(Model, key=key)`.
+its name (`mypackage.models:llama_1b`). It returns the arguments of
+`memory_report(step, model, opt_state, *batch)` as `(step, model, opt_state,
+batch)`: an `eo.TrainStep`, and the model, its optimizer state and the batch (a
+tuple of the loss's batch arguments) as arrays or `jax.ShapeDtypeStruct`s, e.g.
+`eqx.filter_eval_shape(Model, key=key)`. The plan keeps the step's loss,
+optimizer and `has_aux`, and chooses its own policy.
 """
 
 import argparse
@@ -20,6 +23,10 @@ from typing import Any
 
 from ._planner import fewest_chips, plan
 from ._report import DoesNotFit
+from ._train_step import TrainStep
+
+
+_RETURNS = "`(step, model, opt_state, batch)`, `step` an `eo.TrainStep`"
 
 
 def _factory(spec: str) -> Any:
@@ -37,9 +44,14 @@ def _factory(spec: str) -> Any:
     made = found()
     if not (isinstance(made, tuple) and len(made) == 4 and isinstance(made[3], tuple)):
         raise SystemExit(
-            f"eqx_offload plan: the factory {spec!r} must return `(loss_fn, "
-            "optimizer, model, batch)` with `batch` a tuple of the loss's batch "
-            f"arguments; it returned {type(made).__name__}."
+            f"eqx_offload plan: the factory {spec!r} returned "
+            f"{type(made).__name__}. Return {_RETURNS} and `batch` a tuple."
+        )
+    if not isinstance(made[0], TrainStep):
+        raise SystemExit(
+            f"eqx_offload plan: the factory {spec!r} returned a "
+            f"{type(made[0]).__name__} first. Return {_RETURNS}, as "
+            "`memory_report` takes them (not `(loss_fn, optimizer, model, batch)`)."
         )
     return made
 
@@ -51,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "plan", help="the fastest placement of a training step within budgets"
     )
     sub.add_argument(
-        "factory", help="module:function returning (loss_fn, optimizer, model, batch)"
+        "factory", help="module:function returning (step, model, opt_state, batch)"
     )
     where = sub.add_mutually_exclusive_group()
     where.add_argument("--target", help="'tpu-v5e', 'tpu-v5e:4x4', 'gpu-h100', ...")
@@ -64,7 +76,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="with --chip: the batch is one device's share",
     )
     sub.add_argument(
-        "--microbatches", type=int, nargs="+", default=[1], help="counts to offer"
+        "--microbatches",
+        type=int,
+        nargs="+",
+        help="counts to offer (by default the step's own)",
     )
     sub.add_argument(
         "--compute-dtypes",
@@ -74,9 +89,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     sub.add_argument("--device-budget", help="device memory per device: '16GiB', bytes")
     sub.add_argument("--host-budget", help="host memory per device: '48GB', bytes")
-    sub.add_argument(
-        "--has-aux", action="store_true", help="the loss returns (loss, aux)"
-    )
+    # The step says it now (`train_step(has_aux=True)`): refused with the way.
+    sub.add_argument("--has-aux", action="store_true", help=argparse.SUPPRESS)
     sub.add_argument(
         "--json",
         type=Path,
@@ -85,12 +99,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.batch_per_device and args.chip is None:
         raise SystemExit("eqx_offload plan: --batch-per-device needs --chip.")
-    loss_fn, optimizer, model, batch = _factory(args.factory)
+    if args.has_aux:
+        raise SystemExit(
+            "eqx_offload plan: --has-aux is gone; the factory's step says it: "
+            "`train_step(..., has_aux=True)`."
+        )
+    step, model, _, batch = _factory(args.factory)
+    loss_fn, optimizer = step.loss_fn, step.optimizer
     common = dict(
         device_budget=args.device_budget,
         host_budget=args.host_budget,
-        has_aux=args.has_aux,
-        microbatches=tuple(args.microbatches),
+        has_aux=step.has_aux,
+        microbatches=tuple(args.microbatches or (step.microbatches,)),
         compute_dtypes=tuple(None if d == "model" else d for d in args.compute_dtypes),
         progress=True,
     )

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.tree_util as jtu
 
+from ._errors import see
 from ._memory_kinds import is_arraylike
 
 
@@ -63,6 +64,6 @@ def checked_loss(loss_fn: Callable, has_aux: bool, where: str) -> Callable:
                 "the loss must be one floating-point scalar (e.g. `jnp.mean` over "
                 "the examples); for `(loss, aux)`, pass `has_aux=True`"
             )
-        raise ValueError(f"{where}: {got}; {fix}.")
+        raise ValueError(f"{where}: {got}; {fix}." + see(49))
 
     return checked

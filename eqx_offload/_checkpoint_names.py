@@ -9,10 +9,11 @@ import jax
 import jax.tree_util as jtu
 
 from . import _checkpoint_name_log, _residuals
+from ._errors import see
 from ._memory_kinds import abstract_sharding, is_arraylike
 from ._mixed_precision import compute_dtypes
 from ._policy import Policy, replace
-from ._train_step import _TrainStep
+from ._train_step import TrainStep
 from ._transform import _OffloadWrapper
 from ._update import is_trainable, trainable
 
@@ -76,15 +77,15 @@ def checkpoint_names(
     base = Policy()
     if isinstance(fn, _OffloadWrapper):
         fn = fn.__wrapped__
-    elif isinstance(fn, _TrainStep):
-        base = fn.config.policy
-        fn, args = fn.config.loss_fn, _as_the_step_calls_it(fn, args, kwargs)
+    elif isinstance(fn, TrainStep):
+        base = fn.policy
+        fn, args = fn.loss_fn, _as_the_step_calls_it(fn, args, kwargs)
     if not callable(fn):
         raise TypeError(f"`checkpoint_names(fn=...)` must be callable, got {fn!r}.")
     if not args:
         raise TypeError(
-            "`checkpoint_names(fn, *args)` needs `fn`'s arguments (arrays or "
-            "`jax.ShapeDtypeStruct`s), the model first."
+            "`checkpoint_names(fn, *args)` needs `fn`'s arguments, the model first "
+            "(arrays or `jax.ShapeDtypeStruct`s)." + see(101)
         )
     try:
         # Every name occurs when a pattern matches every submodule.
@@ -95,8 +96,8 @@ def checkpoint_names(
             raise
         raise ValueError(
             "`checkpoint_names(fn, ...)`: `fn`'s arguments hold no `Stacked` "
-            "layers, so there are no checkpoint names to select. Store repeated "
-            "layers as an `eqx_offload.Stacked`."
+            "layers, so no checkpoint names. Store repeated layers as an "
+            "`eqx_offload.Stacked`." + see(101)
         ) from None
     # Whether a value is saved depends on what else is (two names of one value,
     # say), so each name is traced as a policy saving it alone would trace it.
@@ -112,17 +113,17 @@ def _saving(base: Policy, name: str) -> Policy:
     return replace(base, save=(name,), offload=())
 
 
-def _as_the_step_calls_it(step: _TrainStep, args: tuple, kwargs: dict) -> tuple:
+def _as_the_step_calls_it(step: TrainStep, args: tuple, kwargs: dict) -> tuple:
     """The arguments a train step gives its loss: the model, its trainable
     floating-point leaves in the policy's compute dtype (as abstract values), and
     one micro-batch of the batch (the first `1/k` of each split argument)."""
     if kwargs or len(args) < 2:
         raise TypeError(
-            "`checkpoint_names(step, ...)`: give a train step the arguments it is "
-            "called with, `checkpoint_names(step, model, opt_state, *batch)`."
+            "`checkpoint_names(step, ...)` takes the step's arguments: "
+            "`checkpoint_names(step, model, opt_state, *batch)`." + see(104)
         )
     model, _, *batch = args
-    dtypes = iter(compute_dtypes(trainable(model), step.config.policy))
+    dtypes = iter(compute_dtypes(trainable(model), step.policy))
 
     def in_compute_dtype(x: Any) -> Any:
         if not is_trainable(x):
@@ -138,10 +139,10 @@ def _abstract(x: Any, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruc
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
-def one_microbatch(step: _TrainStep, batch: Sequence[Any]) -> list[Any]:
+def one_microbatch(step: TrainStep, batch: Sequence[Any]) -> list[Any]:
     """The batch arguments of one micro-batch of a train step (abstract): the
     first `1/k` of each argument it splits, the ones in `unsplit` whole."""
-    k = step.config.microbatches
+    k = step.microbatches
 
     def one_part(x: Any) -> Any:
         if not is_arraylike(x) or k == 1:
@@ -149,7 +150,7 @@ def one_microbatch(step: _TrainStep, batch: Sequence[Any]) -> list[Any]:
         return _abstract(x, (x.shape[0] // k, *x.shape[1:]), x.dtype)
 
     return [
-        arg if i in step.config.unsplit else jax.tree.map(one_part, arg)
+        arg if i in step.unsplit else jax.tree.map(one_part, arg)
         for i, arg in enumerate(batch)
     ]
 

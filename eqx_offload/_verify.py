@@ -1,26 +1,27 @@
 """`verify`: an offloaded train step checked against the plain one, on a slice of
 the model small enough to run both."""
 
-from collections.abc import Callable, Sequence
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-import optax
 from jaxtyping import PyTree
 
 from . import _cutting, _layout, _mesh, _microbatch, _mixed_precision, _paths
+from ._errors import see
 from ._memory_kinds import kind_of
 from ._placement import place_batch
-from ._policy import check_policy, Policy, replace
-from ._train_step import train_step, value_and_grad
+from ._policy import Policy, replace
+from ._traced_step import value_and_grad
+from ._train_step import train_step, TrainStep
 from ._transform import call_on_auto_axes
 from ._update import (
     apply_pending,
-    as_transformation,
     check_ready,
     is_trainable,
     own_state,
@@ -208,78 +209,253 @@ def _own_update(policy: Policy, model: PyTree, opt_state: PyTree) -> str | None:
     return "streamed" if policy.update in ("streamed", "auto") and host else None
 
 
+def _refuses_old_forms(verify: Callable) -> Callable:
+    """`verify`, refusing its old forms with their new spelling before the type
+    checker sees them: the loss, optimizer and policy instead of the step, and
+    `microbatch=`."""
+
+    @functools.wraps(verify)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        if "microbatch" in kwargs:
+            raise TypeError(
+                "`verify(microbatch=...)` is now `verify(examples=...)`: how many "
+                "examples to keep." + see(141)
+            )
+        step = kwargs["step"] if "step" in kwargs else (args[0] if args else None)
+        moved = {"has_aux", "microbatches", "unsplit"}.intersection(kwargs)
+        if not isinstance(step, TrainStep) or moved:
+            raise TypeError(_OLD_FORM + see(142))
+        return verify(*args, **kwargs)
+
+    return checked
+
+
+_OLD_FORM = (
+    "`verify` takes the step, as `memory_report` does: `verify(step, model, "
+    "opt_state, *batch)`, with `step = eqx_offload.train_step(loss_fn, optimizer, "
+    "policy, has_aux=..., microbatches=...)`."
+)
+
+
+class _Slice(NamedTuple):
+    """What `verify` checks: the model, optimizer state and batch cut to their
+    first layers and examples, and what was kept."""
+
+    model: PyTree  # on the device: the reference's input
+    opt_state: PyTree
+    batch: tuple  # laid out as the step lays it out
+    layers: int | None  # None: every layer
+    examples: int | None  # the examples in the batch kept (None: no leading axis)
+    whole_batch: bool
+
+
+def _cut(
+    step: TrainStep,
+    arguments: tuple[PyTree, PyTree, tuple],
+    layers: int | None,
+    examples: int | None,
+) -> _Slice:
+    """Every `Stacked` of `arguments = (model, opt_state, batch)` cut to its first
+    `layers` layers, with the optimizer state that mirrors them, and the batch to
+    its first `examples` examples, rounded up to whole micro-batches (of whole
+    blocks of `Policy(batch=...)`)."""
+    model, opt_state, batch = arguments
+    policy, unsplit = step.policy, step.unsplit
+    # The optimizer the step runs: under a compute dtype, its state holds the
+    # compute copies (`ComputeCopyState`), and under `update_timing` it is a
+    # `PendingUpdate` holding the waiting gradients; both are cut with their
+    # parameters.
+    runs = stepping(step.optimizer, trainable(model), policy)
+    model_sizes = _cutting.model_sizes(model, layers)
+    small = _cutting.cut(model, model_sizes)
+    state_sizes = _cutting.state_sizes(runs, opt_state, trainable(small))
+    small_state = _cutting.cut(opt_state, state_sizes)
+    kept = _cutting.whole_parts(examples, policy, model, step.microbatches)
+    small_batch = _cutting.cut(batch, _cutting.batch_sizes(batch, kept, unsplit))
+    count = _cutting.examples(small_batch, unsplit)
+    whole_batch = count == _cutting.examples(batch, unsplit)
+    if _cutting.model_sizes(model, None) == model_sizes:
+        layers = None  # every layer
+    # Laid out as `train_step` lays it out, so that its micro-batches are checked
+    # against the blocks the step splits.
+    mesh = _mesh.tree_mesh(model)
+    small_batch = place_batch(small_batch, policy.batch, mesh, "`verify`", unsplit)
+    if step.microbatches > 1:
+        what = "the whole batch" if whole_batch else f"{count} examples"
+        where = f"`verify` ({what}, `train_step(microbatches={step.microbatches})`)"
+        _microbatch.check(small_batch, step.microbatches, unsplit, where)
+    return _Slice(small, small_state, small_batch, layers, count, whole_batch)
+
+
+def _gradient_pairs(
+    step: TrainStep,
+    dtypes: tuple | None,
+    cut: _Slice,
+    arguments: tuple[PyTree, PyTree, tuple],
+) -> tuple[Any, list, list]:
+    """The reference loss, and the `_compare` pairs of the loss and of each
+    leaf's gradient: the step's own forward and backward pass against plain JAX,
+    on the slice of `arguments = (model, opt_state, batch)`."""
+    model, opt_state, batch = arguments
+    split = (step.microbatches, step.unsplit)
+    # In the model's mesh, as `train_step` traces the loss.
+    with _mesh.context(cut.model, cut.batch):
+        try:
+            options = (step.policy.loss_axes, step.has_aux, dtypes)
+            ref_value, ref_grads = _reference(
+                step.loss_fn, options, split, cut.model, cut.batch
+            )
+        except Exception as e:  # the loss's own error, explained if the cut did it
+            kept = None if cut.whole_batch else cut.examples
+            error = _cutting.cut_error(
+                step.loss_fn, model, batch, cut.model, cut.batch, cut.layers, kept, e
+            )
+            if error is None:
+                raise
+            raise error from e
+        copies = (
+            _cutting.copy_into(cut.model, model),
+            _cutting.copy_into(own_state(cut.opt_state), own_state(opt_state)),
+            cut.batch,
+        )
+        value, grads = _offloaded(
+            step.loss_fn, step.policy, step.has_aux, split, copies
+        )
+    ref_loss = _loss(ref_value, step.has_aux)
+    losses = [("loss", _loss(value, step.has_aux), ref_loss, ref_loss, 0.0)]
+    gradients = [
+        (r.path, o.value, r.value, r.value, 0.0)
+        for o, r in zip(_array_leaves(grads), _array_leaves(ref_grads), strict=True)
+    ]
+    return ref_loss, losses, gradients
+
+
+def _run_step(
+    step: TrainStep, policy: Policy, cut: _Slice, model: PyTree, opt_state: PyTree
+) -> tuple[PyTree, PyTree, Any]:
+    """One donating step under `policy` on copies of the slice: the model, the
+    optimizer state (its own, without a pending update) and the loss. Under
+    `Policy(update_timing=...)`, with the update it holds over applied."""
+    mine = policy.update != "whole"
+    run = train_step(
+        step.loss_fn,
+        step.optimizer,
+        policy,
+        has_aux=step.has_aux,
+        microbatches=step.microbatches,
+        unsplit=step.unsplit,
+    )
+    state = cut.opt_state if mine else own_state(cut.opt_state)
+    new_model, new_state, value, _ = run(
+        _cutting.copy_into(cut.model, model),
+        _cutting.copy_into(state, opt_state if mine else own_state(opt_state)),
+        *cut.batch,
+    )
+    if mine and policy.update_timing != "now":
+        new_model, new_state = apply_pending(
+            new_model, new_state, step.optimizer, policy
+        )
+    return new_model, own_state(new_state) if mine else new_state, value
+
+
+def _step_checks(
+    step: TrainStep,
+    cut: _Slice,
+    model: PyTree,
+    opt_state: PyTree,
+    ref_loss: Any,
+) -> tuple[list, list | None]:
+    """The step itself, on a slice whose gradients are right: streamed (or on the
+    host) against whole when it is, else once, so that its own program
+    (placements, donation, outputs) is exercised. Under `update_timing`, the
+    step holds the stacked layers' update over, and `apply_pending` applies it:
+    together, against the whole update now. **Returns:** the `_compare` pairs of
+    the steps' losses, and of the update (`None` where nothing streams)."""
+    policy = step.policy
+    own = _own_update(policy, model, opt_state)
+    timing = policy.update_timing != "now"
+    streams = own is not None or timing
+    losses, outputs = [], []
+    for mode in (own or policy.update, "whole") if streams else (policy.update,):
+        mine = mode != "whole"
+        timed = {} if mine else {"update_timing": "now"}
+        chosen = replace(policy, update=mode, **timed)
+        new_model, new_state, value = _run_step(step, chosen, cut, model, opt_state)
+        step_name = f"{mode}, {policy.update_timing}" if mine and timing else mode
+        name = f"loss ({step_name} step)" if streams else "loss (step)"
+        losses.append((name, _loss(value, step.has_aux), ref_loss, ref_loss, 0.0))
+        outputs.append((new_model, new_state))
+    _check_kinds(outputs[0], (model, own_state(opt_state)))
+    # Both updates are the optimizer's on the masters, in their own dtype.
+    return losses, _update_pairs(cut.model, *outputs) if streams else None
+
+
+@_refuses_old_forms
 def verify(
-    loss_fn: Callable[..., Any],
-    optimizer: optax.GradientTransformation | optax.MultiSteps,
-    policy: Policy,
+    step: TrainStep,
     model: PyTree,
     opt_state: PyTree,
     *batch: Any,
-    has_aux: bool = False,
-    microbatches: int = 1,
-    unsplit: Sequence[int] = (),
     layers: int | None = 2,
-    microbatch: int | None = 2,
+    examples: int | None = 2,
     rtol: float | None = None,
     atol: float | None = None,
 ) -> VerifyReport:
-    """Checks that `train_step(loss_fn, optimizer, policy, ...)` computes what plain
-    training computes, on a slice of the model small enough to run both.
+    """Checks that a `train_step` computes what plain training computes, on a
+    slice of the model small enough to run both.
 
-    Every `Stacked` is cut to its first `layers` layers (with the optimizer state
-    that mirrors them, compute copies included) and every batch array to its first
-    `microbatch` examples. On that slice, `verify` compares
+    Every `Stacked` is cut to its first `layers` layers, with the optimizer state
+    that mirrors them (compute copies included). Every batch array is cut to its
+    first `examples` examples. On that slice, `verify` compares
 
     1. **the loss** and 2. **each leaf's gradient** as the step computes them
         (`filter_offload(loss_fn, policy)`, each leaf in the memory kind it has in
-        `model`, in `microbatches`, from the compute copies) with the reference:
-        every leaf on the device, no remat, plain `eqx.filter_value_and_grad` of
-        the loss on the model cast to `Policy(compute_dtype=...)` (but for the
-        `keep_dtype` leaves), averaged over the same micro-batches;
-    3. **the update**: the model and optimizer state after one donating
-        `train_step` with `Policy(update="streamed")` (or `"host"`, the policy's
-        own) against one with `update="whole"` (plain optax on the device), when
+        `model`, in the step's micro-batches, from the compute copies) with the
+        reference: every leaf on the device, no remat, plain
+        `eqx.filter_value_and_grad` of the loss on the model cast to
+        `Policy(compute_dtype=...)` (but for the `keep_dtype` leaves), averaged
+        over the same micro-batches;
+    3. **the update**: the model and optimizer state after one donating step
+        with `Policy(update="streamed")` (or `"host"`, the policy's own) against
+        one with `update="whole"` (plain optax on the device). This runs when
         the step streams or updates on the host and the first two checks pass.
         Both steps' losses join the loss check. Any other step runs once, and
         its loss joins the loss check. Under `Policy(update_timing=...)` the
         step holds the stacked layers' update over: it runs, then
         `eqx_offload.apply_pending`, against the whole update with
-        `update_timing="now"`; `opt_state` must have no update pending (a fresh
-        one from `init_opt_state`, or after `apply_pending`).
+        `update_timing="now"`. So `opt_state` must have no update pending (a
+        fresh one from `init_opt_state`, or after `apply_pending`).
 
-    It never donates or changes the caller's arrays: only copies are given to the
-    steps it runs.
+    It never donates or changes the caller's arrays: the steps it runs get copies.
 
     Each check passes if, for every leaf, `max |ours - reference| <= atol + rtol *
-    scale`, where `scale` is the reference's largest magnitude over the leaf (the
-    largest change, for parameters after the update): relative to the leaf as a
-    whole, so that entries near zero (where cancellation leaves only rounding) do
-    not fail a correct step. Default tolerances (`rtol`, `atol`), by the leaf's
-    dtype, or for the loss and gradients the dtype they were computed in where
-    that is narrower (the values carry its rounding, whatever dtype holds them):
-    32- and 64-bit floats `1e-4, 1e-8`; 16-bit floats `5e-2, 1e-5`; 8-bit floats
-    `0.2, 1e-3`; integers exact. A correct step differs from the reference by
-    rounding in reassociated sums (on the CPU, under `3.6e-7` of a leaf's scale in
-    float32); a wrong residual or transfer by the order of the values themselves.
-    docs/verify.md says why these values.
+    scale`. `scale` is the reference's largest magnitude over the leaf (for
+    parameters after the update, the largest change). So entries near zero, where
+    cancellation leaves only rounding, do not fail a correct step. The default
+    tolerances (`rtol`, `atol`) go by the leaf's dtype. For the loss and
+    gradients they go by the dtype they were computed in, where that is narrower:
+    the values carry its rounding. 32- and 64-bit floats `1e-4, 1e-8`; 16-bit
+    floats `5e-2, 1e-5`; 8-bit floats `0.2, 1e-3`; integers exact. A correct step
+    differs from the reference by rounding in reassociated sums (on the CPU, under
+    `3.6e-7` of a leaf's scale in float32). A wrong residual or transfer differs
+    by the order of the values themselves. docs/verify.md says why these values.
 
     **Arguments:**
 
-    - `loss_fn`, `optimizer`, `policy`, `has_aux`, `microbatches`, `unsplit`: the
-        step, as for `train_step` (with `has_aux=True` the loss is compared, not
-        `aux`). `microbatches=k` splits the examples kept into `k` micro-batches;
-        the batch arguments in `unsplit` are passed whole, and not cut.
+    - `step`: the `eqx_offload.TrainStep` to check, from `train_step`. Its loss
+        is compared, not its `aux`. The batch arguments in its `unsplit` are
+        passed whole, and not cut.
     - `model`, `opt_state`, `*batch`: as for the step, already placed
         (`eqx_offload.place`, `eqx_offload.init_opt_state`).
     - `layers`: how many layers of each `Stacked` to keep (nested ones too), or
         `None` for all. Two, by default: the fewest that still pass a carry (and
         its offloaded residual) from one layer to the next through a real loop.
-    - `microbatch`: how many *examples* to keep (`microbatches` is how many parts
-        the step splits them into): every batch array with at least one dimension
-        is cut along its first axis. `None` keeps the batch whole (e.g. when its
-        arrays are not batch-major). Two, by default, so that a bug mixing
-        examples can show; rounded up to a multiple of `microbatches` times the
-        parts a `Policy(batch=...)` splits the batch into.
+    - `examples`: how many examples to keep: every batch array with at least one
+        dimension is cut along its first axis. `None` keeps the batch whole (e.g.
+        when its arrays are not batch-major). Two, by default, so that a bug
+        mixing examples can show. It is rounded up to a multiple of the step's
+        `microbatches` times the parts a `Policy(batch=...)` splits the batch
+        into.
     - `rtol`, `atol`: override the default tolerances for every check.
 
     **Returns:**
@@ -291,12 +467,12 @@ def verify(
     - `eqx_offload.DoesNotMatch` (a `ValueError`) naming the first check that
         fails (loss, gradients, update), its leaf, the difference and the
         tolerance; `error.report` has all of them.
-    - `ValueError` naming `layers=` (or `microbatch=`) when `loss_fn` fails on
-        the slice but traces on the whole model and batch: a loss that sizes
-        something by the configured depth (one KV cache per layer from a
-        config) rather than by the `Stacked` it gets.
+    - `ValueError` naming `layers=` (or `examples=`) when `loss_fn` fails on the
+        slice but traces on the whole model and batch: a loss that sizes
+        something by the configured depth (one KV cache per layer from a config)
+        rather than by the `Stacked` it gets.
     - `ValueError` naming `microbatches=` when the examples kept do not split into
-        that many micro-batches (of whole blocks of `Policy(batch=...)`).
+        the step's micro-batches (of whole blocks of `Policy(batch=...)`).
 
     !!! Example
 
@@ -304,83 +480,28 @@ def verify(
         policy = eo.Policy.offload_all(compute_dtype=jnp.bfloat16)
         model = eo.place(model, policy)
         opt_state = eo.init_opt_state(optimizer, model, policy)
-        print(eo.verify(loss_fn, optimizer, policy, model, opt_state, tokens, targets,
-                        microbatches=2))
-        step = eo.train_step(loss_fn, optimizer, policy, microbatches=2)  # then train
+        step = eo.train_step(loss_fn, optimizer, policy, microbatches=2)
+        print(eo.verify(step, model, opt_state, tokens, targets))  # then train
         ```
     """
-    if not callable(loss_fn):
-        raise TypeError(f"`verify(loss_fn=...)` must be callable, got {loss_fn!r}.")
     _check_count(layers, "layers")
-    _check_count(microbatch, "microbatch")
-    unsplit = _microbatch.check_unsplit(unsplit, microbatches, "`verify`")
-    transformation = as_transformation(optimizer, "`verify(optimizer=...)`")
-    check_policy(policy, "`verify(policy=...)`")
+    _check_count(examples, "examples")
+    policy = step.policy
     # A pending update (`Policy(update_timing=...)`) was computed for the whole
     # model: it cannot be cut, and the model is one update behind.
     check_ready(opt_state, "`verify`")
-    # The optimizer the step runs: under a compute dtype, its state holds the
-    # compute copies (`ComputeCopyState`), and under `update_timing` it is a
-    # `PendingUpdate` holding the waiting gradients; both are cut with their
-    # parameters.
     params = trainable(model)
-    wrapped = _mixed_precision.for_policy(transformation, params, policy)
+    wrapped = _mixed_precision.for_policy(step.optimizer, params, policy)
     _mixed_precision.check_state(
-        wrapped is not transformation, own_state(opt_state), "`verify`"
+        wrapped is not step.optimizer, own_state(opt_state), "`verify`"
     )
-    runs = stepping(transformation, params, policy)
     dtypes = None
     if policy.compute_dtype is not None:
         _mixed_precision.check_keep_dtype(params, policy, "`verify`")
         dtypes = tuple(_mixed_precision.compute_dtypes(params, policy))
-
-    model_sizes = _cutting.model_sizes(model, layers)
-    small = _cutting.cut(model, model_sizes)  # on the device: the reference's input
-    state_sizes = _cutting.state_sizes(runs, opt_state, trainable(small))
-    small_state = _cutting.cut(opt_state, state_sizes)
-    microbatch = _cutting.whole_parts(microbatch, policy, model, microbatches)
-    small_batch = _cutting.cut(batch, _cutting.batch_sizes(batch, microbatch, unsplit))
-    examples = _cutting.examples(small_batch, unsplit)
-    if examples == _cutting.examples(batch, unsplit):
-        microbatch = None  # the whole batch, whatever was asked
-    if _cutting.model_sizes(model, None) == model_sizes:
-        layers = None  # every layer
-    # Laid out as `train_step` lays it out, so that its micro-batches are checked
-    # against the blocks the step splits.
-    mesh = _mesh.tree_mesh(model)
-    small_batch = place_batch(small_batch, policy.batch, mesh, "`verify`", unsplit)
-    if microbatches > 1:
-        kept = "the whole batch" if microbatch is None else f"{examples} examples"
-        where = f"`verify(microbatches={microbatches})` on {kept}"
-        _microbatch.check(small_batch, microbatches, unsplit, where)
-    split = (microbatches, unsplit)
-
-    # In the model's mesh, as `train_step` traces the loss.
-    with _mesh.context(small, small_batch):
-        try:
-            options = (policy.loss_axes, has_aux, dtypes)
-            ref_value, ref_grads = _reference(
-                loss_fn, options, split, small, small_batch
-            )
-        except Exception as e:  # the loss's own error, explained if the cut did it
-            cut = _cutting.cut_error(
-                loss_fn, model, batch, small, small_batch, layers, microbatch, e
-            )
-            if cut is None:
-                raise
-            raise cut from e
-        arguments = (
-            _cutting.copy_into(small, model),
-            _cutting.copy_into(own_state(small_state), own_state(opt_state)),
-            small_batch,
-        )
-        value, grads = _offloaded(loss_fn, policy, has_aux, split, arguments)
-    ref_loss = _loss(ref_value, has_aux)
-    losses = [("loss", _loss(value, has_aux), ref_loss, ref_loss, 0.0)]
-    gradients = [
-        (r.path, o.value, r.value, r.value, 0.0)
-        for o, r in zip(_array_leaves(grads), _array_leaves(ref_grads), strict=True)
-    ]
+    arguments = (model, opt_state, batch)
+    cut = _cut(step, arguments, layers, examples)
+    ref_loss, losses, gradients = _gradient_pairs(step, dtypes, cut, arguments)
 
     # Computed in the compute dtype, whatever dtype they are kept in: its rounding
     # (each gradient in its leaf's: `keep_dtype` leaves are computed in their own).
@@ -393,55 +514,18 @@ def verify(
     gradient_check = _compare(gradients, rtol, atol, by_leaf)
     update = None
     if loss_check.passed and gradient_check.passed:
-        # The step itself, on a slice whose gradients are right: streamed (or on
-        # the host) against whole when it is, else once, so that its own program
-        # (placements, donation, outputs) is exercised.
-        # Under `update_timing`, the step holds the stacked layers' update over,
-        # and `apply_pending` applies it: together, against the whole update now.
-        own = _own_update(policy, model, opt_state)
-        timing = policy.update_timing != "now"
-        streams = own is not None or timing
-        outputs = []
-        for mode in (own or policy.update, "whole") if streams else (policy.update,):
-            mine = mode != "whole"
-            timed = {} if mine else {"update_timing": "now"}
-            chosen = replace(policy, update=mode, **timed)
-            step = train_step(
-                loss_fn,
-                optimizer,
-                chosen,
-                has_aux=has_aux,
-                microbatches=microbatches,
-                unsplit=unsplit,
-            )
-            state = small_state if mine else own_state(small_state)
-            new_model, new_state, value = step(
-                _cutting.copy_into(small, model),
-                _cutting.copy_into(state, opt_state if mine else own_state(opt_state)),
-                *small_batch,
-            )
-            if mine and timing:
-                new_model, new_state = apply_pending(
-                    new_model, new_state, transformation, chosen
-                )
-            step_name = f"{mode}, {policy.update_timing}" if mine and timing else mode
-            name = f"loss ({step_name} step)" if streams else "loss (step)"
-            losses.append((name, _loss(value, has_aux), ref_loss, ref_loss, 0.0))
-            outputs.append((new_model, own_state(new_state) if mine else new_state))
-        _check_kinds(outputs[0], (model, own_state(opt_state)))
-        loss_check = _compare(losses, rtol, atol, computed)
-        if streams:
-            # Both updates are the optimizer's on the masters, in their own dtype.
-            update = _compare(_update_pairs(small, *outputs), rtol, atol)
+        more, pairs = _step_checks(step, cut, model, opt_state, ref_loss)
+        loss_check = _compare(losses + more, rtol, atol, computed)
+        update = None if pairs is None else _compare(pairs, rtol, atol)
 
     report = VerifyReport(
         loss=loss_check,
         gradients=gradient_check,
         update=update,
-        layers=layers,
-        microbatch=microbatch,
-        examples=examples,
-        microbatches=microbatches,
+        layers=cut.layers,
+        examples=cut.examples,
+        whole_batch=cut.whole_batch,
+        microbatches=step.microbatches,
     )
     _raise_if_failed(report)
     return report
@@ -477,7 +561,7 @@ def _check_kinds(outputs: tuple, inputs: tuple) -> None:
     for out, into in zip(_array_leaves(outputs), _array_leaves(inputs), strict=True):
         if kind_of(out.value) != kind_of(into.value):
             raise ValueError(
-                f"`verify`: the train step returned leaf {out.path!r} in "
-                f"{kind_of(out.value)!r}, but it lives in {kind_of(into.value)!r}. "
-                "This is a bug in eqx_offload; please report it."
+                f"`verify`: the step returned leaf {out.path!r} in "
+                f"{kind_of(out.value)!r}, not {kind_of(into.value)!r}: an "
+                "eqx_offload bug, please report it."
             )

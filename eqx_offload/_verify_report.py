@@ -1,9 +1,10 @@
 """What `verify` reports: the largest difference of each check (`Difference`), the
 report (`VerifyReport`), and the error a failed check raises (`DoesNotMatch`)."""
 
+import dataclasses
 from typing import NamedTuple
 
-import equinox as eqx
+from ._errors import see
 
 
 _UPSTREAM = (
@@ -15,6 +16,10 @@ _UPSTREAM = (
     "`Policy.remat()`, `opt_state='device'`, `update='whole'`) and train with the "
     "policy that passes."
 )
+
+
+# The error catalogue's entry of each check's failure.
+_ENTRIES = {"loss": 67, "gradients": 68, "update": 67}
 
 
 _SCALES = {
@@ -56,7 +61,8 @@ class Difference(NamedTuple):
         return self.difference <= self.tolerance
 
 
-class VerifyReport(eqx.Module):
+@dataclasses.dataclass(frozen=True)
+class VerifyReport:
     """What `verify` compared and the largest difference of each check. Print it
     for a table.
 
@@ -64,14 +70,14 @@ class VerifyReport(eqx.Module):
     - `gradients`: each leaf's offloaded gradient against the reference gradient;
         the leaf nearest to its tolerance.
     - `update`: the model and optimizer state after the streamed update against
-        those after the whole update, or `None` when not checked: the step does
-        not stream (`Policy(update="whole")`, or nothing parameter-shaped on the
+        those after the whole update. `None` when not checked: the step does not
+        stream (`Policy(update="whole")`, or nothing parameter-shaped on the
         host), or the loss or gradients already differ.
-    - `layers`, `microbatch`: the slice checked (`None`: all of it): the layers
-        kept of each `Stacked`, and the examples kept of the batch (fewer than
-        `verify(microbatch=...)` asked for when the batch is smaller).
+    - `layers`: the layers kept of each `Stacked` (`None`: every layer).
     - `examples`: how many examples the checked batch holds (its leading axis;
-        `None` for a batch without one).
+        `None` for a batch without one). Fewer than `verify(examples=...)` asked
+        for when the batch is smaller.
+    - `whole_batch`: whether those are the whole batch.
     - `microbatches`: how many micro-batches the step split them into.
     """
 
@@ -79,9 +85,16 @@ class VerifyReport(eqx.Module):
     gradients: Difference
     update: Difference | None
     layers: int | None
-    microbatch: int | None
-    examples: int | None = None
-    microbatches: int = 1
+    examples: int | None
+    whole_batch: bool
+    microbatches: int
+
+    @property
+    def microbatch(self) -> None:
+        raise AttributeError(
+            "`VerifyReport.microbatch` is now `.examples` (how many were checked) "
+            "and `.whole_batch`." + see(143)
+        )
 
     @property
     def passed(self) -> bool:
@@ -99,9 +112,7 @@ class VerifyReport(eqx.Module):
             difference, tolerance = f"{check.difference:.3g}", f"{check.tolerance:.3g}"
             rows.append((name, check.leaf, difference, tolerance, verdict))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        where = _slice_text(
-            self.layers, self.microbatch, self.examples, self.microbatches
-        )
+        where = _slice_text(self)
         lines = [
             f"eqx_offload.verify: {where}",
             *(
@@ -112,29 +123,29 @@ class VerifyReport(eqx.Module):
         return "\n".join(line.rstrip() for line in lines)
 
 
-def _slice_text(
-    layers: int | None,
-    microbatch: int | None,
-    examples: int | None = None,
-    microbatches: int = 1,
-) -> str:
+def _slice_text(report: VerifyReport) -> str:
+    """What was checked: "the first 2 layers of each `Stacked`, the first 2
+    examples"."""
+
     def first(n: int, noun: str) -> str:
         return f"the first {noun}" if n == 1 else f"the first {n} {noun}s"
 
+    layers, examples = report.layers, report.examples
     where = "every layer" if layers is None else first(layers, "layer")
-    what = "the whole batch" if microbatch is None else first(microbatch, "example")
-    if microbatch is None and examples is not None:
-        what += f" ({examples} example{'' if examples == 1 else 's'})"
-    if microbatches > 1:
-        what += f" in {microbatches} micro-batches"
+    if not report.whole_batch and examples is not None:
+        what = first(examples, "example")
+    else:
+        what = "the whole batch"
+        if examples is not None:
+            what += f" ({examples} example{'' if examples == 1 else 's'})"
+    if report.microbatches > 1:
+        what += f" in {report.microbatches} micro-batches"
     return f"{where} of each `Stacked`, {what}"
 
 
 def _raise_if_failed(report: VerifyReport) -> None:
     reference = "the reference (every leaf on the device, no remat)"
-    where = _slice_text(
-        report.layers, report.microbatch, report.examples, report.microbatches
-    )
+    where = _slice_text(report)
     for name in ("loss", "gradients", "update"):
         check = getattr(report, name)
         if check is None or check.passed:
@@ -148,11 +159,14 @@ def _raise_if_failed(report: VerifyReport) -> None:
         else:
             subject = f"leaf {check.leaf!r} after the streamed update"
             against = "the whole update (`Policy(update='whole')`: plain optax)"
+        by = (
+            f"{check.difference:.3g}, beyond the tolerance {check.tolerance:.3g} "
+            f"(`atol + rtol * scale`, scale {check.scale:.3g}: {_SCALES[name]})"
+        )
         raise DoesNotMatch(
             f"`verify`: {subject} differs between the offloaded step and {against} "
-            f"by {check.difference:.3g}, beyond the tolerance {check.tolerance:.3g} "
-            f"(`atol + rtol * scale`, scale {check.scale:.3g}: {_SCALES[name]}). "
-            f"Checked on {where}. "
-            f"{_UPSTREAM}\n{report}",
+            f"by {by}. Checked on {where}. {_UPSTREAM}"
+            + see(_ENTRIES[name])
+            + f"\n{report}",
             report,
         )

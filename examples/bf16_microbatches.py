@@ -99,7 +99,7 @@ def main():
     losses: dict[str, list[float]] = {name: [] for name in states}
     for _ in tqdm(range(args.steps), desc="training both", unit="step"):
         for name, state in states.items():
-            state[0], state[1], loss = state[2](state[0], state[1], *batch)
+            state[0], state[1], loss, _ = state[2](state[0], state[1], *batch)
             losses[name].append(float(loss))
         batch = counting_sequences(rng, args.batch, args.seq, vocab)
     print(f"\n{'step':>6}" + "".join(f"{name:>28}" for name in states))

@@ -195,7 +195,7 @@ def main():
     with tqdm(range(start, args.steps), desc="training", unit="step") as bar:
         for step in bar:
             batch = batch_at(train, step, args.batch, args.seq, seed=0)
-            model, opt_state, loss = step_fn(model, opt_state, *batch)
+            model, opt_state, loss, _ = step_fn(model, opt_state, *batch)
             loss = float(loss)
             running = loss if running is None else 0.95 * running + 0.05 * loss
             bar.set_postfix(loss=f"{running:.3f}")

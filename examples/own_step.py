@@ -61,7 +61,7 @@ def make_own_step(optimizer: optax.GradientTransformation, policy: eo.Policy):
     @eqx.filter_jit(donate="all-except-first")
     def step(batch, model, opt_state):
         value, grads = eqx.filter_value_and_grad(loss)(model, *batch)
-        model, opt_state = eo.optimizer_update(
+        model, opt_state, _ = eo.optimizer_update(
             optimizer, grads, opt_state, model, policy
         )
         return value, model, opt_state
@@ -108,7 +108,7 @@ def main():
     model, opt_state = fresh()
     losses = []
     for batch in batches:
-        model, opt_state, value = step(model, opt_state, *batch)
+        model, opt_state, value, _ = step(model, opt_state, *batch)
         losses.append(float(value))
     gap = max(abs(a - b) for a, b in zip(own_losses, losses))
     print(f"own step:   loss {own_losses[0]:.4f} -> {own_losses[-1]:.4f}")

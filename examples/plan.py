@@ -62,7 +62,7 @@ def main():
 
     plain = eo.train_step(loss_fn, optimizer, eo.Policy.none())
     model = make()
-    _, _, plain_loss = plain(
+    _, _, plain_loss, _ = plain(
         model, eo.init_opt_state(optimizer, model, eo.Policy.none()), *batch
     )
 
@@ -71,7 +71,7 @@ def main():
     step = plan.train_step()
     losses = []
     for _ in range(args.steps):
-        model, opt_state, loss = step(model, opt_state, *batch)
+        model, opt_state, loss, _ = step(model, opt_state, *batch)
         losses.append(float(loss))
         batch = counting_sequences(rng, args.batch, args.seq, vocab)
     print(

@@ -175,7 +175,7 @@ def main():
     losses = []
     with tqdm(range(args.steps), desc="training", unit="step") as bar:
         for i in bar:
-            model, opt_state, loss = step(model, opt_state, *batch)
+            model, opt_state, loss, _ = step(model, opt_state, *batch)
             batch = counting_sequences(rng, args.batch, args.seq, vocab)
             losses.append(float(loss))
             if i % 10 == 0:

@@ -276,7 +276,7 @@ def main():
         for _ in bar:
             key, subkey = jax.random.split(key)
             images, labels = quadrant_images(rng, args.batch)
-            model, opt_state, loss = step(model, opt_state, images, labels, subkey)
+            model, opt_state, loss, _ = step(model, opt_state, images, labels, subkey)
             bar.set_postfix(loss=f"{float(loss):.3f}")
     print(f"held-out accuracy after {args.steps} steps: {held_out():.2f}")
 

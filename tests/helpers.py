@@ -349,8 +349,20 @@ def same_place(abstract, concrete) -> bool:
 
 
 def plan_factory():
-    """For `python -m eqx_offload plan tests.helpers:plan_factory`: the test model,
-    abstract, its loss, an optimizer and a batch of token ids."""
+    """For `python -m eqx_offload plan tests.helpers:plan_factory`: a train step of
+    the test model, the model (abstract), its optimizer state and a batch of token
+    ids, as `memory_report(step, model, opt_state, *batch)` takes them."""
+    optimizer, policy = optax.adam(1e-3), eo.Policy.none()
+    model = eqx.filter_eval_shape(Model, 256, 256, 4, key=jax.random.key(0))
+    model = eo.place(model, policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    return step, model, opt_state, (tokens, tokens)
+
+
+def old_plan_factory():
+    """The command line's old factory, `(loss_fn, optimizer, model, batch)`."""
     model = eqx.filter_eval_shape(Model, 256, 256, 4, key=jax.random.key(0))
     tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
     return cross_entropy, optax.adam(1e-3), model, (tokens, tokens)

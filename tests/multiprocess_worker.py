@@ -100,7 +100,7 @@ def main() -> None:
     step = CountCompiles(eo.train_step(loss_fn, optimizer, policy))
     losses = []
     for i in range(4):
-        model, opt_state, loss = step(model, opt_state, *batch(i))
+        model, opt_state, loss, _ = step(model, opt_state, *batch(i))
         losses.append(scalar(loss))
     kinds = {
         x.sharding.memory_kind for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))
@@ -115,7 +115,7 @@ def main() -> None:
     like = (abstract, eo.init_opt_state(optimizer, abstract, policy))
     restored, restored_state, saved_step = eo.load(directory, like, policy)
     restored_layouts = layouts((restored, restored_state))
-    restored, restored_state, loss = step(restored, restored_state, *batch(4))
+    restored, restored_state, loss, _ = step(restored, restored_state, *batch(4))
     result = {
         "losses": losses,
         "loss_after_load": scalar(loss),
@@ -127,7 +127,8 @@ def main() -> None:
         "errors": {},
     }
     # `verify` compares leaves laid out over every process.
-    report = eo.verify(loss_fn, optimizer, policy, restored, restored_state, *batch(5))
+    step = eo.train_step(loss_fn, optimizer, policy)
+    report = eo.verify(step, restored, restored_state, *batch(5))
     result["verified"] = report.passed
     # An abstract model without shardings would be restored on one process's
     # device only: refused on every process, before orbax is asked.

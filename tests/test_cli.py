@@ -92,7 +92,7 @@ def test_python_dash_m_runs_the_command():
     done = _run("plan", "--help")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("usage: python -m eqx_offload plan")
-    assert "module:function returning (loss_fn, optimizer, model," in done.stdout
+    assert "module:function returning (step, model, opt_state," in done.stdout
 
 
 def test_bad_input_names_the_argument():
@@ -103,12 +103,23 @@ def test_bad_input_names_the_argument():
     assert "cannot load the factory" in _refused("tests.helpers:nothing_here")
     factory = "tests.helpers:plan_factory"
     message = _refused(factory, "--device-budget", "lots")
-    assert "`plan(device_budget='lots')`: give a positive number" in message
+    assert "`plan(device_budget='lots')` is not a size. Give positive bytes" in message
     message = _refused(factory, "--target", "tpu-v5e", "--microbatches", "3")
     assert "`plan(microbatches=(3,))`: 3 micro-batches do not split" in message
     assert "`fewest_chips(chip='tpu-v9')`" in _refused(factory, "--chip", "tpu-v9")
     message = _refused(factory, "--target", "tpu-v5e", "--batch-per-device")
     assert "--batch-per-device needs --chip" in message
+
+
+def test_the_old_factory_and_flag_name_the_new_form():
+    """A factory of the old `(loss_fn, optimizer, model, batch)`, and `--has-aux`
+    (the step says it now): exits naming what to write instead."""
+    message = _refused("tests.helpers:old_plan_factory", "--target", "tpu-v5e")
+    assert "returned a function first" in message
+    assert "`(step, model, opt_state, batch)`, `step` an `eo.TrainStep`" in message
+    assert "not `(loss_fn, optimizer, model, batch)`" in message
+    message = _refused("tests.helpers:plan_factory", "--has-aux")
+    assert "--has-aux is gone" in message and "train_step(..., has_aux=True)" in message
 
 
 def _refused(*args: str) -> str:

@@ -13,6 +13,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as
 from jaxtyping import Array, Float, PRNGKeyArray
 
 import eqx_offload as eo
+from eqx_offload.internal import flat_arguments
 
 from .helpers import CountCompiles, MLPBlock, StackedNet, unchecked
 
@@ -139,11 +140,11 @@ def test_batch_spec():
         model = eo.place(make_net(key=jax.random.key(0)), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(loss_fn, optimizer, policy)
-    (dynamic, _), _ = step.split(model, opt_state, np.asarray(X)), None
+    dynamic, _ = flat_arguments(step, model, opt_state, np.asarray(X))
     assert dynamic[2][0].sharding.spec == P("fsdp")
     # Laid out by hand on the mesh: kept.
     by_hand = jax.device_put(X, NamedSharding(_mesh(), P("tp")))
-    (dynamic, _), _ = step.split(model, opt_state, by_hand), None
+    dynamic, _ = flat_arguments(step, model, opt_state, by_hand)
     assert dynamic[2][0].sharding.spec == P("tp")
     with pytest.raises(ValueError, match=r"batch leaf 'batch\[0\]'.*\(6, 16\)"):
         step(model, opt_state, X[:6])
@@ -175,9 +176,10 @@ def test_per_example_keys_are_laid_out_with_the_batch():
     optimizer = optax.sgd(0.1)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(noisy_loss, optimizer, policy)
-    (_, _, (x, laid_out)), _ = step.split(model, opt_state, np.asarray(X), keys)
+    (_, _, batch), _ = flat_arguments(step, model, opt_state, np.asarray(X), keys)
+    x, laid_out = batch
     assert x.sharding.spec[0] == laid_out.sharding.spec[0] == "data"
-    _, _, loss = step(model, opt_state, X, keys)
+    _, _, loss, _ = step(model, opt_state, X, keys)
     np.testing.assert_allclose(float(loss), float(expected), rtol=1e-5)
 
     def shared_loss(model: StackedNet, x, keys, scale, key) -> Float[Array, ""]:
@@ -185,7 +187,8 @@ def test_per_example_keys_are_laid_out_with_the_batch():
 
     step = eo.train_step(shared_loss, optimizer, policy, microbatches=2, unsplit=(2, 3))
     batch = (np.ones((16, 16)), jax.random.split(keys[0], 16), np.ones(16), keys[0])
-    (_, _, (x, split_keys, scale, key)), _ = step.split(model, opt_state, *batch)
+    (_, _, laid_out), _ = flat_arguments(step, model, opt_state, *batch)
+    x, split_keys, scale, key = laid_out
     assert x.sharding.spec[0] == split_keys.sharding.spec[0] == "data"
     assert _replicated(scale) and _replicated(key) and key.sharding.mesh == mesh
 
@@ -255,7 +258,7 @@ def test_fsdp_trains_like_one_device_on_both_axis_types(axis_type):
     step = CountCompiles(eo.train_step(loss_fn, optimizer, policy))
     losses = []
     for _ in range(3):
-        model, opt_state, loss = step(model, opt_state, X)
+        model, opt_state, loss, _ = step(model, opt_state, X)
         losses.append(float(loss))
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     assert step.compiled_on == [0]
@@ -274,8 +277,9 @@ def test_verify_with_declared_layouts():
         model = eo.place(make_net(key=jax.random.key(0)), policy)
     optimizer = optax.adamw(1e-2)
     opt_state = eo.init_opt_state(optimizer, model, policy)
-    report = eo.verify(loss_fn, optimizer, policy, model, opt_state, X)
-    assert report.microbatch == 4
+    step = eo.train_step(loss_fn, optimizer, policy)
+    report = eo.verify(step, model, opt_state, X)
+    assert report.examples == 4 and not report.whole_batch
 
 
 def test_a_loss_may_name_mesh_axes_under_auto_axes():
@@ -294,7 +298,7 @@ def test_a_loss_may_name_mesh_axes_under_auto_axes():
     step = eo.train_step(pinned_loss, optimizer, policy)
     report = eo.memory_report(step, model, opt_state, X)
     assert report.host_bytes > 0
-    _, _, loss = step(model, opt_state, X)
+    _, _, loss, _ = step(model, opt_state, X)
     np.testing.assert_allclose(
         float(loss), float(loss_fn(make_net(key=jax.random.key(0)), X)), rtol=1e-5
     )

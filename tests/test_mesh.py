@@ -74,7 +74,7 @@ def test_a_partly_sharded_model_trains_like_one_device(axis_type, preset):
     batch = jax.device_put(X, NamedSharding(mesh, P()))
     losses = []
     for _ in range(3):
-        model, opt_state, loss = step(model, opt_state, batch)
+        model, opt_state, loss, _ = step(model, opt_state, batch)
         losses.append(float(loss))
     np.testing.assert_allclose(losses, _reference_losses(3), rtol=1e-5)
     assert step.compiled_on == [0]  # outputs feed the next call as they are
@@ -92,7 +92,7 @@ def test_specs_spelled_with_trailing_none_compile_once():
     opt_state = eo.init_opt_state(OPTIMIZER, model, policy)
     step = CountCompiles(eo.train_step(loss_fn, OPTIMIZER, policy))
     for _ in range(3):
-        model, opt_state, _ = step(model, opt_state, X)
+        model, opt_state, _, _ = step(model, opt_state, X)
     assert step.compiled_on == [0]
 
 

@@ -15,7 +15,6 @@ on `Auto` ones (the default).
 Last, a model written for one device (an embedding lookup, a cache written with
 `.at[].set`) trains on `Explicit` axes as on `Auto` ones."""
 
-import contextlib
 import functools
 import operator
 import re
@@ -377,17 +376,14 @@ def test_trains_like_one_device(
         for batch in batches()
     ]
     if preset == "offload_all":
-        dynamic, statics = step.split(model, opt_state, *data[0])
-        # Traced as the step traces it: inside `jax.set_mesh` for `Explicit` axes
-        # (which sets the mesh when called, so it is called only here).
-        explicit = axis == "Explicit"
-        with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
-            hlo = step.jitted.lower(*dynamic, statics).compile().as_text()
+        # Traced as the step traces it (in the mesh its arguments are laid out on).
+        traced = step.trace(model, opt_state, *data[0])
+        hlo = traced.lower().compile().as_text()
         assert_streamed(hlo, model, with_state=optimizer_name == "adamw")
     losses = []
     counted = CountCompiles(step)
     for x, y in data:
-        model, opt_state, loss = counted(model, opt_state, x, y)
+        model, opt_state, loss, _ = counted(model, opt_state, x, y)
         losses.append(float(loss))
     # Outputs feed the next call as they are: nothing compiles after the first
     # call (nor on it, where the program compiled above is the one it runs).
@@ -412,8 +408,8 @@ def test_trains_like_one_device(
     if preset == "offload_all":
         wide = batches(2 * BATCH)[0]
         wide = [jax.device_put(a, NamedSharding(mesh, P("fsdp"))) for a in wide]
-        model, opt_state, _ = counted(model, opt_state, *wide)
-        model, opt_state, _ = counted(model, opt_state, *data[0])
+        model, opt_state, _, _ = counted(model, opt_state, *wide)
+        model, opt_state, _, _ = counted(model, opt_state, *data[0])
         assert [i for i in counted.compiled_on if i] == [len(data)]
 
 
@@ -460,7 +456,7 @@ def test_an_unmodified_model_trains_on_explicit_axes_as_on_auto_axes():
         step = CountCompiles(eo.train_step(lm_loss, optimizer, policy, has_aux=True))
         losses = []
         for tokens, targets in data:
-            model, opt_state, (loss, aux) = step(model, opt_state, tokens, targets)
+            model, opt_state, (loss, aux), _ = step(model, opt_state, tokens, targets)
             losses.append(float(loss))
         assert step.compiled_on == [0]
         assert shardings((model, opt_state)) == before
@@ -485,7 +481,8 @@ def test_an_unmodified_model_trains_on_explicit_axes_as_on_auto_axes():
     whole = eo.Policy.offload_all(
         shard=eo.FSDP("fsdp", min_size=0), batch="fsdp", update="whole"
     )
-    eo.verify(lm_loss, optimizer, whole, model, opt_state, *data[0], has_aux=True)
+    step = eo.train_step(lm_loss, optimizer, whole, has_aux=True)
+    eo.verify(step, model, opt_state, *data[0])
 
     # Opted in to `Explicit` axes inside the loss: JAX's refusal, as in plain JAX.
     policy = eo.Policy.offload_all(

@@ -116,6 +116,28 @@ def test_own_step_with_optimizer_update(getkey):
         wrong(device, opt_state)
 
 
+def test_one_return_shape_whatever_the_flags(getkey):
+    """A step returns `(model, opt_state, loss, metrics)` and `optimizer_update`
+    `(model, opt_state, metrics)`, `metrics` `None` without `metrics=True`."""
+    optimizer = optax.sgd(0.1)
+    policy = eo.Policy.offload_all()
+    model = eo.place(Model(key=getkey()), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    batch = next(batches(batch=4))
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    model, opt_state, loss, metrics = step(model, opt_state, *batch)
+    assert metrics is None and loss.shape == ()
+    loss = eo.filter_offload(cross_entropy, policy)
+
+    @eqx.filter_jit
+    def update(model, opt_state):
+        grads = eqx.filter_grad(loss)(model, *batch)
+        return eo.optimizer_update(optimizer, grads, opt_state, model, policy)
+
+    _, _, metrics = update(model, opt_state)
+    assert metrics is None
+
+
 @pytest.mark.parametrize("dim", [40])
 def test_streamed_on_tpu_without_more_traffic(dim):
     """On `tpu-v5e`, metrics add no traffic: the norms are partial sums carried

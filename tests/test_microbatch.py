@@ -49,7 +49,7 @@ def _offloaded(model, optimizer, policy, steps, k):
     )
     losses = []
     for batch in steps:
-        model, opt_state, loss = step(model, opt_state, *batch)
+        model, opt_state, loss, _ = step(model, opt_state, *batch)
         losses.append(float(loss))
     return model, losses, step
 
@@ -138,7 +138,7 @@ def test_aux_comes_back_per_micro_batch_and_unsplit_arguments_are_whole(getkey):
     step = eo.train_step(
         loss_fn, optimizer, policy, has_aux=True, microbatches=2, unsplit=(2,)
     )
-    _, _, (loss, aux) = step(model, opt_state, tokens, targets, weights)
+    _, _, (loss, aux), _ = step(model, opt_state, tokens, targets, weights)
     # Micro-batch i holds examples i, i + 2.
     np.testing.assert_array_equal(aux["first"], tokens[jnp.array([[0, 2], [1, 3]]), 0])
     assert aux["loss"].shape == (2,)
@@ -202,7 +202,7 @@ def test_a_layer_taken_out_of_its_stack(getkey):
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(by_hand, optimizer, policy, microbatches=2)
     with pytest.warns(UserWarning, match="outside its scan"):
-        model, _, _ = step(model, opt_state, tokens, targets)
+        model, _, _, _ = step(model, opt_state, tokens, targets)
     assert_trees_close(model, ref_model)
 
 
@@ -223,7 +223,7 @@ def test_on_a_mesh_with_a_laid_out_batch(getkey):
         step = eo.train_step(cross_entropy, optimizer, policy, microbatches=2)
         losses = []
         for batch in steps:
-            model, opt_state, loss = step(model, opt_state, *batch)
+            model, opt_state, loss, _ = step(model, opt_state, *batch)
             losses.append(float(loss))
         with pytest.raises(ValueError, match=r"laid out in 4 blocks.*multiple of 8"):
             step(model, opt_state, *next(batches(batch=4)))

@@ -118,7 +118,7 @@ def _plain_step(model, optimizer, tokens) -> tuple[np.ndarray, list[np.ndarray]]
 def _assert_steps_like_plain_equinox(expected, stepped):
     """`stepped`, a train step's outputs, is `expected`, `_plain_step`'s."""
     loss, arrays = expected
-    new_model, _, new_loss = stepped
+    new_model, _, new_loss, _ = stepped
     np.testing.assert_allclose(new_loss, loss, rtol=1e-6)
     assert_trees_close(new_model, arrays, after_adam=(1e-3, 1))
 
@@ -305,7 +305,7 @@ def test_optimizers_whose_init_looks_at_the_parameters(getkey, make):
         return eqx.apply_updates(reference, updates), ref_state
 
     for _, batch in zip(range(2), batches()):
-        model, opt_state, loss = step(model, opt_state, *batch)
+        model, opt_state, loss, _ = step(model, opt_state, *batch)
         reference, ref_state = ref_step(reference, ref_state, *batch)
     assert_trees_close(model, reference, after_adam=(1e-2, 2))
     # The moments of the adam part are on the host, its count on the device.
@@ -362,7 +362,7 @@ def test_using_a_donated_model_again_names_the_leaf(getkey):
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(cross_entropy, optimizer, policy)
     batch = next(batches())
-    _, _, _ = step(model, opt_state, *batch)
+    _, _, _, _ = step(model, opt_state, *batch)
     # `place` moved nothing, so the original's buffers were donated too.
     with pytest.raises(
         ValueError, match=r"model leaf 'embed\.weight' has been deleted"
@@ -466,3 +466,28 @@ def test_memory_report_kind_is_now_compiled():
         AttributeError, match=r"`MemoryReport\.kind` is now `MemoryReport\.compiled`"
     ):
         getattr(report, "kind")
+
+
+def test_verify_takes_the_step_and_examples(getkey):
+    """`verify(loss_fn, optimizer, policy, ...)` and `verify(..., microbatches=)`
+    name the new form, `verify(step, model, opt_state, *batch)`; `microbatch=` is
+    `examples=`, and `VerifyReport.microbatch` is `.examples`."""
+    policy = eo.Policy.remat()
+    model, opt_state, optimizer = _setup(policy, getkey, optax.sgd(0.1), depth=2)
+    tokens, targets = next(batches())
+    new_form = r"`verify` takes the step.*`verify\(step, model, opt_state, \*batch\)`"
+    with pytest.raises(TypeError, match=new_form):
+        eo.verify(cross_entropy, optimizer, policy, model, opt_state, tokens, targets)
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    with pytest.raises(TypeError, match=new_form):
+        eo.verify(step, model, opt_state, tokens, targets, microbatches=2)
+    with pytest.raises(
+        TypeError, match=r"`verify\(microbatch=\.\.\.\)` is now `verify\(examples="
+    ):
+        eo.verify(step, model, opt_state, tokens, targets, microbatch=2)
+    report = eo.verify(step, model, opt_state, tokens, targets, examples=1)
+    assert report.passed and (report.examples, report.whole_batch) == (1, False)
+    with pytest.raises(
+        AttributeError, match=r"`VerifyReport\.microbatch` is now `\.examples`"
+    ):
+        getattr(report, "microbatch")

@@ -83,7 +83,7 @@ def _train(model, optimizer, policy, steps, microbatches=1):
     )
     losses = []
     for batch in steps:
-        model, opt_state, loss = step(model, opt_state, *batch)
+        model, opt_state, loss, _ = step(model, opt_state, *batch)
         losses.append(float(loss))
     assert step.compiled_on == [0]
     return model, opt_state, losses
@@ -175,7 +175,7 @@ def test_checkpoints_keep_the_copies(getkey, tmp_path):
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(cross_entropy, optimizer, policy)
     data = batches(batch=2)
-    model, opt_state, _ = step(model, opt_state, *next(data))
+    model, opt_state, _, _ = step(model, opt_state, *next(data))
     eo.save(tmp_path / "ckpt", model, opt_state, step=1)
     abstract = eqx.filter_eval_shape(Model, key=key)
     like = (abstract, eo.init_opt_state(optimizer, eo.place(abstract, policy), policy))
@@ -184,8 +184,8 @@ def test_checkpoints_keep_the_copies(getkey, tmp_path):
         assert a.dtype == b.dtype and memory_kind(a) == memory_kind(b)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     batch = next(data)
-    _, _, expected = step(model, opt_state, *batch)
-    _, _, loss = step(restored.model, restored.opt_state, *batch)
+    _, _, expected, _ = step(model, opt_state, *batch)
+    _, _, loss, _ = step(restored.model, restored.opt_state, *batch)
     assert float(loss) == float(expected)
 
 
@@ -246,7 +246,7 @@ def test_on_a_mesh_under_both_axis_types(getkey, axis_type, preset):
         step = eo.train_step(_mse, optimizer, policy, microbatches=2)
         losses = []
         for _ in range(3):
-            model, opt_state, loss = step(model, opt_state, x, y)
+            model, opt_state, loss, _ = step(model, opt_state, x, y)
             losses.append(float(loss))
         return model, losses
 

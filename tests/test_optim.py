@@ -106,7 +106,7 @@ def test_opt_state_patterns_place_each_parameters_state(getkey):
     }
     assert mu.embed.weight.sharding.memory_kind == "device"
     step = eo.train_step(cross_entropy, optimizer, policy)
-    _, new_state, _ = step(model, state, *next(batches()))
+    _, new_state, _, _ = step(model, state, *next(batches()))
     assert new_state[0].mu.blocks.layers.mlp.layers[0].weight.sharding.memory_kind == (
         "pinned_host"
     )
@@ -131,7 +131,7 @@ def test_state_parts_put_adams_moments_apart_and_train_the_same(getkey):
         step = eo.train_step(cross_entropy, optimizer, policy)
         data = batches()
         for _ in range(2):
-            model, state, loss = step(model, state, *next(data))
+            model, state, loss, _ = step(model, state, *next(data))
         results.append((model, state, loss))
     (model, state, loss), (ref_model, ref_state, ref_loss) = results
     adam = state[0]

@@ -173,9 +173,9 @@ def test_the_chosen_step_trains_as_the_plain_step_does(tight):
 
     plain = eo.train_step(cross_entropy, optimizer, eo.Policy.none())
     state = eo.init_opt_state(optimizer, model(), eo.Policy.none())
-    m0, _, loss0 = plain(model(), state, tokens, targets)
+    m0, _, loss0, _ = plain(model(), state, tokens, targets)
     placed = tight.place(model())
-    m1, s1, loss1 = tight.train_step()(
+    m1, s1, loss1, _ = tight.train_step()(
         placed, tight.init_opt_state(placed), tokens, targets
     )
     m1, _ = tight.apply_pending(m1, s1)  # (where it chose `update_timing`)
@@ -398,10 +398,10 @@ def test_a_slice_target_lays_the_plan_out_fsdp():
     plain = eo.train_step(cross_entropy, optimizer, eo.Policy.none())
     model = Model(*ARGS, key=jax.random.key(0))
     state = eo.init_opt_state(optimizer, model, eo.Policy.none())
-    _, _, loss0 = plain(model, state, tokens, targets)
+    _, _, loss0, _ = plain(model, state, tokens, targets)
     mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
     placed = p.place(Model(*ARGS, key=jax.random.key(0)), mesh=mesh)
-    _, _, loss1 = p.train_step()(placed, p.init_opt_state(placed), tokens, targets)
+    _, _, loss1, _ = p.train_step()(placed, p.init_opt_state(placed), tokens, targets)
     np.testing.assert_allclose(loss1, loss0, rtol=1e-5)
 
 
@@ -435,9 +435,9 @@ def test_micro_batches_and_compute_dtypes_are_searched_when_offered():
 
     reference = eo.train_step(cross_entropy, optimizer, p.policy, microbatches=2)
     m0 = p.place(model())
-    _, _, loss0 = reference(m0, p.init_opt_state(m0), tokens, targets)
+    _, _, loss0, _ = reference(m0, p.init_opt_state(m0), tokens, targets)
     m1 = p.place(model())
-    _, _, loss1 = p.train_step()(m1, p.init_opt_state(m1), tokens, targets)
+    _, _, loss1, _ = p.train_step()(m1, p.init_opt_state(m1), tokens, targets)
     assert loss1 == loss0
     # Not offered, not searched: the default trains exactly as the policy names.
     default = eo.plan(

@@ -39,7 +39,7 @@ def train(policy: eo.Policy, *, microbatches: int = 1) -> tuple[Any, list[float]
     data = batches(batch=4)
     losses = []
     for _ in range(STEPS):
-        model, opt_state, loss = step(model, opt_state, *next(data))
+        model, opt_state, loss, _ = step(model, opt_state, *next(data))
         losses.append(float(loss))
     return model, losses
 
@@ -335,8 +335,8 @@ def test_fsdp_and_micro_batches_are_verified():
     model = eo.place(Model(key=jax.random.key(7)), policy, mesh=mesh)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     tokens, targets = next(batches(batch=32))
-    args = (optimizer, policy, model, opt_state, tokens, targets)
-    report = eo.verify(cross_entropy, *args, microbatches=2, microbatch=16)
+    step = eo.train_step(cross_entropy, optimizer, policy, microbatches=2)
+    report = eo.verify(step, model, opt_state, tokens, targets, examples=16)
     assert report.passed
 
 

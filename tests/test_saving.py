@@ -73,7 +73,7 @@ def train(step, model, opt_state, extra, stop, on_step=None):
     losses = []
     while extra["step"] < stop:
         key, sub = jax.random.split(extra["key"])
-        model, opt_state, loss = step(model, opt_state, *data(sub))
+        model, opt_state, loss, _ = step(model, opt_state, *data(sub))
         extra = {"key": key, "step": extra["step"] + 1}
         losses.append(float(loss))
         if on_step is not None:
@@ -298,7 +298,7 @@ def test_sharded_host_leaves_keep_their_sharding(tmp_path):
     model = eo.place(model, policy)
     opt_state = eo.init_opt_state(OPTIMIZER, model, policy)
     step = eo.train_step(loss_fn, OPTIMIZER, policy)
-    model, opt_state, _ = step(model, opt_state, *data(jax.random.key(2)))
+    model, opt_state, _, _ = step(model, opt_state, *data(jax.random.key(2)))
     eo.save(tmp_path, model, opt_state, step=1)
     restored = eo.load(tmp_path, (model, opt_state), policy, optimizer=OPTIMIZER)
     # Without the optimizer, the parameter-shaped state is found by its structure:
@@ -366,7 +366,7 @@ def test_mesh_sharded_partly_offloaded_state_keeps_its_layout(tmp_path):
     batch = [
         jax.device_put(a, NamedSharding(mesh, P())) for a in data(jax.random.key(2))
     ]
-    model, opt_state, _ = step(model, opt_state, *batch)  # moments not zero
+    model, opt_state, _, _ = step(model, opt_state, *batch)  # moments not zero
     saved = layouts((model, opt_state))
     kinds = {(spec, kind) for spec, kind, _ in saved}
     assert ((None, "tp", "fsdp"), "pinned_host") in kinds  # sharded, offloaded
@@ -459,7 +459,7 @@ def test_place_opt_state_keeps_values(getkey):
     model = eo.place(make_model(key=getkey()), policy)
     opt_state = eo.init_opt_state(OPTIMIZER, model, policy)
     step = eo.train_step(loss_fn, OPTIMIZER, policy)
-    model, opt_state, _ = step(model, opt_state, *data(getkey()))
+    model, opt_state, _, _ = step(model, opt_state, *data(getkey()))
     before = [np.array(x) for x in bits(opt_state)]
     moved = eo.place(opt_state, policy)  # the count goes to the host too
     with pytest.raises(ValueError, match=r"count.*place_opt_state\(optimizer"):

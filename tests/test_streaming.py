@@ -256,8 +256,7 @@ def update_jaxpr(policy, key):
     model = eo.place(Model(depth=4, key=key), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(cross_entropy, optimizer, policy)
-    dynamic, statics = step.split(model, opt_state, *next(batches()))
-    return step.jitted.trace(*dynamic, statics).jaxpr, model, opt_state
+    return step.trace(model, opt_state, *next(batches())).jaxpr, model, opt_state
 
 
 def test_one_layer_of_state_on_the_device_at_a_time(getkey):
@@ -290,7 +289,7 @@ def assert_streamed_equals_whole(make_optimizer, key, steps):
         step = eo.train_step(cross_entropy, optimizer, policy)
         data = batches()
         for _ in range(steps):
-            model, opt_state, loss = step(model, opt_state, *next(data))
+            model, opt_state, loss, _ = step(model, opt_state, *next(data))
         results.append(eqx.filter((model, opt_state, loss), eqx.is_array))
     assert_trees_close(*results)
 
@@ -358,7 +357,7 @@ def test_bfloat16_layers_stream_and_match_the_device_step(getkey):
         step = eo.train_step(cross_entropy, optimizer, policy)
         data = batches()
         for _ in range(2):
-            placed, opt_state, loss = step(placed, opt_state, *next(data))
+            placed, opt_state, loss, _ = step(placed, opt_state, *next(data))
         results.append(placed)
     bias = results[1].blocks.layers.norm1.weight
     assert bias.dtype == jnp.bfloat16 and bias.sharding.memory_kind == "pinned_host"
@@ -370,7 +369,7 @@ def test_each_leafs_transfers_are_named_after_it(getkey):
     step = eo.train_step(cross_entropy, optax.adam(1e-3), policy)
     model = eo.place(Model(depth=4, key=getkey()), policy)
     opt_state = eo.init_opt_state(optax.adam(1e-3), model, policy)
-    dynamic, statics = step.split(model, opt_state, *next(batches()))
-    text = step.jitted.trace(*dynamic, statics).lower().as_text(debug_info=True)
+    traced = step.trace(model, opt_state, *next(batches()))
+    text = traced.lower().as_text(debug_info=True)
     for name in ("blocks.mlp.layers[0].weight", "opt_state.blocks.attn"):
         assert name in text

@@ -57,7 +57,7 @@ def offload_run(model, loss_fn, optimizer, policy, steps):
     losses = []
     data = batches()
     for _ in range(steps):
-        model, opt_state, loss = step(model, opt_state, *next(data))
+        model, opt_state, loss, _ = step(model, opt_state, *next(data))
         losses.append(float(loss))
     return model, opt_state, losses
 
@@ -148,11 +148,11 @@ def test_traced_once_per_input_shape(getkey):
     step = CountCompiles(eo.train_step(loss_fn, optimizer, policy))
     data = batches()
     for _ in range(3):
-        model, opt_state, _ = step(model, opt_state, *next(data))
+        model, opt_state, _, _ = step(model, opt_state, *next(data))
     assert traces == [(2, 8)]
     data = batches(batch=3)
     for _ in range(2):
-        model, opt_state, _ = step(model, opt_state, *next(data))
+        model, opt_state, _, _ = step(model, opt_state, *next(data))
     assert traces == [(2, 8), (3, 8)]
     assert step.compiled_on == [0, 3]
 
@@ -164,7 +164,7 @@ def test_donates_model_and_opt_state(getkey):
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(cross_entropy, optimizer, policy)
     tokens, targets = next(batches())
-    new_model, _, _ = step(model, opt_state, tokens, targets)
+    new_model, _, _, _ = step(model, opt_state, tokens, targets)
     assert model.head.weight.is_deleted()
     assert not new_model.head.weight.is_deleted()
     assert not tokens.is_deleted()
@@ -182,7 +182,7 @@ def test_outputs_stay_where_the_policy_puts_them(getkey):
     step = eo.train_step(cross_entropy, optimizer, policy)
     data = batches()
     for _ in range(2):
-        model, opt_state, _ = step(model, opt_state, *next(data))
+        model, opt_state, _, _ = step(model, opt_state, *next(data))
     assert memory_kind(model.embed.weight) == "device"
     assert memory_kind(model.blocks.layers.norm1.weight) == "device"
     assert memory_kind(model.blocks.layers.mlp.layers[0].weight) == "pinned_host"
@@ -201,7 +201,7 @@ def test_has_aux(getkey):
     model = eo.place(Model(key=getkey()), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(loss_fn, optimizer, policy, has_aux=True)
-    _, _, (loss, aux) = step(model, opt_state, *next(batches()))
+    _, _, (loss, aux), _ = step(model, opt_state, *next(batches()))
     np.testing.assert_allclose(aux["twice"], 2 * loss)
 
 
@@ -254,7 +254,7 @@ def test_non_trainable_leaves_pass_through(getkey):
     model = eo.place(WithBuffer(Model(key=getkey()), jnp.array(3)), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(loss_fn, optimizer, policy)
-    model, _, _ = step(model, opt_state, *next(batches()))
+    model, _, _, _ = step(model, opt_state, *next(batches()))
     assert int(model.step_count) == 3
 
 
@@ -280,7 +280,7 @@ def test_model_sharded_over_a_mesh_compiles_once(getkey):
     step = CountCompiles(eo.train_step(cross_entropy, optimizer, policy))
     data = batches()
     for _ in range(3):
-        model, opt_state, _ = step(model, opt_state, *next(data))
+        model, opt_state, _, _ = step(model, opt_state, *next(data))
     assert step.compiled_on == [0]
     outputs = [x.sharding for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
     assert outputs == inputs
@@ -301,7 +301,7 @@ def test_prng_keys_in_the_model_stay_on_the_device(getkey):
     assert memory_kind(model.model.head.weight) == "pinned_host"
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(cross_entropy, optimizer, policy)
-    model, _, _ = step(model, opt_state, *next(batches()))
+    model, _, _, _ = step(model, opt_state, *next(batches()))
     assert memory_kind(model.key) == "device"
 
     class HostKey(eqx.Module):
@@ -326,7 +326,7 @@ def test_weak_typed_leaves_do_not_cause_a_recompile(getkey):
     step = CountCompiles(eo.train_step(cross_entropy, optimizer, policy))
     data = batches()
     for _ in range(3):
-        model, opt_state, _ = step(model, opt_state, *next(data))
+        model, opt_state, _, _ = step(model, opt_state, *next(data))
     assert step.compiled_on == [0]
 
 
@@ -467,7 +467,29 @@ def test_keyword_batch_arguments_are_refused(getkey):
     step = eo.train_step(cross_entropy, optimizer, policy)
     with pytest.raises(
         TypeError,
-        match=r"takes the batch by position, `step\(model, opt_state, \*batch\)`.*"
-        r"got keyword argument\(s\) 'targets'",
+        match=r"got keyword batch argument\(s\) 'targets'\. Pass them by position: "
+        r"`step\(model, opt_state, \*batch\)`",
     ):
         step(model, opt_state, tokens, targets=targets)
+
+
+def test_the_step_is_a_public_train_step(getkey):
+    """`train_step` returns an `eo.TrainStep` whose fields are what it was built
+    from (an `optax.MultiSteps` as its transformation), and `step.trace` traces the
+    program the step runs."""
+    policy = eo.Policy.offload_all()
+    optimizer = optax.MultiSteps(optax.sgd(0.1), 2)
+    step = eo.train_step(cross_entropy, optimizer, policy, microbatches=2)
+    assert isinstance(step, eo.TrainStep)
+    assert (step.loss_fn, step.policy) == (cross_entropy, policy)
+    assert isinstance(step.optimizer, optax.GradientTransformation)
+    assert (step.has_aux, step.microbatches, step.unsplit, step.metrics) == (
+        False,
+        2,
+        (),
+        False,
+    )
+    model = eo.place(Model(dim=8, depth=2, key=getkey()), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    traced = step.trace(model, opt_state, *next(batches()))
+    assert "scan" in str(traced.jaxpr)

@@ -83,7 +83,7 @@ def test_typed_model_trains(policy, getkey):
     data = batches()
     losses = []
     for _ in range(5):
-        model, opt_state, loss = step(model, opt_state, *next(data))
+        model, opt_state, loss, _ = step(model, opt_state, *next(data))
         losses.append(float(loss))
     assert losses[-1] < losses[0]
     assert isinstance(model, TypedModel) and isinstance(model.blocks, eo.Stacked)

@@ -163,7 +163,7 @@ def run(policy: str, model: str = "vmapped", microbatches: int = 1) -> Run:
     losses = []
     with counting_updating_scans() as paths:
         for _ in range(STEPS):
-            m, state, value = step(m, state, *next(data))
+            m, state, value, _ = step(m, state, *next(data))
             losses.append(float(value))
     kinds = (_kinds(m), _kinds(state))
     ready = state.ready if isinstance(state, eo.PendingUpdate) else None
@@ -355,7 +355,7 @@ def test_apply_pending():
     data = batches(batch=4)
     losses = []
     for i in range(STEPS):
-        model, state, loss = step(model, state, *next(data))
+        model, state, loss, _ = step(model, state, *next(data))
         losses.append(float(loss))
         if i == 1:
             assert state.ready is True
@@ -482,7 +482,7 @@ def test_where_the_forward_scan_cannot_apply_it_the_step_does(loss):
         data = batches(batch=4)
         losses = []
         for _ in range(3):
-            model, state, value = step(model, state, *next(data))
+            model, state, value, _ = step(model, state, *next(data))
             losses.append(float(value))
         return losses, eo.apply_pending(model, state, OPTIMIZER, policy)[0]
 

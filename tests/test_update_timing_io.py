@@ -50,7 +50,7 @@ def _ready(policy: eo.Policy):
     """A model and state after one step: an update pending."""
     optimizer, model, opt_state = _start(policy)
     step = eo.train_step(cross_entropy, optimizer, policy)
-    model, opt_state, _ = step(model, opt_state, *next(batches()))  # (none pending)
+    model, opt_state, _, _ = step(model, opt_state, *next(batches()))  # (none pending)
     assert opt_state.ready
     return optimizer, model, opt_state
 
@@ -61,9 +61,8 @@ def test_verify_checks_the_held_over_update(timing):
     (a fresh state: nothing pending)."""
     policy = eo.Policy.offload_all(update_timing=timing)
     optimizer, model, opt_state = _start(policy)
-    report = eo.verify(
-        cross_entropy, optimizer, policy, model, opt_state, *next(batches())
-    )
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    report = eo.verify(step, model, opt_state, *next(batches()))
     assert report.update is not None and report.update.passed
 
 
@@ -74,16 +73,8 @@ def test_verify_checks_compute_copies_and_micro_batches():
     )
     optimizer, model, opt_state = _start(policy)
     tokens, targets = next(batches(batch=4))
-    report = eo.verify(
-        cross_entropy,
-        optimizer,
-        policy,
-        model,
-        opt_state,
-        tokens,
-        targets,
-        microbatches=2,
-    )
+    step = eo.train_step(cross_entropy, optimizer, policy, microbatches=2)
+    report = eo.verify(step, model, opt_state, tokens, targets)
     assert report.update is not None and report.passed
 
 
@@ -94,15 +85,17 @@ def test_verify_finds_a_pending_update_left_unapplied(monkeypatch):
     monkeypatch.setattr(eoi.verify, "apply_pending", lambda m, s, o, p: (m, s))
     policy = eo.Policy.offload_all(update_timing="next_forward")
     optimizer, model, opt_state = _start(policy)
+    step = eo.train_step(cross_entropy, optimizer, policy)
     with pytest.raises(eo.DoesNotMatch, match="after the streamed update"):
-        eo.verify(cross_entropy, optimizer, policy, model, opt_state, *next(batches()))
+        eo.verify(step, model, opt_state, *next(batches()))
 
 
 def test_verify_and_save_refuse_a_pending_update(tmp_path):
     policy = eo.Policy.offload_all(update_timing="next_forward")
     optimizer, model, opt_state = _ready(policy)
+    step = eo.train_step(cross_entropy, optimizer, policy)
     with pytest.raises(ValueError, match=r"`verify`: .*pending update.*apply_pending"):
-        eo.verify(cross_entropy, optimizer, policy, model, opt_state, *next(batches()))
+        eo.verify(step, model, opt_state, *next(batches()))
     with pytest.raises(ValueError, match=r"`save\(opt_state=...\)`.*apply_pending"):
         eo.save(tmp_path / "ckpt", model, opt_state, step=1)
     assert not eo.saved_steps(tmp_path / "ckpt")
@@ -114,7 +107,7 @@ def test_verify_and_save_refuse_a_pending_update(tmp_path):
 def _train(step, model, opt_state, data, n):
     with pending_step():
         for _ in range(n):
-            model, opt_state, _ = step(model, opt_state, *next(data))
+            model, opt_state, _, _ = step(model, opt_state, *next(data))
     return model, opt_state
 
 

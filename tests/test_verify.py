@@ -55,20 +55,16 @@ def assert_intact(tree, before):
 
 
 CASES = {
-    # policy, verify's keyword arguments, the slice `loss_fn` sees
-    "offload_all": (eo.Policy.offload_all(), {}, (2, (2, 8))),
-    "offload_residuals": (eo.Policy.offload_residuals(), {}, (2, (2, 8))),
-    "remat": (
-        eo.Policy.remat(),
-        dict(layers=None, microbatch=None, has_aux=True),
-        (4, (4, 8)),
-    ),
+    # policy, verify's keyword arguments, `has_aux`, the slice `loss_fn` sees
+    "offload_all": (eo.Policy.offload_all(), {}, False, (2, (2, 8))),
+    "offload_residuals": (eo.Policy.offload_residuals(), {}, False, (2, (2, 8))),
+    "remat": (eo.Policy.remat(), dict(layers=None, examples=None), True, (4, (4, 8))),
 }
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_correct_policies_pass_and_the_callers_arrays_are_intact(name, getkey):
-    policy, kwargs, expected = CASES[name]
+    policy, kwargs, has_aux, expected = CASES[name]
     optimizer, model, opt_state, tokens, targets = setup(policy, getkey())
     before = snapshot((model, opt_state))
     seen = []
@@ -76,11 +72,10 @@ def test_correct_policies_pass_and_the_callers_arrays_are_intact(name, getkey):
     def loss_fn(model, tokens, targets):
         seen.append((len(model.blocks), tokens.shape))
         loss = cross_entropy(model, tokens, targets)
-        return (loss, {"tokens": tokens}) if kwargs.get("has_aux") else loss
+        return (loss, {"tokens": tokens}) if has_aux else loss
 
-    report = eo.verify(
-        loss_fn, optimizer, policy, model, opt_state, tokens, targets, **kwargs
-    )
+    step = eo.train_step(loss_fn, optimizer, policy, has_aux=has_aux)
+    report = eo.verify(step, model, opt_state, tokens, targets, **kwargs)
     assert isinstance(report, eo.VerifyReport) and report.passed
     assert set(seen) == {expected}  # the layers and examples kept
     # Parameters and optimizer state on the host: the update streams, and is
@@ -97,9 +92,8 @@ def test_bfloat16_passes(getkey):
     optimizer, model, opt_state, tokens, targets = setup(
         policy, getkey(), dtype=jnp.bfloat16, optimizer=optax.adam(1e-2)
     )
-    report = eo.verify(
-        cross_entropy, optimizer, policy, model, opt_state, tokens, targets
-    )
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    report = eo.verify(step, model, opt_state, tokens, targets)
     assert report.passed and report.update is not None
     tolerance = report.gradients.tolerance
     assert tolerance == pytest.approx(1e-5 + 5e-2 * report.gradients.scale)
@@ -149,7 +143,8 @@ def test_a_loss_that_differs_under_the_transform_is_named(getkey):
         r"the reference \(every leaf on the device, no remat\) by 1, beyond the "
         r"tolerance (.|\n)*openxla/xla#46231",
     ) as info:
-        eo.verify(loss_fn, optimizer, policy, model, opt_state, tokens, targets)
+        step = eo.train_step(loss_fn, optimizer, policy)
+        eo.verify(step, model, opt_state, tokens, targets)
     report = info.value.report
     assert not report.loss.passed and report.update is None
     assert not report.gradients.passed and report.gradients.leaf == "head.weight"
@@ -184,7 +179,8 @@ def test_a_corrupted_transfer_in_the_backward_pass_is_named(monkeypatch, getkey)
     with pytest.raises(
         eo.DoesNotMatch, match=r"the gradient of leaf 'blocks.layers\[1\].weight'"
     ) as info:
-        eo.verify(loss_fn, optimizer, policy, model, opt_state, tokens, targets)
+        step = eo.train_step(loss_fn, optimizer, policy)
+        eo.verify(step, model, opt_state, tokens, targets)
     assert info.value.report.loss.passed
 
 
@@ -207,31 +203,24 @@ def test_a_corrupted_streamed_update_is_named(monkeypatch, getkey):
         match=r"leaf 'head.weight' after the streamed update differs between the "
         r"offloaded step and the whole update",
     ) as info:
-        eo.verify(cross_entropy, optimizer, policy, model, opt_state, tokens, targets)
+        step = eo.train_step(cross_entropy, optimizer, policy)
+        eo.verify(step, model, opt_state, tokens, targets)
     report = info.value.report
     assert report.loss.passed and report.gradients.passed
     assert report.update is not None and report.update.leaf == "head.weight"
     assert_intact((model, opt_state), before)
 
 
-@pytest.mark.parametrize("argument", ["layers", "microbatch"])
+@pytest.mark.parametrize("argument", ["layers", "examples"])
 def test_counts_must_be_positive(argument, getkey):
     policy = eo.Policy.remat()
     optimizer, model, opt_state, tokens, targets = setup(policy, getkey())
     kwargs: dict[str, Any] = {argument: 0}
+    step = eo.train_step(cross_entropy, optimizer, policy)
     with pytest.raises(
         ValueError, match=rf"`verify\({argument}=...\)` must be a positive int"
     ):
-        eo.verify(
-            cross_entropy,
-            optimizer,
-            policy,
-            model,
-            opt_state,
-            tokens,
-            targets,
-            **kwargs,
-        )
+        eo.verify(step, model, opt_state, tokens, targets, **kwargs)
 
 
 def test_a_loss_sized_by_the_configured_depth_names_layers(getkey):
@@ -250,7 +239,8 @@ def test_a_loss_sized_by_the_configured_depth_names_layers(getkey):
 
         return jnp.mean(model.blocks.scan(layer, x, caches)[0] ** 2)
 
-    args = (optimizer, policy, model, opt_state, tokens, targets)
+    step = eo.train_step(one_cache_per_layer, optimizer, policy)
+    args = (model, opt_state, tokens, targets)
     with pytest.raises(
         ValueError,
         match=r"`verify\(layers=2\)`: `loss_fn` fails on the model cut to the first 2 "
@@ -258,9 +248,9 @@ def test_a_loss_sized_by_the_configured_depth_names_layers(getkey):
         r"configured depth.*`verify\(\.\.\., layers=None\)`\. It raised ValueError: "
         r"scan got `length`",
     ):
-        eo.verify(one_cache_per_layer, *args)
-    report = eo.verify(one_cache_per_layer, *args, layers=None)
-    assert (report.layers, report.microbatch, report.examples) == (None, 2, 2)
+        eo.verify(step, *args)
+    report = eo.verify(step, *args, layers=None)
+    assert (report.layers, report.whole_batch, report.examples) == (None, False, 2)
     assert "every layer of each `Stacked`, the first 2 examples" in str(report)
 
 
@@ -269,10 +259,9 @@ def test_the_report_says_how_many_examples_it_checked(getkey):
     optimizer, model, opt_state, tokens, targets = setup(
         policy, getkey(), optimizer=optax.sgd(0.1)
     )
-    report = eo.verify(
-        cross_entropy, optimizer, policy, model, opt_state, tokens[:1], targets[:1]
-    )
-    assert (report.microbatch, report.examples) == (None, 1)
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    report = eo.verify(step, model, opt_state, tokens[:1], targets[:1])
+    assert (report.whole_batch, report.examples) == (True, 1)
     assert "the first 2 layers of each `Stacked`, the whole batch (1 example)" in str(
         report
     )
@@ -299,8 +288,8 @@ def test_compute_dtypes_are_verified(getkey):
     assert isinstance(opt_state.copies.head.weight, optax.MaskedNode)
     assert opt_state.copies.embed.weight.dtype == jnp.bfloat16
     before = snapshot((model, opt_state))
-    args = (optimizer, policy, model, opt_state, tokens, targets)
-    report = eo.verify(cross_entropy, *args)
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    report = eo.verify(step, model, opt_state, tokens, targets)
     assert report.passed and report.update is not None
     assert_computes_what_the_step_computes(report)
     # Float32 gradients computed in bfloat16: bfloat16's tolerance.
@@ -315,7 +304,7 @@ def test_compute_dtypes_are_verified(getkey):
     # another model) are what the step computes with, and are caught.
     other = eo.init_opt_state(optimizer, eo.place(Net(key=getkey()), policy), policy)
     with pytest.raises(eo.DoesNotMatch, match=r"`verify`: the gradient of leaf"):
-        eo.verify(cross_entropy, optimizer, policy, model, other, tokens, targets)
+        eo.verify(step, model, other, tokens, targets)
 
 
 def summed_cross_entropy(model, tokens, targets):
@@ -329,11 +318,12 @@ def test_micro_batched_steps_are_verified(getkey):
     optimizer, model, opt_state, tokens, targets = setup(
         policy, getkey(), optimizer=optax.sgd(0.1)
     )
-    args = (optimizer, policy, model, opt_state, tokens, targets)
-    # `microbatch=2` examples kept (the default), split into two micro-batches.
-    report = eo.verify(summed_cross_entropy, *args, microbatches=2)
+    args = (model, opt_state, tokens, targets)
+    # `examples=2` kept (the default), split into two micro-batches.
+    step = eo.train_step(summed_cross_entropy, optimizer, policy, microbatches=2)
+    report = eo.verify(step, *args)
     assert report.passed and report.microbatches == 2
-    assert (report.microbatch, report.examples) == (2, 2)
+    assert (report.whole_batch, report.examples) == (False, 2)
     assert "the first 2 examples in 2 micro-batches" in str(report)
     assert_computes_what_the_step_computes(report)
 
@@ -350,23 +340,21 @@ def test_micro_batched_steps_are_verified(getkey):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(eoi.microbatch, "split", repeated)
         with pytest.raises(eo.DoesNotMatch, match="the loss differs"):
-            eo.verify(loss_fn, *args, microbatches=2)
+            step = eo.train_step(loss_fn, optimizer, policy, microbatches=2)
+            eo.verify(step, *args)
 
 
 def test_a_batch_that_does_not_split_into_micro_batches_is_named(getkey):
     policy = eo.Policy.remat()
     optimizer, model, opt_state, tokens, targets = setup(policy, getkey())
+    step = eo.train_step(cross_entropy, optimizer, policy, microbatches=4)
     with pytest.raises(
         ValueError,
-        match=r"`verify\(microbatches=4\)` on the whole batch: batch argument 0 has "
-        r"leading axis 3, which does not split into 4 micro-batches\. Give a batch "
-        r"whose size is a multiple of 4",
+        match=r"`verify` \(the whole batch, `train_step\(microbatches=4\)`\): batch "
+        r"argument 0 has leading axis 3, which does not split into 4 micro-batches\. "
+        r"Give a batch whose size is a multiple of 4",
     ):
-        eo.verify(
-            cross_entropy,
-            *(optimizer, policy, model, opt_state, tokens[:3], targets[:3]),
-            microbatches=4,
-        )
+        eo.verify(step, model, opt_state, tokens[:3], targets[:3])
 
 
 def test_fsdp_steps_are_verified():
@@ -387,9 +375,9 @@ def test_fsdp_steps_are_verified():
     opt_state = eo.init_opt_state(optimizer, model, policy)
     assert "fsdp" in model.blocks.layers.layers[0].weight.sharding.spec
     tokens, targets = next(batches(batch=32))
-    args = (optimizer, policy, model, opt_state, tokens, targets)
-    report = eo.verify(cross_entropy, *args, microbatches=2)
-    assert report.passed and (report.microbatch, report.examples) == (16, 16)
+    step = eo.train_step(cross_entropy, optimizer, policy, microbatches=2)
+    report = eo.verify(step, model, opt_state, tokens, targets)
+    assert report.passed and (report.whole_batch, report.examples) == (False, 16)
 
 
 def test_unsplit_arguments_are_not_cut():

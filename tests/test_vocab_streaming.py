@@ -64,7 +64,7 @@ def _train(loss, policy, steps=3, batch=(4, 24), **kwargs):
     step = CountCompiles(eo.train_step(loss, optimizer, policy, **kwargs))
     losses = []
     for _ in range(steps):
-        model, opt_state, value = step(model, opt_state, *_batch(shape=batch))
+        model, opt_state, value, _ = step(model, opt_state, *_batch(shape=batch))
         losses.append(float(value))
     return model, losses, step
 

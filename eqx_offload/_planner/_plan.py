@@ -26,7 +26,7 @@ from .._report import (
     MemoryReport,
     platform as target_platform,
 )
-from .._train_step import train_step
+from .._train_step import train_step, TrainStep
 from .._update import apply_pending, init_opt_state, NotOnHost
 from ._budget import parse_bytes
 from ._candidates import Candidate, Move, Settings
@@ -94,9 +94,9 @@ class Plan:
     tried: tuple[tuple[str, str], ...] = ()
     reused: int = 0
 
-    def train_step(self) -> Callable:
-        """`eo.train_step(loss_fn, optimizer, plan.policy,
-        microbatches=plan.microbatches)`."""
+    def train_step(self) -> TrainStep:
+        """The chosen step, an `eo.TrainStep`: `eo.train_step(loss_fn, optimizer,
+        plan.policy, microbatches=plan.microbatches)`."""
         return train_step(
             self.loss_fn,
             self.optimizer,

@@ -13,14 +13,21 @@ import jax.tree_util as jtu
 from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
-from .. import _compat, _compiler, _mesh, _mixed_precision, _paths, _pending, _residuals
+from .. import (
+    _compat,
+    _compiler,
+    _mesh,
+    _paths,
+    _pending,
+    _train_step,
+)
 from .._checkpoint_names import one_microbatch
 from .._diagnose import DoesNotCompile, out_of_memory
+from .._errors import see
+from .._flatten import flatten, unflatten
 from .._memory_kinds import is_arraylike, kind_of
-from .._mixed_precision import compute_dtypes
-from .._train_step import _TrainStep, join, split
-from .._transform import _OffloadWrapper, filter_offload
-from .._update import own_state, trainable
+from .._train_step import TrainStep
+from .._transform import _OffloadWrapper
 from . import _compiled_traffic, _costs, _minimum, _step_time, _targets, _traffic
 from ._does_not_fit import DoesNotFit, too_big
 from ._hardware import Hardware
@@ -28,14 +35,11 @@ from ._memory_report_type import (
     DESCRIPTIONS,
     device_word,
     host_total,
-    LARGEST,
     MemoryReport,
     PARTS,
-    ResidualRow,
     size_text,
-    UNNAMED,
-    UnnamedResidual,
 )
+from ._saved_for_backward import differentiated, Saved, saved_for_backward
 from ._targets import abstract
 
 
@@ -60,52 +64,6 @@ def bytes_by_kind(tree: PyTree, per_chip: bool = False) -> dict[str, int]:
     return dict(out)
 
 
-def _label(r: _residuals.Residual) -> str:
-    if r.name is not None:
-        return r.name
-    return UNNAMED[1] if r.per_iteration else UNNAMED[0]
-
-
-class _Saved(NamedTuple):
-    """What a function saves for its backward pass, as the report shows it."""
-
-    rows: tuple[ResidualRow, ...]
-    largest_unnamed: tuple[UnnamedResidual, ...]
-
-
-def saved_for_backward(fun: Callable, *args: Any, **kwargs: Any) -> _Saved:
-    """What `fun` saves for its backward pass, by checkpoint name and memory kind,
-    and the lines of code that save the most without a name; its arguments
-    (already counted) are left out."""
-    totals: dict[tuple[str, str], int] = defaultdict(int)
-    unnamed: dict[tuple, list[_residuals.Residual]] = defaultdict(list)
-    for r in _residuals.saved_residuals(fun, *args, **kwargs):
-        if r.source == "argument":
-            continue
-        kind = "pinned_host" if r.host else "device"
-        totals[_label(r), kind] += r.nbytes
-        if r.name is None:
-            unnamed[_label(r), kind, r.where].append(r)
-    rows = tuple(ResidualRow(name, kind, n) for (name, kind), n in totals.items())
-    parts = []
-    for (group, kind, where), found in unnamed.items():
-        largest = max(found, key=lambda r: r.nbytes)
-        operations = tuple(dict.fromkeys(r.source for r in found))
-        # (`str`: a PRNG key's dtype, `key<fry>`, is no NumPy dtype)
-        shape, dtype = tuple(largest.aval.shape), str(largest.aval.dtype)
-        total = sum(r.nbytes for r in found)
-        parts.append(
-            UnnamedResidual(
-                group, kind, where, operations, len(found), shape, dtype, total
-            )
-        )
-    parts.sort(key=lambda p: -p.bytes)
-    kept = [
-        p for group in UNNAMED for p in [q for q in parts if q.group == group][:LARGEST]
-    ]
-    return _Saved(rows, tuple(kept))
-
-
 class _CompileJob(NamedTuple):
     """What to compile (`trace()`), and how to describe it."""
 
@@ -114,29 +72,32 @@ class _CompileJob(NamedTuple):
     arguments: dict[str, Any]
     params: Any = None
     opt_state: Any = None
-    residuals: Callable[[], _Saved] | None = None
+    residuals: Callable[[], Saved] | None = None
     # (what, compiler message, mesh) -> the error naming the leaves at fault
     rejected: Callable[[str, str, Any], DoesNotCompile] | None = None
 
 
-def _train_step_job(step: _TrainStep, args: tuple, kwargs: dict) -> _CompileJob:
+def _train_step_job(step: TrainStep, args: tuple, kwargs: dict) -> _CompileJob:
     if kwargs or len(args) < 2:
         raise TypeError(
-            "`memory_report(step, model, opt_state, *batch)`: a `train_step` takes "
-            "the model, the optimizer state and the batch, positionally."
+            "`memory_report(step, ...)` takes the step's arguments by position: "
+            "`memory_report(step, model, opt_state, *batch)`."
         )
     model, opt_state, *batch = args
     opt_state = _pending.steady(opt_state)
-    dynamic, statics = step.split(model, opt_state, *batch)
-    batch = join(dynamic[2], statics.batch)  # as laid out by `Policy(batch=...)`
+    dynamic, statics = _train_step.flat_arguments(step, model, opt_state, *batch)
+    batch = unflatten(dynamic[2], statics.batch)  # as `Policy(batch=...)` lays it out
     # `keep_unused`: the compiled signature then lists every argument, which is
     # how `_split_estimate` matches arguments to their memory kinds.
     jitted = jax.jit(
-        step.fun, static_argnums=3, donate_argnums=(0, 1), keep_unused=True
+        _train_step.flat_function(step),
+        static_argnums=3,
+        donate_argnums=(0, 1),
+        keep_unused=True,
     )
 
-    def residuals() -> _Saved:
-        fn, seen = _differentiated(step, model, opt_state)
+    def residuals() -> Saved:
+        fn, seen = differentiated(step, model, opt_state)
         return saved_for_backward(fn, seen, *one_microbatch(step, batch))
 
     return _CompileJob(
@@ -146,44 +107,10 @@ def _train_step_job(step: _TrainStep, args: tuple, kwargs: dict) -> _CompileJob:
         model,
         opt_state,
         residuals,
-        lambda what, message, mesh: step.rejected(
-            what, message, mesh, model, opt_state
+        lambda what, message, mesh: _train_step.rejected(
+            step, what, message, mesh, model, opt_state
         ),
     )
-
-
-def _differentiated(
-    step: _TrainStep, model: PyTree, opt_state: PyTree
-) -> tuple[Callable, PyTree]:
-    """The function of the model and one micro-batch that a train step
-    differentiates, and the model it is given, so that its residuals are those of
-    the step, in the dtypes they are saved in: under a compute dtype or
-    micro-batches (`_microbatch.value_and_grad`), the loss reads each host-resident
-    parameter's compute copy from `opt_state`, and casts each device-resident one
-    to its compute dtype inside (the cast value is what the backward pass keeps,
-    and what each layer's input is computed from)."""
-    config = step.config
-    loss = filter_offload(config.loss_fn, config.policy)
-    params = trainable(model)
-    arrays = [leaf.path for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
-    dtypes = dict(zip(arrays, compute_dtypes(params, config.policy), strict=True))
-    seen = _mixed_precision.sources(model, params, own_state(opt_state))
-
-    def fn(seen: PyTree, *batch: Any) -> Any:
-        leaves = [
-            leaf.value.astype(dtypes[leaf.path])
-            if leaf.path in dtypes and leaf.value.dtype != dtypes[leaf.path]
-            else leaf.value
-            for leaf in _paths.leaves(seen)
-        ]
-        seen = jtu.tree_unflatten(jtu.tree_structure(seen), leaves)
-        batch = jtu.tree_map(
-            lambda x: jax.lax.stop_gradient(x) if eqx.is_array(x) else x, batch
-        )
-        out = loss(seen, *batch)
-        return out[0] if config.has_aux else out
-
-    return fn, seen
 
 
 def _has_aux(fn: Any, args: tuple, kwargs: dict) -> bool:
@@ -194,12 +121,11 @@ def _has_aux(fn: Any, args: tuple, kwargs: dict) -> bool:
     if isinstance(out, tuple) and len(out) == 2 and is_arraylike(out[0]):
         if out[0].shape == ():
             return True
+    shapes = jax.tree.map(lambda x: getattr(x, "shape", x), out)
     raise ValueError(
-        "`memory_report(fn, ...)` with a `filter_offload` function reports its "
-        "gradient with respect to the first argument, so `fn` must return a scalar "
-        "loss or `(loss, aux)`; it returned "
-        f"{jax.tree.map(lambda x: getattr(x, 'shape', x), out)}. Pass a `train_step`, "
-        "or wrap the function yourself (e.g. in `eqx.filter_grad`)."
+        "`memory_report(fn, ...)`: a `filter_offload` function must return a scalar "
+        f"loss or `(loss, aux)`, for its gradient; it returned {shapes}. Pass a "
+        "`train_step`, or wrap it yourself (`eqx.filter_grad`)." + see(38)
     )
 
 
@@ -221,12 +147,12 @@ def _function_job(fn: Any, args: tuple, kwargs: dict) -> _CompileJob:
         kind = "filter_offload"
         residuals = functools.partial(saved_for_backward, fn, *args, **kwargs)
         fn = eqx.filter_value_and_grad(fn, has_aux=_has_aux(fn, args, kwargs))
-    first, first_static = split(args[:1])
-    rest, rest_static = split((args[1:], kwargs))
+    first, first_static = flatten(args[:1])
+    rest, rest_static = flatten((args[1:], kwargs))
 
     def call(first: list, rest: list, statics: tuple) -> Any:
-        (*a,) = join(first, statics[0])
-        more, k = join(rest, statics[1])
+        (*a,) = unflatten(first, statics[0])
+        more, k = unflatten(rest, statics[1])
         return eqx.filter(fn(*a, *more, **k), is_arraylike)  # arrays only, as jit needs
 
     jitted = jax.jit(call, static_argnums=2, donate_argnums=donate, keep_unused=True)
@@ -238,7 +164,7 @@ def _function_job(fn: Any, args: tuple, kwargs: dict) -> _CompileJob:
 
 def _unwrap_filter_jit(fn: Any) -> Any:
     """The function inside an `eqx.filter_jit`."""
-    while not isinstance(fn, (_TrainStep, _OffloadWrapper)):
+    while not isinstance(fn, (TrainStep, _OffloadWrapper)):
         parts = _compat.filter_jit_parts(fn)
         if parts is None:
             break
@@ -258,7 +184,7 @@ def memory_report(
 
     **Arguments:**
 
-    - `fn`: a `train_step`, a `filter_offload` function, or any function JAX can
+    - `fn`: an `eo.TrainStep`, a `filter_offload` function, or any function JAX can
         jit (a `jax.jit`/`eqx.filter_jit` function is re-jitted from the function
         it wraps). Non-array arguments are static.
     - `*args`, `**kwargs`: its arguments: arrays or `jax.ShapeDtypeStruct`s (e.g.
@@ -340,104 +266,10 @@ def memory_report(
     on_target = where.mesh is not None
     platform = _targets.platform(where.name) if on_target else jax.default_backend()
     hardware = _step_time.hardware_for(target, platform, hardware)
-    # Like `capacity`, known for a target only: on this backend, its own RAM.
-    host_capacity = hardware.host_memory_bytes if on_target and hardware else None
-    lays_out_batch = (
-        isinstance(fn, _TrainStep)
-        and fn.config.policy.batch is not None
-        and where.is_slice
-    )
-
-    def to_abstract(tree: Any, replicate: bool = True) -> Any:
-        def leaf(x: Any) -> Any:
-            out = abstract(x, where.mesh, where.source, replicate)
-            if platform == "gpu" and replicate and kind_of(out) != kind_of(x):
-                raise _kind_not_kept(where.name, kind_of(x))
-            return out
-
-        return jtu.tree_map(lambda x: leaf(x) if is_arraylike(x) else x, tree)
-
-    if lays_out_batch:
-        args = to_abstract(args[:2]) + to_abstract(args[2:], replicate=False)
-    else:
-        args = to_abstract(args)
-    kwargs = to_abstract(kwargs)
-    with _mesh.context(args, kwargs):
-        if isinstance(fn, _TrainStep):
-            job = _train_step_job(fn, args, kwargs)
-        else:
-            job = _function_job(fn, args, kwargs)
-        traced = job.trace()
-        lowered = traced.lower()
-        saved = None if job.residuals is None else job.residuals()
-        residuals = None if saved is None else saved.rows
-        transfers = _traffic.count(traced.jaxpr, _inputs(job), platform)
-    what = DESCRIPTIONS[job.kind]
-
-    def count(tree: Any) -> dict[str, int]:
-        return bytes_by_kind(tree, per_chip=where.mesh is not None)
-
-    options = None
-    if isinstance(fn, _TrainStep) and fn.config.policy.host_remat:
-        options = _compiler.host_remat_options(platform)
-        if options is None:
-            raise ValueError(
-                "`memory_report`: `Policy(host_remat=True)` is an option of the TPU "
-                f"compiler, and this step is compiled for {where.name}; compile it "
-                "for a TPU (`target='tpu-v5e'`), or drop `host_remat`."
-            )
-    refuse = functools.partial(
-        _too_big_for_the_device, job, fn, residuals, count, what, where, host_capacity
-    )
-    try:
-        compiled = lowered.compile(compiler_options=options)
-        stats = compiled.memory_analysis()
-    except jax.errors.JaxRuntimeError as e:
-        if out_of_memory(e):
-            raise refuse(str(e)) from e
-        if where.mesh is not None and job.rejected is not None:
-            message = f"`memory_report`: {what}, compiled for {where.name}"
-            raise job.rejected(message, str(e), where.chip_mesh) from e
-        raise DoesNotCompile(
-            f"`memory_report`: the {where.name} compiler rejected {what}: {e}"
-        ) from e
-    if stats is None:
-        raise ValueError(
-            f"`memory_report`: the {where.name} compiler gives no memory analysis; "
-            "try another `target=`."
-        )
-    estimate = where.mesh is None and jax.default_backend() == "cpu"
-    if estimate:
-        device, host = _split_estimate(stats, lowered)
-    else:
-        device = {p: int(getattr(stats, f"{p}_size_in_bytes")) for p in PARTS}
-        host = {p: int(getattr(stats, f"host_{p}_size_in_bytes")) for p in PARTS}
-    text = compiled.as_text() if platform in ("tpu", "gpu") else None
-    report = MemoryReport(
-        target=where.name,
-        capacity=where.capacity,
-        compiled=job.kind,
-        estimate=estimate,
-        device=device,
-        host=host,
-        arguments={k: count(v) for k, v in job.arguments.items()},
-        params=None if job.params is None else count(job.params),
-        opt_state=None if job.opt_state is None else count(job.opt_state),
-        residuals=residuals,
-        largest_unnamed=None if saved is None else saved.largest_unnamed,
-        chips=where.chips,
-        chips_per_host=where.chips_per_host,
-        host_capacity=host_capacity,
-        transfers=transfers,
-        compiled_transfers=None
-        if text is None
-        else _compiled_traffic.count(text, _inputs(job), _outputs(job), transfers),
-        time=None
-        if text is None or hardware is None
-        else _step_time.estimate(text, hardware, platform),
-        host_compute_temp=_costs.host_temporaries(text or "", platform),
-        minimum_transfers=_minimum.of_step(fn, job, residuals, platform, where),
-    )
+    args, kwargs = _abstract_arguments(fn, args, kwargs, where, platform)
+    traced = _trace(fn, args, kwargs, platform)
+    compiled, stats = _compile(fn, traced, where, platform, hardware)
+    report = _build(fn, traced, compiled, stats, where, platform, hardware)
     if platform == "gpu":
         _check_host_kept(report, where)
         # (None on a GPU itself.) Only the device raises: over the host alone, it
@@ -449,8 +281,152 @@ def memory_report(
                 f"{where.name} has {size_text(sizes[1])} for it (the share JAX's "
                 "allocator takes, `XLA_PYTHON_CLIENT_MEM_FRACTION`)"
             )
-            raise refuse(message, sizes, report.host_bytes)
+            refusal = _Refusal(fn, traced, where, hardware)
+            raise refusal.error(message, sizes, report.host_bytes)
     return report
+
+
+def _host_capacity(where: "_Where", hardware: Hardware | None) -> int | None:
+    """Like `capacity`, known for a target only: on this backend, its own RAM."""
+    return hardware.host_memory_bytes if where.mesh is not None and hardware else None
+
+
+def _count(tree: Any, where: "_Where") -> dict[str, int]:
+    """Bytes by memory kind, per chip on a target."""
+    return bytes_by_kind(tree, per_chip=where.mesh is not None)
+
+
+def _abstract_arguments(
+    fn: Any, args: tuple, kwargs: dict, where: "_Where", platform: str
+) -> tuple[tuple, dict]:
+    """The arguments as abstract values on the target's devices. On a slice, the
+    batch a `train_step` with `Policy(batch=...)` lays out is not replicated."""
+
+    def to_abstract(tree: Any, replicate: bool = True) -> Any:
+        def leaf(x: Any) -> Any:
+            out = abstract(x, where.mesh, where.source, replicate)
+            if platform == "gpu" and replicate and kind_of(out) != kind_of(x):
+                raise _kind_not_kept(where.name, kind_of(x))
+            return out
+
+        return jtu.tree_map(lambda x: leaf(x) if is_arraylike(x) else x, tree)
+
+    lays_out_batch = (
+        isinstance(fn, TrainStep) and fn.policy.batch is not None and where.is_slice
+    )
+    if lays_out_batch:
+        args = to_abstract(args[:2]) + to_abstract(args[2:], replicate=False)
+    else:
+        args = to_abstract(args)
+    return args, to_abstract(kwargs)
+
+
+class _Traced(NamedTuple):
+    """A compile job traced and lowered, with what its trace says."""
+
+    job: _CompileJob
+    lowered: Any  # a `jax.stages.Lowered`
+    saved: Saved | None  # what it saves for the backward pass
+    transfers: Any  # `_traffic.count`'s
+
+
+def _trace(fn: Any, args: tuple, kwargs: dict, platform: str) -> _Traced:
+    with _mesh.context(args, kwargs):
+        if isinstance(fn, TrainStep):
+            job = _train_step_job(fn, args, kwargs)
+        else:
+            job = _function_job(fn, args, kwargs)
+        traced = job.trace()
+        lowered = traced.lower()
+        saved = None if job.residuals is None else job.residuals()
+        transfers = _traffic.count(traced.jaxpr, _inputs(job), platform)
+    return _Traced(job, lowered, saved, transfers)
+
+
+def _compile(
+    fn: Any,
+    traced: _Traced,
+    where: "_Where",
+    platform: str,
+    hardware: Hardware | None,
+) -> tuple[Any, Any]:
+    """The compiled program and its memory analysis, or the error that says why
+    there is none."""
+    job = traced.job
+    options = None
+    if isinstance(fn, TrainStep) and fn.policy.host_remat:
+        options = _compiler.host_remat_options(platform)
+        if options is None:
+            raise ValueError(
+                "`memory_report`: `Policy(host_remat=True)` is a TPU compiler "
+                f"option, and this step is compiled for {where.name}. Compile it "
+                "for a TPU (`target='tpu-v5e'`), or drop `host_remat`." + see(121)
+            )
+    what = DESCRIPTIONS[job.kind]
+    try:
+        compiled = traced.lowered.compile(compiler_options=options)
+        stats = compiled.memory_analysis()
+    except jax.errors.JaxRuntimeError as e:
+        if out_of_memory(e):
+            raise _Refusal(fn, traced, where, hardware).error(str(e)) from e
+        if where.mesh is not None and job.rejected is not None:
+            message = f"`memory_report`: {what}, compiled for {where.name}"
+            raise job.rejected(message, str(e), where.chip_mesh) from e
+        raise DoesNotCompile(
+            f"`memory_report`: the {where.name} compiler rejected {what}: {e}"
+        ) from e
+    if stats is None:
+        raise ValueError(
+            f"`memory_report`: the {where.name} compiler gives no memory analysis; "
+            "try another `target=`."
+        )
+    return compiled, stats
+
+
+def _build(
+    fn: Any,
+    traced: _Traced,
+    compiled: Any,
+    stats: Any,
+    where: "_Where",
+    platform: str,
+    hardware: Hardware | None,
+) -> MemoryReport:
+    """The report of a compiled program."""
+    job, saved, transfers = traced.job, traced.saved, traced.transfers
+    estimate = where.mesh is None and jax.default_backend() == "cpu"
+    if estimate:
+        device, host = _split_estimate(stats, traced.lowered)
+    else:
+        device = {p: int(getattr(stats, f"{p}_size_in_bytes")) for p in PARTS}
+        host = {p: int(getattr(stats, f"host_{p}_size_in_bytes")) for p in PARTS}
+    text = compiled.as_text() if platform in ("tpu", "gpu") else None
+    residuals = None if saved is None else saved.rows
+    return MemoryReport(
+        target=where.name,
+        capacity=where.capacity,
+        compiled=job.kind,
+        estimate=estimate,
+        device=device,
+        host=host,
+        arguments={k: _count(v, where) for k, v in job.arguments.items()},
+        params=None if job.params is None else _count(job.params, where),
+        opt_state=None if job.opt_state is None else _count(job.opt_state, where),
+        residuals=residuals,
+        largest_unnamed=None if saved is None else saved.largest_unnamed,
+        chips=where.chips,
+        chips_per_host=where.chips_per_host,
+        host_capacity=_host_capacity(where, hardware),
+        transfers=transfers,
+        compiled_transfers=None
+        if text is None
+        else _compiled_traffic.count(text, _inputs(job), _outputs(job), transfers),
+        time=None
+        if text is None or hardware is None
+        else _step_time.estimate(text, hardware, platform),
+        host_compute_temp=_costs.host_temporaries(text or "", platform),
+        minimum_transfers=_minimum.of_step(fn, job, residuals, platform, where),
+    )
 
 
 def _check_host_kept(report: MemoryReport, where: "_Where") -> None:
@@ -534,44 +510,47 @@ def _where(target: str | None, trees: Any) -> _Where:
     return _Where(target, mesh, source, chip_mesh, capacity, chips, per_host)
 
 
-def _too_big_for_the_device(
-    job: _CompileJob,
-    fn: Any,
-    residuals: tuple[ResidualRow, ...] | None,
-    count: Callable[[Any], dict[str, int]],
-    what: str,
-    where: _Where,
-    host_capacity: int | None,
-    message: str,
-    sizes: tuple[int, int] | None = None,
-    host_bytes: int | None = None,
-) -> DoesNotFit:
-    """The error for a program too big for the device memory of `where`
-    (`_does_not_fit.too_big`), with what is known of it without compiling."""
-    return too_big(
-        message,
-        what=what,
-        one_device=where.one_chip,
-        target=where.name,
-        is_slice=where.is_slice,
-        per_device=where.mesh is not None,
-        compiled=job.kind,
-        policy=_policy_of(fn),
-        params=None if job.params is None else count(job.params),
-        opt_state=None if job.opt_state is None else count(job.opt_state),
-        residuals=residuals,
-        arguments={k: count(v) for k, v in job.arguments.items()},
-        capacity=where.capacity,
-        host_capacity=host_capacity,
-        sizes=sizes,
-        host_bytes=host_bytes,
-    )
+class _Refusal(NamedTuple):
+    """What is known of a program too big for the device memory of `where`,
+    without compiling it."""
+
+    fn: Any
+    traced: _Traced
+    where: _Where
+    hardware: Hardware | None
+
+    def error(
+        self,
+        message: str,
+        sizes: tuple[int, int] | None = None,
+        host_bytes: int | None = None,
+    ) -> DoesNotFit:
+        """The error (`_does_not_fit.too_big`), with the compiler's `message`."""
+        job, where, saved = self.traced.job, self.where, self.traced.saved
+        return too_big(
+            message,
+            what=DESCRIPTIONS[job.kind],
+            one_device=where.one_chip,
+            target=where.name,
+            is_slice=where.is_slice,
+            per_device=where.mesh is not None,
+            compiled=job.kind,
+            policy=_policy_of(self.fn),
+            params=None if job.params is None else _count(job.params, where),
+            opt_state=None if job.opt_state is None else _count(job.opt_state, where),
+            residuals=None if saved is None else saved.rows,
+            arguments={k: _count(v, where) for k, v in job.arguments.items()},
+            capacity=where.capacity,
+            host_capacity=_host_capacity(where, self.hardware),
+            sizes=sizes,
+            host_bytes=host_bytes,
+        )
 
 
 def _policy_of(fn: Any) -> Any:
     """The `Policy` of a `train_step` or `filter_offload` function, or `None`."""
-    if isinstance(fn, _TrainStep):
-        return fn.config.policy
+    if isinstance(fn, TrainStep):
+        return fn.policy
     fn = _unwrap_filter_jit(fn)
     return fn._policy if isinstance(fn, _OffloadWrapper) else None
 

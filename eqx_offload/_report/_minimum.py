@@ -342,13 +342,12 @@ def of_step(fn: Any, plan: Any, residuals: Any, platform: str, where: Any) -> An
     arrays: divided between the devices of a slice); `None` for anything else."""
     if plan.kind != "train_step":
         return None
-    config = fn.config
     return minimum_traffic(
         plan.params,
         plan.opt_state,
-        config.policy,
-        config.optimizer,
-        microbatches=config.microbatches,
+        fn.policy,
+        fn.optimizer,
+        microbatches=fn.microbatches,
         residual_bytes=offloaded_bytes(residuals) // (where.chips or 1),
         platform=platform,
     )

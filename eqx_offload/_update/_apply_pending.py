@@ -53,7 +53,7 @@ def apply_pending(
 
         ```python
         for batch in batches:
-            model, opt_state, loss = step(model, opt_state, *batch)
+            model, opt_state, loss, _ = step(model, opt_state, *batch)
         model, opt_state = eo.apply_pending(model, opt_state, optimizer, policy)
         ```
     """

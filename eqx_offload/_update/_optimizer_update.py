@@ -49,7 +49,7 @@ def optimizer_update(
 
     **Returns:**
 
-    `(model, opt_state)`, or `(model, opt_state, metrics)` with `metrics=True`.
+    `(model, opt_state, metrics)`: `metrics` is `None` unless `metrics=True`.
 
     **Raises:**
 
@@ -64,7 +64,7 @@ def optimizer_update(
             loss, grads = eqx.filter_value_and_grad(eo.filter_offload(loss_fn, policy))(
                 model, *batch
             )
-            model, opt_state = eo.optimizer_update(
+            model, opt_state, _ = eo.optimizer_update(
                 optimizer, grads, opt_state, model, policy
             )
             return loss, model, opt_state
@@ -97,7 +97,7 @@ def optimizer_update(
         )
         model = _back(model, [kind for _, kind in model_kinds], "params")
         opt_state = _back(opt_state, [kind for _, kind in opt_kinds], "opt_state")
-    return (model, opt_state, norms) if metrics else (model, opt_state)
+    return model, opt_state, norms
 
 
 def _back(tree: PyTree, kinds: list[str], scope: str) -> PyTree:

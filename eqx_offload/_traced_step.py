@@ -1,0 +1,326 @@
+"""The function a `TrainStep` jits: the checks of its arguments, the loss and
+its gradient, the optimizer update, and every output leaf placed where it lives."""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxtyping import PyTree
+
+from . import (
+    _compat,
+    _layout,
+    _microbatch,
+    _mixed_precision,
+    _paths,
+    _pending,
+    _scopes,
+    _update,
+)
+from ._checked_loss import checked_loss
+from ._errors import see
+from ._flatten import flatten, Static, unflatten
+from ._memory_kinds import is_arraylike, is_host, to_space
+from ._policy import Policy
+from ._transform import filter_offload
+from ._update import check_matches
+
+
+def _place_outputs(tree: Any, kinds: list, shardings: tuple) -> Any:
+    """Every array leaf back in its memory kind and, if it is laid out over a mesh,
+    in its input sharding, so the outputs feed the next call without recompiling."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    array_shardings = [s for x, s in zip(leaves, shardings) if eqx.is_array(x)]
+    out, position = [], 0
+    for x in leaves:
+        if eqx.is_array(x):
+            (leaf, kind), sharding = kinds[position], array_shardings[position]
+            position += 1
+            if sharding is not None and is_host(x):
+                # Constrained where it is: a round trip through the device (which
+                # the compiler folds into a host-side copy) costs a copy of the
+                # leaf in host memory.
+                x = jax.lax.with_sharding_constraint(x, sharding)
+            elif sharding is not None:
+                plain = NamedSharding(sharding.mesh, sharding.spec)
+                x = jax.lax.with_sharding_constraint(to_space(x, "device", ""), plain)
+            x = to_space(x, kind, leaf.path)
+        out.append(x)
+    return jtu.tree_unflatten(treedef, out)
+
+
+def _check_layout(model: PyTree, policy: Policy, shardings: tuple) -> None:
+    """Raises, naming the leaf, if a model leaf is not laid out as
+    `Policy(shard=...)` declares (at trace time, from the input shardings)."""
+    if policy.shard is None:
+        return
+    meshes = [s.mesh for s in shardings if s is not None]
+    pairs = [
+        (leaf, sharding)
+        for leaf, sharding in zip(_paths.leaves(model), shardings, strict=True)
+        if is_arraylike(leaf.value)
+        and not jax.dtypes.issubdtype(leaf.value.dtype, jax.dtypes.prng_key)
+    ]
+    declared = (
+        _layout.specs(
+            [leaf for leaf, _ in pairs],
+            policy.shard,
+            meshes[0],
+            False,
+            policy.host_tables,
+        )
+        if meshes
+        else [
+            None if _layout.rule_of(leaf.path, policy.shard) is None else P()
+            for leaf, _ in pairs
+        ]
+    )
+    for (leaf, sharding), spec in zip(pairs, declared):
+        if spec is None:
+            continue
+        ndim = len(leaf.value.shape)
+        actual = None if sharding is None else _layout.normalise(sharding.spec, ndim)
+        if actual != _layout.normalise(spec, ndim):
+            where = "on one device" if sharding is None else f"laid out as {actual}"
+            declared = _layout.normalise(spec, ndim)
+            raise ValueError(
+                f"`train_step`: model leaf {leaf.path!r} is {where}, but "
+                f"`Policy(shard=...)` lays it out as {declared}. Place it first: "
+                "`eqx_offload.place(model, policy, mesh=mesh)`." + see(79)
+            )
+
+
+class Statics(NamedTuple):
+    """The static argument of a step's flat function (hashable): the non-array
+    parts of its arguments, and the input shardings its outputs keep."""
+
+    model: Static
+    opt_state: Static
+    batch: Static
+    model_shardings: tuple
+    opt_shardings: tuple
+
+
+def value_and_grad(
+    loss_fn: Callable,
+    policy: Policy,
+    has_aux: bool,
+    microbatches: int,
+    unsplit: tuple[int, ...],
+    arguments: tuple[PyTree, PyTree, tuple],
+    where: str,
+) -> tuple[Any, PyTree]:
+    """The loss and gradient of the step on `arguments = (model, opt_state,
+    batch)`: `filter_offload(loss_fn, policy)` differentiated, in micro-batches and
+    from the compute copies in `opt_state` where the policy asks for them. (`verify`
+    checks this against plain JAX.)"""
+    model, opt_state, batch = arguments
+    loss = filter_offload(checked_loss(loss_fn, has_aux, where), policy)
+    if microbatches == 1 and policy.compute_dtype is None:
+        return eqx.filter_value_and_grad(loss, has_aux=has_aux)(model, *batch)
+    params = _update.trainable(model)
+    _mixed_precision.check_keep_dtype(params, policy, where)
+    return _microbatch.value_and_grad(
+        loss,
+        _mixed_precision.sources(model, params, opt_state),
+        params,
+        _mixed_precision.compute_dtypes(params, policy),
+        batch,
+        microbatches,
+        unsplit,
+        has_aux,
+        policy.host_tables,
+        policy.update == "host",
+    )
+
+
+def _step(
+    step: Any,
+    model_dynamic: list,
+    opt_dynamic: list,
+    batch_dynamic: list,
+    statics: Statics,
+) -> tuple[list, list, Any, dict[str, Any] | None]:
+    """The step on flat arguments (`_flatten.flatten`'s): `step` is the
+    `TrainStep` (its public fields). Returns the new model's and optimizer state's
+    array leaves, the loss, and the metrics or `None`."""
+    optimizer, policy, has_aux = step.optimizer, step.policy, step.has_aux
+    microbatches = step.microbatches
+    model = unflatten(model_dynamic, statics.model)
+    opt_state = unflatten(opt_dynamic, statics.opt_state)
+    batch = unflatten(batch_dynamic, statics.batch)
+    model_kinds = _update.check_model(model, policy, "`train_step`")
+    _check_layout(model, policy, statics.model_shardings)
+    params = _update.trainable(model)
+    wrapped = _mixed_precision.for_policy(optimizer, params, policy)
+    copies = wrapped is not optimizer
+    _mixed_precision.check_state(copies, _update.own_state(opt_state), "`train_step`")
+    stepping = _update.stepping(optimizer, params, policy)
+    check_matches(stepping, _update.structure(opt_state), params, "`train_step`")
+    opt_kinds = _update.check_state(stepping, opt_state, model, policy)
+    if policy.update_timing != "now":
+        return _pending_step(
+            step, model, opt_state, batch, statics, model_kinds, opt_kinds
+        )
+
+    value, grads = value_and_grad(
+        step.loss_fn,
+        policy,
+        has_aux,
+        microbatches,
+        step.unsplit,
+        (model, opt_state, batch),
+        "`train_step`",
+    )
+    with jax.named_scope(_scopes.UPDATE):
+        model, opt_state, norms = _update.update(
+            wrapped,
+            grads,
+            opt_state,
+            model,
+            policy,
+            model_kinds,
+            opt_kinds,
+            step.metrics,
+        )
+    return _outputs(model, opt_state, model_kinds, opt_kinds, statics) + (value, norms)
+
+
+def _outputs(
+    model: PyTree,
+    opt_state: PyTree,
+    model_kinds: list,
+    opt_kinds: list,
+    statics: Statics,
+) -> tuple[list, list]:
+    """The step's new model and optimizer state, flattened as `jitted` returns
+    them, every leaf back where it lives. (With `device_put` to a memory space
+    inside the traced function: the same trace then compiles for any backend.)"""
+    with jax.named_scope(_scopes.UPDATE):
+        with jax.named_scope(_scopes.PARAMS):
+            model = _place_outputs(model, model_kinds, statics.model_shardings)
+        with jax.named_scope(_scopes.OPT_STATE):
+            opt_state = _place_outputs(opt_state, opt_kinds, statics.opt_shardings)
+    return flatten(model)[0], flatten(opt_state)[0]
+
+
+def _pending_step(
+    step: Any,
+    model: PyTree,
+    opt_state: "_update.PendingUpdate",
+    batch: tuple,
+    statics: Statics,
+    model_kinds: list,
+    opt_kinds: list,
+) -> tuple[list, list, Any, dict[str, Any] | None]:
+    """`_step` under `Policy(update_timing=...)`: the waiting update of the
+    stacked layers applied before the loss (`"next_forward"`) or after it
+    (`"delayed"`), and this step's held over."""
+    policy = step.policy
+    params = _update.trainable(model)
+    optimizer = _mixed_precision.for_policy(step.optimizer, params, policy)
+    param_kinds = _update.param_kinds(params, model_kinds)
+    state_kinds = [kind for _, kind in opt_kinds]
+
+    def apply(model: PyTree, opt_state: Any) -> tuple[PyTree, Any]:
+        with jax.named_scope(_scopes.UPDATE):
+            new, opt_state = _update.apply_waiting(
+                optimizer, opt_state, _update.trainable(model), param_kinds, state_kinds
+            )
+        return _update.with_params(model, new), opt_state
+
+    in_forward = (
+        opt_state.ready
+        and step.microbatches == 1
+        and policy.compute_dtype is None
+        and not _layout.explicit_axes()
+    )
+    applied = None
+    if in_forward:
+        applied = _value_and_grad_applying(
+            step, optimizer, model, opt_state, batch, param_kinds, state_kinds
+        )
+    if applied is not None:
+        value, grads, model, opt_state = applied
+    else:
+        if policy.update_timing == "next_forward":
+            model, opt_state = apply(model, opt_state)
+        value, grads = value_and_grad(
+            step.loss_fn,
+            policy,
+            step.has_aux,
+            step.microbatches,
+            step.unsplit,
+            (model, _update.own_state(opt_state), batch),
+            "`train_step`",
+        )
+        if policy.update_timing == "delayed":
+            model, opt_state = apply(model, opt_state)
+    with jax.named_scope(_scopes.UPDATE):
+        new, opt_state = _update.hold_update(
+            optimizer,
+            grads,
+            opt_state,
+            _update.trainable(model),
+            param_kinds,
+            state_kinds,
+        )
+    model = _update.with_params(model, new)
+    return _outputs(model, opt_state, model_kinds, opt_kinds, statics) + (value, None)
+
+
+def _value_and_grad_applying(
+    step: Any,
+    optimizer: optax.GradientTransformation,
+    model: PyTree,
+    opt_state: Any,
+    batch: tuple,
+    param_kinds: list[str],
+    state_kinds: list[str],
+) -> tuple[Any, PyTree, PyTree, Any] | None:
+    """The loss and gradient, with each `Stacked`'s forward scan applying the
+    update `opt_state` holds for it (`_pending.py`): its new parameters and state
+    come back as the gradient of its `aux`. **Returns:** the loss, the gradients,
+    and the model and state with the update applied; or None where a `Stacked`
+    did not apply its update exactly once (the caller applies it before the
+    loss instead)."""
+    policy = step.policy
+    params = _update.trainable(model)
+    owed, back = _update.layer_updates(
+        optimizer,
+        opt_state,
+        params,
+        param_kinds,
+        state_kinds,
+        policy.update_timing == "delayed",
+    )
+    loss = filter_offload(
+        checked_loss(step.loss_fn, step.has_aux, "`train_step`"), policy
+    )
+
+    records = []
+
+    def outer(both: tuple[PyTree, dict], *batch: Any) -> Any:
+        model, aux = both
+        layers = {path: owed[path]._replace(aux=aux[path]) for path in owed}
+        with _pending.owed(layers, _compat.current_trace()) as record:
+            records.append(record)
+            return loss(model, *batch)
+
+    aux = {path: layers.aux for path, layers in owed.items()}
+    value, (grads, new_aux) = eqx.filter_value_and_grad(outer, has_aux=step.has_aux)(
+        (model, aux), *batch
+    )
+    if not records[0].applied_once():
+        # A `Stacked` run twice, in a loop, not at all or not differentiated: its
+        # new values did not come back as the cotangent. (What was traced here
+        # is left unused: the compiler removes it.)
+        return None
+    new_params, inner = back(new_aux)
+    model = _update.with_params(model, new_params)
+    opt_state = _update.PendingUpdate(inner, opt_state.grads, opt_state.held, False)
+    return value, grads, model, opt_state
