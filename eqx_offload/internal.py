@@ -58,7 +58,10 @@ from ._residuals import (
     saved_residuals as saved_residuals,
 )
 from ._state_dict import layer_axes as layer_axes
-from ._train_step import _mesh_shardings as mesh_shardings
+from ._train_step import (
+    _mesh_shardings as mesh_shardings,
+    flat_arguments as flat_arguments,
+)
 from ._update import _optim as optim, _streaming as streaming
 
 
@@ -97,6 +100,7 @@ __all__ = [
     "verify",
     # Functions and classes.
     "device_advice",
+    "flat_arguments",
     "is_arraylike",
     "is_host",
     "jaxpr_checkpoint_names",
