@@ -289,10 +289,11 @@ class _PieceRefs(NamedTuple):
 def _piece_update(
     piece: _dataflow.FlatJaxpr, wanted: list[int], refs: _PieceRefs, delayed: bool
 ) -> Any:
-    """One layer's update of the waiting leaves: the piece jaxpr on one layer's
-    slice of `aux = (params, grads, state)` (on the device, without the layer
-    axis), to the new slice: the new parameters in place of the old, or (where
-    the layers compute with the old ones, `delayed`) of the gradients."""
+    """One layer's update of the waiting leaves, by the piece jaxpr.
+
+    It takes one layer's slice of `aux = (params, grads, state)`, on the device
+    and without the layer axis, to the new slice. The new parameters replace the
+    old ones, or the gradients where the layers compute with the old (`delayed`)."""
 
     def update(aux: Any, held: Any) -> Any:
         params, grads, state = aux

@@ -350,9 +350,10 @@ _MISPLACED_STATE_HELP = (
 
 
 class UpdateArgs(NamedTuple):
-    """What one optimizer update takes: the optimizer, the gradients, the state
-    and the model, the policy, the kinds of the model's and the state's leaves
-    (`check_model`, `check_state`), and whether to compute the metrics."""
+    """The arguments of one optimizer update.
+
+    `model_kinds` and `opt_kinds` are the memory kinds of the leaves, from
+    `check_model` and `check_state`. `metrics` asks for the global norms."""
 
     optimizer: optax.GradientTransformation
     grads: PyTree
@@ -374,13 +375,12 @@ def update(
     opt_kinds: list[tuple[_paths.Leaf, str]],
     metrics: bool = False,
 ) -> tuple[PyTree, PyTree, dict[str, Any] | None]:
-    """One optimizer update, returning the new model and state in their memory
-    kinds, and (with `metrics`) the global norms of the gradients, the updates and
-    the new parameters (`_metrics.norms`), else None.
+    """One optimizer update: the new model and state, in their memory kinds.
 
-    `policy.update` chooses how (`_UPDATES`): whole on the device, streamed
-    (`_streaming.py`) or on the host (`_host.py`). `"auto"` streams on the
-    backends that stream, where anything is on the host."""
+    With `metrics`, also the global norms of the gradients, the updates and the
+    new parameters (`_metrics.norms`); else None. `policy.update` chooses how
+    (`_UPDATES`): whole on the device, streamed (`_streaming.py`) or on the host
+    (`_host.py`). `"auto"` chooses by platform when anything is on the host."""
     args = UpdateArgs(
         optimizer, grads, opt_state, model, policy, model_kinds, opt_kinds, metrics
     )
@@ -503,10 +503,12 @@ def _check_host_state(opt_kinds: list[tuple[_paths.Leaf, str]]) -> None:
 
 
 def _by_platform(args: UpdateArgs) -> tuple[PyTree, PyTree, dict[str, Any] | None]:
-    """`Policy(update="auto")` with leaves on the host: the streamed update, and
-    the whole one on the backends of `_tiling.WHOLE_ON`, chosen inside the one
-    traced program (`jax.lax.platform_dependent`), so that a step traced here
-    and compiled for a TPU streams. Both give every leaf back in its memory kind."""
+    """`Policy(update="auto")` with leaves on the host.
+
+    The update is whole on the backends of `_tiling.WHOLE_ON`, streamed on the
+    others. The choice is made inside the traced program
+    (`jax.lax.platform_dependent`): a step traced here and compiled for a TPU
+    streams. Both give every leaf back in its memory kind."""
     kinds = [kind for _, kind in args.model_kinds + args.opt_kinds]
     leaves = jtu.tree_leaves((args.model, args.opt_state))
     found = iter(kinds)

@@ -1,15 +1,16 @@
-"""The loop over the pieces of one group (`_streaming.py`): a `lax.scan` whose
-step reads a piece of each input, runs the piece jaxpr on it, and writes the new
-piece back.
+"""The loop over the pieces of one group, for `_streaming.py`.
 
-How the inputs a loop overwrites are read depends on the backend. On a TPU, step
-`k` reads piece `k` of each, and the compiler streams it from the host. Elsewhere,
-XLA (its CPU backend, at least) fuses that read into the computation of another
-input's new piece, after the write into the first, and then copies every
-overwritten input at every step. So there, step `k` reads piece `k + 1` from the
-arrays it has just written piece `k` into, and carries it to the next step; the
-last piece is updated after the loop, so that nothing is read twice. (On a TPU
-that read-ahead keeps two pieces on the device and costs memory.)
+It is a `lax.scan`. Each step reads a piece of each input, runs the piece jaxpr
+on it, and writes the new piece back.
+
+How a loop reads the inputs it overwrites depends on the backend. On a TPU, step
+`k` reads piece `k` of each; the compiler streams it from the host. Elsewhere,
+XLA (its CPU backend, at least) fuses that read into another input's new piece,
+after the write into the first. It then copies every overwritten input at every
+step. So there, step `k` reads piece `k + 1` of the arrays it has just written.
+It carries that piece to the next step. The last piece is updated after the
+loop, so that nothing is read twice. (On a TPU that read-ahead keeps two pieces
+on the device, which costs memory.)
 """
 
 import dataclasses
@@ -80,15 +81,14 @@ def scan_pieces(
     outputs: list[Output],
     read_in_step: tuple[str, ...],
 ) -> list:
-    """The value of each of `outputs`, computed by the piece jaxpr over the pieces
-    of `group` in a `lax.scan`. Each piece's inputs are sliced from their leaves
-    and moved to the device inside the body: one piece is there at a time.
+    """The value of each of `outputs`, computed piece by piece over `group`.
 
-    An output with an `overwrite` input is written piece by piece into that input
-    (a loop carry: with the input donated, in place) and comes back whole. A
-    `summed` output is added up over the pieces in the carry. The others come
-    back stacked by the scan, with a leading axis of pieces. Step `k` reads piece
-    `k` on the backends of `read_in_step`, piece `k + 1` elsewhere."""
+    Each piece's inputs are sliced from their leaves and moved to the device
+    inside the loop: one piece is there at a time. An output with an `overwrite`
+    input is written into that input piece by piece. (It is a loop carry: with
+    the input donated, the write is in place.) A `summed` output is added up in
+    the carry. The others come back stacked by the scan, pieces first. Step `k`
+    reads piece `k` on the backends of `read_in_step`, else piece `k + 1`."""
     loop = _Loop.build(dataflow, group, env, outputs)
     fulls = [x.value for x in loop.carried]
     fulls += [jnp.zeros((), jnp.float32)] * len(loop.sum_slot)

@@ -345,9 +345,10 @@ def output_list(
 
 
 def _in_group(dataflow: _dataflow.Dataflow, out: Output) -> Output:
-    """`out` with its group, if it is computed piece by piece: the group its
-    value comes from, or (for a value made afresh, such as zeros of a piece's
-    shape) the one of the leaf it replaces. And the input it overwrites."""
+    """`out` with its group and the input it overwrites, if it is piecewise.
+
+    Its group is the one its value comes from. A value made afresh (zeros of a
+    piece's shape) takes the group of the leaf it replaces."""
     if not dataflow.is_piecewise(out.whole):
         return out
     source = out.replaces
