@@ -38,7 +38,7 @@ STREAMED = ("streamed", "trunk only")
 
 def report(preset: str, loss: str, target: str) -> eo.MemoryReport:
     stream = ("embed",) if loss in STREAMED else ()
-    policy = getattr(eo.Policy, preset)(stream=stream)
+    policy = getattr(eo.Policy, preset)(host_tables=stream)
     return decoder.step_report(
         LLAMA_3_2_1B, policy, LOSSES[loss], target=target, batch=BATCH, seq=SEQ
     )

@@ -1,14 +1,14 @@
 """The comparisons with a plain JAX/Equinox reference pass on an x86-64 CPU without
-AVX-512 too. The instruction set changes float32 results (design notes, "JAX facts relied on": after 10
-AdamW steps one element of 1024 differed by 1.2e-5 relative between an AVX-512
-machine and an AVX2 one), so a representative few of them run again here in a
-child process whose XLA compiles for AVX2 at most (`--xla_cpu_max_isa=AVX2`) and
-whose oneDNN kernels (XLA's CPU matmuls, chosen at run time by what the CPU has)
-are AVX2's (`ONEDNN_MAX_CPU_ISA=AVX2`): a result that the caps move past a
-tolerance fails on an AVX-512 machine too. (Under `tests/conftest.py`'s flags the
-XLA cap alone gave AVX-512's very bits on the machine the tolerances were measured
-on; the oneDNN cap changes them, as an AVX2 machine's kernels do: see the test
-suite in `docs/design-notes.md`.)"""
+AVX-512 too. The instruction set changes float32 results (design notes, "JAX facts
+relied on": after 10 AdamW steps one element of 1024 differed by 1.2e-5 relative
+between an AVX-512 machine and an AVX2 one), so a representative few of them run
+again here in a child process whose XLA compiles for AVX2 at most
+(`--xla_cpu_max_isa=AVX2`) and whose oneDNN kernels (XLA's CPU matmuls, chosen at
+run time by what the CPU has) are AVX2's (`ONEDNN_MAX_CPU_ISA=AVX2`): a result that
+the caps move past a tolerance fails on an AVX-512 machine too. (Under
+`tests/conftest.py`'s flags the XLA cap alone gave AVX-512's very bits on the
+machine the tolerances were measured on; the oneDNN cap changes them, as an AVX2
+machine's kernels do: see the test suite in `docs/design-notes.md`.)"""
 
 import os
 import platform

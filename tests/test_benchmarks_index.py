@@ -25,9 +25,7 @@ def test_every_script_has_a_row():
 
 def test_every_kept_result_is_named_by_a_row():
     patterns = [
-        name
-        for row in _rows()
-        for name in re.findall(r"`([\w*.]+\.json)`", row[2])
+        name for row in _rows() for name in re.findall(r"`([\w*.]+\.json)`", row[2])
     ]
     for result in (BENCHMARKS / "results").glob("*.json"):
         assert any(fnmatch.fnmatch(result.name, p) for p in patterns), result.name

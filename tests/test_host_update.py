@@ -28,14 +28,14 @@ import compile_matrix as cm  # noqa: E402
 LR, STEPS = 1e-2, 3
 CLIPPED = optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(LR))
 
-# How far parameters after STEPS AdamW steps may be from the plain step's. The
-# host computation is a program of its own, fused and contracted (FMA) apart from
-# the step, and a first micro-batch run before the loop (`_microbatch`) is
-# compiled apart from the others: float32 rounding that Adam turns into a fraction
-# of `lr` where a gradient is near zero (design notes, "JAX facts relied on"). Measured: one element of
-# 1024 at 3.5e-4 x lr x steps (`mu_dtype=bf16`), 5.3e-4 (two micro-batches); the
-# rest within `assert_trees_close`'s 1e-4. A run at lr x 1.001 is 7.1e-3 x lr x
-# steps away (`assert_trees_close`'s docstring) and still fails.
+# How far parameters after STEPS AdamW steps may be from the plain step's. The host
+# computation is a program of its own, fused and contracted (FMA) apart from the step,
+# and a first micro-batch run before the loop (`_microbatch`) is compiled apart from the
+# others: float32 rounding that Adam turns into a fraction of `lr` where a gradient is
+# near zero (design notes, "JAX facts relied on"). Measured: one element of 1024 at
+# 3.5e-4 x lr x steps (`mu_dtype=bf16`), 5.3e-4 (two micro-batches); the rest within
+# `assert_trees_close`'s 1e-4. A run at lr x 1.001 is 7.1e-3 x lr x steps away
+# (`assert_trees_close`'s docstring) and still fails.
 ADAM_ATOL = 1e-3 * LR * STEPS
 
 

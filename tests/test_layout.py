@@ -156,7 +156,7 @@ def _replicated(x) -> bool:
 
 def test_per_example_keys_are_laid_out_with_the_batch():
     """A PRNG key array with a leading axis is batch data (per-example keys, as the
-    guide recommends): split like the inputs, so that a loss with `Explicit` axes
+    tutorial recommends): split like the inputs, so that a loss with `Explicit` axes
     can `jax.vmap` over both. A scalar key and the arguments passed whole to every
     micro-batch (`unsplit`) are replicated."""
 

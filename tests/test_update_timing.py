@@ -40,10 +40,10 @@ OPTIMIZER = optax.chain(
     optax.clip_by_global_norm(0.1),
     optax.adamw(optax.linear_schedule(LR, LR / 10, STEPS + 2), weight_decay=0.1),
 )
-# As `test_host_update.py` and `test_prefetch.py`: Adam turns the rounding of
-# another order of summation into a fraction of `lr` where a gradient is near
-# zero (design notes, "JAX facts relied on"). Measured: 1.3e-4 x lr x steps (the stacked layers' update
-# a layer at a time inside the forward scan, against the plain step's).
+# As `test_host_update.py` and `test_prefetch.py`: Adam turns the rounding of another
+# order of summation into a fraction of `lr` where a gradient is near zero (design
+# notes, "JAX facts relied on"). Measured: 1.3e-4 x lr x steps (the stacked layers'
+# update a layer at a time inside the forward scan, against the plain step's).
 ADAM_ATOL = 1e-3 * LR * STEPS
 
 
