@@ -419,6 +419,7 @@ def _host_numerics(tokens: Any) -> dict[str, Any]:
         losses, norms = [], []
         for x in tokens:
             placed, opt_state, loss, metrics = step(placed, opt_state, x, x)
+            assert metrics is not None
             losses.append(float(loss))
             norms.append(float(metrics["grad_norm"]))
         kept = kinds == [x.sharding.memory_kind for x in arrays(placed)]

@@ -56,10 +56,11 @@ def train(policy, optimizer, *, microbatches=1, metrics=False, steps=STEPS):
     losses, norms = [], []
     for _ in range(steps):
         out = step(model, opt_state, *next(data))
-        model, opt_state, loss = out[:3]
+        model, opt_state, loss, step_metrics = out
         losses.append(float(loss))
         if metrics:
-            norms.append({k: float(v) for k, v in out[3].items()})
+            assert step_metrics is not None
+            norms.append({k: float(v) for k, v in step_metrics.items()})
     return model, opt_state, losses, norms
 
 

@@ -116,6 +116,7 @@ def test_leaves_on_two_meshes_are_named():
     one = _mesh(AxisType.Auto)
     two = jax.make_mesh((2,), ("y",), devices=jax.devices()[:2])
     model = _fsdp(make_net(key=jax.random.key(0)), one)
+    assert model.head is not None
     bias = jax.device_put(model.head.bias, NamedSharding(two, P()))
     model = eqx.tree_at(lambda m: m.head.bias, model, bias)
     with pytest.raises(

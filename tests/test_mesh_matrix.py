@@ -379,6 +379,7 @@ def test_trains_like_one_device(
         # Traced as the step traces it (in the mesh its arguments are laid out on).
         traced = step.trace(model, opt_state, *data[0])
         hlo = traced.lower().compile().as_text()
+        assert hlo is not None
         assert_streamed(hlo, model, with_state=optimizer_name == "adamw")
     losses = []
     counted = CountCompiles(step)

@@ -24,7 +24,9 @@ def _text_length(node: ast.expr) -> int | None:
         return len(node.value)
     if isinstance(node, ast.JoinedStr):
         return sum(
-            len(v.value) if isinstance(v, ast.Constant) else PLACEHOLDER
+            len(v.value)
+            if isinstance(v, ast.Constant) and isinstance(v.value, str)
+            else PLACEHOLDER
             for v in node.values
         )
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):

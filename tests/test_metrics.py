@@ -48,6 +48,7 @@ def test_norms_equal_plain_optax(getkey, update, name):
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(cross_entropy, optimizer, policy, metrics=True)
     _, _, loss, metrics = step(model, opt_state, *batch)
+    assert metrics is not None
     assert set(metrics) == set(expected)
     for k, v in expected.items():
         assert metrics[k].dtype == jnp.float32
@@ -72,6 +73,7 @@ def test_with_aux_and_micro_batches(getkey):
         loss_fn, optimizer, policy, has_aux=True, microbatches=2, metrics=True
     )
     _, _, (loss, aux), metrics = step(model, opt_state, *batch)
+    assert metrics is not None
     assert aux["loss"].shape == (2,)
     for k, v in expected.items():
         np.testing.assert_allclose(metrics[k], v, rtol=1e-5)
