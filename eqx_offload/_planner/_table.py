@@ -3,7 +3,7 @@ them (`PlanTable`), printable and convertible to a dict."""
 
 import dataclasses
 import textwrap
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._policy import Policy
 from .._report import size_text, time_text
@@ -13,8 +13,7 @@ from .._report import size_text, time_text
 LABEL_WIDTH = 44
 
 
-@dataclasses.dataclass(frozen=True)
-class PlanRow:
+class PlanRow(NamedTuple):
     """One candidate `plan` considered.
 
     - `label`: what it places where (`"params on host: blocks; offload
@@ -42,9 +41,7 @@ class PlanRow:
     recomputed_flops: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out["policy"] = repr(self.policy)
-        return out
+        return self._asdict() | {"policy": repr(self.policy)}
 
 
 @dataclasses.dataclass(frozen=True)

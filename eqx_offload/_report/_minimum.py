@@ -49,6 +49,7 @@ counts the shard one device holds):
 transfers.
 """
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
@@ -66,7 +67,8 @@ from .._update import own_state, PendingUpdate, state_leaves, trainable
 from ._units import size_text
 
 
-class MinimumTraffic(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class MinimumTraffic:
     """The bytes one step must move between host and device memory, per device, by
     what they are (`memory_report` fills `MemoryReport.minimum_transfers` with it).
 
@@ -88,11 +90,14 @@ class MinimumTraffic(NamedTuple):
 
     @property
     def host_to_device(self) -> int:
-        return sum(n for f, n in self._asdict().items() if f.endswith("_to_device"))
+        return sum(n for f, n in self._items() if f.endswith("_to_device"))
 
     @property
     def device_to_host(self) -> int:
-        return sum(n for f, n in self._asdict().items() if f.endswith("_to_host"))
+        return sum(n for f, n in self._items() if f.endswith("_to_host"))
+
+    def _items(self) -> list[tuple[str, int]]:
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
 
     def bytes(
         self,
@@ -184,7 +189,7 @@ def minimum_traffic(
     mode = _update_mode(policy, platform)
     leaves, counts = _trainable_leaves(model, opt_state, policy, optimizer)
     passes = 1 if policy.save == "all" else 2
-    totals = dict.fromkeys(MinimumTraffic._fields, 0)
+    totals = dict.fromkeys((f.name for f in dataclasses.fields(MinimumTraffic)), 0)
     host_update_reads_counts = False
     for leaf in leaves:
         if _on_host(leaf.source):
@@ -359,7 +364,7 @@ def offloaded_bytes(rows: Any) -> int:
 
 
 def to_dict(minimum: MinimumTraffic | None) -> dict[str, int] | None:
-    return None if minimum is None else minimum._asdict()
+    return None if minimum is None else dataclasses.asdict(minimum)
 
 
 def from_dict(data: dict[str, int] | None) -> MinimumTraffic | None:
