@@ -429,6 +429,6 @@ def test_a_host_layer_read_outside_the_scans_is_still_refused():
     model = eo.place(Model(key=jax.random.key(11)), policy)
     fn = eqx.filter_grad(eo.filter_offload(loss, policy))
     with pytest.raises(
-        ValueError, match=r"computed on outside it \(by `dynamic_slice`\)"
+        ValueError, match=r"computed on outside its scan \(by `dynamic_slice`\)"
     ):
         fn(model, *next(batches()))
