@@ -38,7 +38,7 @@ process's memory never counts in another's peak, and a part that fails is record
    (measured before part 2, which prices its estimates with it).
 4. **The host update alone**, at each size of part 2: AdamW's update of the model's
    parameters, gradients and state, all in pinned host memory, run on the host's
-   CPU (`_compat.on_host`) in each form of JAX's host compute this JAX has (the
+   CPU (`eoi.compat.on_host`) in each form of JAX's host compute this JAX has (the
    `compute_on2` decorator and the `compute_on` context manager of jax 0.10), timed
    (median of 5 after one warm-up, state and parameters donated as the step donates
    them) against the same update on the device; the host memory it reads and writes
@@ -513,12 +513,12 @@ def _offloaded_scan() -> dict[str, Any]:
 def _host_update_fn(optimizer: Any, form: str | None) -> Any:
     """`(grads, state, params) -> (params, state)`, the optimizer's update applied,
     jitted with the state and parameters donated: on the host's CPU in `form` of
-    JAX's host compute (`_compat.on_host`), its inputs and outputs in host memory;
+    JAX's host compute (`eoi.compat.on_host`), its inputs and outputs in host memory;
     or, with `form=None`, on the device."""
     import jax
     import optax
 
-    from eqx_offload import _compat
+    import eqx_offload.internal as eoi
 
     def update(grads: Any, state: Any, params: Any) -> Any:
         updates, state = optimizer.update(grads, state, params)
@@ -540,7 +540,7 @@ def _host_update_fn(optimizer: Any, form: str | None) -> Any:
                 jax.device_put(y, jax.memory.Space.Host) for y in jax.tree.leaves(out)
             ]
 
-        outs = _compat.on_host(compute, form)(*flat)  # pyright: ignore[reportArgumentType]
+        outs = eoi.compat.on_host(compute, form)(*flat)  # pyright: ignore[reportArgumentType]
         return jax.tree.unflatten(out_tree, outs)
 
     return jax.jit(on_host, donate_argnums=(1, 2))
@@ -555,7 +555,7 @@ def host_update(size: tuple[int, ...], steps: int) -> dict[str, Any]:
     import numpy as np
     import optax
 
-    from eqx_offload import _compat
+    import eqx_offload.internal as eoi
 
     vocab, dim, layers = size[:3]
     leaves = [
@@ -607,7 +607,7 @@ def host_update(size: tuple[int, ...], steps: int) -> dict[str, Any]:
     out: dict[str, Any] = {"parameters": n, "host memory bytes per update": nbytes}
     out["forms"] = {}
     first: Any = None
-    for form in _compat.host_forms():
+    for form in eoi.compat.host_forms():
         row: dict[str, Any] = {}
         try:
             times, result = run(form)
@@ -630,7 +630,7 @@ def host_update(size: tuple[int, ...], steps: int) -> dict[str, Any]:
         times, on_device = run(None)
         out["device update s median"] = statistics.median(times)
         if first is not None:
-            host = out["forms"][_compat.host_forms()[0]]["update s median"]
+            host = out["forms"][eoi.compat.host_forms()[0]]["update s median"]
             out["host / device"] = host / out["device update s median"]
             out["host agrees with device (rtol 1e-5)"] = all(
                 np.allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-12)
@@ -661,7 +661,7 @@ def flag() -> dict[str, Any]:
     import optax
     from jax.sharding import PartitionSpec
 
-    from eqx_offload import _compat
+    import eqx_offload.internal as eoi
 
     optimizer = optax.adamw(1e-3)
     shapes = [(64, 32), (2, 32, 128), (32,)]
@@ -674,7 +674,7 @@ def flag() -> dict[str, Any]:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
             jax.eval_shape(optimizer.init, params),
         )
-        fn = _host_update_fn(optimizer, _compat.host_forms()[0])
+        fn = _host_update_fn(optimizer, eoi.compat.host_forms()[0])
         lowered = fn.trace(params, state, params).lower()
         return lowered.compile(compiler_options=options)
 
@@ -704,10 +704,10 @@ def flag() -> dict[str, Any]:
     result[jax.default_backend()] = accepts(host)
     if jax.default_backend() == "cpu":
         try:
-            from eqx_offload._report import _targets
+            import eqx_offload.internal as eoi
 
-            mesh = _targets.chip_mesh("gpu-h100")
-            sharding = _compat.named_sharding(mesh, PartitionSpec(), "pinned_host")
+            mesh = eoi.targets.chip_mesh("gpu-h100")
+            sharding = eoi.compat.named_sharding(mesh, PartitionSpec(), "pinned_host")
             result["gpu-h100 (compile-only)"] = accepts(sharding)
         except Exception as e:
             result["gpu-h100 (compile-only)"] = {"error": _error(e)}

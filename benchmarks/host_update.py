@@ -44,7 +44,7 @@ from models.gpt_7b import SEQ as GPT_7B_SEQ
 from models.shapes import GPU_MODELS, LLAMA_3_2_1B, SEQ
 
 import eqx_offload as eo
-from eqx_offload._report import device_count
+import eqx_offload.internal as eoi
 
 
 BATCH = 8
@@ -106,7 +106,7 @@ def mistral_row(target: str, update: str) -> dict:
     one GPU as `gpu_models.py`, a v5e slice with FSDP as `fewest.py`."""
     start = time.perf_counter()
     optimizer = optax.adamw(1e-4)
-    n = device_count(target)
+    n = eoi.targets.device_count(target)
     if n == 1:
         policy, mesh = eo.Policy.offload_all(update=update), None
         model = eqx.filter_eval_shape(

@@ -34,8 +34,7 @@ from models import decoder
 from models.decoder import chunked_loss, Shape
 
 import eqx_offload as eo
-from eqx_offload._planner._plan import search_plan  # (fewest_chips' probe)
-from eqx_offload._report import capacity
+import eqx_offload.internal as eoi
 
 
 TARGET, HOST = "tpu-v5e", 48 * 10**9
@@ -104,7 +103,7 @@ def attempt(width: int, depth: int, probe: bool) -> eo.Plan | bool | eo.DoesNotF
         decoder.Decoder, shape(width, depth), key=jax.random.key(0)
     )
     tokens = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
-    found = search_plan(
+    found = eoi.planner_plan.search_plan(
         chunked_loss,
         optax.adamw(1e-4),
         abstract,
@@ -147,7 +146,7 @@ def main():
     if args.probe:
         return probe_only(width, args.probe)
     rows: list[dict[str, Any]] = []
-    cap = (capacity(TARGET) + HOST) / 16
+    cap = (eoi.targets.capacity(TARGET) + HOST) / 16
     print(f"physical cap: {cap / 1e9:.2f}e9 parameters", flush=True)
     deepest: dict[str, int] = {}
     for preset in PRESETS:

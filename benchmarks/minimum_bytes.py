@@ -19,7 +19,7 @@ from models.decoder import Decoder
 from models.shapes import BATCH, LLAMA_3_2_1B, SEQ
 
 import eqx_offload as eo
-from eqx_offload._report._minimum import minimum_traffic, MinimumTraffic
+import eqx_offload.internal as eoi
 
 
 UPDATES = ("whole", "streamed", "host")
@@ -48,7 +48,7 @@ def minimum(model, update: str, placement: str, dtype: str, **kwargs):
     p = policy(update, placement, dtype)
     model = eo.place(model, p)
     opt_state = eo.init_opt_state(optimizer, model, p)
-    return minimum_traffic(model, opt_state, p, optimizer, **kwargs)
+    return eoi.minimum.minimum_traffic(model, opt_state, p, optimizer, **kwargs)
 
 
 def stacked_layer(width: int = 2048, layers: int = 2):
@@ -93,7 +93,7 @@ def per_parameter_rows() -> list[list[str]]:
     return rows
 
 
-def _parts(m: MinimumTraffic, n: int) -> str:
+def _parts(m: eo.MinimumTraffic, n: int) -> str:
     """Which parts the bytes are: parameters, gradients, optimizer state."""
     out = []
     for what, label in (

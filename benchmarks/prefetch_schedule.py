@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import optax
 
 import eqx_offload as eo
-from eqx_offload import _compiler
-from eqx_offload._report import _hlo_program
+import eqx_offload.internal as eoi
 
 
 @contextlib.contextmanager
@@ -55,10 +54,10 @@ def schedules(arch, width, depth, target, prefetch, policy, options, **fields):
     texts: list[str] = []
     with compiler_options(options, texts):
         report = eo.memory_report(step, model, opt_state, *batch, target=target)
-    module = _compiler.parse_hlo(texts[-1])
+    module = eoi.compiler.parse_hlo(texts[-1])
     orders = {
-        name: _hlo_program.order(events)
-        for name, events in _hlo_program.loop_schedules(module).items()
+        name: eoi.hlo_program.order(events)
+        for name, events in eoi.hlo_program.loop_schedules(module).items()
     }
     return report, {k: o for k, o in orders.items() if "S" in o}
 

@@ -1,9 +1,10 @@
-"""Internals for eqx_offload's own tests, as `equinox.internal` is for Equinox's.
+"""Internals for eqx_offload's own tests and benchmarks, as `equinox.internal` is
+for Equinox's tests.
 
 Nothing here is public API, and nothing here has a stability guarantee: any name
-may change or go without notice. The tests reach below the public API only
-through this module (`import eqx_offload.internal as eoi`), so that the private
-modules can be rearranged in one place. It only re-exports.
+may change or go without notice. The tests and benchmarks reach below the public
+API only through this module (`import eqx_offload.internal as eoi`), so that the
+private modules can be rearranged in one place. It only re-exports.
 
 Modules are re-exported whole where a test reads or patches their globals
 (`monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", ...)`); single functions and
