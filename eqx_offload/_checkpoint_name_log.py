@@ -117,7 +117,8 @@ class UnusedName(ValueError):
             )
         if self.never_occurred:
             seen = _paths.quoted(self.seen) if self.seen else "(none: no `Stacked`)"
-            link = see(27 if self.seen else 29)
+            number = 27 if _paths.is_literal(self.pattern) else 28
+            link = see(number if self.seen else 29)
             return f"{entry}, which never occurred; names seen: {seen}. {usable}{link}"
         return (
             f"{entry}, which occurred ({_paths.quoted(self.matched)}) but is not "

@@ -145,10 +145,16 @@ def normalise(spec: PartitionSpec, ndim: int, full: bool = True) -> PartitionSpe
 
 
 def check_spec(
-    spec: PartitionSpec, shape: tuple[int, ...], mesh: AnyMesh, what: str
+    spec: PartitionSpec,
+    shape: tuple[int, ...],
+    mesh: AnyMesh,
+    what: str,
+    undivided_link: str = "",
 ) -> None:
     """Raises a `ValueError` naming `what` unless `spec` can lay out an array of
-    `shape` on `mesh`: known axes, each used once, each dividing its dimension."""
+    `shape` on `mesh`: known axes, each used once, each dividing its dimension.
+    An axis that does not divide its dimension ends with `undivided_link` (a
+    batch's), or else with the catalogue's link for a leaf."""
     sizes = _sizes(mesh)
     if len(spec) > len(shape):
         raise ValueError(
@@ -167,14 +173,15 @@ def check_spec(
             if name in seen:
                 raise ValueError(
                     f"{what} is given {spec}, which uses mesh axis {name!r} twice. "
-                    "Each axis can split one dimension."
+                    "Each axis can split one dimension." + see(74)
                 )
             seen.add(name)
         parts = math.prod(sizes[n] for n in names)
         if shape[dim] % parts:
             raise ValueError(
                 f"{what} has shape {shape}; {spec} splits dimension {dim} into "
-                f"{parts} parts, which does not divide it. Pad it." + see(72)
+                f"{parts} parts, which does not divide it. Pad it."
+                + (undivided_link or see(72))
             )
 
 
@@ -352,7 +359,7 @@ def specs(
         warn_at_caller(
             f"`Policy(shard=...)`: `FSDP` leaves {_paths.quoted(undivided)} "
             "replicated: no dimension is divisible by the mesh axis. Pad them, or "
-            "give them a spec or `FSDP(min_size=...)` to say so."
+            "give them a spec or `FSDP(min_size=...)` to say so." + see(80)
         )
     return out
 

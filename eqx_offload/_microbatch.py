@@ -59,12 +59,19 @@ def _parts(x: Any) -> int:
     return math.prod(sharding.mesh.shape[a] for a in axes)
 
 
-def check(batch: tuple, k: int, unsplit: tuple[int, ...], where: str) -> None:
+def check(
+    batch: tuple,
+    k: int,
+    unsplit: tuple[int, ...],
+    where: str,
+    undivided_link: str = "",
+) -> None:
     """Raises unless every batch array splits into `k` micro-batches.
 
     The arguments in `unsplit` are not split. An array laid out over a mesh must
     split into micro-batches of whole blocks. The error names the argument and
-    the fix.
+    the fix. One that does not split ends with `undivided_link` (`verify`'s), or
+    else with the catalogue's link for `train_step`.
     """
     for i in unsplit:
         if i >= len(batch):
@@ -95,7 +102,8 @@ def check(batch: tuple, k: int, unsplit: tuple[int, ...], where: str) -> None:
                     + (" of whole blocks" if parts > 1 else "")
                     + f". Give a batch whose size is a multiple of {k * parts}, "
                     "another `microbatches`, or pass it whole with "
-                    f"`unsplit=({position},)`." + see(87 if parts > 1 else 84)
+                    f"`unsplit=({position},)`."
+                    + (undivided_link or see(87 if parts > 1 else 84))
                 )
 
 

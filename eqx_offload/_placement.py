@@ -285,7 +285,7 @@ def place_batch(
         if not whole:
             leaf_spec = _layout.batch_spec(spec, shape)
             what = f"{where}: batch leaf {'batch' + leaf.path!r}"
-            _layout.check_spec(leaf_spec, shape, mesh, what)
+            _layout.check_spec(leaf_spec, shape, mesh, what, see(78))
         return move(x, "device", leaf.path, NamedSharding(mesh, leaf_spec))
 
     positions = [i for i, arg in enumerate(batch) for _ in jax.tree.leaves(arg)]

@@ -157,7 +157,7 @@ def _warn_layer_lists(args: tuple, kwargs: dict, tables: set[str]) -> None:
                 "nothing streams. Hold them in an `eo.Stacked` (`eo.Stacked."
                 f"from_layers({name})`, or `eo.Stacked.from_fn(make_layer, {len(x)}, "
                 f"key=key)`) and apply it as `self.{name}(x)`: its scan brings one "
-                "layer to the device at a time."
+                "layer to the device at a time." + see(126)
             )
 
 

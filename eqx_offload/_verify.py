@@ -283,7 +283,7 @@ def _cut(
     if step.microbatches > 1:
         what = "the whole batch" if whole_batch else f"{count} examples"
         where = f"`verify` ({what}, `train_step(microbatches={step.microbatches})`)"
-        _microbatch.check(small_batch, step.microbatches, unsplit, where)
+        _microbatch.check(small_batch, step.microbatches, unsplit, where, see(125))
     return _Slice(small, small_state, small_batch, layers, count, whole_batch)
 
 
