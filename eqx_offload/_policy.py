@@ -512,7 +512,7 @@ def _check_replaced(preset: str, overrides: dict[str, Any]) -> None:
             f"`offload={_LAYER_INPUTS!r}`: the carry entering each layer "
             "('<path>.input') is no longer offloaded but kept on the device. To "
             f"offload both, write `offload=({_LAYER_INPUTS[0]!r}, ...)`; to "
-            f"offload only these names, write the policy out: `{written}`."
+            f"offload only these names, write the policy out: `{written}`." + see(25)
         )
 
 
