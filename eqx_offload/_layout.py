@@ -1,6 +1,8 @@
-"""Declared layouts: partition rules (leaf-path pattern → `PartitionSpec`, or `FSDP`
-along a mesh axis) turned into each leaf's spec on a given mesh, with the checks
-that name the leaf when a spec cannot apply."""
+"""Declared layouts, turned into each leaf's spec on a given mesh.
+
+A partition rule maps a leaf-path pattern to a `PartitionSpec`, or to `FSDP` along a
+mesh axis. The checks name the leaf when a spec cannot apply.
+"""
 
 import math
 from collections.abc import Mapping
@@ -18,31 +20,33 @@ from ._warn import warn_at_caller
 
 
 def axis_names(entry: Any) -> tuple[str, ...]:
-    """The mesh axes one entry of a `PartitionSpec` (or `FSDP(axis=...)`) names:
-    `None`, one name, or a tuple of names."""
+    """The mesh axes one entry of a `PartitionSpec` (or `FSDP(axis=...)`) names.
+
+    That is `None`, one name, or a tuple of names.
+    """
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 class FSDP(eqx.Module):
-    """Fully sharded data parallelism for the leaves a rule matches: each leaf is
-    split along `axis` of the mesh over one of its dimensions.
+    """Fully sharded data parallelism for the leaves a rule matches.
 
-    The dimension is one `axis` divides, never a layer axis of a `Stacked`: one
-    whose shard is whole TPU tiles of rows (a multiple of 8 for 32-bit types) if
-    there is one, the largest of those, the first of equal ones. A leaf with fewer
-    than `min_size` elements in one layer stays replicated, and so does a leaf
-    with no divisible dimension (with a warning naming it).
+    Each leaf is split along `axis` of the mesh, over one of its dimensions. The
+    dimension is one that `axis` divides, never a layer axis of a `Stacked`. Dimensions
+    whose shard is whole TPU tiles of rows come first (a multiple of 8 for 32-bit
+    types). Among them, the largest wins, and the first of equal ones. A leaf with fewer
+    than `min_size` elements in one layer stays replicated. So does a leaf with no
+    divisible dimension, with a warning naming it.
 
     **Arguments:**
 
     - `axis`: a mesh axis name, or a tuple of them (their sizes multiply).
-    - `min_size`: the fewest elements (per layer of a `Stacked`) a leaf must have
-        to be sharded; smaller leaves (biases, norm scales) are replicated, which
-        costs little and saves their gathers.
+    - `min_size`: the fewest elements (per layer of a `Stacked`) a leaf must have to be
+        sharded. Smaller leaves (biases, norm scales) are replicated. That costs little
+        and saves their gathers.
 
-    In a `Policy`, the string `"fsdp"` stands for `FSDP("fsdp")`: `shard="data"`
+    In a `Policy`, the string `"fsdp"` stands for `FSDP("fsdp")`. So `shard="data"`
     shards every large leaf along the mesh axis `"data"`.
     """
 
@@ -132,11 +136,13 @@ def _sizes(mesh: AnyMesh) -> dict[str, int]:
 
 
 def normalise(spec: PartitionSpec, ndim: int, full: bool = True) -> PartitionSpec:
-    """`spec` in one spelling, so that equal layouts compare (and hit `jax.jit`'s
-    cache) equal: in full, one entry per dimension (`P('x')` of a 3-D leaf is
-    `P('x', None, None)`), as a jitted function returns it over a mesh with
-    `Explicit` axes; or without trailing `None`s (`full=False`), as it returns it
-    over `Auto` axes."""
+    """`spec` in one spelling, so that equal layouts compare (and hit `jax.jit`'s cache)
+    equal.
+
+    The full spelling has one entry per dimension: `P('x')` of a 3-D leaf is `P('x',
+    None, None)`. A jitted function returns it so over a mesh with `Explicit` axes. With
+    `full=False`, trailing `None`s are left out, as it returns it over `Auto` axes.
+    """
     entries = tuple(spec) + (None,) * (ndim - len(spec))
     if not full:
         while entries and entries[-1] is None:
@@ -151,10 +157,13 @@ def check_spec(
     what: str,
     undivided_link: str = "",
 ) -> None:
-    """Raises a `ValueError` naming `what` unless `spec` can lay out an array of
-    `shape` on `mesh`: known axes, each used once, each dividing its dimension.
-    An axis that does not divide its dimension ends with `undivided_link` (a
-    batch's), or else with the catalogue's link for a leaf."""
+    """Raises a `ValueError` naming `what` unless `spec` can lay out an array of `shape`
+    on `mesh`.
+
+    That needs known axes, each used once, each dividing its dimension. An axis that
+    does not divide its dimension ends with `undivided_link` (a batch's). Otherwise it
+    ends with the catalogue's link for a leaf.
+    """
     sizes = _sizes(mesh)
     if len(spec) > len(shape):
         raise ValueError(
@@ -193,8 +202,10 @@ def _fsdp_spec(
     mesh: AnyMesh,
     path: str,
 ) -> PartitionSpec | None:
-    """The spec `rule` gives a leaf, or None if it stays replicated for lack of a
-    divisible dimension."""
+    """The spec `rule` gives a leaf.
+
+    None if it stays replicated for lack of a divisible dimension.
+    """
     sizes = _sizes(mesh)
     missing = [a for a in rule.axes if a not in sizes]
     if missing:
@@ -246,21 +257,27 @@ def traced_spec(x: Any) -> PartitionSpec:
 
 
 def on_auto_axes(fn: Any, out_sharding: Any) -> Any:
-    """`fn`, to be called inside a trace: over a mesh with `Explicit` axes, run on
-    `Auto` axes instead (the partitioner lays out its loops, which index and add
-    with ids split over the batch axes) and returning `out_sharding` (one
-    `PartitionSpec` per output); anywhere else, `fn` itself."""
+    """`fn`, to be called inside a trace, run on `Auto` axes where the mesh has
+    `Explicit` ones.
+
+    There the partitioner lays out its loops, which index and add with ids split over
+    the batch axes. It returns `out_sharding` (one `PartitionSpec` per output). Anywhere
+    else it is `fn` itself.
+    """
     if not explicit_axes():
         return fn
     return jax.sharding.auto_axes(fn, out_sharding=out_sharding)
 
 
 def gather_fsdp(tree: Any, prefix: str, rules: Rules | None) -> Any:
-    """Inside a trace over a mesh with `Explicit` axes: the array leaves of `tree`
-    (at paths under `prefix`) that an `FSDP` rule shards, resharded without the FSDP
-    axes, as FSDP computes with whole weights (their gradients come back sharded,
-    by the transpose: a reduce-scatter). Under `Auto` axes the partitioner decides,
-    and nothing changes."""
+    """The leaves an `FSDP` rule shards, gathered, inside a trace over a mesh with
+    `Explicit` axes.
+
+    These are the array leaves of `tree` at paths under `prefix`. They are resharded
+    without the FSDP axes, as FSDP computes with whole weights. Their gradients come
+    back sharded, by the transpose: a reduce-scatter. Under `Auto` axes the partitioner
+    decides, and nothing changes.
+    """
     if rules is None or not explicit_axes():
         return tree
     if not any(isinstance(rule, FSDP) for _, rule in rules):
@@ -297,16 +314,18 @@ def specs(
     warn: bool = True,
     host_tables: tuple[str, ...] = (),
 ) -> list[PartitionSpec | None]:
-    """The spec the rules give each leaf in full spelling (`None`: no rule matches
-    it, it keeps its layout). Where several patterns match, the one with the most
-    literal characters wins. A pattern that matches no leaf, a spec that cannot
-    apply, or (for `FSDP`) a large leaf with no divisible dimension (a warning) are
-    reported naming the leaf.
+    """The spec the rules give each leaf, in full spelling.
 
-    `host_tables`: the `Policy(host_tables=...)` patterns. A table read by blocks
-    of rows from the host stays whole on every device: `FSDP` leaves it replicated,
-    and a spec that splits it is an error (the TPU compiler cannot read row blocks
-    of a host table split over chips)."""
+    `None`: no rule matches it, so it keeps its layout. Where several patterns match,
+    the one with the most literal characters wins. Problems are reported naming the
+    leaf. They are a pattern that matches no leaf, and a spec that cannot apply. For
+    `FSDP`, a large leaf with no divisible dimension gives a warning.
+
+    `host_tables`: the `Policy(host_tables=...)` patterns. A table read by blocks of
+    rows from the host stays whole on every device. `FSDP` leaves it replicated, and a
+    spec that splits it is an error. (The TPU compiler cannot read row blocks of a host
+    table split over chips.)
+    """
     if rules is None:
         return [None] * len(leaves)
     used = {pattern: False for pattern, _ in rules}
@@ -365,6 +384,8 @@ def specs(
 
 
 def batch_spec(spec: PartitionSpec, shape: tuple[int, ...]) -> PartitionSpec:
-    """The batch spec for one batch leaf: scalars are replicated, and the spec is
-    cut to the leaf's dimensions."""
+    """The batch spec for one batch leaf.
+
+    Scalars are replicated, and the spec is cut to the leaf's dimensions.
+    """
     return PartitionSpec(*tuple(spec)[: len(shape)])

@@ -1,5 +1,7 @@
-"""`load`: a step saved by `eqx_offload.save`, checked against what the caller
-describes, with every leaf where a policy puts it."""
+"""`load`: a step saved by `eqx_offload.save`, with every leaf where a policy puts it.
+
+The step is checked against what the caller describes.
+"""
 
 import os
 import warnings
@@ -76,50 +78,50 @@ def load(
     step: int | None = None,
     extra: PyTree = None,
 ) -> Restored | RestoredWithExtra:
-    """Loads a step saved by `eqx_offload.save`, with every leaf where `policy`
-    puts it.
+    """Loads a step saved by `eqx_offload.save`, with every leaf where `policy` puts it.
 
     `like` describes the model and optimizer state to rebuild. It may be abstract
-    (`jax.ShapeDtypeStruct` leaves, from `eqx.filter_eval_shape`), so that resuming
-    never allocates a model only to overwrite it; concrete arrays work too (only
-    their shapes, dtypes and shardings are used). Each model leaf is restored in
-    the memory kind `eqx_offload.place(model, policy)` gives it, and the optimizer
-    state where `eqx_offload.init_opt_state` would put it (step counts on the
-    device), each with its sharding (orbax stages the data in host memory on the
-    way: a load peaks at about twice the state).
-    Non-array leaves come from `like`. The result feeds `eqx_offload.train_step`
-    as it is.
+    (`jax.ShapeDtypeStruct` leaves, from `eqx.filter_eval_shape`). So resuming never
+    allocates a model only to overwrite it. Concrete arrays work too: only their shapes,
+    dtypes and shardings are used.
+
+    Each model leaf is restored in the memory kind `eqx_offload.place(model, policy)`
+    gives it. The optimizer state goes where `eqx_offload.init_opt_state` would put it
+    (step counts on the device). Each leaf gets its sharding. Orbax stages the data in
+    host memory on the way: a load peaks at about twice the state. Non-array leaves come
+    from `like`. The result feeds `eqx_offload.train_step` as it is.
 
     **Arguments:**
 
     - `path`: the checkpoint directory given to `save`.
-    - `like`: `(model, opt_state)`, of the same structure, shapes and dtypes as
-        those saved. `opt_state` may be abstract, e.g.
-        `eqx_offload.init_opt_state(optimizer, abstract_model, policy)`.
-    - `policy`: the `eqx_offload.Policy` to place the leaves with (it need not be
-        the one they were saved under).
-    - `optimizer`: the optimizer the state belongs to, to tell its
-        parameter-shaped leaves from its step counts exactly as `init_opt_state`
-        does. Without it, the parameter-shaped leaves are the subtrees of the
-        state with the structure of the model's trainable leaves (Adam's `mu` and
-        `nu`), which is the same for optax's optimizers.
+    - `like`: `(model, opt_state)`, of the same structure, shapes and dtypes as those
+        saved. `opt_state` may be abstract, e.g. `eqx_offload.init_opt_state(optimizer,
+        abstract_model, policy)`.
+    - `policy`: the `eqx_offload.Policy` to place the leaves with. It need not be the
+        one they were saved under.
+    - `optimizer`: the optimizer the state belongs to. It tells the state's
+        parameter-shaped leaves from its step counts, exactly as `init_opt_state` does.
+        Without it, the parameter-shaped leaves are the subtrees of the state shaped
+        like the model's trainable leaves. (Adam's `mu` and `nu`.) For optax's
+        optimizers the result is the same.
     - `step`: the step to load; `None` (the default) loads the latest.
-    - `extra`: a template of the `extra` given to `save` (arrays or
-        `jax.ShapeDtypeStruct`s, Python scalars of the right type); its arrays are
-        restored in the sharding and memory kind of the template's leaves (on the
-        default device if it has none), PRNG keys on the device.
+    - `extra`: a template of the `extra` given to `save`. Its leaves are arrays or
+        `jax.ShapeDtypeStruct`s, and Python scalars of the right type. Its arrays are
+        restored in the sharding and memory kind of the template's leaves. A leaf with
+        none goes on the default device. PRNG keys go on the device.
 
     **Returns:**
 
-    `(model, opt_state, step)` (a `Restored` named tuple), or, given an `extra`
-    template, `(model, opt_state, step, extra)` (a `RestoredWithExtra`).
+    `(model, opt_state, step)` (a `Restored` named tuple). Given an `extra` template,
+    `(model, opt_state, step, extra)` (a `RestoredWithExtra`).
 
     **Raises:**
 
-    `FileNotFoundError` if `path` holds no finished step, or not `step` (naming
-    the steps it holds); `ValueError` if what was saved does not match `like` or
-    `extra` (naming the first leaf that differs); `TypeError` for a `like` that is
-    not a pair.
+    - `FileNotFoundError` if `path` holds no finished step, or not `step`. It names the
+        steps it holds.
+    - `ValueError` if what was saved does not match `like` or `extra`. It names the
+        first leaf that differs.
+    - `TypeError` for a `like` that is not a pair.
 
     !!! Example
 
@@ -211,8 +213,11 @@ def _targets(
 def _restore(
     directory: str, step: int, targets: dict[str, PyTree]
 ) -> tuple[dict, dict[str, list], Any]:
-    """The step's description, each target's flattened leaves, and the arrays
-    orbax restored into them, after checking that the step matches the targets."""
+    """The step's description, each target's flattened leaves, and the arrays restored
+    into them.
+
+    It first checks that the step matches the targets.
+    """
     manager = _orbax.manager(directory, create=False)
     try:
         meta = manager.restore(
@@ -238,9 +243,11 @@ def _restore(
 def _rebuild(
     name: str, target: PyTree, flat: list[tuple[str, Any]], meta: dict, arrays: Any
 ) -> PyTree:
-    """The restored item `name`: `target`'s structure with its abstract leaves
-    restored from `arrays`, `extra`'s scalars from the step's description, and the
-    rest from `target`."""
+    """The restored item `name`, with `target`'s structure.
+
+    Its abstract leaves are restored from `arrays`. `extra`'s scalars come from the
+    step's description. The rest comes from `target`.
+    """
     impls = {leaf_path: impl for leaf_path, _, _, impl in meta["leaves"][name]}
     values = meta["values"][name]
     restored = []
@@ -261,10 +268,12 @@ def _wrap_key(data: jax.Array, impl: str) -> jax.Array:
 
 
 def _host_aval(x: jax.Array) -> jax.Array:
-    """`x`, with the memory space of its type matching its sharding's memory kind
-    (see `_compat.retype_in_host_memory`): a `train_step` would otherwise take a
-    restored `pinned_host` leaf for a device one. Should that stop working, a copy
-    (one leaf at a time) does it."""
+    """`x`, with the memory space of its type matching its sharding's memory kind.
+
+    See `_compat.retype_in_host_memory`. Otherwise a `train_step` would take a restored
+    `pinned_host` leaf for a device one. Should that stop working, a copy (one leaf at a
+    time) does it.
+    """
     host = x.sharding.memory_kind in ("pinned_host", "unpinned_host")
     if not host or jax.typeof(x).memory_space == jax.memory.Space.Host:
         return x
@@ -296,9 +305,12 @@ def _abstract(tree: Any) -> Any:
 
 
 def _restore_target(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-    """What orbax restores a leaf into: its sharding and memory kind (a one-device
-    mesh, as abstract placements use, becomes the `SingleDeviceSharding` that
-    `place` gives a concrete array); key data for a key."""
+    """What orbax restores a leaf into: its sharding and memory kind, or key data for a
+    key.
+
+    A one-device mesh, as abstract placements use, becomes a `SingleDeviceSharding`.
+    That is what `place` gives a concrete array.
+    """
     sharding = x.sharding
     if sharding is None:
         sharding = SingleDeviceSharding(jax.devices()[0])
@@ -321,8 +333,11 @@ class _Saved(NamedTuple):
 def _check_match(
     name: str, saved: list, flat: list[tuple[str, Any]], step: int
 ) -> dict[str, jax.ShapeDtypeStruct]:
-    """The restore targets of one saved item, after checking that what was saved is
-    what `like` (or the `extra` template) describes, leaf by leaf."""
+    """The restore targets of one saved item.
+
+    It first checks, leaf by leaf, that what was saved is what `like` (or the `extra`
+    template) describes.
+    """
     have = [_Saved(p, shape, dtype) for p, shape, dtype, _ in saved]
     wanted = _wanted(name, flat)
     if name == "extra" and not have and wanted:

@@ -66,10 +66,12 @@ def field(*, memory_kind: MemoryKind, **kwargs: Any) -> Any:
 def match_params(
     params: ParamsSpec, leaves: list[_paths.Leaf], where: str
 ) -> list[str | None]:
-    """The kind `params` gives each leaf (`None`: no opinion). Where several patterns
-    match, the one with the most literal (non-`*`) characters wins. A pattern that
-    matches no leaf, or two equally specific patterns that disagree, is a
-    `ValueError`."""
+    """The kind `params` gives each leaf (`None`: no opinion).
+
+    Where several patterns match, the one with the most literal (non-`*`) characters
+    wins. A pattern that matches no leaf is a `ValueError`. So are two equally specific
+    patterns that disagree.
+    """
     if params is None:
         return [None] * len(leaves)
     if isinstance(params, str):
@@ -137,9 +139,12 @@ def _is_key(x: Any) -> bool:
 
 
 def _spelled(sharding: Any, ndim: int) -> Any:
-    """A `NamedSharding`'s spec spelled as a step returns it, since `jax.jit`'s cache
-    tells spellings apart: in full (`P(None, "x", None)`) over `Explicit` axes,
-    without trailing `None`s (`P(None, "x")`) over `Auto` ones."""
+    """A `NamedSharding`'s spec spelled as a step returns it.
+
+    `jax.jit`'s cache tells spellings apart. Over `Explicit` axes the spec is in full
+    (`P(None, "x", None)`). Over `Auto` ones it has no trailing `None`s (`P(None,
+    "x")`).
+    """
     if not isinstance(sharding, NamedSharding):
         return sharding
     spec = _layout.normalise(sharding.spec, ndim, _explicit(sharding))
@@ -185,10 +190,12 @@ def move_leaves(
     specs: list[PartitionSpec | None] | None = None,
     mesh: Any = None,
 ) -> _T:
-    """Puts each array leaf of `tree` in its kind from `resolve(tree, ...)`, and, where
-    `specs` gives one, in `NamedSharding(mesh, spec)`. On a tree laid out on a mesh,
-    other arrays not committed to devices yet (and NumPy arrays) are replicated over
-    it, as a jitted function would place them."""
+    """Puts each array leaf of `tree` in its kind from `resolve(tree, ...)`.
+
+    Where `specs` gives one, the leaf also goes in `NamedSharding(mesh, spec)`. On a
+    tree laid out on a mesh, other arrays are replicated over it: those not committed to
+    devices yet, and NumPy arrays. A jitted function would place them so.
+    """
     by_position = iter(kinds)
     by_spec = iter(specs or [None] * len(kinds))
     flat, treedef = jax.tree.flatten(tree)
@@ -215,9 +222,11 @@ def layout(
     where: str,
     host_tables: tuple[str, ...] = (),
 ) -> tuple[list[PartitionSpec | None] | None, Any]:
-    """The spec `rules` (a `Policy(shard=...)`) give each leaf of `kinds` on the mesh
-    (`mesh`, else the one of `jax.set_mesh`, else the tree's), and that mesh;
-    `host_tables`: the `Policy(host_tables=...)` patterns (`_layout.specs`)."""
+    """The spec `rules` (a `Policy(shard=...)`) give each leaf of `kinds`, and the mesh.
+
+    The mesh is `mesh`, else the one of `jax.set_mesh`, else the tree's. `host_tables`:
+    the `Policy(host_tables=...)` patterns (`_layout.specs`).
+    """
     if rules is None:
         return None, mesh
     if mesh is None:
@@ -253,11 +262,14 @@ def place_batch(
     where: str,
     unsplit: tuple[int, ...] = (),
 ) -> tuple:
-    """The array leaves of the batch arguments `batch` not yet laid out on `mesh`
-    (NumPy arrays, arrays on one device, unsharded `jax.ShapeDtypeStruct`s) laid
-    out as `spec` on it: the leading dimensions split (a PRNG key array with a
-    leading axis too: per-example keys), scalars replicated, and so are the
-    arguments at the positions in `unsplit` (passed whole to every micro-batch)."""
+    """The leaves of the batch arguments `batch`, laid out as `spec` on `mesh`.
+
+    It lays out the array leaves not yet on `mesh`: NumPy arrays, arrays on one device,
+    and unsharded `jax.ShapeDtypeStruct`s. Their leading dimensions are split. A PRNG
+    key array with a leading axis is split too (per-example keys). Scalars are
+    replicated. So are the arguments at the positions in `unsplit`, passed whole to
+    every micro-batch.
+    """
     if spec is None:
         return batch
     if mesh is None:
@@ -304,55 +316,61 @@ def place(
 ) -> PyTree:
     """Moves every array leaf of `tree` to the memory kind it should live in.
 
-    The kind of each leaf comes from, highest first: `policy.params`; the innermost
-    `eqx_offload.field(memory_kind=...)` annotation above it; its current placement;
-    else `"device"`. Each leaf keeps its sharding; only the memory kind changes
+    The kind of each leaf comes from, highest first:
+
+    1. `policy.params`;
+    2. the innermost `eqx_offload.field(memory_kind=...)` annotation above it;
+    3. its current placement;
+    4. else `"device"`.
+
+    Each leaf keeps its sharding; only the memory kind changes
     (`sharding.with_memory_kind`). `jax.ShapeDtypeStruct` leaves (e.g. from
-    `eqx.filter_eval_shape`) get the new memory kind in their sharding, so a model
-    can be placed, and planned, before it exists; nothing is allocated for them.
+    `eqx.filter_eval_shape`) get the new memory kind in their sharding. So a model can
+    be placed, and planned, before it exists. Nothing is allocated for them.
 
     **Arguments:**
 
-    - `tree`: any pytree, usually an Equinox model. Arrays, `jax.ShapeDtypeStruct`s
-        and tracers (inside `jax.jit`) are placed; other leaves are left alone.
-    - `policy`: an `eqx_offload.Policy`, or `None` to follow the annotations only.
-        With `Policy(shard=...)`, each leaf a pattern matches is also laid out as
+    - `tree`: any pytree, usually an Equinox model. Arrays, `jax.ShapeDtypeStruct`s and
+        tracers (inside `jax.jit`) are placed. Other leaves are left alone.
+    - `policy`: an `eqx_offload.Policy`, or `None` to follow the annotations only. With
+        `Policy(shard=...)`, each leaf a pattern matches is also laid out. Its layout is
         `NamedSharding(mesh, spec, memory_kind)`.
-    - `mesh`: the mesh `Policy(shard=...)` lays leaves out on: a
-        `jax.sharding.Mesh`, or an `AbstractMesh` for an abstract model. By
-        default, the mesh of `jax.set_mesh`, else the one the tree's leaves are
-        laid out on.
+    - `mesh`: the mesh `Policy(shard=...)` lays leaves out on. A `jax.sharding.Mesh`, or
+        an `AbstractMesh` for an abstract model. By default, the mesh of `jax.set_mesh`,
+        else the one the tree's leaves are laid out on.
 
     **Returns:**
 
-    A pytree of the same structure with every array leaf in its memory kind (and
-    its declared layout).
+    A pytree of the same structure with every array leaf in its memory kind (and its
+    declared layout).
 
     **Raises:**
 
-    `ValueError` naming the leaf if a kind is unknown or the backend lacks it, if a
-    spec names an axis the mesh lacks or does not divide the leaf; and if a
-    `Policy(params=...)` or `Policy(shard=...)` pattern matches no leaf.
+    `ValueError` naming the leaf in these cases:
+
+    - a kind is unknown, or the backend lacks it;
+    - a spec names an axis the mesh lacks, or one that does not divide the leaf;
+    - a `Policy(params=...)` or `Policy(shard=...)` pattern matches no leaf.
 
     !!! Warning "Placing does not copy what is already in place"
 
-        A leaf already in its memory kind comes back as the same buffer; only
-        moved leaves are copies. `eqx_offload.train_step` donates the model and
-        the optimizer state, so after the first step the placed model *and* the
-        leaves of the original that did not move are deleted (a later use is an
-        error naming the leaf). Keep using what the step returns; to keep the
-        original, copy it first: `jax.tree.map(jnp.copy, model)`.
+        A leaf already in its memory kind comes back as the same buffer. Only moved
+        leaves are copies. `eqx_offload.train_step` donates the model and the optimizer
+        state. So after the first step, the placed model is deleted. So are the leaves
+        of the original that did not move. A later use is an error naming the leaf. Keep
+        using what the step returns. To keep the original, copy it first:
+        `jax.tree.map(jnp.copy, model)`.
 
     !!! Warning "Host-resident leaves are computed on only inside the transform"
 
-        `filter_offload` and `train_step` bring host-resident leaves to the device;
-        JAX computes on nothing in host memory. Called outside them (`model(x)`,
-        with or without `eqx.filter_jit`), a host-resident model fails inside JAX
-        with `` memory_space of all inputs passed to `gather` must be the same ``
-        (`dot_general`, `mul`, ...); evaluate it with
-        `eqx.filter_jit(eo.filter_offload(fn, policy))(model, ...)`. The optax
-        idiom `optimizer.init(params)` fails with "Memory kind mismatch with
-        xla::PjRtBuffers": use `eo.init_opt_state(optimizer, model, policy)`.
+        `filter_offload` and `train_step` bring host-resident leaves to the device. JAX
+        computes on nothing in host memory. Called outside them (`model(x)`, with or
+        without `eqx.filter_jit`), a host-resident model fails inside JAX. The error
+        says `` memory_space of all inputs passed to `gather` must be the same `` (or
+        `dot_general`, `mul`, ...). Evaluate it with
+        `eqx.filter_jit(eo.filter_offload(fn, policy))(model, ...)`. The optax idiom
+        `optimizer.init(params)` fails with "Memory kind mismatch with
+        xla::PjRtBuffers". Use `eo.init_opt_state(optimizer, model, policy)`.
 
     !!! Example
 

@@ -455,8 +455,10 @@ def _check_save_and_offload(
 
 
 def replace(policy: Policy, **changes: Any) -> Policy:
-    """`policy` with some fields changed, as `dataclasses.replace` would give it,
-    but with its patterns given back to `Policy(...)` as the mappings it takes."""
+    """`policy` with some fields changed, as `dataclasses.replace` would give it.
+
+    Its patterns are given back to `Policy(...)` as the mappings it takes.
+    """
     fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
     for name in ("params", "opt_state", "shard"):
         if isinstance(fields[name], tuple):
@@ -495,9 +497,11 @@ _LAYER_INPUTS = ("**.input",)
 
 
 def _check_replaced(preset: str, overrides: dict[str, Any]) -> None:
-    """Warns when `offload=` replaces a preset's `("**.input",)` without keeping
-    it: the preset then no longer offloads the carry entering each layer, which
-    is easy to miss."""
+    """Warns when `offload=` replaces a preset's `("**.input",)` without keeping it.
+
+    The preset then no longer offloads the carry entering each layer. That is easy to
+    miss.
+    """
     given = overrides.get("offload", _LAYER_INPUTS)
     given = (given,) if isinstance(given, str) else given
     if isinstance(given, Sequence) and _LAYER_INPUTS[0] not in given:

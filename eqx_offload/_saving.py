@@ -1,5 +1,7 @@
-"""Checkpoints: `save` a model, its optimizer state and your own state to a
-directory of numbered steps (`load` in `_loading.py` reads them back)."""
+"""Checkpoints: `save` a model, its optimizer state and your own state.
+
+They go to a directory of numbered steps. `load` in `_loading.py` reads them back.
+"""
 
 import atexit
 import os
@@ -25,10 +27,10 @@ class Saving:
     """A save in progress, returned by `eqx_offload.save`; `wait()` for it to finish.
 
     A save with `wait=True` has finished when it is returned. One with `wait=False`
-    finishes in a background thread; its step is loadable (and listed by
-    `saved_steps`) once it has. A later `save` or `load` of the same directory, and
-    `eqx_offload.wait_until_finished()`, wait for it first, as does the end of the
-    Python process.
+    finishes in a background thread. Its step is loadable (and listed by `saved_steps`)
+    once it has. Some calls wait for it first: a later `save` or `load` of the same
+    directory, and `eqx_offload.wait_until_finished()`. So does the end of the Python
+    process.
     """
 
     def __init__(self, manager: ocp.CheckpointManager, directory: str, step: int):
@@ -100,8 +102,8 @@ def saved_steps(path: str | os.PathLike) -> list[int]:
 
     **Returns:**
 
-    A list of step numbers; empty if the directory does not exist or holds no
-    finished step (an interrupted save leaves none).
+    A list of step numbers. It is empty if the directory does not exist or holds no
+    finished step. (An interrupted save leaves none.)
 
     !!! Example
 
@@ -131,34 +133,33 @@ def save(
     keep: int | None = None,
     wait: bool = True,
 ) -> Saving:
-    """Saves a model, its optimizer state and your own state as step `step` of the
-    checkpoint directory `path`.
+    """Saves a model, its optimizer state and your own state as step `step` of `path`.
 
-    Each step is a subdirectory, written under a temporary name and renamed when
-    complete: a process killed in the middle of a save leaves the steps saved
-    before it loadable. The array leaves are saved (with `orbax-checkpoint`);
-    everything else in `model` and `opt_state` (static fields, activation
-    functions) comes from the `like` given to `eqx_offload.load`. PRNG key arrays
-    are saved as their key data and rewrapped on load.
+    Each step is a subdirectory of the checkpoint directory `path`. It is written under
+    a temporary name and renamed when complete. So a process killed in the middle of a
+    save leaves the steps saved before it loadable. The array leaves are saved (with
+    `orbax-checkpoint`). Everything else in `model` and `opt_state` comes from the
+    `like` given to `eqx_offload.load`. (That is static fields, activation functions.)
+    PRNG key arrays are saved as their key data and rewrapped on load.
 
     **Arguments:**
 
     - `path`: the checkpoint directory; created if missing.
     - `model`: the model, wherever its leaves live.
-    - `opt_state`: its optimizer state. Under `Policy(update_timing=...)`, apply
-        the update the last step left pending first (`eqx_offload.apply_pending`):
-        until then the model's stacked layers are one update behind.
-    - `step`: the step number (an `int` >= 0), usually the number of steps trained;
-        it must not be saved already.
-    - `extra`: your own state, a pytree of arrays (a PRNG key, metrics) and Python
-        scalars (`int`, `float`, `bool`, `str`: a position in the data); restored by
-        `load(..., extra=template)`.
-    - `keep`: keep only the `keep` most recent steps, deleting older ones once this
-        one is saved; `None` keeps all.
-    - `wait`: if `False`, return as soon as a copy of the arrays has been taken in
-        host memory, and write it to disk in a background thread: training can go
-        on at once (the next step may donate the saved buffers). A copy of every
-        array lives in host memory until the write has finished.
+    - `opt_state`: its optimizer state. Under `Policy(update_timing=...)`, first apply
+        the update the last step left pending (`eqx_offload.apply_pending`). Until then
+        the model's stacked layers are one update behind.
+    - `step`: the step number (an `int` >= 0), usually the number of steps trained. It
+        must not be saved already.
+    - `extra`: your own state, restored by `load(..., extra=template)`. A pytree of
+        arrays (a PRNG key, metrics) and Python scalars. The scalars are `int`, `float`,
+        `bool` or `str` (a position in the data).
+    - `keep`: keep only the `keep` most recent steps. Older ones are deleted once this
+        one is saved. `None` keeps all.
+    - `wait`: if `False`, return once a copy of the arrays has been taken in host
+        memory. A background thread writes it to disk. So training can go on at once:
+        the next step may donate the saved buffers. A copy of every array lives in host
+        memory until the write has finished.
 
     **Returns:**
 
@@ -166,10 +167,10 @@ def save(
 
     **Raises:**
 
-    `ValueError` if `step` is negative, already saved or below the latest saved
-    step, or `keep` < 1, or if `opt_state` holds a pending update;
-    `TypeError` for an abstract leaf (a `jax.ShapeDtypeStruct`) or a leaf of
-    `extra` that is neither an array nor a scalar.
+    - `ValueError` if `step` is negative, already saved or below the latest saved step.
+        Also if `keep` < 1, or if `opt_state` holds a pending update.
+    - `TypeError` for an abstract leaf (a `jax.ShapeDtypeStruct`). Also for a leaf of
+        `extra` that is neither an array nor a scalar.
 
     !!! Example
 
@@ -227,8 +228,11 @@ def save(
 def _save_args(
     model: Any, opt_state: Any, extra: Any, step: int, wait: bool
 ) -> dict[str, Any]:
-    """The orbax items of a step: the array leaves of each tree as a flat dict from
-    path to array (a copy for an asynchronous save), and a JSON description."""
+    """The orbax items of a step.
+
+    The array leaves of each tree go in a flat dict from path to array (a copy for an
+    asynchronous save). A JSON description goes with them.
+    """
     trees = {"model": model, "opt_state": opt_state, "extra": extra}
     _orbax.check_global_save(trees)
     meta: dict[str, Any] = {
@@ -273,8 +277,10 @@ def _save_args(
 
 
 def wait_for(directory: str) -> None:
-    """Waits for the asynchronous save in progress in `directory`, if any: orbax
-    saves one step of a directory at a time, and a load must see it."""
+    """Waits for the asynchronous save in progress in `directory`, if any.
+
+    Orbax saves one step of a directory at a time, and a load must see it.
+    """
     saving = _pending.get(directory)
     if saving is not None:
         saving.wait()
@@ -289,11 +295,13 @@ def _key_impl(x: Any) -> str | None:
 
 
 def _snapshot(x: Any) -> Any:
-    """A copy of an array that orbax would read in place, for an asynchronous save:
-    the step after `save` returns may donate (and overwrite) the array while it is
-    written. Orbax copies arrays in accelerator memory to the host itself before
-    `save` returns; it reads host-resident arrays, and on the CPU backend every
-    array, where they are."""
+    """A copy of an array that orbax would read in place, for an asynchronous save.
+
+    The step after `save` returns may donate (and overwrite) the array while it is
+    written. Orbax copies arrays in accelerator memory to the host itself before `save`
+    returns. It reads host-resident arrays where they are. On the CPU backend it reads
+    every array where it is.
+    """
     if isinstance(x, jax.Array):
         host = x.sharding.memory_kind in ("pinned_host", "unpinned_host")
         cpu = all(d.platform == "cpu" for d in x.sharding.device_set)

@@ -1,17 +1,18 @@
-"""Per-layer names for the leaves of `Stacked` layers: state dicts keyed as the
-per-layer model was (`blocks.3.mlp.weight`), so weights saved before a port from
-`list[Block]` to `Stacked[Block]` still load.
+"""Per-layer names for the leaves of `Stacked` layers.
 
-A *state-dict key* is a leaf's path with every segment separated by dots, as a
-`torch.nn.Module.state_dict` (and so a Hugging Face checkpoint) spells it: attribute
-names, string dictionary keys, and sequence indices as numeric segments. A leaf
-inside a `Stacked` gets one key per layer, with the layer index as a numeric segment
-where the `Stacked` is: the stacked leaf `blocks.layers.mlp.weight` (in JAX's key
-path) of an 8-layer `Stacked` has the keys `blocks.0.mlp.weight` ...
-`blocks.7.mlp.weight`, which are the keys of `blocks: list[Block]`.
+State dicts are keyed as the per-layer model was (`blocks.3.mlp.weight`). So weights
+saved before a port from `list[Block]` to `Stacked[Block]` still load.
 
-The library's own dotted paths (`_paths.py`, used by `Policy` patterns and error
-messages) name the stacked leaf once, leaving out the `layers` field and writing
+A *state-dict key* is a leaf's path with every segment separated by dots. A
+`torch.nn.Module.state_dict` (and so a Hugging Face checkpoint) spells it so. Its
+segments are attribute names, string dictionary keys, and sequence indices as numbers. A
+leaf inside a `Stacked` gets one key per layer. The layer index is a numeric segment
+where the `Stacked` is. Take the stacked leaf `blocks.layers.mlp.weight` (in JAX's key
+path) of an 8-layer `Stacked`. Its keys are `blocks.0.mlp.weight` ...
+`blocks.7.mlp.weight`, the keys of `blocks: list[Block]`.
+
+The library's own dotted paths (`_paths.py`) name the stacked leaf once. `Policy`
+patterns and error messages use them. They leave out the `layers` field and write
 indices in brackets: `blocks.mlp.layers[0].weight`. Its keys are
 `blocks.<i>.mlp.layers.0.weight`.
 """
@@ -73,9 +74,12 @@ class _Entry(NamedTuple):
 
 
 def layer_axes(tree: Any) -> list[int]:
-    """For every leaf of `tree` (in `jax.tree.leaves` order), how many `Stacked`
-    enclose it: the number of its leading layer axes (axis `k` is the layers of the
-    `k`-th enclosing `Stacked`, outermost first)."""
+    """For every leaf of `tree` (in `jax.tree.leaves` order), how many `Stacked` enclose
+    it.
+
+    That is the number of its leading layer axes. Axis `k` is the layers of the `k`-th
+    enclosing `Stacked`, outermost first.
+    """
     return [leaf.layer_axes for leaf in _paths.leaves(tree)]
 
 
@@ -102,8 +106,11 @@ def _entries(model: Any, where: str) -> list[_Entry | None]:
 def _per_layer_order(
     entries: list[_Entry | None],
 ) -> list[tuple[str, _Entry, tuple[int, ...]]]:
-    """Every `(key, entry, index)`, in the order the per-layer model flattens: all
-    of layer 0's leaves, then layer 1's, ... (a `Stacked` flattens leaf by leaf)."""
+    """Every `(key, entry, index)`, in the order the per-layer model flattens.
+
+    That is all of layer 0's leaves, then layer 1's, ... (a `Stacked` flattens leaf by
+    leaf).
+    """
     # A `Stacked`'s leaves are contiguous in flattening order; it sorts where its
     # first leaf is, then by layer, then (recursively) as inside one layer.
     starts: dict[tuple, int] = {}
@@ -132,16 +139,17 @@ def state_dict_keys(model: PyTree) -> dict[str, LeafIndex]:
 
     **Arguments:**
 
-    - `model`: any pytree, usually an Equinox model holding `Stacked` layers.
-        Array leaves (and `jax.ShapeDtypeStruct`s) get keys.
+    - `model`: any pytree, usually an Equinox model holding `Stacked` layers. Array
+        leaves (and `jax.ShapeDtypeStruct`s) get keys.
 
     **Returns:**
 
-    A dict from key (`blocks.3.mlp.weight`) to `LeafIndex(path, index)`: the leaf's
-    dotted path (`blocks.mlp.weight`, as `Policy` patterns write it) and the index
-    into its leading layer axes (`(3,)`; `()` outside any `Stacked`), in the order
-    the per-layer model flattens in (every leaf of layer 0, then of layer 1, ...).
-    Its inverse, `{v: k for k, v in keys.items()}`, and `state_dict_key` go back.
+    A dict from key (`blocks.3.mlp.weight`) to `LeafIndex(path, index)`. `path` is the
+    leaf's dotted path, as `Policy` patterns write it (`blocks.mlp.weight`). `index`
+    indexes its leading layer axes (`(3,)`; `()` outside any `Stacked`). The keys come
+    in the order the per-layer model flattens in. That is every leaf of layer 0, then of
+    layer 1, ... Its inverse, `{v: k for k, v in keys.items()}`, and `state_dict_key` go
+    back.
 
     !!! Example
 
@@ -159,16 +167,17 @@ def state_dict_keys(model: PyTree) -> dict[str, LeafIndex]:
 
 
 def state_dict_key(model: PyTree, path: str, index: tuple[int, ...] = ()) -> str:
-    """The per-layer state-dict key of layer `index` of the leaf at `path`: the way
-    back from `state_dict_keys`.
+    """The per-layer state-dict key of layer `index` of the leaf at `path`.
+
+    It is the way back from `state_dict_keys`.
 
     **Arguments:**
 
     - `model`: the model holding the leaf.
-    - `path`: the leaf's dotted path, as the library writes it
-        (`"blocks.mlp.layers[0].weight"`: no `layers` field of a `Stacked`).
-    - `index`: one layer index per enclosing `Stacked`, outermost first; `()` for a
-        leaf outside any `Stacked`.
+    - `path`: the leaf's dotted path, as the library writes it. E.g.
+        `"blocks.mlp.layers[0].weight"`: no `layers` field of a `Stacked`.
+    - `index`: one layer index per enclosing `Stacked`, outermost first. `()` for a leaf
+        outside any `Stacked`.
 
     **Returns:**
 
@@ -200,10 +209,12 @@ def state_dict_key(model: PyTree, path: str, index: tuple[int, ...] = ()) -> str
 
 @functools.partial(jax.jit, static_argnums=1)
 def _split_layers(x: Any, depth: int) -> list[Any]:
-    """Every layer of a stacked leaf, in its memory. A TPU slices a host-resident
-    leaf on the host only along one layer axis of at least 3 dimensions
-    (`_tiling.slices_by_layer`); other leaves are small, or sliced per layer of the
-    outer axis first, and go to the device to be cut."""
+    """Every layer of a stacked leaf, in its memory.
+
+    A TPU slices a host-resident leaf on the host only along one layer axis. The leaf
+    needs at least 3 dimensions (`_tiling.slices_by_layer`). Other leaves are small, or
+    sliced per layer of the outer axis first. They go to the device to be cut.
+    """
     whole = is_host(x) and not (depth == 1 and _tiling.slices_by_layer(x.shape))
     y = to_space(x, "device", "") if whole else x
     out = []
@@ -216,24 +227,24 @@ def _split_layers(x: Any, depth: int) -> list[Any]:
 def state_dict(model: PyTree) -> dict[str, Array]:
     """The arrays of `model` keyed per layer, as the per-layer model would key them.
 
-    A leaf of a `Stacked` gives one array per layer, keyed with the layer index
-    where the `Stacked` is (`blocks.3.mlp.weight`); other leaves keep their own key
+    A leaf of a `Stacked` gives one array per layer. Its key has the layer index where
+    the `Stacked` is (`blocks.3.mlp.weight`). Other leaves keep their own key
     (`head.weight`). See `state_dict_keys` for the format. Each array stays in its
-    leaf's memory kind (a host-resident stacked leaf gives host-resident layers).
+    leaf's memory kind. A host-resident stacked leaf gives host-resident layers.
 
     **Arguments:**
 
-    - `model`: any pytree of arrays, usually an Equinox model holding `Stacked`
-        layers. Leaves that are not arrays are left out. Under
-        `Policy(update_timing=...)` a step returns the stacked layers one update
-        behind (the optimizer state holds the rest): pass the model through
-        `eqx_offload.apply_pending` first, or its weights are stale.
+    - `model`: any pytree of arrays, usually an Equinox model holding `Stacked` layers.
+        Leaves that are not arrays are left out. Under `Policy(update_timing=...)` a
+        step returns the stacked layers one update behind. The optimizer state holds the
+        rest. Pass the model through `eqx_offload.apply_pending` first, or its weights
+        are stale.
 
     **Returns:**
 
-    A dict from key to array, in the order the per-layer model flattens in.
-    Arrays of leaves outside any `Stacked` are the model's own: a `train_step`
-    donates them, so copy what you keep across a step.
+    A dict from key to array, in the order the per-layer model flattens in. Arrays of
+    leaves outside any `Stacked` are the model's own. A `train_step` donates them, so
+    copy what you keep across a step.
 
     !!! Example
 
@@ -276,13 +287,15 @@ class _Layout(NamedTuple):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _join_layers(layout: _Layout, old: Any, pieces: list[Any]) -> Any:
-    """The stacked leaf with layer `i` replaced by `pieces[i]` (kept where `None`),
-    in the leaf's memory. A host-resident leaf with one layer axis of at least 3
-    dimensions is written on the host one layer at a time, as the streamed update
-    writes it (`_tiling`); any other leaf is assembled on the device. Over a mesh
-    with `Explicit` axes (in context: `_join_mesh`) it is assembled on `Auto`
-    axes, which lay out the writes of a layer into the stack, and returned as
-    `layout.spec`."""
+    """The stacked leaf with layer `i` replaced by `pieces[i]` (kept where `None`).
+
+    The result is in the leaf's memory. Take a host-resident leaf with one layer axis
+    and at least 3 dimensions. It is written on the host one layer at a time, as the
+    streamed update writes it (`_tiling`). Any other leaf is assembled on the device.
+    Over a mesh with `Explicit` axes (in context: `_join_mesh`) it is assembled on
+    `Auto` axes. They lay out the writes of a layer into the stack. It is returned as
+    `layout.spec`.
+    """
     join = functools.partial(_join, layout)
     return _layout.on_auto_axes(join, layout.spec)(old, pieces)
 
@@ -317,9 +330,11 @@ def _piece_sharding(sharding: Any, depth: int, kind: str) -> Any:
 
 
 def _target_sharding(x: Any, path: str) -> Any:
-    """Where the array of leaf `x` (at `path`) is created: its sharding, with the
-    mesh of `jax.set_mesh` for an `AbstractMesh` (an abstract model made under
-    `jax.set_mesh`), which has no devices."""
+    """Where the array of leaf `x` (at `path`) is created: its sharding.
+
+    An `AbstractMesh` has no devices: it gets the mesh of `jax.set_mesh`. (An abstract
+    model made under `jax.set_mesh` has one.)
+    """
     sharding = getattr(x, "sharding", None)
     if sharding is None:
         return SingleDeviceSharding(jax.devices()[0], memory_kind="device")
@@ -341,9 +356,12 @@ def _target_sharding(x: Any, path: str) -> Any:
 
 
 def _join_mesh(sharding: Any) -> Mesh | None:
-    """The mesh `_join_layers` runs in for a leaf of `sharding`: the leaf's if it
-    has `Explicit` axes (JAX traces their sharding types under it), else none
-    (not the one a caller set: a leaf on one device is not on it)."""
+    """The mesh `_join_layers` runs in for a leaf of `sharding`.
+
+    It is the leaf's mesh if that has `Explicit` axes: JAX traces their sharding types
+    under it. Otherwise none. Not the one a caller set: a leaf on one device is not on
+    it.
+    """
     mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
     return mesh if isinstance(mesh, Mesh) and _layout.explicit_mesh(mesh) else None
 
@@ -372,25 +390,24 @@ def load_state_dict(
 ) -> PyTree:
     """`model` with its arrays replaced by those of `state_dict`, keyed per layer.
 
-    The inverse of `state_dict`: a per-layer key (`blocks.3.mlp.weight`) writes
-    layer 3 of the stacked leaf `blocks.mlp.weight`, so weights saved from the
-    per-layer model (`blocks: list[Block]`) load into the ported one
-    (`blocks: Stacked[Block]`). Every leaf keeps its memory kind and sharding: a
-    host-resident stacked leaf is written on the host, layer by layer. The
-    state dict's arrays are copied, never aliased, so a step that donates the model
-    leaves them intact.
+    It is the inverse of `state_dict`. A per-layer key (`blocks.3.mlp.weight`) writes
+    layer 3 of the stacked leaf `blocks.mlp.weight`. So weights saved from the per-layer
+    model (`blocks: list[Block]`) load into the ported one (`blocks: Stacked[Block]`).
+    Every leaf keeps its memory kind and sharding. A host-resident stacked leaf is
+    written on the host, layer by layer. The state dict's arrays are copied, never
+    aliased. So a step that donates the model leaves them intact.
 
     **Arguments:**
 
     - `model`: the model to load into. Its leaves may be arrays, or
-        `jax.ShapeDtypeStruct`s (e.g. `eo.place(eqx.filter_eval_shape(Model,
-        ...), policy)`): then nothing is initialised randomly and every leaf is
-        created from the state dict, in the memory kind of its sharding.
-    - `state_dict`: a mapping from key to array (JAX or NumPy) of the layer's
-        exact shape and dtype.
-    - `strict`: if `True` (the default), every key of the model must be present
-        and no other; if `False`, missing keys keep the model's arrays and
-        unexpected keys are ignored.
+        `jax.ShapeDtypeStruct`s (e.g. `eo.place(eqx.filter_eval_shape(Model, ...),
+        policy)`). Then nothing is initialised randomly. Every leaf is created from the
+        state dict, in the memory kind of its sharding.
+    - `state_dict`: a mapping from key to array (JAX or NumPy). Each array has the
+        layer's exact shape and dtype.
+    - `strict`: if `True` (the default), every key of the model must be present and no
+        other. If `False`, missing keys keep the model's arrays, and unexpected keys are
+        ignored.
 
     **Returns:**
 
@@ -426,8 +443,11 @@ def load_state_dict(
 def _check_keys(
     expected: dict[str, _Entry], state_dict: Mapping[str, Any], strict: bool
 ) -> None:
-    """Raises naming the missing and unexpected keys: any of them if `strict`, else
-    the missing keys of abstract leaves (which have no arrays to keep)."""
+    """Raises naming the missing and unexpected keys.
+
+    It names any of them if `strict`. Otherwise it names the missing keys of abstract
+    leaves, which have no arrays to keep.
+    """
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
     abstract_missing = [k for k in missing if not eqx.is_array(expected[k].value)]
@@ -453,8 +473,10 @@ def _check_keys(
 
 
 def _load_leaf(x: Any, entry: _Entry, state_dict: Mapping[str, Any]) -> Any:
-    """The leaf `x` (at `entry`) with the arrays `state_dict` has for its keys, in
-    its memory kind and sharding; `x` itself if it has none."""
+    """The leaf `x` (at `entry`) with the arrays `state_dict` has for its keys.
+
+    They come in its memory kind and sharding. It is `x` itself if it has none.
+    """
     layer_shape = x.shape[entry.depth :]
     keys = [entry.key(index) for index in entry.indices()]
     for key in keys:

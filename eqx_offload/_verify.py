@@ -1,5 +1,7 @@
-"""`verify`: an offloaded train step checked against the plain one, on a slice of
-the model small enough to run both."""
+"""`verify`: an offloaded train step checked against the plain one.
+
+It runs on a slice of the model small enough to run both.
+"""
 
 import functools
 from collections.abc import Callable
@@ -54,8 +56,11 @@ def _check_count(value: Any, argument: str) -> None:
 def _tolerance(
     dtype: Any, rtol: float | None, atol: float | None, computed: Any = None
 ) -> tuple:
-    """`(rtol, atol)` for a leaf of `dtype`: its own default, or the default of the
-    dtype it was `computed` in where that is narrower."""
+    """`(rtol, atol)` for a leaf of `dtype`.
+
+    That is its own default, or the default of the dtype it was `computed` in where that
+    is narrower.
+    """
     if jnp.issubdtype(dtype, jnp.inexact):
         width = np.dtype(dtype).itemsize
         if computed is not None:
@@ -90,12 +95,14 @@ def _compare(
     atol: float | None,
     computed: Any = None,
 ) -> Difference:
-    """The worst of `(leaf, ours, reference, scale_of, slack)` comparisons: the
-    largest difference relative to its tolerance, `atol + rtol * scale + slack`,
-    where `scale` is the largest magnitude of the array `scale_of` (and the
-    tolerance that of the reference's dtype, or of the dtype the values were
-    `computed` in where that is narrower: one dtype for every leaf, or a dict of
-    them by leaf)."""
+    """The worst of `(leaf, ours, reference, scale_of, slack)` comparisons.
+
+    The worst is the largest difference relative to its tolerance, `atol + rtol * scale
+    + slack`. `scale` is the largest magnitude of the array `scale_of`. The tolerance is
+    that of the reference's dtype. Where the values were `computed` in a narrower dtype,
+    it is that dtype's. `computed` is one dtype for every leaf, or a dict of them by
+    leaf.
+    """
     worst: Difference | None = None
     for leaf, ours, ref, scale_of, slack in pairs:
         dtype = computed.get(leaf) if isinstance(computed, dict) else computed
@@ -133,15 +140,16 @@ def _reference(
     model: Any,
     batch: tuple,
 ) -> Any:
-    """Plain `value_and_grad`: no transform, so every `Stacked` is a plain scan. On
-    the axis types the step runs the loss on: `Auto` ones over a mesh with
-    `Explicit` axes under `Policy(loss_axes="auto")`.
+    """Plain `value_and_grad`: no transform, so every `Stacked` is a plain scan.
 
-    `options = (loss_axes, has_aux, dtypes)`: with `dtypes` (one per trainable
-    leaf), the loss sees each trainable leaf cast to its dtype, and the gradient
-    comes back in the leaf's own dtype (the cast's transpose). `split =
-    (microbatches, unsplit)`: the mean of the loss and gradient over micro-batch
-    `i` of `k` = examples `i, i + k, ...` (what `train_step` defines), in float32.
+    It runs on the axis types the step runs the loss on. Over a mesh with `Explicit`
+    axes under `Policy(loss_axes="auto")`, those are `Auto` ones.
+
+    `options = (loss_axes, has_aux, dtypes)`. With `dtypes` (one per trainable leaf),
+    the loss sees each trainable leaf cast to its dtype. The gradient comes back in the
+    leaf's own dtype (the cast's transpose). `split = (microbatches, unsplit)`. It gives
+    the mean of the loss and gradient over micro-batches, in float32. Micro-batch `i` of
+    `k` is examples `i, i + k, ...` (what `train_step` defines).
     """
     loss_axes, has_aux, dtypes = options
     k, unsplit = split
@@ -188,9 +196,11 @@ def _offloaded(
     split: tuple[int, tuple[int, ...]],
     arguments: tuple[Any, Any, tuple],
 ) -> Any:
-    """The forward and backward pass as `train_step` computes them (its own code),
-    on `arguments = (model, opt_state, batch)`, in `split = (microbatches,
-    unsplit)`."""
+    """The forward and backward pass as `train_step` computes them (its own code).
+
+    It runs on `arguments = (model, opt_state, batch)`, in `split = (microbatches,
+    unsplit)`.
+    """
     return value_and_grad(loss_fn, policy, has_aux, *split, arguments, "`verify`")
 
 
@@ -199,9 +209,12 @@ def _loss(value: Any, has_aux: bool) -> Any:
 
 
 def _own_update(policy: Policy, model: PyTree, opt_state: PyTree) -> str | None:
-    """The update of its own `train_step` runs here, to check against optax's on
-    the device: `"streamed"` where it streams on some backend (`"auto"` streams
-    on all but the CPU), `"host"` on the host's CPU; None for optax's own."""
+    """The update of its own `train_step` runs here, to check against optax's on the
+    device.
+
+    `"streamed"` where it streams on some backend (`"auto"` streams on all but the CPU).
+    `"host"` on the host's CPU. None for optax's own.
+    """
     leaves = jtu.tree_leaves((trainable(model), opt_state))
     host = any(kind_of(x) != "device" for x in leaves if eqx.is_array(x))
     if policy.update == "host":
@@ -210,9 +223,11 @@ def _own_update(policy: Policy, model: PyTree, opt_state: PyTree) -> str | None:
 
 
 def _refuses_old_forms(verify: Callable) -> Callable:
-    """`verify`, refusing its old forms with their new spelling before the type
-    checker sees them: the loss, optimizer and policy instead of the step, and
-    `microbatch=`."""
+    """`verify`, refusing its old forms with their new spelling.
+
+    It refuses them before the type checker sees them. The old forms are the loss,
+    optimizer and policy instead of the step, and `microbatch=`.
+    """
 
     @functools.wraps(verify)
     def checked(*args: Any, **kwargs: Any) -> Any:
@@ -238,8 +253,10 @@ _OLD_FORM = (
 
 
 class _Slice(NamedTuple):
-    """What `verify` checks: the model, optimizer state and batch cut to their
-    first layers and examples, and what was kept."""
+    """What `verify` checks, and what was kept.
+
+    The model, optimizer state and batch are cut to their first layers and examples.
+    """
 
     model: PyTree  # on the device: the reference's input
     opt_state: PyTree
@@ -256,9 +273,12 @@ def _cut(
     examples: int | None,
 ) -> _Slice:
     """Every `Stacked` of `arguments = (model, opt_state, batch)` cut to its first
-    `layers` layers, with the optimizer state that mirrors them, and the batch to
-    its first `examples` examples, rounded up to whole micro-batches (of whole
-    blocks of `Policy(batch=...)`)."""
+    `layers` layers.
+
+    The optimizer state that mirrors them is cut too. The batch is cut to its first
+    `examples` examples. They are rounded up to whole micro-batches (of whole blocks of
+    `Policy(batch=...)`).
+    """
     model, opt_state, batch = arguments
     policy, unsplit = step.policy, step.unsplit
     # The optimizer the step runs: under a compute dtype, its state holds the
@@ -293,9 +313,12 @@ def _gradient_pairs(
     cut: _Slice,
     arguments: tuple[PyTree, PyTree, tuple],
 ) -> tuple[Any, list, list]:
-    """The reference loss, and the `_compare` pairs of the loss and of each
-    leaf's gradient: the step's own forward and backward pass against plain JAX,
-    on the slice of `arguments = (model, opt_state, batch)`."""
+    """The reference loss, and the `_compare` pairs of the loss and of each leaf's
+    gradient.
+
+    They compare the step's own forward and backward pass against plain JAX. Both run on
+    the slice of `arguments = (model, opt_state, batch)`.
+    """
     model, opt_state, batch = arguments
     split = (step.microbatches, step.unsplit)
     # In the model's mesh, as `train_step` traces the loss.
@@ -333,9 +356,11 @@ def _gradient_pairs(
 def _run_step(
     step: TrainStep, policy: Policy, cut: _Slice, model: PyTree, opt_state: PyTree
 ) -> tuple[PyTree, PyTree, Any]:
-    """One donating step under `policy` on copies of the slice: the model, the
-    optimizer state (its own, without a pending update) and the loss. Under
-    `Policy(update_timing=...)`, with the update it holds over applied."""
+    """One donating step under `policy` on copies of the slice.
+
+    It gives the model, the optimizer state (its own, without a pending update) and the
+    loss. Under `Policy(update_timing=...)`, the update it holds over is applied.
+    """
     mine = policy.update != "whole"
     run = train_step(
         step.loss_fn,
@@ -365,12 +390,16 @@ def _step_checks(
     opt_state: PyTree,
     ref_loss: Any,
 ) -> tuple[list, list | None]:
-    """The step itself, on a slice whose gradients are right: streamed (or on the
-    host) against whole when it is, else once, so that its own program
-    (placements, donation, outputs) is exercised. Under `update_timing`, the
-    step holds the stacked layers' update over, and `apply_pending` applies it:
-    together, against the whole update now. **Returns:** the `_compare` pairs of
-    the steps' losses, and of the update (`None` where nothing streams)."""
+    """The step itself, on a slice whose gradients are right.
+
+    A streamed step (or one updating on the host) runs against the whole update. Any
+    other step runs once. Either way its own program is exercised: placements, donation,
+    outputs. Under `update_timing`, the step holds the stacked layers' update over.
+    `apply_pending` applies it. Together they run against the whole update now.
+
+    **Returns:** the `_compare` pairs of the steps' losses, and of the update (`None`
+    where nothing streams).
+    """
     policy = step.policy
     own = _own_update(policy, model, opt_state)
     timing = policy.update_timing != "now"
@@ -401,61 +430,59 @@ def verify(
     rtol: float | None = None,
     atol: float | None = None,
 ) -> VerifyReport:
-    """Checks that a `train_step` computes what plain training computes, on a
-    slice of the model small enough to run both.
+    """Checks that a `train_step` computes what plain training computes.
 
-    Every `Stacked` is cut to its first `layers` layers, with the optimizer state
-    that mirrors them (compute copies included). Every batch array is cut to its
-    first `examples` examples. On that slice, `verify` compares
+    It runs on a slice of the model small enough to run both. Every `Stacked` is cut to
+    its first `layers` layers. The optimizer state that mirrors them is cut too (compute
+    copies included). Every batch array is cut to its first `examples` examples. On that
+    slice, `verify` compares
 
-    1. **the loss** and 2. **each leaf's gradient** as the step computes them
-        (`filter_offload(loss_fn, policy)`, each leaf in the memory kind it has in
-        `model`, in the step's micro-batches, from the compute copies) with the
-        reference: every leaf on the device, no remat, plain
-        `eqx.filter_value_and_grad` of the loss on the model cast to
-        `Policy(compute_dtype=...)` (but for the `keep_dtype` leaves), averaged
-        over the same micro-batches;
-    3. **the update**: the model and optimizer state after one donating step
-        with `Policy(update="streamed")` (or `"host"`, the policy's own) against
-        one with `update="whole"` (plain optax on the device). This runs when
-        the step streams or updates on the host and the first two checks pass.
-        Both steps' losses join the loss check. Any other step runs once, and
-        its loss joins the loss check. Under `Policy(update_timing=...)` the
-        step holds the stacked layers' update over: it runs, then
-        `eqx_offload.apply_pending`, against the whole update with
-        `update_timing="now"`. So `opt_state` must have no update pending (a
-        fresh one from `init_opt_state`, or after `apply_pending`).
+    1. **the loss** and 2. **each leaf's gradient** as the step computes them, with the
+    reference. The step runs `filter_offload(loss_fn, policy)`. Each leaf is in the
+    memory kind it has in `model`. The step uses its micro-batches and compute copies.
+    The reference has every leaf on the device and no remat. It is plain
+    `eqx.filter_value_and_grad` of the loss, averaged over the same micro-batches. Its
+    model is cast to `Policy(compute_dtype=...)`, but for the `keep_dtype` leaves.
+    3. **the update**: the model and optimizer state after one donating step. A step
+    with `Policy(update="streamed")` (or `"host"`, the policy's own) runs against one
+    with `update="whole"` (plain optax on the device). This runs when the step streams
+    or updates on the host and the first two checks pass. Both steps' losses join the
+    loss check. Any other step runs once, and its loss joins the loss check. Under
+    `Policy(update_timing=...)` the step holds the stacked layers' update over. It runs,
+    then `eqx_offload.apply_pending`, against the whole update with
+    `update_timing="now"`. So `opt_state` must have no update pending. Give a fresh one
+    from `init_opt_state`, or one after `apply_pending`.
 
     It never donates or changes the caller's arrays: the steps it runs get copies.
 
     Each check passes if, for every leaf, `max |ours - reference| <= atol + rtol *
-    scale`. `scale` is the reference's largest magnitude over the leaf (for
-    parameters after the update, the largest change). So entries near zero, where
-    cancellation leaves only rounding, do not fail a correct step. The default
-    tolerances (`rtol`, `atol`) go by the leaf's dtype. For the loss and
-    gradients they go by the dtype they were computed in, where that is narrower:
-    the values carry its rounding. 32- and 64-bit floats `1e-4, 1e-8`; 16-bit
-    floats `5e-2, 1e-5`; 8-bit floats `0.2, 1e-3`; integers exact. A correct step
-    differs from the reference by rounding in reassociated sums (on the CPU, under
-    `3.6e-7` of a leaf's scale in float32). A wrong residual or transfer differs
-    by the order of the values themselves. docs/verify.md says why these values.
+    scale`. `scale` is the reference's largest magnitude over the leaf. For parameters
+    after the update it is the largest change. So entries near zero, where cancellation
+    leaves only rounding, do not fail a correct step.
+
+    The default tolerances (`rtol`, `atol`) go by the leaf's dtype. For the loss and
+    gradients, a narrower dtype they were computed in decides: the values carry its
+    rounding. 32- and 64-bit floats `1e-4, 1e-8`; 16-bit floats `5e-2, 1e-5`; 8-bit
+    floats `0.2, 1e-3`; integers exact. A correct step differs from the reference by
+    rounding in reassociated sums. On the CPU that is under `3.6e-7` of a leaf's scale
+    in float32. A wrong residual or transfer differs by the order of the values
+    themselves. docs/verify.md says why these values.
 
     **Arguments:**
 
-    - `step`: the `eqx_offload.TrainStep` to check, from `train_step`. Its loss
-        is compared, not its `aux`. The batch arguments in its `unsplit` are
-        passed whole, and not cut.
+    - `step`: the `eqx_offload.TrainStep` to check, from `train_step`. Its loss is
+        compared, not its `aux`. The batch arguments in its `unsplit` are passed whole,
+        and not cut.
     - `model`, `opt_state`, `*batch`: as for the step, already placed
         (`eqx_offload.place`, `eqx_offload.init_opt_state`).
-    - `layers`: how many layers of each `Stacked` to keep (nested ones too), or
-        `None` for all. Two, by default: the fewest that still pass a carry (and
-        its offloaded residual) from one layer to the next through a real loop.
-    - `examples`: how many examples to keep: every batch array with at least one
-        dimension is cut along its first axis. `None` keeps the batch whole (e.g.
-        when its arrays are not batch-major). Two, by default, so that a bug
-        mixing examples can show. It is rounded up to a multiple of the step's
-        `microbatches` times the parts a `Policy(batch=...)` splits the batch
-        into.
+    - `layers`: how many layers of each `Stacked` to keep (nested ones too), or `None`
+        for all. Two, by default: the fewest that still pass a carry from one layer to
+        the next through a real loop. (Its offloaded residual too.)
+    - `examples`: how many examples to keep. Every batch array with at least one
+        dimension is cut along its first axis. `None` keeps the batch whole (e.g. when
+        its arrays are not batch-major). Two, by default, so that a bug mixing examples
+        can show. It is rounded up to a multiple of the step's `microbatches`, times the
+        parts a `Policy(batch=...)` splits the batch into.
     - `rtol`, `atol`: override the default tolerances for every check.
 
     **Returns:**
@@ -464,15 +491,14 @@ def verify(
 
     **Raises:**
 
-    - `eqx_offload.DoesNotMatch` (a `ValueError`) naming the first check that
-        fails (loss, gradients, update), its leaf, the difference and the
-        tolerance; `error.report` has all of them.
-    - `ValueError` naming `layers=` (or `examples=`) when `loss_fn` fails on the
-        slice but traces on the whole model and batch: a loss that sizes
-        something by the configured depth (one KV cache per layer from a config)
-        rather than by the `Stacked` it gets.
-    - `ValueError` naming `microbatches=` when the examples kept do not split into
-        the step's micro-batches (of whole blocks of `Policy(batch=...)`).
+    - `eqx_offload.DoesNotMatch` (a `ValueError`) naming the first check that fails
+        (loss, gradients, update). It names its leaf, the difference and the tolerance.
+        `error.report` has all of them.
+    - `ValueError` naming `layers=` (or `examples=`) when `loss_fn` fails on the slice
+        but traces on the whole. Such a loss sizes something by the configured depth,
+        not by the `Stacked` it gets. (E.g. one KV cache per layer from a config.)
+    - `ValueError` naming `microbatches=` when the examples kept do not split into the
+        step's micro-batches. (Micro-batches of whole blocks of `Policy(batch=...)`.)
 
     !!! Example
 
@@ -532,8 +558,11 @@ def verify(
 
 
 def _update_pairs(old: PyTree, streamed: tuple, whole: tuple) -> list:
-    """What the update check compares: each leaf of the model and optimizer state
-    after the streamed update against the same after the whole update."""
+    """What the update check compares.
+
+    Each leaf of the model and optimizer state after the streamed update, against the
+    same after the whole update.
+    """
     (streamed_model, streamed_state), (whole_model, whole_state) = streamed, whole
     pairs = []
     for s, w, o in zip(
