@@ -98,14 +98,14 @@ def _compute_dtype(value: Any) -> np.dtype | None:
 class Policy(eqx.Module):
     """Where parameters, saved activations ("residuals") and optimizer state live.
 
-    Checkpoint names are dotted paths from the argument that holds a `Stacked`: the
-    carry entering each layer of `model.blocks` is `"blocks.input"`, the output of a
-    submodule `mlp` inside a block is `"blocks.mlp"`. Names may be patterns: `*`
-    matches within one dotted segment, `**` across segments.
+    Checkpoint names are dotted paths from the argument that holds a `Stacked`. The
+    carry entering each layer of `model.blocks` is `"blocks.input"`. The output of a
+    submodule `mlp` inside a block is `"blocks.mlp"`. Names may be patterns: `*` matches
+    within one dotted segment, `**` across segments.
 
-    Every name (or pattern) in `save` and `offload` must occur while tracing, and
-    must name a value that is saved for the backward pass (a residual); otherwise
-    tracing raises a `ValueError` listing the names that did occur.
+    Every name (or pattern) in `save` and `offload` must occur while tracing. It must
+    name a value saved for the backward pass (a residual). Otherwise tracing raises a
+    `ValueError` listing the names that did occur.
 
     Presets, each taking the same fields as keyword overrides
     (`Policy.remat(opt_state="pinned_host")`):
@@ -160,144 +160,140 @@ class Policy(eqx.Module):
     ):
         """**Arguments:**
 
-        - `params`: where parameter leaves live between steps. `None`: no opinion
-            (field annotations and current placement decide). A memory kind: every
-            array leaf. A mapping from leaf-path pattern to kind: a pattern matches
-            a leaf path or a dotted prefix of it (`"blocks"` covers every leaf
-            under `blocks`), and the longest match wins. A pattern that matches no
-            leaf is a `ValueError` when the policy is applied.
-        - `save`: checkpoint names kept on the device in the forward pass. `"all"`:
-            no `jax.checkpoint` at all, so nothing is recomputed.
-        - `offload`: checkpoint names moved to `offload_dst` in the forward pass and
-            brought back for the backward pass. Names in neither `save` nor
-            `offload` are recomputed.
-        - `offload_dst`: where offloaded residuals go. Only `"pinned_host"` works
-            in JAX 0.10.
-        - `opt_state`: where the parameter-shaped optimizer state lives between
-            steps. Step counters and other scalars stay on the device. One memory
-            kind, or a mapping from parameter-path pattern to kind, matched as in
-            `params`. The state of a parameter no pattern matches stays on the
-            device. `{"**": "pinned_host", "blocks.norm.weight": "device"}` keeps
-            one parameter's state on the device and the rest on the host. A key
-            `"<part>:<pattern>"` also names the part of the state: the field of
-            the optimizer's state holding that copy of the parameters.
-            `{"nu:**": "pinned_host"}` moves Adam's second moment to the host and
-            keeps its first on the device. The pattern naming the parameter most
-            precisely wins; of two equally precise ones, the one naming a part.
-        - `update`: how `train_step` applies the optimizer when parameters,
-            gradients or state are on the host.
-            `"auto"` (the default) is `"streamed"` where host memory is its own
-            (TPU, GPU), and `"whole"` on the CPU. The CPU's memory kinds share one
-            memory, so streaming saves nothing there. The choice is made inside
-            the traced program (`jax.lax.platform_dependent`): a report compiled
-            for a TPU shows the streamed update.
-            `"streamed"`: one layer of each `Stacked`, or one block of rows of a
-            large leaf, is on the device at a time. The result is that of optax's
-            whole-tree update. An update that cannot be split that way is an
-            error naming the operation.
-            `"whole"`: everything is brought to the device at once (more device
-            memory).
-            `"host"`: the update of the host-resident parameters and state runs
-            on the host's CPU inside the step (JAX's host compute). The device
-            sends each gradient once and receives only the parameters it computes
-            with: no optimizer state crosses the host link. Parameters whose state
-            stays on the device are updated there, unless the update ties them to
-            host-resident values (a global-norm clip). It needs optimizer state on
-            the host. An optimizer the host cannot run (a loop, a callback) is an
-            error naming the optax code. `eo.plan` picks it where the estimate
-            says it is faster.
-        - `shard`: how parameter leaves are laid out over the device mesh. It names
-            mesh axes only; the mesh comes from `jax.set_mesh`, the arrays, or
-            `place(..., mesh=...)`. `None`: no opinion, so leaves keep their
-            sharding. A mapping from leaf-path pattern (matched as in `params`) to
-            a `PartitionSpec`, an `eqx_offload.FSDP`, or a mesh axis name (short
-            for `FSDP(name)`). One such value applies to every leaf: `shard="fsdp"`
-            shards every large leaf along the axis `"fsdp"`. The spec of a leaf
-            inside a `Stacked` describes one layer: the layer axis is never split.
-            Leaves no pattern matches keep their sharding.
+        - `params`: where parameter leaves live between steps. `None`: no opinion (field
+            annotations and current placement decide). A memory kind: every array leaf.
+            A mapping from leaf-path pattern to kind: the longest matching pattern wins.
+            A pattern matches a leaf path or a dotted prefix of it (`"blocks"` covers
+            every leaf under `blocks`). A pattern that matches no leaf is a `ValueError`
+            when the policy is applied.
+        - `save`: checkpoint names kept on the device in the forward pass. `"all"`: no
+            `jax.checkpoint` at all, so nothing is recomputed.
+        - `offload`: checkpoint names moved to `offload_dst` in the forward pass. They
+            come back for the backward pass. Names in neither `save` nor `offload` are
+            recomputed.
+        - `offload_dst`: where offloaded residuals go. Only `"pinned_host"` works in JAX
+            0.10.
+        - `opt_state`: where the parameter-shaped optimizer state lives between steps.
+            Step counters and other scalars stay on the device. One memory kind, or a
+            mapping from parameter-path pattern to kind, matched as in `params`. The
+            state of a parameter no pattern matches stays on the device. `{"**":
+            "pinned_host", "blocks.norm.weight": "device"}` keeps one parameter's state
+            on the device and the rest on the host. A key `"<part>:<pattern>"` also
+            names the part of the state. That part is the field of the optimizer's state
+            holding that copy of the parameters. `{"nu:**": "pinned_host"}` moves Adam's
+            second moment to the host. Its first moment stays on the device. The pattern
+            naming the parameter most precisely wins. Of two equally precise ones, the
+            one naming a part wins.
+        - `update`: how `train_step` applies the optimizer when parameters, gradients or
+            state are on the host.
+            `"auto"` (the default): `"streamed"` where host memory is its own (TPU,
+            GPU), `"whole"` on the CPU. The CPU's memory kinds share one memory, so
+            streaming saves nothing there. The choice is made inside the traced program
+            (`jax.lax.platform_dependent`). So a report compiled for a TPU shows the
+            streamed update.
+            `"streamed"`: one layer of each `Stacked` is on the device at a time. A
+            large leaf moves one block of rows at a time. The result is that of optax's
+            whole-tree update. An update that cannot be split that way is an error
+            naming the operation.
+            `"whole"`: everything is brought to the device at once (more device memory).
+            `"host"`: the host's CPU updates the host-resident parameters and state
+            inside the step (JAX's host compute). The device sends each gradient once.
+            It receives only the parameters it computes with. No optimizer state crosses
+            the host link. Parameters whose state stays on the device are updated there.
+            The exception is an update that ties them to host-resident values (a
+            global-norm clip). It needs optimizer state on the host. An optimizer the
+            host cannot run (a loop, a callback) is an error naming the optax code.
+            `eo.plan` picks it where the estimate says it is faster.
+        - `shard`: how parameter leaves are laid out over the device mesh. It names mesh
+            axes only. The mesh comes from `jax.set_mesh`, the arrays, or `place(...,
+            mesh=...)`. `None`: no opinion, so leaves keep their sharding. A mapping:
+            from leaf-path pattern (matched as in `params`) to a layout. A layout is a
+            `PartitionSpec`, an `eqx_offload.FSDP`, or a mesh axis name (short for
+            `FSDP(name)`). One such value applies to every leaf: `shard="fsdp"` shards
+            every large leaf along the axis `"fsdp"`. The spec of a leaf inside a
+            `Stacked` describes one layer. The layer axis is never split. Leaves no
+            pattern matches keep their sharding.
         - `batch`: the `PartitionSpec` of the batch arguments' leading dimensions
-            (`PartitionSpec("data")`, or just `"data"`). `train_step` lays out
-            batch arrays not yet on the mesh this way. Scalars are replicated.
-        - `compute_dtype`: the dtype the loss computes with (`jnp.bfloat16`), or
-            `None` for the parameters' own. The parameters stay in their dtype (the
-            fp32 master) where `params` puts them. The optimizer updates them with
-            fp32 gradients. Each host-resident parameter gets a persistent copy in
-            `compute_dtype`, so that half the bytes move to the device. The copy
-            lives in the optimizer state (where `opt_state` puts that parameter's
-            state), and every update rewrites it. Parameters on the device are
-            cast where the loss uses them.
+            (`PartitionSpec("data")`, or just `"data"`). `train_step` lays out batch
+            arrays not yet on the mesh this way. Scalars are replicated.
+        - `compute_dtype`: the dtype the loss computes with (`jnp.bfloat16`), or `None`
+            for the parameters' own. The parameters stay in their dtype (the fp32
+            master) where `params` puts them. The optimizer updates them with fp32
+            gradients. Each host-resident parameter gets a persistent copy in
+            `compute_dtype`. So only half the bytes move to the device. The copy lives
+            in the optimizer state, where `opt_state` puts that parameter's state. Every
+            update rewrites it. Parameters on the device are cast where the loss uses
+            them.
         - `keep_dtype`: leaf-path patterns of parameters the loss uses in their own
-            dtype under `compute_dtype`, matched as in `params`. E.g.
-            `("**.norm*",)` keeps every LayerNorm's weight and bias in fp32. A
-            pattern that matches no trainable leaf is a `ValueError` when the
-            policy is applied.
-        - `host_tables`: leaf-path patterns of large `[vocab, dim]` tables (an
-            embedding, an output projection) that stay in host memory inside the
-            step. Otherwise they move to the device whole where the step starts.
-            `eo.embed` and `eo.chunked_cross_entropy` read such a table one block
-            of rows at a time, and write its gradient back the same way. The leaf
-            must be host-resident (`params`) and outside any `Stacked`. Only those
-            two functions may use it: anything else is an error naming the leaf.
-            A pattern that matches no host-resident leaf is a `ValueError`. E.g.
-            `Policy.offload_all(host_tables=("embed",))`. Over a mesh a host table
-            stays whole on every device: `FSDP` rules leave it replicated, and a
-            spec that splits it is an error. (The TPU compiler cannot read row
-            blocks of a host table split over chips.)
-        - `loss_axes`: the mesh axis types the loss is traced under, when the
-            model's mesh has `Explicit` axes. (The loss is the function
-            `filter_offload` wraps.) `"auto"` (the default): on `Auto` axes
+            dtype under `compute_dtype`. They match as in `params`. E.g. `("**.norm*",)`
+            keeps every LayerNorm's weight and bias in fp32. A pattern that matches no
+            trainable leaf is a `ValueError` when the policy is applied.
+        - `host_tables`: leaf-path patterns of large `[vocab, dim]` tables that stay in
+            host memory inside the step. Such a table is an embedding or an output
+            projection. Otherwise it moves to the device whole where the step starts.
+            `eo.embed` and `eo.chunked_cross_entropy` read such a table one block of
+            rows at a time. They write its gradient back the same way. The leaf must be
+            host-resident (`params`) and outside any `Stacked`. Only those two functions
+            may use it: anything else is an error naming the leaf. A pattern that
+            matches no host-resident leaf is a `ValueError`. E.g.
+            `Policy.offload_all(host_tables=("embed",))`. Over a mesh a host table stays
+            whole on every device. `FSDP` rules leave it replicated; a spec that splits
+            it is an error. (The TPU compiler cannot read row blocks of a host table
+            split over chips.)
+        - `loss_axes`: the mesh axis types the loss is traced under. It matters when the
+            model's mesh has `Explicit` axes. (The loss is the function `filter_offload`
+            wraps.)
+            `"auto"` (the default): the loss runs on `Auto` axes
             (`jax.sharding.auto_axes`), as plain JAX code is written. An unmodified
-            model runs: an `eqx.nn.Embedding` lookup of token ids split over the
-            batch, a cache written with `.at[i].set`. The partitioner lays out
-            what it computes. The gradients come back laid out like the
-            parameters, and the loss and `aux` come back replicated over the mesh.
-            Arrays enter the loss through its arguments: JAX refuses one it closes
-            over, traced under `Explicit` axes. `"explicit"`: the mesh's `Explicit`
-            axes are kept inside the loss, for a model written for explicit
-            sharding (`out_sharding=`, `jax.sharding.reshard`). The step then
-            gathers each `FSDP`-sharded weight before use, one layer at a time.
-            Each layer's output carry gets the sharding of its input. On a mesh
-            with `Auto` axes (or none) both are the same.
-        - `host_remat`: on a TPU, let the compiler keep in host memory the values
-            it would otherwise recompute to fit the chip's memory. This is the
-            compiler's own rematerialization, not `save`/`offload`'s: the parts of
-            the step outside `Stacked` scans. It changes where values wait, not
-            what is computed. It is a TPU compiler option: `train_step` and
-            `memory_report(target="tpu-...")` pass it, and on another backend the
-            step raises a `ValueError`. A step of your own (`eo.filter_offload`)
-            does not pass it: give the option to its `jax.jit`. Try it on small
-            programs first: it can abort the compiling process (design notes,
-            "What the TPU compiler cannot stream").
-        - `prefetch`: how many layers ahead a `Stacked`'s scan reads its layers.
-            `0` (the default): each layer is read where the scan reaches it, as a
-            plain `jax.lax.scan` does. `1`: while layer `i` computes, the forward
-            pass reads layer `i + 1`'s parameters. The backward pass reads layer
-            `i - 1`'s parameters and offloaded residuals. So the compiler can hide
-            the host link behind compute, for one more layer on the device and one
-            more layer read per step. It applies to a `Stacked` whose parameters
-            live on the host or whose residuals are offloaded (elsewhere the scan
-            is plain). It does not apply yet under a mesh with `Explicit` axes.
-            Under forward-mode differentiation (`jax.jvp`) the scan is plain
-            whatever the value: a prefetching scan is a `jax.custom_vjp`.
-            `jax.linearize` of a prefetching step cannot be evaluated: use
-            `prefetch=0` there.
-        - `update_timing`: when `train_step` applies the optimizer update of the
-            stacked layers' parameters and state. `"now"` (the default): at the
-            end of the step that computed the gradients. `"next_forward"`: in the
-            next step, layer by layer inside the forward scan, just before each
-            layer computes. The update's reads and writes can then overlap the
-            layers' compute; the numbers are those of `"now"`. Between steps the
-            model and state hold that update *pending*. Apply it with
-            `eqx_offload.apply_pending` before reading the model (`save` and
-            `verify` refuse a pending update and say so). `"delayed"`: DeepSpeed's
-            delayed parameter update. Each step's layers compute with their
-            weights before the previous step's update, which is applied alongside.
-            Their gradients are one step stale (docs: "The update hidden too").
-            Both apply to the stacked leaves updated a layer at a time: those with
-            two or more axes per layer, the weights. The rest of the model
-            (per-layer vectors such as biases and norms too) is updated at the end
-            of every step. Both need the streamed update (`update="auto"` or
-            `"streamed"`).
+            model runs. For example, an `eqx.nn.Embedding` lookup of token ids split
+            over the batch. Or a cache written with `.at[i].set`. The partitioner lays
+            out what it computes. The gradients come back laid out like the parameters.
+            The loss and `aux` come back replicated over the mesh. Arrays enter the loss
+            through its arguments. Under `Explicit` axes, JAX refuses an array the loss
+            closes over.
+            `"explicit"`: the mesh's `Explicit` axes are kept inside the loss. This
+            suits a model written for explicit sharding (`out_sharding=`,
+            `jax.sharding.reshard`). The step then gathers each `FSDP`-sharded weight
+            before use, one layer at a time. Each layer's output carry gets the sharding
+            of its input.
+            On a mesh with `Auto` axes (or none) both are the same.
+        - `host_remat`: on a TPU, let the compiler keep some values in host memory.
+            These are values it would otherwise recompute to fit the chip's memory. This
+            is the compiler's own rematerialization, not `save`/`offload`'s. It covers
+            the parts of the step outside `Stacked` scans. It changes where values wait,
+            not what is computed. It is a TPU compiler option. `train_step` and
+            `memory_report(target="tpu-...")` pass it. On another backend the step
+            raises a `ValueError`. A step of your own (`eo.filter_offload`) does not
+            pass it: give the option to its `jax.jit`. Try it on small programs first.
+            It can abort the compiling process (design notes, "What the TPU compiler
+            cannot stream").
+        - `prefetch`: how many layers ahead a `Stacked`'s scan reads its layers. `0`
+            (the default): each layer is read where the scan reaches it. A plain
+            `jax.lax.scan` does the same. `1`: while layer `i` computes, the forward
+            pass reads layer `i + 1`'s parameters. The backward pass reads layer `i -
+            1`'s parameters and offloaded residuals. So the compiler can hide the host
+            link behind compute. The cost is one more layer on the device, and one more
+            layer read per step. It applies to a `Stacked` whose parameters live on the
+            host or whose residuals are offloaded. Elsewhere the scan is plain. It does
+            not apply yet under a mesh with `Explicit` axes. Under forward-mode
+            differentiation (`jax.jvp`) the scan is always plain. (A prefetching scan is
+            a `jax.custom_vjp`.) `jax.linearize` of a prefetching step cannot be
+            evaluated: use `prefetch=0` there.
+        - `update_timing`: when `train_step` applies the optimizer update of the stacked
+            layers' parameters and state. `"now"` (the default): at the end of the step
+            that computed the gradients. `"next_forward"`: in the next step, inside the
+            forward scan. Each layer is updated just before it computes. The update's
+            reads and writes can then overlap the layers' compute. The numbers are those
+            of `"now"`. Between steps the model and state hold that update *pending*.
+            Apply it with `eqx_offload.apply_pending` before reading the model. (`save`
+            and `verify` refuse a pending update and say so.) `"delayed"`: DeepSpeed's
+            delayed parameter update. Each step's layers compute with their weights
+            before the previous step's update. That update is applied alongside. Their
+            gradients are one step stale (docs: "The update hidden too"). Both apply to
+            the stacked leaves updated a layer at a time. Those are the leaves with two
+            or more axes per layer: the weights. The rest of the model is updated at the
+            end of every step, per-layer vectors (biases, norms) too. Both need the
+            streamed update (`update="auto"` or `"streamed"`).
         """
         _check_renamed(renamed)
         self.params = _params(params)
@@ -364,31 +360,41 @@ class Policy(eqx.Module):
 
     @classmethod
     def none(cls, **overrides: Any) -> "Policy":
-        """No offloading and no rematerialisation: every residual stays on the
-        device, parameters and optimizer state where they are."""
+        """No offloading and no rematerialisation.
+
+        Every residual stays on the device. Parameters and optimizer state stay where
+        they are.
+        """
         return cls(**{"save": "all", **overrides})
 
     @classmethod
     def remat(cls, **overrides: Any) -> "Policy":
-        """Full rematerialisation of each stacked layer: only the carry between
-        layers is kept (on the device); everything inside a layer is recomputed."""
+        """Full rematerialisation of each stacked layer.
+
+        Only the carry between layers is kept (on the device). Everything inside a layer
+        is recomputed.
+        """
         return cls(**overrides)
 
     @classmethod
     def offload_residuals(cls, **overrides: Any) -> "Policy":
-        """The carry entering each stacked layer is offloaded to pinned host memory
-        in the forward pass and brought back for the backward pass; the rest of the
-        layer is recomputed. Device memory for activations no longer grows with
-        depth."""
+        """The carry entering each stacked layer is offloaded to pinned host memory.
+
+        It leaves in the forward pass and comes back for the backward pass. The rest of
+        the layer is recomputed. Device memory for activations no longer grows with
+        depth.
+        """
         _check_replaced("offload_residuals", overrides)
         return cls(**{"offload": _LAYER_INPUTS, **overrides})
 
     @classmethod
     def offload_all(cls, **overrides: Any) -> "Policy":
-        """`offload_residuals` plus every parameter and the parameter-shaped
-        optimizer state kept in pinned host memory between steps; each stacked
-        layer's parameters are brought to the device inside the scan, one layer at
-        a time."""
+        """`offload_residuals`, with parameters and optimizer state on the host.
+
+        Every parameter and the parameter-shaped optimizer state are kept in pinned host
+        memory between steps. Each stacked layer's parameters are brought to the device
+        inside the scan, one layer at a time.
+        """
         _check_replaced("offload_all", overrides)
         return cls(
             **{
