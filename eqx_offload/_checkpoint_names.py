@@ -1,5 +1,8 @@
 """`checkpoint_names`: the names a model offers to `Policy(save=...)` and
-`Policy(offload=...)`, with what each would save."""
+`Policy(offload=...)`.
+
+Each comes with what it would save.
+"""
 
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -21,12 +24,12 @@ from ._update import is_trainable, trainable
 class CheckpointName(NamedTuple):
     """One checkpoint name a policy can select.
 
-    - `name`: the dotted name (`"blocks.input"`, `"blocks.mlp"`, or a
-        `checkpoint_name` of your own inside a layer);
-    - `residual`: whether the backward pass saves it; selecting a name that is not
-        a residual (a block's output, say) would do nothing, so policies refuse it;
+    - `name`: the dotted name: `"blocks.input"`, `"blocks.mlp"`, or a `checkpoint_name`
+        of your own inside a layer.
+    - `residual`: whether the backward pass saves it. Selecting a name that is not a
+        residual would do nothing (a block's output, say). So policies refuse it.
     - `bytes`: what saving it costs over all layers, as `memory_report` counts
-        residuals (0 if it is not a residual).
+        residuals. 0 if it is not a residual.
     """
 
     name: str
@@ -40,32 +43,34 @@ def checkpoint_names(
     """The checkpoint names `fn` offers, traced (never run) on its arguments.
 
     `fn` is a loss, `loss_fn(model, *batch)`, a `filter_offload` function, or a
-    `train_step` (given as it is called, `checkpoint_names(step, model,
-    opt_state, *batch)`: its loss on one micro-batch, with the model in the
-    policy's `compute_dtype`, as the step computes it); the arguments may be
-    arrays or `jax.ShapeDtypeStruct`s. Every `Stacked` in them offers
-    `"<path>.input"` (the carry entering each layer) and the outputs of its
-    layer's submodules (`"<path>.<submodule>"`), and every `checkpoint_name` you
-    call inside a layer. Each is traced as `Policy.remat(save=(name,))` would trace
-    it, and reported with the bytes the backward pass then keeps under that name,
-    summed over the layers (one layer's value times the number of layers). That
-    is one trace per name: seconds for a large model, never a compile.
+    `train_step`. A step is given as it is called: `checkpoint_names(step, model,
+    opt_state, *batch)`. Then its loss is traced on one micro-batch, with the model in
+    the policy's `compute_dtype`, as the step computes it. The arguments may be arrays
+    or `jax.ShapeDtypeStruct`s.
+
+    Every `Stacked` in them offers `"<path>.input"`: the carry entering each layer. It
+    also offers the outputs of its layer's submodules (`"<path>.<submodule>"`). So does
+    every `checkpoint_name` you call inside a layer. Each is traced as
+    `Policy.remat(save=(name,))` would trace it. It is reported with the bytes the
+    backward pass then keeps under that name, summed over the layers. (One layer's value
+    times the number of layers.) That is one trace per name: seconds for a large model,
+    never a compile.
 
     **Arguments:**
 
-    - `fn`: the function whose gradient with respect to its first argument a
-        policy would checkpoint, or a `train_step`.
+    - `fn`: the function whose gradient a policy would checkpoint (with respect to its
+        first argument), or a `train_step`.
     - `*args`, `**kwargs`: its arguments.
 
     **Returns:**
 
-    A tuple of `eqx_offload.CheckpointName(name, residual, bytes)`, in the order
-    the names occur; print them or pass the residual ones to a `Policy`.
+    A tuple of `eqx_offload.CheckpointName(name, residual, bytes)`, in the order the
+    names occur. Print them, or pass the residual ones to a `Policy`.
 
     **Raises:**
 
-    - `ValueError` if the arguments hold no `Stacked` (only stacked layers have
-        names a policy can select).
+    - `ValueError` if the arguments hold no `Stacked`. Only stacked layers have names a
+        policy can select.
 
     !!! Example
 
@@ -114,9 +119,12 @@ def _saving(base: Policy, name: str) -> Policy:
 
 
 def _as_the_step_calls_it(step: TrainStep, args: tuple, kwargs: dict) -> tuple:
-    """The arguments a train step gives its loss: the model, its trainable
-    floating-point leaves in the policy's compute dtype (as abstract values), and
-    one micro-batch of the batch (the first `1/k` of each split argument)."""
+    """The arguments a train step gives its loss.
+
+    They are the model, its trainable floating-point leaves in the policy's compute
+    dtype (as abstract values), and one micro-batch of the batch. (The first `1/k` of
+    each split argument.)
+    """
     if kwargs or len(args) < 2:
         raise TypeError(
             "`checkpoint_names(step, ...)` takes the step's arguments: "
@@ -140,8 +148,10 @@ def _abstract(x: Any, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruc
 
 
 def one_microbatch(step: TrainStep, batch: Sequence[Any]) -> list[Any]:
-    """The batch arguments of one micro-batch of a train step (abstract): the
-    first `1/k` of each argument it splits, the ones in `unsplit` whole."""
+    """The batch arguments of one micro-batch of a train step (abstract).
+
+    That is the first `1/k` of each argument it splits, and the ones in `unsplit` whole.
+    """
     k = step.microbatches
 
     def one_part(x: Any) -> Any:

@@ -1,5 +1,7 @@
-"""`train_step` and the step it returns, `TrainStep`: a jitted step with its
-loss, optimizer, policy and options as fields."""
+"""`train_step` and the step it returns, `TrainStep`.
+
+A `TrainStep` is a jitted step with its loss, optimizer, policy and options as fields.
+"""
 
 import functools
 from collections.abc import Callable, Sequence
@@ -23,8 +25,11 @@ from ._traced_step import _step, Statics
 
 
 def _mesh_shardings(dynamic: list) -> tuple:
-    """The input shardings that sharding propagation might not give back: those of
-    leaves laid out over several devices. (A static argument of the jitted step.)"""
+    """The input shardings that sharding propagation might not give back.
+
+    Those are the shardings of leaves laid out over several devices. (A static argument
+    of the jitted step.)
+    """
     return tuple(_over_a_mesh(x) for x in dynamic)
 
 
@@ -54,12 +59,12 @@ def _raise_deleted(model: PyTree, opt_state: PyTree) -> None:
 class TrainStep(eqx.Module):
     """A jitted training step: loss, gradients, optimizer update and placements.
 
-    `eqx_offload.train_step` builds one. Call it as `step(model, opt_state,
-    *batch)`. Its fields are what it was built from; `memory_report`, `verify`,
-    `checkpoint_names` and `python -m eqx_offload plan` read them.
+    `eqx_offload.train_step` builds one. Call it as `step(model, opt_state, *batch)`.
+    Its fields are what it was built from. `memory_report`, `verify`, `checkpoint_names`
+    and `python -m eqx_offload plan` read them.
 
-    To change a field, build a new step: the compiled step keeps the fields it was
-    built with (`eqx.tree_at` on a step changes nothing it computes).
+    To change a field, build a new step. The compiled step keeps the fields it was built
+    with. (`eqx.tree_at` on a step changes nothing it computes.)
 
     !!! Example
 
@@ -144,9 +149,9 @@ class TrainStep(eqx.Module):
 
         **Returns:**
 
-        `(model, opt_state, loss, metrics)`: the new model and optimizer state,
-        each leaf where the policy puts it; the loss (`(loss, aux)` with
-        `has_aux`); and the norms with `metrics=True`, else `None`.
+        `(model, opt_state, loss, metrics)`. The new model and optimizer state have each
+        leaf where the policy puts it. `loss` is `(loss, aux)` with `has_aux`. `metrics`
+        holds the norms with `metrics=True`, else it is `None`.
         """
         if keywords:
             raise TypeError(
@@ -204,9 +209,11 @@ class TrainStep(eqx.Module):
 def flat_arguments(
     step: TrainStep, model: PyTree, opt_state: PyTree, *batch: Any
 ) -> tuple[tuple[list, list, list], Statics]:
-    """The arguments of `flat_function(step)`: the array leaves of the model, the
-    optimizer state and the batch (laid out as `Policy(batch=...)` says), and
-    the static rest."""
+    """The arguments of `flat_function(step)`.
+
+    They are the array leaves of the model, the optimizer state and the batch, and the
+    static rest. The batch is laid out as `Policy(batch=...)` says.
+    """
     policy = step.policy
     model_dynamic, model_static = flatten(model)
     model_shardings = _mesh_shardings(model_dynamic)
@@ -229,10 +236,12 @@ def flat_arguments(
 
 
 def flat_function(step: TrainStep) -> Callable:
-    """The step on flat arguments, before `jax.jit`: `f(model_leaves,
-    opt_state_leaves, batch_leaves, statics)` returns the new model's and
-    optimizer state's leaves, the loss and the metrics. (`flat_arguments` gives
-    its arguments; `memory_report` jits it to compile it for a target.)"""
+    """The step on flat arguments, before `jax.jit`.
+
+    `f(model_leaves, opt_state_leaves, batch_leaves, statics)` returns the new model's
+    and optimizer state's leaves, the loss and the metrics. `flat_arguments` gives its
+    arguments. `memory_report` jits it to compile it for a target.
+    """
     return step._fun
 
 
@@ -244,8 +253,11 @@ def rejected(
     model: PyTree,
     opt_state: PyTree,
 ) -> DoesNotCompile:
-    """The error for a step the compiler for `mesh` rejected with `message`:
-    the host-resident leaves it cannot stream, compiled alone, and a way out."""
+    """The error for a step the compiler for `mesh` rejected with `message`.
+
+    It names the host-resident leaves the compiler cannot stream, compiled alone, and a
+    way out.
+    """
     leaves = _update.streamed_leaves(step.optimizer, model, opt_state)
     policy = step.policy
     return DoesNotCompile(
@@ -265,51 +277,49 @@ def train_step(
 ) -> TrainStep:
     """A jitted training step that applies `policy` to a model and its optimizer.
 
-    `step(model, opt_state, *batch)` computes `loss_fn(model, *batch)` and its
-    gradient through `filter_offload(loss_fn, policy)`. It applies the optax
-    update and returns `(model, opt_state, loss, metrics)`. The model and
-    optimizer state are donated. Every output leaf comes back in the memory kind
-    the policy gives it, so the outputs feed the next call without retracing.
+    `step(model, opt_state, *batch)` computes `loss_fn(model, *batch)` and its gradient
+    through `filter_offload(loss_fn, policy)`. It applies the optax update and returns
+    `(model, opt_state, loss, metrics)`. The model and optimizer state are donated.
+    Every output leaf comes back in the memory kind the policy gives it. So the outputs
+    feed the next call without retracing.
 
     **Arguments:**
 
     - `loss_fn`: `loss_fn(model, *batch) -> loss`, or `-> (loss, aux)` with
-        `has_aux=True`. Gradients are taken with respect to the floating-point
-        arrays of `model`.
+        `has_aux=True`. Gradients are taken with respect to the floating-point arrays of
+        `model`.
     - `optimizer`: an `optax.GradientTransformation` (or `optax.MultiSteps`).
     - `policy`: an `eqx_offload.Policy`.
     - `has_aux`: whether `loss_fn` returns `(loss, aux)`; `aux` must be a pytree of
         arrays.
-    - `microbatches`: split the batch into this many micro-batches along the
-        leading axis of every batch array. Their gradients accumulate inside the
-        one compiled step (a `lax.scan`), each parameter's accumulator in the
-        memory kind of its gradient. Micro-batch `i` holds examples `i, i + k,
-        i + 2k, ...`. The loss and gradient are the mean over micro-batches,
-        summed in float32. So they equal the whole batch's for a loss that is a
-        mean over examples (a sum over examples comes out divided by `k`). With
-        `has_aux=True` the aux of every micro-batch comes back stacked (leading
-        axis `k`). A batch whose leading axis does not split into `k` parts is a
-        `ValueError`.
-    - `unsplit`: positions (among the batch arguments, 0 for the first after the
-        optimizer state) of arguments passed whole to every micro-batch: a PRNG
-        key, a mask shared by all examples.
-    - `metrics`: also compute a dict of float32 scalars (on the device): the
-        global L2 norms of the gradients (`"grad_norm"`, as the optimizer gets
-        them), of the updates (`"update_norm"`) and of the new parameters
-        (`"param_norm"`). The gradients' is the mean over micro-batches, in fp32
-        under a compute dtype. Under the streamed update the norms are computed
-        a layer at a time, like the update.
+    - `microbatches`: split the batch into this many micro-batches along the leading
+        axis of every batch array. Their gradients accumulate inside the one compiled
+        step (a `lax.scan`). Each parameter's accumulator is in the memory kind of its
+        gradient. Micro-batch `i` holds examples `i, i + k, i + 2k, ...`. The loss and
+        gradient are the mean over micro-batches, summed in float32. So they equal the
+        whole batch's for a loss that is a mean over examples. (A sum over examples
+        comes out divided by `k`.) With `has_aux=True` the aux of every micro-batch
+        comes back stacked (leading axis `k`). A batch whose leading axis does not split
+        into `k` parts is a `ValueError`.
+    - `unsplit`: positions of arguments passed whole to every micro-batch: a PRNG key, a
+        mask shared by all examples. Positions count among the batch arguments: 0 is the
+        first after the optimizer state.
+    - `metrics`: also compute a dict of float32 scalars (on the device). They are the
+        global L2 norms of the gradients (`"grad_norm"`, as the optimizer gets them), of
+        the updates (`"update_norm"`) and of the new parameters (`"param_norm"`). The
+        gradients' norm is the mean over micro-batches, in fp32 under a compute dtype.
+        Under the streamed update the norms are computed a layer at a time, like the
+        update.
 
     **Returns:**
 
     An `eqx_offload.TrainStep`. `step(model, opt_state, *batch)` returns `(model,
-    opt_state, loss, metrics)`: `loss` is `(loss, aux)` with `has_aux=True`, and
-    `metrics` is `None` unless `metrics=True`. Inputs must already be where the
-    policy says (`eqx_offload.place`, `eqx_offload.init_opt_state`); a leaf found
-    elsewhere is a `ValueError` naming it. The batch is passed by position, in
-    `loss_fn`'s order. Inside another transform (`eqx.filter_jit(step)`, a scan
-    over steps) the step runs as part of that program, which then decides
-    donation.
+    opt_state, loss, metrics)`. `loss` is `(loss, aux)` with `has_aux=True`. `metrics`
+    is `None` unless `metrics=True`. Inputs must already be where the policy says
+    (`eqx_offload.place`, `eqx_offload.init_opt_state`). A leaf found elsewhere is a
+    `ValueError` naming it. The batch is passed by position, in `loss_fn`'s order.
+    Inside another transform (`eqx.filter_jit(step)`, a scan over steps) the step runs
+    as part of that program. That program then decides donation.
 
     !!! Example
 

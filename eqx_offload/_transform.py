@@ -39,13 +39,14 @@ def _is_stacked(x: Any) -> bool:
 def _configure_all(
     args: tuple, kwargs: dict, policy: Policy, tables: set[str]
 ) -> tuple[tuple, dict]:
-    """Replaces every top-level `Stacked` in the arguments by its configured view,
-    and moves host-resident leaves outside any `Stacked` to the device, except the
+    """Replaces every top-level `Stacked` in the arguments by its configured view.
+
+    It also moves host-resident leaves outside any `Stacked` to the device, except the
     model's host `tables`.
 
-    Every half of an `eqx.partition`ed model is configured alike, so `eqx.combine`
-    inside `fun` sees matching pytrees. Two halves may share a path; two different
-    layer stacks (with arrays at the same leaves) may not: their names would collide.
+    Every half of an `eqx.partition`ed model is configured alike. So `eqx.combine`
+    inside `fun` sees matching pytrees. Two halves may share a path. Two different layer
+    stacks (with arrays at the same leaves) may not: their names would collide.
     """
     owners: dict[str, tuple[str, set[str]]] = {}
 
@@ -93,9 +94,11 @@ def _configure_all(
 
 
 def _host_table_paths(model: Any, policy: Policy) -> set[str]:
-    """The paths of the model's leaves that `Policy(host_tables=...)` keeps on the
-    host inside the step. Each pattern must match a host-resident `[vocab, dim]`
-    leaf outside any `Stacked`."""
+    """The paths of the model's leaves that `Policy(host_tables=...)` keeps on the host
+    inside the step.
+
+    Each pattern must match a host-resident `[vocab, dim]` leaf outside any `Stacked`.
+    """
     if not policy.host_tables:
         return set()
     flat = jtu.tree_flatten_with_path(model, is_leaf=_is_stacked)[0]
@@ -126,9 +129,11 @@ def _host_table_paths(model: Any, policy: Policy) -> set[str]:
 
 
 def _warn_layer_lists(args: tuple, kwargs: dict, tables: set[str]) -> None:
-    """Warns of layers held in a Python list or tuple with host-resident parameters:
-    outside a `Stacked`, host-resident leaves are moved to the device where the
-    function starts, so every layer is on the device at once and nothing streams."""
+    """Warns of layers held in a Python list or tuple with host-resident parameters.
+
+    Outside a `Stacked`, host-resident leaves are moved to the device where the function
+    starts. So every layer is on the device at once, and nothing streams.
+    """
     for argument in arguments(args, kwargs):
         flat = jtu.tree_flatten_with_path(
             argument.value, is_leaf=lambda x: _is_stacked(x) or _is_layer_list(x)
@@ -162,8 +167,10 @@ def _warn_layer_lists(args: tuple, kwargs: dict, tables: set[str]) -> None:
 
 
 def _is_layer_list(x: Any) -> bool:
-    """A list or tuple of two or more modules of one structure (leaf shapes and
-    dtypes included): repeated layers."""
+    """A list or tuple of two or more modules of one structure: repeated layers.
+
+    The structure includes leaf shapes and dtypes.
+    """
     if not isinstance(x, list | tuple) or len(x) < 2:
         return False
     if not all(isinstance(m, eqx.Module) and not _is_stacked(m) for m in x):
@@ -182,16 +189,19 @@ def _is_layer_list(x: Any) -> bool:
 
 def call_on_auto_axes(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """`fn(*args, **kwargs)` inside a trace over a mesh with `Explicit` axes, run on
-    `Auto` axes (`jax.sharding.auto_axes`), as plain JAX code is written: the
-    partitioner lays out what `fn` computes (a gather of token ids split over the
-    batch, a scatter into a cache) where JAX's sharding types would refuse it.
+    `Auto` axes.
 
-    The array leaves of the arguments enter laid out as they are (a cast onto
-    `Auto` axes, which moves nothing), so their cotangents come back laid out like
-    them: a gradient like its parameter. The array leaves of the output come back
-    replicated over the mesh. So do the arrays of `fn` itself (an `eqx.Module`)
-    and the gradient taps of the current step (`_grad_taps.py`: accumulators the
-    loss reaches through a context); arrays closed over otherwise cannot enter."""
+    It uses `jax.sharding.auto_axes`, as plain JAX code is written. The partitioner lays
+    out what `fn` computes where JAX's sharding types would refuse it. (A gather of
+    token ids split over the batch, a scatter into a cache.)
+
+    The array leaves of the arguments enter laid out as they are. (A cast onto `Auto`
+    axes, which moves nothing.) So their cotangents come back laid out like them: a
+    gradient like its parameter. The array leaves of the output come back replicated
+    over the mesh. So do the arrays of `fn` itself (an `eqx.Module`). So do the gradient
+    taps of the current step: accumulators the loss reaches through a context
+    (`_grad_taps.py`). Arrays closed over otherwise cannot enter.
+    """
     table = _grad_taps.current()
     taps = None
     if table is not None:
@@ -318,9 +328,11 @@ class _OffloadWrapper(eqx.Module):
 
 
 def _offered(wrapper: _OffloadWrapper, args: tuple, kwargs: dict) -> tuple[str, ...]:
-    """The residual names `wrapper`'s function offers on these arguments: traced
-    (never run) under a policy that saves every name. Empty if that trace fails
-    (e.g. there is no `Stacked`)."""
+    """The residual names `wrapper`'s function offers on these arguments.
+
+    They are traced (never run) under a policy that saves every name. Empty if that
+    trace fails (e.g. there is no `Stacked`).
+    """
     everything = replace(wrapper._policy, save=("**",), offload=())
     probe = _OffloadWrapper(wrapper._fun, everything)
     try:
@@ -343,28 +355,30 @@ def filter_offload(fun: Callable[_P, _T], policy: Policy) -> Callable[_P, _T]: .
 
 def filter_offload(fun: Callable | None = None, policy: Policy | None = None) -> Any:
     """Applies an offloading `Policy` to `fun`, the way `eqx.filter_jit` applies
-    `jax.jit`: array leaves of the arguments are traced, everything else is static.
+    `jax.jit`.
 
-    Before calling `fun`, every `Stacked` in its arguments is replaced by a
-    configured view (still a `Stacked`, with static configuration) whose scan body
+    Array leaves of the arguments are traced; everything else is static.
+
+    Before calling `fun`, every `Stacked` in its arguments is replaced by a configured
+    view. The view is still a `Stacked`, with static configuration. Its scan body
 
     1. moves that layer's host-resident parameter slices to the device,
-    2. names the carry entering the layer `"<path>.input"` (its first operation) and
-       the output of every submodule whose path a policy pattern matches,
-    3. wraps the layer in `jax.checkpoint` with the policy's `save`/`offload` names
-       (no checkpoint with `save="all"`).
+    2. names the carry entering the layer `"<path>.input"` (its first operation). It
+    also names the output of every submodule whose path a policy pattern matches.
+    3. wraps the layer in `jax.checkpoint` with the policy's `save`/`offload` names.
+    There is no checkpoint with `save="all"`.
 
     Host-resident leaves outside any `Stacked` are moved to the device where `fun`
-    starts. `filter_offload` does not compile by itself: compose it with `jax.jit`,
-    `eqx.filter_jit`, `jax.grad`, `eqx.filter_value_and_grad`, ... as usual.
-    Without a gradient, `eqx.filter_jit(filter_offload(fn, policy))` is how a
-    host-resident model is evaluated or sampled outside the step.
+    starts. `filter_offload` does not compile by itself. Compose it with `jax.jit`,
+    `eqx.filter_jit`, `jax.grad`, `eqx.filter_value_and_grad`, ... as usual. Without a
+    gradient, `eqx.filter_jit(filter_offload(fn, policy))` evaluates or samples a
+    host-resident model outside the step.
 
     **Arguments:**
 
     - `fun`: the function, e.g. a loss `loss_fn(model, *batch)`.
-    - `policy`: an `eqx_offload.Policy`; only `save`, `offload` and `offload_dst`
-        matter here (parameter placement is `place`'s and `train_step`'s job).
+    - `policy`: an `eqx_offload.Policy`. Only `save`, `offload` and `offload_dst` matter
+        here. (Parameter placement is the job of `place` and `train_step`.)
 
     **Returns:**
 
@@ -372,13 +386,13 @@ def filter_offload(fun: Callable | None = None, policy: Policy | None = None) ->
 
     **Raises (while tracing):**
 
-    - `ValueError` if a `save`/`offload` name or pattern never occurs, or occurs but
-        names no residual (e.g. a block's output), listing the names that did occur;
-    - `ValueError` if `fun` uses a host-resident stacked leaf outside its scan (e.g.
-        an L2 penalty over `pinned_host` layers), naming the leaf and the fix;
+    - `ValueError` if a `save`/`offload` name or pattern never occurs, or names no
+        residual (e.g. a block's output). It lists the names that did occur.
+    - `ValueError` if `fun` uses a host-resident stacked leaf outside its scan. (E.g. an
+        L2 penalty over `pinned_host` layers.) It names the leaf and the fix.
     - `ValueError` if two arguments hold different `Stacked`s at the same path;
-    - `ValueError` if a `Stacked` that is not in the arguments (closed over, or
-        rebuilt) is applied inside `fun`.
+    - `ValueError` if a `Stacked` that is not in the arguments (closed over, or rebuilt)
+        is applied inside `fun`.
 
     !!! Example
 
