@@ -69,15 +69,20 @@ from ._units import size_text
 
 @dataclasses.dataclass(frozen=True)
 class MinimumTraffic:
-    """The bytes one step must move between host and device memory, per device, by
-    what they are (`memory_report` fills `MemoryReport.minimum_transfers` with it).
+    """The bytes one step must move between host and device memory, per device.
 
-    `params_*`: masters and compute copies read for the forward and backward
-    passes, masters read and written by the update; `gradients_*`; `opt_state_*`:
-    the optimizer state (moments, the compute copies written, step counts);
-    `residuals_*`: what `Policy(offload=...)` saves in host memory, both ways.
-    `host_to_device` and `device_to_host` are the totals, residuals included, as
-    `MemoryReport.host_to_device_bytes` counts them."""
+    The bytes are split by what they are. `memory_report` fills
+    `MemoryReport.minimum_transfers` with it.
+
+    - `params_*`: masters and compute copies read for the forward and backward passes.
+        Also masters read and written by the update.
+    - `gradients_*`: the gradients.
+    - `opt_state_*`: the optimizer state: moments, the compute copies written, step
+        counts.
+    - `residuals_*`: what `Policy(offload=...)` saves in host memory, both ways.
+    - `host_to_device` and `device_to_host`: the totals, residuals included.
+        `MemoryReport.host_to_device_bytes` counts them the same way.
+    """
 
     params_to_device: int = 0
     params_to_host: int = 0
@@ -144,8 +149,10 @@ class _TrainableLeaf(NamedTuple):
 
 
 class _StateOf(NamedTuple):
-    """The optimizer state by trainable leaf: its own leaves and its compute copy;
-    and the state that mirrors no parameter (step counts)."""
+    """The optimizer state by trainable leaf: its own leaves and its compute copy.
+
+    Also the state that mirrors no parameter (step counts).
+    """
 
     states: list[list[Any]]
     copies: list[Any]
@@ -168,18 +175,18 @@ def minimum_traffic(
 
     - `model`: the model, placed (`eo.place`): arrays or `jax.ShapeDtypeStruct`s in
         their memory kinds.
-    - `opt_state`: its optimizer state from `eo.init_opt_state` (placed; with the
-        compute copies of `Policy(compute_dtype=...)`).
+    - `opt_state`: its optimizer state from `eo.init_opt_state`. It is placed, with the
+        compute copies of `Policy(compute_dtype=...)`.
     - `policy`: the step's `eo.Policy`: its update mode, compute dtype, `save`,
         `host_tables`.
-    - `optimizer`: the optimizer the state belongs to, to find which state leaves
-        mirror which parameter; without it, the state's subtrees shaped like the
-        parameters.
+    - `optimizer`: the optimizer the state belongs to. It tells which state leaves
+        mirror which parameter. Without it, they are the state's subtrees shaped like
+        the parameters.
     - `microbatches`: the step's `train_step(microbatches=...)`.
-    - `residual_bytes`: what one micro-batch offloads to the host for the backward
-        pass (per device).
-    - `platform`: what `update="auto"` resolves on: the whole update on `"cpu"`,
-        the streamed one elsewhere.
+    - `residual_bytes`: what one micro-batch offloads to the host for the backward pass
+        (per device).
+    - `platform`: what `update="auto"` resolves on. The whole update on `"cpu"`, the
+        streamed one elsewhere.
 
     **Returns:**
 
@@ -225,8 +232,10 @@ def _trainable_leaves(
     policy: Policy,
     optimizer: optax.GradientTransformation | None,
 ) -> tuple[list[_TrainableLeaf], list[Any]]:
-    """Each trainable array leaf with its state, copy and held-over gradient; and
-    the state that mirrors no parameter."""
+    """Each trainable array leaf with its state, copy and held-over gradient.
+
+    Also the state that mirrors no parameter.
+    """
     held: list[Any] = []  # per trainable leaf: its gradient held over, or None
     if isinstance(opt_state, PendingUpdate):
         held = [
@@ -297,8 +306,10 @@ def _state_of(
 
 
 def _host_update(leaf: _TrainableLeaf, k: int, totals: dict[str, int]) -> bool:
-    """Adds what the update on the host moves for `leaf`; whether the host
-    updates it (else the device does, moving nothing)."""
+    """Adds what the update on the host moves for `leaf`.
+
+    Returns whether the host updates it. Otherwise the device does, moving nothing.
+    """
     x, on_host = leaf.value, _on_host(leaf.value)
     if not (on_host or any(_on_host(s) for s in leaf.state)):
         return False
@@ -342,9 +353,12 @@ def _device_update(leaf: _TrainableLeaf, k: int, totals: dict[str, int]) -> None
 
 
 def of_step(fn: Any, plan: Any, residuals: Any, platform: str, where: Any) -> Any:
-    """`memory_report`'s minimum for what it compiled (`plan`, for `where`): of a
-    `train_step`, with the residuals it saw in host memory (`ResidualRow`s, whole
-    arrays: divided between the devices of a slice); `None` for anything else."""
+    """`memory_report`'s minimum for what it compiled (`plan`, for `where`).
+
+    For a `train_step`, it counts the residuals it saw in host memory. They are
+    `ResidualRow`s of whole arrays, divided between the devices of a slice. `None` for
+    anything else.
+    """
     if plan.kind != "train_step":
         return None
     return minimum_traffic(
@@ -373,8 +387,11 @@ def from_dict(data: dict[str, int] | None) -> MinimumTraffic | None:
 
 
 def table_lines(report: Any) -> list[str]:
-    """The rows a `MemoryReport`'s traffic section ends with: the total of its
-    transfers (compiled where there are some) and its minimum, residuals apart."""
+    """The rows a `MemoryReport`'s traffic section ends with.
+
+    They are the total of its transfers (compiled where there are some) and its minimum,
+    residuals apart.
+    """
     minimum = report.minimum_transfers
     if minimum is None:
         return []

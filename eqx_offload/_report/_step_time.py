@@ -64,45 +64,44 @@ _On = Literal["link", "device", "host"]  # what a started instruction occupies
 
 @dataclasses.dataclass(frozen=True)
 class StepTime:
-    """How long one step takes on one device of the target, estimated from the
-    compiled program (`MemoryReport.time`; `None` on the CPU backend). Seconds
-    per step; every figure is per device and non-negative.
+    """How long one step takes on one device of the target.
+
+    It is estimated from the compiled program (`MemoryReport.time`; `None` on the CPU
+    backend). Figures are seconds per step. Every figure is per device and non-negative.
 
     - `seconds`: the estimated step time.
-    - `bound`: what most of it is spent on: `"compute"` (instructions limited by
-        their matmul FLOPs), `"HBM"` (limited by device-memory traffic), `"host
-        link"` (waiting for host transfers), or `"host compute"` (waiting for
-        work on the host's CPU).
-    - `compute_seconds`: matmul FLOPs at the hardware's rate for the precision
-        each dot runs at; `flops` their number (with loop trip counts) and
-        `flops_by_precision` by precision (`"bf16"`, `"tf32"`, ...).
+    - `bound`: what most of it is spent on. `"compute"`: instructions limited by their
+        matmul FLOPs. `"HBM"`: limited by device-memory traffic. `"host link"`: waiting
+        for host transfers. `"host compute"`: waiting for work on the host's CPU.
+    - `compute_seconds`: matmul FLOPs at the hardware's rate for the precision each dot
+        runs at. `flops` is their number (with loop trip counts). `flops_by_precision`
+        splits it by precision (`"bf16"`, `"tf32"`, ...).
     - `hbm_seconds`: the bytes instructions read and write in device memory
         (`hbm_bytes`) at the HBM bandwidth.
-    - `host_to_device_seconds`, `device_to_host_seconds`: the host link busy in
-        each direction: `host_to_device_bytes`, `device_to_host_bytes` (what the
-        compiled program moves, as `MemoryReport.compiled_transfers`) at the
-        link's rate.
-    - `exposed_transfer_seconds`: the part of the host-link time the device
-        waits for, not hidden behind the compute scheduled between a transfer's
-        start and its done (a synchronous transfer hides nothing).
+    - `host_to_device_seconds`, `device_to_host_seconds`: the host link busy in each
+        direction. That is `host_to_device_bytes`, `device_to_host_bytes` at the link's
+        rate. (What the compiled program moves, as `MemoryReport.compiled_transfers`.)
+    - `exposed_transfer_seconds`: the part of the host-link time the device waits for.
+        It is not hidden behind the compute scheduled between a transfer's start and its
+        done. A synchronous transfer hides nothing.
     - `hardware`: the `eo.Hardware` it was priced with.
-    - `host_compute_seconds`: the host's CPU busy with host compute
-        (`compute_on("device_host")`, as `Policy(update="host")` runs the
-        optimizer update): each region the longer of its host-memory bytes
+    - `host_compute_seconds`: the host's CPU busy with host compute.
+        (`compute_on("device_host")`, as `Policy(update="host")` runs the optimizer
+        update.) Each region takes the longer of two times. One is its host-memory bytes
         (`host_compute_bytes`, read and written) at
-        `hardware.host_memory_bytes_per_second` and its FLOPs
-        (`host_compute_flops`) at `hardware.host_flops`. 0 without host compute
-        (and in results saved before these fields existed).
-    - `exposed_host_compute_seconds`: the part of it the device waits for, not
+        `hardware.host_memory_bytes_per_second`. The other is its FLOPs
+        (`host_compute_flops`) at `hardware.host_flops`. 0 without host compute, and in
+        results saved before these fields existed.
+    - `exposed_host_compute_seconds`: the part of it the device waits for. It is not
         hidden behind the device work scheduled while the host computes.
-    - `exposed_seconds_by_phase`: `exposed_transfer_seconds` by the part of the
-        step whose transfer the device waits for: `"forward"` and `"backward"`
-        (the scans of `Stacked` layers), `"outside"` (leaves outside every
-        `Stacked`: an embedding, a head; their reads cannot hide before the first
-        layer) and `"update"` (the optimizer update). The parts sum to
-        `exposed_transfer_seconds`; empty in results saved before it existed.
-    - `transfer_seconds_by_phase`: the host link busy (both directions) by the
-        same parts: each part's bytes at the link's rates.
+    - `exposed_seconds_by_phase`: `exposed_transfer_seconds` by the part of the step
+        whose transfer the device waits for. `"forward"` and `"backward"`: the scans of
+        `Stacked` layers. `"outside"`: leaves outside every `Stacked` (an embedding, a
+        head). Their reads cannot hide before the first layer. `"update"`: the optimizer
+        update. The parts sum to `exposed_transfer_seconds`. It is empty in results
+        saved before it existed.
+    - `transfer_seconds_by_phase`: the host link busy (both directions) by the same
+        parts. That is each part's bytes at the link's rates.
     """
 
     seconds: float
@@ -137,8 +136,10 @@ class StepTime:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "StepTime":
-        """The `StepTime` `to_dict()` gave (read back from JSON, say); the host
-        compute fields of results saved before they existed are 0."""
+        """The `StepTime` `to_dict()` gave (read back from JSON, say).
+
+        The host compute fields of results saved before they existed are 0.
+        """
         fields = {f.name for f in dataclasses.fields(cls)} - {"hardware"}
         kept: dict[str, Any] = {k: v for k, v in data.items() if k in fields}
         return cls(**kept, hardware=Hardware.from_dict(data["hardware"]))
@@ -240,8 +241,11 @@ class _Tally:
 
 @dataclasses.dataclass
 class _Run:
-    """One replay of a computation: its clock, when each resource is next free,
-    and the asynchronous work started and not yet waited for."""
+    """One replay of a computation.
+
+    It holds its clock, when each resource is next free, and the asynchronous work
+    started and not yet waited for.
+    """
 
     tally: _Tally
     clock: float = 0.0
@@ -356,9 +360,11 @@ class _Replay:
     def _called(
         self, comp: Computation, inst: Instruction
     ) -> list[tuple[str, int]] | None:
-        """The computations a loop, conditional or call runs, with how many times
-        each (a loop's body per trip, a conditional's first branch); `None` for
-        other instructions."""
+        """The computations a loop, conditional or call runs, with how many times each.
+
+        A loop runs its body per trip; a conditional, its first branch. `None` for other
+        instructions.
+        """
         op = inst.opcode
         if op == "while":
             body = inst.computation("body")
@@ -413,9 +419,12 @@ class _Replay:
 def hardware_for(
     target: str | None, platform: str, hardware: Hardware | None
 ) -> Hardware | None:
-    """The rates `memory_report(..., target=target, hardware=hardware)` prices
-    its step at, compiling for `platform`: `hardware`, or the table's entry for
-    the target (or this backend's device); None where there is none."""
+    """The rates `memory_report(..., target=target, hardware=hardware)` prices its step
+    at.
+
+    It compiles for `platform`. The rates are `hardware`, or the table's entry for the
+    target (or this backend's device). None where there is none.
+    """
     if hardware is not None and not isinstance(hardware, Hardware):
         raise TypeError(
             f"`memory_report(hardware=...)` takes an `eo.Hardware`, not "
