@@ -227,7 +227,7 @@ def _check_bypass(config: ScanConfig, layers: Any, how: str) -> None:
             "outside its scan, so the policy's `jax.checkpoint` (and any offloading "
             "of their activations) does not apply to them: every layer's "
             "activations stay on the device. Apply the layers with "
-            f"`{path}(x)` or `{path}.scan(f, carry)`."
+            f"`{path}(x)` or `{path}.scan(f, carry)`." + see(37)
         )
 
 

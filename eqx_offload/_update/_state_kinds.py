@@ -48,10 +48,12 @@ def state_leaf_kinds(
     items = plain
     general_used = dict.fromkeys((p for p, _ in items), False)
     by_param = [
-        _paths.best_match(leaf.path, items, where, general_used)
+        _paths.best_match(leaf.path, items, where, general_used, see(17))
         for leaf in param_leaves
     ]
-    _paths.check_used(general_used, [leaf.path for leaf in param_leaves], where)
+    _paths.check_used(
+        general_used, [leaf.path for leaf in param_leaves], where, see(18)
+    )
     used = {
         part: dict.fromkeys((p for p, _ in ps), False) for part, ps in parts.items()
     }
@@ -62,7 +64,9 @@ def state_leaf_kinds(
             continue
         best = by_param[s.owner]
         if s.part in parts and s.owner_path is not None:
-            named = _paths.best_match(s.owner_path, parts[s.part], where, used[s.part])
+            named = _paths.best_match(
+                s.owner_path, parts[s.part], where, used[s.part], see(17)
+            )
             if named is not None and (
                 best is None
                 or _paths.specificity(named[0]) >= _paths.specificity(best[0])
@@ -92,4 +96,4 @@ def _check_parts(
                 f"{_paths.quoted(have)}." + see(116)
             )
         unused = {f"{part}:{p}": hit for p, hit in used[part].items()}
-        _paths.check_used(unused, [leaf.path for leaf in param_leaves], where)
+        _paths.check_used(unused, [leaf.path for leaf in param_leaves], where, see(18))
