@@ -35,12 +35,10 @@ class ResidualRow(NamedTuple):
 
 
 class UnnamedResidual(NamedTuple):
-    """Values saved for the backward pass without a checkpoint name.
-
-    They are computed on one line of your code. Each is one of the largest parts of a
-    `"(other)"` row of `MemoryReport.residuals` (outside every `Stacked`). Or of its
-    `"(unnamed, in stacked layers)"` row.
-    """
+    """Values saved for the backward pass without a checkpoint name. They are computed
+    on one line of your code. Each is one of the largest parts of a `"(other)"` row of
+    `MemoryReport.residuals` (outside every `Stacked`). Or of its `"(unnamed, in stacked
+    layers)"` row."""
 
     group: str  # "(other)" or "(unnamed, in stacked layers)"
     memory_kind: str
@@ -75,32 +73,32 @@ class MemoryReport:
         counts them. Each array counts as one chip's shard, padded to the compiler's
         tiles. A replicated array counts whole.
     - `chips`, `chips_per_host`: the devices compiled for, and how many one host serves.
-        `chips` is 1 for `"tpu-v5e"`, 16 for `"tpu-v5e:4x4"`, 32 GPUs for
-        `"gpu-h100:4x8"`. A host serves 4 chips for v5e, v6e and v5p; 8 TensorCores for
-        v4; the target's GPUs per host. `None` on this backend.
+        E.g. 1 for `"tpu-v5e"`, 16 for `"tpu-v5e:4x4"`, 32 GPUs for `"gpu-h100:4x8"`. A
+        host serves 4 chips for v5e, v6e and v5p; 8 TensorCores for v4; the target's
+        GPUs per host. `None` on this backend.
     - `host_bytes_per_host`: `host_bytes * chips_per_host`, the host memory of one host.
         (Each chip's host-resident shards are its own buffers.)
     - `params`, `opt_state`: bytes by memory kind between steps (`None` for a plain
         function). On a TPU, the unpadded bytes of one chip's shards.
     - `residuals`: bytes saved for the backward pass by checkpoint name and memory kind,
         as traced. `None` for a plain function. Whole arrays, summed over the chips of a
-        slice, in the dtype they are saved in. A `train_step`'s are those of its loss on
-        one micro-batch. They are computed from the `compute_dtype` copies. The compiler
-        may still place a small residual elsewhere.
-    - `largest_unnamed`: the largest values saved without a checkpoint name. They are
-        `eo.UnnamedResidual` rows, up to three per group. Each has its shape, dtype,
-        operations and the line of your code that computed it.
+        slice, in the dtype they are saved in. A `train_step`'s come from its loss on
+        one micro-batch, with the `compute_dtype` copies. The compiler may still place a
+        small residual elsewhere.
+    - `largest_unnamed`: the largest values saved without a checkpoint name. Up to three
+        `eo.UnnamedResidual` rows per group, each with its shape, dtype, operations and
+        line of code.
     - `capacity`, `fits_device`: the device memory a program may use on one chip, and
-        whether `device_bytes` fits in it. A v5e gives 15.75 GiB of its 16. On a GPU it
-        is the share JAX's allocator takes, 75% by default. `None` on this backend.
+        whether `device_bytes` fits in it. A v5e gives 15.75 GiB of its 16. A GPU gives
+        the share JAX's allocator takes (75% by default). `None` on this backend.
     - `host_capacity`, `fits_host`: the host memory behind one chip, and whether
-        `host_bytes` fits in it. It is `Hardware.host_memory_bytes`: 48 GB for a v5e
-        chip. `None` on this backend. (Every chip of a host runs the same program: this
-        is the host's verdict too.)
+        `host_bytes` fits in it (`Hardware.host_memory_bytes`: 48 GB for a v5e chip).
+        `None` on this backend. Every chip of a host runs the same program: this is the
+        host's verdict too.
     - `fits`: both: `False` if either is exceeded, `None` if one is unknown.
     - `arguments`: bytes of each argument by memory kind (per chip on a TPU).
-    - `estimate`: `True` on the CPU backend, whose compiler has one memory. There the
-        split follows the leaves' memory kinds. Temporaries count as device's.
+    - `estimate`: `True` on the CPU backend, whose compiler has one memory. The split
+        follows the leaves' kinds; temporaries count as device's.
     - `transfers`: bytes moved host <-> device per step, as the traced program asks.
         They are `eo.Transfer` rows by direction, phase, what and name.
     - `compiled_transfers`: the same, read from the compiled program of a TPU or GPU
@@ -112,10 +110,10 @@ class MemoryReport:
         `transfer_bytes(direction, *, phase, what, compiled)` gives a part.
     - `minimum_transfers`: the fewest bytes a `train_step` must move per step. A
         `MinimumTraffic`, residuals apart; `None` for other functions.
-    - `host_compute_temp`: the host memory host compute takes while it runs: one array
-        of the largest shape it computes. (Host compute is `compute_on("device_host")`,
-        as in `Policy(update="host")`.) The compiler's `host["temp"]` leaves it out;
-        `host_bytes` counts it. 0 without host compute.
+    - `host_compute_temp`: the host memory host compute takes while it runs
+        (`compute_on("device_host")`, `Policy(update="host")`). That is one array of its
+        largest shape. `host_bytes` counts it; the compiler's `host["temp"]` does not. 0
+        without host compute.
     """
 
     target: str
@@ -145,11 +143,8 @@ class MemoryReport:
 
     @property
     def host_to_device_bytes(self) -> int:
-        """Bytes moved from host to device memory per step.
-
-        They come from `compiled_transfers` on a TPU or GPU target, else from
-        `transfers`.
-        """
+        """Bytes moved from host to device memory per step. They come from
+        `compiled_transfers` on a TPU or GPU target, else from `transfers`."""
         return self.transfer_bytes("host_to_device", compiled=self._from_compiled)
 
     @property
@@ -170,13 +165,11 @@ class MemoryReport:
         what: str | None = None,
         compiled: bool = False,
     ) -> int:
-        """The bytes moved per step in one direction, from `transfers`.
-
-        `phase` and `what` select a part. `what` is `"params"`, `"opt_state"`,
-        `"gradients"`, `"residuals"`, `"batch"` or `"other"`. Compiled transfers also
-        have `"computed"`. `compiled=True` reads `compiled_transfers` instead (a TPU or
-        GPU target's report has them).
-        """
+        """The bytes moved per step in one direction, from `transfers`. `phase` and
+        `what` select a part. `what` is `"params"`, `"opt_state"`, `"gradients"`,
+        `"residuals"`, `"batch"` or `"other"`. Compiled transfers also have
+        `"computed"`. `compiled=True` reads `compiled_transfers` instead (a TPU or GPU
+        target's report has them)."""
         rows = self.compiled_transfers if compiled else self.transfers
         if compiled and rows is None:
             raise ValueError(
@@ -198,11 +191,9 @@ class MemoryReport:
         phase: Literal["forward/backward", "update"] | None = None,
         what: str | None = None,
     ) -> float:
-        """The host-link time of part of the compiled transfers.
-
-        That is `transfer_bytes(..., compiled=True)` at the link's rate in `time`. E.g.
-        `transfer_seconds("host_to_device", what="params")`.
-        """
+        """The host-link time of part of the compiled transfers. That is
+        `transfer_bytes(..., compiled=True)` at the link's rate in `time`. E.g.
+        `transfer_seconds("host_to_device", what="params")`."""
         if self.time is None:
             raise ValueError(
                 "`MemoryReport.transfer_seconds`: this report has no step time. "
@@ -224,30 +215,22 @@ class MemoryReport:
 
     @property
     def fits_device(self) -> bool | None:
-        """Whether `device_bytes` is within `capacity`.
-
-        `None` if the target's capacity is not known, as on the CPU.
-        """
+        """Whether `device_bytes` is within `capacity`. `None` if the target's capacity
+        is not known, as on the CPU."""
         return None if self.capacity is None else self.device_bytes <= self.capacity
 
     @property
     def fits_host(self) -> bool | None:
         """Whether `host_bytes` is within `host_capacity`, the host memory behind one
-        chip.
-
-        `None` if it is not known, as on the CPU.
-        """
+        chip. `None` if it is not known, as on the CPU."""
         if self.host_capacity is None:
             return None
         return self.host_bytes <= self.host_capacity
 
     @property
     def fits(self) -> bool | None:
-        """Whether the step fits both memories of one chip.
-
-        `False` if it exceeds either (`fits_device`, `fits_host`), `None` if one is not
-        known.
-        """
+        """Whether the step fits both memories of one chip. `False` if it exceeds either
+        (`fits_device`, `fits_host`), `None` if one is not known."""
         if self.fits_device is False or self.fits_host is False:
             return False
         if self.fits_device is None or self.fits_host is None:
@@ -263,10 +246,8 @@ class MemoryReport:
     @property
     def host_bytes_per_host(self) -> int:
         """The host memory of one host: `host_bytes` of each of the `chips_per_host`
-        chips it serves.
-
-        On this backend it is `host_bytes`: the whole program runs on this machine.
-        """
+        chips it serves. On this backend it is `host_bytes`: the whole program runs on
+        this machine."""
         return self.host_bytes * (self.chips_per_host or 1)
 
     @property
@@ -309,10 +290,8 @@ class MemoryReport:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "MemoryReport":
-        """The report `to_dict()` gave (read back from JSON, say).
-
-        Its derived figures (`device_bytes`, `fits`, ...) are computed again.
-        """
+        """The report `to_dict()` gave (read back from JSON, say). Its derived figures
+        (`device_bytes`, `fits`, ...) are computed again."""
         if "compiled" not in data and "kind" in data:  # saved before the rename
             data = {**data, "compiled": data["kind"]}
         missing = {"target", "compiled", "estimate", "device", "host"} - set(data)
