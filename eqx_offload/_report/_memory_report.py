@@ -1,5 +1,7 @@
-"""`memory_report`: where every byte of a step lives, on this backend or compiled for
-a TPU chip or a whole TPU slice, or for NVIDIA GPUs, without running anything."""
+"""`memory_report`: where every byte of a step lives, without running anything.
+
+It compiles for this backend, a TPU chip, a whole TPU slice, or NVIDIA GPUs.
+"""
 
 import functools
 import math
@@ -55,8 +57,10 @@ def _nbytes(x: Any, per_chip: bool = False) -> int:
 
 
 def bytes_by_kind(tree: PyTree, per_chip: bool = False) -> dict[str, int]:
-    """Bytes of the array leaves of `tree`, by memory kind: whole arrays, or with
-    `per_chip` the shard one chip holds (unpadded)."""
+    """Bytes of the array leaves of `tree`, by memory kind.
+
+    Whole arrays, or with `per_chip` the shard one chip holds (unpadded).
+    """
     out: dict[str, int] = defaultdict(int)
     for x in jtu.tree_leaves(tree):
         if is_arraylike(x):
@@ -185,58 +189,59 @@ def memory_report(
     **Arguments:**
 
     - `fn`: an `eo.TrainStep`, a `filter_offload` function, or any function JAX can
-        jit (a `jax.jit`/`eqx.filter_jit` function is re-jitted from the function
-        it wraps). Non-array arguments are static.
-    - `*args`, `**kwargs`: its arguments: arrays or `jax.ShapeDtypeStruct`s (e.g.
-        `eo.place(eqx.filter_eval_shape(Model, ...), policy)`), in their memory
-        kinds. Nothing is allocated or run.
-    - `target`: where to compile, here, with libtpu (the `tpu` extra) for a TPU:
+        jit. A `jax.jit`/`eqx.filter_jit` function is re-jitted from the function it
+        wraps. Non-array arguments are static.
+    - `*args`, `**kwargs`: its arguments, in their memory kinds. They are arrays or
+        `jax.ShapeDtypeStruct`s, e.g. `eo.place(eqx.filter_eval_shape(Model, ...),
+        policy)`. Nothing is allocated or run.
+    - `target`: where to compile, here. A TPU needs libtpu (the `tpu` extra).
         - `None`: this backend.
         - `"tpu-v5e"`, `"tpu-v6e"`, `"tpu-v5p"` or `"tpu-v4"`: one chip of that
-            TPU. Every argument is placed whole on it; meshes are ignored.
-        - `"tpu-v5e:16x16"` (chip and topology: any topology libtpu accepts, such
-            as `"tpu-v5e:2x2"` ... `"tpu-v5e:16x16"`, `"tpu-v6e:4x4"`,
-            `"tpu-v5p:2x2x2"`, `"tpu-v4:2x2x2"`): the whole slice, as one SPMD
-            program. Arguments laid out with `NamedSharding`s over a mesh (an
-            `AbstractMesh` of the slice's shape, or a concrete `Mesh`, e.g. of CPU
-            devices) keep their specs and memory kinds on a mesh of the slice's
-            chips with the same axis names, sizes and types; the mesh must have as
-            many devices as the slice has chips. Other arguments are replicated on
-            every chip, except the batch a `train_step` with `Policy(batch=...)`
-            lays out.
+            TPU. Every argument is placed whole on it. Meshes are ignored.
+        - `"tpu-v5e:16x16"`: a chip and a topology, the whole slice as one SPMD
+            program. Any topology libtpu accepts works, such as `"tpu-v5e:2x2"` ...
+            `"tpu-v5e:16x16"`, `"tpu-v6e:4x4"`, `"tpu-v5p:2x2x2"`, `"tpu-v4:2x2x2"`.
+            Arguments laid out with `NamedSharding`s over a mesh keep their specs
+            and memory kinds. That mesh is an `AbstractMesh` of the slice's shape,
+            or a concrete `Mesh` (e.g. of CPU devices). They move to a mesh of the
+            slice's chips with the same axis names, sizes and types. The mesh must
+            have as many devices as the slice has chips. Other arguments are
+            replicated on every chip. The exception is the batch that a
+            `train_step` with `Policy(batch=...)` lays out.
         - `"gpu-h100"`, `"gpu-h200"` (one GPU), `"gpu-h100:8"` (a node of eight),
             `"gpu-h100:4x8"` (hosts x GPUs per host): compiled with JAX's CUDA
-            plugin (the `gpu-aot` extra), no GPU needed, as a slice is. The
-            capacity is the share of the GPU's memory JAX's allocator takes
-            (`XLA_PYTHON_CLIENT_MEM_FRACTION`, default 0.75).
+            plugin (the `gpu-aot` extra). No GPU is needed, as for a slice. The
+            capacity is the share of the GPU's memory that JAX's allocator takes.
+            That share is `XLA_PYTHON_CLIENT_MEM_FRACTION`, default 0.75.
 
-    - `hardware`: the rates the step time (`report.time`) is priced at, and the
-        host memory behind one device (`report.host_capacity`, which
-        `report.fits_host` compares `host_bytes` with): by default
-        `eo.Hardware.of(target)` (on a TPU or H100/H200 backend, its entry); pass
-        one to change a figure (`dataclasses.replace(eo.Hardware.of("tpu-v5e"),
-        host_memory_bytes=64 * 2**30)`).
+    - `hardware`: the rates the step time (`report.time`) is priced at. It also
+        gives the host memory behind one device (`report.host_capacity`).
+        `report.fits_host` compares `host_bytes` with that. The default is
+        `eo.Hardware.of(target)`, or the backend's entry on a TPU or H100/H200.
+        Pass one to change a figure, as in
+        `dataclasses.replace(eo.Hardware.of("tpu-v5e"),
+        host_memory_bytes=64 * 2**30)`.
 
-    `target` and `hardware` are reserved: a function argument of either name can
-    be bound with `functools.partial`.
+    `target` and `hardware` are reserved. Bind a function argument of either name
+    with `functools.partial`.
 
     **Returns:**
 
-    A `MemoryReport`: device and host footprints with their parts (from
-    `compiled.memory_analysis()`), per chip on a TPU, the host memory of one host
-    of a slice, and, for `train_step` and `filter_offload` objects, the bytes of
-    parameters, optimizer state and saved residuals by memory kind; for a TPU or
-    GPU, the estimated step time (`report.time`, a `StepTime`). On the CPU
-    backend the host/device split is an estimate (see `MemoryReport`), and there
-    is no step time.
+    A `MemoryReport` of the device and host footprints. Their parts come from
+    `compiled.memory_analysis()`. Device memory is per chip on a TPU. Host memory is
+    that of one host of a slice. For `train_step` and `filter_offload` objects it
+    also counts parameters, optimizer state and saved residuals, by memory kind. For
+    a TPU or GPU it estimates the step time (`report.time`, a `StepTime`). On the
+    CPU backend the host/device split is an estimate (see `MemoryReport`). There is
+    no step time there.
 
     **Raises:**
 
-    `ValueError` for a target it does not know or a topology libtpu rejects, and for
-    arguments laid out on a mesh whose size is not the slice's chip count;
-    `DoesNotFit` when a chip's device memory is too small (a step over only the
-    host's memory is reported, `report.fits_host` `False`); `DoesNotCompile` when
-    the compiler rejects the step.
+    - `ValueError` for a target it does not know, or a topology libtpu rejects. Also
+        for arguments laid out on a mesh whose size is not the slice's chip count.
+    - `DoesNotFit` when a chip's device memory is too small. A step over only the
+        host's memory is reported, with `report.fits_host` `False`.
+    - `DoesNotCompile` when the compiler rejects the step.
 
     !!! Example
 
@@ -430,8 +435,10 @@ def _build(
 
 
 def _check_host_kept(report: MemoryReport, where: "_Where") -> None:
-    """Refuses a GPU compile that counted host-resident arguments as device memory
-    (the trap `_compat.named_sharding` works around) rather than report it."""
+    """Refuses a GPU compile that counted host arguments as device memory.
+
+    This is the trap `_compat.named_sharding` works around. It refuses, not misreports.
+    """
     on_host = sum(host_total(by_kind) for by_kind in report.arguments.values())
     if on_host > 0 and report.host["argument"] == 0:
         raise _kind_not_kept(
@@ -450,10 +457,12 @@ def _kind_not_kept(target: str, kind: str) -> NotImplementedError:
 
 
 def _inputs(job: _CompileJob) -> list[tuple[str, str]]:
-    """What each input of the traced program is, for `_traffic.count`: the array
-    leaves of the arguments in order (a parameter, optimizer state or batch leaf
-    of a `train_step`; of another function, the leaves of its first argument are
-    parameters)."""
+    """What each input of the traced program is, for `_traffic.count`.
+
+    The inputs are the array leaves of the arguments, in order. For a `train_step`,
+    each is a parameter, optimizer state or batch leaf. For another function, the
+    leaves of its first argument are parameters.
+    """
     kinds = {"model": "params", "opt_state": "opt_state", "batch": "batch"}
     out = []
     for i, (name, tree) in enumerate(job.arguments.items()):
@@ -468,8 +477,10 @@ def _inputs(job: _CompileJob) -> list[tuple[str, str]]:
 
 
 def _outputs(job: _CompileJob) -> list[tuple[str, str]]:
-    """What the first outputs of the compiled program are: a `train_step` returns
-    the new parameters and optimizer state first, leaf for leaf."""
+    """What the first outputs of the compiled program are.
+
+    A `train_step` returns the new parameters and optimizer state first, leaf for leaf.
+    """
     if job.kind != "train_step":
         return []
     return [i for i in _inputs(job) if i[0] in ("params", "opt_state")]
@@ -511,8 +522,10 @@ def _where(target: str | None, trees: Any) -> _Where:
 
 
 class _Refusal(NamedTuple):
-    """What is known of a program too big for the device memory of `where`,
-    without compiling it."""
+    """What is known of a program too big for the device memory of `where`.
+
+    It is known without compiling the program.
+    """
 
     fn: Any
     traced: _Traced
@@ -556,10 +569,12 @@ def _policy_of(fn: Any) -> Any:
 
 
 def _split_estimate(stats: Any, lowered: Any) -> tuple[dict[str, int], dict[str, int]]:
-    """Device and host parts on a backend with one memory: arguments and outputs by
-    the memory kinds of the compiled signature, temporaries on the device, and as
-    aliased only the donated inputs that share an output's memory kind (a device
-    with two memories cannot alias across them)."""
+    """Device and host parts on a backend with one memory.
+
+    Arguments and outputs go by the memory kinds of the compiled signature.
+    Temporaries are on the device. Aliased are only the donated inputs that share an
+    output's memory kind. A device with two memories cannot alias across them.
+    """
     arg_bytes = [_nbytes(a) for a in jtu.tree_leaves(lowered.args_info)]
     signature = _compiler.signature(lowered.as_text(), len(arg_bytes))
     arg_kinds, aliases, out_kinds = signature
