@@ -1,11 +1,14 @@
-"""The optimizer update: where optimizer state lives, and the update applied whole or
-streamed, one layer or row block of the parameters on the device at a time.
+"""The optimizer update: where optimizer state lives, and how the update runs.
 
-`_optim` places the state and dispatches the update, `_state_tree` pairs state leaves
-with the parameters they mirror, `_dataflow` reads the update's jaxpr (which values are
-shared, piecewise or global), `_streaming` runs it piece by piece (`_piece_loop`: the
-loop over one group of pieces), `_host` runs it on the host's CPU, and
-`_optimizer_update` is the public update for a hand-written step.
+The update runs whole, or streamed: one layer or row block of the parameters on the
+device at a time.
+
+- `_optim` places the state and dispatches the update.
+- `_state_tree` pairs state leaves with the parameters they mirror.
+- `_dataflow` reads the update's jaxpr: which values are shared, piecewise or global.
+- `_streaming` runs it piece by piece. `_piece_loop` is the loop over one group.
+- `_host` runs it on the host's CPU.
+- `_optimizer_update` is the public update for a hand-written step.
 """
 
 from ._apply_pending import apply_pending as apply_pending

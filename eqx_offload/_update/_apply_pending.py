@@ -28,16 +28,15 @@ def apply_pending(
     optimizer: optax.GradientTransformation | optax.MultiSteps,
     policy: Policy,
 ) -> tuple[PyTree, PyTree]:
-    """Applies the optimizer update that a `train_step` under
-    `Policy(update_timing="next_forward")` or `"delayed"` left pending.
+    """Applies the optimizer update that a `train_step` left pending.
 
+    Steps under `Policy(update_timing="next_forward")` or `"delayed"` leave one.
     Such a step returns the stacked layers' parameters and optimizer state one
-    update behind: the update is applied by the next step. Call this before
-    reading the model in any other way: after the last step, before evaluating,
-    exporting or saving. `eqx_offload.save` and `verify` refuse a state with an
-    update pending (they name this function); `memory_report` reports the step
-    as it runs with one pending. With nothing pending it returns its arguments
-    as they are.
+    update behind. The next step applies the update. Call this before reading the
+    model in any other way: after the last step, before evaluating, exporting or
+    saving. `eqx_offload.save` and `verify` refuse a state with an update pending.
+    Their errors name this function. `memory_report` reports the step as it runs,
+    with one pending. With nothing pending, it returns its arguments as they are.
 
     **Arguments:**
 
@@ -47,7 +46,7 @@ def apply_pending(
     **Returns:**
 
     `(model, opt_state)`: the model with the update applied, and the state with
-    nothing pending (the next step then applies none). Both are donated.
+    nothing pending. The next step then applies none. Both inputs are donated.
 
     !!! Example
 

@@ -1,15 +1,15 @@
-"""`Policy(update_timing=...)`: the stacked layers' optimizer update held over to
-the next step.
+"""`Policy(update_timing=...)`: the stacked layers' update held over to the next step.
 
-At the end of a step the update runs as the streamed update does (`_streaming.py`)
-for every leaf but the stacked layers' parameters and state. For those, it keeps
-what their update reads besides their own pieces: this step's gradients of them and
-the values computed from the whole tree (step counts, the global gradient norm),
-*held* in the optimizer state (`PendingUpdate`). The next step applies it: layer by
-layer inside the forward scan (`_pending.py`, `_prefetch.py`), or, where the scan
-cannot, in a streamed loop of its own (`apply`). Either way each piece is computed
-by the same piece jaxpr from the same values as `update_timing="now"` computes
-it, so the numbers are the same.
+At the end of a step, the update runs as the streamed update does (`_streaming.py`).
+It does so for every leaf but the stacked layers' parameters and state. For those,
+it keeps what their update reads besides their own pieces. That is this step's
+gradients of them, and the values computed from the whole tree (step counts, the
+global gradient norm). They are *held* in the optimizer state (`PendingUpdate`).
+
+The next step applies it layer by layer, inside the forward scan (`_pending.py`,
+`_prefetch.py`). Where the scan cannot, it runs in a streamed loop of its own
+(`apply`). Either way, each piece is computed by the same piece jaxpr, from the same
+values as `update_timing="now"`. So the numbers are the same.
 """
 
 from typing import Any, NamedTuple

@@ -1,19 +1,20 @@
-"""The optimizer update on the host's CPU (`Policy(update="host")`): the optax
-update of the host-resident parameters and state runs where they live, inside the
-step (JAX's host compute, `_compat.on_host`), so that the only bytes the update
-moves over the host link are the gradients the device sends and the parameters it
-computes with.
+"""The optimizer update on the host's CPU (`Policy(update="host")`).
 
-The update is traced once on the whole tree and inlined into a flat jaxpr
-(`_dataflow.flatten`). Every output is computed on the host if it lives there or
-depends on a host-resident array (a global norm over host-resident gradients makes
-every new leaf depend on all of them), and on the device otherwise: a parameter
-whose state the policy keeps on the device is updated there. Each side evaluates
-only the equations its outputs need; shared scalars (step counts, learning rates)
-are computed on both.
+The optax update of the host-resident parameters and state runs where they live.
+It runs inside the step, as JAX's host compute (`_compat.on_host`). So the update
+moves only two things over the host link. These are the gradients the device sends,
+and the parameters it computes with.
 
-The host computation's inputs and outputs are all in host memory (the TPU compiler
-aborts on a device-memory step count aliased to a host output); how JAX types the
+The update is traced once on the whole tree. It is inlined into a flat jaxpr
+(`_dataflow.flatten`). An output is computed on the host if it lives there. It is
+also computed there if it depends on a host-resident array. A global norm over
+host-resident gradients makes every new leaf depend on all of them. Other outputs
+are computed on the device. So a parameter whose state the policy keeps on the
+device is updated there. Each side evaluates only the equations its outputs need.
+Shared scalars (step counts, learning rates) are computed on both.
+
+The host computation's inputs and outputs are all in host memory. The TPU compiler
+aborts on a device-memory step count aliased to a host output. How JAX types the
 values inside is `_compat.on_host`'s business.
 """
 
@@ -46,13 +47,16 @@ def update(
     metrics: bool = False,
     form: _compat.HostForm = "decorator",
 ) -> tuple[Any, Any, dict[str, Any] | None]:
-    """`optax.apply_updates(params, optimizer.update(grads, opt_state, params))`
-    with the host-resident part computed on the host's CPU. `params` is the
-    trainable part of the model; `out_kinds` the memory kind of each new parameter
-    and state leaf; `metrics`: also the global norms of the gradients, the updates
-    and the new parameters (each leaf's sum of squares computed where the leaf
-    is, so that the norms tie no leaf to the host, and added on the device);
-    `form`: the form of JAX's host compute (`_compat.on_host`).
+    """`optax.apply_updates(params, optimizer.update(grads, opt_state, params))`.
+
+    The host-resident part is computed on the host's CPU.
+
+    - `params`: the trainable part of the model.
+    - `out_kinds`: the memory kind of each new parameter and state leaf.
+    - `metrics`: also the global norms of the gradients, updates and new parameters.
+        Each leaf's sum of squares is computed where the leaf is. The sums are added
+        on the device. So the norms tie no leaf to the host.
+    - `form`: the form of JAX's host compute (`_compat.on_host`).
 
     **Returns:** the new parameters and optimizer state, in their memory kinds,
     and the metrics (on the device) or None.

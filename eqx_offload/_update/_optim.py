@@ -147,14 +147,13 @@ def init_opt_state(
     model: PyTree,
     policy: Policy,
 ) -> PyTree:
-    """Initialises `optimizer` for `model`'s trainable leaves and puts the state where
-    `policy.opt_state` says.
+    """Initialises `optimizer` for `model`'s trainable leaves, placed by `policy`.
 
     The parameter-shaped state (Adam's moments, momentum, ...) goes to
-    `policy.opt_state` with each parameter's sharding; the rest (step counts) stays
-    on the device, replicated over the parameters' devices. An abstract model
-    (`jax.ShapeDtypeStruct` leaves, e.g. from `eqx.filter_eval_shape`) gives an
-    abstract state and allocates nothing. `optax.masked` and `optax.multi_transform`
+    `policy.opt_state`, with each parameter's sharding. The rest (step counts) stays
+    on the device, replicated over the parameters' devices. An abstract model gives
+    an abstract state and allocates nothing. Its leaves are `jax.ShapeDtypeStruct`s,
+    e.g. from `eqx.filter_eval_shape`. `optax.masked` and `optax.multi_transform`
     states are supported.
 
     **Arguments:**
@@ -198,20 +197,19 @@ def place_opt_state(
     model: PyTree,
     policy: Policy,
 ) -> PyTree:
-    """Moves an existing optimizer state where `init_opt_state` would have put it,
-    keeping its values.
+    """Moves an existing optimizer state to where `init_opt_state` puts it.
 
-    Use it for a state restored or built by hand, or made for another policy.
-    `eqx_offload.place(opt_state, policy)` is not the same: it does not know which
-    leaves are step counts (they stay on the device) and would move them to the
-    host with the rest; and a fresh `init_opt_state` would restart the optimizer
-    (Adam's moments at zero).
+    Its values are kept. Use it for a state restored or built by hand, or made for
+    another policy. `eqx_offload.place(opt_state, policy)` is not the same. It does
+    not know which leaves are step counts, which stay on the device. It would move
+    them to the host with the rest. A fresh `init_opt_state` would restart the
+    optimizer, with Adam's moments at zero.
 
     The parameter-shaped state (Adam's moments, momentum, ...) goes to
-    `policy.opt_state` with each parameter's sharding; the rest (step counts) to
-    the device, replicated over the parameters' devices. Leaves already in place
+    `policy.opt_state`, with each parameter's sharding. The rest (step counts) goes
+    to the device, replicated over the parameters' devices. Leaves already in place
     are not copied. Abstract leaves (`jax.ShapeDtypeStruct`s) get the memory kind
-    and sharding in their `sharding`, and nothing is allocated.
+    and sharding in their `sharding`. Nothing is allocated for them.
 
     **Arguments:**
 

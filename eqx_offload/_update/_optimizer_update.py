@@ -24,17 +24,18 @@ def optimizer_update(
     *,
     metrics: bool = False,
 ) -> tuple[PyTree, ...]:
-    """Applies `optimizer` to `model` inside your own jitted step, as
-    `eqx_offload.train_step` does: parameters, gradients and optimizer state on
-    the host are updated piece by piece on the device — one layer of each
-    `Stacked`, one block of rows of each large leaf — and written back in place
-    (`Policy(update=...)`), and every leaf comes back in the memory kind the
-    policy gives it.
+    """Applies `optimizer` to `model` inside your own jitted step.
 
-    Call it inside a jitted function (`eqx.filter_jit`), with the gradients of
-    `eqx.filter_value_and_grad(eqx_offload.filter_offload(loss_fn, policy))`, and
-    donate the model and state (`donate="all-except-first"` with the batch last,
-    or `donate="all"`) so that the update happens in place.
+    It updates as `eqx_offload.train_step` does (`Policy(update=...)`). Parameters,
+    gradients and optimizer state on the host are updated piece by piece on the
+    device. A piece is one layer of each `Stacked`, or one block of rows of each
+    large leaf. Each piece is written back in place. Every leaf comes back in the
+    memory kind the policy gives it.
+
+    Call it inside a jitted function (`eqx.filter_jit`). Pass the gradients of
+    `eqx.filter_value_and_grad(eqx_offload.filter_offload(loss_fn, policy))`.
+    Donate the model and state, so that the update happens in place. Use
+    `donate="all-except-first"` with the batch last, or `donate="all"`.
 
     **Arguments:**
 
@@ -44,8 +45,8 @@ def optimizer_update(
     - `opt_state`: from `eqx_offload.init_opt_state(optimizer, model, policy)`.
     - `model`: the model, placed with `eqx_offload.place(model, policy)`.
     - `policy`: the `eqx_offload.Policy` the model and state are placed with.
-    - `metrics`: also return the global norms of the gradients, the updates and
-        the new parameters, as `train_step(..., metrics=True)` does.
+    - `metrics`: also return global norms, as `train_step(..., metrics=True)` does.
+        They are of the gradients, the updates and the new parameters.
 
     **Returns:**
 
@@ -53,8 +54,8 @@ def optimizer_update(
 
     **Raises:**
 
-    `ValueError` if it is called outside a jitted function, or a leaf is not
-    where the policy puts it (naming the leaf and the fix).
+    `ValueError` if it is called outside a jitted function. Also if a leaf is not
+    where the policy puts it; the error names the leaf and the fix.
 
     !!! Example
 

@@ -1,20 +1,22 @@
-"""The streamed optimizer update: parameters, gradients and optimizer state go to
-the device one piece at a time — one layer of a `Stacked`, or one block of rows of a
-large leaf — inside a `lax.scan` whose transfers the compiler cannot hoist.
+"""The streamed optimizer update: the device sees one piece at a time.
 
-The optimizer is applied to pieces without changing its result: `_dataflow.py`
-reads from its jaxpr which values are shared, piecewise or global, and this module
-runs it: global reductions first, from per-piece partials, then one loop per group
-of pieces that writes every new piece into its (donated) leaf in place.
+Parameters, gradients and optimizer state go to the device piece by piece. A piece
+is one layer of a `Stacked`, or one block of rows of a large leaf. The loop is a
+`lax.scan` whose transfers the compiler cannot hoist.
 
-A piece is a slice of the leaf along axis 0, read and written with
-`dynamic_slice`/`dynamic_update_slice` on the leaf itself: the TPU compiler's
-host-offload passes stream such slices, but reject a reshape of a host array into
+The optimizer is applied to pieces without changing its result. `_dataflow.py`
+reads from its jaxpr which values are shared, piecewise or global. This module runs
+it. Global reductions come first, from per-piece partials. Then one loop per group
+of pieces writes every new piece into its (donated) leaf, in place.
+
+A piece is a slice of the leaf along axis 0. It is read and written with
+`dynamic_slice`/`dynamic_update_slice` on the leaf itself. The TPU compiler's
+host-offload passes stream such slices. They reject a reshape of a host array into
 `(pieces, rows, ...)` ("Only handling bitcasts with majormost dimension of size 1").
-Which leaves can be cut at all is `_tiling.py`'s rule; the others are updated whole.
-Each piece's slicing and transfers run under `jax.named_scope(<leaf path>)`, so a
-compiler message about one of them names its leaf. The loop over one group's
-pieces is `_piece_loop.py`.
+Which leaves can be cut at all is `_tiling.py`'s rule. The others are updated whole.
+Each piece's slicing and transfers run under `jax.named_scope(<leaf path>)`. So a
+compiler message about one of them names its leaf. The loop over one group's pieces
+is `_piece_loop.py`.
 """
 
 import dataclasses
@@ -51,13 +53,17 @@ def update(
     paths: list[str],
     metrics: bool = False,
 ) -> tuple[Any, Any, dict[str, Any] | None]:
-    """`optax.apply_updates(params, optimizer.update(grads, opt_state, params))`,
-    streamed. `params` is the trainable part of the model; `stacked[i]` is the
-    number of layers of the `Stacked` holding trainable leaf `i` (or None);
-    `out_kinds` the memory kind of each new parameter and state leaf; `paths` the
-    path of each trainable leaf (for named scopes); `metrics`: also the global
-    norms of the gradients, the updates and the new parameters, streamed
-    reductions like any global value of the update.
+    """`optax.apply_updates(params, optimizer.update(grads, opt_state, params))`.
+
+    This one is streamed.
+
+    - `params`: the trainable part of the model.
+    - `stacked[i]`: the number of layers of the `Stacked` holding trainable leaf `i`,
+        or None.
+    - `out_kinds`: the memory kind of each new parameter and state leaf.
+    - `paths`: the path of each trainable leaf, for named scopes.
+    - `metrics`: also the global norms of the gradients, updates and new parameters.
+        They are streamed reductions, like any global value of the update.
 
     **Returns:** the new parameters and optimizer state, in their memory kinds,
     and the metrics (on the device) or None.
