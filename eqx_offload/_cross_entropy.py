@@ -32,20 +32,21 @@ def chunked_cross_entropy(
     It is computed `chunk` tokens at a time, so the whole logits never exist. It
     equals `optax.softmax_cross_entropy_with_integer_labels(hidden @ weight.T,
     targets)`, averaged over the unmasked tokens. The gradients for `hidden` and
-    `weight` are the same too: the backward pass recomputes each chunk's logits.
+    `weight` are the same too. The backward pass recomputes each chunk's logits.
     Logits are computed and reduced in float32, whatever the inputs' dtype.
 
     **Arguments:**
 
     - `hidden`: the last hidden states, any leading (token) axes, e.g.
         `[batch, seq, dim]`.
-    - `weight`: the output projection, `[vocab, dim]`: a tied embedding's table,
-        or a head's weight (`eqx.nn.Linear(dim, vocab).weight` has this layout).
+    - `weight`: the output projection, `[vocab, dim]`. It is a tied embedding's
+        table, or a head's weight. `eqx.nn.Linear(dim, vocab).weight` has this
+        layout.
     - `targets`: integer labels, with `hidden`'s token axes.
-    - `mask`: which tokens count (booleans), or per-token weights; `None`: all.
-        The loss is the weighted mean `sum(mask * loss) / sum(mask)`.
-    - `chunk`: tokens per chunk. A token count that is not a multiple is padded;
-        the padding has no weight. Not used for a `weight` in host memory.
+    - `mask`: which tokens count (booleans), or per-token weights. `None` counts
+        all. The loss is the weighted mean `sum(mask * loss) / sum(mask)`.
+    - `chunk`: tokens per chunk. A token count that is not a multiple is padded.
+        The padding has no weight. Not used for a `weight` in host memory.
 
     **A weight in host memory.** The step may keep `weight` in host memory, with
     `Policy(host_tables=("embed",))`. It is then read one block of rows at a time.
@@ -172,9 +173,11 @@ def _streamed_sum(h: Any, table: Any, t: Any, w: Any) -> Any:
 
 
 def _streamed_forward(h: Any, table: Any, t: Any, w: Any) -> tuple[Any, Any]:
-    """The weighted sum of the losses, one block of the host `table` at a time:
-    a running maximum and sum of exponentials per token, and the target's logit
-    from the block that holds it."""
+    """The weighted sum of the losses, one block of the host `table` at a time.
+
+    Per token, it keeps a running maximum and sum of exponentials. The target's
+    logit comes from the block that holds it.
+    """
     rows = _vocab_blocks.rows_per_block(table, h.shape[0])
 
     def body(carry: tuple, index: Any, start: Any) -> tuple:

@@ -29,18 +29,18 @@ def embed(
 
     **Tied embeddings.** Pass the *returned* table to the output projection:
     `eo.chunked_cross_entropy(hidden, table, targets)`. The projection's gradient
-    then flows into this lookup's backward pass, which adds its own rows to it in
-    place. Using `model.embed` a second time would add two host-resident
-    gradients, which no backend can compute. The step raises an error naming the
-    leaf.
+    then flows into this lookup's backward pass. That pass adds its own rows to it,
+    in place. Using `model.embed` a second time would add two host-resident
+    gradients. No backend can compute that sum. The step raises an error naming
+    the leaf.
 
-    Call it on the whole batch, not inside `jax.vmap`: `tokens` may have any shape.
+    Call it on the whole batch, not inside `jax.vmap`. `tokens` may have any shape.
 
     **Arguments:**
 
     - `table`: the embedding, `[vocab, dim]`.
     - `tokens`: integer token ids, any shape. Ids outside `[0, vocab)` give zeros
-        on a table in host memory: no block holds them.
+        on a table in host memory. No block holds them.
 
     **Returns:**
 

@@ -70,8 +70,8 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
 
     The layers are stored as one layer whose array leaves have a leading axis of
     size N. Scanning keeps compile time independent of depth. It also lets
-    `filter_offload` move one layer's parameters to the device at a time; a Python
-    loop over layers would keep all of them there. The layer axis is axis 0: XLA
+    `filter_offload` move one layer's parameters to the device at a time. A Python
+    loop over layers would keep all of them there. The layer axis is axis 0. XLA
     offloads parameters only when scanning over axis 0.
 
     Outside `filter_offload`, this is a plain `lax.scan`. Host-resident layers are
@@ -200,8 +200,10 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
         raise AssertionError("unreachable: `__check_init__` requires an array leaf")
 
     def __getitem__(self, index: int | slice) -> Any:
-        """`stacked[i]` is layer `i` (an instance of the layer's class);
-        `stacked[i:j]` is a `Stacked` of those layers."""
+        """`stacked[i]` is layer `i`, an instance of the layer's class.
+
+        `stacked[i:j]` is a `Stacked` of those layers.
+        """
         if isinstance(index, slice):
             n = len(self)
             how = f"`{self._where()}[{_slice_text(index)}]`"
@@ -246,15 +248,15 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
 
         **Arguments:**
 
-        - `x`: the carry (an array or pytree); each layer returns one of the same
+        - `x`: the carry, an array or pytree. Each layer returns one of the same
             structure, shapes and dtypes.
         - `*args`, `**kwargs`: passed unchanged to every layer (e.g. a mask).
         - `key`: if given, split into one key per layer with
-            `jax.random.split(key, n)`, and passed as `key=` (e.g. for
-            `eqx.nn.Dropout`). A per-layer loop that chains
+            `jax.random.split(key, n)`. Each is passed as `key=`, e.g. for
+            `eqx.nn.Dropout`. A per-layer loop that chains
             `key, k = jax.random.split(key)` draws other keys. To keep its chain,
-            carry the key through `scan`, as the concepts page shows ("Dropout keys
-            when porting a loop").
+            carry the key through `scan`. The concepts page shows how ("Dropout
+            keys when porting a loop").
 
         **Returns:**
 
