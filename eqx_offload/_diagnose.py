@@ -5,8 +5,9 @@ moves it. The ones the compiler cannot stream are named, with a policy that keep
 them on the device.
 
 XLA's TPU compiler picks the tiled layout of each array from its shape. For some
-shapes its host-offload passes cannot slice the layout it picked, even in a
-hand-written scan: a layer of `(4, 97, 97)` floats, `(layers, 388, 97)` weights.
+shapes, its host-offload passes cannot slice the layout it picked. This holds even
+in a hand-written scan. Examples: a layer of `(4, 97, 97)` floats, `(layers, 388,
+97)` weights.
 `_tiling.py` has the rules the library follows ahead of time. Such a leaf works
 when it and its optimizer state stay on the device.
 """
@@ -160,10 +161,10 @@ def way_out(params: ParamsSpec, opt_state: ParamsSpec, paths: list[str]) -> str:
 def leaves_in_message(message: str, leaves: Sequence[Streamed]) -> list[str]:
     """The paths of the leaves a compiler message points at, in the leaves' order.
 
-    A leaf is pointed at by name in the message's `op_name`s: the streamed update
-    tags each leaf's slices and transfers with `jax.named_scope`. It is also
-    pointed at by a shape of two dimensions or more (`_compiler.array_shapes`):
-    the whole leaf, one layer of a stacked leaf, or one of its pieces.
+    A leaf is pointed at by name in the message's `op_name`s. The streamed update
+    tags each leaf's slices and transfers with `jax.named_scope`. A leaf is also
+    pointed at by a shape of two dimensions or more (`_compiler.array_shapes`).
+    That shape is the whole leaf, one layer of a stacked leaf, or one of its pieces.
     """
     names = " ".join(_compiler.op_names(message))
     # Matrices and larger: a vector or scalar in a message is no leaf's own.

@@ -6,8 +6,8 @@ computes with a `compute_dtype` (bf16) view of them.
 Host memory cannot be computed on, so a host-resident parameter cannot be cast
 where it lives. Casting on the device would move the fp32 master there first. So
 each such parameter gets a persistent *compute copy* in the compute dtype, kept in
-the optimizer state. The optimizer is wrapped (`with_compute_copies`) so that its
-update also writes the new parameter's copy next to the new master; the streamed
+the optimizer state. The optimizer is wrapped (`with_compute_copies`). Its update
+then also writes the new parameter's copy next to the new master. The streamed
 update writes it piece by piece. The loss then reads the copies, and half the
 bytes move to the device. Parameters on the device are cast where the loss uses
 them (`_grad_taps.tap`), with no copy.

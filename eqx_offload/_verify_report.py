@@ -1,5 +1,9 @@
-"""What `verify` reports: the largest difference of each check (`Difference`), the
-report (`VerifyReport`), and the error a failed check raises (`DoesNotMatch`)."""
+"""What `verify` reports.
+
+- `Difference`: the largest difference of each check.
+- `VerifyReport`: the report.
+- `DoesNotMatch`: the error a failed check raises.
+"""
 
 import dataclasses
 from typing import NamedTuple
@@ -31,9 +35,11 @@ _SCALES = {
 
 
 class DoesNotMatch(ValueError):
-    """Raised by `verify` when the offloaded step differs from the reference beyond
-    the tolerance. The message names the check, the leaf and the difference;
-    `error.report` holds every check's largest difference."""
+    """Raised by `verify` when the offloaded step differs from the reference.
+
+    It differs beyond the tolerance. The message names the check, the leaf and the
+    difference. `error.report` holds every check's largest difference.
+    """
 
     report: "VerifyReport"
 
@@ -50,11 +56,15 @@ class Difference(NamedTuple):
     difference: float
     """The largest absolute difference over that leaf."""
     scale: float
-    """What the tolerance is relative to: the reference's largest magnitude over
-    the leaf (for parameters after the update: the largest change)."""
+    """What the tolerance is relative to: the reference's largest magnitude there.
+
+    For parameters after the update, it is the largest change.
+    """
     tolerance: float
-    """`atol + rtol * scale` (for a parameter after the update, plus one rounding
-    of it); the check passes if `difference <= tolerance`."""
+    """`atol + rtol * scale`, plus one rounding for a parameter after the update.
+
+    The check passes if `difference <= tolerance`.
+    """
 
     @property
     def passed(self) -> bool:
@@ -63,19 +73,21 @@ class Difference(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class VerifyReport:
-    """What `verify` compared and the largest difference of each check. Print it
-    for a table.
+    """What `verify` compared, and the largest difference of each check.
+
+    Print it for a table.
 
     - `loss`: the offloaded loss against the reference loss.
-    - `gradients`: each leaf's offloaded gradient against the reference gradient;
-        the leaf nearest to its tolerance.
-    - `update`: the model and optimizer state after the streamed update against
-        those after the whole update. `None` when not checked: the step does not
-        stream (`Policy(update="whole")`, or nothing parameter-shaped on the
-        host), or the loss or gradients already differ.
-    - `layers`: the layers kept of each `Stacked` (`None`: every layer).
-    - `examples`: how many examples the checked batch holds (its leading axis;
-        `None` for a batch without one). Fewer than `verify(examples=...)` asked
+    - `gradients`: each leaf's offloaded gradient against the reference gradient.
+        It holds the leaf nearest to its tolerance.
+    - `update`: the model and optimizer state after the streamed update, against
+        those after the whole update. `None` when not checked. That is when the
+        step does not stream (`Policy(update="whole")`, or nothing
+        parameter-shaped on the host). It is also when the loss or gradients
+        already differ.
+    - `layers`: the layers kept of each `Stacked`. `None` means every layer.
+    - `examples`: how many examples the checked batch holds (its leading axis).
+        `None` for a batch without one. Fewer than `verify(examples=...)` asked
         for when the batch is smaller.
     - `whole_batch`: whether those are the whole batch.
     - `microbatches`: how many micro-batches the step split them into.
