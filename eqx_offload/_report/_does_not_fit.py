@@ -1,5 +1,8 @@
-"""`DoesNotFit`: the error `memory_report` raises for a program too big for one
-device of its target, with what is known of it as data, and what to change."""
+"""`DoesNotFit`: the error for a program too big for one device of its target.
+
+`memory_report` raises it. It carries what is known of the program as data, and
+what to change.
+"""
 
 import functools
 from typing import Any, Literal, NamedTuple
@@ -15,30 +18,31 @@ Memory = Literal["device", "host"]
 
 
 class DoesNotFit(ValueError):
-    """Raised by `memory_report` when the compiler finds the program too big for the
-    target's memory. The message gives the compiler's numbers and what is known
-    without compiling; so do the attributes:
+    """Raised when the compiler finds the program too big for the target's memory.
+
+    `memory_report` raises it. The message gives the compiler's numbers. It also
+    gives what is known without compiling. So do the attributes:
 
     - `target`: what it was compiled for (`"tpu-v5e"`, ...).
-    - `exceeded`: the memories the step is too big for, `("device",)`,
-        `("device", "host")` or, from `eo.plan` and `eo.fewest_chips`,
-        `("host",)`. `memory_report` raises only for the device: a step that
-        compiles and exceeds only the host's memory is a report with `fits_host`
-        `False`.
-    - `required_bytes`, `available_bytes`: the compiler's figures (`None` if its
-        message had none); on a GPU, the footprint and the allocator's share.
-    - `host_required_bytes`, `host_available_bytes`: host memory per device: what
-        the step needs (where the compile failed, at least its host-resident
-        arguments) and what one device of the target has
-        (`MemoryReport.host_capacity`); `None` where not known.
-    - `params`, `opt_state`: bytes of parameters and optimizer state by memory kind
-        (`train_step` and `filter_offload` objects; `None` otherwise).
+    - `exceeded`: the memories the step is too big for: `("device",)` or
+        `("device", "host")`. From `eo.plan` and `eo.fewest_chips`, also
+        `("host",)`. `memory_report` raises only for the device. A step that
+        compiles and exceeds only the host's memory gives a report, with
+        `fits_host` `False`.
+    - `required_bytes`, `available_bytes`: the compiler's figures, or `None` if its
+        message had none. On a GPU, the footprint and the allocator's share.
+    - `host_required_bytes`, `host_available_bytes`: host memory per device. The
+        first is what the step needs. Where the compile failed, it is at least the
+        host-resident arguments. The second is what one device of the target has
+        (`MemoryReport.host_capacity`). `None` where not known.
+    - `params`, `opt_state`: bytes of parameters and optimizer state by memory kind.
+        Known for `train_step` and `filter_offload` objects, else `None`.
     - `residuals`: bytes saved for the backward pass by checkpoint name and memory
-        kind, as traced (`None` when not a `train_step`/`filter_offload`).
+        kind, as traced. `None` when not a `train_step`/`filter_offload`.
     - `arguments`: bytes of each argument by memory kind.
     - `compiler_message`: the compiler's own words.
-    - `tried`: raised by `eo.plan`, every candidate it considered (a `PlanTable`:
-        `print(e.tried)`); `None` otherwise.
+    - `tried`: every candidate `eo.plan` considered, when it raised this. It is a
+        `PlanTable` (`print(e.tried)`). `None` otherwise.
     """
 
     target: str
@@ -117,14 +121,14 @@ def too_big(
     sizes: tuple[int, int] | None = None,
     host_bytes: int | None = None,
 ) -> DoesNotFit:
-    """`memory_report`'s error for `what` (`"a train step"`), too big for the
-    device memory of `one_device` (`"one tpu-v5e chip"`).
+    """`memory_report`'s error for `what` (`"a train step"`), too big for a device.
 
-    It says what the step holds, and whether its host memory exceeds
-    `host_capacity` too: `host_bytes`, or where the compile failed, its
-    host-resident arguments (a floor). It advises what would shrink each memory
-    it exceeds, never the placement of `policy`, the policy in use. `message` is
-    the compiler's; with `sizes` (required, available) our own.
+    The device is `one_device` (`"one tpu-v5e chip"`). The error says what the step
+    holds. It says whether its host memory exceeds `host_capacity` too. That memory
+    is `host_bytes`. Where the compile failed, it is the host-resident arguments (a
+    floor). It advises what would shrink each memory it exceeds. It never advises
+    the placement of `policy`, the policy in use. `message` is the compiler's. With
+    `sizes` (required, available), it is our own.
     """
     said = "" if sizes is not None else "the compiler says: "
     u = device_word(target)
@@ -244,8 +248,9 @@ def device_advice(
     capacity: int | None,
     host_full: bool,
 ) -> list[str]:
-    """What would shrink the device memory of a step too big for one device of
-    `target`, under `policy` (`None` for a plain function).
+    """What would shrink a step's device memory, too big for one device of `target`.
+
+    The step runs under `policy` (`None` for a plain function).
 
     Only the moves that change something: a part still on the device, a preset
     other than `policy`. No move to the host when its memory is full too
@@ -329,8 +334,11 @@ def _residual_advice(held: _OnDevice, policy: Any, host_full: bool) -> list[str]
 
 
 def _named_advice(held: _OnDevice, policy: Any, host_full: bool) -> list[str]:
-    """Named residuals on the device: recomputed if `save` keeps them, else (the
-    carries a scan keeps between layers, which only offloading moves) offloaded."""
+    """Named residuals on the device: recomputed if `save` keeps them.
+
+    Others are offloaded. They are the carries a scan keeps between layers, which
+    only offloading moves.
+    """
     named = {
         n: b for n, b in held.saved.items() if n not in UNNAMED and b >= held.least
     }

@@ -1,8 +1,10 @@
-"""`Hardware`: the rates a step-time estimate prices a compiled program at, one
-device of a target: matmul throughput by precision, HBM bandwidth, the host link
-each way, the host memory behind each device, and the host's memory bandwidth and
-FLOP/s for host compute. A table per target, sourced below; any figure can be
-replaced (`dataclasses.replace`)."""
+"""`Hardware`: the rates a step-time estimate prices a compiled program at.
+
+They are for one device of a target. They give matmul throughput by precision, HBM
+bandwidth, and the host link each way. They also give the host memory behind each
+device, and the host's memory bandwidth and FLOP/s for host compute. There is a
+table per target, sourced below. Any figure can be replaced (`dataclasses.replace`).
+"""
 
 import dataclasses
 import math
@@ -41,28 +43,29 @@ class Hardware:
     """What one device of a target can do, for `MemoryReport.time`.
 
     - `name`: e.g. `"tpu-v5e"`.
-    - `matmul_flops`: peak dense matmul FLOP/s by precision (`"bf16"`, `"int8"`,
-        `"fp8"`, `"tf32"`, `"f32"`, and on TPUs `"bf16x3"`/`"bf16x6"`, a float32
-        dot at `HIGH`/`HIGHEST` precision). A precision without a rate runs at a
-        slower one (`fp8`/`int8` at `bf16`, `f32` at `bf16x6`).
+    - `matmul_flops`: peak dense matmul FLOP/s by precision. The precisions are
+        `"bf16"`, `"int8"`, `"fp8"`, `"tf32"`, `"f32"`, and on TPUs
+        `"bf16x3"`/`"bf16x6"`. The last two are a float32 dot at `HIGH`/`HIGHEST`
+        precision. A precision without a rate runs at a slower one. So `fp8`/`int8`
+        run at `bf16`, and `f32` at `bf16x6`.
     - `hbm_bytes_per_second`: device memory bandwidth.
     - `host_to_device_bytes_per_second`, `device_to_host_bytes_per_second`: the
         host link of one device, each way.
-    - `host_memory_bytes`: host RAM per device (the host's RAM over the devices it
-        serves): the `MemoryReport.host_capacity` that `fits_host` compares a
-        report's `host_bytes` (per device) with, and `eo.plan`'s default
+    - `host_memory_bytes`: host RAM per device: the host's RAM over the devices it
+        serves. It is the `MemoryReport.host_capacity`. `fits_host` compares a
+        report's `host_bytes` (per device) with it. It is also `eo.plan`'s default
         `host_budget`.
     - `sources`: where the figures come from.
     - `host_memory_bytes_per_second`, `host_flops`: the host's memory bandwidth
-        and its CPUs' float32 FLOP/s, per device (the host's over the devices it
-        serves): the rates host compute (`compute_on("device_host")`,
-        `Policy(update="host")`) is priced at. The table's are estimates from
-        the hosts' memory channels and cores until measured; without them, 50
-        GB/s and 1 TFLOP/s.
+        and its CPUs' float32 FLOP/s. Both are per device: the host's over the
+        devices it serves. Host compute is priced at these rates. That covers
+        `compute_on("device_host")` and `Policy(update="host")`. The table's are
+        estimates from the hosts' memory channels and cores, until measured.
+        Without them, they are 50 GB/s and 1 TFLOP/s.
 
-    `Hardware.of(target)` is the table's entry for a `memory_report` target;
-    replace a figure with `dataclasses.replace(eo.Hardware.of("gpu-h100"),
-    host_to_device_bytes_per_second=25e9)` and pass it as
+    `Hardware.of(target)` is the table's entry for a `memory_report` target. To
+    replace a figure, use `dataclasses.replace(eo.Hardware.of("gpu-h100"),
+    host_to_device_bytes_per_second=25e9)`. Pass it as
     `memory_report(..., hardware=...)`.
     """
 
@@ -340,8 +343,11 @@ _DEVICE_KINDS = {
 
 
 def of_this_backend() -> Hardware | None:
-    """The table's entry for this backend's first device (a TPU or an H100/H200
-    it runs on), or None (the CPU, other devices)."""
+    """The table's entry for this backend's first device, or None.
+
+    There is one for a TPU or an H100/H200 it runs on. The CPU and other devices
+    have none.
+    """
     kind = jax.devices()[0].device_kind
     if kind in _DEVICE_KINDS:
         return TABLE[_DEVICE_KINDS[kind]]
