@@ -248,9 +248,10 @@ def device_advice(
     capacity: int | None,
     host_full: bool,
 ) -> list[str]:
-    """What would shrink a step's device memory, too big for one device of `target`.
+    """What would shrink the device memory of a step too big for one device.
 
-    The step runs under `policy` (`None` for a plain function).
+    The device is one of `target`. The step runs under `policy` (`None` for a plain
+    function).
 
     Only the moves that change something: a part still on the device, a preset
     other than `policy`. No move to the host when its memory is full too
