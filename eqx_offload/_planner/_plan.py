@@ -1,6 +1,8 @@
-"""`plan`: the fastest placement of a training step that fits a device and a host
-memory budget, chosen from compiled candidates ranked by the step-time estimate;
-`Plan`, what it chose."""
+"""`plan`: the fastest placement of a training step that fits the memory budgets.
+
+The budgets are a device and a host memory. The placement is chosen from compiled
+candidates, ranked by the step-time estimate. `Plan` is what it chose.
+"""
 
 import dataclasses
 import time
@@ -60,22 +62,26 @@ UPDATE_LATER = 2
 class Plan:
     """What `plan` chose, and why.
 
-    - `policy`: the chosen `Policy`; `microbatches`: the chosen micro-batch count
-        (1 unless `plan(microbatches=...)` offered others); `report`: its compiled
-        `MemoryReport` (its step time in `report.time`).
-    - `target`: the target planned for; `mesh`: for a slice (or several GPUs), the
-        `AbstractMesh` of one axis over every device that the policy's FSDP layout
-        and batch split name (`None` for one device).
-    - `table`: every candidate considered (`PlanTable`: `print(plan.table)`,
-        `plan.table.to_dict()`); `compiled`: how many were compiled, `reused`:
-        how many of them an earlier `plan` in this process had compiled (kept by
-        step, shapes, policy and target); `seconds`: the planning time (of
-        `eo.fewest_chips`: of every target it planned);
-        `tried`: of `eo.fewest_chips`, the other targets and why each was not
-        chosen.
-    - `train_step()`: the chosen step, ready to call with `place(model)` and
-        `init_opt_state(...)`'s state; `place(model)`: the model in the memory
-        kinds (and on a slice, the layout) the policy gives it.
+    - `policy`: the chosen `Policy`.
+    - `microbatches`: the chosen micro-batch count. It is 1 unless
+        `plan(microbatches=...)` offered others.
+    - `report`: its compiled `MemoryReport`, with its step time in `report.time`.
+    - `target`: the target planned for.
+    - `mesh`: for a slice (or several GPUs), an `AbstractMesh` of one axis over
+        every device. The policy's FSDP layout and batch split name that axis.
+        `None` for one device.
+    - `table`: every candidate considered, a `PlanTable`. Use `print(plan.table)`
+        or `plan.table.to_dict()`.
+    - `compiled`: how many were compiled.
+    - `reused`: how many of them an earlier `plan` in this process had compiled.
+        They are kept by step, shapes, policy and target.
+    - `seconds`: the planning time. For `eo.fewest_chips`, of every target it
+        planned.
+    - `tried`: for `eo.fewest_chips`, the other targets and why each was not chosen.
+    - `train_step()`: the chosen step. Call it with `place(model)` and
+        `init_opt_state(...)`'s state.
+    - `place(model)`: the model in the memory kinds the policy gives it. On a
+        slice, also in its layout.
     """
 
     policy: Policy
@@ -95,8 +101,11 @@ class Plan:
     reused: int = 0
 
     def train_step(self) -> TrainStep:
-        """The chosen step, an `eo.TrainStep`: `eo.train_step(loss_fn, optimizer,
-        plan.policy, microbatches=plan.microbatches)`."""
+        """The chosen step, an `eo.TrainStep`.
+
+        It is `eo.train_step(loss_fn, optimizer, plan.policy,
+        microbatches=plan.microbatches)`.
+        """
         return train_step(
             self.loss_fn,
             self.optimizer,
@@ -106,10 +115,13 @@ class Plan:
         )
 
     def place(self, model: PyTree, mesh: Mesh | None = None) -> PyTree:
-        """`eo.place(model, plan.policy)`. For a plan with a `mesh`, an abstract
-        model is laid out on `plan.mesh`, a concrete one on `mesh`: a
-        `jax.sharding.Mesh` of as many devices, with the same axis name. By
-        default `jax.make_mesh` over this backend's devices."""
+        """`eo.place(model, plan.policy)`.
+
+        For a plan with a `mesh`, an abstract model is laid out on `plan.mesh`. A
+        concrete one is laid out on `mesh`. That is a `jax.sharding.Mesh` of as many
+        devices, with the same axis name. By default it is `jax.make_mesh` over this
+        backend's devices.
+        """
         if self.mesh is None or mesh is not None:
             return place(model, self.policy, mesh=mesh)
         if not any(isinstance(x, jax.Array) for x in jtu.tree_leaves(model)):
@@ -132,9 +144,11 @@ class Plan:
         return init_opt_state(self.optimizer, model, self.policy)
 
     def apply_pending(self, model: PyTree, opt_state: PyTree) -> tuple[PyTree, PyTree]:
-        """`eo.apply_pending(model, opt_state, optimizer, plan.policy)`: where the
-        plan chose `update_timing="next_forward"`, the update the last step left
-        pending, applied (else the arguments as they are)."""
+        """`eo.apply_pending(model, opt_state, optimizer, plan.policy)`.
+
+        Where the plan chose `update_timing="next_forward"`, it applies the update
+        the last step left pending. Otherwise it returns the arguments as they are.
+        """
         return apply_pending(model, opt_state, self.optimizer, self.policy)
 
     def __str__(self) -> str:
@@ -163,54 +177,61 @@ def plan(
     compute_dtypes: Sequence[DTypeLike | None] = (None,),
     progress: bool = False,
 ) -> Plan:
-    """Chooses where a training step's parameters, optimizer state and saved
-    activations live. The plan is the candidate with the lowest estimated step
-    time whose compiled step fits both memory budgets. Compiles candidates
-    (`memory_report`), never runs them.
+    """Chooses where a training step's parameters, state and saved activations live.
+
+    The plan is the candidate with the lowest estimated step time that fits. Its
+    compiled step must fit both memory budgets. It compiles candidates
+    (`memory_report`), and never runs them.
 
     **Arguments:**
 
     - `loss_fn`, `optimizer`: as for `eo.train_step`.
-    - `model`, `*batch`: the model and one batch (the whole batch, on a slice):
-        arrays or `jax.ShapeDtypeStruct`s (`eqx.filter_eval_shape(Model, ...)`).
-        The model's memory kinds are ignored: each candidate places it.
+    - `model`, `*batch`: the model and one batch (the whole batch, on a slice).
+        They are arrays or `jax.ShapeDtypeStruct`s (`eqx.filter_eval_shape(Model,
+        ...)`). The model's memory kinds are ignored: each candidate places it.
     - `device_budget`, `host_budget`: bytes of device memory and of host memory
-        per device, as an int or a string (`"16GiB"`, `"48GB"`). By default the
-        target's capacity (`MemoryReport.capacity`) and its host RAM per device
-        (`eo.Hardware.of(target).host_memory_bytes`). On the CPU backend give
-        both.
+        per device. Each is an int or a string (`"16GiB"`, `"48GB"`). The defaults
+        are the target's capacity (`MemoryReport.capacity`) and its host RAM per
+        device (`eo.Hardware.of(target).host_memory_bytes`). On the CPU backend,
+        give both.
     - `target`: as for `memory_report` (`"tpu-v5e"`, `"tpu-v5e:4x4"`,
-        `"gpu-h100"`, `"gpu-h100:8"`, ...). On a slice (or several GPUs) every
-        candidate is laid out FSDP over all devices (`Policy(shard=eo.FSDP(axis),
-        batch=axis)`, on `plan.mesh`). For the fewest chips, `eo.fewest_chips`.
+        `"gpu-h100"`, `"gpu-h100:8"`, ...). On a slice (or several GPUs), every
+        candidate is laid out FSDP over all devices, on `plan.mesh`. That layout
+        is `Policy(shard=eo.FSDP(axis), batch=axis)`. For the fewest chips, use
+        `eo.fewest_chips`.
     - `has_aux`: as for `eo.train_step`.
-    - `axis`: the name of the mesh axis of a slice's FSDP layout (the name the
-        model's own sharding constraints use, if any).
-    - `microbatches`, `compute_dtypes`: the micro-batch counts
-        (`train_step(microbatches=...)`) and compute dtypes
-        (`Policy(compute_dtype=...)`, `None`: the model's own) to choose from.
-        They change the numerics, so by default only `1` and `None` are tried.
-        Opt in with e.g. `microbatches=(1, 2, 4)`, `compute_dtypes=(None,
-        jnp.bfloat16)`. Under a compute dtype, a field's compute copies go where
-        its parameters go; the local search may keep them on the device.
+    - `axis`: the name of the mesh axis of a slice's FSDP layout. Use the name the
+        model's own sharding constraints use, if any.
+    - `microbatches`, `compute_dtypes`: the micro-batch counts and compute dtypes
+        to choose from. They go to `train_step(microbatches=...)` and
+        `Policy(compute_dtype=...)`, where `None` is the model's own. They change
+        the numerics, so by default only `1` and `None` are tried. Opt in with
+        e.g. `microbatches=(1, 2, 4)`, `compute_dtypes=(None, jnp.bfloat16)`.
+        Under a compute dtype, a field's compute copies go where its parameters
+        go. The local search may keep them on the device.
     - `progress`: a progress bar over the compiles (tqdm, if installed). Its
-        total is the candidates compiled and the most the search still plans to
+        total is the candidates compiled, plus the most the search still plans to
         compile.
 
-    **The search** (`docs/plan.md`): `Policy.none()` first, the plan if it fits.
-    Else the presets; the single moves that free the most device memory by
-    estimate (a field's parameters or a part of its optimizer state to the host,
-    a checkpoint name offloaded or recomputed); the combinations of compiled moves
-    estimated to fit, fastest first; and a local search one knob at a time from
-    the best so far. Then each other micro-batch count and compute dtype offered,
-    on the best candidate, and the local search again. For a TPU target where
-    nothing fits yet, the best candidate with the compiler's own remat to host
-    (`Policy(host_remat=True)`, in a child process), and the local search again.
-    The plan is the fitting candidate with the lowest estimated step time; the
-    smallest device footprint among equals, and on the CPU backend, which has no
-    step time. Each step is compiled once in a process: `plan` again reuses what
-    an earlier one compiled for the same `loss_fn` and `optimizer` objects,
-    shapes, policy and target.
+    **The search** (`docs/plan.md`) tries `Policy.none()` first: the plan, if it
+    fits. Else it tries, in turn:
+
+    - the presets;
+    - the single moves that free the most device memory, by estimate. A move sends
+        a field's parameters or a part of its optimizer state to the host. Or it
+        offloads or recomputes a checkpoint name;
+    - the combinations of compiled moves estimated to fit, fastest first;
+    - a local search, one knob at a time, from the best so far.
+
+    Then it tries each other micro-batch count and compute dtype offered, on the
+    best candidate, and the local search again. For a TPU target where nothing fits
+    yet, it tries the best candidate with the compiler's own remat to host. That is
+    `Policy(host_remat=True)`, in a child process. The local search then runs
+    again. The plan is the fitting candidate with the lowest estimated step time.
+    Among equals, and on the CPU backend (no step time), it has the smallest device
+    footprint. Each step is compiled once in a process. `plan` again reuses what an
+    earlier one compiled for the same `loss_fn` and `optimizer` objects, shapes,
+    policy and target.
 
     **Returns:**
 
@@ -219,10 +240,10 @@ def plan(
 
     **Raises:**
 
-    `DoesNotFit` when no candidate fits, with the smallest device footprint
-    found, and which budget it broke (`e.tried`: the table of every
-    candidate). `ValueError` for a budget that is not a size, a micro-batch
-    count that does not split the batch.
+    - `DoesNotFit` when no candidate fits. It gives the smallest device footprint
+        found, and which budget it broke. `e.tried` is the table of every candidate.
+    - `ValueError` for a budget that is not a size. Also for a micro-batch count
+        that does not split the batch.
     """
     found = search_plan(
         loss_fn,
