@@ -1,5 +1,7 @@
-"""`fewest_chips`: the smallest slice (or number of GPUs) of a chip kind on which a
-training step fits with its best plan."""
+"""`fewest_chips`: the smallest slice (or number of GPUs) that fits a training step.
+
+The slice is of one chip kind. The step fits with its best plan.
+"""
 
 import dataclasses
 import time
@@ -32,44 +34,48 @@ def fewest_chips(
     compute_dtypes: Sequence[DTypeLike | None] = (None,),
     progress: bool = False,
 ) -> Plan:
-    """The fewest devices of `chip` on which the training step fits, and its plan:
-    `eo.plan` on the chip's targets from one device up, FSDP over every device of
-    a slice. Compiles, never runs.
+    """The fewest devices of `chip` on which the training step fits, and its plan.
+
+    It runs `eo.plan` on the chip's targets, from one device up. A slice is laid
+    out FSDP over every device. It compiles, and never runs.
 
     **Arguments:**
 
     - `loss_fn`, `optimizer`, `model`, `*batch`, `has_aux`, `axis`, `microbatches`,
         `compute_dtypes`, `progress`: as for `eo.plan`.
     - `chip`: `"tpu-v5e"`, `"tpu-v6e"`, `"tpu-v5p"`, `"tpu-v4"`, `"gpu-h100"` or
-        `"gpu-h200"`. The targets tried: one chip, then for a v5e or v6e the slices
-        `2x2`, `2x4`, `4x4` ... `16x16`; for a v5p or v4 `2x2x1` ... `4x8x8`; for a
-        GPU 2, 4, 8 GPUs of one host, then hosts of eight (`2x8` ... `8x8`).
-    - `device_budget`, `host_budget`: per device, as for `eo.plan`; by default
-        the chip's capacity and its host RAM per device (48 GB a v5e chip: the
-        RAM of a host over the chips it serves, so within it on every host).
+        `"gpu-h200"`. The targets tried start with one chip. Then:
+        - for a v5e or v6e, the slices `2x2`, `2x4`, `4x4` ... `16x16`;
+        - for a v5p or v4, `2x2x1` ... `4x8x8`;
+        - for a GPU, 2, 4, 8 GPUs of one host, then hosts of eight (`2x8` ...
+            `8x8`).
+    - `device_budget`, `host_budget`: per device, as for `eo.plan`. The defaults
+        are the chip's capacity and its host RAM per device. That is 48 GB for a
+        v5e chip: the RAM of a host over the chips it serves. So a plan within it
+        fits on every host.
     - `batch_per_device`: `False` (default): `batch` is the whole batch, split
-        over the devices (a target whose device count does not divide its leading
-        size is skipped). `True`: `batch` is one device's share, and the whole
-        batch grows with the devices (the leading sizes times the device count).
+        over the devices. A target whose device count does not divide its leading
+        size is skipped. `True`: `batch` is one device's share. The whole batch
+        then grows with the devices: the leading sizes times the device count.
 
-    **The search.** Taking a step that fits on `n` devices to fit on more (FSDP
-    splits parameters, state and the batch further), it bisects the targets: three
-    or four probes for the eight of a v5e (one chip and seven slices). A probe is
-    `eo.plan`'s search stopped at the first candidate that fits (a target where
-    nothing fits is searched in full); the fewest devices found are then planned
-    in full.
+    **The search.** A step that fits on `n` devices is taken to fit on more. FSDP
+    splits parameters, state and the batch further. So it bisects the targets.
+    That takes three or four probes for the eight of a v5e (one chip and seven
+    slices). A probe is `eo.plan`'s search, stopped at the first candidate that
+    fits. A target where nothing fits is searched in full. The fewest devices
+    found are then planned in full.
 
     **Returns:**
 
-    The `Plan` of the fewest devices (`plan.target`, `plan.mesh`); `plan.tried`
+    The `Plan` of the fewest devices (`plan.target`, `plan.mesh`). `plan.tried`
     says, of each other target planned, why it was not chosen.
 
     **Raises:**
 
-    `DoesNotFit` if the step fits on none of them, with the smallest footprint
-    on the largest and the budgets it exceeds there (`e.exceeded`: a target fits
-    when its device and its host bytes, both per device, are within their
-    budgets, as in `eo.plan`).
+    `DoesNotFit` if the step fits on none of them. It gives the smallest footprint
+    on the largest, and the budgets it exceeds there (`e.exceeded`). As in
+    `eo.plan`, a target fits when its device and host bytes are within their
+    budgets, both per device.
     """
     start = time.perf_counter()
     targets = list(target_sizes(chip))
@@ -130,8 +136,11 @@ def fewest_chips(
 def _splitting(
     targets: list[str], counts: dict[str, int], batch: tuple, microbatches: int
 ) -> tuple[list[str], list[tuple[str, str]]]:
-    """The targets whose devices (times the most micro-batches offered) split the
-    batch's leading sizes; and the others, each with why it is skipped."""
+    """The targets whose devices split the batch's leading sizes, and the others.
+
+    The devices are counted times the most micro-batches offered. Each other
+    target comes with why it is skipped.
+    """
     leading = {x.shape[0] for x in jtu.tree_leaves(batch) if getattr(x, "ndim", 0) > 0}
     parts = "" if microbatches == 1 else f" (in {microbatches} micro-batches)"
     kept, skipped = [], []

@@ -1,5 +1,7 @@
-"""What `plan` shows: a row per candidate considered (`PlanRow`) and the table of
-them (`PlanTable`), printable and convertible to a dict."""
+"""What `plan` shows: a row per candidate considered, and the table of them.
+
+`PlanRow` is a row. `PlanTable` is the table, printable and convertible to a dict.
+"""
 
 import dataclasses
 import textwrap
@@ -16,17 +18,18 @@ LABEL_WIDTH = 44
 class PlanRow(NamedTuple):
     """One candidate `plan` considered.
 
-    - `label`: what it places where (`"params on host: blocks; offload
-        blocks.input"`), different for each candidate; `policy`: the `Policy` it
-        trains with.
-    - `status`: `"chosen"`, `"compiled"`, or why it was not compiled
+    - `label`: what it places where, different for each candidate. For example
+        `"params on host: blocks; offload blocks.input"`.
+    - `policy`: the `Policy` it trains with.
+    - `status`: `"chosen"` or `"compiled"`. Otherwise, why it was not compiled
         (`"pruned: ..."`) or did not compile (`"does not compile: ..."`).
-    - `device_bytes`, `host_bytes`: per device, from the compiled program (`None`
-        if not compiled; for a program the compiler found too big, its figure);
-        `fits`: within both budgets (`None` if not compiled).
+    - `device_bytes`, `host_bytes`: per device, from the compiled program. `None`
+        if not compiled. For a program the compiler found too big, its figure.
+    - `fits`: within both budgets. `None` if not compiled.
     - `seconds`, `bound`: the estimated step time and what bounds it
-        (`MemoryReport.time`); `transfer_bytes`: host <-> device bytes per step;
-        `recomputed_flops`: matmul FLOPs beyond those of the step without remat.
+        (`MemoryReport.time`).
+    - `transfer_bytes`: host <-> device bytes per step.
+    - `recomputed_flops`: matmul FLOPs beyond those of the step without remat.
     """
 
     label: str
@@ -46,8 +49,10 @@ class PlanRow(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class PlanTable:
-    """Every candidate `plan` considered (`rows`), printable as a table (a label
-    longer than its column goes on over the lines below its row)."""
+    """Every candidate `plan` considered (`rows`), printable as a table.
+
+    A label longer than its column goes on over the lines below its row.
+    """
 
     rows: tuple[PlanRow, ...]
     device_budget: int
@@ -87,9 +92,11 @@ class PlanTable:
 
 
 def _wrap(label: str) -> list[str]:
-    """A label in lines of the table's first column: whole, broken at spaces (a
-    word longer than the column, at its width), the lines after the first
-    indented."""
+    """A label in lines of the table's first column.
+
+    It is whole, broken at spaces. A word longer than the column breaks at its
+    width. The lines after the first are indented.
+    """
     return textwrap.wrap(
         label, LABEL_WIDTH, subsequent_indent="  ", break_on_hyphens=False
     ) or [""]
