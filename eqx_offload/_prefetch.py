@@ -1,29 +1,32 @@
-"""A scan over a `Stacked`'s layers that reads layer `i + 1` while layer `i`
-computes, in the forward pass and (reading layer `i - 1`) in the backward pass.
+"""A scan over a `Stacked`'s layers that reads the next layer while one computes.
 
-Inside a plain scan body the read of a layer's host-resident parameters starts and
-ends right before its matmuls: nothing else is there to hide it behind. Carrying
-the next layer's parameters in the scan's carry lets the compiler start its read
-at the top of the body and end it after this layer's compute. Under JAX's own
-autodiff that carry would become a residual (every layer's parameters saved on the
-device) and the transposed scan would read each layer at the top of its body, so
-the scan is a `jax.custom_vjp` with both scans written here:
+In the forward pass it reads layer `i + 1` while layer `i` computes. In the backward
+pass it reads layer `i - 1`.
 
-- forward: carry `(x, layer i)`; the body reads layer `i + 1`, and runs layer `i`
-  under `jax.vjp`, keeping of its residuals only those that are not one of its
-  inputs (the saved and offloaded activations: a layer's parameters and per-layer
-  inputs are read again in the backward pass rather than saved);
+Inside a plain scan body, the read of a layer's host-resident parameters starts and
+ends right before its matmuls. Nothing else is there to hide it behind. So the next
+layer's parameters are carried in the scan's carry. The compiler can then start
+their read at the top of the body, and end it after this layer's compute. Under
+JAX's own autodiff, that carry would become a residual. Every layer's parameters
+would be saved on the device. The transposed scan would also read each layer at the
+top of its body. So the scan is a `jax.custom_vjp`, with both scans written here:
+
+- forward: carry `(x, layer i)`. The body reads layer `i + 1`, and runs layer `i`
+  under `jax.vjp`. Of its residuals, it keeps only those that are not one of its
+  inputs: the saved and offloaded activations. A layer's parameters and per-layer
+  inputs are read again in the backward pass, not saved.
 - backward: a reverse scan with carry `(cotangent, layer i, layer i's offloaded
-  residuals)`; the body reads layer `i - 1` and its offloaded residuals, rebuilds
-  layer `i`'s `jax.vjp` from its parameters and saved residuals, and applies it.
+  residuals)`. The body reads layer `i - 1` and its offloaded residuals. It
+  rebuilds layer `i`'s `jax.vjp` from its parameters and saved residuals, and
+  applies it.
 
-The last forward iteration reads layer `n - 1` again (the first layer the backward
-pass needs: it is carried over, not read twice), and the last backward iteration
-reads layer 0 again, which is the one read more than a plain scan does; a
+The last forward iteration reads layer `n - 1` again. That is the first layer the
+backward pass needs: it is carried over, not read twice. The last backward iteration
+reads layer 0 again. That is the one read more than a plain scan does. A
 forward-only scan reads layer `n - 1` twice.
 
-A `custom_vjp` has no forward-mode derivative: `jax.jvp` of a step that prefetches
-is refused by the caller (`_scan_body.py`), which runs the plain scan there.
+A `custom_vjp` has no forward-mode derivative. So under `jax.jvp`, the caller
+(`_scan_body.py`) does not prefetch. It runs the plain scan there.
 """
 
 import functools

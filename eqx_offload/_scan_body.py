@@ -1,6 +1,8 @@
-"""The scan body of a `Stacked` configured by `filter_offload`: host slices moved to
-the device one layer at a time (through their gradient taps), the carry and named
-submodules' outputs named, and `jax.checkpoint` with the policy's names.
+"""The scan body of a `Stacked` configured by `filter_offload`.
+
+- Host slices move to the device one layer at a time, through their gradient taps.
+- The carry and named submodules' outputs are named.
+- `jax.checkpoint` applies with the policy's names.
 
 The container (`_stacked.py`) knows only `AbstractScan`; this is its implementation.
 """
