@@ -5,6 +5,8 @@ scanned one at a time, and `filter_offload`/`train_step` insert the checkpoint
 names, remat policy and `device_put` transfers that are otherwise written by hand.
 """
 
+import importlib.metadata
+
 from ._checkpoint_names import (
     checkpoint_names as checkpoint_names,
     CheckpointName as CheckpointName,
@@ -124,4 +126,4 @@ __all__ = [
     "wait_until_finished",
 ]
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("eqx_offload")

@@ -82,7 +82,7 @@ def test_no_message_is_over_300_characters(limit):
 
 ERRORS = LIBRARY.parent / "docs" / "errors.md"
 # A row whose message is not the library's: JAX's own error, or none at all.
-NOT_OURS = re.compile(r"`\w+` from JAX|no error")
+NOT_OURS = re.compile(r"`\w+` from (JAX|Python)|no error")
 # A row whose message is another row's, and so ends with that row's link.
 SHARED = re.compile(r"it ends with `See docs/errors\.md#e(\d+)\.`")
 
