@@ -78,6 +78,8 @@ def test_correct_policies_pass_and_the_callers_arrays_are_intact(name, getkey):
     report = eo.verify(step, model, opt_state, tokens, targets, **kwargs)
     assert isinstance(report, eo.VerifyReport) and report.passed
     assert set(seen) == {expected}  # the layers and examples kept
+    whole = kwargs.get("examples", 2) is None
+    assert (report.examples, report.whole_batch) == (expected[1][0], whole)
     # Parameters and optimizer state on the host: the update streams, and is
     # checked; otherwise there is nothing to compare it with.
     assert (report.update is not None) == (name == "offload_all")
