@@ -86,10 +86,10 @@ def _check_layout(model: PyTree, policy: Policy, shardings: tuple) -> None:
         actual = None if sharding is None else _layout.normalise(sharding.spec, ndim)
         if actual != _layout.normalise(spec, ndim):
             where = "on one device" if sharding is None else f"laid out as {actual}"
-            declared = _layout.normalise(spec, ndim)
+            wanted = _layout.normalise(spec, ndim)
             raise ValueError(
                 f"`train_step`: model leaf {leaf.path!r} is {where}, but "
-                f"`Policy(shard=...)` lays it out as {declared}. Place it first: "
+                f"`Policy(shard=...)` lays it out as {wanted}. Place it first: "
                 "`eqx_offload.place(model, policy, mesh=mesh)`." + see(79)
             )
 
@@ -138,7 +138,7 @@ def value_and_grad(
     )
 
 
-def _step(
+def traced_step(
     step: Any,
     model_dynamic: list,
     opt_dynamic: list,
@@ -190,6 +190,10 @@ def _step(
     return _outputs(model, opt_state, model_kinds, opt_kinds, statics) + (value, norms)
 
 
+# The compiled program keeps its name, `jit__step` (profiles and captured HLO show it).
+traced_step.__name__ = traced_step.__qualname__ = "_step"
+
+
 def _outputs(
     model: PyTree,
     opt_state: PyTree,
@@ -217,7 +221,7 @@ def _pending_step(
     model_kinds: list,
     opt_kinds: list,
 ) -> tuple[list, list, Any, dict[str, Any] | None]:
-    """`_step` under `Policy(update_timing=...)`: the waiting update of the
+    """`traced_step` under `Policy(update_timing=...)`: the waiting update of the
     stacked layers applied before the loss (`"next_forward"`) or after it
     (`"delayed"`), and this step's held over."""
     policy = step.policy

@@ -21,7 +21,7 @@ from ._errors import see
 from ._flatten import flatten, unflatten
 from ._placement import place_batch
 from ._policy import check_policy, Policy
-from ._traced_step import _step, Statics
+from ._traced_step import Statics, traced_step
 
 
 def _mesh_shardings(dynamic: list) -> tuple:
@@ -89,7 +89,6 @@ class TrainStep(eqx.Module):
     """The batch arguments (by position) passed whole to every micro-batch."""
     metrics: bool
     """Whether the step computes the gradient, update and parameter norms."""
-    _fun: Callable = eqx.field(repr=False)  # the step on flat arguments
     _jitted: Callable = eqx.field(repr=False)
 
     def __init__(
@@ -123,14 +122,13 @@ class TrainStep(eqx.Module):
         self.microbatches = microbatches
         self.unsplit = _microbatch.check_unsplit(unsplit, microbatches, "`train_step`")
         self.metrics = metrics
-        # The step's fields are bound, not a static argument: `loss_fn` may be a
-        # module holding arrays, which are not hashable.
-        self._fun = functools.partial(_step, self)
         options = None
         if policy.host_remat:
             options = _compiler.host_remat_options(jax.default_backend())
+        # The step's fields are bound, not a static argument: `loss_fn` may be a
+        # module holding arrays, which are not hashable.
         self._jitted = jax.jit(
-            self._fun,
+            flat_function(self),
             static_argnums=(3,),
             donate_argnums=(0, 1),
             compiler_options=options,
@@ -240,9 +238,10 @@ def flat_function(step: TrainStep) -> Callable:
 
     `f(model_leaves, opt_state_leaves, batch_leaves, statics)` returns the new model's
     and optimizer state's leaves, the loss and the metrics. `flat_arguments` gives its
-    arguments. `memory_report` jits it to compile it for a target.
+    arguments. `memory_report` jits it to compile it for a target. It reads the step's
+    public fields, as every other reader of the step does.
     """
-    return step._fun
+    return functools.partial(traced_step, step)
 
 
 def rejected(
