@@ -72,7 +72,7 @@ class _CompileJob(NamedTuple):
     """What to compile (`trace()`), and how to describe it."""
 
     trace: Callable[[], Any]  # -> a `jax.stages.Traced`
-    kind: str
+    compiled: str  # "train_step", "filter_offload" or "function"
     arguments: dict[str, Any]
     params: Any = None
     opt_state: Any = None
@@ -146,9 +146,9 @@ def _function_job(fn: Any, args: tuple, kwargs: dict) -> _CompileJob:
     parts = _compat.filter_jit_parts(fn)
     donate = () if parts is None else parts.donated
     fn = _unwrap_filter_jit(fn)
-    kind = "function"
+    compiled = "function"
     if isinstance(fn, _OffloadWrapper):
-        kind = "filter_offload"
+        compiled = "filter_offload"
         residuals = functools.partial(saved_for_backward, fn, *args, **kwargs)
         fn = eqx.filter_value_and_grad(fn, has_aux=_has_aux(fn, args, kwargs))
     first, first_static = flatten(args[:1])
@@ -161,9 +161,11 @@ def _function_job(fn: Any, args: tuple, kwargs: dict) -> _CompileJob:
 
     jitted = jax.jit(call, static_argnums=2, donate_argnums=donate, keep_unused=True)
     trace = lambda: jitted.trace(first, rest, (first_static, rest_static))  # noqa: E731
-    if kind == "function":
-        return _CompileJob(trace, kind, named)
-    return _CompileJob(trace, kind, named, args[0] if args else None, None, residuals)
+    if compiled == "function":
+        return _CompileJob(trace, compiled, named)
+    return _CompileJob(
+        trace, compiled, named, args[0] if args else None, None, residuals
+    )
 
 
 def _unwrap_filter_jit(fn: Any) -> Any:
@@ -367,7 +369,7 @@ def _compile(
                 f"option, and this step is compiled for {where.name}. Compile it "
                 "for a TPU (`target='tpu-v5e'`), or drop `host_remat`." + see(121)
             )
-    what = DESCRIPTIONS[job.kind]
+    what = DESCRIPTIONS[job.compiled]
     try:
         compiled = traced.lowered.compile(compiler_options=options)
         stats = compiled.memory_analysis()
@@ -410,7 +412,7 @@ def _build(
     return MemoryReport(
         target=where.name,
         capacity=where.capacity,
-        compiled=job.kind,
+        compiled=job.compiled,
         estimate=estimate,
         device=device,
         host=host,
@@ -481,7 +483,7 @@ def _outputs(job: _CompileJob) -> list[tuple[str, str]]:
 
     A `train_step` returns the new parameters and optimizer state first, leaf for leaf.
     """
-    if job.kind != "train_step":
+    if job.compiled != "train_step":
         return []
     return [i for i in _inputs(job) if i[0] in ("params", "opt_state")]
 
@@ -542,12 +544,12 @@ class _Refusal(NamedTuple):
         job, where, saved = self.traced.job, self.where, self.traced.saved
         return too_big(
             message,
-            what=DESCRIPTIONS[job.kind],
+            what=DESCRIPTIONS[job.compiled],
             one_device=where.one_chip,
             target=where.name,
             is_slice=where.is_slice,
             per_device=where.mesh is not None,
-            compiled=job.kind,
+            compiled=job.compiled,
             policy=_policy_of(self.fn),
             params=None if job.params is None else _count(job.params, where),
             opt_state=None if job.opt_state is None else _count(job.opt_state, where),

@@ -352,18 +352,18 @@ def _device_update(leaf: _TrainableLeaf, k: int, totals: dict[str, int]) -> None
         totals["opt_state_to_host"] += _nbytes(leaf.copy)
 
 
-def of_step(fn: Any, plan: Any, residuals: Any, platform: str, where: Any) -> Any:
-    """`memory_report`'s minimum for what it compiled (`plan`, for `where`).
+def of_step(fn: Any, job: Any, residuals: Any, platform: str, where: Any) -> Any:
+    """`memory_report`'s minimum for what it compiled (`job`, for `where`).
 
     For a `train_step`, it counts the residuals it saw in host memory. They are
     `ResidualRow`s of whole arrays, divided between the devices of a slice. `None` for
     anything else.
     """
-    if plan.kind != "train_step":
+    if job.compiled != "train_step":
         return None
     return minimum_traffic(
-        plan.params,
-        plan.opt_state,
+        job.params,
+        job.opt_state,
         fn.policy,
         fn.optimizer,
         microbatches=fn.microbatches,
