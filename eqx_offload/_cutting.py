@@ -141,15 +141,15 @@ def state_sizes(
 
 
 def whole_parts(
-    microbatch: int | None, policy: Policy, model: PyTree, microbatches: int = 1
+    examples: int | None, policy: Policy, model: PyTree, microbatches: int = 1
 ) -> int | None:
-    """`microbatch` rounded up to whole micro-batches of whole blocks.
+    """`examples` rounded up to whole micro-batches of whole blocks.
 
     It becomes a multiple of `microbatches` times the parts `Policy(batch=...)`
     splits the leading dimension into. The cut batch can then be laid out, and
     split into the step's micro-batches.
     """
-    if microbatch is None:
+    if examples is None:
         return None
     parts = 1
     mesh = _mesh.tree_mesh(model)
@@ -157,13 +157,13 @@ def whole_parts(
         names = _layout.axis_names(policy.batch[0])
         parts = math.prod(dict(mesh.shape).get(n, 1) for n in names)
     whole = parts * microbatches
-    return -(-microbatch // whole) * whole
+    return -(-examples // whole) * whole
 
 
 def batch_sizes(
-    batch: tuple, microbatch: int | None, unsplit: tuple[int, ...] = ()
+    batch: tuple, examples: int | None, unsplit: tuple[int, ...] = ()
 ) -> list[tuple[int, ...] | None]:
-    """The cut of each batch leaf: its first `microbatch` examples along axis 0.
+    """The cut of each batch leaf: its first `examples` rows along axis 0.
 
     The arguments at positions `unsplit` are not cut. They are passed whole to
     every micro-batch, so they are not batch-major.
@@ -173,10 +173,10 @@ def batch_sizes(
         for x in jtu.tree_leaves(argument):
             if not eqx.is_array(x):
                 out.append(None)
-            elif microbatch is None or x.ndim == 0 or position in unsplit:
+            elif examples is None or x.ndim == 0 or position in unsplit:
                 out.append(tuple(x.shape))
             else:
-                out.append((min(x.shape[0], microbatch),) + tuple(x.shape[1:]))
+                out.append((min(x.shape[0], examples),) + tuple(x.shape[1:]))
     return out
 
 
