@@ -133,23 +133,23 @@ class _ByPlace(NamedTuple):
     moved: set[str]  # host-resident paths of `plain`, sent to the host at the end
 
 
-def _is_streamed(path: str, stream: tuple[str, ...]) -> bool:
-    return any(_paths.prefix_match(p, path) is not None for p in stream)
+def _is_host_table(path: str, host_tables: tuple[str, ...]) -> bool:
+    return any(_paths.prefix_match(p, path) is not None for p in host_tables)
 
 
 def _adds_up_on_device(
-    leaf: _paths.Leaf, dtype: Any, k: int, stream: tuple[str, ...]
+    leaf: _paths.Leaf, dtype: Any, k: int, host_tables: tuple[str, ...]
 ) -> bool:
     """Whether a host-resident leaf's gradient is accumulated on the device.
 
-    That is one outside every `Stacked`, not streamed, over several micro-batches,
-    whose minor dimensions are not whole TPU tiles.
+    That is one outside every `Stacked`, not a host table, over several
+    micro-batches, whose minor dimensions are not whole TPU tiles.
     """
     x = leaf.value
     return (
         k > 1
         and leaf.stacked is None
-        and not _is_streamed(leaf.path, stream)
+        and not _is_host_table(leaf.path, host_tables)
         and not (
             _tiling.whole_tiles(x.shape, x.dtype)
             and _tiling.whole_tiles(x.shape, dtype)
@@ -157,11 +157,13 @@ def _adds_up_on_device(
     )
 
 
-def _by_place(leaves: list, dtypes: list, k: int, stream: tuple[str, ...]) -> _ByPlace:
+def _by_place(
+    leaves: list, dtypes: list, k: int, host_tables: tuple[str, ...]
+) -> _ByPlace:
     moved = {
         leaf.path
         for leaf, d in zip(leaves, dtypes)
-        if is_host(leaf.value) and _adds_up_on_device(leaf, d, k, stream)
+        if is_host(leaf.value) and _adds_up_on_device(leaf, d, k, host_tables)
     }
     host = [is_host(leaf.value) and leaf.path not in moved for leaf in leaves]
     tapped = [(leaf, d) for leaf, d, h in zip(leaves, dtypes, host) if h]
@@ -214,19 +216,19 @@ class _MicroLoss:
 
 
 def _one_batch(
-    micro: _MicroLoss, batch: tuple, device_params: list, stream: tuple[str, ...]
+    micro: _MicroLoss, batch: tuple, device_params: list, host_tables: tuple[str, ...]
 ) -> tuple:
     """The whole batch at once: `(value, aux), (host grads, device grads)`.
 
     Each host gradient is received by its compute copy. It crosses to the host
     once, in the compute dtype (exactly: it is computed in it), and the update
-    casts it to its master's dtype where it runs. A streamed table's is not: it
+    casts it to its master's dtype where it runs. A host table's is not: it
     is written into its receiver block by block (`_grad_taps._add_host`).
     """
     copies = {leaf.path: leaf.value for leaf in micro.model_leaves}
     receivers = [
         leaf.value
-        if _is_streamed(leaf.path, stream)
+        if _is_host_table(leaf.path, host_tables)
         else copies.get(leaf.path, leaf.value)
         for leaf, _ in micro.by_place.tapped
     ]
@@ -295,7 +297,7 @@ def value_and_grad(
     k: int,
     unsplit: tuple[int, ...],
     has_aux: bool,
-    stream: tuple[str, ...] = (),
+    host_tables: tuple[str, ...] = (),
     on_host: bool = False,
 ) -> tuple[Any, PyTree]:
     """The loss and its gradient with respect to `params`, over `k` micro-batches.
@@ -303,8 +305,9 @@ def value_and_grad(
     `params` is the trainable part of the model. The loss sees the model
     `sources`: the model, with compute copies in place of their parameters. Each
     trainable leaf is in its dtype from `dtypes`, one per array leaf of `params`.
-    `stream` are the `Policy(host_tables=...)` patterns: tables the loss reads from
-    the host. `on_host` says the update runs on the host (`Policy(update="host")`).
+    `host_tables` are the `Policy(host_tables=...)` patterns: tables the loss
+    reads from the host. `on_host` says the update runs on the host
+    (`Policy(update="host")`).
     Without micro-batches, a host-resident parameter with a compute copy gets its
     gradient in the compute dtype; the update casts it.
 
@@ -324,13 +327,13 @@ def value_and_grad(
     (leading axis `k`).
     """
     leaves = [leaf for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
-    by_place = _by_place(leaves, dtypes, k, stream)
+    by_place = _by_place(leaves, dtypes, k, host_tables)
     treedef = jtu.tree_structure(sources)
     micro = _MicroLoss(loss, _paths.leaves(sources), treedef, by_place, k, has_aux)
     device_params = [to_space(leaf.value, "device", "") for leaf, _ in by_place.plain]
     masters = [leaf.value for leaf, _ in by_place.tapped]
     if k == 1:
-        (value, aux), grads = _one_batch(micro, batch, device_params, stream)
+        (value, aux), grads = _one_batch(micro, batch, device_params, host_tables)
     else:
         (value, aux), grads = _micro_batches(
             micro, batch, device_params, masters, unsplit, on_host

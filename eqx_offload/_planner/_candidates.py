@@ -267,7 +267,7 @@ class Candidate(NamedTuple):
     def policy(self) -> Policy:
         s = self.settings
         dtype = None if s.compute_dtype is None else np.dtype(s.compute_dtype)
-        streamed = tuple(t for t, k in self.host_tables.items() if k != "device")
+        on_host = tuple(t for t, k in self.host_tables.items() if k != "device")
         if self.residuals is None:
             save: str | tuple[str, ...] = "all"
             offload: tuple[str, ...] = ()
@@ -275,7 +275,7 @@ class Candidate(NamedTuple):
             save = tuple(n for n, c in self.residuals.items() if c == "save")
             offload = tuple(n for n, c in self.residuals.items() if c == "offload")
         params: dict[str, MemoryKind] = {p.pattern: k for p, k in self.params.items()}
-        params |= {t: "pinned_host" for t in streamed}
+        params |= {t: "pinned_host" for t in on_host}
         return Policy(
             save=save,
             offload=offload,
@@ -288,7 +288,7 @@ class Candidate(NamedTuple):
             batch=None if s.axis is None else PartitionSpec(s.axis),
             compute_dtype=dtype,
             host_remat=s.host_remat,
-            host_tables=streamed,
+            host_tables=on_host,
             update=s.update,
             prefetch=s.prefetch,
             update_timing=s.update_timing,
@@ -351,7 +351,7 @@ def _placement_labels(c: Candidate) -> list[str]:
         for p, k in getattr(c, knob).items()
         if p.child is not None
     ]
-    streamed = [t for t, k in c.host_tables.items() if k != "device"]
+    tables = [t for t, k in c.host_tables.items() if k != "device"]
     kept = [f for f, k in c.copies.items() if k == "device"]
     if c.settings.compute_dtype is None:
         kept = []
@@ -359,7 +359,7 @@ def _placement_labels(c: Candidate) -> list[str]:
         f"params on host: {', '.join(host)}" if host else "",
         f"opt_state on host: {', '.join(state)}" if state else "",
         ", ".join(apart),
-        f"stream {', '.join(streamed)} from host" if streamed else "",
+        f"stream {', '.join(tables)} from host" if tables else "",
         f"compute copies of {', '.join(kept)} on device" if kept else "",
     ]
 
