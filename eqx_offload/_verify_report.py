@@ -6,7 +6,7 @@
 """
 
 import dataclasses
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 from ._errors import see
 
@@ -102,7 +102,7 @@ class VerifyReport:
     microbatches: int
 
     @property
-    def microbatch(self) -> None:
+    def microbatch(self) -> NoReturn:
         raise AttributeError(
             "`VerifyReport.microbatch` is now `.examples` (how many were checked) "
             "and `.whole_batch`." + see(143)
