@@ -1,9 +1,11 @@
 """Measuring and reporting: where each byte of a step lives, compiled for this
 backend or a TPU or GPU target, and what moves between host and device.
 
-`_memory_report` compiles the step and builds the `MemoryReport`, `_targets` makes
-the compile targets, `_traffic` reads transfers from the traced program,
-`_compiled_traffic` from the compiler's optimised program, and `_plot` draws reports.
+`_memory_report` compiles the step and builds the `MemoryReport`, which
+`_memory_report_type` defines. `_saved_for_backward` measures what a step saves for
+its backward pass. `_targets` makes the compile targets. `_traffic` reads transfers
+from the traced program, `_compiled_traffic` from the compiler's optimised program.
+`_plot` draws reports.
 """
 
 from ._does_not_fit import DoesNotFit as DoesNotFit

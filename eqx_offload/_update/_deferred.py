@@ -8,8 +8,8 @@ global gradient norm). They are *held* in the optimizer state (`PendingUpdate`).
 
 The next step applies it layer by layer, inside the forward scan (`_pending.py`,
 `_prefetch.py`). Where the scan cannot, it runs in a streamed loop of its own
-(`apply`). Either way, each piece is computed by the same piece jaxpr, from the same
-values as `update_timing="now"`. So the numbers are the same.
+(`apply_waiting`). Either way, each piece is computed by the same piece jaxpr, from
+the same values as `update_timing="now"`. So the numbers are the same.
 """
 
 from typing import Any, NamedTuple
