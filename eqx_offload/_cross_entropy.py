@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int, Real
 
-from . import _layout, _vocab_blocks
+from . import _layout, _scopes, _vocab_blocks
 from ._errors import see
 
 
@@ -100,7 +100,7 @@ def chunked_cross_entropy(
     w = w.astype(jnp.float32)
     if _vocab_blocks.streams(weight):
         _vocab_blocks.check(weight, "chunked_cross_entropy")
-        with jax.named_scope(_vocab_blocks.SCOPE):
+        with jax.named_scope(_scopes.VOCAB_BLOCKS):
             total = _layout.on_auto_axes(_streamed_sum, PartitionSpec())
             return total(h, weight, t, w) / jnp.sum(w)
     n = h.shape[0]
@@ -221,7 +221,7 @@ def _streamed_backward(residuals: tuple, g: Any) -> tuple:
 
     # Every block of the gradient is written, so the table's buffer serves.
     zero = jnp.zeros(h.shape, jnp.float32)
-    with jax.named_scope(_vocab_blocks.SCOPE):
+    with jax.named_scope(_scopes.VOCAB_BLOCKS):
         dh, dtable = _vocab_blocks.loop(body, (zero, table), table, rows)
     return dh.astype(h.dtype), dtable, None, None
 

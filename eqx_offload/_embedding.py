@@ -11,7 +11,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
-from . import _layout, _vocab_blocks
+from . import _layout, _scopes, _vocab_blocks
 
 
 def embed(
@@ -65,7 +65,7 @@ def embed(
     if not _vocab_blocks.streams(table):
         return _layout.on_auto_axes(_take, found)(table, tokens), table
     _vocab_blocks.check(table, "embed")
-    with jax.named_scope(_vocab_blocks.SCOPE):
+    with jax.named_scope(_scopes.VOCAB_BLOCKS):
         lookup = _layout.on_auto_axes(_streamed, (found, _layout.traced_spec(table)))
         return lookup(table, tokens)
 
@@ -124,7 +124,7 @@ def _backward(residuals: tuple, cotangents: tuple) -> tuple[Any, None]:
         block = block.at[local].add(d_flat, mode="drop")
         return _vocab_blocks.write(buffer, block, index, rows)
 
-    with jax.named_scope(_vocab_blocks.SCOPE):
+    with jax.named_scope(_scopes.VOCAB_BLOCKS):
         return _vocab_blocks.loop(body, buffer, table, rows), None
 
 

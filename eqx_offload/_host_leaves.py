@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from . import _jaxpr, _paths, _tiling, _vocab_blocks
+from . import _jaxpr, _paths, _scopes, _tiling
 from ._errors import see
 from ._memory_kinds import is_host, is_host_aval
 
@@ -111,7 +111,7 @@ class _Walk:
 
     def _equation(self, eqn: Any, used: dict[int, _Watched]) -> _Misuse | None:
         if all(w.host_table for w in used.values()) and _in_scope(
-            eqn, _vocab_blocks.SCOPE
+            eqn, _scopes.VOCAB_BLOCKS
         ):
             return self._read_by_blocks(eqn, used)
         if _jaxpr.is_device_put(eqn):

@@ -23,9 +23,6 @@ from ._errors import see
 from ._memory_kinds import is_host, to_space
 
 
-# Name scope of every operation that reads a host-resident table by blocks; the
-# transform allows a streamed leaf to be used only under it.
-SCOPE = "eqx_offload_vocab_blocks"
 # How a host-resident model runs outside the step.
 _RUN_INSIDE = (
     "Run the model with `eqx.filter_jit(eo.filter_offload(fn, policy))`: it moves "

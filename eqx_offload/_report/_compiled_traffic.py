@@ -18,7 +18,7 @@ The text is read in `_compiler.py`; this module reads the transfers off it.
 from collections import defaultdict
 from collections.abc import Sequence
 
-from .. import _compiler, _scopes, _vocab_blocks
+from .. import _compiler, _scopes
 from .._compiler import Computation, Instruction
 from . import _traffic
 from ._hlo_program import moved, Walker
@@ -160,6 +160,6 @@ def _users_scope(comp: Computation, name: str, depth: int = 3) -> str:
 def _label(op_name: str) -> str:
     """The innermost named scope of an instruction's `op_name` that is not one of
     the library's own."""
-    ours = (_vocab_blocks.SCOPE, _scopes.UPDATE)
+    ours = (_scopes.VOCAB_BLOCKS, _scopes.UPDATE)
     scopes = [s for s in _compiler.named_scopes(op_name) if s not in ours]
     return scopes[-1] if scopes else ""

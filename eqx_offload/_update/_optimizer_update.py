@@ -96,8 +96,8 @@ def optimizer_update(
         model, opt_state, norms = _optim.update(
             wrapped, grads, opt_state, model, policy, model_kinds, opt_kinds, metrics
         )
-        model = _back(model, [kind for _, kind in model_kinds], "params")
-        opt_state = _back(opt_state, [kind for _, kind in opt_kinds], "opt_state")
+        model = _back(model, [kind for _, kind in model_kinds], _scopes.PARAMS)
+        opt_state = _back(opt_state, [kind for _, kind in opt_kinds], _scopes.OPT_STATE)
     return model, opt_state, norms
 
 

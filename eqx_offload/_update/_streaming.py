@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
 
-from .. import _tiling
+from .. import _scopes, _tiling
 from .._memory_kinds import is_host, to_space
 from . import _dataflow
 from ._dataflow import Flow, NotStreamable, ValueFlow
@@ -143,9 +143,10 @@ def prepare(
             group.inputs.append(x)
         return x
 
-    g_in = [add(g, f"grad.{p}", i) for i, (g, p) in enumerate(zip(g_leaves, paths))]
+    grad, state = _scopes.GRAD, _scopes.OPT_STATE
+    g_in = [add(g, f"{grad}.{p}", i) for i, (g, p) in enumerate(zip(g_leaves, paths))]
     s_in = [
-        add(s, "opt_state" if i is None else f"opt_state.{paths[i]}", i)
+        add(s, state if i is None else f"{state}.{paths[i]}", i)
         for s, i in zip(s_leaves, owner)
     ]
     p_in = [add(p, path, i) for i, (p, path) in enumerate(zip(p_leaves, paths))]
