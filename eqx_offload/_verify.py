@@ -20,7 +20,7 @@ from ._memory_kinds import kind_of
 from ._placement import place_batch
 from ._policy import Policy, replace
 from ._traced_step import value_and_grad
-from ._train_step import train_step, TrainStep
+from ._train_step import inside_filter_jit, train_step, TrainStep
 from ._transform import call_on_auto_axes
 from ._update import (
     apply_pending,
@@ -225,8 +225,8 @@ def _own_update(policy: Policy, model: PyTree, opt_state: PyTree) -> str | None:
 def _refuses_old_forms(verify: Callable) -> Callable:
     """`verify`, refusing its old forms with their new spelling.
 
-    It refuses them before the type checker sees them. The old forms are the loss,
-    optimizer and policy instead of the step, and `microbatch=`.
+    It refuses them before the type checker sees them: the loss, optimizer and
+    policy instead of the step, and `microbatch=`. It unwraps `eqx.filter_jit(step)`.
     """
 
     @functools.wraps(verify)
@@ -236,6 +236,10 @@ def _refuses_old_forms(verify: Callable) -> Callable:
                 "`verify(microbatch=...)` is now `verify(examples=...)`: how many "
                 "examples to keep." + see(141)
             )
+        if "step" in kwargs:
+            kwargs["step"] = inside_filter_jit(kwargs["step"])
+        elif args:
+            args = (inside_filter_jit(args[0]), *args[1:])
         step = kwargs["step"] if "step" in kwargs else (args[0] if args else None)
         moved = {"has_aux", "microbatches", "unsplit"}.intersection(kwargs)
         if not isinstance(step, TrainStep) or moved:

@@ -387,3 +387,14 @@ def test_unsplit_arguments_are_not_cut():
     tokens, mask = jnp.zeros((8, 4), jnp.int32), jnp.ones((4, 4))
     assert eoi.cutting.batch_sizes((tokens, mask), 2, (1,)) == [(2, 4), (4, 4)]
     assert eoi.cutting.examples((tokens, mask), (1,)) == 8
+
+
+def test_a_step_inside_filter_jit_is_verified(getkey):
+    """As `memory_report` takes it: the step inside is verified."""
+    policy = eo.Policy.remat()
+    optimizer, model, opt_state, tokens, targets = setup(
+        policy, getkey(), optimizer=optax.sgd(0.1)
+    )
+    step = eqx.filter_jit(eo.train_step(cross_entropy, optimizer, policy))
+    report = eo.verify(step, model, opt_state, tokens[:1], targets[:1])
+    assert report.passed and (report.whole_batch, report.examples) == (True, 1)
