@@ -10,7 +10,9 @@ its name (`mypackage.models:llama_1b`). It returns the arguments of
 batch)`: an `eo.TrainStep`, and the model, its optimizer state and the batch (a
 tuple of the loss's batch arguments) as arrays or `jax.ShapeDtypeStruct`s, e.g.
 `eqx.filter_eval_shape(Model, key=key)`. The plan keeps the step's loss,
-optimizer and `has_aux`, and chooses its own policy.
+optimizer and `has_aux`, and chooses its own policy. It ignores `metrics`, which
+changes no placement. A step with `unsplit` is refused: the planner splits every
+batch argument.
 """
 
 import argparse
@@ -105,6 +107,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             "`train_step(..., has_aux=True)`."
         )
     step, model, _, batch = _factory(args.factory)
+    if step.unsplit:
+        raise SystemExit(
+            f"eqx_offload plan: the step has `unsplit={step.unsplit}`, which the "
+            "planner cannot keep. Build the factory's step without `unsplit`."
+        )
     loss_fn, optimizer = step.loss_fn, step.optimizer
     common = dict(
         device_budget=args.device_budget,

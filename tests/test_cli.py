@@ -127,3 +127,16 @@ def _refused(*args: str) -> str:
         main(["plan", *args])
     assert isinstance(e.value.code, str)  # a message, not a status
     return e.value.code
+
+
+def test_a_step_with_unsplit_is_refused(monkeypatch):
+    """The planner splits every batch argument: a step's `unsplit` is refused."""
+    from .helpers import plan_factory
+
+    step, *rest = plan_factory()
+    step = eo.train_step(
+        step.loss_fn, step.optimizer, step.policy, microbatches=2, unsplit=(1,)
+    )
+    monkeypatch.setattr(__main__, "_factory", lambda _: (step, *rest))
+    message = _refused("tests.helpers:plan_factory", "--target", "tpu-v5e")
+    assert "`unsplit=(1,)`" in message and "without `unsplit`" in message
