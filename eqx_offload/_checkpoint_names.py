@@ -17,7 +17,7 @@ from ._memory_kinds import abstract_sharding, is_arraylike
 from ._mixed_precision import compute_dtypes
 from ._policy import Policy, replace
 from ._train_step import TrainStep
-from ._transform import _OffloadWrapper
+from ._transform import Offloaded
 from ._update import is_trainable, trainable
 
 
@@ -80,7 +80,7 @@ def checkpoint_names(
         ```
     """
     base = Policy()
-    if isinstance(fn, _OffloadWrapper):
+    if isinstance(fn, Offloaded):
         fn = fn.__wrapped__
     elif isinstance(fn, TrainStep):
         base = fn.policy
@@ -94,8 +94,8 @@ def checkpoint_names(
         )
     try:
         # Every name occurs when a pattern matches every submodule.
-        everything = _OffloadWrapper(fn, _saving(base, "**"))
-        closed = eqx.filter_make_jaxpr(everything._call)(args, kwargs)[0]
+        everything = Offloaded(fn, _saving(base, "**"))
+        closed = eqx.filter_make_jaxpr(everything.run)(args, kwargs)[0]
     except _checkpoint_name_log.UnusedName as e:
         if not e.never_occurred:
             raise
@@ -168,13 +168,13 @@ def one_microbatch(step: TrainStep, batch: Sequence[Any]) -> list[Any]:
 def _alone(
     fn: Callable, policy: Policy, name: str, args: tuple, kwargs: dict
 ) -> CheckpointName:
-    loss = _OffloadWrapper(fn, policy)
+    loss = Offloaded(fn, policy)
 
     def wrt_first(first: Any, *rest: Any, **kw: Any) -> Any:
         rest, kw = jtu.tree_map(
             lambda x: jax.lax.stop_gradient(x) if eqx.is_array(x) else x, (rest, kw)
         )
-        out = loss._call((first, *rest), kw)
+        out = loss.run((first, *rest), kw)
         return out[0] if isinstance(out, tuple) else out
 
     try:

@@ -264,13 +264,15 @@ def _trace(fun: Callable, args: tuple, kwargs: dict) -> _Traced:
     return _Traced(closed, dynamic, positions, rebuild)
 
 
-class _OffloadWrapper(eqx.Module):
-    _fun: Callable
-    _policy: Policy = eqx.field(static=True)
+class Offloaded(eqx.Module):
+    """What `filter_offload` returns: the function and its policy."""
+
+    fun: Callable
+    policy: Policy = eqx.field(static=True)
 
     @property
     def __wrapped__(self) -> Callable:
-        return self._fun
+        return self.fun
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         # A decorated method: bound to its instance, as `eqx.filter_jit` binds.
@@ -279,21 +281,21 @@ class _OffloadWrapper(eqx.Module):
         return jtu.Partial(self, instance)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._policy.loss_axes == "auto" and _layout.explicit_axes():
+        if self.policy.loss_axes == "auto" and _layout.explicit_axes():
             # `Policy(loss_axes="auto")`: this call again, on `Auto` axes.
             return call_on_auto_axes(self, args, kwargs)
         try:
-            return self._call(args, kwargs)
+            return self.run(args, kwargs)
         except _checkpoint_name_log.UnusedName as e:
             # The names this trace saw are only those the policy asked for: list
             # every residual name the model offers instead (one more trace, only
             # on this error).
             raise e.with_offered(_offered(self, args, kwargs) or e.offered) from None
 
-    def _call(self, args: tuple, kwargs: dict) -> Any:
-        tables = _host_table_paths(args[0] if args else None, self._policy)
+    def run(self, args: tuple, kwargs: dict) -> Any:
+        tables = _host_table_paths(args[0] if args else None, self.policy)
         _warn_layer_lists(args, kwargs, tables)
-        args, kwargs = _configure_all(args, kwargs, self._policy, tables)
+        args, kwargs = _configure_all(args, kwargs, self.policy, tables)
         host_stacked = bool(tables) or any(
             leaf.stacked is not None
             and eqx.is_array(leaf.value)
@@ -304,40 +306,40 @@ class _OffloadWrapper(eqx.Module):
             if host_stacked:
                 # Checking needs the jaxpr before any outer transformation sees it:
                 # trace, check, then evaluate it, so `fun` still runs once.
-                traced = _trace(self._fun, args, kwargs)
+                traced = _trace(self.fun, args, kwargs)
                 _host_leaves.check(
                     traced.closed.jaxpr, traced.positions, args, kwargs, tables
                 )
                 _checkpoint_name_log.check(
-                    self._policy, _checkpoint_name_log.NameLog.of(traced.closed)
+                    self.policy, _checkpoint_name_log.NameLog.of(traced.closed)
                 )
                 outputs = jex.jaxpr_as_fun(traced.closed)(*traced.dynamic)
                 return traced.rebuild(outputs)
-            out = self._fun(*args, **kwargs)
-        if checkpoint_patterns(self._policy):
+            out = self.fun(*args, **kwargs)
+        if checkpoint_patterns(self.policy):
             try:
-                _checkpoint_name_log.check(self._policy, log)
+                _checkpoint_name_log.check(self.policy, log)
             except _checkpoint_name_log.UnusedName:
                 # Scans served from an inner `jax.jit`'s cache were not traced now,
                 # so they recorded nothing; the jaxpr has them all.
-                traced = _trace(self._fun, args, kwargs)
+                traced = _trace(self.fun, args, kwargs)
                 _checkpoint_name_log.check(
-                    self._policy, _checkpoint_name_log.NameLog.of(traced.closed)
+                    self.policy, _checkpoint_name_log.NameLog.of(traced.closed)
                 )
         return out
 
 
-def _offered(wrapper: _OffloadWrapper, args: tuple, kwargs: dict) -> tuple[str, ...]:
+def _offered(wrapper: Offloaded, args: tuple, kwargs: dict) -> tuple[str, ...]:
     """The residual names `wrapper`'s function offers on these arguments.
 
     They are traced (never run) under a policy that saves every name. Empty if that
     trace fails (e.g. there is no `Stacked`).
     """
-    everything = replace(wrapper._policy, save=("**",), offload=())
-    probe = _OffloadWrapper(wrapper._fun, everything)
+    everything = replace(wrapper.policy, save=("**",), offload=())
+    probe = Offloaded(wrapper.fun, everything)
     try:
-        # `_call`, not the probe itself: its own error must not ask for a hint.
-        traced = _trace(lambda *a, **k: probe._call(a, k), args, kwargs)
+        # `run`, not the probe itself: its own error must not ask for a hint.
+        traced = _trace(lambda *a, **k: probe.run(a, k), args, kwargs)
     except Exception:  # only a hint for the error being raised: that error wins
         return ()
     return tuple(_checkpoint_name_log.NameLog.of(traced.closed).residual_names)
@@ -416,4 +418,4 @@ def filter_offload(fun: Callable | None = None, policy: Policy | None = None) ->
     if not callable(fun):
         raise TypeError(f"`filter_offload(fun=...)` must be callable, got {fun!r}.")
     check_policy(policy, "`filter_offload(policy=...)`")
-    return eqx.module_update_wrapper(_OffloadWrapper(fun, policy))
+    return eqx.module_update_wrapper(Offloaded(fun, policy))

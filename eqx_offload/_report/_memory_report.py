@@ -29,7 +29,7 @@ from .._errors import see
 from .._flatten import flatten, unflatten
 from .._memory_kinds import is_arraylike, kind_of
 from .._train_step import TrainStep
-from .._transform import _OffloadWrapper
+from .._transform import Offloaded
 from . import _compiled_traffic, _costs, _minimum, _step_time, _targets, _traffic
 from ._does_not_fit import DoesNotFit, too_big
 from ._hardware import Hardware
@@ -147,7 +147,7 @@ def _function_job(fn: Any, args: tuple, kwargs: dict) -> _CompileJob:
     donate = () if parts is None else parts.donated
     fn = _unwrap_filter_jit(fn)
     compiled = "function"
-    if isinstance(fn, _OffloadWrapper):
+    if isinstance(fn, Offloaded):
         compiled = "filter_offload"
         residuals = functools.partial(saved_for_backward, fn, *args, **kwargs)
         fn = eqx.filter_value_and_grad(fn, has_aux=_has_aux(fn, args, kwargs))
@@ -170,7 +170,7 @@ def _function_job(fn: Any, args: tuple, kwargs: dict) -> _CompileJob:
 
 def _unwrap_filter_jit(fn: Any) -> Any:
     """The function inside an `eqx.filter_jit`."""
-    while not isinstance(fn, (TrainStep, _OffloadWrapper)):
+    while not isinstance(fn, (TrainStep, Offloaded)):
         parts = _compat.filter_jit_parts(fn)
         if parts is None:
             break
@@ -567,7 +567,7 @@ def _policy_of(fn: Any) -> Any:
     if isinstance(fn, TrainStep):
         return fn.policy
     fn = _unwrap_filter_jit(fn)
-    return fn._policy if isinstance(fn, _OffloadWrapper) else None
+    return fn.policy if isinstance(fn, Offloaded) else None
 
 
 def _split_estimate(stats: Any, lowered: Any) -> tuple[dict[str, int], dict[str, int]]:
