@@ -76,10 +76,10 @@ def _origin(v: Any, jaxpr: Any, producers: dict[int, dict]) -> Residual:
     `reduce_precision`, a cast onto `Auto` axes, the `device_put` that offloads a
     named value, and into the body of a scan whose per-iteration output (one slice
     per layer) it is."""
-    return _Origin(v, jaxpr, producers).find()
+    return _WalkBack(v, jaxpr, producers).find()
 
 
-class _Origin:
+class _WalkBack:
     """A walk back from a value to the equation or input it comes from."""
 
     def __init__(self, v: Any, jaxpr: Any, producers: dict[int, dict]):

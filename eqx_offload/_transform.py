@@ -229,7 +229,7 @@ def call_on_auto_axes(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     return eqx.combine(jtu.tree_unflatten(out_treedef, leaves), rest)
 
 
-class _Traced(NamedTuple):
+class _TracedFun(NamedTuple):
     """`fun` traced to a jaxpr on the array leaves of its arguments."""
 
     closed: Any  # the `ClosedJaxpr`
@@ -238,7 +238,7 @@ class _Traced(NamedTuple):
     rebuild: Callable[[list], Any]  # output leaves -> the output of `fun`
 
 
-def _trace(fun: Callable, args: tuple, kwargs: dict) -> _Traced:
+def _trace(fun: Callable, args: tuple, kwargs: dict) -> _TracedFun:
     flat, treedef = jtu.tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if eqx.is_array(x)]
     out_parts = []
@@ -261,7 +261,7 @@ def _trace(fun: Callable, args: tuple, kwargs: dict) -> _Traced:
         out_treedef, out_static = out_parts[0]
         return eqx.combine(jtu.tree_unflatten(out_treedef, out_leaves), out_static)
 
-    return _Traced(closed, dynamic, positions, rebuild)
+    return _TracedFun(closed, dynamic, positions, rebuild)
 
 
 class Offloaded(eqx.Module):

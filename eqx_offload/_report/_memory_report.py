@@ -328,7 +328,7 @@ def _abstract_arguments(
     return args, to_abstract(kwargs)
 
 
-class _Traced(NamedTuple):
+class _TracedJob(NamedTuple):
     """A compile job traced and lowered, with what its trace says."""
 
     job: _CompileJob
@@ -337,7 +337,7 @@ class _Traced(NamedTuple):
     transfers: Any  # `_traffic.count`'s
 
 
-def _trace(fn: Any, args: tuple, kwargs: dict, platform: str) -> _Traced:
+def _trace(fn: Any, args: tuple, kwargs: dict, platform: str) -> _TracedJob:
     with _mesh.context(args, kwargs):
         if isinstance(fn, TrainStep):
             job = _train_step_job(fn, args, kwargs)
@@ -347,12 +347,12 @@ def _trace(fn: Any, args: tuple, kwargs: dict, platform: str) -> _Traced:
         lowered = traced.lower()
         saved = None if job.residuals is None else job.residuals()
         transfers = _traffic.count(traced.jaxpr, _inputs(job), platform)
-    return _Traced(job, lowered, saved, transfers)
+    return _TracedJob(job, lowered, saved, transfers)
 
 
 def _compile(
     fn: Any,
-    traced: _Traced,
+    traced: _TracedJob,
     where: "_Where",
     platform: str,
     hardware: Hardware | None,
@@ -392,7 +392,7 @@ def _compile(
 
 def _build(
     fn: Any,
-    traced: _Traced,
+    traced: _TracedJob,
     compiled: Any,
     stats: Any,
     where: "_Where",
@@ -530,7 +530,7 @@ class _Refusal(NamedTuple):
     """
 
     fn: Any
-    traced: _Traced
+    traced: _TracedJob
     where: _Where
     hardware: Hardware | None
 

@@ -38,12 +38,12 @@ class Transfer(NamedTuple):
     bytes: int
 
 
-class _Origin(NamedTuple):
+class _Source(NamedTuple):
     what: str
     name: str
 
 
-_UNKNOWN = _Origin("", "")
+_UNKNOWN = _Source("", "")
 
 
 def count(
@@ -54,9 +54,9 @@ def count(
     by direction, phase, what and name."""
     totals: dict[tuple, int] = defaultdict(int)
     jaxpr = closed.jaxpr
-    origins: dict[Any, _Origin] = {}
+    origins: dict[Any, _Source] = {}
     if len(inputs) == len(jaxpr.invars):
-        origins = {v: _Origin(*i) for v, i in zip(jaxpr.invars, inputs)}
+        origins = {v: _Source(*i) for v, i in zip(jaxpr.invars, inputs)}
     _walk(jaxpr, origins, _Counting(platform, totals))
     rows = [
         Transfer(direction, phase, what, name, n)
@@ -74,7 +74,7 @@ def _scope(eqn: Any) -> str:
     return str(eqn.source_info.name_stack)
 
 
-def _get(origins: dict, v: Any) -> _Origin:
+def _get(origins: dict, v: Any) -> _Source:
     if _jaxpr.is_literal(v):
         return _UNKNOWN
     return origins.get(v, _UNKNOWN)
@@ -130,7 +130,7 @@ def _pass_through(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
 def _checkpoint_name(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
     if eqn.invars:
         for out in eqn.outvars:
-            frame.origins[out] = _Origin("residuals", _jaxpr.checkpoint_name_of(eqn))
+            frame.origins[out] = _Source("residuals", _jaxpr.checkpoint_name_of(eqn))
 
 
 def _scan(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
