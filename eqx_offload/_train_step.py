@@ -89,6 +89,8 @@ class TrainStep(eqx.Module):
     """The batch arguments (by position) passed whole to every micro-batch."""
     metrics: bool
     """Whether the step computes the gradient, update and parameter norms."""
+    # `flat_function`, bound once: the step and every report of it trace one function.
+    _flat: Callable = eqx.field(repr=False)
     _jitted: Callable = eqx.field(repr=False)
 
     def __init__(
@@ -127,8 +129,9 @@ class TrainStep(eqx.Module):
             options = _compiler.host_remat_options(jax.default_backend())
         # The step's fields are bound, not a static argument: `loss_fn` may be a
         # module holding arrays, which are not hashable.
+        self._flat = functools.partial(traced_step, self)
         self._jitted = jax.jit(
-            flat_function(self),
+            self._flat,
             static_argnums=(3,),
             donate_argnums=(0, 1),
             compiler_options=options,
@@ -238,10 +241,11 @@ def flat_function(step: TrainStep) -> Callable:
 
     `f(model_leaves, opt_state_leaves, batch_leaves, statics)` returns the new model's
     and optimizer state's leaves, the loss and the metrics. `flat_arguments` gives its
-    arguments. `memory_report` jits it to compile it for a target. It reads the step's
-    public fields, as every other reader of the step does.
+    arguments. `memory_report` jits it to compile it for a target. It is bound to the
+    step's fields when the step is built, as the step's own `jax.jit` is: one
+    function per step, so that tracing it again hits JAX's cache.
     """
-    return functools.partial(traced_step, step)
+    return step._flat
 
 
 def inside_filter_jit(fn: Any) -> Any:
