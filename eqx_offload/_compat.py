@@ -159,6 +159,15 @@ def filter_jit_parts(fn: Any) -> FilterJit | None:
     return FilterJit(fun, tuple(i for i, d in enumerate((first, rest)) if d))
 
 
+def inside_filter_jit(fn: Any) -> Any:
+    """`fn`, or the function inside the `eqx.filter_jit`s around it."""
+    parts = filter_jit_parts(fn)
+    while parts is not None:
+        fn = parts.fun
+        parts = filter_jit_parts(fn)
+    return fn
+
+
 class _KindSharding(NamedSharding):
     """A `NamedSharding` that keeps its memory kind on devices that list no memories.
 

@@ -15,7 +15,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import PyTree
 
-from . import _compat, _compiler, _diagnose, _mesh, _microbatch, _paths, _update
+from . import _compiler, _diagnose, _mesh, _microbatch, _paths, _update
 from ._diagnose import DoesNotCompile
 from ._errors import see
 from ._flatten import flatten, unflatten
@@ -246,15 +246,6 @@ def flat_function(step: TrainStep) -> Callable:
     function per step, so that tracing it again hits JAX's cache.
     """
     return step._flat
-
-
-def inside_filter_jit(fn: Any) -> Any:
-    """`fn`, or the function inside the `eqx.filter_jit`s around it (a step)."""
-    parts = _compat.filter_jit_parts(fn)
-    while parts is not None:
-        fn = parts.fun
-        parts = _compat.filter_jit_parts(fn)
-    return fn
 
 
 def rejected(

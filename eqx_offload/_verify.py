@@ -14,13 +14,13 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _cutting, _layout, _mesh, _microbatch, _mixed_precision, _paths
+from . import _compat, _cutting, _layout, _mesh, _microbatch, _mixed_precision, _paths
 from ._errors import see
 from ._memory_kinds import kind_of
 from ._placement import place_batch
 from ._policy import Policy, replace
 from ._traced_step import value_and_grad
-from ._train_step import inside_filter_jit, train_step, TrainStep
+from ._train_step import train_step, TrainStep
 from ._transform import call_on_auto_axes
 from ._update import (
     apply_pending,
@@ -30,7 +30,7 @@ from ._update import (
     stepping,
     trainable,
 )
-from ._verify_report import _raise_if_failed, Difference, VerifyReport
+from ._verify_report import Difference, raise_if_failed, VerifyReport
 
 
 # Default tolerances by the compared leaf's floating-point width (bytes): see
@@ -237,9 +237,9 @@ def _refuses_old_forms(verify: Callable) -> Callable:
                 "examples to keep." + see(141)
             )
         if "step" in kwargs:
-            kwargs["step"] = inside_filter_jit(kwargs["step"])
+            kwargs["step"] = _compat.inside_filter_jit(kwargs["step"])
         elif args:
-            args = (inside_filter_jit(args[0]), *args[1:])
+            args = (_compat.inside_filter_jit(args[0]), *args[1:])
         step = kwargs["step"] if "step" in kwargs else (args[0] if args else None)
         moved = {"has_aux", "microbatches", "unsplit"}.intersection(kwargs)
         if not isinstance(step, TrainStep) or moved:
@@ -557,7 +557,7 @@ def verify(
         whole_batch=cut.whole_batch,
         microbatches=step.microbatches,
     )
-    _raise_if_failed(report)
+    raise_if_failed(report)
     return report
 
 

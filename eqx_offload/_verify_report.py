@@ -155,7 +155,7 @@ def _slice_text(report: VerifyReport) -> str:
     return f"{where} of each `Stacked`, {what}"
 
 
-def _raise_if_failed(report: VerifyReport) -> None:
+def raise_if_failed(report: VerifyReport) -> None:
     reference = "the reference (every leaf on the device, no remat)"
     where = _slice_text(report)
     for name in ("loss", "gradients", "update"):

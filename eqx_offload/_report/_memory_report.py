@@ -145,7 +145,7 @@ def _function_job(fn: Any, args: tuple, kwargs: dict) -> _CompileJob:
     # treat `ShapeDtypeStruct`s as static), keeping their donation.
     parts = _compat.filter_jit_parts(fn)
     donate = () if parts is None else parts.donated
-    fn = _unwrap_filter_jit(fn)
+    fn = _compat.inside_filter_jit(fn)
     compiled = "function"
     if isinstance(fn, Offloaded):
         compiled = "filter_offload"
@@ -166,16 +166,6 @@ def _function_job(fn: Any, args: tuple, kwargs: dict) -> _CompileJob:
     return _CompileJob(
         trace, compiled, named, args[0] if args else None, None, residuals
     )
-
-
-def _unwrap_filter_jit(fn: Any) -> Any:
-    """The function inside an `eqx.filter_jit`."""
-    while not isinstance(fn, (TrainStep, Offloaded)):
-        parts = _compat.filter_jit_parts(fn)
-        if parts is None:
-            break
-        fn = parts.fun
-    return fn
 
 
 def memory_report(
@@ -566,7 +556,7 @@ def _policy_of(fn: Any) -> Any:
     """The `Policy` of a `train_step` or `filter_offload` function, or `None`."""
     if isinstance(fn, TrainStep):
         return fn.policy
-    fn = _unwrap_filter_jit(fn)
+    fn = _compat.inside_filter_jit(fn)
     return fn.policy if isinstance(fn, Offloaded) else None
 
 
