@@ -1,15 +1,20 @@
 """One process of a multi-process training run, started by `test_multiprocess.py`
-(and runnable by hand the same way on a TPU pod, one process per host).
+(and runnable by hand the same way on a TPU pod, one process per host), from the
+repository's root:
 
-    python tests/multiprocess_worker.py NPROC PROCESS_ID PORT OUTDIR
+    python -m tests.multiprocess_worker NPROC PROCESS_ID PORT OUTDIR
 
 With NPROC=2: two processes on this machine, two CPU devices each, one 4-device
 global mesh (gloo collectives). With NPROC=1: one process with four devices, the
 reference. Each lays the model out with the policy's FSDP rule (`eo.place` builds
-global arrays from the same values in every process), trains 4 steps under
+global arrays from the same values in every process), trains 4 SGD steps under
 `Policy.offload_all()`, saves, loads into an abstract model, trains one more
-step, and writes its losses and the layouts (spec, memory kind) of what it saved
-and loaded to OUTDIR/result_<NPROC>_<PROCESS_ID>.json.
+step, and writes its losses, the layouts (spec, memory kind) of what it saved and
+loaded and its parameters after the last step to
+OUTDIR/result_<NPROC>_<PROCESS_ID>.json. Two processes also run `verify` and try
+what they must refuse. The reference also writes the parameters it started from,
+and a negative control: the same 5 steps against the gradient (the learning rate
+negated in the optimizer state: the same compiled step).
 """
 
 import json
@@ -50,9 +55,16 @@ from .helpers import CountCompiles, StackedNet  # noqa: E402
 
 
 DIM, HIDDEN, DEPTH, BATCH = 16, 32, 3, 8
+# SGD with momentum: its update is Lipschitz in the gradient, so two runs whose
+# gradients differ by rounding (the processes sum them in another order than one
+# process does) have updates that differ by as little (`tests/numerics.py`,
+# `TRAINED`). The learning rate is in the optimizer state, for the control.
+LR = 1e-2
+OPTIMIZER = optax.inject_hyperparams(optax.sgd)(learning_rate=LR, momentum=0.9)
 MESH = jax.make_mesh((4,), ("fsdp",), axis_types=(AxisType.Auto,))
 
 
+@eqx.filter_jit  # one program, not an eager dispatch per operation
 def make_model(*, key: PRNGKeyArray) -> StackedNet:
     """`DEPTH` MLPs in a `Stacked`, then a linear head to 1 output."""
     return StackedNet(
@@ -91,13 +103,42 @@ def layouts(tree) -> list[list[str]]:
     ]
 
 
-def main() -> None:
-    policy = eo.Policy.offload_all(shard=eo.FSDP("fsdp", min_size=0))
-    optimizer = optax.adamw(1e-2)
+@eqx.filter_jit
+def _replicated(params):
+    return jax.lax.with_sharding_constraint(params, NamedSharding(MESH, P()))
+
+
+def values(model) -> dict[str, np.ndarray]:
+    """Every array leaf of `model` by its path, whole in every process."""
+    params = _replicated(eqx.filter(model, eqx.is_array))
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    return {
+        jax.tree_util.keystr(path): np.asarray(x.addressable_data(0))
+        for path, x in leaves
+    }
+
+
+def fresh(policy: eo.Policy, lr: float = LR):
+    """The model and optimizer state training starts from, with learning rate
+    `lr`."""
     with jax.set_mesh(MESH):
         model = eo.place(make_model(key=jax.random.key(0)), policy)
-    opt_state = eo.init_opt_state(optimizer, model, policy)
-    step = CountCompiles(eo.train_step(loss_fn, optimizer, policy))
+    opt_state = eo.init_opt_state(OPTIMIZER, model, policy)
+    if lr == LR:
+        return model, opt_state
+    now = opt_state.hyperparams["learning_rate"]  # where the step expects it
+    hyperparams = {
+        **opt_state.hyperparams,
+        "learning_rate": jax.device_put(jnp.asarray(lr, now.dtype), now.sharding),
+    }
+    return model, opt_state._replace(hyperparams=hyperparams)
+
+
+def main() -> None:
+    policy = eo.Policy.offload_all(shard=eo.FSDP("fsdp", min_size=0))
+    model, opt_state = fresh(policy)
+    start = values(model)
+    step = CountCompiles(eo.train_step(loss_fn, OPTIMIZER, policy))
     losses = []
     for i in range(4):
         model, opt_state, loss, _ = step(model, opt_state, *batch(i))
@@ -112,24 +153,24 @@ def main() -> None:
     eo.save(directory, model, opt_state, step=4)
     abstract = eqx.filter_eval_shape(make_model, key=jax.random.key(0))
     abstract = eo.place(abstract, policy, mesh=MESH)
-    like = (abstract, eo.init_opt_state(optimizer, abstract, policy))
+    like = (abstract, eo.init_opt_state(OPTIMIZER, abstract, policy))
     restored, restored_state, saved_step = eo.load(directory, like, policy)
     restored_layouts = layouts((restored, restored_state))
     restored, restored_state, loss, _ = step(restored, restored_state, *batch(4))
+    arrays = {"params": values(restored)}
     result = {
-        "losses": losses,
-        "loss_after_load": scalar(loss),
+        "losses": [*losses, scalar(loss)],
         "saved_step": saved_step,
         "memory_kinds": sorted(kinds),
-        "compiled_on": step.compiled_on,
         "saved_layouts": saved_layouts,
         "restored_layouts": restored_layouts,
         "errors": {},
     }
-    # `verify` compares leaves laid out over every process.
-    step = eo.train_step(loss_fn, optimizer, policy)
-    report = eo.verify(step, restored, restored_state, *batch(5))
-    result["verified"] = report.passed
+    if int(NPROC) > 1:
+        # `verify` compares leaves laid out over every process.
+        check = eo.train_step(loss_fn, OPTIMIZER, policy)
+        report = eo.verify(check, restored, restored_state, *batch(5))
+        result["verified"] = report.passed
     # An abstract model without shardings would be restored on one process's
     # device only: refused on every process, before orbax is asked.
     bare = eqx.filter_eval_shape(make_model, key=jax.random.key(0))
@@ -141,6 +182,21 @@ def main() -> None:
         eo.save(directory, model, opt_state, step=5, extra={"key": jax.random.key(0)})
     except ValueError as e:
         result["errors"]["save"] = str(e)
+    if int(NPROC) == 1:
+        arrays["start"] = start
+        # The negative control: the same steps, each against the gradient.
+        model, opt_state = fresh(policy, -LR)
+        control = []
+        for i in range(5):
+            model, opt_state, loss, _ = step(model, opt_state, *batch(i))
+            control.append(scalar(loss))
+        result["control_losses"] = control
+        arrays["control_params"] = values(model)
+    result["compiled_on"] = step.compiled_on
+    result["arrays"] = {
+        what: {path: x.tolist() for path, x in tree.items()}  # float32: exact
+        for what, tree in arrays.items()
+    }
     path = os.path.join(OUTDIR, f"result_{NPROC}_{PROCESS_ID}.json")
     with open(path, "w") as f:
         json.dump(result, f)
