@@ -50,16 +50,6 @@ def test_names_and_bytes_match_memory_report(getkey):
                 eqx.filter_make_jaxpr(eqx.filter_grad(loss))(model, x, y)
 
 
-def test_abstract_arguments_and_wrapped_functions(getkey):
-    model = _model(getkey)
-    abstract = eqx.filter_eval_shape(lambda: model)
-    x = jax.ShapeDtypeStruct((2, 8), jnp.int32)
-    concrete = eo.checkpoint_names(cross_entropy, model, *_batch())
-    assert eo.checkpoint_names(cross_entropy, abstract, x, x) == concrete
-    wrapped = eo.filter_offload(cross_entropy, eo.Policy.offload_residuals())
-    assert eo.checkpoint_names(wrapped, abstract, x, x) == concrete
-
-
 def test_no_stacked_is_an_error(getkey):
     block = Block(16, 2, key=getkey())
     x = jnp.ones((8, 16))
@@ -89,10 +79,25 @@ def _small_loss(model, tokens, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def test_a_train_step_is_read_as_it_calls_its_loss(getkey):
-    model = _Small(getkey())
+@pytest.fixture(scope="module")
+def small():
+    """`_Small`, a batch, and its names as `_small_loss` offers them."""
+    model = _Small(jax.random.key(0))
     x, y = _batch()
-    plain = eo.checkpoint_names(_small_loss, model, x, y)
+    return model, x, y, eo.checkpoint_names(_small_loss, model, x, y)
+
+
+def test_abstract_arguments_and_wrapped_functions(small):
+    model, _, _, concrete = small
+    abstract = eqx.filter_eval_shape(lambda: model)
+    x = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    assert eo.checkpoint_names(_small_loss, abstract, x, x) == concrete
+    wrapped = eo.filter_offload(_small_loss, eo.Policy.offload_residuals())
+    assert eo.checkpoint_names(wrapped, abstract, x, x) == concrete
+
+
+def test_a_train_step_is_read_as_it_calls_its_loss(small):
+    model, x, y, plain = small
     assert [r.name for r in plain if r.residual] == ["blocks.input", "blocks.layers[0]"]
     optimizer = optax.sgd(0.1)
     policy = eo.Policy.remat()

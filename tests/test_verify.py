@@ -257,16 +257,19 @@ def test_a_loss_sized_by_the_configured_depth_names_layers(getkey):
 
 
 def test_the_report_says_how_many_examples_it_checked(getkey):
+    """Of the step, and of the step inside `eqx.filter_jit` as `memory_report` takes
+    it: the step inside is verified."""
     policy = eo.Policy.remat()
     optimizer, model, opt_state, tokens, targets = setup(
         policy, getkey(), optimizer=optax.sgd(0.1)
     )
     step = eo.train_step(cross_entropy, optimizer, policy)
-    report = eo.verify(step, model, opt_state, tokens[:1], targets[:1])
-    assert (report.whole_batch, report.examples) == (True, 1)
-    assert "the first 2 layers of each `Stacked`, the whole batch (1 example)" in str(
-        report
-    )
+    for given in (step, eqx.filter_jit(step)):
+        report = eo.verify(given, model, opt_state, tokens[:1], targets[:1])
+        assert report.passed and (report.whole_batch, report.examples) == (True, 1)
+        assert "the first 2 layers of each `Stacked`, the whole batch (1 example)" in (
+            str(report)
+        )
 
 
 def assert_computes_what_the_step_computes(report):
@@ -387,14 +390,3 @@ def test_unsplit_arguments_are_not_cut():
     tokens, mask = jnp.zeros((8, 4), jnp.int32), jnp.ones((4, 4))
     assert eoi.cutting.batch_sizes((tokens, mask), 2, (1,)) == [(2, 4), (4, 4)]
     assert eoi.cutting.examples((tokens, mask), (1,)) == 8
-
-
-def test_a_step_inside_filter_jit_is_verified(getkey):
-    """As `memory_report` takes it: the step inside is verified."""
-    policy = eo.Policy.remat()
-    optimizer, model, opt_state, tokens, targets = setup(
-        policy, getkey(), optimizer=optax.sgd(0.1)
-    )
-    step = eqx.filter_jit(eo.train_step(cross_entropy, optimizer, policy))
-    report = eo.verify(step, model, opt_state, tokens[:1], targets[:1])
-    assert report.passed and (report.whole_batch, report.examples) == (True, 1)
