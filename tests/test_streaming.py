@@ -12,35 +12,46 @@ import eqx_offload.internal as eoi
 
 from .helpers import (
     all_eqns,
-    assert_trees_close,
+    assert_trees_equal,
     batches,
     cross_entropy,
+    MLPBlock,
     Model,
+    StackedNet,
+    TableLM,
+    TanhBlock,
     unchecked,
 )
+from .numerics import assert_close, excess, TRAINED
 
 
-BASE = {
-    "sgd (momentum)": lambda: optax.sgd(0.1, momentum=0.9),
-    "adam": lambda: optax.adam(1e-2),
+def lm(key) -> TableLM:
+    """A small language model: bare tables around four stacked `TanhBlock`s."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    blocks = eo.Stacked(TanhBlock(jax.random.normal(k2, (4, 16, 16)) / 4))
+    return TableLM(
+        jax.random.normal(k1, (32, 16)), blocks, jax.random.normal(k3, (32, 16)) / 4
+    )
+
+
+# The optimizer changes only the arithmetic inside each piece; what the streaming
+# does differs by what the update reads across pieces: nothing (one pass: `adamw`),
+# a global norm (two passes: the clip) or a norm of each whole leaf (`lamb`, whose
+# trust ratio is a norm over all layers of a stacked leaf, computed from every
+# layer's partial sums), or both.
+OPTIMIZERS = {
     "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
-    "lion": lambda: optax.lion(1e-3, weight_decay=0.1),
+    "lamb": lambda: optax.lamb(1e-2),
+    "clip + sgd (momentum)": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9)
+    ),
+    "clip + lion": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0), optax.lion(1e-3, weight_decay=0.1)
+    ),
+    "clip + lamb": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0), optax.lamb(1e-2)
+    ),
 }
-OPTIMIZERS = {name: make for name, make in BASE.items()}
-OPTIMIZERS.update(
-    {
-        f"clip + {name}": (
-            lambda make=make: optax.chain(optax.clip_by_global_norm(1.0), make())
-        )
-        for name, make in BASE.items()
-    }
-)
-# LAMB's trust ratio is a norm over each whole leaf: over all layers of a stacked
-# leaf. Streamed, it is computed from every layer's partial sums: the same result.
-OPTIMIZERS["lamb"] = lambda: optax.lamb(1e-2)
-OPTIMIZERS["clip + lamb"] = lambda: optax.chain(
-    optax.clip_by_global_norm(1.0), optax.lamb(1e-2)
-)
 
 
 def random_tree(key):
@@ -62,8 +73,15 @@ def host(tree):
     )
 
 
-def streamed_steps(optimizer, params, grads, steps=3):
-    state = optimizer.init(params)
+def device(tree):
+    return jax.tree.map(
+        lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), tree
+    )
+
+
+def streamed_step(optimizer, params, state):
+    """`(params, state, grads) -> (params, state)`, streamed, all of it on the
+    host."""
     layers = [LAYERS[k] for k in sorted(params)]
     n_params, n_state = len(jax.tree.leaves(params)), len(jax.tree.leaves(state))
     kinds = (["pinned_host"] * n_params, ["pinned_host"] * n_state)
@@ -76,49 +94,94 @@ def streamed_steps(optimizer, params, grads, steps=3):
         )
         return new[:2]
 
-    params, state, grads = host(params), host(state), host(grads)
-    for _ in range(steps):
-        params, state = step(params, state, grads)
-    return params, state
+    return lambda *args: step(*map(host, args))
 
 
-def optax_steps(optimizer, params, grads, steps=3):
-    state = optimizer.init(params)
-    for _ in range(steps):
+def optax_step(optimizer):
+    @jax.jit
+    def step(params, state, grads):
         updates, state = optimizer.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), state
+
+    return lambda *args: step(*map(device, args))
+
+
+def streamed_once(optimizer, params, grads):
+    state = optimizer.init(params)
+    return streamed_step(optimizer, params, state)(params, state, grads)
+
+
+def unchanged(new, old) -> bool:
+    return all(
+        np.array_equal(x, y) for x, y in zip(jax.tree.leaves(new), jax.tree.leaves(old))
+    )
+
+
+def assert_streamed_equals_optax(make_optimizer, getkey, steps=1, nan_at=None):
+    """Streamed steps on random trees, one at a time from the state of two optax
+    steps (moments, a count), each against optax's whole update on the same
+    gradients: the parameters' updates and the new state within float32's
+    tolerance (`F32`: the same elementwise arithmetic; LAMB's and the clip's norms
+    are the same sums in another order). The step at `nan_at` has a gradient that
+    is not finite. Returns the streamed result.
+
+    The negative control, on the same compiled update: the gradients' sign
+    flipped is more than ten times beyond the tolerance."""
+    optimizer = make_optimizer()
+    theirs = optax_step(optimizer)
+    params = random_tree(getkey())
+    state = optimizer.init(params)
+    for _ in range(2):
+        params, state = theirs(params, state, random_tree(getkey()))
+    ours = streamed_step(optimizer, params, state)
+    for i in range(steps):
+        grads = random_tree(getkey())
+        if i == nan_at:
+            grads["large"] = grads["large"].at[3, 5].set(jnp.nan)
+        ref_params, ref_state = theirs(params, state, grads)
+        new_params, new_state = ours(params, state, grads)
+        applied = not unchanged(ref_params, params)
+        assert not (applied and i == nan_at)  # a gradient not finite: skipped
+        if applied:
+            assert_close(new_params, ref_params, origin=params)
+        else:  # skipped, or accumulated: nothing changes
+            assert_trees_equal(new_params, params)
+        assert_close(new_state, ref_state)
+        if i != nan_at:
+            wrong_params, wrong_state = ours(
+                params, state, jax.tree.map(jnp.negative, grads)
+            )
+            wrong = excess(wrong_state, ref_state)
+            if applied:
+                wrong = max(wrong, excess(wrong_params, ref_params, origin=params))
+            assert wrong > 10
+        params, state = new_params, new_state
     return params, state
-
-
-def assert_streamed_equals_optax(make_optimizer, getkey, steps=3, lamb=False):
-    """Streamed steps on random trees equal optax's own; returns the streamed."""
-    params, grads = random_tree(getkey()), random_tree(getkey())
-    ours = streamed_steps(make_optimizer(), params, grads, steps)
-    theirs = optax_steps(make_optimizer(), params, grads, steps)
-    # The same operations on the same gradients, piece by piece: rtol 1e-6. LAMB's
-    # per-leaf norms are sums of per-piece partial sums: the same sum in another
-    # order, which its ratio of norms turns into ~1e-7 absolute noise.
-    if lamb:
-        assert_trees_close(ours, theirs, atol=1e-6)
-    else:
-        assert_trees_close(ours, theirs, rtol=1e-6)
-    return ours
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_streamed_update_equals_optax(name, monkeypatch, getkey):
     monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 8192)  # "large" is 32 KiB
-    ours = assert_streamed_equals_optax(OPTIMIZERS[name], getkey, lamb="lamb" in name)
+    ours = assert_streamed_equals_optax(OPTIMIZERS[name], getkey)
     assert {x.sharding.memory_kind for x in jax.tree.leaves(ours)} == {"pinned_host"}
 
 
-@pytest.mark.parametrize("name", ["clip + adam", "clip + lion", "lamb"])
+TPU_LOOP = {
+    "clip + adam": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adam(1e-2)
+    ),
+    "lamb": OPTIMIZERS["lamb"],
+}
+
+
+@pytest.mark.parametrize("name", TPU_LOOP)
 def test_the_tpu_loop_equals_optax_too(name, monkeypatch, getkey):
     # On the CPU the streamed loops read one piece ahead; this runs the loop a TPU
-    # compiles (each step reads its own piece) here.
+    # compiles (each step reads its own piece) here: after a global norm, and
+    # with each leaf's norm.
     monkeypatch.setattr(eoi.streaming, "READ_IN_STEP", ("cpu",))
     monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 8192)
-    assert_streamed_equals_optax(OPTIMIZERS[name], getkey, lamb="lamb" in name)
+    assert_streamed_equals_optax(TPU_LOOP[name], getkey)
 
 
 @pytest.mark.parametrize(
@@ -167,7 +230,7 @@ def test_other_unstreamable_updates_are_refused(make, why, monkeypatch, getkey):
     monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 8192)
     params, grads = random_tree(getkey()), random_tree(getkey())
     with pytest.raises(eoi.streaming.NotStreamable, match=why):
-        streamed_steps(make(), params, grads, 1)
+        streamed_once(make(), params, grads)
 
 
 CONDS = {
@@ -185,19 +248,13 @@ CONDS = {
 @pytest.mark.parametrize("name", CONDS)
 def test_conds_over_several_groups_of_pieces(name, monkeypatch, getkey):
     # "layers" and "large" are streamed in different groups; a `cond` over every
-    # leaf is computed as both branches and a select, piece by piece.
+    # leaf is computed as both branches and a select, piece by piece. Three steps:
+    # `MultiSteps` accumulates, applies and accumulates; `apply_if_finite` skips
+    # the second, whose gradients are not finite (the parameters stay as they
+    # are, bit for bit).
     monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 8192)
-    assert_streamed_equals_optax(CONDS[name], getkey, steps=5)
-
-
-def test_a_skipped_step_is_skipped_when_streamed(monkeypatch, getkey):
-    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 8192)
-    params, grads = random_tree(getkey()), random_tree(getkey())
-    grads["large"] = grads["large"].at[3, 5].set(jnp.nan)  # not finite: no update
-    ours = streamed_steps(CONDS["apply_if_finite(adam)"](), params, grads, 2)
-    theirs = optax_steps(CONDS["apply_if_finite(adam)"](), params, grads, 2)
-    assert_trees_close(ours, theirs, rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(ours[0]["layers"]), params["layers"])
+    nan_at = 1 if name == "apply_if_finite(adam)" else None
+    assert_streamed_equals_optax(CONDS[name], getkey, steps=3, nan_at=nan_at)
 
 
 def test_clipping_is_active_in_the_test(getkey):
@@ -237,11 +294,11 @@ def size_dependent():
 def test_an_update_that_changes_piece_by_piece_is_refused(transformation, why, getkey):
     params, grads = random_tree(getkey()), random_tree(getkey())
     with pytest.raises(eoi.streaming.NotStreamable, match=why):
-        streamed_steps(optax.chain(transformation(), optax.sgd(0.1)), params, grads, 1)
+        streamed_once(optax.chain(transformation(), optax.sgd(0.1)), params, grads)
     # ...and in a train step, with the way out.
     policy = eo.Policy.remat(opt_state="pinned_host")
     optimizer = optax.chain(transformation(), optax.adam(1e-3))
-    model = eo.place(Model(key=getkey()), policy)
+    model = eo.place(lm(getkey()), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(cross_entropy, optimizer, policy)
     with pytest.raises(ValueError, match=rf"cannot be streamed.*{why}.*update='whole'"):
@@ -251,17 +308,20 @@ def test_an_update_that_changes_piece_by_piece_is_refused(transformation, why, g
     step(model, opt_state, *next(batches()))
 
 
-def update_jaxpr(policy, key):
+@pytest.fixture(scope="module")
+def streamed_trace():
+    """A train step of `Model` under `offload_all` with the streamed update (not
+    the CPU's whole one), traced once: `(traced, opt_state)`."""
+    policy = eo.Policy.offload_all(update="streamed")
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
-    model = eo.place(Model(depth=4, key=key), policy)
+    model = eo.place(Model(depth=4, key=jax.random.key(3)), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(cross_entropy, optimizer, policy)
-    return step.trace(model, opt_state, *next(batches())).jaxpr, model, opt_state
+    return step.trace(model, opt_state, *next(batches())), opt_state
 
 
-def test_one_layer_of_state_on_the_device_at_a_time(getkey):
-    policy = eo.Policy.offload_all(update="streamed")  # not the CPU's whole update
-    jaxpr, model, opt_state = update_jaxpr(policy, getkey())
+def test_one_layer_of_state_on_the_device_at_a_time(streamed_trace):
+    traced, opt_state = streamed_trace
     mu = opt_state[1][0].mu.blocks.layers
     # Weights stream a layer at a time; biases and LayerNorm scales (one row per
     # layer, which a TPU cannot slice from the host: `_tiling.py`) move whole.
@@ -269,7 +329,7 @@ def test_one_layer_of_state_on_the_device_at_a_time(getkey):
     assert len(stacked_shapes) >= 3
     layer_shapes = {s[1:] for s in stacked_shapes}  # a layer, without its axis
     moved = set()
-    for eqn in all_eqns(jaxpr):
+    for eqn in all_eqns(traced.jaxpr):
         if eqn.primitive.name == "device_put":
             for var, dst in zip(eqn.invars, eqn.params["devices"]):
                 if dst == jax.memory.Space.Device:
@@ -278,47 +338,61 @@ def test_one_layer_of_state_on_the_device_at_a_time(getkey):
     assert layer_shapes <= moved  # one layer at a time, inside the update's scans
 
 
-def assert_streamed_equals_whole(make_optimizer, key, steps):
-    """`train_step` under `Policy.offload_all()`, streamed and whole: the same."""
+def test_each_leafs_transfers_are_named_after_it(streamed_trace):
+    traced, _ = streamed_trace
+    text = traced.lower().as_text(debug_info=True)
+    for name in ("blocks.mlp.layers[0].weight", "opt_state.blocks.attn"):
+        assert name in text
+
+
+def accumulated_sgd(learning_rate):
+    return optax.MultiSteps(
+        optax.chain(
+            optax.clip_by_global_norm(0.5), optax.sgd(learning_rate, momentum=0.9)
+        ),
+        every_k_schedule=2,
+    )
+
+
+def test_streamed_and_whole_updates_agree_in_a_train_step(monkeypatch, getkey):
+    """`train_step` under `Policy.offload_all()`, streamed and whole, four steps of
+    SGD behind a clip, accumulated over two: the updates within `TRAINED`, the
+    losses and state too (the momentum is a sum of gradients, as the updates
+    are). With small pieces the tables are streamed in row blocks besides the
+    layers. The negative control: the first layer's update dropped."""
+    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 1024)
+    key, steps = getkey(), 4
     results = []
     for update in ("streamed", "whole"):
         policy = eo.Policy.offload_all(update=update)
-        optimizer = make_optimizer()
-        model = eo.place(Model(key=key), policy)
+        optimizer = accumulated_sgd(0.1)
+        model = eo.place(lm(key), policy)
         opt_state = eo.init_opt_state(optimizer, model, policy)
         step = eo.train_step(cross_entropy, optimizer, policy)
-        data = batches()
+        data, losses = batches(), []
         for _ in range(steps):
             model, opt_state, loss, _ = step(model, opt_state, *next(data))
-        results.append(eqx.filter((model, opt_state, loss), eqx.is_array))
-    assert_trees_close(*results)
-
-
-def test_streamed_and_whole_updates_agree_in_a_train_step(getkey):
-    assert_streamed_equals_whole(
-        lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)),
-        getkey(),
-        steps=3,
+            losses.append(float(loss))
+        results.append((model, opt_state, losses))
+    (model, opt_state, losses), (ref_model, ref_state, ref_losses) = results
+    start = lm(key)
+    assert_close(losses, ref_losses)
+    assert_close(model, ref_model, tol=TRAINED, origin=start, steps=steps)
+    assert_close(opt_state, ref_state, tol=TRAINED)
+    layers = lambda m: m.blocks.layers  # noqa: E731
+    first = jax.tree.map(
+        lambda x, o: x.at[0].set(o[0]) if eqx.is_inexact_array(x) else x,
+        layers(model),
+        layers(start),
     )
-
-
-def test_gradient_accumulation_streams_in_a_train_step(monkeypatch, getkey):
-    # With small pieces the embedding is streamed in row blocks besides the layers.
-    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 1024)
-    assert_streamed_equals_whole(
-        lambda: optax.MultiSteps(
-            optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2)),
-            every_k_schedule=2,
-        ),
-        getkey(),
-        steps=4,
-    )
+    dropped = eqx.tree_at(layers, model, first)
+    assert excess(dropped, ref_model, tol=TRAINED, origin=start, steps=steps) > 10
 
 
 def test_host_state_is_updated_in_place_on_a_tpu(getkey):
     policy = eo.Policy.remat(opt_state="pinned_host")
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
-    model = eo.place(Model(depth=4, key=getkey()), policy)
+    model = eo.place(eqx.filter_eval_shape(lm, getkey()), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(cross_entropy, optimizer, policy)
     report = eo.memory_report(
@@ -338,38 +412,41 @@ def test_update_must_be_known():
         eo.Policy(update="stream")  # pyright: ignore[reportArgumentType]
 
 
-def test_bfloat16_layers_stream_and_match_the_device_step(getkey):
-    # A bfloat16 stacked bias or LayerNorm scale (one packed row per layer) cannot
-    # be sliced on the host by a TPU: it goes to the device whole, and is updated
-    # whole; the rest streams. The result is the plain step's.
+def test_bfloat16_layers_stream_and_match_optax(getkey):
+    """A bfloat16 stacked bias or LayerNorm scale (one packed row per layer) cannot
+    be sliced on the host by a TPU: it goes to the device whole, and is updated
+    whole; the rest streams. On the same gradients the result is optax's, bit for
+    bit: SGD at a power of two scales each gradient exactly, and adds it to its
+    parameter with one rounding, whatever the order. (`test_verify.py` trains a
+    bfloat16 model under `offload_all`.) The negative control: another learning
+    rate, in the state (the same compiled update)."""
+    mlp = StackedNet(lambda k: MLPBlock(16, 32, key=k), 4, (16, 4), key=getkey())
     model = jax.tree.map(
-        lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x,
-        Model(key=getkey()),
+        lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, mlp
     )
-    results = []
-    for policy in (eo.Policy.none(), eo.Policy.offload_all()):
-        # A copy: `place` keeps the caller's buffers where nothing moves, and the
-        # step donates them.
-        copy = jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, model)
-        placed = eo.place(copy, policy)
-        optimizer = optax.sgd(0.1)
-        opt_state = eo.init_opt_state(optimizer, placed, policy)
-        step = eo.train_step(cross_entropy, optimizer, policy)
-        data = batches()
-        for _ in range(2):
-            placed, opt_state, loss, _ = step(placed, opt_state, *next(data))
-        results.append(placed)
-    bias = results[1].blocks.layers.norm1.weight
-    assert bias.dtype == jnp.bfloat16 and bias.sharding.memory_kind == "pinned_host"
-    assert_trees_close(*results, rtol=1e-2, atol=1e-2)  # bfloat16's rounding
-
-
-def test_each_leafs_transfers_are_named_after_it(getkey):
+    params = eqx.filter(model, eqx.is_inexact_array)
+    grads = jax.tree.map(
+        lambda x: jax.random.normal(getkey(), x.shape, x.dtype), params
+    )
     policy = eo.Policy.offload_all(update="streamed")  # not the CPU's whole update
-    step = eo.train_step(cross_entropy, optax.adam(1e-3), policy)
-    model = eo.place(Model(depth=4, key=getkey()), policy)
-    opt_state = eo.init_opt_state(optax.adam(1e-3), model, policy)
-    traced = step.trace(model, opt_state, *next(batches()))
-    text = traced.lower().as_text(debug_info=True)
-    for name in ("blocks.mlp.layers[0].weight", "opt_state.blocks.attn"):
-        assert name in text
+    optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=0.125)
+
+    @eqx.filter_jit
+    def ours(grads, opt_state, model):
+        return eo.optimizer_update(optimizer, grads, opt_state, model, policy)
+
+    updates, _ = optimizer.update(grads, optimizer.init(params))
+    expected = optax.apply_updates(params, updates)
+    placed = eo.place(model, policy)
+    opt_state = eo.init_opt_state(optimizer, placed, policy)
+    new, _, _ = ours(grads, opt_state, placed)
+    assert_trees_equal(eqx.filter(new, eqx.is_inexact_array), expected)
+    bias = new.blocks.layers.fc1.bias
+    assert bias.dtype == jnp.bfloat16 and bias.sharding.memory_kind == "pinned_host"
+    lr = opt_state.hyperparams["learning_rate"]
+    hyperparams = {
+        "learning_rate": jax.device_put(jnp.asarray(0.25, lr.dtype), lr.sharding)
+    }
+    other, _, _ = ours(grads, opt_state._replace(hyperparams=hyperparams), placed)
+    with pytest.raises(AssertionError):
+        assert_trees_equal(eqx.filter(other, eqx.is_inexact_array), expected)
