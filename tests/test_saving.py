@@ -41,7 +41,7 @@ if __name__ == "__main__":  # run by a test in a new process: set up as conftest
     jax.config.update("jax_numpy_dtype_promotion", "standard")
 
 DIM, DEPTH, BATCH = 8, 3, 4
-SAVE_AT, STEPS = 10, 20
+SAVE_AT, STEPS = 2, 4  # a step after saving donates the saved buffers
 POLICIES = {
     "offload_all": eo.Policy.offload_all,
     "none": eo.Policy.none,
@@ -139,7 +139,16 @@ def _child(*args: str, stderr: Any = subprocess.PIPE) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def steps():
+    """Each policy's train step, compiled once for the tests that run it."""
+    return {
+        name: eo.train_step(loss_fn, OPTIMIZER, make())
+        for name, make in POLICIES.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, steps):
     """Each policy trained `STEPS` steps uninterrupted, saving at `SAVE_AT` with
     `wait=False` while training goes on (the next step donates the saved buffers),
     and the same resumed from that checkpoint in a new process."""
@@ -149,7 +158,7 @@ def runs(tmp_path_factory):
         policy = make()
         model = eo.place(make_model(key=jax.random.key(0)), policy)
         opt_state = eo.init_opt_state(OPTIMIZER, model, policy)
-        step = eo.train_step(loss_fn, OPTIMIZER, policy)
+        step = steps[name]
         extra = {"key": jax.random.key(1), "step": 0}
         record = {}
 
@@ -454,11 +463,11 @@ def test_extra_keeps_types_and_sharding(tmp_path, getkey):
     assert jax.random.key_impl(got["key"]) == jax.random.key_impl(extra["key"])
 
 
-def test_place_opt_state_keeps_values(getkey):
-    policy = eo.Policy.offload_all()
+def test_place_opt_state_keeps_values(getkey, steps):
+    step = steps["offload_all"]
+    policy = step.policy
     model = eo.place(make_model(key=getkey()), policy)
     opt_state = eo.init_opt_state(OPTIMIZER, model, policy)
-    step = eo.train_step(loss_fn, OPTIMIZER, policy)
     model, opt_state, _, _ = step(model, opt_state, *data(getkey()))
     before = [np.array(x) for x in bits(opt_state)]
     moved = eo.place(opt_state, policy)  # the count goes to the host too
