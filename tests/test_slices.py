@@ -255,13 +255,14 @@ def _loss(model: StackedNet, x: Float[Array, "b w"]) -> Float[Array, ""]:
     return jnp.mean(jax.vmap(model)(x) ** 2)
 
 
-@pytest.mark.parametrize("width", [40, 200])
-def test_fsdp_under_explicit_axes_streams_like_auto(width):
+def test_fsdp_under_explicit_axes_streams_like_auto():
     """Under `Explicit` axes kept inside the loss (`Policy(loss_axes="explicit")`)
     the step gathers each FSDP-sharded layer itself, inside the scan: the compiler
     must not hoist that gather out of the loop, which would gather every layer at
     once in host memory (the host temporaries were then the whole stacked
-    weight)."""
+    weight). One width is enough to see it: without the barrier the compile
+    fails at 40 and at 200 alike."""
+    width = 200
     host = {}
     for axis_type in (AxisType.Auto, AxisType.Explicit):
         mesh = AbstractMesh((8,), ("fsdp",), axis_types=(axis_type,))
@@ -281,7 +282,7 @@ def test_fsdp_under_explicit_axes_streams_like_auto(width):
         k: v for k, v in auto.items() if k != "temp"
     }
     # Hoisted, the gathers held every layer's whole weights in host memory (more
-    # than twice `Auto`'s temporaries at these widths).
+    # than twice `Auto`'s temporaries at this width).
     assert explicit["temp"] <= 1.25 * auto["temp"]
 
 
