@@ -1,12 +1,15 @@
 """The layout the design notes describe: every module in the module map with its
 level, imports only from lower levels (so no import circles), no module over 600
-lines, and JAX internals only in the adapter modules."""
+lines, and JAX internals only in the adapter modules; and every test file in the
+order the test workers take them."""
 
 import ast
 import pathlib
 import re
 
 import pytest
+
+from . import conftest
 
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -114,3 +117,18 @@ def test_jax_internals_only_in_the_adapters(module):
         return
     text = _modules()[module].read_text()
     assert not _INTERNALS.findall(text), module
+
+
+def test_the_slowest_first_order_names_every_test_file():
+    """`tests/conftest.py`'s `SLOWEST_FIRST`, the order in which the two workers
+    take whole files, names each test file once and no file that is gone: a file
+    left out runs after every listed one, whatever its time, and can leave one
+    worker running alone at the end."""
+    listed = list(conftest.SLOWEST_FIRST)
+    present = {path.name for path in (ROOT / "tests").glob("test_*.py")}
+    twice = sorted({name for name in listed if listed.count(name) > 1})
+    missing, gone = sorted(present - set(listed)), sorted(set(listed) - present)
+    assert not (twice or missing or gone), (
+        f"`SLOWEST_FIRST` lists twice: {twice}; leaves out: {missing}; lists files "
+        f"that are gone: {gone}. Order every file by its time in a measured run."
+    )
