@@ -5,6 +5,7 @@ library, as the code review measured Equinox (median 62 characters) and optax
 (55)."""
 
 import ast
+import functools
 import re
 import statistics
 from collections.abc import Iterable, Iterator
@@ -49,10 +50,16 @@ def _is_link(node: ast.expr) -> bool:
     )
 
 
-def _messages() -> list[tuple[str, int]]:
+@functools.cache
+def _modules() -> tuple[tuple[Path, ast.Module], ...]:
+    """Every library module, parsed once for all the tests."""
+    return tuple((p, ast.parse(p.read_text())) for p in sorted(LIBRARY.rglob("*.py")))
+
+
+@functools.cache
+def _messages() -> tuple[tuple[str, int], ...]:
     found = []
-    for path in sorted(LIBRARY.rglob("*.py")):
-        tree = ast.parse(path.read_text())
+    for path, tree in _modules():
         for node in ast.walk(tree):
             if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)):
                 continue
@@ -62,7 +69,7 @@ def _messages() -> list[tuple[str, int]]:
             if length is not None:
                 where = f"{path.relative_to(LIBRARY)}:{node.lineno}"
                 found.append((where, length))
-    return found
+    return tuple(found)
 
 
 def test_messages_are_found():
@@ -147,13 +154,13 @@ def _linked_in(node: ast.AST, scopes: list[dict]) -> Iterator[int]:
         yield from _linked_in(child, scopes)
 
 
-def _linked() -> set[int]:
+@functools.cache
+def _linked() -> frozenset[int]:
     """The rows the library's messages link to (`see(...)`)."""
     numbers = set()
-    for path in LIBRARY.rglob("*.py"):
-        tree = ast.parse(path.read_text())
+    for _, tree in _modules():
         numbers.update(_linked_in(tree, [_assigned(tree.body)]))
-    return numbers
+    return frozenset(numbers)
 
 
 def test_every_catalogued_message_ends_with_its_link():

@@ -4,6 +4,7 @@ lines, and JAX internals only in the adapter modules; and every test file in the
 order the test workers take them."""
 
 import ast
+import functools
 import pathlib
 import re
 
@@ -18,6 +19,7 @@ NOTES = ROOT / "docs" / "design-notes.md"
 ADAPTERS = {"_jaxpr.py", "_compat.py", "_compiler.py"}
 
 
+@functools.cache  # for each of the parametrized tests, and each import
 def _modules() -> dict[str, pathlib.Path]:
     """Module files by their path inside the package (`_update/_optim.py`)."""
     return {
@@ -27,6 +29,7 @@ def _modules() -> dict[str, pathlib.Path]:
     }
 
 
+@functools.cache
 def _map() -> dict[str, int]:
     """The module map's rows: file -> level."""
     text = NOTES.read_text()
