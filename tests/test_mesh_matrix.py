@@ -1,14 +1,15 @@
 """A transformer-style stack trained on 8 CPU devices over two meshes, 8 (FSDP) and
 4×2 (FSDP × a tensor-parallel MLP), with `Auto` and `Explicit` axes, under
-`none`, `offload_residuals` and `offload_all`: five steps give the losses and
-parameters of a one-device Equinox + optax run, every output leaf keeps its
+`none`, `offload_residuals` and `offload_all`: five SGD steps (with and without
+momentum) give the losses and the parameters' updates of a one-device Equinox +
+optax run to float32 rounding, every output leaf keeps its
 layout and memory kind, the step compiles once per input shape whatever the
 specs' spelling, and the streamed optimizer update moves one layer of each
 device's shard at a time, never a gathered stack.
 
 The model is laid out in each of the ways in `LAYOUTS`: by hand (`lay_out`, one
 `device_put` per leaf) and declared (`Policy(shard=...)`); another way is one more
-entry there and a few rows of `CASES`. By hand, the loss keeps `Explicit` axes
+entry there and a row or two of `CASES`. By hand, the loss keeps `Explicit` axes
 (`Policy(loss_axes="explicit")`, which `Net` is written for); declared, it runs
 on `Auto` ones (the default).
 
@@ -32,7 +33,9 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 import eqx_offload as eo
 from eqx_offload.internal import saved_for_backward
 
-from .helpers import assert_trees_close, CountCompiles
+from .controls import scaled
+from .helpers import CountCompiles
+from .numerics import assert_close, excess, TRAINED
 from .test_state_dict import Net as LM  # embedding, `Stacked` MLPs, head
 
 
@@ -223,10 +226,18 @@ LAYOUTS: dict[str, Callable[[Net, Mesh, dict[str, P], str], tuple[Net, eo.Policy
 
 # --- The one-device reference --------------------------------------------------
 
+# Updates Lipschitz in the gradient (`numerics.TRAINED`); with momentum, optimizer
+# state that the streamed update reads and writes a layer at a time.
 OPTIMIZERS = {
-    "sgd": (lambda: optax.sgd(0.1), 0.1),
-    "adamw": (lambda: optax.adamw(1e-2), 1e-2),
+    "sgd": lambda: optax.sgd(0.1),
+    "momentum": lambda: optax.sgd(0.1, momentum=0.9),
 }
+
+
+def start() -> list[np.ndarray]:
+    """The parameters every run starts from, in `Net`'s leaf order."""
+    net = Net(key=jax.random.key(0))
+    return [np.asarray(p) for p in jax.tree.leaves(eqx.filter(net, eqx.is_array))]
 
 
 @functools.cache
@@ -234,7 +245,7 @@ def reference(optimizer_name: str) -> tuple[list[float], list[np.ndarray]]:
     """Losses and final parameters of plain Equinox + optax on one device."""
     net = Net(key=jax.random.key(0))
     model = ReferenceNet(list(net.blocks), net.head)
-    optimizer = OPTIMIZERS[optimizer_name][0]()
+    optimizer = OPTIMIZERS[optimizer_name]()
     state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
 
     @eqx.filter_jit
@@ -320,25 +331,17 @@ def shardings(tree: PyTree) -> list:
 
 # --- The matrix ----------------------------------------------------------------
 
-# (layout, mesh, preset, optimizer, axis type, spelling) by hand: every preset on
-# every mesh, both optimizers and both axis types on each mesh, the streamed update
-# (`offload_all`) with both optimizers, both spellings under both axis types; and
-# declared layouts on both meshes and axis types.
+# (layout, mesh, preset, optimizer, axis type, spelling): each preset, each
+# optimizer, each axis type and each spelling on each mesh at least once; the
+# streamed update (`offload_all`) on both meshes and axis types, with state
+# (momentum) and without (SGD); declared layouts on both meshes and axis types.
 CASES = [
-    ("by hand", "8", "none", "sgd", "Auto", "short"),
-    ("by hand", "8", "offload_residuals", "adamw", "Auto", "full"),
-    ("by hand", "8", "offload_all", "sgd", "Auto", "full"),
-    ("by hand", "8", "offload_all", "adamw", "Auto", "short"),
-    ("by hand", "8", "offload_all", "adamw", "Explicit", "full"),
     ("by hand", "8", "none", "sgd", "Explicit", "short"),
-    ("by hand", "4x2", "none", "adamw", "Auto", "full"),
+    ("by hand", "8", "offload_all", "momentum", "Auto", "full"),
     ("by hand", "4x2", "offload_residuals", "sgd", "Auto", "short"),
-    ("by hand", "4x2", "offload_all", "sgd", "Auto", "short"),
-    ("by hand", "4x2", "offload_all", "adamw", "Auto", "full"),
-    ("by hand", "4x2", "offload_all", "adamw", "Explicit", "short"),
-    ("by hand", "4x2", "offload_residuals", "sgd", "Explicit", "full"),
-    ("declared", "8", "offload_all", "sgd", "Auto", "full"),
-    ("declared", "4x2", "offload_all", "adamw", "Explicit", "short"),
+    ("by hand", "4x2", "offload_all", "momentum", "Explicit", "full"),
+    ("declared", "8", "offload_all", "sgd", "Auto", "short"),
+    ("declared", "4x2", "offload_all", "momentum", "Explicit", "short"),
 ]
 
 
@@ -357,8 +360,7 @@ def test_trains_like_one_device(
         path: spelled(spec, operator.attrgetter(path)(net).ndim, spelling == "full")
         for path, spec in whole_specs.items()
     }
-    make_optimizer, lr = OPTIMIZERS[optimizer_name]
-    optimizer = make_optimizer()
+    optimizer = OPTIMIZERS[optimizer_name]()
     model, policy = LAYOUTS[layout](net, mesh, specs, preset)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     host = "pinned_host" if preset == "offload_all" else "device"
@@ -380,7 +382,7 @@ def test_trains_like_one_device(
         traced = step.trace(model, opt_state, *data[0])
         hlo = traced.lower().compile().as_text()
         assert hlo is not None
-        assert_streamed(hlo, model, with_state=optimizer_name == "adamw")
+        assert_streamed(hlo, model, with_state=optimizer_name == "momentum")
     losses = []
     counted = CountCompiles(step)
     for x, y in data:
@@ -398,11 +400,9 @@ def test_trains_like_one_device(
         assert x.sharding.memory_kind == (host if x.ndim else "device")
 
     ref_losses, ref_params = reference(optimizer_name)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    if optimizer_name == "sgd":
-        assert_trees_close(model, ref_params)
-    else:
-        assert_trees_close(model, ref_params, after_adam=(lr, STEPS))
+    assert_close(losses, ref_losses)
+    assert excess(scaled(losses, 1.01), ref_losses) > 10
+    assert_close(model, ref_params, tol=TRAINED, origin=start(), steps=STEPS)
 
     # One compile per input shape: a batch of another size compiles once more, and
     # the first size is still cached.
@@ -438,12 +438,14 @@ def test_an_unmodified_model_trains_on_explicit_axes_as_on_auto_axes():
     """`Policy(loss_axes="auto")`, the default: on a mesh with `Explicit` axes the
     loss runs on `Auto` axes inside the step, so the model above trains under a
     declared FSDP layout with `offload_all` as it does on an `Auto` mesh (SGD:
-    the parameters agree to rounding). Its `aux` comes back replicated; the
-    backward pass saves what it saves there; `verify` passes."""
+    the losses and the parameters' updates agree to float32 rounding). Its `aux`
+    comes back replicated; the backward pass saves what it saves there; `verify`
+    passes."""
     rng = np.random.default_rng(0)
+    steps = 3
     data = [
         tuple(rng.integers(0, 32, (BATCH, SEQ)).astype(np.int32) for _ in "xy")
-        for _ in range(STEPS)
+        for _ in range(steps)
     ]
     net = LM(key=jax.random.key(0))
     optimizer = optax.sgd(0.5)
@@ -473,9 +475,12 @@ def test_an_unmodified_model_trains_on_explicit_axes_as_on_auto_axes():
     )
     # The parameters cast onto `Auto` axes are the same buffers, not residuals.
     assert saved == auto_saved
-    np.testing.assert_allclose(losses, auto_losses, rtol=1e-5)
-    assert_trees_close(params, auto_params)
-    np.testing.assert_allclose(np.asarray(aux), np.asarray(auto_aux), rtol=1e-5)
+    assert_close(losses, auto_losses)
+    assert excess(scaled(losses, 1.01), auto_losses) > 10
+    origin = jax.tree.leaves(eqx.filter(net, eqx.is_array))
+    assert_close(params, auto_params, tol=TRAINED, origin=origin, steps=steps)
+    assert_close(aux, auto_aux)
+    assert excess(scaled(aux, 1.01), auto_aux) > 10
     assert aux.sharding.spec == P(None)  # replicated
 
     # `verify` runs the loss (and its plain reference) as the step does.
