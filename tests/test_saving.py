@@ -294,36 +294,6 @@ def test_sigkill_mid_save_leaves_previous_step(tmp_path):
     assert not glob.glob(str(directory / "*tmp*"))
 
 
-def test_sharded_host_leaves_keep_their_sharding(tmp_path):
-    policy = eo.Policy.offload_all()
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "x"))
-    model = make_model(key=jax.random.key(0))
-    params, static = eqx.partition(model, eqx.is_array)
-    model = eqx.combine(jax.device_put(params, replicated), static)
-    weight = lambda m: m.blocks.layers.layers[0].weight  # noqa: E731
-    model = eqx.tree_at(weight, model, jax.device_put(weight(model), rows))
-    model = eo.place(model, policy)
-    opt_state = eo.init_opt_state(OPTIMIZER, model, policy)
-    step = eo.train_step(loss_fn, OPTIMIZER, policy)
-    model, opt_state, _, _ = step(model, opt_state, *data(jax.random.key(2)))
-    eo.save(tmp_path, model, opt_state, step=1)
-    restored = eo.load(tmp_path, (model, opt_state), policy, optimizer=OPTIMIZER)
-    # Without the optimizer, the parameter-shaped state is found by its structure:
-    # the same placements.
-    by_structure = eo.load(tmp_path, (model, opt_state), policy)
-    assert placements(by_structure) == placements(restored)
-    assert weight(restored.model).sharding == rows.with_memory_kind("pinned_host")
-    assert placements(restored[:2]) == placements((model, opt_state))
-    assert jax.typeof(weight(restored.model)).memory_space == jax.memory.Space.Host
-    assert_trees_equal(restored[:2], (model, opt_state))
-    batch = data(jax.random.key(3))
-    with compiles() as compiled:
-        step(restored.model, restored.opt_state, *batch)
-    assert compiled == []
-
-
 # A 4×2 mesh ("fsdp" × "tp"): the MLP's first layer split by its outputs over "tp",
 # the second by its inputs; the rest FSDP or replicated.
 MESH_SPECS = {
