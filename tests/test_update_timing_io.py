@@ -4,14 +4,12 @@ waits (`eo.PendingUpdate`) as the step does, and never a pending update as if it
 were applied."""
 
 import dataclasses
+import functools
 import importlib.util
-import sys
-from pathlib import Path
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
@@ -19,63 +17,63 @@ import eqx_offload as eo
 import eqx_offload.internal as eoi
 
 from .helpers import (
-    assert_trees_close,
+    assert_trees_equal,
     batches,
     cross_entropy,
     memory_kind,
-    Model,
-    unchecked,
+    TableLM,
+    TanhBlock,
 )
 
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-import compile_matrix as cm  # noqa: E402
+VOCAB, DIM, DEPTH = 32, 8, 3
+OPTIMIZER = optax.adam(1e-2)
+NEXT_FORWARD = eo.Policy.offload_all(update_timing="next_forward")
+DELAYED = eo.Policy.offload_all(update_timing="delayed")
 
 
-TIMINGS = ("next_forward", "delayed")
-# A step that applies a pending update in its forward scan trips the runtime type
-# checker: `_prefetch._keep_perturbed.keep(ct, p: bool | None)` is handed a tuple
-# of flags where the cotangent is None (the result is right). Those steps run
-# unchecked here until that annotation is fixed.
-pending_step = unchecked
-LR = 1e-2
+def lm(key=jax.random.key(0)) -> TableLM:
+    k1, k2, k3 = jax.random.split(key, 3)
+    return TableLM(
+        jax.random.normal(k1, (VOCAB, DIM)),
+        eo.Stacked.from_fn(
+            lambda k: TanhBlock(jax.random.normal(k, (DIM, DIM)) / DIM**0.5),
+            DEPTH,
+            key=k2,
+        ),
+        jax.random.normal(k3, (VOCAB, DIM)) / DIM**0.5,
+    )
 
 
-def _start(policy: eo.Policy, optimizer=None):
-    optimizer = optax.adam(LR) if optimizer is None else optimizer
-    model = eo.place(Model(depth=3, key=jax.random.key(0)), policy)
-    return optimizer, model, eo.init_opt_state(optimizer, model, policy)
+@functools.cache
+def step(policy: eo.Policy, microbatches: int = 1) -> eo.TrainStep:
+    """One step object per policy, shared by the tests (each compiles once)."""
+    return eo.train_step(cross_entropy, OPTIMIZER, policy, microbatches=microbatches)
+
+
+def _start(policy: eo.Policy):
+    model = eo.place(lm(), policy)
+    return model, eo.init_opt_state(OPTIMIZER, model, policy)
 
 
 def _ready(policy: eo.Policy):
     """A model and state after one step: an update pending."""
-    optimizer, model, opt_state = _start(policy)
-    step = eo.train_step(cross_entropy, optimizer, policy)
-    model, opt_state, _, _ = step(model, opt_state, *next(batches()))  # (none pending)
+    model, opt_state = _start(policy)
+    model, opt_state, _, _ = step(policy)(model, opt_state, *next(batches()))
     assert opt_state.ready
-    return optimizer, model, opt_state
-
-
-@pytest.mark.parametrize("timing", TIMINGS)
-def test_verify_checks_the_held_over_update(timing):
-    """The timing step, its pending update applied, against the whole update now
-    (a fresh state: nothing pending)."""
-    policy = eo.Policy.offload_all(update_timing=timing)
-    optimizer, model, opt_state = _start(policy)
-    step = eo.train_step(cross_entropy, optimizer, policy)
-    report = eo.verify(step, model, opt_state, *next(batches()))
-    assert report.update is not None and report.update.passed
+    return model, opt_state
 
 
 def test_verify_checks_compute_copies_and_micro_batches():
-    """Under a compute dtype the cut `PendingUpdate` holds the compute copies."""
+    """`"next_forward"`'s step, its pending update applied, against the whole
+    update now (a fresh state: nothing pending), under a compute dtype (the cut
+    `PendingUpdate` holds the compute copies) with two micro-batches."""
     policy = eo.Policy.offload_all(
         update_timing="next_forward", compute_dtype=jnp.bfloat16
     )
-    optimizer, model, opt_state = _start(policy)
+    model, opt_state = _start(policy)
     tokens, targets = next(batches(batch=4))
-    step = eo.train_step(cross_entropy, optimizer, policy, microbatches=2)
-    report = eo.verify(step, model, opt_state, tokens, targets)
+    report = eo.verify(step(policy, 2), model, opt_state, tokens, targets)
     assert report.update is not None and report.passed
 
 
@@ -84,99 +82,77 @@ def test_verify_finds_a_pending_update_left_unapplied(monkeypatch):
     layers are one update behind the whole one's, and `verify` says so."""
 
     monkeypatch.setattr(eoi.verify, "apply_pending", lambda m, s, o, p: (m, s))
-    policy = eo.Policy.offload_all(update_timing="next_forward")
-    optimizer, model, opt_state = _start(policy)
-    step = eo.train_step(cross_entropy, optimizer, policy)
+    model, opt_state = _start(NEXT_FORWARD)
     with pytest.raises(eo.DoesNotMatch, match="after the streamed update"):
-        eo.verify(step, model, opt_state, *next(batches()))
+        eo.verify(step(NEXT_FORWARD), model, opt_state, *next(batches()))
 
 
 def test_verify_and_save_refuse_a_pending_update(tmp_path):
-    policy = eo.Policy.offload_all(update_timing="next_forward")
-    optimizer, model, opt_state = _ready(policy)
-    step = eo.train_step(cross_entropy, optimizer, policy)
+    model, opt_state = _ready(NEXT_FORWARD)
     with pytest.raises(ValueError, match=r"`verify`: .*pending update.*apply_pending"):
-        eo.verify(step, model, opt_state, *next(batches()))
+        eo.verify(step(NEXT_FORWARD), model, opt_state, *next(batches()))
     with pytest.raises(ValueError, match=r"`save\(opt_state=...\)`.*apply_pending"):
         eo.save(tmp_path / "ckpt", model, opt_state, step=1)
     assert not eo.saved_steps(tmp_path / "ckpt")
-    model, opt_state = eo.apply_pending(model, opt_state, optimizer, policy)
+    model, opt_state = eo.apply_pending(model, opt_state, OPTIMIZER, NEXT_FORWARD)
     eo.save(tmp_path / "ckpt", model, opt_state, step=1)
     assert eo.saved_steps(tmp_path / "ckpt") == [1]
 
 
-def _train(step, model, opt_state, data, n):
-    with pending_step():
-        for _ in range(n):
-            model, opt_state, _, _ = step(model, opt_state, *next(data))
+def _train(policy, model, opt_state, data, n):
+    for _ in range(n):
+        model, opt_state, _, _ = step(policy)(model, opt_state, *next(data))
     return model, opt_state
 
 
-@pytest.mark.parametrize("timing", TIMINGS)
-def test_resuming_gives_the_numbers_of_not_stopping(timing, tmp_path):
+@pytest.mark.parametrize(
+    "policy", [NEXT_FORWARD, DELAYED], ids=["next_forward", "delayed"]
+)
+def test_resuming_gives_the_numbers_of_not_stopping(policy, tmp_path):
     """2 steps, `apply_pending`, save, load, 2 steps, `apply_pending`: exactly
-    what the same steps give without stopping; under "next_forward" also what 4
-    steps in a row give, and plain training (`Policy.none()`)."""
-    policy = eo.Policy.offload_all(update_timing=timing)
-    optimizer, model, opt_state = _start(policy)
-    step = eo.train_step(cross_entropy, optimizer, policy)
+    what the same steps give without stopping, through the same compiled
+    programs. (That those are plain training's, under `"next_forward"`:
+    `test_update_timing.py::test_apply_pending`.)"""
+    model, opt_state = _start(policy)
     data = batches()
-    model, opt_state = _train(step, model, opt_state, data, 2)
-    model, opt_state = eo.apply_pending(model, opt_state, optimizer, policy)
+    model, opt_state = _train(policy, model, opt_state, data, 2)
+    model, opt_state = eo.apply_pending(model, opt_state, OPTIMIZER, policy)
     eo.save(tmp_path / "ckpt", model, opt_state, step=2)
-    abstract = eo.place(
-        eqx.filter_eval_shape(Model, depth=3, key=jax.random.key(0)), policy
-    )
-    like = (abstract, eo.init_opt_state(optimizer, abstract, policy))
-    loaded, state, at = eo.load(tmp_path / "ckpt", like, policy, optimizer=optimizer)
+    abstract = eo.place(eqx.filter_eval_shape(lm), policy)
+    like = (abstract, eo.init_opt_state(OPTIMIZER, abstract, policy))
+    loaded, state, at = eo.load(tmp_path / "ckpt", like, policy, optimizer=OPTIMIZER)
     # Exactly what was saved, in the places `init_opt_state` puts it.
     assert at == 2 and isinstance(state, eo.PendingUpdate) and not state.ready
+    assert_trees_equal((loaded, state), (model, opt_state))
     saved, back = eqx.filter(((model, opt_state), (loaded, state)), eqx.is_array)
     for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(back), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert memory_kind(a) == memory_kind(b)
-    resumed, state = _train(step, loaded, state, data, 2)
-    resumed, _ = eo.apply_pending(resumed, state, optimizer, policy)
+    resumed, state = _train(policy, loaded, state, data, 2)
+    resumed, _ = eo.apply_pending(resumed, state, OPTIMIZER, policy)
 
     # Not stopping: the same steps, `apply_pending` after the second included.
-    optimizer, model, opt_state = _start(policy)
+    model, opt_state = _start(policy)
     data = batches()
-    model, opt_state = _train(step, model, opt_state, data, 2)
-    model, opt_state = eo.apply_pending(model, opt_state, optimizer, policy)
-    unstopped, opt_state = _train(step, model, opt_state, data, 2)
-    unstopped, _ = eo.apply_pending(unstopped, opt_state, optimizer, policy)
-    assert_trees_close(resumed, unstopped, rtol=0, atol=0)
-    if timing == "delayed":
-        return  # (its gradients are of parameters one update behind)
-    # "next_forward" applies the update before the loss reads the layers: the
-    # numbers of plain training, however the steps are cut.
-    optimizer, model, opt_state = _start(policy)
-    straight, opt_state = _train(step, model, opt_state, batches(), 4)
-    straight, _ = eo.apply_pending(straight, opt_state, optimizer, policy)
-    assert_trees_close(resumed, straight, after_adam=(LR, 4))
-    plain = eo.Policy.none()
-    optimizer, model, opt_state = _start(plain)
-    reference, _ = _train(
-        eo.train_step(cross_entropy, optimizer, plain), model, opt_state, batches(), 4
-    )
-    assert_trees_close(resumed, reference, after_adam=(LR, 4))
+    model, opt_state = _train(policy, model, opt_state, data, 2)
+    model, opt_state = eo.apply_pending(model, opt_state, OPTIMIZER, policy)
+    unstopped, opt_state = _train(policy, model, opt_state, data, 2)
+    unstopped, _ = eo.apply_pending(unstopped, opt_state, OPTIMIZER, policy)
+    assert_trees_equal(resumed, unstopped)
 
 
 def test_load_gives_a_state_with_nothing_pending(tmp_path):
     """A `like` whose state has an update pending (a step's output): the static
     `ready` neither breaks the comparison with the checkpoint nor comes back
     (a checkpoint holds no pending update: the next step would apply it)."""
-    policy = eo.Policy.offload_all(update_timing="delayed")
-    optimizer, model, opt_state = _start(policy)
+    model, opt_state = _start(DELAYED)
     eo.save(tmp_path / "ckpt", model, opt_state, step=0)
-    _, ready_model, ready_state = _ready(policy)
-    for use in (None, optimizer):
+    ready_model, ready_state = _ready(DELAYED)
+    for use in (None, OPTIMIZER):
         _, state, _ = eo.load(
-            tmp_path / "ckpt", (ready_model, ready_state), policy, optimizer=use
+            tmp_path / "ckpt", (ready_model, ready_state), DELAYED, optimizer=use
         )
         assert isinstance(state, eo.PendingUpdate) and not state.ready
-        for a, b in zip(jax.tree.leaves(opt_state), jax.tree.leaves(state)):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert_trees_equal(state, opt_state)
 
 
 @pytest.mark.parametrize("ready", [False, True])
@@ -184,14 +160,12 @@ def test_place_opt_state_moves_a_pending_update(ready):
     """From the device (`Policy.none`) to where `offload_all` puts it, values and
     `ready` kept: parameter-shaped state and waiting gradients on the host."""
     device = eo.Policy.none(update_timing="next_forward")
-    host = eo.Policy.offload_all(update_timing="next_forward")
-    optimizer, model, opt_state = (_ready if ready else _start)(device)
-    placed_model = eo.place(model, host)
-    placed = eo.place_opt_state(optimizer, opt_state, placed_model, host)
+    model, opt_state = (_ready if ready else _start)(device)
+    placed_model = eo.place(model, NEXT_FORWARD)
+    placed = eo.place_opt_state(OPTIMIZER, opt_state, placed_model, NEXT_FORWARD)
     assert isinstance(placed, eo.PendingUpdate) and placed.ready == ready
-    for a, b in zip(jax.tree.leaves(opt_state), jax.tree.leaves(placed)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    fresh = eo.init_opt_state(optimizer, placed_model, host)
+    assert_trees_equal(placed, opt_state)
+    fresh = eo.init_opt_state(OPTIMIZER, placed_model, NEXT_FORWARD)
     kinds = [memory_kind(x) for x in jax.tree.leaves(placed)]
     assert kinds == [memory_kind(x) for x in jax.tree.leaves(fresh)]
     assert "pinned_host" in [memory_kind(x) for x in jax.tree.leaves(placed.grads)]
@@ -204,27 +178,21 @@ def _transfers(report):
 def test_memory_report_compiles_the_steady_state(monkeypatch):
     """A fresh state's first step applies nothing; the report is of the steps
     after it (an update pending), for a concrete and for an abstract state."""
-    policy = eo.Policy.offload_all(update_timing="next_forward")
-    optimizer, model, opt_state = _start(policy)
-    step = eo.train_step(cross_entropy, optimizer, policy)
+    model, opt_state = _start(NEXT_FORWARD)
     batch = next(batches())
     ready = eo.PendingUpdate(opt_state.inner, opt_state.grads, opt_state.held, True)
-    with pending_step():
-        steady = eo.memory_report(step, model, ready, *batch)
-        concrete = eo.memory_report(step, model, opt_state, *batch)
-    abstract = eo.place(
-        eqx.filter_eval_shape(Model, depth=3, key=jax.random.key(0)), policy
-    )
-    state = eo.init_opt_state(optimizer, abstract, policy)
+    steady = eo.memory_report(step(NEXT_FORWARD), model, ready, *batch)
+    concrete = eo.memory_report(step(NEXT_FORWARD), model, opt_state, *batch)
+    abstract = eo.place(eqx.filter_eval_shape(lm), NEXT_FORWARD)
+    state = eo.init_opt_state(OPTIMIZER, abstract, NEXT_FORWARD)
     tokens = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in batch]
-    with pending_step():
-        from_abstract = eo.memory_report(step, abstract, state, *tokens)
+    from_abstract = eo.memory_report(step(NEXT_FORWARD), abstract, state, *tokens)
     for report in (concrete, from_abstract):
         assert _transfers(report) == _transfers(steady)
         assert report.device_bytes == steady.device_bytes
     # The first step's program reads less: the pending update is not there.
     monkeypatch.setattr(eoi.pending, "steady", lambda s: s)
-    first = eo.memory_report(step, model, opt_state, *batch)
+    first = eo.memory_report(step(NEXT_FORWARD), model, opt_state, *batch)
     assert _transfers(first) < _transfers(steady)
 
 
@@ -238,10 +206,10 @@ def test_minimum_traffic_counts_the_gradients_held_on_the_host():
     ):
         now = preset(opt_state="pinned_host")
         timed = preset(opt_state="pinned_host", update_timing="next_forward")
-        optimizer, model, state_now = _start(now)
-        _, _, state_timed = _start(timed)
-        a = eoi.minimum.minimum_traffic(model, state_now, now, optimizer)
-        b = eoi.minimum.minimum_traffic(model, state_timed, timed, optimizer)
+        model, state_now = _start(now)
+        _, state_timed = _start(timed)
+        a = eoi.minimum.minimum_traffic(model, state_now, now, OPTIMIZER)
+        b = eoi.minimum.minimum_traffic(model, state_timed, timed, OPTIMIZER)
         held = sum(
             x.size * x.dtype.itemsize for x in jax.tree.leaves(state_timed.grads)
         )
@@ -252,33 +220,18 @@ def test_minimum_traffic_counts_the_gradients_held_on_the_host():
         assert dataclasses.replace(b, **others) == dataclasses.replace(a, **others)
 
 
-# Two compiles for chips: both timings, with and without prefetching, float32 and
-# bfloat16 compute, one and two micro-batches (128 cases in
-# `benchmarks/compile_matrix.py`; the GPU's in-scan schedule in test_prefetch.py).
-COMPILES = [
-    ("tpu-v5e", "next_forward", 0, "float32", 96, 1),  # applied in the scan
-    ("gpu-h100", "delayed", 1, "bf16-compute", 200, 2),  # applied before the loss
-]
-
-
 @pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None
-    or importlib.util.find_spec("jax_cuda12_plugin") is None,
-    reason="libtpu (the `tpu` extra) or JAX's CUDA plugin (`gpu-aot`) missing",
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu (the `tpu` extra) missing",
 )
-@pytest.mark.parametrize("target, timing, prefetch, dtype, width, k", COMPILES)
-def test_a_held_over_update_compiles_for_chips(
-    target, timing, prefetch, dtype, width, k, monkeypatch
-):
-    """`memory_report` compiles the steady step (an update pending) for a TPU
-    and a GPU."""
-    monkeypatch.setitem(
-        cm.POLICIES,
-        "timing",
-        ("offload_all", {"update_timing": timing, "prefetch": prefetch}),
+def test_a_held_over_update_compiles_for_a_tpu():
+    """`memory_report` compiles the steady step (an update pending, applied in
+    the forward scan) for a TPU. (For a GPU, `test_prefetch.py` compiles it and
+    reads its schedule: `test_every_layer_read_overlaps_a_matmul_on_gpu`;
+    `benchmarks/compile_matrix.py` compiles more cases.)"""
+    model, opt_state = _start(NEXT_FORWARD)
+    batch = next(batches())
+    report = eo.memory_report(
+        step(NEXT_FORWARD), model, opt_state, *batch, target="tpu-v5e"
     )
-    with pending_step():
-        result = cm.compile_case(
-            "mlp", width, 3, cm.DTYPES[dtype], "timing", target, microbatches=k
-        )
-    assert result.outcome == "compiles", result.message
+    assert report.host_bytes > 0
