@@ -1,11 +1,19 @@
 """`Policy(prefetch=1)`: the scans that read the next layer while this one
-computes train exactly as the plain scans do, leave forward-mode derivatives to the
-plain scan, and (compiled for an H100) start every host read of a layer before a
-matmul of the layer computing and end it after."""
+computes (`_prefetch.py`) train and differentiate as plain JAX does, leave
+forward-mode derivatives to the plain scan, and (compiled for an H100) start every
+host read of a layer before a matmul of the layer computing and end it after.
 
+Every test that expects the prefetching scan asserts that it ran
+(`prefetching_scans`): a silent fallback to the plain scan, which computes the
+same numbers, fails them."""
+
+import contextlib
+import functools
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import equinox as eqx
 import jax
@@ -15,110 +23,211 @@ import optax
 import pytest
 
 import eqx_offload as eo
-from eqx_offload.internal import replace_policy
+import eqx_offload.internal as eoi
 
-from .helpers import assert_trees_close, batches, cross_entropy, Model, Outer
+from .helpers import batches, cross_entropy, memory_kind, Outer
+from .numerics import assert_close, excess, TRAINED
 
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 import prefetch_schedule  # noqa: E402
 
 
-LR = 1e-2
-STEPS = 3
-# As `test_host_update.py`: Adam divides by the root of tiny second moments, so
-# rounding differences in a gradient grow to this after a few steps.
-ADAM_ATOL = 1e-3 * LR * STEPS
-CLIPPED = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(LR))
+_PREFETCH = eoi.scan_body._prefetch  # (the module of the prefetching scans)
 
 
-def train(policy: eo.Policy, *, microbatches: int = 1) -> tuple[Any, list[float]]:
-    model = eo.place(Model(key=jax.random.key(0)), policy)
-    opt_state = eo.init_opt_state(CLIPPED, model, policy)
-    step = eo.train_step(cross_entropy, CLIPPED, policy, microbatches=microbatches)
+@contextlib.contextmanager
+def prefetching_scans() -> Iterator[list[bool]]:
+    """One entry per prefetching scan traced inside (`_prefetch._scan`, its
+    forward and backward scans together), True where it also applies a pending
+    update. A `Stacked` that runs the plain scan instead adds none."""
+    found: list[bool] = []
+    original = _PREFETCH._scan
+
+    def spy(meta, *args):
+        found.append(meta.pending is not None)
+        return original(meta, *args)
+
+    with mock.patch.object(_PREFETCH, "_scan", spy):
+        yield found
+
+
+def dropped_layer(tree: Any) -> Any:
+    """A negative control: `tree` (a gradient) with layer 1's slice of every
+    stacked leaf zeroed (index 1 of the leading axis: of per-example gradients,
+    example 1's), as if that gradient were lost. As NumPy arrays."""
+
+    def zeroed(x: Any) -> Any:
+        x = np.array(x)
+        x[1] = 0
+        return x
+
+    def drop(stacked: eo.Stacked) -> eo.Stacked:
+        return jax.tree.map(zeroed, stacked)
+
+    is_stacked = lambda x: isinstance(x, eo.Stacked)  # noqa: E731
+    return jax.tree.map(
+        lambda x: drop(x) if is_stacked(x) else x, tree, is_leaf=is_stacked
+    )
+
+
+def assert_grads_close(ours: Any, reference: Any) -> None:
+    """Gradients (and losses) computed in another order (`F32`), with a negative
+    control: layer 1's gradient lost is more than ten times beyond."""
+    assert_close(ours, reference)
+    assert excess(dropped_layer(ours), reference) > 10
+
+
+def _kinds(tree: Any) -> list[str]:
+    return [memory_kind(x) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array))]
+
+
+VOCAB, DIM, DEPTH = 32, 8, 3
+
+
+class Layer(eqx.Module):
+    """A residual layer of two named parts (`Policy(save=("**.attn",))` names the
+    first's output): `attn`, mixing the tokens under a `mask` if given, and
+    `mlp`."""
+
+    attn: eqx.nn.Linear
+    mlp: eqx.nn.Linear
+
+    def __init__(self, *, key):
+        k1, k2 = jax.random.split(key)
+        self.attn = eqx.nn.Linear(DIM, DIM, key=k1)
+        self.mlp = eqx.nn.Linear(DIM, DIM, key=k2)
+
+    def __call__(self, x, mask=None):
+        h = jax.vmap(self.attn)(x)
+        if mask is not None:
+            h = mask @ h / mask.shape[0]
+        x = x + jnp.tanh(h)
+        return x + jnp.tanh(jax.vmap(self.mlp)(x))
+
+
+class Net(eqx.Module):
+    """`Layer`s between bare tables: `blocks(embed[tokens]) @ head.T`."""
+
+    embed: jax.Array
+    blocks: eo.Stacked[Layer]
+    head: jax.Array
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = jax.random.normal(k1, (VOCAB, DIM))
+        self.blocks = eo.Stacked.from_fn(lambda k: Layer(key=k), DEPTH, key=k2)
+        self.head = jax.random.normal(k3, (VOCAB, DIM)) / DIM**0.5
+
+    def __call__(self, tokens):
+        return self.blocks(self.embed[tokens]) @ self.head.T
+
+
+# Made in one compiled program, not an operation at a time.
+net = eqx.filter_jit(Net)
+
+
+LR, STEPS = 0.05, 3
+SGD = optax.sgd(LR, momentum=0.9)
+
+
+def model() -> Net:
+    return net(jax.random.key(0))
+
+
+@functools.cache
+def plain_training() -> tuple[Any, list[float]]:
+    """Plain Equinox and optax (the `Stacked`'s own `jax.lax.scan`), once."""
+    plain = model()
+    opt_state = SGD.init(eqx.filter(plain, eqx.is_inexact_array))
+
+    @eqx.filter_jit
+    def step(model, opt_state, tokens, targets):
+        loss, grads = eqx.filter_value_and_grad(cross_entropy)(model, tokens, targets)
+        updates, opt_state = SGD.update(grads, opt_state)
+        return eqx.apply_updates(model, updates), opt_state, loss
+
     data = batches(batch=4)
     losses = []
     for _ in range(STEPS):
-        model, opt_state, loss, _ = step(model, opt_state, *next(data))
+        plain, opt_state, loss = step(plain, opt_state, *next(data))
         losses.append(float(loss))
-    return model, losses
+    return plain, losses
 
 
-@pytest.mark.parametrize(
-    "policy",
-    [
-        eo.Policy.offload_all(),
-        eo.Policy.offload_residuals(),
-        eo.Policy.remat(params="pinned_host", save=("**.attn",)),
-        eo.Policy.offload_all(update="host"),
-        eo.Policy.offload_all(compute_dtype=jnp.bfloat16),
-    ],
-    ids=[
-        "offload_all",
-        "offload_residuals",
-        "host params, attn saved",
-        "host update",
-        "bf16",
-    ],
-)
-def test_trains_as_the_plain_scan(policy):
-    plain_model, plain_losses = train(policy)
-    model, losses = train(replace_policy(policy, prefetch=1))
-    np.testing.assert_allclose(losses, plain_losses, rtol=1e-6)
-    assert_trees_close(model, plain_model, atol=ADAM_ATOL)
-    kinds = {
-        x.sharding.memory_kind for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))
-    }
-    assert kinds == {
-        x.sharding.memory_kind
-        for x in jax.tree.leaves(eqx.filter(plain_model, eqx.is_array))
-    }
+POLICIES = {
+    # Host parameters read ahead; the offloaded layer inputs read back ahead.
+    "offload_all": eo.Policy.offload_all(prefetch=1),
+    # Device parameters; only the offloaded layer inputs to read ahead.
+    "offload_residuals": eo.Policy.offload_residuals(prefetch=1),
+    # Host parameters; the saved residuals (the attention's output) on the device.
+    "host params, attn saved": eo.Policy.remat(
+        params="pinned_host", save=("**.attn",), prefetch=1
+    ),
+}
 
 
-def test_micro_batches():
-    policy = eo.Policy.offload_all(compute_dtype=jnp.bfloat16)
-    plain = train(policy, microbatches=2)
-    ours = train(replace_policy(policy, prefetch=1), microbatches=2)
-    np.testing.assert_allclose(ours[1], plain[1], rtol=1e-6)
-    assert_trees_close(ours[0], plain[0], atol=ADAM_ATOL)
+@pytest.mark.parametrize("name", POLICIES)
+def test_trains_as_the_plain_scan(name):
+    """Momentum SGD steps through the prefetching scans: every loss, and the
+    updates of every leaf, those of plain Equinox + optax (`TRAINED`, with its
+    negative control of an update 1% too large); the model where the policy put
+    it."""
+    policy = POLICIES[name]
+    start = eo.place(model(), policy)
+    kinds = _kinds(start)
+    opt_state = eo.init_opt_state(SGD, start, policy)
+    step = eo.train_step(cross_entropy, SGD, policy)
+    data = batches(batch=4)
+    ours, losses = start, []
+    with prefetching_scans() as scans:
+        for _ in range(STEPS):
+            ours, opt_state, loss, _ = step(ours, opt_state, *next(data))
+            losses.append(float(loss))
+    assert scans, "the plain scan ran"
+    reference, plain_losses = plain_training()
+    assert_close(losses, plain_losses)
+    assert_close(ours, reference, tol=TRAINED, origin=model(), steps=STEPS)
+    assert _kinds(ours) == kinds
 
 
-def _grads(policy: eo.Policy):
-    model = eo.place(Model(key=jax.random.key(1)), policy)
-    tokens, targets = next(batches())
-    fn = eqx.filter_jit(
-        eqx.filter_value_and_grad(eo.filter_offload(cross_entropy, policy))
-    )
-    return fn(model, tokens, targets)
+class _IntBlock(eqx.Module):
+    block: Any
+    scale: jax.Array  # an integer per layer (a window size, a layer index)
+
+    def __call__(self, x):
+        return self.block(x) * (1 + self.scale % 2)
 
 
 def test_gradients_land_where_the_parameters_live():
-    policy = eo.Policy.offload_all()
-    (loss0, g0) = _grads(policy)
-    (loss1, g1) = _grads(replace_policy(policy, prefetch=1))
-    assert float(loss0) == float(loss1)
-    assert_trees_close(g1, g0)
-    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
-        assert a.sharding.memory_kind == b.sharding.memory_kind
+    """`offload_all`: the gradient of each host-resident leaf comes out of the
+    prefetching backward scan in host memory, as plain JAX's values. The layers
+    hold an integer leaf: its slice is read with the rest, and the transpose of
+    the read skips it (no gradient)."""
 
+    def make(k):
+        return _IntBlock(Layer(key=k), jax.random.randint(k, (), 0, 3))
 
-def test_forward_mode_runs_the_plain_scan():
-    """`jax.jvp` cannot run a `custom_vjp`: the scan is plain there, and agrees."""
-    policy = eo.Policy.offload_residuals(prefetch=1)
-    model = Model(key=jax.random.key(2))
+    plain = eqx.tree_at(
+        lambda m: m.blocks,
+        net(jax.random.key(8)),
+        eqx.filter_jit(eo.Stacked.from_fn)(make, DEPTH, key=jax.random.key(9)),
+    )
     tokens, targets = next(batches())
-    fn = eo.filter_offload(cross_entropy, policy)
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    tangent = jax.tree.map(jnp.ones_like, params)
-
-    def loss(p):
-        return fn(eqx.combine(p, static), tokens, targets)
-
-    value, derivative = jax.jvp(loss, (params,), (tangent,))
-    grads = jax.grad(loss)(params)
-    expected = sum(jnp.sum(g) for g in jax.tree.leaves(grads))
-    np.testing.assert_allclose(float(derivative), float(expected), rtol=1e-4)
-    np.testing.assert_allclose(float(value), float(loss(params)), rtol=1e-6)
+    reference = eqx.filter_jit(eqx.filter_value_and_grad(cross_entropy))(
+        plain, tokens, targets
+    )
+    policy = eo.Policy.offload_all(prefetch=1)
+    placed = eo.place(plain, policy)
+    fn = eqx.filter_jit(
+        eqx.filter_value_and_grad(eo.filter_offload(cross_entropy, policy))
+    )
+    with prefetching_scans() as scans:
+        loss, grads = fn(placed, tokens, targets)
+    assert scans, "the plain scan ran"
+    assert_grads_close((loss, grads), reference)
+    assert _kinds(grads) == _kinds(eqx.filter(placed, eqx.is_inexact_array))
+    assert set(_kinds(grads)) == {"pinned_host"}
 
 
 def test_bad_prefetch_is_named():
@@ -133,14 +242,26 @@ def test_bad_prefetch_is_named():
 GPU_OPTIONS = {"xla_gpu_experimental_parallel_async_compute_limit": 16}
 
 
-def _gpu_schedules() -> dict[str, str]:
-    """The loop bodies with host reads and matmuls of the `offload_all` step of a
-    4-layer GPT of width 256 with `prefetch=1`, compiled for an H100 with
-    `GPU_OPTIONS`: their order as letters."""
-    _, orders = prefetch_schedule.schedules(
-        "gpt", 256, 4, "gpu-h100", 1, "offload_all", GPU_OPTIONS
-    )
-    return {k: o for k, o in orders.items() if "g" in o}
+def test_every_layer_read_overlaps_a_matmul_on_gpu():
+    """The `offload_all` step of a 4-layer GPT of width 256 with `prefetch=1` and
+    `update_timing="next_forward"`, compiled for an H100 with `GPU_OPTIONS`: in
+    each loop body, every host read (`S` ... `D`) has a matmul (`g`) between its
+    start and its done. The forward body reads the next layer's weights,
+    gradients and optimizer state (and writes this layer's update back); the
+    backward body reads the previous layer."""
+    with prefetching_scans() as scans:
+        _, orders = prefetch_schedule.schedules(
+            "gpt", 256, 4, "gpu-h100", 1, "offload_all", GPU_OPTIONS,
+            update_timing="next_forward",
+        )  # fmt: skip
+    assert scans and any(scans), "the plain scan ran"
+    bodies = {k: o for k, o in orders.items() if "g" in o}
+    assert len(bodies) == 2, orders  # the forward and backward scans
+    forward = [o for o in bodies.values() if o.count("s") > 3]
+    assert len(forward) == 1, bodies  # the forward scan writes the update back
+    assert forward[0].count("S") >= 8, forward  # weights, gradients, moments
+    for name, order in bodies.items():
+        assert _exposed_reads(order) == 0, (name, order)
 
 
 def _exposed_reads(order: str) -> int:
@@ -157,27 +278,6 @@ def _exposed_reads(order: str) -> int:
     return exposed
 
 
-def test_every_layer_read_overlaps_a_matmul_on_gpu():
-    schedules = _gpu_schedules()
-    assert len(schedules) == 2, schedules  # the forward and backward scans
-    for name, order in schedules.items():
-        assert _exposed_reads(order) == 0, (name, order)
-
-
-def test_the_pending_updates_reads_overlap_a_matmul_on_gpu():
-    """`Policy(update_timing="next_forward")`: the forward loop body reads the next
-    layer's weights, gradients and optimizer state (and writes this layer's
-    update back); every read has a matmul between its start and its done."""
-    _, orders = prefetch_schedule.schedules(
-        "gpt", 256, 4, "gpu-h100", 0, "offload_all", GPU_OPTIONS,
-        update_timing="next_forward",
-    )  # fmt: skip
-    forward = [o for o in orders.values() if "g" in o and o.count("s") > 3]
-    assert len(forward) == 1, orders  # the forward scan writes the update back
-    assert forward[0].count("S") >= 8, forward  # weights, gradients, moments
-    assert _exposed_reads(forward[0]) == 0, forward
-
-
 def test_exposed_reads_are_counted():
     assert _exposed_reads("SSggDD") == 0
     assert _exposed_reads("SDSgD") == 1
@@ -188,100 +288,115 @@ class PerToken(eqx.Module):
     """A `Stacked` applied to each token on its own, inside the model's `jax.vmap`
     over examples: two `jax.vmap`s around the scans."""
 
-    model: Model
+    model: Net
 
     def __call__(self, tokens):
-        x = jax.vmap(self.model.embed)(tokens)
+        x = self.model.embed[tokens]
         x = jax.vmap(lambda t: self.model.blocks.scan(_mlp_only, t)[0])(x)
-        return jax.vmap(self.model.head)(x)
+        return x @ self.model.head.T
 
 
 def _mlp_only(layer, x, _):
-    return x + layer.mlp(layer.norm2(x)), None
+    return x + jnp.tanh(layer.mlp(x)), None
 
 
 def test_nested_vmaps_and_micro_batches():
     """Each `jax.vmap` moves inside the layer: a gradient tap that adds its
-    accumulator (the second micro-batch) adds it once, not once per example."""
+    accumulator (the second micro-batch) adds it once, not once per example.
+    One SGD step from two micro-batches: the update of plain JAX's gradient of
+    the whole batch."""
 
     def loss(model, tokens, targets):
         logits = jax.vmap(model)(tokens)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
-    def step(prefetch):
-        policy = eo.Policy.offload_all(prefetch=prefetch)
-        model = eo.place(PerToken(Model(key=jax.random.key(3))), policy)
-        opt_state = eo.init_opt_state(optax.sgd(1.0), model, policy)
-        train = eo.train_step(loss, optax.sgd(1.0), policy, microbatches=2)
-        return train(model, opt_state, *next(batches(batch=16)))[0]
+    sgd = optax.sgd(1.0)
+    start = PerToken(net(jax.random.key(3)))
+    tokens, targets = next(batches(batch=16))
+    grads = eqx.filter_jit(eqx.filter_grad(loss))(start, tokens, targets)
+    reference = eqx.apply_updates(start, jax.tree.map(jnp.negative, grads))
 
-    assert_trees_close(step(1), step(0))
+    policy = eo.Policy.offload_all(prefetch=1)
+    placed = eo.place(start, policy)
+    opt_state = eo.init_opt_state(sgd, placed, policy)
+    train = eo.train_step(loss, sgd, policy, microbatches=2)
+    with prefetching_scans() as scans:
+        ours = train(placed, opt_state, tokens, targets)[0]
+    assert scans, "the plain scan ran"
+    assert_close(ours, reference, tol=TRAINED, origin=start)
 
 
 class Masked(eqx.Module):
     """A layer stack given a mask made outside the step (a constant of the
     program, which JAX 0.10 passes to it as one more argument)."""
 
-    model: Model
+    model: Net
+    masked: bool = True
 
     def __call__(self, tokens):
-        x = jax.vmap(self.model.embed)(tokens)
-        mask = jnp.tril(jnp.ones((tokens.shape[0], tokens.shape[0]), dtype=bool))
-        x = self.model.blocks.scan(
-            lambda layer, x, _: (_masked(layer, x, mask), None), x
-        )[0]
-        return jax.vmap(self.model.head)(x)
-
-
-def _masked(layer, x, mask):
-    h = jax.vmap(layer.norm1)(x)
-    return x + layer.attn(h, h, h, mask=mask)
+        x = self.model.embed[tokens]
+        mask = jnp.tril(jnp.ones((tokens.shape[0], tokens.shape[0])))
+        if not self.masked:
+            mask = jnp.ones_like(mask)
+        x = self.model.blocks.scan(lambda layer, x, _: (layer(x, mask), None), x)[0]
+        return x @ self.model.head.T
 
 
 def test_a_closed_over_constant_is_an_input_of_the_scans():
     """The transform traces the loss twice (its check, then the step): each trace
     hands the scans its own values, and the report reads the program's own
-    arguments (not the constants JAX passes before them)."""
+    arguments (not the constants JAX passes before them). The step's loss is
+    plain JAX's; negative control: the loss without the mask is not."""
 
     def loss(model, tokens, targets):
         logits = jax.vmap(model)(tokens)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
-    out = {}
-    for prefetch in (0, 1):
-        policy = eo.Policy.offload_all(prefetch=prefetch)
-        model = eo.place(Masked(Model(key=jax.random.key(4))), policy)
-        opt_state = eo.init_opt_state(CLIPPED, model, policy)
-        step = eo.train_step(loss, CLIPPED, policy)
-        batch = next(batches())
+    policy = eo.Policy.offload_all(prefetch=1)
+    start = Masked(net(jax.random.key(4)))
+    model = eo.place(start, policy)
+    opt_state = eo.init_opt_state(SGD, model, policy)
+    step = eo.train_step(loss, SGD, policy)
+    batch = next(batches())
+    with prefetching_scans() as scans:
         report = eo.memory_report(step, model, opt_state, *batch)
         assert report.host_bytes > 0
-        out[prefetch] = step(model, opt_state, *batch)[2]
-    np.testing.assert_allclose(float(out[1]), float(out[0]), rtol=1e-6)
+        value = step(model, opt_state, *batch)[2]
+    assert len(scans) >= 2, "the plain scan ran"  # (the report's and the step's)
+    reference = eqx.filter_jit(loss)(start, *batch)
+    assert_close(value, reference)
+    unmasked = eqx.filter_jit(loss)(Masked(start.model, masked=False), *batch)
+    assert excess(value, unmasked) > 10
 
 
 def test_an_ensemble():
     """One set of layers per member: the gradient of each member (`jax.vmap` of
-    the gradient) as with the plain scan; a gradient of all members at once
-    (`jax.vmap` inside the differentiated function) is refused, naming
-    `prefetch=0` (the prefetching scan moves a batch of examples inside the
-    layer, not a batch of layers)."""
+    the gradient) as plain JAX's; a gradient of all members at once (`jax.vmap`
+    inside the differentiated function) is refused, naming `prefetch=0` (the
+    prefetching scan moves a batch of examples inside the layer, not a batch of
+    layers)."""
     keys = jax.random.split(jax.random.key(5), 2)
-    ensemble = eqx.filter_vmap(lambda k: Model(key=k))(keys)
+    ensemble = eqx.filter_jit(eqx.filter_vmap(Net))(keys)
     tokens, targets = next(batches())
     axes = (eqx.if_array(0), None, None)
+    fn = eo.filter_offload(cross_entropy, eo.Policy.offload_residuals(prefetch=1))
 
-    def each(prefetch):
-        fn = eo.filter_offload(
-            cross_entropy, eo.Policy.offload_residuals(prefetch=prefetch)
-        )
-        return eqx.filter_vmap(eqx.filter_grad(fn), in_axes=axes)(
+    def each(fn):
+        return eqx.filter_jit(eqx.filter_vmap(eqx.filter_grad(fn), in_axes=axes))(
             ensemble, tokens, targets
         )
 
-    assert_trees_close(each(1), each(0))
-
-    fn = eo.filter_offload(cross_entropy, eo.Policy.offload_residuals(prefetch=1))
+    with prefetching_scans() as scans:
+        ours = each(fn)
+    assert scans, "the plain scan ran"
+    reference = each(cross_entropy)
+    assert_close(ours, reference)
+    # Negative control: one member's layer 1 gradient lost.
+    weight = ours.blocks.layers.mlp.weight
+    lost = eqx.tree_at(
+        lambda g: g.blocks.layers.mlp.weight, ours, weight.at[0, 1].set(0)
+    )
+    assert excess(lost, reference) > 10
 
     def total(members, tokens, targets):
         return jnp.sum(eqx.filter_vmap(fn, in_axes=axes)(members, tokens, targets))
@@ -295,125 +410,119 @@ def test_an_ensemble():
 def test_nested_stacked():
     """An outer `Stacked` whose layer holds another, its parameters on the host:
     the outer scan reads each outer layer ahead (the inner stack whole), the
-    inner scan runs on it on the device; gradients as plain JAX's."""
+    inner scan runs on it on the device; gradients as plain JAX's, in host
+    memory."""
 
     def make(k):
         return Outer(
             eo.Stacked.from_fn(lambda k2: eqx.nn.Linear(8, 8, key=k2), 2, key=k)
         )
 
-    outer = eo.Stacked.from_fn(make, 3, key=jax.random.key(6))
+    outer = eqx.filter_jit(eo.Stacked.from_fn)(make, 3, key=jax.random.key(6))
     x = jnp.ones(8)
 
     def loss(s, x):
         return jnp.sum(jnp.tanh(s(x)))
 
-    reference = eqx.filter_grad(loss)(outer, x)
-    for prefetch in (0, 1):
-        policy = eo.Policy(
-            params="pinned_host", offload=("inner.input",), prefetch=prefetch
-        )
-        placed = eo.place(outer, policy)
-        grads = eqx.filter_jit(eqx.filter_grad(eo.filter_offload(loss, policy)))(
-            placed, x
-        )
-        assert_trees_close(grads, reference)
-        kinds = {g.sharding.memory_kind for g in jax.tree.leaves(grads)}
-        assert kinds == {"pinned_host"}
+    reference = eqx.filter_jit(eqx.filter_grad(loss))(outer, x)
+    policy = eo.Policy(params="pinned_host", offload=("inner.input",), prefetch=1)
+    placed = eo.place(outer, policy)
+    fn = eqx.filter_jit(eqx.filter_grad(eo.filter_offload(loss, policy)))
+    with prefetching_scans() as scans:
+        grads = fn(placed, x)
+    assert scans, "the plain scan ran"
+    assert_grads_close(grads, reference)
+    assert set(_kinds(grads)) == {"pinned_host"}
 
 
 def test_fsdp_and_micro_batches_are_verified():
-    """FSDP over 8 devices (the loss on `Auto` axes), two micro-batches of 8
-    examples: `eo.verify` against the plain step."""
+    """FSDP over 2 devices (the loss on `Auto` axes), two micro-batches of 2
+    examples and a bfloat16 compute dtype (the compute copies read ahead, through
+    the micro-batches' gradient taps): `eo.verify` against the plain step."""
     from jax.sharding import AxisType
 
     policy = eo.Policy.offload_all(
-        shard=eo.FSDP("fsdp", min_size=0), batch="fsdp", update="whole", prefetch=1
+        shard=eo.FSDP("fsdp", min_size=0),
+        batch="fsdp",
+        update="whole",
+        compute_dtype=jnp.bfloat16,
+        prefetch=1,
     )
-    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
+    mesh = jax.make_mesh(
+        (2,), ("fsdp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2]
+    )
     optimizer = optax.sgd(0.1)
-    model = eo.place(Model(key=jax.random.key(7)), policy, mesh=mesh)
+    model = eo.place(net(jax.random.key(7)), policy, mesh=mesh)
     opt_state = eo.init_opt_state(optimizer, model, policy)
-    tokens, targets = next(batches(batch=32))
+    tokens, targets = next(batches(batch=8))
     step = eo.train_step(cross_entropy, optimizer, policy, microbatches=2)
-    report = eo.verify(step, model, opt_state, tokens, targets, examples=16)
+    with prefetching_scans() as scans:
+        report = eo.verify(step, model, opt_state, tokens, targets, examples=4)
+    assert scans, "the plain scan ran"
     assert report.passed
-
-
-class _IntBlock(eqx.Module):
-    block: Any
-    scale: jax.Array  # an integer per layer (a window size, a layer index)
-
-    def __call__(self, x):
-        return self.block(x) * (1 + self.scale % 2)
-
-
-def test_an_integer_leaf_in_the_layers():
-    """A layer with an integer leaf: its slice is read with the rest, and the
-    transpose of the read skips it (no gradient)."""
-    from .helpers import Block
-
-    def make(k):
-        return _IntBlock(Block(16, 2, key=k), jax.random.randint(k, (), 0, 3))
-
-    model = Model(key=jax.random.key(8))
-    model = eqx.tree_at(
-        lambda m: m.blocks, model, eo.Stacked.from_fn(make, 4, key=jax.random.key(9))
-    )
-    tokens, targets = next(batches())
-    grads = {}
-    for prefetch in (0, 1):
-        policy = eo.Policy.offload_all(prefetch=prefetch)
-        fn = eo.filter_offload(cross_entropy, policy)
-        placed = eo.place(model, policy)
-        grads[prefetch] = eqx.filter_jit(eqx.filter_grad(fn))(placed, tokens, targets)
-    assert_trees_close(grads[1], grads[0])
 
 
 class _Scaled(eqx.Module):
     """The layers close over `t` and over a batched padding mask."""
 
-    model: Model
+    model: Net
 
     def __call__(self, tokens, t):
-        x = jax.vmap(self.model.embed)(tokens)
+        x = self.model.embed[tokens]
         keep = (tokens != 0)[:, None].astype(x.dtype)
 
         def f(layer, x, _):
             return layer(x) * keep * t, None
 
-        return jax.vmap(self.model.head)(self.model.blocks.scan(f, x)[0])
+        return self.model.blocks.scan(f, x)[0] @ self.model.head.T
 
 
 def test_other_transformations():
-    """Forward mode inside `jax.vmap` and through a closed-over value (`jax.jvp`,
-    `jax.hessian`) runs the plain scan; per-example gradients (`jax.vmap` of the
-    gradient, a batched mask closed over) run the prefetching one: all as with
-    `prefetch=0`."""
-    model = _Scaled(Model(key=jax.random.key(10)))
+    """Forward mode (`jax.jvp` with respect to the layers, and inside `jax.vmap`
+    through a closed-over value; `jax.hessian`) runs the plain scan: a
+    `custom_vjp` has no forward-mode rule. Per-example gradients (`jax.vmap` of
+    the gradient, a batched mask closed over) run the prefetching one. All as
+    plain JAX's."""
+    model = _Scaled(net(jax.random.key(10)))
     tokens, targets = next(batches())
-    out = {}
-    for prefetch in (0, 1):
-        fn = eo.filter_offload(
-            lambda m, tokens, targets, t: (
-                optax.softmax_cross_entropy_with_integer_labels(
-                    m(tokens, t), targets
-                ).mean()
-            ),
-            eo.Policy.offload_residuals(prefetch=prefetch),
-        )
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    tangent = jax.tree.map(jnp.ones_like, params)
+
+    def example_loss(m, tokens, targets, t):
+        logits = m(tokens, t)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    def derivatives(fn):
         batch = eqx.filter_vmap(fn, in_axes=(None, 0, 0, None))
 
         def loss(t):
             return batch(model, tokens, targets, t).mean()
 
-        per_example = eqx.filter_vmap(eqx.filter_grad(fn), in_axes=(None, 0, 0, None))
-        out[prefetch] = (
+        def of_params(p):
+            return batch(eqx.combine(p, static), tokens, targets, 1.0).mean()
+
+        return (
+            jax.jvp(of_params, (params,), (tangent,)),
             jax.jvp(loss, (1.0,), (1.0,)),
             jax.hessian(loss)(1.0),
-            per_example(model, tokens, targets, 1.0),
         )
-    assert_trees_close(out[1], out[0])
+
+    def per_example(fn):
+        grad = eqx.filter_vmap(eqx.filter_grad(fn), in_axes=(None, 0, 0, None))
+        return eqx.filter_jit(grad)(model, tokens, targets, 1.0)
+
+    fn = eo.filter_offload(example_loss, eo.Policy.offload_residuals(prefetch=1))
+    with prefetching_scans() as scans:
+        forward = eqx.filter_jit(derivatives)(fn)
+    assert not scans, "forward mode ran a prefetching scan"
+    with prefetching_scans() as scans:
+        grads = per_example(fn)
+    assert scans, "the plain scan ran"
+    expected = eqx.filter_jit(derivatives)(example_loss)
+    assert_close(forward, expected)
+    assert excess(jax.tree.map(jnp.negative, forward), expected) > 10
+    reference = per_example(example_loss)
+    assert_grads_close(grads, reference)
 
 
 def test_a_host_layer_read_outside_the_scans_is_still_refused():
@@ -421,12 +530,12 @@ def test_a_host_layer_read_outside_the_scans_is_still_refused():
     the transform lets through: one the loss takes itself is the usual error."""
 
     def loss(model, tokens, targets):
-        w = model.blocks.layers.mlp.layers[0].weight
+        w = model.blocks.layers.mlp.weight
         extra = jax.device_put(w[tokens[0, 0] % 4], jax.memory.Space.Device)
         return cross_entropy(model, tokens, targets) + jnp.sum(extra**2)
 
     policy = eo.Policy.offload_all(prefetch=1)
-    model = eo.place(Model(key=jax.random.key(11)), policy)
+    model = eo.place(net(jax.random.key(11)), policy)
     fn = eqx.filter_grad(eo.filter_offload(loss, policy))
     with pytest.raises(
         ValueError, match=r"computed on outside its scan \(by `dynamic_slice`\)"
