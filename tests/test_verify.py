@@ -55,17 +55,42 @@ def assert_intact(tree, before):
 
 
 CASES = {
-    # policy, verify's keyword arguments, `has_aux`, the slice `loss_fn` sees
-    "offload_all": (eo.Policy.offload_all(), {}, False, (2, (2, 8))),
-    "offload_residuals": (eo.Policy.offload_residuals(), {}, False, (2, (2, 8))),
-    "remat": (eo.Policy.remat(), dict(layers=None, examples=None), True, (4, (4, 8))),
+    # policy, verify's keyword arguments, `has_aux`, the examples given, the slice
+    # `loss_fn` sees, how the report says what was checked
+    "offload_all": (
+        eo.Policy.offload_all(),
+        {},
+        False,
+        4,
+        (2, (2, 8)),
+        "the first 2 layers of each `Stacked`, the first 2 examples",
+    ),
+    "offload_residuals": (
+        eo.Policy.offload_residuals(),
+        {},
+        False,
+        4,
+        (2, (2, 8)),
+        "the first 2 layers of each `Stacked`, the first 2 examples",
+    ),
+    # The batch kept whole, of one example; the step inside `eqx.filter_jit`, as
+    # `memory_report` takes it (the step inside is verified).
+    "remat": (
+        eo.Policy.remat(),
+        dict(examples=None),
+        True,
+        1,
+        (2, (1, 8)),
+        "the first 2 layers of each `Stacked`, the whole batch (1 example)",
+    ),
 }
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_correct_policies_pass_and_the_callers_arrays_are_intact(name, getkey):
-    policy, kwargs, has_aux, expected = CASES[name]
+    policy, kwargs, has_aux, given, expected, checked = CASES[name]
     optimizer, model, opt_state, tokens, targets = setup(policy, getkey())
+    tokens, targets = tokens[:given], targets[:given]
     before = snapshot((model, opt_state))
     seen = []
 
@@ -75,16 +100,17 @@ def test_correct_policies_pass_and_the_callers_arrays_are_intact(name, getkey):
         return (loss, {"tokens": tokens}) if has_aux else loss
 
     step = eo.train_step(loss_fn, optimizer, policy, has_aux=has_aux)
+    if name == "remat":
+        step = eqx.filter_jit(step)
     report = eo.verify(step, model, opt_state, tokens, targets, **kwargs)
     assert isinstance(report, eo.VerifyReport) and report.passed
     assert set(seen) == {expected}  # the layers and examples kept
-    whole = kwargs.get("examples", 2) is None
-    assert (report.examples, report.whole_batch) == (expected[1][0], whole)
+    assert (report.examples, report.whole_batch) == (expected[1][0], given == 1)
     # Parameters and optimizer state on the host: the update streams, and is
     # checked; otherwise there is nothing to compare it with.
     assert (report.update is not None) == (name == "offload_all")
     text = str(report)
-    assert "gradients" in text and "FAILED" not in text
+    assert "gradients" in text and "FAILED" not in text and checked in text
     assert ("(not checked)" in text) == (name != "offload_all")
     assert_intact((model, opt_state), before)
 
@@ -254,22 +280,6 @@ def test_a_loss_sized_by_the_configured_depth_names_layers(getkey):
     report = eo.verify(step, *args, layers=None)
     assert (report.layers, report.whole_batch, report.examples) == (None, False, 2)
     assert "every layer of each `Stacked`, the first 2 examples" in str(report)
-
-
-def test_the_report_says_how_many_examples_it_checked(getkey):
-    """Of the step, and of the step inside `eqx.filter_jit` as `memory_report` takes
-    it: the step inside is verified."""
-    policy = eo.Policy.remat()
-    optimizer, model, opt_state, tokens, targets = setup(
-        policy, getkey(), optimizer=optax.sgd(0.1)
-    )
-    step = eo.train_step(cross_entropy, optimizer, policy)
-    for given in (step, eqx.filter_jit(step)):
-        report = eo.verify(given, model, opt_state, tokens[:1], targets[:1])
-        assert report.passed and (report.whole_batch, report.examples) == (True, 1)
-        assert "the first 2 layers of each `Stacked`, the whole batch (1 example)" in (
-            str(report)
-        )
 
 
 def assert_computes_what_the_step_computes(report):
