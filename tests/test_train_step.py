@@ -37,7 +37,11 @@ def sgd(lr: float, **kwargs) -> optax.GradientTransformation:
 
 
 def with_lr(opt_state, lr: float):
-    hyperparams = {**opt_state.hyperparams, "learning_rate": jnp.asarray(lr)}
+    old = opt_state.hyperparams["learning_rate"]
+    # Of the old one's dtype and placement: a weakly typed or uncommitted array would
+    # compile the step again.
+    new = jax.device_put(jnp.asarray(lr, old.dtype), old.sharding)
+    hyperparams = {**opt_state.hyperparams, "learning_rate": new}
     return opt_state._replace(hyperparams=hyperparams)
 
 
@@ -124,14 +128,18 @@ def test_a_changed_learning_rate_or_a_wrong_sign_is_caught(l2_reference, remat_s
     ref, ref_losses = l2_reference
     start = params(Model(key=L2_KEY))
     policy = eo.Policy.remat()
+    step = CountCompiles(remat_step)
     for lr, losses_too in ((1.01 * LR, False), (-LR, True)):
         ours, _, losses = offload_run(
-            Model(key=L2_KEY), loss_with_l2, sgd(LR), policy, N, remat_step, lr
+            Model(key=L2_KEY), loss_with_l2, sgd(LR), policy, N, step, lr
         )
         updates = excess(params(ours), stacked(ref), tol=TRAINED, origin=start, steps=N)
         assert updates > 10
         if losses_too:
             assert excess(losses, ref_losses) > 10
+    # Compiled once at most (by `test_matches_reference_with_l2_penalty[remat]` if
+    # it ran first): a learning rate in the state changes no program.
+    assert step.compiled_on in ([], [0])
 
 
 def test_offload_all_rejects_l2_penalty_over_stacked_leaves(getkey):
