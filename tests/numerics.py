@@ -200,11 +200,11 @@ def assert_close(
     - `origin`: the parameters both started from: compare the updates
         `ours - origin` and `reference - origin`, each leaf at its update's scale,
         plus the rounding of the parameters themselves over `steps` steps. The
-        comparison must then also see an update 1% too large
-        (`scaled_update(ours, origin, 1.01)`) at least ten times beyond the
-        tolerance: an update too small beside the parameters' own rounding
-        (too low a learning rate, too few steps) makes a comparison that cannot
-        fail, and is refused.
+        comparison must then also see an update `100 * tol` too large (1% at
+        `F32`: `scaled_update(ours, origin, 1 + 100 * tol)`) at least ten times
+        beyond the tolerance: an update too small beside the parameters' own
+        rounding (too low a learning rate, too few steps, bfloat16 parameters)
+        makes a comparison that cannot fail, and is refused.
     """
     failed = {
         where: e
@@ -218,14 +218,15 @@ def assert_close(
     )
     if origin is not None:
         control = excess(
-            scaled_update(ours, origin, 1.01),
+            scaled_update(ours, origin, 1 + 100 * tol),
             reference,
             tol=tol,
             origin=origin,
             steps=steps,
         )
         assert control > 10, (
-            f"an update 1% too large is only {control:.3g}x the tolerance: the "
+            f"an update {100 * tol:.2%} too large is only {control:.3g}x the "
+            "tolerance: the "
             "updates are too small beside the parameters' rounding to be compared "
             "(a larger learning rate, or more steps)"
         )
