@@ -1,11 +1,11 @@
 """Two processes on this machine (two CPU devices each, gloo collectives) train one
 model on a 4-device global mesh under `Policy.offload_all()`, save it and resume
 from the checkpoint: the losses and parameters are those of one process with four
-devices, up to rounding.
+devices (this one, on 4 of its devices), up to rounding.
 
 Not bit for bit: the two processes sum the examples' losses and gradients over
-their devices (gloo) in another order than one process does, so the first loss
-already differs in its last bit. The same float32 values in another order: the
+their devices (gloo) in another order than one process does: losses and
+parameters differ in their last bits. The same float32 values in another order: the
 losses compare with `F32`, the parameters' updates over the 5 SGD steps with
 `TRAINED` (`tests/numerics.py`)."""
 
@@ -17,6 +17,7 @@ import sys
 
 import numpy as np
 
+from . import multiprocess_worker as worker
 from .numerics import assert_close, excess, TRAINED
 
 
@@ -68,7 +69,8 @@ def _run(nproc: int, outdir: str) -> list[tuple[dict, dict]]:
 
 
 def test_two_processes_train_and_resume_like_one(tmp_path):
-    ((one, reference),) = _run(1, str(tmp_path / "one"))
+    # The reference in this process, on 4 of its devices: no process to start.
+    one, reference = worker.main(worker.Run.of(1, 0), str(tmp_path / "one"))
     two = _run(2, str(tmp_path / "two"))
     start = reference["start"]
     for result, arrays in two:
