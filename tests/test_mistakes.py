@@ -373,15 +373,20 @@ def test_optimizers_whose_init_looks_at_the_parameters(getkey, make):
         loss, grads = eqx.filter_value_and_grad(_squared_error)(reference, *batch)
         params = eqx.filter(reference, eqx.is_inexact_array)
         updates, ref_state = optimizer.update(grads, ref_state, params)
-        return eqx.apply_updates(reference, updates), ref_state, loss
+        # The negative control of the loss: a step that skipped a layer.
+        skipped = eqx.tree_at(lambda m: m.blocks, reference, reference.blocks[1:])
+        skipped_loss = _squared_error(skipped, *batch)
+        return eqx.apply_updates(reference, updates), ref_state, loss, skipped_loss
 
-    losses, ref_losses = [], []
+    losses, ref_losses, skipped_losses = [], [], []
     for batch in (_regression(getkey()), _regression(getkey())):
         model, opt_state, loss, _ = step(model, opt_state, *batch)
-        reference, ref_state, ref_loss = ref_step(reference, ref_state, *batch)
+        reference, ref_state, ref_loss, skipped = ref_step(reference, ref_state, *batch)
         losses.append(loss)
         ref_losses.append(ref_loss)
+        skipped_losses.append(skipped)
     assert_close(losses, ref_losses)
+    assert excess(skipped_losses, ref_losses) > 10
     ours, ref = _copy(model), _copy(reference)
     assert_close(ours, ref, tol=TRAINED, origin=start, steps=2)
     skipped = _without_layer_update(ours, start)
