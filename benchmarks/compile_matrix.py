@@ -3,7 +3,8 @@ depths, parameter dtypes and policies, each train step (`clip_by_global_norm` +
 AdamW, the default streamed update) compiled with
 `eo.memory_report(..., target=...)` from an abstract model.
 
-    python benchmarks/compile_matrix.py [--targets tpu-v5e ...] [--quick] [--json FILE]
+    python benchmarks/compile_matrix.py [--targets tpu-v5e ...] [--json FILE]
+    python benchmarks/compile_matrix.py --spot [--json FILE]
 
 Architectures: `mlp` (a `Stacked` of LayerNorm + MLP blocks), `attention`
 (LayerNorm + multi-head attention + LayerNorm + MLP blocks), `gpt` (an embedding and
@@ -17,8 +18,15 @@ parameters (`remat(params={"blocks": "pinned_host"})`) and host optimizer state
 (`offload_residuals(opt_state="pinned_host")`); `--microbatches 2 4` compiles each
 case with `train_step(microbatches=k)` too. A case passes if it compiles; a case the
 compiler rejects, with `eo.DoesNotCompile` naming the leaves and a way out, is
-listed as refused. `tests/test_tpu_compile.py` and `tests/test_gpu_targets.py`
-compile a covering subset.
+listed as refused. Each case that compiles records the bytes its program moves
+each way between host and device memory next to the fewest it must move
+(`MemoryReport.minimum_transfers`). `--optimizer adamw` drops the clip (whose global
+norm makes the streamed update read each gradient twice); `--piece-bytes N` patches
+`_tiling.PIECE_BYTES` down, so that small layers take the path of large ones (read
+and written in pieces). `--spot` compiles `SPOT` instead of a product: a spread of
+cases over every architecture, dtype, policy, TPU generation and the GPU, at widths
+the full runs leave out. `tests/test_tpu_compile.py` and `tests/test_gpu_targets.py`
+compile a covering few.
 
     python benchmarks/compile_matrix.py --targets tpu-v5e gpu-h100 --archs llama \
         --widths 2048 4096 --depths 2 --microbatches 2 4 \
@@ -27,7 +35,7 @@ compile a covering subset.
 
 import itertools
 import time
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
 import equinox as eqx
@@ -50,6 +58,7 @@ from models.matrix import (
 )
 
 import eqx_offload as eo
+import eqx_offload.internal as eoi
 
 
 def cast(tree, dtype):
@@ -111,6 +120,11 @@ POLICIES: dict[str, tuple[str, dict[str, Any]]] = {
     "offload_all": ("offload_all", {}),
     "host params": ("remat", {"params": {"blocks": "pinned_host"}}),
     "host state": ("offload_residuals", {"opt_state": "pinned_host"}),
+    "whole update": ("offload_all", {"update": "whole"}),
+    "host state, whole update": (
+        "offload_residuals",
+        {"opt_state": "pinned_host", "update": "whole"},
+    ),
     "host update": ("offload_all", {"update": "host"}),
     "host state, host update": (
         "offload_residuals",
@@ -152,6 +166,15 @@ class Result(NamedTuple):
     outcome: str  # "compiles", "refused" or "FAILS"
     message: str
     seconds: float
+    report: eo.MemoryReport | None = None  # where it compiles
+
+
+OPTIMIZERS = {
+    "clip+adamw": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(1e-3)
+    ),
+    "adamw": lambda: optax.adamw(1e-3),
+}
 
 
 def compile_case(
@@ -164,29 +187,48 @@ def compile_case(
     *,
     microbatches: int = 1,
     mlp: int | None = None,
+    optimizer: str = "clip+adamw",
 ) -> Result:
     """Compiles one case's train step; `dtype` is a parameter dtype, or
-    `COMPUTE_BF16` for float32 parameters under `Policy(compute_dtype=bf16)`."""
+    `COMPUTE_BF16` for float32 parameters under `Policy(compute_dtype=bf16)`;
+    `optimizer` one of `OPTIMIZERS`."""
     start = time.perf_counter()
     compute = dtype is COMPUTE_BF16
     batch_size = BATCH * microbatches
     model, loss, batch = case(
         arch, width, depth, jnp.float32 if compute else dtype, batch=batch_size, mlp=mlp
     )
-    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    transform = OPTIMIZERS[optimizer]()
     try:
         p = policy_for(
             arch, policy, **({"compute_dtype": jnp.bfloat16} if compute else {})
         )
         model = eo.place(model, p)
-        opt_state = eo.init_opt_state(optimizer, model, p)
-        step = eo.train_step(loss, optimizer, p, microbatches=microbatches)
-        eo.memory_report(step, model, opt_state, *batch, target=target)  # pyright: ignore[reportArgumentType]
+        opt_state = eo.init_opt_state(transform, model, p)
+        step = eo.train_step(loss, transform, p, microbatches=microbatches)
+        report = eo.memory_report(step, model, opt_state, *batch, target=target)  # pyright: ignore[reportArgumentType]
     except eo.DoesNotCompile as e:
         return Result("refused", str(e), time.perf_counter() - start)
     except Exception as e:
         return Result("FAILS", f"{type(e).__name__}: {e}", time.perf_counter() - start)
-    return Result("compiles", "", time.perf_counter() - start)
+    return Result("compiles", "", time.perf_counter() - start, report)
+
+
+def moved(report: eo.MemoryReport | None) -> dict[str, int]:
+    """What a compiled case's program moves each way, and the fewest bytes it must
+    (both with the offloaded residuals)."""
+    minimum = None if report is None else report.minimum_transfers
+    if report is None or minimum is None:
+        return {}
+    out = {}
+    ways: tuple[tuple[Literal["host_to_device", "device_to_host"], str], ...] = (
+        ("host_to_device", "to device"),
+        ("device_to_host", "to host"),
+    )
+    for direction, label in ways:
+        out[label] = report.transfer_bytes(direction, compiled=True)
+        out[f"minimum {label}"] = minimum.bytes(direction)
+    return out
 
 
 ARCHS = ("mlp", "attention", "gpt", "llama", "dict")
@@ -196,6 +238,44 @@ DTYPES: dict[str, Any] = {
     "bfloat16": jnp.bfloat16,
     COMPUTE_BF16: COMPUTE_BF16,
 }
+
+# (target, arch, dtype, width, depth, policy, microbatches): what `--spot` compiles,
+# with `_tiling.PIECE_BYTES` at 32 KiB. Every architecture, widths 64, 96, 128 and
+# 256 (and 32, 97, 200), depths 1 to 8, both dtypes and bf16 compute, every preset
+# plus host parameters and host state, every TPU generation and the GPU, micro-
+# batches: the cases `tests/test_tpu_compile.py` and `tests/test_gpu_targets.py`
+# compiled before they kept a covering few.
+SPOT = [
+    ("tpu-v5e", "mlp", "float32", 32, 1, "offload_all", 1),
+    ("tpu-v5e", "mlp", "float32", 200, 8, "host state", 1),
+    ("tpu-v5e", "mlp", "bfloat16", 128, 4, "offload_all", 1),
+    ("tpu-v5e", "mlp", "bfloat16", 96, 4, "host params", 1),
+    ("tpu-v5e", "attention", "float32", 64, 4, "offload_all", 1),
+    ("tpu-v5e", "attention", "bfloat16", 200, 2, "host state", 1),
+    ("tpu-v5e", "attention", "float32", 96, 3, "remat", 1),
+    ("tpu-v5e", "gpt", "float32", 64, 4, "offload_all", 1),
+    ("tpu-v5e", "gpt", "bfloat16", 128, 8, "offload_residuals", 1),
+    ("tpu-v5e", "gpt", "float32", 200, 1, "none", 1),
+    ("tpu-v5e", "dict", "float32", 256, 1, "offload_all", 1),
+    ("tpu-v5e", "dict", "bfloat16", 256, 1, "host state", 1),
+    ("tpu-v6e", "mlp", "float32", 64, 4, "offload_all", 1),
+    ("tpu-v6e", "gpt", "bfloat16", 128, 4, "offload_all", 1),
+    ("tpu-v5p", "attention", "bfloat16", 64, 4, "host params", 1),
+    ("tpu-v4", "mlp", "float32", 200, 2, "host state", 1),
+    ("tpu-v4", "gpt", "bfloat16", 64, 4, "offload_all", 1),
+    ("tpu-v5e", "llama", "float32", 128, 2, "offload_all", 2),
+    ("tpu-v5e", "gpt", COMPUTE_BF16, 96, 2, "offload_all", 4),
+    ("gpu-h100", "mlp", "float32", 97, 4, "offload_all", 1),
+    ("gpu-h100", "mlp", "bfloat16", 200, 2, "host state", 1),
+    ("gpu-h100", "attention", "float32", 64, 3, "offload_residuals", 1),
+    ("gpu-h100", "attention", "bfloat16", 96, 2, "host params", 1),
+    ("gpu-h100", "gpt", "bfloat16", 128, 4, "offload_all", 1),
+    ("gpu-h100", "gpt", "float32", 32, 1, "remat", 1),
+    ("gpu-h100", "dict", "float32", 256, 1, "none", 1),
+    ("gpu-h100", "dict", "bfloat16", 200, 1, "offload_all", 1),
+    ("gpu-h100", "mlp", COMPUTE_BF16, 128, 2, "offload_all", 2),
+    ("gpu-h100", "gpt", "float32", 96, 2, "offload_residuals", 4),
+]
 
 
 def main():
@@ -212,19 +292,35 @@ def main():
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
     p.add_argument("--microbatches", type=int, nargs="+", default=[1])
     p.add_argument("--mlp", type=int, help="the llama MLP width (default: by width)")
+    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="clip+adamw")
+    p.add_argument(
+        "--piece-bytes", type=int, help="`_tiling.PIECE_BYTES` (default: 32 MiB)"
+    )
+    p.add_argument(
+        "--spot", action="store_true", help="compile `SPOT` instead of a product"
+    )
     args = p.parse_args()
+    if args.spot:
+        args.piece_bytes = args.piece_bytes or 32 * 1024
+        cases = SPOT
+    else:
+        cases = [
+            c
+            for c in itertools.product(
+                args.targets,
+                args.archs,
+                args.dtypes,
+                args.widths,
+                args.depths,
+                args.policies,
+                args.microbatches,
+            )
+            if c[1] != "dict" or c[4] == args.depths[0]  # no depth
+        ]
+    if args.piece_bytes:
+        eoi.tiling.PIECE_BYTES = args.piece_bytes
     rows, results = [], []
-    for target, arch, dtype, width, depth, policy, k in itertools.product(
-        args.targets,
-        args.archs,
-        args.dtypes,
-        args.widths,
-        args.depths,
-        args.policies,
-        args.microbatches,
-    ):
-        if arch == "dict" and depth != args.depths[0]:
-            continue  # no depth
+    for target, arch, dtype, width, depth, policy, k in cases:
         r = compile_case(
             arch,
             width,
@@ -234,6 +330,7 @@ def main():
             target,
             microbatches=k,
             mlp=args.mlp,
+            optimizer=args.optimizer,
         )
         row = [
             target,
@@ -248,7 +345,8 @@ def main():
         ]
         print(" | ".join(map(str, row)), flush=True)
         rows.append(row)
-        results.append(dict(zip(HEADERS, row)) | {"seconds": round(r.seconds, 2)})
+        record = dict(zip(HEADERS, row)) | {"seconds": round(r.seconds, 2)}
+        results.append(record | moved(r.report))
     outcome = HEADERS.index("outcome")
     counts = {
         o: sum(r[outcome] == o for r in rows) for o in ("compiles", "refused", "FAILS")
