@@ -3,8 +3,9 @@ update mode (`whole`, `streamed`, `host`), parameter placement and compute dtype
 per parameter of a stacked layer (fp32 master, AdamW), and in GB per step for the
 Llama-3.2-1B shape of `benchmarks/llama.py` (batch 8 x 1024 tokens). The rules are
 `eqx_offload/_report/_minimum.py`'s; `memory_report` prints the same minimum next
-to what the compiled program moves, and `tests/test_minimum_traffic.py` compiles
-each row for `tpu-v5e` and `gpu-h100` against it.
+to what the compiled program moves. `compile_matrix.py` compiles each row for
+`tpu-v5e` and `gpu-h100` against it (the command is in docs/step-time.md), and
+`tests/test_minimum_traffic.py` a covering six.
 
     python benchmarks/minimum_bytes.py [--json FILE]
 """
