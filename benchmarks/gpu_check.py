@@ -57,9 +57,9 @@ with the host update and the flag of part 5; `offload_all` reading layers ahead
 (`Policy(prefetch=1)`), at XLA:GPU's default limit of asynchronous host copies and
 at 16 (`xla_gpu_experimental_parallel_async_compute_limit`, through `XLA_FLAGS`);
 and `offload_all` applying the stacked layers' update in the next step's forward
-scan (`Policy(update_timing="next_forward")`), at both limits.
-`--smoke` runs the same on a tiny model
-with 3 timed steps, for CI on a CPU. A run of parts 2 and 4 starts only within
+scan (`Policy(update_timing="next_forward")`), at both limits. `--configs`
+chooses some of them, for parts 1 and 2 alike. `--smoke` runs the same on a tiny
+model with 3 timed steps, for CI on a CPU. A run of parts 2 and 4 starts only within
 `--budget` seconds of the start (450 by default, for the whole to stay under 8
 minutes); later ones are recorded as skipped.
 """
@@ -762,7 +762,8 @@ def child(args: argparse.Namespace) -> None:
         link = json.loads(rest[2]) if len(rest) > 2 else {}
         result: Any = measure(rest[0], tuple(json.loads(rest[1])), args.steps, link)
     elif kind == "numerics":
-        result = {"numerics": numerics(list(CONFIGS)), **environment()}
+        chosen = json.loads(rest[0]) if rest else [*CONFIGS]
+        result = {"numerics": numerics(chosen), **environment()}
     elif kind == "bandwidth":
         result = bandwidth(int(rest[0]))
     elif kind == "host update":
@@ -905,7 +906,7 @@ def main() -> None:
         return
     start = time.perf_counter()
     results: dict[str, Any] = {"versions": versions(), "smoke": args.smoke}
-    env = run_child(["numerics"], 600)
+    env = run_child(["numerics", json.dumps(args.configs)], 600)
     results["numerics"] = env.get("result", {}).pop("numerics", env)
     results["environment"] = env.get("result", {"error": env.get("error")})
     print(f"numerics: passed = {results['numerics'].get('passed')}", flush=True)
