@@ -1,5 +1,10 @@
 """`MemoryReport.plot`: the parts it draws add up to the footprints."""
 
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
 import matplotlib
 import optax
 import pytest
@@ -10,21 +15,39 @@ matplotlib.use("Agg")
 import eqx_offload as eo  # noqa: E402
 from eqx_offload.internal import plot_categories
 
-from .helpers import batches, cross_entropy, Model  # noqa: E402
+from .helpers import ProjectedStack, TanhBlock  # noqa: E402
 
 
-def _report(getkey, preset: str, target: str | None = None) -> eo.MemoryReport:
-    policy = getattr(eo.Policy, preset)()
-    optimizer = optax.adam(1e-3)
-    model = eo.place(Model(depth=2, key=getkey()), policy)
-    opt_state = eo.init_opt_state(optimizer, model, policy)
-    step = eo.train_step(cross_entropy, optimizer, policy)
-    return eo.memory_report(step, model, opt_state, *next(batches()), target=target)
+def _model(key) -> ProjectedStack:
+    """An input projection and three stacked `TanhBlock`s of width 64."""
+    k1, k2 = jax.random.split(key)
+    blocks = TanhBlock(jax.random.normal(k2, (3, 64, 64)))
+    return ProjectedStack(jax.random.normal(k1, (16, 64)), eo.Stacked(blocks))
+
+
+@pytest.fixture(scope="module")
+def reports():
+    """`reports(preset, target=None)`: the report of `Policy.<preset>()`'s train step
+    of `_model` (Adam), compiled once in this module."""
+
+    @functools.cache
+    def compiled(preset: str, target: str | None = None) -> eo.MemoryReport:
+        policy = getattr(eo.Policy, preset)()
+        optimizer = optax.adam(1e-3)
+        model = eo.place(_model(jax.random.key(0)), policy)
+        opt_state = eo.init_opt_state(optimizer, model, policy)
+        step = eo.train_step(
+            lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2), optimizer, policy
+        )
+        x = jnp.ones((8, 16))
+        return eo.memory_report(step, model, opt_state, x, target=target)
+
+    return compiled
 
 
 @pytest.mark.parametrize("target", [None, "tpu-v5e"])
-def test_parts_add_up_to_the_footprints(getkey, target):
-    report = _report(getkey, "offload_all", target)
+def test_parts_add_up_to_the_footprints(reports, target):
+    report = reports("offload_all", target)
     device, host = plot_categories(report, "device"), plot_categories(report, "host")
     assert sum(device.values()) == report.device_bytes
     assert sum(host.values()) == report.host_bytes
@@ -36,8 +59,8 @@ def test_parts_add_up_to_the_footprints(getkey, target):
     assert saved > 0
 
 
-def test_several_reports_side_by_side(getkey, tmp_path):
-    reports = [_report(getkey, p) for p in ("remat", "offload_all")]
+def test_several_reports_side_by_side(reports, tmp_path):
+    reports = [reports(p) for p in ("remat", "offload_all")]
     ax = reports[0].plot(reports[1], labels=["remat", "offload_all"], unit="KiB")
     assert [t.get_text() for t in ax.get_xticklabels()] == ["device", "host"] * 2
     labels = {t.get_text() for t in ax.get_legend().get_texts()}
@@ -65,10 +88,8 @@ def test_several_reports_side_by_side(getkey, tmp_path):
     assert reports[0].plot(reports[1]).get_ylabel() == unit
 
 
-def test_a_report_read_back_from_json_draws_the_same(getkey):
-    import json
-
-    report = _report(getkey, "offload_all", "tpu-v5e")
+def test_a_report_read_back_from_json_draws_the_same(reports):
+    report = reports("offload_all", "tpu-v5e")
     again = eo.MemoryReport.from_dict(json.loads(json.dumps(report.to_dict())))
     assert again.to_dict() == report.to_dict()
     assert plot_categories(again, "device") == plot_categories(report, "device")

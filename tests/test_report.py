@@ -1,7 +1,9 @@
 import dataclasses
+import functools
 import json
 import pickle
 import sys
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -15,34 +17,54 @@ import eqx_offload as eo
 import eqx_offload.internal as eoi
 from eqx_offload.internal import device_advice, mesh_shardings
 
-from .helpers import batches, cross_entropy, Model
+from .helpers import batches, cross_entropy, Model, ProjectedStack, TanhBlock
 
 
 def to_host(x):
     return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
 
 
-def make_step(policy, depth=4, optimizer=None):
+def make_step(policy, depth=4, optimizer=None, loss=cross_entropy):
     optimizer = optimizer or optax.adam(1e-3)
     model = eo.place(Model(depth=depth, key=jax.random.key(0)), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
-    return eo.train_step(cross_entropy, optimizer, policy), model, opt_state
+    return eo.train_step(loss, optimizer, policy), model, opt_state
 
 
-def test_train_step_report_never_runs_the_step():
-    calls = []
+_RUNS: list[int] = []
 
-    def loss_fn(model, tokens, targets):
-        jax.debug.callback(lambda: calls.append(1))
-        return cross_entropy(model, tokens, targets)
 
-    policy = eo.Policy.offload_all()
-    optimizer = optax.adam(1e-3)
-    model = eo.place(Model(key=jax.random.key(0)), policy)
-    opt_state = eo.init_opt_state(optimizer, model, policy)
-    step = eo.train_step(loss_fn, optimizer, policy)
-    report = eo.memory_report(step, model, opt_state, *next(batches()))
-    assert calls == [] and not model.head.weight.is_deleted()
+def _watched_loss(model, tokens, targets):
+    """`cross_entropy`, and a record of each time it runs."""
+    jax.debug.callback(lambda: _RUNS.append(1))
+    return cross_entropy(model, tokens, targets)
+
+
+class _Compiled(NamedTuple):
+    report: eo.MemoryReport
+    model: Model  # (the step was not run: nothing donated)
+    opt_state: Any
+
+
+@pytest.fixture(scope="module")
+def reports():
+    """`reports(preset)`: the report of `Policy.<preset>()`'s train step of the
+    test model (4 layers, Adam, `_watched_loss`) on this CPU, with the model and
+    state it was given; compiled once in this module."""
+
+    @functools.cache
+    def compiled(preset: str) -> _Compiled:
+        policy = getattr(eo.Policy, preset)()
+        step, model, opt_state = make_step(policy, loss=_watched_loss)
+        report = eo.memory_report(step, model, opt_state, *next(batches()))
+        return _Compiled(report, model, opt_state)
+
+    return compiled
+
+
+def test_train_step_report_never_runs_the_step(reports):
+    report, model, opt_state = reports("offload_all")
+    assert _RUNS == [] and not model.head.weight.is_deleted()
     assert report.compiled == "train_step" and report.estimate
     assert report.device_bytes > 0 and report.host_bytes > 0
     params = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
@@ -55,31 +77,28 @@ def test_train_step_report_never_runs_the_step():
     assert residuals[("blocks.input", "pinned_host")] == 4 * 2 * 8 * 16 * 4
 
 
-def test_reports_differ_the_way_policies_do():
-    reports = {}
-    for name in ("none", "remat", "offload_residuals", "offload_all"):
-        step, model, opt_state = make_step(getattr(eo.Policy, name)())
-        reports[name] = eo.memory_report(step, model, opt_state, *next(batches()))
-    kinds = {n: {r.memory_kind for r in reports[n].residuals or ()} for n in reports}
+def test_reports_differ_the_way_policies_do(reports):
+    names = ("none", "remat", "offload_residuals", "offload_all")
+    report = {name: reports(name).report for name in names}
+    kinds = {n: {r.memory_kind for r in report[n].residuals or ()} for n in report}
     assert "pinned_host" not in kinds["remat"] | kinds["none"]
     assert "pinned_host" in kinds["offload_residuals"]
-    unnamed = [r for r in reports["none"].residuals or () if "unnamed" in r.name]
+    unnamed = [r for r in report["none"].residuals or () if "unnamed" in r.name]
     assert unnamed  # without remat every intermediate of every layer is saved
-    assert reports["offload_all"].params == {
-        "pinned_host": reports["none"].params["device"]
+    assert report["offload_all"].params == {
+        "pinned_host": report["none"].params["device"]
     }
 
 
-def test_abstract_arguments_allocate_nothing():
+def test_abstract_arguments_allocate_nothing(reports):
     policy = eo.Policy.offload_all()
     optimizer = optax.adam(1e-3)
     abstract = eo.place(eqx.filter_eval_shape(Model, key=jax.random.key(0)), policy)
     opt_state = eo.init_opt_state(optimizer, abstract, policy)
     tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
-    step = eo.train_step(cross_entropy, optimizer, policy)
+    step = eo.train_step(_watched_loss, optimizer, policy)
     report = eo.memory_report(step, abstract, opt_state, tokens, tokens)
-    concrete = eo.memory_report(*make_step(policy), *next(batches()))
-    assert report.to_dict() == concrete.to_dict()
+    assert report.to_dict() == reports("offload_all").report.to_dict()
 
 
 def test_filter_offload_and_plain_functions():
@@ -105,8 +124,8 @@ def test_filter_offload_and_plain_functions():
     assert plain.host["argument"] == 256
 
 
-def test_str_and_to_dict():
-    report = eo.memory_report(*make_step(eo.Policy.offload_all()), *next(batches()))
+def test_str_and_to_dict(reports):
+    report = reports("offload_all").report
     text = str(report)
     for row in (
         "footprint",
@@ -124,10 +143,10 @@ def test_str_and_to_dict():
     assert eo.MemoryReport.from_dict(data).largest_unnamed == report.largest_unnamed
 
 
-def test_unnamed_residuals_are_broken_down_by_line():
+def test_unnamed_residuals_are_broken_down_by_line(reports):
     # What the head and the loss save (outside the `Stacked`): the report names
     # the lines of code that save it.
-    report = eo.memory_report(*make_step(eo.Policy.remat()), *next(batches()))
+    report = reports("remat").report
     assert report.residuals is not None and report.largest_unnamed is not None
     other = sum(r.bytes for r in report.residuals if r.name == "(other)")
     parts = [r for r in report.largest_unnamed if r.group == "(other)"]
@@ -178,13 +197,34 @@ def test_tpu_target_matches_a_direct_compile():
     assert report.host["argument"] == stats.host_argument_size_in_bytes == w.nbytes
 
 
+def _small_step(policy: eo.Policy):
+    """A train step quick to compile for any target: an input projection and three
+    stacked `TanhBlock`s of width 128, Adam; abstract arguments."""
+
+    def make(key):
+        k1, k2 = jax.random.split(key)
+        w_in = jax.random.normal(k1, (16, 128))
+        blocks = TanhBlock(jax.random.normal(k2, (3, 128, 128)))
+        return ProjectedStack(w_in, eo.Stacked(blocks))
+
+    optimizer = optax.adam(1e-3)
+    model = eo.place(eqx.filter_eval_shape(make, jax.random.key(0)), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2), optimizer, policy)
+    return step, model, opt_state, jax.ShapeDtypeStruct((8, 16), jnp.float32)
+
+
 @pytest.mark.parametrize("target", ["tpu-v5e", "tpu-v6e", "tpu-v5p", "tpu-v4"])
 def test_every_tpu_target_compiles_a_train_step(target):
-    step, model, opt_state = make_step(eo.Policy.offload_all(), depth=2)
-    report = eo.memory_report(step, model, opt_state, *next(batches()), target=target)
+    report = eo.memory_report(*_small_step(eo.Policy.offload_all()), target=target)
     assert report.host_bytes > 0 and report.device_bytes > 0
-    # Donated host-resident state is updated in place on the host.
-    assert report.host["alias"] > 0
+    # Donated host-resident parameters and state are updated in place on the host.
+    assert report.params is not None and report.opt_state is not None
+    on_host = report.params["pinned_host"] + report.opt_state["pinned_host"]
+    assert report.host["alias"] == report.host["argument"] == on_host
+    # Its time, priced with the chip's own entry.
+    assert report.time is not None and report.time.seconds > 0
+    assert report.time.hardware == eo.Hardware.of(target)
 
 
 def test_without_libtpu_the_error_names_the_extra(monkeypatch):
@@ -380,11 +420,9 @@ def test_a_step_over_the_hosts_memory_does_not_fit():
     host memory behind one chip (here 64 KiB, as `hardware=` states it) fits the
     device and not the host, so it does not fit; the table says which, and what
     would shrink the host's share, never more offloading."""
-    step, model, opt_state = make_step(eo.Policy.offload_all(), depth=2)
     small = _with_host_memory(2**16)
-    report = eo.memory_report(
-        step, model, opt_state, *next(batches()), target="tpu-v5e", hardware=small
-    )
+    step = _small_step(eo.Policy.offload_all())
+    report = eo.memory_report(*step, target="tpu-v5e", hardware=small)
     assert report.host_bytes > 2**16 and report.host_capacity == 2**16
     assert report.fits_device is True and report.fits_host is False
     assert report.fits is False
