@@ -45,16 +45,15 @@ class Residual(eqx.Module):
 @pytest.mark.parametrize(
     "make",
     [
-        lambda k: Residual(eqx.nn.Linear(8, 8, key=k)),
-        lambda k: Residual(eqx.nn.MLP(8, 8, 16, depth=2, key=k)),
+        lambda k: Residual(eqx.nn.MLP(8, 8, 16, depth=2, key=k)),  # of `Linear`s
         lambda k: Residual(eqx.nn.LayerNorm(8)),
     ],
-    ids=["Linear", "MLP", "LayerNorm"],
+    ids=["MLP", "LayerNorm"],
 )
 def test_call_matches_a_python_loop(make, getkey):
-    stacked = eo.Stacked.from_fn(make, 5, key=getkey())
+    stacked = eo.Stacked.from_fn(make, 3, key=getkey())
     layers = list(stacked)
-    assert len(stacked) == len(layers) == 5
+    assert len(stacked) == len(layers) == 3
     assert all(type(layer) is Residual for layer in layers)
     x = jax.random.normal(getkey(), (8,))
 
