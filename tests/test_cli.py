@@ -107,7 +107,7 @@ def test_python_dash_m_runs_the_command(monkeypatch, capsys):
     monkeypatch.delitem(sys.modules, "eqx_offload.__main__")  # run afresh
     with pytest.raises(SystemExit) as e:
         runpy.run_module(
-            "eqx_offload", vars(__main__), run_name="__main__", alter_sys=True
+            "eqx_offload", dict(vars(__main__)), run_name="__main__", alter_sys=True
         )
     assert e.value.code == 0
     printed = capsys.readouterr().out
