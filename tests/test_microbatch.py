@@ -68,6 +68,21 @@ KEY = jax.random.key(17)
 STEPS = 3
 
 
+def _from_numpy(abstract):
+    """`abstract`'s arrays drawn from NumPy, uniform and scaled by their last
+    dimension as Equinox's initialisers are: a model of new shapes without eager
+    initialisers to compile for them."""
+    rng = np.random.default_rng(0)
+
+    def draw(x):
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        values = rng.uniform(-1, 1, x.shape) / np.sqrt(x.shape[-1])
+        return jnp.asarray(values.astype(x.dtype))
+
+    return jax.tree.map(draw, abstract)
+
+
 def _momentum():
     """SGD with momentum: an update Lipschitz in the gradient (`numerics.TRAINED`),
     and optimizer state (the trace) that must follow the whole batch's too, updated
@@ -115,7 +130,7 @@ def test_host_leaves_outside_the_layers_accumulate_where_they_can():
     parameters on the host. (At width 16 they are summed on the device:
     `test_equals_the_whole_batch_step[offload_all-streamed]`.)"""
     steps = [b for _, b in zip(range(2), batches(vocab=64, batch=4))]
-    model = Model(vocab=64, dim=128, depth=2, key=KEY)
+    model = _from_numpy(eqx.filter_eval_shape(Model, 64, 128, 2, key=KEY))
     ref_model, ref_losses, _ = _reference(model, optax.sgd(0.1), steps)
     policy = eo.Policy.offload_all()
     ours, losses, _, _ = _offloaded(model, optax.sgd(0.1), policy, steps, 2)
