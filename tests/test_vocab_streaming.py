@@ -165,6 +165,7 @@ def test_bf16_compute_copy_is_what_streams():
         start, *batch
     )
     assert_close(loss, ref_loss, tol=BF16_COMPUTE)
+    assert excess(scaled(loss, -1), ref_loss, tol=BF16_COMPUTE) > 10
     # One SGD step's update is `-LR` times the gradient.
     model = eo.place(model, eo.Policy(params="device"))
     grads = jax.tree.map(lambda p, p0: (p - p0) / -LR, model, start)
