@@ -24,7 +24,8 @@ from quickstart import counting_sequences, GPT, kinds, loss_fn
 import eqx_offload as eo
 
 
-def main():
+def main() -> tuple[list[float], float]:
+    """Plans and trains; returns the plan's losses and the plain step's first."""
     parser = argparse.ArgumentParser(description="Plan a GPT's placement, train it.")
     parser.add_argument("--target", default="tpu-v5e", help="'tpu-v5e', 'gpu-h100'")
     parser.add_argument("--device-budget", default="40MiB", help="per device")
@@ -80,6 +81,7 @@ def main():
     )
     print(f"loss: first step {losses[0]:.3f}, last step {losses[-1]:.3f}")
     print(f"parameters live in {kinds(model)}, optimizer state in {kinds(opt_state)}")
+    return losses, float(plain_loss)
 
 
 if __name__ == "__main__":

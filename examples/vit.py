@@ -209,7 +209,9 @@ def accuracy(model: ViT, images, labels) -> Float[Array, ""]:
     return jnp.mean(jnp.argmax(logits, axis=-1) == labels)
 
 
-def main():
+def main() -> dict[str, Any]:
+    """Ports, checks and trains; returns what the check compared: the port's and
+    the original's logits (`ours`, `theirs`), the original and the image."""
     p = argparse.ArgumentParser(description="A Vision Transformer ported to Stacked.")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--dim", type=int, default=64)
@@ -279,6 +281,7 @@ def main():
             model, opt_state, loss, _ = step(model, opt_state, images, labels, subkey)
             bar.set_postfix(loss=f"{float(loss):.3f}")
     print(f"held-out accuracy after {args.steps} steps: {held_out():.2f}")
+    return {"ours": ours, "theirs": theirs, "original": original, "image": image}
 
 
 if __name__ == "__main__":
