@@ -54,7 +54,7 @@ def compare(ours, theirs, steps: int) -> tuple[float, float]:
     in units of `LR * steps`: Adam moves every element by about `LR` a step
     whatever its gradient, so the rounding of a gradient near zero (summed in
     another order over micro-batches) can move an element by up to that much
-    (`tests/helpers.py`' `assert_trees_close`)."""
+    (`tests/numerics.py`: why the tests compare such runs through SGD instead)."""
     (losses, params), (ref_losses, ref_params) = ours, theirs
     loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     param = max(float(np.max(np.abs(a - b))) for a, b in zip(params, ref_params))

@@ -238,64 +238,6 @@ def unchecked() -> Iterator[None]:
         jaxtyping.config.update("jaxtyping_disable", False)
 
 
-def assert_trees_close(
-    ours: PyTree,
-    reference: PyTree,
-    *,
-    rtol: float = 1e-5,
-    atol: float = 1e-7,
-    after_adam: tuple[float, int] | None = None,
-) -> None:
-    """`ours` equals `reference`, array leaf by array leaf, up to the float32
-    rounding of the same computation done another way: in another order (a scan
-    rather than a Python loop, piece by piece, over a mesh) or on another CPU.
-
-    **Arguments:**
-
-    - `ours`, `reference`: PyTrees with as many array leaves (other leaves are
-        ignored), compared in order.
-    - `rtol`, `atol`: each element must be within `atol + rtol * |reference|`. The
-        defaults are the rounding of values computed in another order (losses,
-        outputs, gradients, parameters after SGD steps, optimizer state): `1e-5`
-        relative, and `1e-7` absolute for elements near zero.
-    - `after_adam`: `(lr, steps)` where the leaves are parameters after `steps`
-        Adam(W) steps at learning rate `lr`: the absolute tolerance is then
-        `1e-4 * lr * steps`.
-
-    Why, after Adam: Adam divides each gradient by the root of its second moment,
-    so it moves every element by about `lr` a step whatever the gradient's size.
-    Where a gradient is near zero, its float32 rounding is large beside it, and the
-    normalisation turns it into an error that is a fraction of `lr`, however small
-    the parameter (design notes, "JAX facts relied on"). How large a fraction
-    depends on the CPU: after 10 AdamW steps at `lr=1e-2` an AVX2 machine put one
-    element of 1024 1.19e-5 relative from the reference, past `rtol=1e-5,
-    atol=1e-7` (design notes, "JAX facts relied on").
-    Measured on an AVX-512 machine in the suite's comparisons, with XLA's
-    instruction set also capped at AVX2 and at SSE4.2 (no FMA): ours differ from
-    the reference by at most 8.6e-7, 8.6e-6 x lr x steps (`test_train_step`'s L2
-    penalty; AVX-512 and AVX2 give the same figures under `tests/conftest.py`'s
-    flags). One program run under two of those instruction sets, or with LLVM's
-    optimizations on and off, differs from itself by up to 2.1e-6, 2.1e-5 x lr x
-    steps. `1e-4 x lr x steps` is five times that; the same run at `lr x 1.001`
-    is 7.1e-3 x lr x steps away, and fails (`test_train_step.py`'s negative
-    control).
-    """
-    if after_adam is not None:
-        lr, steps = after_adam
-        atol = max(atol, 1e-4 * lr * steps)
-    ours_leaves = jax.tree.leaves_with_path(eqx.filter(ours, eqx.is_array))
-    reference_leaves = jax.tree.leaves(eqx.filter(reference, eqx.is_array))
-    assert len(ours_leaves) == len(reference_leaves), "not as many array leaves"
-    for (path, x), y in zip(ours_leaves, reference_leaves):
-        np.testing.assert_allclose(
-            np.asarray(x),
-            np.asarray(y),
-            rtol=rtol,
-            atol=atol,
-            err_msg=f"leaf {jax.tree_util.keystr(path)}",
-        )
-
-
 def bits(tree: PyTree) -> list[np.ndarray]:
     """The bytes of each array leaf, in order (a PRNG key's by its key data)."""
     out = []
@@ -309,7 +251,7 @@ def bits(tree: PyTree) -> list[np.ndarray]:
 def assert_trees_equal(ours: PyTree, reference: PyTree) -> None:
     """`ours` equals `reference` bit for bit: as many array leaves, in order, each
     with the same shape, dtype and bytes. For copies: saved and loaded, ported,
-    placed. (Values computed another way compare with `assert_trees_close`.)"""
+    placed. (Values computed another way compare with `numerics.assert_close`.)"""
     ours_leaves = jax.tree.leaves_with_path(eqx.filter(ours, eqx.is_array))
     reference_leaves = jax.tree.leaves(eqx.filter(reference, eqx.is_array))
     assert len(ours_leaves) == len(reference_leaves), "not as many array leaves"

@@ -249,3 +249,20 @@ def scaled_update(ours: PyTree, origin: PyTree, factor: float) -> PyTree:
         return (o + factor * (x - o)).astype(dtype)
 
     return jax.tree.unflatten(treedef, [scale(x, o) for x, o in zip(leaves, starts)])
+
+
+def scaled(tree: PyTree, factor: float) -> PyTree:
+    """`tree` with every floating leaf (array or Python float) times `factor`, as
+    NumPy arrays: the negative control of a comparison without an `origin` (losses,
+    outputs, gradients, optimizer state). `1.01` is a value 1% too large, `-1` one
+    of the wrong sign."""
+
+    def scale(x):
+        if isinstance(x, float) or (
+            eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
+        ):
+            x = np.asarray(x)
+            return (np.float64(factor) * x).astype(x.dtype)
+        return x
+
+    return jax.tree.map(scale, tree)

@@ -9,8 +9,7 @@ import pytest
 
 import eqx_offload as eo
 
-from .controls import scaled
-from .numerics import assert_close, BF16, excess
+from .numerics import assert_close, BF16, excess, scaled
 
 
 def _plain(hidden, weight, targets, mask=None):

@@ -15,9 +15,8 @@ import pytest
 
 import eqx_offload as eo
 
-from .controls import scaled
 from .helpers import TableLM, TanhBlock
-from .numerics import assert_close, excess
+from .numerics import assert_close, excess, scaled
 
 
 POLICY = eo.Policy.offload_all()

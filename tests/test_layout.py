@@ -15,9 +15,8 @@ from jaxtyping import Array, Float, PRNGKeyArray
 import eqx_offload as eo
 from eqx_offload.internal import flat_arguments
 
-from .controls import scaled
 from .helpers import CountCompiles, MLPBlock, StackedNet, unchecked
-from .numerics import assert_close, excess, TRAINED
+from .numerics import assert_close, excess, scaled, TRAINED
 
 
 def make_net(*, key: PRNGKeyArray) -> StackedNet:

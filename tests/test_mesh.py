@@ -14,9 +14,8 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 import eqx_offload as eo
 
-from .controls import scaled
 from .helpers import CountCompiles, StackedNet
-from .numerics import assert_close, excess, TRAINED
+from .numerics import assert_close, excess, scaled, TRAINED
 
 
 def make_net(*, key: PRNGKeyArray) -> StackedNet:

@@ -33,9 +33,8 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 import eqx_offload as eo
 from eqx_offload.internal import saved_for_backward
 
-from .controls import scaled
 from .helpers import CountCompiles
-from .numerics import assert_close, excess, TRAINED
+from .numerics import assert_close, excess, scaled, TRAINED
 from .test_state_dict import Net as LM  # embedding, `Stacked` MLPs, head
 
 

@@ -11,9 +11,8 @@ from jax.sharding import AxisType
 
 import eqx_offload as eo
 
-from .controls import scaled
 from .helpers import batches, CountCompiles, cross_entropy, memory_kind, Model
-from .numerics import assert_close, excess, TRAINED
+from .numerics import assert_close, excess, scaled, TRAINED
 
 
 def _reference(model, optimizer, steps, loss_fn=cross_entropy):

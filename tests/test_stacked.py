@@ -9,9 +9,8 @@ import pytest
 
 import eqx_offload as eo
 
-from .controls import scaled
 from .helpers import Block
-from .numerics import assert_close, excess
+from .numerics import assert_close, excess, scaled
 
 
 def loop(layers, x, **kwargs):

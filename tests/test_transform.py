@@ -10,7 +10,6 @@ from jax.ad_checkpoint import checkpoint_name
 import eqx_offload as eo
 from eqx_offload.internal import saved_residuals, UnusedName
 
-from .controls import scaled
 from .helpers import (
     all_eqns,
     as_reference,
@@ -23,7 +22,7 @@ from .helpers import (
     Outer,
     primitive_names,
 )
-from .numerics import assert_close, BF16_COMPUTE, excess
+from .numerics import assert_close, BF16_COMPUTE, excess, scaled
 
 
 def assert_same_values(ours, reference):

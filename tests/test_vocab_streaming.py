@@ -14,9 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import eqx_offload as eo
 
-from .controls import scaled
 from .helpers import CountCompiles, TableLM, TanhBlock
-from .numerics import assert_close, BF16_COMPUTE, excess, TRAINED
+from .numerics import assert_close, BF16_COMPUTE, excess, scaled, TRAINED
 
 
 VOCAB, DIM = 256, 128  # a TPU can move row blocks of this table
