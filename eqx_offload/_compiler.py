@@ -3,7 +3,7 @@
 The StableHLO is a lowered function's. The HLO is a compiled one's, the TPU
 compiler's after optimisation. None of these texts is a stable interface. Checked
 against jax 0.10.2, jaxlib 0.10.2 and libtpu 0.0.42.1. Samples captured with them
-are in `tests/fixtures/0.10.2/`. `tests/test_compiler.py` parses them, and
+are in `tests/fixtures/0.10.2/`. `tests/test_compiler_text.py` parses them, and
 compares them with what this installation's compiler writes. So an upgrade that
 changes the text fails there. The private Python parts of JAX and Equinox are in
 `_compat.py`.

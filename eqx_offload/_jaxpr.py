@@ -2,7 +2,7 @@
 
 This is the one place that knows the parameters and operands of JAX's equations.
 Checked against jax 0.10.2, and the scan's layout also against jax 0.11.2.
-`tests/test_jaxpr.py` pins every layout read here, so a JAX upgrade that changes
+`tests/test_jaxpr_adapter.py` pins every layout read here, so a JAX upgrade that changes
 one fails there first. Every other module that walks a jaxpr asks this one. It
 says which primitive an equation is, by the primitive objects JAX exports where
 it exports one. It says which sub-jaxprs run on which operands. And it reads the

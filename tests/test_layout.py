@@ -261,7 +261,8 @@ def test_fsdp_trains_like_one_device_on_explicit_axes():
     gathers each FSDP-sharded layer before use (JAX would otherwise refuse the
     sharded contraction): the losses and the updates of the parameters are one
     device's to float32 rounding. (On `Auto` axes, where the partitioner
-    gathers: `test_mesh_matrix.py::test_trains_like_one_device[declared-8-...]`.)"""
+    gathers: `test_meshes_train_as_one_device.py`,
+    `test_trains_like_one_device[declared-8-...]`.)"""
     optimizer = optax.sgd(0.1)
     policy = eo.Policy.offload_all(
         shard=eo.FSDP("data", min_size=0), batch="data", loss_axes="explicit"

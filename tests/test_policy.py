@@ -1,3 +1,6 @@
+"""`eo.Policy`: the presets' fields, overrides, hashing (a static argument), and the
+policies it refuses."""
+
 import pytest
 
 import eqx_offload as eo

@@ -1,3 +1,7 @@
+"""`eo.Stacked`: a stack of identical layers run as one `jax.lax.scan`, equal to the
+Python loop over them (keys, per-layer inputs and outputs, broadcast arguments,
+indexing), and host-resident layers read one slice at a time."""
+
 from collections.abc import Callable
 
 import equinox as eqx

@@ -1,3 +1,8 @@
+"""`eo.memory_report`: where each byte of a step lives, for this backend and for TPU
+and GPU targets compiled here, without running the step; its table and `to_dict`;
+and `DoesNotFit` for a step too big, naming what it holds and only the moves that
+would help."""
+
 import dataclasses
 import functools
 import json

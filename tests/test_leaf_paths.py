@@ -1,3 +1,6 @@
+"""Leaf paths and the patterns that select them (`_paths.py`): glob matching at segment
+boundaries, the names `Stacked` layers get, and JAX's tree order."""
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp

@@ -1,3 +1,7 @@
+"""`eo.filter_offload`: values and gradients of the plain Equinox function under every
+policy, checkpoint names where the policy selects them, and the mistakes (names that
+never occur, a closed-over model, host layers used outside their scan) named."""
+
 import warnings
 
 import equinox as eqx

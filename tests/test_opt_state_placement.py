@@ -1,3 +1,8 @@
+"""`init_opt_state` and `place_opt_state`: the optimizer state placed where
+`Policy(opt_state=...)` says, parameter by parameter and state part by part
+(`"mu:**"`), with each parameter's sharding, abstract for an abstract model; and the
+mistakes, named."""
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp

@@ -1,6 +1,6 @@
 """Models laid out on a device mesh by hand: partly sharded models, `Explicit` and
 `Auto` meshes, leaves on other devices, reports with a PRNG key. (Spec spellings:
-`test_mesh_matrix.py`.)"""
+`test_meshes_train_as_one_device.py`.)"""
 
 import functools
 

@@ -177,7 +177,7 @@ def test_the_line_saving_a_value_is_the_users_not_a_type_checkers():
 
     for fn, where in [
         (typed["loss"], "<stdin>:2 (loss)"),
-        (f, f"test_residuals.py:{f.__code__.co_firstlineno + 1} (f)"),
+        (f, f"test_residual_placement.py:{f.__code__.co_firstlineno + 1} (f)"),
     ]:
         (saved,) = [r for r in saved_residuals(fn, jnp.ones(3)) if r.source == "sin"]
         assert saved.where == where

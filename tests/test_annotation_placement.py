@@ -1,3 +1,8 @@
+"""`eo.field(memory_kind=...)` annotations and `eo.place`: which memory kind each leaf
+gets (annotation, policy pattern, default, in that order), sharding and values kept,
+abstract trees placed without allocating, inside `jit` too; and the mistakes, with
+the leaf named."""
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
