@@ -31,9 +31,9 @@ import compile_matrix as cm  # noqa: E402
 # Elsewhere: leaves outside any `Stacked` streamed in blocks of rows
 # (`test_the_default_update_streams_on_a_tpu`), `none`, `remat` and
 # `offload_residuals` (tests/test_step_time.py), `offload_all` on every TPU
-# generation (tests/test_report.py). `_tiling.PIECE_BYTES` is patched down, so that
-# small layers take the path of large ones. The full matrices, and the cases these
-# tests compiled before, are in docs/benchmarks/tpu-compile.md.
+# generation (tests/test_memory_report.py). `_tiling.PIECE_BYTES` is patched down,
+# so that small layers take the path of large ones. The full matrices, and the cases
+# these tests compiled before, are in docs/benchmarks/tpu-compile.md.
 SHARE = [
     ("gpt", "bf16-compute", 96, "offload_all", 2),
     ("mlp", "bfloat16", 200, "host params", 1),
@@ -145,7 +145,9 @@ def test_host_remat_lets_the_tpu_compiler_keep_what_it_recomputes_on_the_host():
     `Policy(host_remat=True)` it keeps some on the host instead (host temporaries,
     at an odd width), and the step time prices their copies. On the CPU the step
     refuses the option."""
-    width, rows = 1000, 360_000  # 12 activations of 1.34 GiB: over 15.75 GiB
+    # 12 activations of 1.34 GiB: over 15.75 GiB. (Narrow and tall: at width 1000
+    # and 360,000 rows, the same bytes, the compiler takes three times as long.)
+    width, rows = 100, 3_600_000
 
     def loss(model, x):
         return jnp.mean(model(x))
