@@ -31,34 +31,49 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(nproc: int, outdir: str) -> list[tuple[dict, dict]]:
+def _start(nproc: int, outdir: str) -> list[tuple[subprocess.Popen, str]]:
+    """The processes of a run, each writing its output to a file in `outdir` (not
+    a pipe: nothing reads it until they end)."""
     port = str(_free_port())
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.multiprocess_worker"]
-            + [str(nproc), str(i), port, outdir],
-            cwd=ROOT,  # `from .helpers` works
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(nproc)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=180)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:  # one failed and the other waits for it: stop it
-                p.kill()
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-3000:]
-    results = []
+    os.makedirs(outdir, exist_ok=True)
+    started = []
     for i in range(nproc):
-        with open(os.path.join(outdir, f"result_{nproc}_{i}.json")) as f:
+        log = os.path.join(outdir, f"output_{i}.txt")
+        with open(log, "w") as f:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "tests.multiprocess_worker"]
+                + [str(nproc), str(i), port, outdir],
+                cwd=ROOT,  # `from .helpers` works
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+            )
+        started.append((process, log))
+    return started
+
+
+def _stop(started: list[tuple[subprocess.Popen, str]]) -> None:
+    for p, _ in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def _results(
+    started: list[tuple[subprocess.Popen, str]], outdir: str
+) -> list[tuple[dict, dict]]:
+    try:
+        for p, _ in started:
+            p.wait(timeout=180)
+    finally:
+        _stop(started)  # one failed and the other waits for it: stop it
+    for p, log in started:
+        with open(log) as f:
+            assert p.returncode == 0, f.read()[-3000:]
+    results = []
+    for i in range(len(started)):
+        with open(os.path.join(outdir, f"result_{len(started)}_{i}.json")) as f:
             result = json.load(f)
         arrays = {
             what: {path: np.asarray(x, np.float32) for path, x in tree.items()}
@@ -69,9 +84,15 @@ def _run(nproc: int, outdir: str) -> list[tuple[dict, dict]]:
 
 
 def test_two_processes_train_and_resume_like_one(tmp_path):
-    # The reference in this process, on 4 of its devices: no process to start.
-    one, reference = worker.main(worker.Run.of(1, 0), str(tmp_path / "one"))
-    two = _run(2, str(tmp_path / "two"))
+    # The two processes start first; the reference runs in this process, on 4 of
+    # its devices, while they start up.
+    started = _start(2, str(tmp_path / "two"))
+    try:
+        one, reference = worker.main(worker.Run.of(1, 0), str(tmp_path / "one"))
+    except BaseException:
+        _stop(started)
+        raise
+    two = _results(started, str(tmp_path / "two"))
     start = reference["start"]
     for result, arrays in two:
         assert_close(result["losses"], one["losses"])

@@ -3,7 +3,6 @@ when it fits, `DoesNotFit` when nothing does; and the chosen step trains as the
 plain one does."""
 
 import json
-import os
 import pickle
 import re
 import subprocess
@@ -93,11 +92,6 @@ def _abstract():
 
 
 def _loss(model, x, y):
-    """The squared error, but in a child process of a test that sets
-    `EQX_OFFLOAD_TEST_PARENT` it aborts the process (as libtpu did)."""
-    parent = os.environ.get("EQX_OFFLOAD_TEST_PARENT")
-    if parent is not None and parent != str(os.getpid()):
-        os.abort()
     return jnp.mean((jax.vmap(model)(x) - y) ** 2)
 
 
@@ -352,15 +346,35 @@ def test_the_progress_bar_counts_the_candidates_to_compile(tight, monkeypatch):
     assert shown[-1] == ("closed", p.compiled, p.compiled)
 
 
+# A child process that ends as libtpu's failed checks end it: a line on stderr,
+# then SIGABRT.
+_ABORT = (
+    "import os, sys; "
+    "sys.stderr.write('F0000 compiler.cc:1] Check failed: the child aborts\\n'); "
+    "sys.stderr.flush(); os.abort()"
+)
+
+
 def test_nothing_fits_names_the_smallest_footprint_and_the_budget(monkeypatch):
     """Where nothing fits on a TPU, the best candidate is compiled again with the
-    compiler's own remat to host, in a child process; here the loss aborts that
-    process (as libtpu did), which is a row of the table, not the end of the plan."""
+    compiler's own remat to host, in a child process; here that process fails a
+    check and aborts (as libtpu did), which is a row of the table, not the end of
+    the plan. (The child is a bare Python that aborts at once, not the compile's:
+    `test_a_candidate_compiled_in_a_child_process_reports_as_here` runs that.)"""
     monkeypatch.setattr(_search, "SINGLES", 1)
     monkeypatch.setattr(_search, "IMPROVE_COMPILES", 0)
-    monkeypatch.setenv("EQX_OFFLOAD_TEST_PARENT", str(os.getpid()))
+    children = []
+    run = subprocess.run
+
+    def aborting(command, **kwargs):
+        children.append(command)
+        return run([sys.executable, "-c", _ABORT], **kwargs)
+
+    monkeypatch.setattr(_compile.subprocess, "run", aborting)
     with pytest.raises(eo.DoesNotFit, match="over the device budget") as e:
         _v5e_plan(device_budget=MIB)
+    (child,) = children
+    assert child[:3] == [sys.executable, "-m", _compile.__name__]
     assert e.value.available_bytes == MIB
     assert e.value.required_bytes is not None and e.value.required_bytes > MIB
     assert "smallest device footprint found" in str(e.value)
@@ -370,6 +384,7 @@ def test_nothing_fits_names_the_smallest_footprint_and_the_budget(monkeypatch):
     assert [r.policy.host_remat for r in rows[:6]] == [False] * 5 + [True]
     assert rows[5].label.endswith("compiler remat to host")
     assert rows[5].status.startswith("compiler crashed: ")
+    assert rows[5].status.endswith("Check failed: the child aborts")
     assert all(r.status != "chosen" and r.fits is not True for r in rows)
 
 
