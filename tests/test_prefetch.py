@@ -242,26 +242,105 @@ def test_bad_prefetch_is_named():
 GPU_OPTIONS = {"xla_gpu_experimental_parallel_async_compute_limit": 16}
 
 
+class _TwoMatmuls(eqx.Module):
+    """A residual layer of two bare matrices: `x + tanh(tanh(x @ w1) @ w2)`."""
+
+    w1: jax.Array
+    w2: jax.Array
+
+    def __call__(self, x):
+        return x + jnp.tanh(jnp.tanh(x @ self.w1) @ self.w2)
+
+
+class _BareLM(eqx.Module):
+    """`_TwoMatmuls` layers between bare tables: `blocks(embed[tokens]) @ head.T`.
+    No LayerNorm, no bias: few kernels, quick to compile for a GPU."""
+
+    embed: jax.Array
+    blocks: eo.Stacked[_TwoMatmuls]
+    head: jax.Array
+
+    def __call__(self, tokens):
+        return self.blocks(self.embed[tokens]) @ self.head.T
+
+
+def _gpu_loop_orders(width: int, depth: int, policy: eo.Policy) -> dict[str, str]:
+    """The Adam step of a bfloat16 `_BareLM` (vocabulary 256, `depth` layers of
+    `width`) under `policy`, compiled for an H100 with `GPU_OPTIONS`: the order of
+    each loop body with a host read (`prefetch_schedule`'s letters)."""
+
+    def make(key):
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        normal = functools.partial(jax.random.normal, dtype=jnp.bfloat16)
+        layers = _TwoMatmuls(
+            normal(k2, (depth, width, width)), normal(k3, (depth, width, width))
+        )
+        return _BareLM(
+            normal(k1, (256, width)), eo.Stacked(layers), normal(k4, (256, width))
+        )
+
+    model = eo.place(eqx.filter_eval_shape(make, jax.random.key(0)), policy)
+    optimizer = optax.adam(1e-3)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+
+    def loss(model, tokens, targets):
+        logits = jax.vmap(model)(tokens).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    step = eo.train_step(loss, optimizer, policy)
+    tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    texts: list[str] = []
+    with prefetch_schedule.compiler_options(GPU_OPTIONS, texts):
+        eo.memory_report(step, model, opt_state, tokens, tokens, target="gpu-h100")
+    module = eoi.compiler.parse_hlo(texts[-1])
+    orders = {
+        name: eoi.hlo_program.order(events)
+        for name, events in eoi.hlo_program.loop_schedules(module).items()
+    }
+    return {k: o for k, o in orders.items() if "S" in o}
+
+
 def test_every_layer_read_overlaps_a_matmul_on_gpu():
-    """The `offload_all` step of a 4-layer GPT of width 256 with `prefetch=1` and
-    `update_timing="next_forward"`, compiled for an H100 with `GPU_OPTIONS`: in
-    each loop body, every host read (`S` ... `D`) has a matmul (`g`) between its
-    start and its done. The forward body reads the next layer's weights,
-    gradients and optimizer state (and writes this layer's update back); the
-    backward body reads the previous layer."""
+    """The `offload_all` Adam step of a 3-layer model of width 128 (two matmuls a
+    layer) with `prefetch=1` and `update_timing="next_forward"`, compiled for an
+    H100 with `GPU_OPTIONS`: in each loop body, every host read (`S` ... `D`) has
+    a matmul (`g`) between its start and its done. The forward body reads the
+    next layer's weights, gradients and optimizer state (and writes this layer's
+    update back); the backward body reads the previous layer. (A model with
+    LayerNorms and biases, the `gpt` of `benchmarks/prefetch_schedule.py`, is
+    scheduled the same way and takes twice as long to compile.) Under
+    `next_forward` the scan that applies the pending update prefetches whatever
+    `prefetch` says: the plain scan's control is the test below."""
+    policy = eo.Policy.offload_all(prefetch=1, update_timing="next_forward")
     with prefetching_scans() as scans:
-        _, orders = prefetch_schedule.schedules(
-            "gpt", 256, 4, "gpu-h100", 1, "offload_all", GPU_OPTIONS,
-            update_timing="next_forward",
-        )  # fmt: skip
+        orders = _gpu_loop_orders(128, 3, policy)
     assert scans and any(scans), "the plain scan ran"
     bodies = {k: o for k, o in orders.items() if "g" in o}
     assert len(bodies) == 2, orders  # the forward and backward scans
     forward = [o for o in bodies.values() if o.count("s") > 3]
     assert len(forward) == 1, bodies  # the forward scan writes the update back
-    assert forward[0].count("S") >= 8, forward  # weights, gradients, moments
+    # Two weights, their gradients and their two moments: at least 8 reads.
+    assert forward[0].count("S") >= 8, forward
     for name, order in bodies.items():
         assert _exposed_reads(order) == 0, (name, order)
+
+
+def test_on_gpu_prefetching_hides_the_reads_the_plain_scan_exposes():
+    """The same model's `offload_all` step with the update now, compiled for an
+    H100 with `GPU_OPTIONS`: with `prefetch=1` the prefetching scans run and every
+    host read in the forward and backward bodies has a matmul between its start
+    and its done; with `prefetch=0` (the plain scan, the negative control) a read
+    in each body waits with nothing to hide it."""
+    exposed = {}
+    for prefetch in (1, 0):
+        with prefetching_scans() as scans:
+            orders = _gpu_loop_orders(128, 3, eo.Policy.offload_all(prefetch=prefetch))
+        assert bool(scans) == bool(prefetch), "the other scan ran"
+        bodies = {k: o for k, o in orders.items() if "g" in o}
+        assert len(bodies) == 2, orders  # the forward and backward scans
+        exposed[prefetch] = {k: _exposed_reads(o) for k, o in bodies.items()}
+    assert all(n == 0 for n in exposed[1].values()), exposed
+    assert all(n > 0 for n in exposed[0].values()), exposed
 
 
 def _exposed_reads(order: str) -> int:

@@ -398,8 +398,8 @@ def test_a_batch_that_does_not_split_into_micro_batches_is_named(getkey):
 
 
 def test_fsdp_steps_are_verified():
-    """FSDP over 8 devices, in bfloat16 and two micro-batches. The two examples
-    kept by default are rounded up to 16: two micro-batches of one example per
+    """FSDP over 2 devices, in bfloat16 and two micro-batches. The two examples
+    kept by default are rounded up to 4: two micro-batches of one example per
     device. (Summed over the devices in bfloat16, in another order than the
     reference's: not exactly the reference's gradients, but within bfloat16's
     tolerance.)"""
@@ -409,15 +409,17 @@ def test_fsdp_steps_are_verified():
         compute_dtype=jnp.bfloat16,
         update="whole",
     )
-    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
+    mesh = jax.make_mesh(
+        (2,), ("fsdp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2]
+    )
     optimizer = optax.sgd(0.1)
     model = eo.place(Net(key=jax.random.key(0)), policy, mesh=mesh)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     assert "fsdp" in model.blocks.layers.layers[0].weight.sharding.spec
-    tokens, targets = next(batches(batch=32))
+    tokens, targets = next(batches(batch=8))
     step = eo.train_step(cross_entropy, optimizer, policy, microbatches=2)
     report = eo.verify(step, model, opt_state, tokens, targets)
-    assert report.passed and (report.whole_batch, report.examples) == (False, 16)
+    assert report.passed and (report.whole_batch, report.examples) == (False, 4)
 
 
 def test_unsplit_arguments_are_not_cut():
