@@ -88,7 +88,7 @@ def compute_loss(params: dict[str, Array], inputs: Array):
 def experiments(tiny: bool) -> list[tuple[str, str, Callable, tuple]]:
     """(experiment, version, step, arguments): all compiled from shapes only. The
     version's first word is its label in the picture."""
-    layers, width, hidden, dim = (2, 128, 256, 256) if tiny else (10, 256, 1024, 7168)
+    layers, width, hidden, dim = (2, 128, 256, 64) if tiny else (10, 256, 1024, 7168)
     x = jax.ShapeDtypeStruct((width, width), jnp.float32)
     stacked = abstract_layers(layers, width, hidden)
     rows: list[tuple[str, str, Callable, tuple]] = []

@@ -16,6 +16,13 @@ from .numerics import assert_close, excess
 
 
 ROOT = Path(__file__).parent.parent
+# The quickstart's GPT at one small size for `sharded.py`, `bf16_microbatches.py`
+# and `plan.py` (and `char_gpt.py`'s blocks), so that in this process its eager
+# initialisation compiles once, and the bf16 example's fp32 step is the sharded
+# example's one-device step, read back from the compilation cache. One block, dim 32
+# and a batch of 8 also keep the TPU compiles (a 2x4 slice, one chip) small: a
+# slice's compile time grows with the depth, a chip's with the batch.
+GPT_SIZE = ("--dim", "32", "--depth", "1", "--seq", "16")
 
 
 @pytest.fixture
@@ -68,10 +75,12 @@ def test_own_step_matches_train_step(tmp_path, run_example):
     """`examples/own_step.py`: a hand-written step with `eo.optimizer_update`
     computes the losses `eo.train_step` does, bit for bit (the same loss and update,
     traced alike), and needs the same memory on a TPU v5e chip (but for 31.5 KiB
-    of its own)."""
+    of its own). Two blocks, so that the update streams them one at a time; dim
+    192, where those 31.5 KiB are device bytes, under 0.5% of them (at dim 128 they
+    are host bytes); at dim 256 the TPU compiles take longer."""
     out, _ = run_example(
         "own_step.py",
-        *("--steps", "2", "--dim", "256", "--depth", "2", "--target", "tpu-v5e"),
+        *("--steps", "2", "--dim", "192", "--depth", "2", "--target", "tpu-v5e"),
         *("--plot", str(tmp_path / "memory.png")),
     )
     assert "largest difference between their losses: 0.00e+00" in out
@@ -90,9 +99,8 @@ def test_char_gpt_trains_samples_and_resumes(tmp_path, run_example):
     for a TPU are checked with `own_step.py`, `sharded.py` and
     `bf16_microbatches.py`.)"""
     tiny = [
-        *("--dim", "32", "--depth", "2", "--seq", "32", "--batch", "4"),
-        *("--eval-batches", "1", "--sample", "20", "--save-every", "3"),
-        *("--target", "none"),
+        *(*GPT_SIZE, "--batch", "4", "--eval-batches", "1", "--sample", "20"),
+        *("--save-every", "3", "--target", "none"),
     ]
     out, _ = run_example("char_gpt.py", *tiny, "--steps", "6")
     assert "compiled for this CPU backend" in out and "blocks.input" in out
@@ -138,7 +146,8 @@ def test_sharded_run_matches_one_device(tmp_path, run_example):
     up to float32 rounding, and the next step's loss is far from them (later
     steps, after AdamW updates, are not compared: `tests/numerics.py`)."""
     out, (losses, expected) = run_example(
-        "sharded.py", *("--steps", "2", "--dim", "64", "--depth", "1", "--seq", "16")
+        "sharded.py",
+        *("--steps", "2", *GPT_SIZE, "--batch", "8"),
     )
     assert "mesh: {'fsdp': 8}" in out and "compiled for tpu-v5e:2x4" in out
     assert "largest difference between the two runs' losses" in out
@@ -154,8 +163,8 @@ def test_bf16_microbatches_run(run_example):
     moves on a TPU and a GPU.)"""
     out, _ = run_example(
         "bf16_microbatches.py",
-        *("--steps", "1", "--dim", "64", "--depth", "2", "--seq", "16"),
-        *("--batch", "8", "--microbatches", "2", "--target", "none"),
+        *("--steps", "1", *GPT_SIZE, "--batch", "8"),
+        *("--microbatches", "2", "--target", "none"),
     )
     assert "bf16, 2 micro-batches" in out
     assert "masters: float32 on pinned_host" in out
@@ -166,7 +175,8 @@ def test_plan_example_plans_and_trains_as_the_plain_step(run_example):
     is `Policy.none()`, and its first loss is the plain step's (the same weights
     and batch), far from its loss after one update."""
     out, (losses, plain_loss) = run_example(
-        "plan.py", *("--steps", "2", "--dim", "32", "--device-budget", "1GiB")
+        "plan.py",
+        *("--steps", "2", *GPT_SIZE, "--batch", "8", "--device-budget", "1GiB"),
     )
     assert "Plan on tpu-v5e: no remat, all on device: Policy.none() (1 compiled" in out
     assert_close(losses[0], plain_loss)
