@@ -64,16 +64,25 @@ def _ready(policy: eo.Policy):
     return model, opt_state
 
 
+# A compute dtype (the cut `PendingUpdate` holds the compute copies) and two
+# micro-batches: what `verify` checks, and (the same compiled programs) its
+# negative control.
+COMPUTE_COPIES = eo.Policy.offload_all(
+    update_timing="next_forward", compute_dtype=jnp.bfloat16
+)
+
+
+def _verify_compute_copies() -> eo.VerifyReport:
+    model, opt_state = _start(COMPUTE_COPIES)
+    tokens, targets = next(batches(batch=4))
+    return eo.verify(step(COMPUTE_COPIES, 2), model, opt_state, tokens, targets)
+
+
 def test_verify_checks_compute_copies_and_micro_batches():
     """`"next_forward"`'s step, its pending update applied, against the whole
-    update now (a fresh state: nothing pending), under a compute dtype (the cut
-    `PendingUpdate` holds the compute copies) with two micro-batches."""
-    policy = eo.Policy.offload_all(
-        update_timing="next_forward", compute_dtype=jnp.bfloat16
-    )
-    model, opt_state = _start(policy)
-    tokens, targets = next(batches(batch=4))
-    report = eo.verify(step(policy, 2), model, opt_state, tokens, targets)
+    update now (a fresh state: nothing pending), under a compute dtype with two
+    micro-batches."""
+    report = _verify_compute_copies()
     assert report.update is not None and report.passed
 
 
@@ -82,9 +91,8 @@ def test_verify_finds_a_pending_update_left_unapplied(monkeypatch):
     layers are one update behind the whole one's, and `verify` says so."""
 
     monkeypatch.setattr(eoi.verify, "apply_pending", lambda m, s, o, p: (m, s))
-    model, opt_state = _start(NEXT_FORWARD)
     with pytest.raises(eo.DoesNotMatch, match="after the streamed update"):
-        eo.verify(step(NEXT_FORWARD), model, opt_state, *next(batches()))
+        _verify_compute_copies()
 
 
 def test_verify_and_save_refuse_a_pending_update(tmp_path):
