@@ -1,9 +1,9 @@
 """The private parts of JAX and Equinox that eqx_offload relies on, in one place.
 
 Checked against jax 0.10.2, jaxlib 0.10.2 (libtpu 0.0.42.1) and equinox 0.13.8:
-`tests/test_private_jax_api.py` fails, rather than letting a fallback hide it, when one of
-them stops working. The compiler's text (HLO, StableHLO, error messages) is read
-in `_compiler.py`.
+`tests/test_private_jax_api.py` fails, rather than letting a fallback hide it, when
+one of them stops working. The compiler's text (HLO, StableHLO, error messages) is
+read in `_compiler.py`.
 """
 
 from collections.abc import Callable, Iterator
