@@ -151,6 +151,24 @@ class TableLM(eqx.Module):
         return self.blocks(self.embed[tokens]) @ self.head.T
 
 
+def table_lm(
+    key: PRNGKeyArray, vocab: int = 32, dim: int = 16, depth: int = 4
+) -> TableLM:
+    """A `TableLM`: `depth` stacked `TanhBlock`s of width `dim` between tables of
+    `vocab` rows. The embedding is N(0, 1); the layers' weights and the head are
+    N(0, 1/dim), so activations and logits stay of order one. Quick to trace and to
+    compile (no LayerNorm, no bias): the model of the tests not about a model's
+    parts. `eqx.filter_eval_shape(table_lm, key, ...)` gives it abstract."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    scale = dim**-0.5
+    blocks = eo.Stacked(TanhBlock(jax.random.normal(k2, (depth, dim, dim)) * scale))
+    return TableLM(
+        jax.random.normal(k1, (vocab, dim)),
+        blocks,
+        jax.random.normal(k3, (vocab, dim)) * scale,
+    )
+
+
 class Outer(eqx.Module):
     """A layer that holds a `Stacked` (field `inner`): a stack of stacks."""
 

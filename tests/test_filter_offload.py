@@ -25,8 +25,7 @@ from .helpers import (
     Model,
     Outer,
     primitive_names,
-    TableLM,
-    TanhBlock,
+    table_lm,
 )
 from .numerics import assert_close, BF16_COMPUTE, excess, scaled
 
@@ -40,16 +39,6 @@ def assert_same_values(ours, reference):
 
 def params(model):
     return model.embed, model.blocks, model.head
-
-
-def table_lm(key) -> TableLM:
-    """Bare tables around two stacked `TanhBlock`s, for the tests not about the
-    model's parts (it traces and compiles faster than `Model`)."""
-    k1, k2, k3 = jax.random.split(key, 3)
-    blocks = eo.Stacked(TanhBlock(jax.random.normal(k2, (2, 8, 8)) / 4))
-    return TableLM(
-        jax.random.normal(k1, (32, 8)), blocks, jax.random.normal(k3, (32, 8)) / 4
-    )
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +103,7 @@ def checkpointed_bodies(jaxpr):
 
 
 def test_carry_is_named_first_inside_the_checkpointed_body(getkey):
-    model = table_lm(getkey())
+    model = table_lm(getkey(), dim=8, depth=2)
     tokens, targets = next(batches())
     fn = eo.filter_offload(cross_entropy, eo.Policy.offload_residuals())
     # The forward function: under `grad`, partial evaluation consumes the checkpoint.
@@ -452,7 +441,7 @@ def test_checkpoint_around_the_model_is_fine(plain):
 
 
 def test_casting_the_model_inside_the_function(getkey):
-    model, batch = table_lm(getkey()), next(batches())
+    model, batch = table_lm(getkey(), dim=8, depth=2), next(batches())
 
     def loss(model, tokens, targets):
         model = jax.tree.map(

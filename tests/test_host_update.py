@@ -25,8 +25,8 @@ from .helpers import (
     batches,
     cross_entropy,
     memory_kind,
+    table_lm,
     TableLM,
-    TanhBlock,
 )
 from .numerics import (
     assert_close,
@@ -50,13 +50,8 @@ def host_policy(**fields: Any) -> eo.Policy:
     return eo.Policy(**(defaults | fields))
 
 
-def lm() -> TableLM:
-    """A small language model: bare tables around four stacked `TanhBlock`s."""
-    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    blocks = eo.Stacked(TanhBlock(jax.random.normal(k2, (4, 16, 16)) / 4))
-    return TableLM(
-        jax.random.normal(k1, (32, 16)), blocks, jax.random.normal(k3, (32, 16)) / 4
-    )
+# A small language model: four stacked `TanhBlock`s of width 16.
+lm = functools.partial(table_lm, jax.random.key(0))
 
 
 def kinds(tree) -> dict[str, str]:
@@ -446,20 +441,10 @@ def host_and_device_ops(text: str) -> tuple[list, list]:
     return host, device
 
 
-def table_lm(width: int) -> TableLM:
+def abstract_lm(width: int) -> TableLM:
     """`compile_matrix.py`'s `gpt` without its kernels (`TableLM`: no LayerNorm, no
     bias; GPU compile time grows with the kernels): abstract, its vocabulary's."""
-
-    def make():
-        k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-        blocks = eo.Stacked(TanhBlock(jax.random.normal(k2, (2, width, width))))
-        return TableLM(
-            jax.random.normal(k1, (cm.VOCAB, width)),
-            blocks,
-            jax.random.normal(k3, (cm.VOCAB, width)),
-        )
-
-    return eqx.filter_eval_shape(make)
+    return eqx.filter_eval_shape(table_lm, jax.random.key(0), cm.VOCAB, width, 2)
 
 
 # A share of `benchmarks/compile_matrix.py`'s matrix (every width, dtype and
@@ -472,7 +457,7 @@ def table_lm(width: int) -> TableLM:
     [("tpu-v5e", 200, 2, "bf16-compute"), ("gpu-h100", 96, 1, "float32")],
 )
 def test_compiled_update_runs_on_the_host(target, width, microbatches, dtype):
-    model, loss = table_lm(width), cm.token_loss
+    model, loss = abstract_lm(width), cm.token_loss
     tokens = jax.ShapeDtypeStruct((cm.BATCH * microbatches, cm.SEQ), jnp.int32)
     batch = (tokens, tokens)
     extra = {"compute_dtype": jnp.bfloat16} if dtype == "bf16-compute" else {}

@@ -22,20 +22,18 @@ import eqx_offload as eo
 import eqx_offload.internal as eoi
 from eqx_offload.internal import device_advice, mesh_shardings
 
-from .helpers import batches, cross_entropy, ProjectedStack, TableLM, TanhBlock
+from .helpers import (
+    batches,
+    cross_entropy,
+    ProjectedStack,
+    table_lm,
+    TableLM,
+    TanhBlock,
+)
 
 
 def to_host(x):
     return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
-
-
-def table_lm(key, vocab=32, dim=16, depth=4) -> TableLM:
-    """A language model of bare matrices (vocabulary 32, width 16, 4 layers): the
-    test model's shapes, quicker to compile than its attention and LayerNorms."""
-    k1, k2, k3 = jax.random.split(key, 3)
-    layers = TanhBlock(jax.random.normal(k2, (depth, dim, dim)) / dim**0.5)
-    embed = jax.random.normal(k1, (vocab, dim))
-    return TableLM(embed, eo.Stacked(layers), jax.random.normal(k3, (vocab, dim)))
 
 
 def make_step(policy, optimizer=None, loss=cross_entropy):

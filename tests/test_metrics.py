@@ -10,16 +10,8 @@ import pytest
 
 import eqx_offload as eo
 
-from .helpers import batches, cross_entropy, TableLM, TanhBlock
+from .helpers import batches, cross_entropy, table_lm
 from .numerics import assert_close, excess
-
-
-def lm(key, vocab: int = 32, dim: int = 16) -> TableLM:
-    """A small language model: bare tables around four stacked `TanhBlock`s."""
-    k1, k2, k3 = jax.random.split(key, 3)
-    blocks = eo.Stacked(TanhBlock(jax.random.normal(k2, (4, dim, dim)) / 4))
-    embed = jax.random.normal(k1, (vocab, dim))
-    return TableLM(embed, blocks, jax.random.normal(k3, (vocab, dim)) / 4)
 
 
 def norms(grads, updates, new) -> dict:
@@ -69,12 +61,12 @@ def test_norms_equal_plain_optax(getkey, update, microbatches):
         loss = cross_entropy(model, tokens, targets)
         return loss, {"loss": loss}
 
-    params = lm(key)
+    params = table_lm(key)
     grads = eqx.filter_grad(cross_entropy)(params, *batch)
     state = SGD.init(eqx.filter(params, eqx.is_inexact_array))
     _, _, expected, dropped = reference(SGD, grads, state, params)
     policy = eo.Policy.offload_all(update=update)
-    model = eo.place(lm(key), policy)
+    model = eo.place(table_lm(key), policy)
     opt_state = eo.init_opt_state(SGD, model, policy)
     step = eo.train_step(
         loss_fn, SGD, policy, has_aux=True, microbatches=microbatches, metrics=True
@@ -85,7 +77,7 @@ def test_norms_equal_plain_optax(getkey, update, microbatches):
     assert {x.dtype for x in metrics.values()} == {jnp.dtype(jnp.float32)}
     assert aux["loss"].shape == ((2,) if microbatches == 2 else ())
     assert_close(metrics, expected)
-    assert_close(loss, cross_entropy(lm(key), *batch))
+    assert_close(loss, cross_entropy(table_lm(key), *batch))
     for name in expected:
         assert excess(metrics[name], dropped[name]) > 10, name
 
@@ -107,7 +99,7 @@ def test_own_step_with_optimizer_update(getkey):
         )
         return grads, model, opt_state, metrics
 
-    model = eo.place(lm(key), policy)
+    model = eo.place(table_lm(key), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     data = batches(batch=4)
     _, model, opt_state, _ = step(next(data), model, opt_state)
@@ -145,7 +137,7 @@ def test_one_return_shape_whatever_the_flags(getkey):
     `(model, opt_state, metrics)`, `metrics` `None` without `metrics=True`."""
     optimizer = optax.sgd(0.1)
     policy = eo.Policy.offload_all()
-    model = eo.place(lm(getkey()), policy)
+    model = eo.place(table_lm(getkey()), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     batch = next(batches(batch=4))
     step = eo.train_step(cross_entropy, optimizer, policy)
@@ -170,7 +162,7 @@ def test_streamed_on_tpu_without_more_traffic(dim):
     `docs/benchmarks/microbatches-bf16-metrics.md`.)"""
     optimizer = optax.adamw(1e-3)
     policy = eo.Policy.offload_all()
-    abstract = eqx.filter_eval_shape(lm, jax.random.key(0), 64, dim)
+    abstract = eqx.filter_eval_shape(table_lm, jax.random.key(0), 64, dim)
     model = eo.place(abstract, policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     tokens = jax.ShapeDtypeStruct((4, 64), jnp.int32)

@@ -17,8 +17,7 @@ from .helpers import (
     cross_entropy,
     memory_kind,
     Model,
-    TableLM,
-    TanhBlock,
+    table_lm,
 )
 from .numerics import assert_close, excess, scaled, TRAINED
 
@@ -272,14 +271,7 @@ def test_compiles_for_tpu_at_small_and_odd_widths():
     optimizer = _momentum()  # its state (the trace) is the parameters' size
     vocab, dim, depth = 64, 72, 2
 
-    def table_lm():
-        return TableLM(
-            jnp.zeros((vocab, dim)),
-            eo.Stacked(TanhBlock(jnp.zeros((depth, dim, dim)))),
-            jnp.zeros((vocab, dim)),
-        )
-
-    abstract = eqx.filter_eval_shape(table_lm)
+    abstract = eqx.filter_eval_shape(table_lm, jax.random.key(0), vocab, dim, depth)
     tokens = jax.ShapeDtypeStruct((4, 8), jnp.int32)
     policy = eo.Policy.offload_all()
     model = eo.place(abstract, policy)

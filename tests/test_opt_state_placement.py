@@ -19,26 +19,16 @@ from .helpers import (
     memory_kind,
     Model,
     same_place,
-    TableLM,
-    TanhBlock,
+    table_lm,
 )
 from .numerics import assert_close, excess
-
-
-def lm(key) -> TableLM:
-    """A small language model: bare tables around four stacked `TanhBlock`s."""
-    k1, k2, k3 = jax.random.split(key, 3)
-    blocks = eo.Stacked(TanhBlock(jax.random.normal(k2, (4, 16, 16)) / 4))
-    return TableLM(
-        jax.random.normal(k1, (32, 16)), blocks, jax.random.normal(k3, (32, 16)) / 4
-    )
 
 
 @pytest.mark.parametrize("kind", ["device", "pinned_host"])
 def test_parameter_shaped_state_goes_where_the_policy_says(kind, getkey):
     policy = eo.Policy(params="pinned_host", opt_state=kind)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
-    model = eo.place(lm(getkey()), policy)
+    model = eo.place(table_lm(getkey()), policy)
     state = eo.init_opt_state(optimizer, model, policy)
     adam = state[1][0]
     for tree in (adam.mu, adam.nu):
@@ -46,7 +36,7 @@ def test_parameter_shaped_state_goes_where_the_policy_says(kind, getkey):
         assert leaves and {memory_kind(x) for x in leaves} == {kind}
     assert memory_kind(adam.count) == "device"
     # The values are optax's own.
-    expected = optimizer.init(eqx.filter(lm(getkey()), eqx.is_inexact_array))
+    expected = optimizer.init(eqx.filter(table_lm(getkey()), eqx.is_inexact_array))
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -54,7 +44,7 @@ def test_parameter_shaped_state_goes_where_the_policy_says(kind, getkey):
 def test_state_keeps_each_parameters_sharding(getkey):
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     sharding = jax.sharding.NamedSharding(mesh, jax.P(None, "x"))
-    model = lm(getkey())
+    model = table_lm(getkey())
     model = eqx.tree_at(
         lambda m: m.blocks.layers.weight,
         model,
@@ -73,7 +63,7 @@ def test_a_factored_moment_is_not_given_its_parameters_sharding(getkey):
     sharding = jax.sharding.NamedSharding(mesh, jax.P("x", None))
     model = eqx.tree_at(
         lambda m: m.embed,
-        lm(getkey()),
+        table_lm(getkey()),
         replace_fn=lambda w: jax.device_put(w, sharding),
     )
     policy = eo.Policy.remat(opt_state="pinned_host")
@@ -88,11 +78,13 @@ def test_a_factored_moment_is_not_given_its_parameters_sharding(getkey):
 def test_abstract_model_gives_abstract_state(getkey):
     policy = eo.Policy.offload_all()
     optimizer = optax.adam(1e-3)
-    abstract = eo.place(eqx.filter_eval_shape(lm, getkey()), policy)
+    abstract = eo.place(eqx.filter_eval_shape(table_lm, getkey()), policy)
     state = eo.init_opt_state(optimizer, abstract, policy)
     leaves = jax.tree.leaves(state)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
-    concrete = eo.init_opt_state(optimizer, eo.place(lm(getkey()), policy), policy)
+    concrete = eo.init_opt_state(
+        optimizer, eo.place(table_lm(getkey()), policy), policy
+    )
     for a, c in zip(leaves, jax.tree.leaves(concrete), strict=True):
         assert same_place(a, c)
 
@@ -105,7 +97,7 @@ def test_kind_missing_on_backend(monkeypatch, getkey):
     ):
         eo.init_opt_state(
             optax.adam(1e-3),
-            lm(getkey()),
+            table_lm(getkey()),
             eo.Policy.remat(opt_state="pinned_host"),
         )
 
@@ -113,7 +105,7 @@ def test_kind_missing_on_backend(monkeypatch, getkey):
 def test_opt_state_patterns_place_each_parameters_state(getkey):
     policy = eo.Policy.remat(opt_state={"blocks": "pinned_host"})
     optimizer = optax.adam(1e-3)
-    model = eo.place(lm(getkey()), policy)
+    model = eo.place(table_lm(getkey()), policy)
     state = eo.init_opt_state(optimizer, model, policy)
     mu = state[0].mu
     assert {x.sharding.memory_kind for x in jax.tree.leaves(mu.blocks)} == {
@@ -154,7 +146,7 @@ def test_state_parts_put_adams_moments_apart_and_update_as_optax(getkey):
     def gradients():
         return jax.tree.map(lambda x: jax.random.normal(getkey(), x.shape), params)
 
-    model = eo.place(lm(getkey()), policy)
+    model = eo.place(table_lm(getkey()), policy)
     params = eqx.filter(model, eqx.is_inexact_array)
     state = eo.init_opt_state(optimizer, model, policy)
     model, state = ours(gradients(), state, model)
@@ -197,14 +189,14 @@ def test_state_parts_compile_for_a_tpu_at_an_odd_width(getkey):
 )
 def test_which_pattern_places_a_state_part(opt_state, mu, nu, getkey):
     policy = eo.Policy.remat(opt_state=opt_state)
-    state = eo.init_opt_state(optax.adam(1e-3), lm(getkey()), policy)
+    state = eo.init_opt_state(optax.adam(1e-3), table_lm(getkey()), policy)
     assert kinds_of(state[0].mu.head) == {mu}
     assert kinds_of(state[0].nu.head) == {nu}
     assert kinds_of(state[0].mu.blocks) == {"device"}
 
 
 def test_state_part_mistakes(getkey):
-    model = lm(getkey())
+    model = table_lm(getkey())
     with pytest.raises(ValueError, match=r"'vu:\*\*'.*part 'vu'.*'mu', 'nu'"):
         eo.init_opt_state(
             optax.adam(1e-3), model, eo.Policy(opt_state={"vu:**": "pinned_host"})

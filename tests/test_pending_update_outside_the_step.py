@@ -21,8 +21,7 @@ from .helpers import (
     batches,
     cross_entropy,
     memory_kind,
-    TableLM,
-    TanhBlock,
+    table_lm,
 )
 
 
@@ -32,17 +31,8 @@ NEXT_FORWARD = eo.Policy.offload_all(update_timing="next_forward")
 DELAYED = eo.Policy.offload_all(update_timing="delayed")
 
 
-def lm(key=jax.random.key(0)) -> TableLM:
-    k1, k2, k3 = jax.random.split(key, 3)
-    return TableLM(
-        jax.random.normal(k1, (VOCAB, DIM)),
-        eo.Stacked.from_fn(
-            lambda k: TanhBlock(jax.random.normal(k, (DIM, DIM)) / DIM**0.5),
-            DEPTH,
-            key=k2,
-        ),
-        jax.random.normal(k3, (VOCAB, DIM)) / DIM**0.5,
-    )
+# The model every test starts from.
+lm = functools.partial(table_lm, jax.random.key(0), VOCAB, DIM, DEPTH)
 
 
 @functools.cache

@@ -18,20 +18,10 @@ from .helpers import (
     MLPBlock,
     Model,
     StackedNet,
-    TableLM,
-    TanhBlock,
+    table_lm,
     unchecked,
 )
 from .numerics import assert_close, excess, TRAINED
-
-
-def lm(key) -> TableLM:
-    """A small language model: bare tables around four stacked `TanhBlock`s."""
-    k1, k2, k3 = jax.random.split(key, 3)
-    blocks = eo.Stacked(TanhBlock(jax.random.normal(k2, (4, 16, 16)) / 4))
-    return TableLM(
-        jax.random.normal(k1, (32, 16)), blocks, jax.random.normal(k3, (32, 16)) / 4
-    )
 
 
 # The optimizer changes only the arithmetic inside each piece; what the streaming
@@ -298,7 +288,7 @@ def test_an_update_that_changes_piece_by_piece_is_refused(transformation, why, g
     # ...and in a train step, with the way out.
     policy = eo.Policy.remat(opt_state="pinned_host")
     optimizer = optax.chain(transformation(), optax.adam(1e-3))
-    model = eo.place(lm(getkey()), policy)
+    model = eo.place(table_lm(getkey()), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(cross_entropy, optimizer, policy)
     with pytest.raises(ValueError, match=rf"cannot be streamed.*{why}.*update='whole'"):
@@ -366,7 +356,7 @@ def test_streamed_and_whole_updates_agree_in_a_train_step(monkeypatch, getkey):
     for update in ("streamed", "whole"):
         policy = eo.Policy.offload_all(update=update)
         optimizer = accumulated_sgd(0.1)
-        model = eo.place(lm(key), policy)
+        model = eo.place(table_lm(key), policy)
         opt_state = eo.init_opt_state(optimizer, model, policy)
         step = eo.train_step(cross_entropy, optimizer, policy)
         data, losses = batches(), []
@@ -375,7 +365,7 @@ def test_streamed_and_whole_updates_agree_in_a_train_step(monkeypatch, getkey):
             losses.append(float(loss))
         results.append((model, opt_state, losses))
     (model, opt_state, losses), (ref_model, ref_state, ref_losses) = results
-    start = lm(key)
+    start = table_lm(key)
     assert_close(losses, ref_losses)
     assert_close(model, ref_model, tol=TRAINED, origin=start, steps=steps)
     assert_close(opt_state, ref_state, tol=TRAINED)
@@ -392,7 +382,7 @@ def test_streamed_and_whole_updates_agree_in_a_train_step(monkeypatch, getkey):
 def test_host_state_is_updated_in_place_on_a_tpu(getkey):
     policy = eo.Policy.remat(opt_state="pinned_host")
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
-    model = eo.place(eqx.filter_eval_shape(lm, getkey()), policy)
+    model = eo.place(eqx.filter_eval_shape(table_lm, getkey()), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
     step = eo.train_step(cross_entropy, optimizer, policy)
     report = eo.memory_report(

@@ -33,6 +33,7 @@ from .helpers import (
     batches,
     cross_entropy,
     memory_kind,
+    table_lm,
     TableLM,
     TanhBlock,
     unchecked,
@@ -47,17 +48,8 @@ LR, STEPS = 0.05, 4
 SGD = optax.sgd(optax.linear_schedule(LR, LR / 10, STEPS), momentum=0.9)
 
 
-def lm(key=jax.random.key(0)) -> TableLM:
-    k1, k2, k3 = jax.random.split(key, 3)
-    return TableLM(
-        jax.random.normal(k1, (VOCAB, DIM)),
-        eo.Stacked.from_fn(
-            lambda k: TanhBlock(jax.random.normal(k, (DIM, DIM)) / DIM**0.5),
-            DEPTH,
-            key=k2,
-        ),
-        jax.random.normal(k3, (VOCAB, DIM)) / DIM**0.5,
-    )
+# The model every test starts from.
+lm = functools.partial(table_lm, jax.random.key(0), VOCAB, DIM, DEPTH)
 
 
 def _cross_entropy(logits, targets):
