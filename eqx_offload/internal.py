@@ -43,6 +43,7 @@ from ._policy import replace as replace_policy, split_names as split_names
 from ._report import (
     _compiled_traffic as compiled_traffic,
     _costs as costs,
+    _hardware as hardware,
     _hlo_program as hlo_program,
     _memory_report as memory_report,
     _minimum as minimum,
@@ -73,6 +74,7 @@ __all__ = [
     "compiled_traffic",
     "compiler",
     "costs",
+    "hardware",
     "cutting",
     "diagnose",
     "hlo_program",

@@ -8,8 +8,9 @@ table per target, sourced below. Any figure can be replaced (`dataclasses.replac
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import jax
 
@@ -38,6 +39,50 @@ _GB = 1e9
 _T = 1e12
 
 
+# The kinds of step `error` is kept for (`StepTime.kind`).
+KINDS = ("device", "host link", "host compute")
+Origin = Literal["measured", "nominal", "assumed"]
+ORIGINS: tuple[Origin, ...] = ("measured", "nominal", "assumed")
+CALIBRATION = "eqx_offload calibration"
+
+_LINK = (
+    "host_to_device_bytes_per_second",
+    "device_to_host_bytes_per_second",
+    "both_ways_bytes_per_second",
+    "transfer_overlap",
+)
+_RATES = (
+    "matmul_flops",
+    "hbm_bytes_per_second",
+    "host_to_device_bytes_per_second",
+    "device_to_host_bytes_per_second",
+    "host_memory_bytes",
+    "host_memory_bytes_per_second",
+    "host_flops",
+)
+# The fields a label can name.
+LABELLED = (
+    *_RATES,
+    "both_ways_bytes_per_second",
+    "transfer_overlap",
+    "compute_efficiency",
+    "error",
+)
+# What a calibration file measures (`from_measurements`).
+_CALIBRATED = (
+    "host_to_device_bytes_per_second",
+    "device_to_host_bytes_per_second",
+    "both_ways_bytes_per_second",
+    "transfer_overlap",
+    "host_memory_bytes_per_second",
+)
+
+# The error of an estimate nothing has measured: what the model showed on the H200
+# before it was calibrated (0.72-0.85 of the measured step on the device, 0.31-0.76
+# with the host link or host compute).
+_ASSUMED_ERROR = {"device": 0.3, "host link": 0.7, "host compute": 0.7}
+
+
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     """What one device of a target can do, for `MemoryReport.time`.
@@ -63,10 +108,31 @@ class Hardware:
         estimates from the hosts' memory channels and cores, until measured.
         Without them, they are 50 GB/s and 1 TFLOP/s.
 
-    `Hardware.of(target)` is the table's entry for a `memory_report` target. To
-    replace a figure, use `dataclasses.replace(eo.Hardware.of("gpu-h100"),
-    host_to_device_bytes_per_second=25e9)`. Pass it as
-    `memory_report(..., hardware=...)`.
+    How the host link behaves, as a step-time estimate prices it (`MemoryReport.time`):
+
+    - `both_ways_bytes_per_second`: the link's total rate (both directions together)
+        while both directions move at once. `None`: full duplex, the sum of the two
+        rates. On the H200 it measured the rate of one direction: the two directions
+        took turns.
+    - `transfer_overlap`: the share of a transfer's time that can run beside the
+        device work scheduled between its start and its done (0 to 1). The rest
+        holds the device up. On the H200 it measured 0: nothing overlapped.
+    - `compute_efficiency`: the share of the per-instruction roofline (matmul FLOPs
+        at peak, or HBM bytes at its bandwidth) that device work achieves (0 to 1).
+    - `error`: how far the estimate has been off, relative, by the kind of step
+        (`StepTime.kind`: `"device"`, `"host link"`, `"host compute"`). A measured
+        step is expected within `seconds × (1 ± error)`.
+    - `labels`: where each figure comes from, by field name. A label starts with
+        `measured:` (and names the run), `nominal:` (a datasheet or a published
+        figure) or `assumed:`. `label(field)` gives the first word.
+
+    `Hardware.of(target)` is the table's entry for a `memory_report` target.
+    `Hardware.from_measurements(path)` is a table entry with what
+    `benchmarks/gpu_check.py --calibrate` measured. To replace figures yourself,
+    use `eo.Hardware.of("gpu-h100").measured("my run",
+    host_to_device_bytes_per_second=25e9)` (labelled measured), or
+    `dataclasses.replace` (which keeps the old labels).
+    Pass it as `memory_report(..., hardware=...)` or `plan(..., hardware=...)`.
     """
 
     name: str
@@ -80,6 +146,13 @@ class Hardware:
     # still mean what they meant.
     host_memory_bytes_per_second: float | int = 50 * 10**9
     host_flops: float | int = 10**12
+    both_ways_bytes_per_second: float | int | None = None
+    transfer_overlap: float | int = 1.0
+    compute_efficiency: float | int = 1.0
+    error: Mapping[str, float | int] = dataclasses.field(
+        default_factory=lambda: dict(_ASSUMED_ERROR)
+    )
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         rates: dict[str, Any] = {
@@ -90,7 +163,10 @@ class Hardware:
             "host_memory_bytes_per_second": self.host_memory_bytes_per_second,
             "host_flops": self.host_flops,
         }
+        if self.both_ways_bytes_per_second is not None:
+            rates["both_ways_bytes_per_second"] = self.both_ways_bytes_per_second
         rates.update({f"matmul_flops[{k!r}]": v for k, v in self.matmul_flops.items()})
+        rates.update({f"error[{k!r}]": v for k, v in self.error.items()})
         for field, value in rates.items():
             number = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not number or not math.isfinite(value) or value <= 0:
@@ -105,7 +181,130 @@ class Hardware:
                 f"{sorted(self.matmul_flops)}. Key it by precision; it needs `'bf16'`."
                 + see(111)
             )
+        for field, above_zero in (
+            ("transfer_overlap", False),
+            ("compute_efficiency", True),
+        ):
+            value = getattr(self, field)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not (0 < value <= 1 if above_zero else 0 <= value <= 1):
+                raise ValueError(
+                    f"`Hardware(name={self.name!r})`: `{field}` is {value!r}. Give a "
+                    f"share: a number from 0 to 1{' (above 0)' if above_zero else ''}."
+                    + see(111)
+                )
+        kinds = set(self.error) - set(KINDS)
+        if kinds:
+            raise ValueError(
+                f"`Hardware(name={self.name!r})`: `error` has {sorted(kinds)}. Key it "
+                f"by the kind of step: {list(KINDS)}." + see(111)
+            )
+        labelled = set(self.labels) - set(LABELLED)
+        if labelled or not all(
+            str(text).split(":")[0] in ORIGINS for text in self.labels.values()
+        ):
+            raise ValueError(
+                f"`Hardware(name={self.name!r})`: `labels` are by field "
+                f"({', '.join(LABELLED)}) and each starts with 'measured:', "
+                "'nominal:' or 'assumed:'." + see(111)
+            )
         object.__setattr__(self, "matmul_flops", dict(self.matmul_flops))
+        object.__setattr__(self, "error", {**_ASSUMED_ERROR, **self.error})
+        object.__setattr__(self, "labels", dict(self.labels))
+
+    def label(self, field: str) -> Origin:
+        """Where `field`'s figure comes from: `"measured"`, `"nominal"` or
+        `"assumed"`. A field without a label is nominal if it is a rate of the
+        hardware, and assumed if it is a parameter of the model (the link's
+        behaviour, the efficiency, the error)."""
+        if field not in LABELLED:
+            raise ValueError(
+                f"`Hardware.label({field!r})`: not a labelled field. Use one of "
+                f"{', '.join(LABELLED)}."
+            )
+        text = self.labels.get(field)
+        if text is None:
+            return "nominal" if field in _RATES else "assumed"
+        origin = text.split(":")[0]
+        assert origin in ORIGINS
+        return origin  # type: ignore[return-value]
+
+    def measured(self, source: str, **figures: Any) -> "Hardware":
+        """This hardware with `figures` replaced and labelled measured by `source`
+        (the run that measured them, e.g. `"my H100, 2026-11-29"`)."""
+        unknown = set(figures) - set(LABELLED)
+        if unknown:
+            raise ValueError(
+                f"`Hardware.measured(...)`: {sorted(unknown)} are not figures of a "
+                f"`Hardware`. Use {', '.join(LABELLED)}."
+            )
+        labels = {**self.labels, **{f: f"measured: {source}" for f in figures}}
+        return dataclasses.replace(self, **figures, labels=labels)
+
+    def rates_text(self) -> str:
+        """Which of the link's and the compute's figures are measured, in words
+        ("link measured, compute nominal")."""
+        link = {self.label(f) for f in _LINK}
+        compute = {self.label(f) for f in ("matmul_flops", "compute_efficiency")}
+        host = self.label("host_memory_bytes_per_second")
+
+        def word(origins: set[str]) -> str:
+            for origin in ORIGINS:
+                if origin in origins and len(origins) == 1:
+                    return origin
+            return "partly measured" if "measured" in origins else "nominal, assumed"
+
+        return f"link {word(link)}, compute {word(compute)}, host memory {host}"
+
+    @classmethod
+    def from_measurements(cls, path: "str | os.PathLike[str]") -> "Hardware":
+        """The table's entry for the GPU `benchmarks/gpu_check.py --calibrate`
+        measured, with its figures replaced by what it measured (labelled
+        measured, with the file and the date).
+
+        It reads the file `--calibrate` wrote (JSON). Its link rates, the rate of
+        both directions at once, the share of a copy that overlapped a matmul,
+        and the host update's memory rate replace the table's; its matmul rate
+        sets `compute_efficiency` (measured over the table's peak, at most 1).
+        """
+        import json
+
+        where = f"`Hardware.from_measurements({str(path)!r})`"
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"{where}: cannot read it ({e}). Give the file "
+                "`python benchmarks/gpu_check.py --calibrate --json PATH` wrote."
+            ) from e
+        if not isinstance(data, dict) or data.get("format") != CALIBRATION:
+            raise ValueError(
+                f"{where}: not a calibration file (its `format` is not "
+                f"{CALIBRATION!r}). Give the file `python benchmarks/gpu_check.py "
+                "--calibrate --json PATH` wrote."
+            )
+        target = data.get("target")
+        if target not in TABLE:
+            raise ValueError(
+                f"{where}: it measured {data.get('device')!r} (`target` "
+                f"{target!r}), which has no row in `eo.Hardware`'s table "
+                f"({', '.join(TABLE)}). Calibrate on one of those."
+            )
+        missing = [k for k in _CALIBRATED if not isinstance(data.get(k), (int, float))]
+        if missing:
+            raise ValueError(
+                f"{where}: it lacks the figures {missing}. Run `--calibrate` again "
+                "with this version of eqx_offload."
+            )
+        base = TABLE[target]
+        figures: dict[str, Any] = {k: float(data[k]) for k in _CALIBRATED}
+        figures["transfer_overlap"] = min(max(figures["transfer_overlap"], 0.0), 1.0)
+        if isinstance(data.get("matmul_flops_bf16"), (int, float)):
+            measured = float(data["matmul_flops_bf16"]) / base.matmul_flops["bf16"]
+            figures["compute_efficiency"] = min(max(measured, 1e-3), 1.0)
+        source = f"{path} ({data.get('device')}, {data.get('date')})"
+        return base.measured(source, **figures)
 
     def flops_per_second(self, precision: str) -> tuple[str, float]:
         """The precision a dot of `precision` runs at here, and its rate."""
@@ -327,6 +526,80 @@ TABLE: dict[str, Hardware] = {
         host_flops=1.6 * _T,
     ),
 }
+
+# What one H200 measured (`benchmarks/gpu_check.py` in a session lent one;
+# benchmarks/results/gpu_check_h200_gpt02b.json), and the step-time model's
+# parameters fitted to that run's seven 0.2B steps (`benchmarks/calibration.py`,
+# which tests/test_calibration.py reruns on the programs those steps compiled; the
+# run's four 0.9B steps are held out).
+H200_RUN = "gpu_check_h200_gpt02b.json (one H200, jax 0.11.2, 2026-11-27)"
+H200_MEASURED = {
+    # pinned host <-> device copies of 1 GiB, median of 5: 52.53 and 52.53 GB/s
+    "host_to_device_bytes_per_second": 52.5 * _GB,
+    "device_to_host_bytes_per_second": 52.5 * _GB,
+    # the host update's AdamW on the host's CPU: 4.70 GB in 0.432 s (median)
+    "host_memory_bytes_per_second": 10.9 * _GB,
+}
+H200_FITTED = {
+    # nothing overlapped compute
+    "transfer_overlap": 0.0,
+    # the 0.2B `remat` step (device work only) over its estimate at peak
+    "compute_efficiency": 0.68,
+}
+# No measured step had both directions in flight at once, so the fit cannot tell
+# how the link shares itself: taken as one direction's rate (the serial sum that
+# fit every step) until `gpu_check.py --calibrate` measures it.
+H200_BOTH_WAYS = 52.5 * _GB
+# The largest |estimate / measured - 1| of the calibrated model over all 11
+# steps (0.2B fitted, 0.9B held out), by kind, rounded up to 5%
+# (`benchmarks/calibration.py`: 2.4%, 2.9% and 7.2%).
+H200_ERROR = {"device": 0.05, "host link": 0.05, "host compute": 0.1}
+
+
+def _calibrated(hw: Hardware, run: str, how: str) -> Hardware:
+    """`hw` with the H200's measured and fitted figures, labelled `how` ("measured"
+    or "assumed": an H100 takes the H200's until one is measured)."""
+    fitted = f"fitted to the 0.2B steps of {run}"
+    labels = {
+        **{k: f"{how}: {run}" for k in H200_MEASURED},
+        **{k: f"{how}: {fitted}" for k in H200_FITTED},
+        "both_ways_bytes_per_second": "assumed: one direction's rate; no step of "
+        f"{run} had both directions in flight at once",
+        "error": f"{how}: {run} and gpu_check_h200_gpt09b.json, all 11 steps",
+    }
+    return dataclasses.replace(
+        hw,
+        **H200_MEASURED,
+        **H200_FITTED,
+        both_ways_bytes_per_second=H200_BOTH_WAYS,
+        error=H200_ERROR,
+        labels=labels,
+    )
+
+
+TABLE["gpu-h200"] = _calibrated(TABLE["gpu-h200"], H200_RUN, "measured")
+TABLE["gpu-h100"] = _calibrated(
+    TABLE["gpu-h100"], f"an H200's, until an H100 is measured: {H200_RUN}", "assumed"
+)
+
+_TPU_ASSUMED = {
+    "both_ways_bytes_per_second": "assumed: full duplex (no public figure for "
+    "both directions at once)",
+    "transfer_overlap": "assumed: XLA's TPU scheduler overlaps host transfers "
+    "with compute (JAX's host-offloading docs); never measured",
+    "compute_efficiency": "assumed: the roofline's peak; never measured",
+    "error": "assumed: what the model showed on the H200 before it was "
+    "calibrated; no TPU step has been measured",
+    "host_memory_bytes_per_second": "assumed: the only measurement of the host "
+    f"update, on an H200's host ({H200_RUN}); the host's memory channels allow "
+    "more (see `sources`)",
+}
+for _chip in ("tpu-v5e", "tpu-v6e", "tpu-v5p", "tpu-v4"):
+    TABLE[_chip] = dataclasses.replace(
+        TABLE[_chip],
+        host_memory_bytes_per_second=H200_MEASURED["host_memory_bytes_per_second"],
+        labels=_TPU_ASSUMED,
+    )
 
 
 # `jax.Device.device_kind` of the devices the table describes, for a report
