@@ -12,7 +12,7 @@ changes the text fails there. The private Python parts of JAX and Equinox are in
 import json
 import re
 from collections.abc import Iterator
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from . import _scopes
 
@@ -42,6 +42,19 @@ def phase(op_name: str) -> Phase:
 
 
 # Compile options.
+
+
+def compile_options(platform: str, *, host_remat: bool) -> dict[str, Any] | None:
+    """Every compiler option the library passes to a step compiled for `platform`
+    (`train_step` and `memory_report` both take them from here, and
+    `StepTime.compile_options` reports them), or `None` for none.
+
+    `Policy(host_remat=True)` sets the TPU's (`host_remat_options`); a platform
+    without that option gets `None` here, and the caller refuses it.
+    """
+    if host_remat:
+        return host_remat_options(platform)
+    return None
 
 
 def host_remat_options(platform: str) -> dict[str, bool] | None:

@@ -124,9 +124,9 @@ class TrainStep(eqx.Module):
         self.microbatches = microbatches
         self.unsplit = _microbatch.check_unsplit(unsplit, microbatches, "`train_step`")
         self.metrics = metrics
-        options = None
-        if policy.host_remat:
-            options = _compiler.host_remat_options(jax.default_backend())
+        options = _compiler.compile_options(
+            jax.default_backend(), host_remat=policy.host_remat
+        )
         # The step's fields are bound, not a static argument: `loss_fn` may be a
         # module holding arrays, which are not hashable.
         self._flat = functools.partial(traced_step, self)

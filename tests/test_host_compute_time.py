@@ -100,7 +100,9 @@ ENTRY %main (x: bf16[4096,1024], w: bf16[1024,1024], hp: f32[1024,1024], hm: f32
 """
 
 
-V5E = eo.Hardware.of("tpu-v5e")
+# A v5e with its host priced at its memory channels' rate (the table assumes the
+# H200 host's measured 10.9 GB/s), so that the figures below are round.
+V5E = dataclasses.replace(eo.Hardware.of("tpu-v5e"), host_memory_bytes_per_second=51e9)
 
 
 def test_a_host_region_costs_its_bytes_at_the_host_bandwidth():
@@ -166,13 +168,14 @@ def test_the_compiled_adamw_update_costs_28_bytes_a_parameter(target):
     parameters, both moments and the gradient read, three of them written (28
     bytes a parameter; 8 more for the step count, read and written); the sum of
     the two layers' gradients into the stack on the host (8 bytes a parameter:
-    a `HostExecute` on the TPU, a host-marked fusion on the GPU); on the GPU the
-    region's results copied into their buffers (3 arrays read and written)."""
+    a `HostExecute` on the TPU, a host-marked fusion on the GPU). On the GPU the
+    region's results are copied into their buffers (3 arrays), which measured
+    free on the H200 and is not host compute there."""
     platform = target.split("-")[0]
     text = _fixture(f"{platform}_host_update.txt")
     n = 2 * 128 * 128
     t = eoi.step_time.estimate(text, eo.Hardware.of(target), platform)
-    copies = 3 * 2 * 4 * n if platform == "gpu" else 0
+    copies = 0
     assert t.host_compute_bytes == 28 * n + 8 + 8 * n + copies
     assert t.host_compute_flops > 10 * n  # AdamW: about 17 an element
     hw = eo.Hardware.of(target)
@@ -252,6 +255,7 @@ def test_the_table_and_the_plot_show_host_compute():
     plain = dataclasses.replace(
         t,
         bound="HBM",
+        kind="device",
         host_compute_seconds=0.0,
         host_compute_bytes=0,
         host_compute_flops=0.0,
@@ -265,7 +269,9 @@ def test_the_table_and_the_plot_show_host_compute():
     report = eo.memory_report(step, *args, target="gpu-h100")
     ax = report.plot(labels=["host update"])
     shown = " ".join(text.get_text() for text in ax.texts)
-    assert "(host compute)" in shown and "host compute 25.5 us" in shown
+    assert report.time is not None
+    host = eoi.time_text(report.time.host_compute_seconds)
+    assert "(host compute)" in shown and f"host compute {host}" in shown
     legend = [text.get_text() for text in ax.get_legend().get_texts()]
     assert "host compute temporaries" in legend
 
@@ -302,12 +308,14 @@ def test_results_saved_before_host_compute_still_load():
 def test_the_hosts_rates_are_in_the_table_and_checked():
     for target in ("tpu-v5e", "tpu-v6e", "tpu-v5p", "tpu-v4", "gpu-h100", "gpu-h200"):
         hw = eo.Hardware.of(target)
-        assert 30e9 < hw.host_memory_bytes_per_second < 200e9
+        assert 5e9 < hw.host_memory_bytes_per_second < 200e9
         assert 0.5e12 < hw.host_flops < 5e12
         assert any("ESTIMATES until measured" in s for s in hw.sources)
         assert eo.Hardware.from_dict(hw.to_dict()) == hw
-    assert V5E.host_memory_bytes_per_second == 51e9
-    assert eo.Hardware.of("gpu-h100").host_memory_bytes_per_second == 77e9
+        # Measured on the H200's host only; every other target assumes it.
+        origin = "measured" if target == "gpu-h200" else "assumed"
+        assert hw.label("host_memory_bytes_per_second") == origin
+        assert hw.host_memory_bytes_per_second == 10.9e9
     with pytest.raises(ValueError, match="`host_memory_bytes_per_second` is 0"):
         dataclasses.replace(V5E, host_memory_bytes_per_second=0)
     with pytest.raises(ValueError, match="`host_flops` is nan"):

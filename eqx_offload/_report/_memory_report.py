@@ -340,6 +340,12 @@ def _trace(fn: Any, args: tuple, kwargs: dict, platform: str) -> _TracedJob:
     return _TracedJob(job, lowered, saved, transfers)
 
 
+def compile_options_of(fn: Any, platform: str) -> dict[str, Any] | None:
+    """The compiler options the library compiles `fn` with for `platform`."""
+    host_remat = isinstance(fn, TrainStep) and fn.policy.host_remat
+    return _compiler.compile_options(platform, host_remat=host_remat)
+
+
 def _compile(
     fn: Any,
     traced: _TracedJob,
@@ -350,9 +356,8 @@ def _compile(
     """The compiled program and its memory analysis, or the error that says why
     there is none."""
     job = traced.job
-    options = None
+    options = compile_options_of(fn, platform)
     if isinstance(fn, TrainStep) and fn.policy.host_remat:
-        options = _compiler.host_remat_options(platform)
         if options is None:
             raise ValueError(
                 "`memory_report`: `Policy(host_remat=True)` is a TPU compiler "
@@ -420,7 +425,9 @@ def _build(
         else _compiled_traffic.count(text, _inputs(job), _outputs(job), transfers),
         time=None
         if text is None or hardware is None
-        else _step_time.estimate(text, hardware, platform),
+        else _step_time.estimate(
+            text, hardware, platform, compile_options_of(fn, platform)
+        ),
         host_compute_temp=_costs.host_temporaries(text or "", platform),
         minimum_transfers=_minimum.of_step(fn, job, residuals, platform, where),
     )

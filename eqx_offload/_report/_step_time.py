@@ -9,13 +9,20 @@ that order once per computation, with a clock:
 - an instruction that computes (a fusion, a dot, a copy, a collective, ...) takes
     the longer of its matmul FLOPs at the precision it runs at, and the bytes it
     reads and writes in device memory at the HBM bandwidth (a roofline per
-    instruction; elementwise work is priced by its bytes);
+    instruction; elementwise work is priced by its bytes), over
+    `Hardware.compute_efficiency`;
 - a transfer between host and device memory occupies the host link in its
-    direction (the link is full duplex: the two directions do not wait for each
-    other) for its bytes at the link's rate, from when it is issued; its `done`
-    waits until the link has moved it. What the device waits there is the
-    transfer time not hidden behind the compute issued between start and done;
-    a synchronous transfer is not hidden at all;
+    direction for its bytes at that direction's rate, from when it is issued
+    (`Hardware.host_to_device_bytes_per_second`, `device_to_host_...`). While both
+    directions move, together they move at most
+    `Hardware.both_ways_bytes_per_second` (on the H200 that is one direction's
+    rate: the two took turns). Of its time, the share `Hardware.transfer_overlap`
+    can run beside the device work issued between its start and its done; the
+    device waits for the rest when it issues the transfer, and at the `done` for
+    what the work in between did not cover. A synchronous transfer hides nothing.
+    (On the H200 the share measured 0: every transfer held the device up.)
+    A called computation (a loop's body, a branch) starts its transfers once the
+    link has moved what the caller still has in flight;
 - host compute (`compute_on("device_host")`: a host computation the device
     starts and later waits for, or an instruction marked to run on the host)
     occupies the host's CPU for the longer of its host-memory bytes at the host's
@@ -60,6 +67,13 @@ _PHASE_LABELS = {
     "update": "of which the update",
 }
 _On = Literal["link", "device", "host"]  # what a started instruction occupies
+Kind = Literal["device", "host link", "host compute"]
+
+ATTENTION_NOTE = (
+    "attention is priced as XLA computes it, its scores through device memory: a "
+    "compile without a GPU has no cuDNN fused attention, which keeps them on chip, "
+    "so on the GPU the step may be faster than this"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +116,17 @@ class StepTime:
         saved before it existed.
     - `transfer_seconds_by_phase`: the host link busy (both directions) by the same
         parts. That is each part's bytes at the link's rates.
+    - `kind`: `"device"` for a step without host traffic, `"host link"` for one that
+        moves bytes to or from the host, `"host compute"` for one that computes on
+        the host's CPU.
+    - `error`: how far the estimate has been off for this kind of step on this
+        hardware (`hardware.error[kind]`, relative): a measured step is expected
+        within `seconds × (1 ± error)`. `hardware.label("error")` says whether that
+        was measured.
+    - `compile_options`: the compiler options the library compiled the step with
+        (`Policy(host_remat=True)` sets one; `{}` for none).
+    - `notes`: what the estimate leaves out for this program (on a GPU, the fused
+        attention kernels a compile without a GPU does not have).
     """
 
     seconds: float
@@ -125,6 +150,15 @@ class StepTime:
     transfer_seconds_by_phase: dict[str, float] = dataclasses.field(
         default_factory=dict
     )
+    kind: Kind = "device"
+    error: float = 0.0
+    compile_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def range(self) -> tuple[float, float]:
+        """The seconds a measured step is expected within: `seconds × (1 ± error)`."""
+        return self.seconds * (1 - self.error), self.seconds * (1 + self.error)
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -132,6 +166,8 @@ class StepTime:
         out["exposed_seconds_by_phase"] = dict(self.exposed_seconds_by_phase)
         out["transfer_seconds_by_phase"] = dict(self.transfer_seconds_by_phase)
         out["hardware"] = self.hardware.to_dict()
+        out["compile_options"] = dict(self.compile_options)
+        out["notes"] = list(self.notes)
         return out
 
     @classmethod
@@ -142,6 +178,7 @@ class StepTime:
         """
         fields = {f.name for f in dataclasses.fields(cls)} - {"hardware"}
         kept: dict[str, Any] = {k: v for k, v in data.items() if k in fields}
+        kept["notes"] = tuple(kept.get("notes", ()))
         return cls(**kept, hardware=Hardware.from_dict(data["hardware"]))
 
     def __str__(self) -> str:
@@ -152,7 +189,12 @@ def lines(t: StepTime) -> list[str]:
     """The step-time section of a report's table."""
     by = ", ".join(f"{p} {flops_text(n)}" for p, n in t.flops_by_precision.items())
     rows = [
-        ("step time (estimate)", t.seconds, f"{t.bound}-bound"),
+        (
+            "step time (estimate)",
+            t.seconds,
+            f"{t.bound}-bound, ±{t.error:.0%} ({t.hardware.label('error')} "
+            f"for a {t.kind} step)",
+        ),
         (
             "  compute",
             t.compute_seconds,
@@ -183,6 +225,11 @@ def lines(t: StepTime) -> list[str]:
     out = [header, "-" * len(header)]
     for label, seconds, note in rows:
         out.append(f"{label:<34}{time_text(seconds):>14}  {note}".rstrip())
+    out.append(f"rates: {t.hardware.rates_text()}")
+    if t.compile_options:
+        given = ", ".join(f"{k}={v}" for k, v in t.compile_options.items())
+        out.append(f"compiled with: {given}")
+    out.extend(f"note: {note}" for note in t.notes)
     return out
 
 
@@ -213,6 +260,10 @@ class _Tally:
     link_bytes: dict[str, int] = dataclasses.field(
         default_factory=lambda: defaultdict(int)
     )
+    # When (after the run starts) its first transfer in each direction, and its
+    # first transfer at all ("both"), may begin: what a caller's transfers still
+    # in flight delay.
+    first_link: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def add(self, other: "_Tally", times: int = 1) -> None:
         for f in (
@@ -250,8 +301,17 @@ class _Run:
     tally: _Tally
     clock: float = 0.0
     link_free: dict[str, float] = dataclasses.field(
-        default_factory=lambda: {"host_to_device": 0.0, "device_to_host": 0.0}
+        default_factory=lambda: {
+            "host_to_device": 0.0,
+            "device_to_host": 0.0,
+            "both": 0.0,
+        }
     )
+    # The part of the step the transfer last on each of `link_free` belongs to.
+    link_phase: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Until when the share of transfers that cannot overlap holds device work up
+    # (other transfers still start), and the part of the step they belong to.
+    held: tuple[float, str] = (0.0, "")
     other_free: float = 0.0  # the device's asynchronous work
     host_free: float = 0.0  # the host's CPU
     # start -> (finish, on what, the part of the step it belongs to)
@@ -279,6 +339,9 @@ class _Replay:
             "host_to_device": hardware.host_to_device_bytes_per_second,
             "device_to_host": hardware.device_to_host_bytes_per_second,
         }
+        self.both = hardware.both_ways_bytes_per_second
+        self.overlap = hardware.transfer_overlap
+        self.efficiency = hardware.compute_efficiency
         self.memo: dict[str, _Tally] = {}
 
     def run(self, name: str) -> _Tally:
@@ -318,12 +381,31 @@ class _Replay:
             self._host_work(run, inst, work)
             return
         called = self._called(comp, inst)
+        run.wait(run.held[0], "link", run.held[1])  # device work waits for it
         if called is None:  # work: a fusion, a dot, a copy, a collective, ...
             self._device_work(run, comp, inst)
         for name, times in called or ():
             inner = self.run(name)
+            if not times:
+                continue
+            self._enter(run, inner)
             run.tally.add(inner, times)
+            for key, at in inner.first_link.items():
+                run.tally.first_link.setdefault(key, run.clock + at)
             run.clock += times * inner.seconds
+
+    def _enter(self, run: _Run, inner: _Tally) -> None:
+        """Before a called computation: its first transfer in a direction waits
+        for what the caller still has in flight there (each computation is
+        replayed once, on a free link)."""
+        late = [
+            (run.link_free[key] - run.clock - at, key)
+            for key, at in inner.first_link.items()
+            if run.link_free[key] > run.clock + at
+        ]
+        if late:
+            delay, key = max(late)
+            run.wait(run.clock + delay, "link", run.link_phase.get(key, ""))
 
     def _transfer(
         self, run: _Run, inst: Instruction, direction: str, nbytes: int
@@ -333,13 +415,25 @@ class _Replay:
         t.link_bytes[direction] += nbytes
         begin = max(run.clock, run.link_free[direction])
         finish = begin + nbytes / self.rate[direction]
-        run.link_free[direction] = finish
         phase = _compiler.phase(inst.op_name)
+        t.first_link.setdefault(direction, begin)
+        if self.both is not None:  # both directions share the link's total rate
+            t.first_link.setdefault("both", begin)
+            shared = max(begin, run.link_free["both"]) + nbytes / self.both
+            finish = max(finish, shared)
+            run.link_free["both"] = shared
+            run.link_phase["both"] = phase
+        run.link_free[direction] = finish
+        run.link_phase[direction] = phase
         t.link_by_phase[phase] += nbytes / self.rate[direction]
-        if inst.opcode.endswith("-start"):
-            run.pending[inst.name] = (finish, "link", phase)
-        else:
+        if not inst.opcode.endswith("-start"):
             run.wait(finish, "link", phase)
+            return
+        # The share that cannot overlap holds device work up from when it begins.
+        held = finish - self.overlap * (finish - begin)
+        if held > run.held[0]:
+            run.held = (held, phase)
+        run.pending[inst.name] = (finish, "link", phase)
 
     def _host_work(self, run: _Run, inst: Instruction, work: HostWork) -> None:
         """Host compute occupies the host's CPU from when it is issued."""
@@ -387,7 +481,8 @@ class _Replay:
             t.flops[used] += n
             compute += n / rate
         nbytes = self.program.device_bytes(comp, inst)
-        memory = nbytes / self.hw.hbm_bytes_per_second
+        memory = nbytes / self.hw.hbm_bytes_per_second / self.efficiency
+        compute /= self.efficiency
         t.compute += compute
         t.hbm += memory
         t.hbm_bytes += nbytes
@@ -443,13 +538,27 @@ def hardware_for(
     return _hardware.of_this_backend() if target is None else Hardware.of(target)
 
 
-def estimate(text: str, hardware: Hardware, platform: str) -> StepTime:
-    """The step time of a compiled program (`compiled.as_text()`), compiled for
-    `platform` ("tpu" or "gpu"), on `hardware`."""
-    program = Program(text, platform)
+def estimate(
+    text: str | Program,
+    hardware: Hardware,
+    platform: str,
+    compile_options: dict[str, Any] | None = None,
+) -> StepTime:
+    """The step time of a compiled program (`compiled.as_text()`, or that text
+    parsed: a `Program`, to price one program at several rates), compiled for
+    `platform` ("tpu" or "gpu") with `compile_options`, on `hardware`."""
+    program = text if isinstance(text, Program) else Program(text, platform)
     tally = _Replay(program, hardware).run(program.entry)
     h2d = tally.link_bytes.get("host_to_device", 0)
     d2h = tally.link_bytes.get("device_to_host", 0)
+    kind: Kind = "device"
+    if tally.host:
+        kind = "host compute"
+    elif h2d or d2h:
+        kind = "host link"
+    notes = ()
+    if platform == "gpu" and program.has_batched_dots():
+        notes = (ATTENTION_NOTE,)
     parts: dict[Bound, float] = {
         "compute": tally.compute_bound,
         "HBM": tally.hbm_bound,
@@ -480,4 +589,8 @@ def estimate(text: str, hardware: Hardware, platform: str) -> StepTime:
         host_compute_bytes=int(tally.host_bytes),
         host_compute_flops=float(tally.host_flops),
         exposed_host_compute_seconds=float(tally.host_bound),
+        kind=kind,
+        error=float(hardware.error[kind]),
+        compile_options=dict(compile_options or {}),
+        notes=notes,
     )
