@@ -453,6 +453,17 @@ def test_a_batched_matmul_is_counted_once_per_batch(target):
     t = eo.memory_report(jax.jit(scores), q, q, target=target).time
     assert t is not None and t.flops == 2 * 8 * 4 * 256 * 256 * 64
     assert t.flops_by_precision == {"bf16": t.flops}
+    # On a GPU the report says attention is priced as XLA runs it, not fused.
+    assert (ATTENTION_NOTE in t.notes) == target.startswith("gpu")
+    assert any(line == f"note: {ATTENTION_NOTE}" for line in str(t).splitlines()) == (
+        target.startswith("gpu")
+    )
+    m = jax.ShapeDtypeStruct((256, 64), jnp.bfloat16)
+    plain = eo.memory_report(jax.jit(lambda a, b: a @ b.T), m, m, target=target)
+    assert plain.time is not None and plain.time.notes == ()
+
+
+ATTENTION_NOTE = eoi.step_time.ATTENTION_NOTE
 
 
 def _cublas_hlo(precision: str) -> str:
