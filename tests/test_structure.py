@@ -16,7 +16,7 @@ from . import conftest
 ROOT = pathlib.Path(__file__).parent.parent
 PACKAGE = ROOT / "eqx_offload"
 NOTES = ROOT / "docs" / "design-notes.md"
-ADAPTERS = {"_jaxpr.py", "_compat.py", "_compiler.py"}
+ADAPTERS = {"_jaxpr.py", "_compat.py", "_compiler.py", "_compiler_thunks.py"}
 
 
 @functools.cache  # for each of the parametrized tests, and each import

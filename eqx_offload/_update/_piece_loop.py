@@ -1,16 +1,34 @@
 """The loop over the pieces of one group, for `_streaming.py`.
 
 It is a `lax.scan`. Each step reads a piece of each input, runs the piece jaxpr
-on it, and writes the new piece back.
+on it, and writes the new piece back into its leaf.
 
-How a loop reads the inputs it overwrites depends on the backend. On a TPU, step
-`k` reads piece `k` of each; the compiler streams it from the host. Elsewhere,
-XLA (its CPU backend, at least) fuses that read into another input's new piece,
-after the write into the first. It then copies every overwritten input at every
-step. So there, step `k` reads piece `k + 1` of the arrays it has just written.
-It carries that piece to the next step. The last piece is updated after the
-loop, so that nothing is read twice. (On a TPU that read-ahead keeps two pieces
-on the device, which costs memory.)
+On a TPU, step `k` reads piece `k` of each input; the compiler streams it from
+the host. Elsewhere, step `k` reads piece `k + 1` of the inputs it overwrites
+and carries it to the next step: the last piece is updated after the loop, so
+that nothing is read twice. (On a TPU that read-ahead keeps two pieces on the
+device, which costs memory.) Two reasons:
+
+- XLA:CPU fuses the read of piece `k` into another input's new piece, after the
+  write into the first. It then copies every overwritten input at every step.
+- A GPU moves host data with copy engines, one each way: a read and a write in
+  flight together use the link both ways. A read of piece `k + 1` need not wait
+  for the update of piece `k`.
+
+So step `k` reads piece `k + 1` of a leaf after computing its new piece `k` and
+before writing that back (`_Loop.store_ahead`). Were the read after the write, it
+would wait for it: the GPU would use the link one way at a time. Each read also
+waits for the write into the leaf two before it: one write runs beside one
+read, and the device holds at most one piece more than when reads wait for
+writes.
+
+The loop counts its index in its carry (not `xs=jnp.arange(...)`) and reads no
+clamped offset: XLA:GPU runs a slice of a host array on a copy engine only if
+its offset is affine in the loop's counter over the whole trip count. Any other
+slice becomes a kernel that moves the bytes over PCIe with the GPU's cores. (So
+are the reads before the loop and the writes after it, at constant offsets: one
+piece of each leaf; and a loop of one step, which XLA removes.)
+`_compiler_thunks.py` reads which.
 """
 
 import dataclasses
@@ -170,6 +188,11 @@ class _Loop:
 
     def step(self, index: Any, others: list, current: list, fulls: list) -> tuple:
         """One piece: its new values, written into `fulls` or returned as `ys`."""
+        return self.store(index, self.compute(index, others, current), fulls)
+
+    def compute(self, index: Any, others: list, current: list) -> list:
+        """The value of each output for piece `index`, from the pieces of the
+        overwritten inputs (`current`) and of the others (read here)."""
         ins = self.piece.ins
         local = dict(self.known)
         for x, full in zip(self.streamed, others):
@@ -177,9 +200,45 @@ class _Loop:
         for x, value in zip(self.carried, current):
             local[ins[x.position]] = value
         _dataflow.run(self.piece, self.wanted, local)
-        fulls, ys = list(fulls), []
+        return [
+            local[o.piece] if isinstance(o.piece, int) else o.piece.value
+            for o in self.outputs
+        ]
+
+    def store_ahead(self, index: Any, values: list, fulls: list) -> tuple:
+        """Piece `index`'s `values` stored as `store` does, and piece `index + 1`
+        of each overwritten input read (None for one not read): the new carry,
+        the pieces read and the `ys`.
+
+        The read of a leaf's next piece comes after its new piece is computed,
+        and before that piece is written back: unordered, XLA copies the leaf
+        whole at every step. It also waits for the write into the leaf two
+        before: so one write runs beside one read, and the device holds at most
+        one piece more than when reads wait for writes."""
+        writer = {o.overwrite: k for k, o in enumerate(self.outputs)}
+        ahead, written = [], []
+        for c, x in enumerate(self.carried):
+            k = writer[x.position]
+            after = [values[k]] if isinstance(values[k], jax.Array) else []
+            after += written[-2:-1]
+            _, fulls[c] = jax.lax.optimization_barrier((after, fulls[c]))
+            piece = None
+            if self.piece.ins[x.position] in self.used:
+                piece = self.read(fulls[c], index + 1, x)
+                piece, fulls[c] = jax.lax.optimization_barrier((piece, fulls[c]))
+            ahead.append(piece)
+            self._write(k, self.outputs[k], values[k], index, fulls, [])
+            written.append(fulls[c])
+        ys: list = []
         for k, out in enumerate(self.outputs):
-            value = local[out.piece] if isinstance(out.piece, int) else out.piece.value
+            if out.overwrite is None:
+                self._write(k, out, values[k], index, fulls, ys)
+        return fulls, ahead, ys
+
+    def store(self, index: Any, values: list, fulls: list) -> tuple[list, list]:
+        """Piece `index`'s `values` written into `fulls` or returned as `ys`."""
+        fulls, ys = list(fulls), []
+        for k, (out, value) in enumerate(zip(self.outputs, values)):
             self._write(k, out, value, index, fulls, ys)
         return fulls, ys
 
@@ -208,33 +267,36 @@ class _Loop:
         return [x.position for x in self.carried].index(position)
 
     def run(self, fulls: list, others: list, read_ahead: bool) -> tuple[list, list]:
-        """The loop: the new carry, and the outputs the scan stacks."""
+        """The loop: the new carry, and the outputs the scan stacks. Its index is
+        counted in the carry, so that each slice's offset is affine in the
+        loop's counter (module docstring)."""
         pieces = self.group.pieces
-        indices = jnp.arange(pieces)
-        if not read_ahead:
-
-            def body(carry: Any, index: Any) -> tuple[Any, list]:
-                return self.step(index, others, self.current(carry, index), carry)
-
-            return jax.lax.scan(body, fulls, indices)
-
-        def ahead_body(carry: Any, index: Any) -> tuple[Any, list]:
-            fulls, ys = self.step(index, others, *carry)
-            ahead = jnp.minimum(index + 1, pieces - 1)
-            return (self.current(fulls, ahead), fulls), ys
-
-        # The last piece after the loop: it has no next piece to read ahead (in
-        # the loop it would read itself again). Not where a new host-resident
-        # leaf is stacked from the pieces (it would be joined on the host).
+        start = jnp.zeros((), jnp.int32)
+        # A new host-resident leaf stacked from the pieces by the scan would be
+        # joined with the last piece on the host: no read-ahead there.
         stacked_on_host = any(
             o.overwrite is None and o.kind == "pinned_host" for o in self.outputs
         )
-        first = (self.current(fulls, 0), fulls)
-        if pieces == 1 or stacked_on_host:
-            (_, fulls), ys = jax.lax.scan(ahead_body, first, indices)
+        if not read_ahead or stacked_on_host:
+
+            def body(carry: Any, _: Any) -> tuple[Any, list]:
+                index, fulls = carry
+                fulls, ys = self.step(index, others, self.current(fulls, index), fulls)
+                return (index + 1, fulls), ys
+
+            (_, fulls), ys = jax.lax.scan(body, (start, fulls), length=pieces)
             return fulls, ys
-        (now, fulls), ys = jax.lax.scan(ahead_body, first, indices[:-1])
-        fulls, last = self.step(indices[-1], others, now, fulls)
+
+        def ahead_body(carry: Any, _: Any) -> tuple[Any, list]:
+            index, now, fulls = carry
+            values = self.compute(index, others, now)
+            fulls, ahead, ys = self.store_ahead(index, values, list(fulls))
+            return (index + 1, ahead, fulls), ys
+
+        # The last piece after the loop: it has no next piece to read.
+        first = (start, self.current(fulls, 0), fulls)
+        (_, now, fulls), ys = jax.lax.scan(ahead_body, first, length=pieces - 1)
+        fulls, last = self.step(pieces - 1, others, now, fulls)
         return fulls, [jnp.concatenate([y, z[None]]) for y, z in zip(ys, last)]
 
     def collect(self, fulls: list, ys: Iterator) -> list:
