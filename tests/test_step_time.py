@@ -205,8 +205,10 @@ def test_what_is_not_hidden_is_split_by_phase(target):
     )
     assert link["forward"] > 0 and link["backward"] > 0 and link["update"] > 0
     assert link["outside"] == 0
-    for phase, seconds in t.exposed_seconds_by_phase.items():
-        assert 0 <= seconds <= link[phase] * (1 + 1e-9), phase
+    # A phase's wait can include the link still busy with another phase's
+    # transfer queued before its own; the waits together never exceed the link.
+    assert all(seconds >= 0 for seconds in t.exposed_seconds_by_phase.values())
+    assert total <= sum(link.values()) * (1 + 1e-9)
     # Kept through `to_dict` (the benchmarks' JSON).
     again = eo.StepTime.from_dict(t.to_dict())
     assert again.exposed_seconds_by_phase == t.exposed_seconds_by_phase

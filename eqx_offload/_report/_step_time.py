@@ -374,7 +374,7 @@ class _Replay:
             return
         moving = self.program.transfer(comp, inst)
         if moving is not None:
-            self._transfer(run, inst, *moving)
+            self._transfer(run, comp, inst, *moving)
             return
         work = self.program.host_work(comp, inst)
         if work is not None:
@@ -408,14 +408,19 @@ class _Replay:
             run.wait(run.clock + delay, "link", run.link_phase.get(key, ""))
 
     def _transfer(
-        self, run: _Run, inst: Instruction, direction: str, nbytes: int
+        self,
+        run: _Run,
+        comp: Computation,
+        inst: Instruction,
+        direction: str,
+        nbytes: int,
     ) -> None:
         """A transfer occupies the link in its direction from when it is issued."""
         t = run.tally
         t.link_bytes[direction] += nbytes
         begin = max(run.clock, run.link_free[direction])
         finish = begin + nbytes / self.rate[direction]
-        phase = _compiler.phase(inst.op_name)
+        phase = _compiler.phase(_named(comp, inst).op_name)
         t.first_link.setdefault(direction, begin)
         if self.both is not None:  # both directions share the link's total rate
             t.first_link.setdefault("both", begin)
@@ -509,6 +514,22 @@ class _Replay:
             for p, n in self.program.fused_flops(callee):
                 flops[p] += n
         return flops
+
+
+def _named(comp: Computation, inst: Instruction) -> Instruction:
+    """`inst`, or where it has no op name (a transfer XLA made, peeled off a loop),
+    the nearest of its operands' producers that has one: the part of the step it
+    belongs to is theirs."""
+    seen, todo = set(), [inst]
+    while todo:
+        found = todo.pop(0)
+        if found.op_name:
+            return found
+        for name in found.operands:
+            if name not in seen and name in comp.insts:
+                seen.add(name)
+                todo.append(comp.insts[name])
+    return inst
 
 
 def hardware_for(
