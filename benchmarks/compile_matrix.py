@@ -11,7 +11,10 @@ Architectures: `mlp` (a `Stacked` of LayerNorm + MLP blocks), `attention`
 a head around a `Stacked` of MLP blocks), `llama` (an embedding, a `Stacked` of
 Llama-style blocks: RMSNorm, RoPE, grouped-query attention through
 `jax.nn.dot_product_attention`, a SwiGLU MLP of `--mlp` units, and an untied head)
-and `dict` (a dict of four large leaves and a Python loop, no `Stacked`). Dtypes:
+`dict` (a dict of four large leaves and a Python loop, no `Stacked`) and `gpt-matmul`
+(`gpt` with its head a bare `(width, vocab)` matrix applied as `h @ head`, as
+hand-written GPTs do: like `dict`'s leaves, a leaf outside every `Stacked` whose
+gradient is a transposed product). Dtypes:
 `float32`, `bfloat16` (the parameters themselves) and `bf16-compute` (float32
 parameters, `Policy(compute_dtype=jnp.bfloat16)`). Policies: every preset, plus host
 parameters (`remat(params={"blocks": "pinned_host"})`) and host optimizer state
@@ -26,7 +29,16 @@ norm makes the streamed update read each gradient twice); `--piece-bytes N` patc
 and written in pieces). `--spot` compiles `SPOT` instead of a product: a spread of
 cases over every architecture, dtype, policy, TPU generation and the GPU, at widths
 the full runs leave out. `tests/test_tpu_compile.py` and `tests/test_gpu_targets.py`
-compile a covering few.
+compile a covering few. `--host-2048` compiles `HOST_2048`: the update on the host's
+CPU at width 2048 (a layer's `8192 x 2048` weight is twice `_tiling.PIECE_BYTES`)
+and, for the pattern XLA:GPU once rejected there, at widths 32 and 97, on
+`gpu-h100` and `tpu-v5e`. `--vocab`, `--seq` and `--batch` set the token models'
+vocabulary and batch (default 256 and 2 x 8 tokens): the GPT of the host update at
+the size people train (16 layers, width 2048, 32000 tokens, 8 x 1024 tokens) is
+
+    python benchmarks/compile_matrix.py --targets gpu-h100 tpu-v5e \
+        --archs gpt gpt-matmul --widths 2048 --depths 16 --dtypes float32 \
+        --policies "host update" --vocab 32000 --seq 1024 --batch 8
 
     python benchmarks/compile_matrix.py --targets tpu-v5e gpu-h100 --archs llama \
         --widths 2048 4096 --depths 2 --microbatches 2 4 \
@@ -61,6 +73,27 @@ import eqx_offload as eo
 import eqx_offload.internal as eoi
 
 
+def matmul_head_gpt(vocab: int, dim: int, depth: int, *, key: Any) -> dict:
+    """`GPT` with its head a bare `(dim, vocab)` matrix, as a dict (the models
+    live in `models/`; this one is `GPT`'s parts): see `matmul_head_loss`."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    return {
+        "embed": eqx.nn.Embedding(vocab, dim, key=k1),
+        "blocks": eo.Stacked.from_fn(lambda k: MLPBlock(dim, key=k), depth, key=k2),
+        "head": jax.random.normal(k3, (dim, vocab)) * dim**-0.5,
+    }
+
+
+def matmul_head_loss(model: dict, tokens: Any, targets: Any) -> Any:
+    """`token_loss` of `matmul_head_gpt`, its head applied as `h @ head`."""
+
+    def logits(tokens: Any) -> Any:
+        return model["blocks"](jax.vmap(model["embed"])(tokens)) @ model["head"]
+
+    out = jax.vmap(logits)(tokens).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(out, targets).mean()
+
+
 def cast(tree, dtype):
     def leaf(x):
         if isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(
@@ -87,22 +120,28 @@ def case(
     *,
     batch: int = BATCH,
     mlp: int | None = None,
+    seq: int = SEQ,
+    vocab: int = VOCAB,
 ) -> tuple[Any, Any, tuple]:
-    """An abstract model, its loss and an abstract batch (`batch` examples)."""
+    """An abstract model, its loss and an abstract batch (`batch` examples of
+    `seq` tokens or vectors)."""
     key = jax.random.key(0)
-    x = jax.ShapeDtypeStruct((batch, SEQ, width), dtype)
+    x = jax.ShapeDtypeStruct((batch, seq, width), dtype)
     if arch == "dict":
         params = {
             f"w{i}": jax.ShapeDtypeStruct((width, width), dtype) for i in range(4)
         }
-        return params, dict_loss, (jax.ShapeDtypeStruct((SEQ, width), dtype),)
-    tokens = jax.ShapeDtypeStruct((batch, SEQ), jnp.int32)
+        return params, dict_loss, (jax.ShapeDtypeStruct((seq, width), dtype),)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     if arch == "gpt":
-        model = eqx.filter_eval_shape(GPT, VOCAB, width, depth, key=key)
+        model = eqx.filter_eval_shape(GPT, vocab, width, depth, key=key)
         return cast(model, dtype), token_loss, (tokens, tokens)
+    if arch == "gpt-matmul":
+        model = eqx.filter_eval_shape(matmul_head_gpt, vocab, width, depth, key=key)
+        return cast(model, dtype), matmul_head_loss, (tokens, tokens)
     if arch == "llama":
         hidden = mlp_width(width) if mlp is None else mlp
-        model = eqx.filter_eval_shape(Llama, VOCAB, width, hidden, depth, key=key)
+        model = eqx.filter_eval_shape(Llama, vocab, width, hidden, depth, key=key)
         return cast(model, dtype), token_loss, (tokens, tokens)
     block = {"mlp": MLPBlock, "attention": AttentionBlock}[arch]
 
@@ -188,15 +227,24 @@ def compile_case(
     microbatches: int = 1,
     mlp: int | None = None,
     optimizer: str = "clip+adamw",
+    tokens: tuple[int, int, int] = (BATCH, SEQ, VOCAB),
 ) -> Result:
     """Compiles one case's train step; `dtype` is a parameter dtype, or
     `COMPUTE_BF16` for float32 parameters under `Policy(compute_dtype=bf16)`;
-    `optimizer` one of `OPTIMIZERS`."""
+    `optimizer` one of `OPTIMIZERS`; `tokens`: the examples per micro-batch, their
+    length and the vocabulary."""
     start = time.perf_counter()
     compute = dtype is COMPUTE_BF16
-    batch_size = BATCH * microbatches
+    batch, seq, vocab = tokens
     model, loss, batch = case(
-        arch, width, depth, jnp.float32 if compute else dtype, batch=batch_size, mlp=mlp
+        arch,
+        width,
+        depth,
+        jnp.float32 if compute else dtype,
+        batch=batch * microbatches,
+        mlp=mlp,
+        seq=seq,
+        vocab=vocab,
     )
     transform = OPTIMIZERS[optimizer]()
     try:
@@ -231,7 +279,7 @@ def moved(report: eo.MemoryReport | None) -> dict[str, int]:
     return out
 
 
-ARCHS = ("mlp", "attention", "gpt", "llama", "dict")
+ARCHS = ("mlp", "attention", "gpt", "llama", "dict", "gpt-matmul")
 COMPUTE_BF16 = "bf16-compute"
 DTYPES: dict[str, Any] = {
     "float32": jnp.float32,
@@ -277,11 +325,45 @@ SPOT = [
     ("gpu-h100", "gpt", "float32", 96, 2, "offload_residuals", 4),
 ]
 
+# (target, arch, dtype, width, depth, policy, microbatches): what `--host-2048`
+# compiles, at the default `_tiling.PIECE_BYTES`. Every architecture at width 2048
+# with the update on the host's CPU, with the parameters there too and on the
+# device; bf16 compute and two micro-batches for the GPT; and the leaves outside a
+# `Stacked` whose gradient is a transposed product (`dict`, `gpt-matmul`), which
+# XLA:GPU rejected at every width until `_update/_host.py` gave them the default
+# layout, at widths 32 and 97 too.
+HOST_2048 = [
+    (target, arch, "float32", 2048, 2, policy, 1)
+    for target in ("gpu-h100", "tpu-v5e")
+    for arch in ("gpt", "gpt-matmul", "llama", "mlp", "attention", "dict")
+    for policy in ("host update", "host state, host update")
+]
+HOST_2048 += [
+    (target, arch, dtype, 2048, 2, "host update", k)
+    for target in ("gpu-h100", "tpu-v5e")
+    for arch, dtype, k in (
+        ("gpt", COMPUTE_BF16, 1),
+        ("gpt", "float32", 2),
+        ("gpt-matmul", COMPUTE_BF16, 2),
+        ("dict", COMPUTE_BF16, 1),
+    )
+]
+HOST_2048 += [
+    (target, arch, "float32", width, 2, "host update", 1)
+    for target in ("gpu-h100", "tpu-v5e")
+    for arch in ("dict", "gpt-matmul")
+    for width in (32, 97)
+]
+
 
 def main():
     p = parser(__doc__)
     p.add_argument("--targets", nargs="+", default=["tpu-v5e"])
-    p.add_argument("--archs", nargs="+", default=[a for a in ARCHS if a != "llama"])
+    p.add_argument(
+        "--archs",
+        nargs="+",
+        default=[a for a in ARCHS if a not in ("llama", "gpt-matmul")],
+    )
     p.add_argument(
         "--widths", type=int, nargs="+", default=[32, 64, 96, 97, 128, 200, 256]
     )
@@ -299,10 +381,20 @@ def main():
     p.add_argument(
         "--spot", action="store_true", help="compile `SPOT` instead of a product"
     )
+    p.add_argument(
+        "--host-2048",
+        action="store_true",
+        help="compile `HOST_2048` (the update on the host at width 2048)",
+    )
+    p.add_argument("--vocab", type=int, default=VOCAB, help="the token vocabulary")
+    p.add_argument("--seq", type=int, default=SEQ, help="tokens (vectors) per example")
+    p.add_argument("--batch", type=int, default=BATCH, help="examples per micro-batch")
     args = p.parse_args()
     if args.spot:
         args.piece_bytes = args.piece_bytes or 32 * 1024
         cases = SPOT
+    elif args.host_2048:
+        cases = HOST_2048
     else:
         cases = [
             c
@@ -331,6 +423,7 @@ def main():
             microbatches=k,
             mlp=args.mlp,
             optimizer=args.optimizer,
+            tokens=(args.batch, args.seq, args.vocab),
         )
         row = [
             target,

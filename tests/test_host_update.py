@@ -484,6 +484,28 @@ def test_compiled_update_runs_on_the_host(target, width, microbatches, dtype):
     assert {t.what for t in update if t.bytes > 4} <= {"gradients"}
 
 
+def test_a_transposed_gradient_compiles_for_a_gpu():
+    """The gradient of `x @ w` is a transposed product. XLA:GPU made the host
+    computation's parameter in its first, transposed layout, then laid the operand
+    out by default, and rejected the step ("The async-start expects the async
+    shape at index {0} to match async computation parameter shape"), for a leaf
+    outside every `Stacked` at any size: it compiles, the update on the host."""
+    policy = host_policy()
+    params = {"w": jax.ShapeDtypeStruct((16, 16), jnp.float32)}
+    model = eo.place(params, policy)
+    opt_state = eo.init_opt_state(CLIPPED, model, policy)
+
+    def loss(params, x):
+        return jnp.mean((x @ params["w"]) ** 2)
+
+    step = eo.train_step(loss, CLIPPED, policy)
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    with compiled_texts() as texts:
+        eo.memory_report(step, model, opt_state, x, target="gpu-h100")
+    host, _ = host_and_device_ops(texts[-1])
+    assert any(i.opcode == "sqrt" for i in host)
+
+
 def test_metrics_tie_no_leaf_to_the_host():
     """`metrics=True`: each leaf's sum of squares is computed where the leaf is
     updated, so the global norms do not bring the leaves updated on the device

@@ -77,7 +77,8 @@ def update(
     value_of = dict(zip(jaxpr.ins, inputs))
     outs: list[Any] = [None] * len(jaxpr.outs)
     if any(on_host):
-        values = _host_values(jaxpr, on_host, kinds, value_of, form)
+        grads = frozenset(jaxpr.ins[: len(args[0])])
+        values = _host_values(jaxpr, on_host, kinds, value_of, form, grads)
         positions = [k for k, h in enumerate(on_host) if h]
         for position, value in zip(positions, values, strict=True):
             outs[position] = value
@@ -150,17 +151,18 @@ def _host_values(
     kinds: list[str],
     value_of: dict[int, Any],
     form: _compat.HostForm,
+    grads: frozenset[int],
 ) -> list:
     """The outputs the host computes, in order. Non-scalar results the device
     keeps are written to device memory by the host computation itself (not to
-    the host, then copied)."""
+    the host, then copied). `grads`: the inputs that are gradients."""
     refs = [r for r, h in zip(jaxpr.outs, on_host) if h]
     to_device = tuple(
         kind == "device" and bool(jaxpr.avals[r].shape)
         for r, kind, h in zip(jaxpr.outs, kinds, on_host)
         if h
     )
-    return _on_host(jaxpr, refs, value_of, form, to_device)
+    return _on_host(jaxpr, refs, value_of, form, to_device, grads)
 
 
 def _device_values(
@@ -194,13 +196,16 @@ def _on_host(
     value_of: dict[int, Any],
     form: _compat.HostForm,
     to_device: tuple[bool, ...],
+    grads: frozenset[int],
 ) -> list:
     """The values of `refs` (variables of `jaxpr`), computed on the host from the
-    inputs they need, moved to host memory first."""
+    inputs they need, moved to host memory first; the inputs in `grads`
+    (gradients, computed in the step) as `_default_layout` gives them."""
     eqns = _dataflow.needed(jaxpr, refs)
     ins = _inputs_of(jaxpr, eqns, refs)
     with jax.named_scope(_scopes.GRAD):  # (device-resident values: mostly gradients)
-        args = [to_space(value_of[i], "pinned_host", "") for i in ins]
+        xs = [_default_layout(value_of[i]) if i in grads else value_of[i] for i in ins]
+        args = [to_space(x, "pinned_host", "") for x in xs]
     consts = {i: _as_constant(c) for i, c in jaxpr.consts.items()}
 
     def compute(*xs: Any) -> list:
@@ -210,6 +215,31 @@ def _on_host(
         return [env[r] for r in refs]
 
     return list(_compat.on_host(compute, form, to_device)(*args))
+
+
+def _default_layout(x: Any) -> Any:
+    """`x`, a gradient, as the host computation's operand: on a GPU, given a
+    leading axis of one and reshaped back, with an optimization barrier between,
+    so that it is laid out by default.
+
+    XLA:GPU makes the host computation's parameters before its layout
+    assignment, in the layouts their operands have then, and never revisits
+    them. The gradient of `x @ w` is the transpose of a product, first laid out
+    transposed; layout assignment later gives the operand the default layout,
+    and the compiler rejects the step: "The async-start expects the async shape
+    at index {0} to match async computation parameter shape". A reshape is laid
+    out by default, and the barrier keeps the pair from being folded away before
+    the host computation is made. On a GPU each reshape then compiles to a
+    bitcast; no axis is merged, so a sharded gradient keeps its sharding. A TPU
+    lays the operand out itself: there the pair would cost a relayout on the
+    host's CPU, so it is left out (`platform_dependent`)."""
+    if jnp.ndim(x) < 2:
+        return x
+
+    def relaid(x: Any) -> Any:
+        return jax.lax.reshape(jax.lax.optimization_barrier(x[None]), x.shape)
+
+    return jax.lax.platform_dependent(x, cuda=relaid, rocm=relaid, default=lambda x: x)
 
 
 def _inputs_of(jaxpr: _dataflow.FlatJaxpr, eqns: list[int], refs: list) -> list[int]:
