@@ -5,6 +5,7 @@ versions.
     python benchmarks/gpu_check.py --json benchmarks/results/gpu_check.json
     python benchmarks/gpu_check.py --smoke --json /tmp/gpu_check.json   # on a CPU
     python benchmarks/gpu_check.py --deviceless                         # no GPU
+    python benchmarks/gpu_check.py --overlap --calibrate --json out.json  # first
 
 Run from the source tree (`PYTHONPATH=.` if eqx_offload is not installed) on the
 machine's own JAX. Every part runs in a fresh process of its own, so that one
@@ -43,7 +44,10 @@ process's memory never counts in another's peak, and a part that fails is record
    (median of 5 after one warm-up, state and parameters donated as the step donates
    them) against the same update on the device; the host memory it reads and writes
    per second; whether the forms give the same numbers (exactly) and the device the
-   same to `rtol=1e-5`.
+   same with each leaf relative to its scale (a parameter through its update, to
+   1e-4 plus one float32 unit of max |p_0| per step, as `tests/numerics.py`
+   compares), a learning rate 1% off caught at ten times that; the element-by-element
+   `rtol=1e-5` count of the H200 runs is still recorded.
 5. **XLA's `xla_gpu_enable_pipelined_host_offloading`**: on a GPU any host-compute
    op turns XLA's latency-hiding scheduler off unless this flag (or optimization
    level O1) is set. Whether this jaxlib accepts it as a compile option (a made-up
@@ -62,6 +66,49 @@ chooses some of them, for parts 1 and 2 alike. `--smoke` runs the same on a tiny
 model with 3 timed steps, for CI on a CPU. A run of parts 2 and 4 starts only within
 `--budget` seconds of the start (450 by default, for the whole to stay under 8
 minutes); later ones are recorded as skipped.
+
+**Programs.** With `--json PATH`, the compiled program of every configuration
+timed in part 2, and of every deviceless compile (`--deviceless`: beside
+`gpu_check_deviceless.json`), is saved as gzip-compressed text in the folder
+`<PATH stem>.programs/` beside it; each row names its file (`"program"`, and
+`"deviceless gpu-h200 program"`) from the results' folder.
+
+**`--calibrate`** (about 1 minute on a GPU): pinned host -> device and device ->
+host copies of 1 GiB inside one jitted program each, alone and both at once
+(median of 5 after a warm-up); the copy beside an independent chain of bf16
+matmuls (each alone, then both in one program: the share of the shorter hidden,
+`(t_copy + t_matmul - t_both) / min(t_copy, t_matmul)`); the dense bf16 matmul
+rate; the host update's memory rate (part 4 at the 0.2B size). It writes the
+calibration file `eo.Hardware.from_measurements` reads (`--json`,
+`calibration.json` by default): the format, the target it refines (from the
+device kind: `gpu-h100`, `gpu-h200`; `cpu` on a CPU), the device, the date, the
+versions, each rate in bytes or FLOP per second, and the raw timings under
+`details`. It exits with an error if a rate could not be measured.
+
+**`--overlap`** (3-4 minutes on a GPU; the first thing to run on one): what
+overlaps on this machine, each pair timed alone and in one program, printed with
+its overlap share: (a) a 1 GiB host -> device copy beside an independent ~40 ms
+matmul chain; (b) the same bytes read as 8 dynamic slices of a host stack in a
+loop at offset `i` (a scan over `arange`, as the library's piece and prefetching
+loops; (b') a `fori_loop`'s counter; (b'') a scan over the host stack itself)
+beside the loop's matmuls; (c) the same at the clamped
+offset `min(i+1, n-1)`, which XLA:GPU cannot turn into copy-engine transfers;
+(d) a host -> device copy beside an independent device -> host copy; and
+`CUDA_DEVICE_MAX_CONNECTIONS`. The probes' on-device compiles are dumped too
+(`<stem>.programs/xla-dump-probes/`: `*thunk_sequence.txt` says which reads
+became memcpys and which kernels). Then the 0.2B step of `offload_all` with the
+streamed update as the library runs it, with `Policy(prefetch=1)`, and with
+`xla_gpu_enable_pipelined_host_offloading` (`--configs` chooses others; the
+first is the reference), each in its own process, its parameters and losses
+after the 2 warm-up steps checked against the reference's, beside the time
+measured on an H200 before (`results/gpu_check_h200_gpt02b.json`); and one 0.9B
+step of the reference under `jax.profiler.trace`, its profile read back
+(`.xplane.pb` through `jax.profiler.ProfileData`, else the trace viewer's
+`.trace.json.gz`): the share of copy time that overlaps kernels, and of host ->
+device time that overlaps device -> host. A part that fails is recorded with its
+error; none starts after `--budget` seconds (240 by default). With both options,
+`--overlap` runs first and each writes its own file (`<stem>.overlap.json`,
+`<stem>.calibrate.json`). With `--smoke`, both run at tiny sizes on a CPU.
 """
 
 import argparse
@@ -77,11 +124,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import _gpu_probes as probes
+
 
 HERE = Path(__file__).parent
 DEVICELESS = HERE / "results" / "gpu_check_deviceless.json"
 MARK = "GPU_CHECK_RESULT "
-CONFIGS = (
+CONFIGS: tuple[str, ...] = (
     "none",
     "remat",
     "offload_residuals",
@@ -105,7 +154,16 @@ FLAGGED = {
     "offload_all, host update, pipelined host offloading": f"{FLAG}=true",
     "offload_all, streamed update, prefetch, async limit 16": f"{ASYNC_LIMIT}=16",
     "offload_all, streamed update, next_forward, async limit 16": f"{ASYNC_LIMIT}=16",
+    # (`--overlap` only)
+    "offload_all, streamed update, pipelined host offloading": f"{FLAG}=true",
 }
+# `--overlap`'s step: the streamed update as the library runs it (the reference),
+# reading layers ahead, and with XLA's pipelining of host transfers.
+OVERLAP_CONFIGS: tuple[str, ...] = (
+    "offload_all, streamed update",
+    "offload_all, streamed update, prefetch",
+    "offload_all, streamed update, pipelined host offloading",
+)
 # name -> (vocab, dim, layers, batch, seq)
 SIZES = {
     "GPT 0.2B": (32768, 1024, 12, 8, 1024),
@@ -196,15 +254,9 @@ def _link(report: Any, measured: dict[str, Any]) -> Any:
     )
 
 
-def measure(
-    config: str, size: tuple[int, ...], steps: int, link: dict[str, Any]
-) -> dict[str, Any]:
-    """One configuration at one size: memory measured and reported, step time
-    measured and estimated (`report.time`: at the hardware table's rates, and with
-    the host link `link` measured by `bandwidth`)."""
-    import equinox as eqx
+def _setup(config: str, size: tuple[int, ...]) -> tuple[Any, Any, Any, Any]:
+    """The step of `config` and its model, optimizer state and tokens at `size`."""
     import jax
-    import jax.numpy as jnp
     import optax
     from models.gpt import loss_fn
 
@@ -217,7 +269,29 @@ def measure(
     model = _materialise(abstract, seed=0)
     opt_state = _materialise(eo.init_opt_state(optimizer, abstract, policy), seed=None)
     tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, vocab)
-    step = eo.train_step(loss_fn, optimizer, policy)
+    return eo.train_step(loss_fn, optimizer, policy), model, opt_state, tokens
+
+
+def measure(
+    config: str,
+    size: tuple[int, ...],
+    steps: int,
+    link: dict[str, Any],
+    program: str = "",
+    check: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """One configuration at one size: memory measured and reported, step time
+    measured and estimated (`report.time`: at the hardware table's rates, and with
+    the host link `link` measured by `bandwidth`); the program timed saved to
+    `program` (gzip text), if given; the parameters after the two warm-up steps
+    saved or compared (`check`, `probes.parameters`), if given."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    import eqx_offload as eo
+
+    step, model, opt_state, tokens = _setup(config, size)
     out: dict[str, Any] = {"peak bytes after init": _peak()}
     out["host compute"] = _host_compute(step, model, opt_state, tokens, tokens)
     report = eo.memory_report(step, model, opt_state, tokens, tokens)
@@ -233,14 +307,23 @@ def measure(
         )
         assert again.time is not None
         out["estimated step s, measured link"] = again.time.seconds
-    times = []
+    times, losses = [], []
     for i in range(2 + steps):
         start = time.perf_counter()
         model, opt_state, loss, _ = step(model, opt_state, tokens, tokens)
         jax.block_until_ready((model, opt_state, loss))
         if i >= 2:
             times.append(time.perf_counter() - start)
+        else:
+            losses.append(float(jnp.asarray(loss)))
+        if i == 1 and check:
+            out["parameters after 2 steps"] = probes.parameters(model, losses, check)
     out["peak bytes after steps"] = _peak()
+    if program:  # (the program just run: compiled again from JAX's cache)
+        traced = step.trace(model, opt_state, tokens, tokens)
+        out["program"] = probes.save_program(
+            traced.lower().compile().as_text(), program
+        )
     out["step s median"] = statistics.median(times)
     for key in ("estimated step s", "estimated step s, measured link"):
         if out.get(key):
@@ -256,9 +339,12 @@ def measure(
     return out
 
 
-def deviceless(configs: list[str], sizes: dict[str, tuple[int, ...]]) -> list[dict]:
+def deviceless(
+    configs: list[str], sizes: dict[str, tuple[int, ...]], programs: str = ""
+) -> list[dict]:
     """The `gpu-h200` reports of every configuration and size, compiled without a
-    GPU (run with `JAX_PLATFORMS=cpu` and JAX's CUDA plugin)."""
+    GPU (run with `JAX_PLATFORMS=cpu` and JAX's CUDA plugin); each step's compiled
+    program saved under `programs` (gzip text), if given."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -275,20 +361,24 @@ def deviceless(configs: list[str], sizes: dict[str, tuple[int, ...]]) -> list[di
             opt_state = eo.init_opt_state(optimizer, model, policy)
             tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
             step = eo.train_step(loss_fn, optimizer, policy)
-            r = eo.memory_report(
-                step, model, opt_state, tokens, tokens, target="gpu-h200"
-            )
-            rows.append(
-                {
-                    "size": name,
-                    "config": config,
-                    "device bytes": r.device_bytes,
-                    "host bytes": r.host_bytes,
-                    "estimated step s": None if r.time is None else r.time.seconds,
-                    "jax": jax.__version__,
-                    "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
-                }
-            )
+            with probes.capture_compiles() as texts:
+                r = eo.memory_report(
+                    step, model, opt_state, tokens, tokens, target="gpu-h200"
+                )
+            row = {
+                "size": name,
+                "config": config,
+                "device bytes": r.device_bytes,
+                "host bytes": r.host_bytes,
+                "estimated step s": None if r.time is None else r.time.seconds,
+                "jax": jax.__version__,
+                "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+            }
+            if programs:  # (the step's: compiled last)
+                file = f"deviceless-gpu-h200-{probes.slug(name)}-{probes.slug(config)}"
+                path = Path(programs) / f"{file}.hlo.gz"
+                row["program"] = probes.save_program(texts[-1], path)
+            rows.append(row)
     return rows
 
 
@@ -555,7 +645,23 @@ def _host_update_fn(optimizer: Any, form: str | None) -> Any:
 def host_update(size: tuple[int, ...], steps: int) -> dict[str, Any]:
     """AdamW's update of the float leaves of the GPT-style model of `size`, on the
     host's CPU in each form of host compute and on the device: median seconds,
-    the host memory read and written per second, and whether the results agree."""
+    the host memory read and written per second, and whether the results agree.
+
+    The host and the device agree if each leaf does relative to its scale, as
+    `tests/numerics.py` compares (`F32 = 1e-4`): a parameter through its update
+    `p_n - p_0`, within `1e-4` of the device's largest plus one float32 unit of
+    `max |p_0|` per step; a moment within `1e-4` of its largest; the step count
+    exactly. Not element by element: Adam's bias correction `1 - b2**t` (0.001 at
+    the first step) turns one unit in the last place of `b2**t`, which the GPU's
+    `pow` and the CPU's may round apart, into `6e-5 / t` of `1 - b2**t`: every
+    element's update moves by about `3e-5 / t` of itself. Over `1 + steps` steps
+    that is `3e-5 * H / (1 + steps)` of the update's scale (`H`, the harmonic
+    sum: `1.2e-5` at 6 steps, `4.9e-5` for four units), inside `1e-4`; but a
+    parameter that the updates bring near zero is off by more than `1e-5` of
+    itself (the check of the H200 runs, `rtol=1e-5` element by element, still
+    recorded as the number of elements beyond it). A negative control, the device
+    update with a learning rate 1% larger, must land at least ten times beyond
+    the tolerance."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -596,7 +702,7 @@ def host_update(size: tuple[int, ...], steps: int) -> dict[str, Any]:
         )
         return grads, state, params
 
-    def run(form: str | None) -> tuple[list[float], Any]:
+    def run(form: str | None, optimizer: Any = optimizer) -> tuple[list[float], Any]:
         fn = _host_update_fn(optimizer, form)
         grads, state, params = inputs("device" if form is None else "pinned_host")
         times = []
@@ -632,16 +738,60 @@ def host_update(size: tuple[int, ...], steps: int) -> dict[str, Any]:
         except Exception as e:
             row = {"error": _error(e)}
         out["forms"][form] = row
+
+    def agreement(host: Any, device: Any, control: Any) -> dict[str, Any]:
+        """`host`'s results against `device`'s, each leaf by its scale (the
+        docstring), and `control`'s (a wrong learning rate) against `device`'s."""
+        tol, eps = 1e-4, float(np.finfo(np.float32).eps)  # (eps: 2 ** -23)
+        origin = [np.asarray(p, np.float64) for p in inputs("device")[2]]
+        worst = {"parameter updates": 0.0, "optimizer state": 0.0, "control": 0.0}
+        beyond, exact = 0, True  # (elements beyond rtol 1e-5; step counts equal)
+
+        def excess(x: Any, ref: Any, origin: Any = None) -> float:
+            """max |x - ref| over what the tolerance allows (above 1: beyond)."""
+            x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+            if origin is None:
+                allowed = tol * np.max(np.abs(ref))
+            else:
+                allowed = tol * np.max(np.abs(ref - origin))
+                allowed += (1 + steps) * eps * np.max(np.abs(origin))
+            return float(np.max(np.abs(x - ref)) / max(allowed, 1e-30))
+
+        def note(key: str, value: float) -> None:
+            worst[key] = max(worst[key], value)
+
+        for h, d, c, o in zip(host[0], device[0], control[0], origin, strict=True):
+            note("parameter updates", excess(h, d, o))
+            note("control", excess(c, d, o))
+            beyond += int(np.sum(~np.isclose(h, d, rtol=1e-5, atol=1e-12)))
+        states = zip(jax.tree.leaves(host[1]), jax.tree.leaves(device[1]), strict=True)
+        for h, d in states:
+            h, d = np.asarray(h), np.asarray(d)
+            if not np.issubdtype(d.dtype, np.floating):
+                exact = exact and bool(np.array_equal(h, d))
+                continue
+            note("optimizer state", excess(h, d))
+            beyond += int(np.sum(~np.isclose(h, d, rtol=1e-5, atol=1e-12)))
+        control = worst.pop("control")
+        return {
+            "host agrees with device (leaf scale, tol 1e-4)": (
+                exact and max(worst.values()) <= 1
+            ),
+            "host - device, max over the tolerance": worst,
+            "control (learning rate x 1.01) over the tolerance": control,
+            "control caught (>= 10x the tolerance)": control >= 10,
+            "elements beyond rtol 1e-5 (the check before)": beyond,
+            "host agrees with device (rtol 1e-5)": beyond == 0,
+        }
+
     try:
         times, on_device = run(None)
         out["device update s median"] = statistics.median(times)
         if first is not None:
             host = out["forms"][eoi.compat.host_forms()[0]]["update s median"]
             out["host / device"] = host / out["device update s median"]
-            out["host agrees with device (rtol 1e-5)"] = all(
-                np.allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-12)
-                for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(on_device))
-            )
+            _, control = run(None, optax.adamw(1.01e-3))
+            out.update(agreement(first, on_device, control))
     except Exception as e:
         out["device error"] = _error(e)
     forms = out["forms"].values()
@@ -652,7 +802,8 @@ def host_update(size: tuple[int, ...], steps: int) -> dict[str, Any]:
     out["passed"] = (
         out["forms agree"]
         and all(r["memory kinds after"] == ["pinned_host"] for r in forms)
-        and out.get("host agrees with device (rtol 1e-5)", False)
+        and out.get("host agrees with device (leaf scale, tol 1e-4)", False)
+        and out.get("control caught (>= 10x the tolerance)", False)
     )
     return out
 
@@ -744,6 +895,20 @@ def bandwidth(mib: int) -> dict[str, Any]:
     return out
 
 
+def profile(config: str, size: tuple[int, ...], directory: str) -> dict[str, Any]:
+    """One step of `config` at `size` under `jax.profiler` (`probes.profile`)."""
+    import jax
+
+    step, model, opt_state, tokens = _setup(config, size)
+
+    def once(state: tuple[Any, Any]) -> tuple[Any, Any]:
+        model, opt_state, loss, _ = step(*state, tokens, tokens)
+        jax.block_until_ready((model, opt_state, loss))
+        return model, opt_state
+
+    return probes.profile(once, (model, opt_state), directory)
+
+
 def environment() -> dict[str, Any]:
     import jax
 
@@ -766,7 +931,10 @@ def child(args: argparse.Namespace) -> None:
     kind, *rest = args.child
     if kind == "measure":
         link = json.loads(rest[2]) if len(rest) > 2 else {}
-        result: Any = measure(rest[0], tuple(json.loads(rest[1])), args.steps, link)
+        program = rest[3] if len(rest) > 3 else ""
+        check = json.loads(rest[4]) if len(rest) > 4 else None
+        size = tuple(json.loads(rest[1]))
+        result: Any = measure(rest[0], size, args.steps, link, program, check)
     elif kind == "numerics":
         chosen = json.loads(rest[0]) if rest else [*CONFIGS]
         result = {"numerics": numerics(chosen), **environment()}
@@ -779,7 +947,11 @@ def child(args: argparse.Namespace) -> None:
         result = flag()
     elif kind == "deviceless":
         configs: list[str] = json.loads(rest[1]) if len(rest) > 1 else [*CONFIGS]
-        result = deviceless(configs, json.loads(rest[0]))
+        result = deviceless(configs, json.loads(rest[0]), *rest[2:3])
+    elif kind == "link":
+        result = probes.link(**json.loads(rest[0]))
+    elif kind == "profile":
+        result = profile(rest[0], tuple(json.loads(rest[1])), rest[2])
     else:
         raise ValueError(f"`gpu_check.py --child {kind}`: unknown part")
     print(MARK + json.dumps(result), flush=True)
@@ -822,21 +994,30 @@ def _flag_env(config: str) -> dict[str, str]:
 
 
 def deviceless_rows(
-    sizes: dict[str, tuple[int, ...]], configs: list[str], timeout: float
+    sizes: dict[str, tuple[int, ...]],
+    configs: list[str],
+    timeout: float,
+    json_path: Path | None = None,
 ) -> dict[str, Any]:
     """The deviceless part (`JAX_PLATFORMS=cpu`): one process for the
     configurations without a flag, one for each with `XLA_FLAGS` naming its flag;
-    their rows together, or the first error."""
+    their rows together, or the first error. The programs are saved beside
+    `json_path`, if given, and each row names its file from there."""
     plain = [c for c in configs if c not in FLAGGED]
     groups = [(plain, {})] if plain else []
     groups += [([c], _flag_env(c)) for c in configs if c in FLAGGED]
     rows: list[dict[str, Any]] = []
     for group, env in groups:
         argv = ["deviceless", json.dumps(sizes), json.dumps(group)]
+        if json_path is not None:
+            argv.append(str(probes.programs_folder(json_path)))
         part = run_child(argv, timeout, {"JAX_PLATFORMS": "cpu", **env})
         if "error" in part:
             return part
         rows += part["result"]
+    for row in rows:
+        if json_path is not None and row.get("program"):
+            row["program"] = probes.relative(row["program"], json_path)
     return {"result": rows}
 
 
@@ -872,12 +1053,77 @@ def versions() -> dict[str, str | None]:
     return out
 
 
+def link_main(args: argparse.Namespace) -> None:
+    """`--calibrate` and `--overlap` (`--overlap` first when both are given)."""
+    for wanted, default in (
+        ("overlap", "overlap.json"),
+        ("calibrate", "calibration.json"),
+    ):
+        if not getattr(args, wanted):
+            continue
+        both = args.calibrate and args.overlap
+        path = args.json or Path(default)
+        if both and args.json:  # one file each
+            path = args.json.with_name(f"{args.json.stem}.{wanted}.json")
+        if wanted == "overlap":
+            sizes = SMOKE_SIZES if args.smoke else SIZES
+            result = probes.overlap(
+                run_child,
+                smoke=args.smoke,
+                json_path=path,
+                step_size=next(iter(sizes.items())),
+                profile_size=list(sizes.items())[-1],
+                configs=args.configs or [*OVERLAP_CONFIGS],
+                flag_env=_flag_env,
+                budget=240.0 if args.budget is None else args.budget,
+            )
+            result = {"versions": versions(), "smoke": args.smoke, **result}
+        else:
+            size = SMOKE_SIZES["smoke"] if args.smoke else SIZES["GPT 0.2B"]
+            result = probes.calibrate(
+                run_child,
+                smoke=args.smoke,
+                json_path=path,
+                host_size=size,
+                versions=versions(),
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}", flush=True)
+        if wanted == "calibrate" and result["details"]["missing"]:
+            sys.exit(f"not measured: {result['details']['missing']}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--json", type=Path, help="write the results to this file")
     p.add_argument("--smoke", action="store_true", help="a tiny model, for a CPU")
     p.add_argument("--deviceless", action="store_true", help=f"write {DEVICELESS}")
-    p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure the host link, a copy beside a matmul, the matmul rate and "
+        "the host update's memory rate; write the calibration file that "
+        "`eo.Hardware.from_measurements` reads (--json, calibration.json by default)",
+    )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="settle what overlaps on this GPU: copies beside a matmul, affine and "
+        "clamped slices, both directions at once; the 0.2B step with prefetching and "
+        f"with {FLAG}; one profiled 0.9B step (--json, overlap.json by default)",
+    )
+    choices = list(dict.fromkeys(CONFIGS + OVERLAP_CONFIGS))
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        choices=choices,
+        metavar="CONFIG",
+        default=None,
+        help="configurations (all of the main run's; --overlap: its three, the "
+        "first the reference its parameters are checked against): "
+        + "; ".join(choices),
+    )
     p.add_argument("--steps", type=int, default=None, help="timed steps (10)")
     p.add_argument(
         "--sizes", nargs="+", choices=list(SIZES), default=list(SIZES), help="models"
@@ -885,18 +1131,23 @@ def main() -> None:
     p.add_argument(
         "--budget",
         type=float,
-        default=450.0,
-        help="seconds after which no further run starts (recorded as skipped)",
+        default=None,
+        help="seconds after which no further run starts (recorded as skipped): "
+        "450 by default, 240 with --overlap",
     )
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.steps = args.steps or (3 if args.smoke else 10)
     if args.child:
         return child(args)
+    if args.calibrate or args.overlap:
+        return link_main(args)
+    args.configs = args.configs or [*CONFIGS]
+    args.budget = 450.0 if args.budget is None else args.budget
     sizes = SMOKE_SIZES if args.smoke else {k: SIZES[k] for k in args.sizes}
     cpu = {"JAX_PLATFORMS": "cpu"}
     if args.deviceless:
-        part = deviceless_rows(sizes, args.configs, 1200)
+        part = deviceless_rows(sizes, args.configs, 1200, DEVICELESS)
         if "error" in part:
             sys.exit(f"gpu_check.py --deviceless failed:\n{part['error']}")
         # The rows of the configurations given replace theirs; the others are kept.
@@ -923,7 +1174,7 @@ def main() -> None:
     results[FLAG] = part.get("result", part)
     print(f"{FLAG}: {results[FLAG]}", flush=True)
     if args.smoke:
-        part = deviceless_rows(sizes, args.configs, 600)
+        part = deviceless_rows(sizes, args.configs, 600, args.json)
         rows = part.get("result", [])
         if "error" in part:  # recorded, not hidden behind the rows' empty figures
             results["deviceless error"] = part["error"]
@@ -953,10 +1204,19 @@ def main() -> None:
                 continue
             link = json.dumps(results["host link"])
             argv = ["measure", config, json.dumps(size), link]
+            if args.json:  # the program timed, beside the results
+                file = f"{probes.slug(name)}-{probes.slug(config)}.hlo.gz"
+                argv.append(str(probes.programs_folder(args.json) / file))
             part = run_child(argv, 300, _flag_env(config))
             row["seconds"] = part["seconds"]
             row.update(part.get("result", {"error": part.get("error")}))
+            if args.json and row.get("program"):
+                row["program"] = probes.relative(row["program"], args.json)
             figure = known.get((name, config))
+            if args.json and figure and figure.get("program"):
+                there = args.json if args.smoke else DEVICELESS
+                path = there.parent / figure["program"]
+                row["deviceless gpu-h200 program"] = probes.relative(path, args.json)
             row["deviceless gpu-h200 device bytes"] = figure and figure["device bytes"]
             row["deviceless gpu-h200 host bytes"] = figure and figure["host bytes"]
             row["deviceless gpu-h200 estimated step s"] = figure and figure.get(
