@@ -277,19 +277,26 @@ def test_the_table_and_the_plot_show_host_compute():
 
 
 def test_results_saved_before_host_compute_still_load():
-    """`benchmarks/results/step_time.json`'s hardware and `depth.json`'s reports
-    were written before the host's rates and host compute existed."""
-    saved = json.loads((ROOT / "benchmarks/results/step_time.json").read_text())
-    old = saved["results"]["hardware"]["tpu-v5e"]
-    assert "host_memory_bytes_per_second" not in old
+    """A `Hardware` and a `StepTime` saved before the host's rates, host compute,
+    the link's model parameters and the error band existed (as the first
+    benchmark results were), and `depth.json`'s reports, still load."""
+    first = ("name", "matmul_flops", "hbm_bytes_per_second", "host_memory_bytes")
+    first += ("host_to_device_bytes_per_second", "device_to_host_bytes_per_second")
+    old = {k: v for k, v in V5E.to_dict().items() if k in first}
     hw = eo.Hardware.from_dict(old)
     assert hw.host_memory_bytes_per_second == 50e9 and hw.host_flops == 1e12
     assert hw.hbm_bytes_per_second == V5E.hbm_bytes_per_second
+    assert hw.transfer_overlap == 1 and hw.both_ways_bytes_per_second is None
+    assert hw.label("transfer_overlap") == "assumed"
     new_fields = {
         "host_compute_seconds",
         "host_compute_bytes",
         "host_compute_flops",
         "exposed_host_compute_seconds",
+        "kind",
+        "error",
+        "compile_options",
+        "notes",
     }
     t = eoi.step_time.estimate(_update_hlo("async"), V5E, "tpu").to_dict()
     before = {k: v for k, v in t.items() if k not in new_fields} | {"hardware": old}
