@@ -499,3 +499,21 @@ def test_a_cublas_call_is_a_matmul():
     assert t.flops_by_precision == {"f32": flops}
     f32 = h100.matmul_flops["f32"] * h100.compute_efficiency
     assert t.compute_seconds == pytest.approx(flops / f32)
+
+
+def test_the_compile_options_come_from_one_place_and_are_reported():
+    """`train_step` and `memory_report` take their options from
+    `_compiler.compile_options`; the step time prints what it was compiled with."""
+    options = eoi.compiler.compile_options("tpu", host_remat=True)
+    assert options == {"xla_tpu_rematerialization_use_host_memory_offload": True}
+    assert eoi.compiler.compile_options("gpu", host_remat=True) is None
+    assert eoi.compiler.compile_options("tpu", host_remat=False) is None
+    hw = eo.Hardware.of("tpu-v5e")
+    t = eoi.step_time.estimate(_hlo(asynchronous=True), hw, "tpu", options)
+    assert t.compile_options == options
+    assert "compiled with: xla_tpu_rematerialization_use_host_memory_offload=True" in (
+        str(t).splitlines()
+    )
+    plain = eoi.step_time.estimate(_hlo(asynchronous=True), hw, "tpu")
+    assert plain.compile_options == {} and "compiled with" not in str(plain)
+    assert "rates: link nominal, assumed" in str(plain)
