@@ -127,10 +127,11 @@ def mistral_row(target: str, update: str) -> dict:
 
 
 def gpt_plan() -> list[dict]:
-    """`eo.plan` of `largest.py`'s GPT at 54 layers on a v5e chip, and its
+    """`eo.plan` of `largest.py`'s GPT at 54 layers on a v5e chip, with the host
+    update's stage (experimental: `plan(experimental=("host_update",))`), and its
     table's rows that ran the update on the host."""
     start = time.perf_counter()
-    p = largest.attempt(2048, 54, probe=False)
+    p = largest.attempt(2048, 54, probe=False, experimental=("host_update",))
     assert isinstance(p, eo.Plan), p
     chosen = next(r for r in p.table.rows if r.status == "chosen")
     rows = [

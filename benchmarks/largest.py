@@ -96,9 +96,15 @@ def largest(fits: Callable[[int], Any], low: int, high: int) -> tuple[int, Any, 
     return best, found, tries
 
 
-def attempt(width: int, depth: int, probe: bool) -> eo.Plan | bool | eo.DoesNotFit:
+def attempt(
+    width: int,
+    depth: int,
+    probe: bool,
+    experimental: tuple[eoi.planner_choice.Experimental, ...] = (),
+) -> eo.Plan | bool | eo.DoesNotFit:
     """`eo.plan` at this depth (a probe: `True` at the first candidate that fits),
-    or its `DoesNotFit` (`e.tried`: what it compiled)."""
+    or its `DoesNotFit` (`e.tried`: what it compiled). Without the experimental
+    stages unless `experimental` names some (`plan(experimental=...)`)."""
     abstract = eqx.filter_eval_shape(
         decoder.Decoder, shape(width, depth), key=jax.random.key(0)
     )
@@ -112,6 +118,7 @@ def attempt(width: int, depth: int, probe: bool) -> eo.Plan | bool | eo.DoesNotF
         host_budget=HOST,
         progress=True,
         first_fit=probe,
+        experimental=experimental,
     ).found
     return True if found is None else found
 

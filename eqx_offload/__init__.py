@@ -27,6 +27,7 @@ from ._planner import (
     fewest_chips as fewest_chips,
     Plan as Plan,
     plan as plan,
+    PlanInterrupted as PlanInterrupted,
     PlanRow as PlanRow,
     PlanTable as PlanTable,
 )
@@ -102,6 +103,7 @@ __all__ = [
     "place",
     "Plan",
     "plan",
+    "PlanInterrupted",
     "PlanRow",
     "PlanTable",
     "place_opt_state",

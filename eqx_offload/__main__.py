@@ -2,7 +2,14 @@
 --device-budget 16GiB --host-budget 48GB` plans a training step (`eo.plan`) and
 prints the table of candidates (when nothing fits too, before the message, and
 `--json` writes it with `"fits": false`); `--chip tpu-v5e` instead of `--target`
-finds the fewest devices (`eo.fewest_chips`).
+finds the fewest devices (`eo.fewest_chips`). `--experimental prefetch
+next_forward host_update` turns on `plan`'s experimental stages,
+`--workspace-margin 1GiB` sets the device memory left free, `--hardware FILE` prices
+the steps with a calibration file (`eo.Hardware.from_measurements`).
+
+Stopped by Ctrl-C or a SIGTERM (`timeout`), it prints the best plan of what it has
+compiled and its table, writes `--json` (with `"interrupted": true`), and exits
+with 128 + the signal's number (130, 143).
 
 The factory is a function of no arguments, named by its module's dotted path and
 its name (`mypackage.models:llama_1b`). It returns the arguments of
@@ -16,15 +23,18 @@ batch argument.
 """
 
 import argparse
+import contextlib
 import importlib
 import json
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from ._planner import fewest_chips, plan
-from ._report import DoesNotFit
+from ._planner import fewest_chips, plan, PlanInterrupted
+from ._planner._choice import EXPERIMENTAL
+from ._report import DoesNotFit, Hardware
 from ._train_step import TrainStep
 
 
@@ -91,6 +101,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     sub.add_argument("--device-budget", help="device memory per device: '16GiB', bytes")
     sub.add_argument("--host-budget", help="host memory per device: '48GB', bytes")
+    sub.add_argument(
+        "--experimental",
+        nargs="+",
+        choices=EXPERIMENTAL,
+        default=[],
+        help="experimental stages to run (off by default: their gain rests on "
+        "overlap no measurement has shown)",
+    )
+    sub.add_argument(
+        "--workspace-margin",
+        help="device memory left free under the budget: '1GiB', bytes, 0 (default: "
+        "2GiB on a GPU, 0 on a TPU)",
+    )
+    sub.add_argument(
+        "--hardware",
+        type=Path,
+        help="price steps with this calibration file (`benchmarks/gpu_check.py "
+        "--calibrate`)",
+    )
     # The step says it now (`train_step(has_aux=True)`): refused with the way.
     sub.add_argument("--has-aux", action="store_true", help=argparse.SUPPRESS)
     sub.add_argument(
@@ -113,6 +142,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             "planner cannot keep. Build the factory's step without `unsplit`."
         )
     loss_fn, optimizer = step.loss_fn, step.optimizer
+    hardware = None
+    if args.hardware is not None:
+        try:
+            hardware = Hardware.from_measurements(args.hardware)
+        except ValueError as e:
+            raise SystemExit(f"eqx_offload plan: {e}") from None
     common = dict(
         device_budget=args.device_budget,
         host_budget=args.host_budget,
@@ -120,7 +155,32 @@ def main(argv: Sequence[str] | None = None) -> None:
         microbatches=tuple(args.microbatches or (step.microbatches,)),
         compute_dtypes=tuple(None if d == "model" else d for d in args.compute_dtypes),
         progress=True,
+        experimental=tuple(args.experimental),
+        workspace_margin=_margin(args.workspace_margin),
+        hardware=hardware,
     )
+    signals: list[int] = []
+    try:
+        with _sigterm_interrupts(signals):
+            result = _plan(args, loss_fn, optimizer, model, batch, common)
+    except PlanInterrupted as e:
+        _interrupted(e, args.json, signals[0] if signals else signal.SIGINT)
+    print(result)
+    print(f"\npolicy: {result.policy}")
+    if args.json is not None:
+        _write(args.json, {"fits": True, **result.table.to_dict()})
+
+
+def _plan(
+    args: argparse.Namespace,
+    loss_fn: Any,
+    optimizer: Any,
+    model: Any,
+    batch: tuple,
+    common: dict[str, Any],
+) -> Any:
+    """`fewest_chips` or `plan`; what nothing fits prints and writes before the
+    command ends with its message; bad input ends it too."""
     try:
         if args.chip is not None:
             result = fewest_chips(
@@ -147,10 +207,60 @@ def main(argv: Sequence[str] | None = None) -> None:
         if isinstance(e, TypeError) and not str(e).startswith("`plan("):
             raise  # from the factory's model or loss: with its traceback
         raise SystemExit(f"eqx_offload plan: {e}") from None
-    print(result)
-    print(f"\npolicy: {result.policy}")
-    if args.json is not None:
-        _write(args.json, {"fits": True, **result.table.to_dict()})
+    return result
+
+
+def _margin(text: str | None) -> int | str | None:
+    """`--workspace-margin` as `plan` takes it: bytes as an int, else the text."""
+    if text is None:
+        return None
+    return int(text) if text.strip().isdigit() else text
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts(received: list[int]) -> Iterator[None]:
+    """A SIGTERM (`timeout`'s) stops the plan as Ctrl-C does (a
+    `KeyboardInterrupt`), its number kept in `received`; the handler before is
+    put back after. (Off the main thread, where no handler can be set: as
+    before.)"""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupted(e: PlanInterrupted, path: Path | None, signum: int) -> NoReturn:
+    """The best plan so far and its table (or the table of what was compiled),
+    written to `path` too; then the end, with status 128 + `signum`."""
+    name = signal.Signals(signum).name
+    if e.plan is not None:
+        print(e.plan)
+        print(f"\npolicy: {e.plan.policy}")
+    elif e.tried is not None:
+        print(e.tried)
+    if path is not None:
+        table = e.plan.table if e.plan is not None else e.tried
+        _write(
+            path,
+            {
+                "fits": e.plan is not None,
+                "interrupted": True,
+                "message": str(e),
+                **({"rows": []} if table is None else table.to_dict()),
+            },
+        )
+    print(f"eqx_offload plan: stopped by {name}: {e}", file=sys.stderr)
+    raise SystemExit(128 + signum)
 
 
 def _write(path: Path, data: dict[str, Any]) -> None:

@@ -31,12 +31,15 @@ from . import (
 from ._checkpoint_name_log import UnusedName as UnusedName
 from ._memory_kinds import is_arraylike as is_arraylike, is_host as is_host
 from ._planner import (
+    _arguments as planner_arguments,
     _budget as planner_budget,
     _candidates as planner_candidates,
+    _choice as planner_choice,
     _compile as planner_compile,
     _fewest as planner_fewest,
     _plan as planner_plan,
     _progress as planner_progress,
+    _rates as planner_rates,
     _search as planner_search,
     _sizes as planner_sizes,
 )
@@ -89,12 +92,15 @@ __all__ = [
     "paths",
     "pending",
     "placement",
+    "planner_arguments",
     "planner_budget",
     "planner_candidates",
+    "planner_choice",
     "planner_compile",
     "planner_fewest",
     "planner_plan",
     "planner_progress",
+    "planner_rates",
     "planner_search",
     "planner_sizes",
     "scan_body",

@@ -3,7 +3,9 @@ named on the command line and prints the table; bad input is an exit with the
 argument named."""
 
 import json
+import os
 import runpy
+import signal
 import sys
 from pathlib import Path
 
@@ -16,11 +18,15 @@ import pytest
 import eqx_offload as eo
 from eqx_offload import __main__
 from eqx_offload.__main__ import main
+from eqx_offload.internal import planner_compile, planner_plan
 
 from .helpers import MLPBlock, StackedNet
 
 
 ROOT = Path(__file__).parent.parent
+# One optimizer object for `small_factory`'s steps: the plans of this file share
+# their compiles.
+OPTIMIZER = optax.adam(1e-3)
 
 
 def _squared(model, x):
@@ -31,7 +37,7 @@ def small_factory():
     """For `python -m eqx_offload plan tests.test_cli:small_factory`: the step of a
     stack of two small MLP blocks (quick to compile for a TPU), the model
     (abstract), its optimizer state and a batch, as `memory_report` takes them."""
-    optimizer, policy = optax.adam(1e-3), eo.Policy.none()
+    optimizer, policy = OPTIMIZER, eo.Policy.none()
     model = eqx.filter_eval_shape(
         lambda k: StackedNet(lambda k: MLPBlock(32, 64, key=k), 2, key=k),
         jax.random.key(0),
@@ -64,6 +70,57 @@ def test_plan_prints_the_table(tmp_path, monkeypatch, capsys):
     table = json.loads(out.read_text())
     assert [r["status"] for r in table["rows"]] == ["chosen"]
     assert table["host_budget"] == 48 * 10**9 and table["fits"] is True
+
+
+def test_an_interrupted_plan_prints_and_writes_the_best_so_far(
+    tmp_path, monkeypatch, capsys
+):
+    """Ctrl-C during the third candidate's compile (`offload_residuals`): the
+    command prints the best plan of the two before (`Policy.none()` too big,
+    `Policy.remat()` fits), writes it to `--json` with `"interrupted": true`, and
+    exits with 130; a SIGTERM (`timeout`'s) before any compile writes an empty
+    table, and exits with 143."""
+    report = planner_compile.report
+
+    def interrupted(task, policy, microbatches):
+        if policy.offload:
+            raise KeyboardInterrupt
+        return report(task, policy, microbatches)
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "plan.json"
+    # 1.28 MiB for `Policy.none()`, 1.24 MiB for `Policy.remat()` on a v5e chip
+    plan = ["plan", "tests.test_cli:small_factory", "--target", "tpu-v5e"]
+    plan += ["--device-budget", "1400000", "--workspace-margin", "80000"]
+    plan += ["--json", str(out)]
+    monkeypatch.setattr(planner_compile, "report", interrupted)
+    with pytest.raises(SystemExit) as e:
+        main(plan)
+    assert e.value.code == 130
+    printed, said = capsys.readouterr()
+    assert printed.startswith("Interrupted: the best of the candidates compiled")
+    assert "recompute all: Policy.remat()" in printed.splitlines()[1]
+    assert "(78.12 KiB of 1.34 MiB left free" in printed
+    assert "stopped by SIGINT: `plan` for tpu-v5e interrupted after 2" in said
+    written = json.loads(out.read_text())
+    assert written["interrupted"] is True and written["fits"] is True
+    assert written["workspace_margin"] == 80000
+    assert [r["status"] for r in written["rows"]] == ["compiled", "chosen"]
+
+    def terminated(*args):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(planner_plan, "_start", terminated)
+    previous = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        main(plan)
+    assert e.value.code == 143 and signal.getsignal(signal.SIGTERM) == previous
+    assert json.loads(out.read_text()) == {
+        "fits": False,
+        "interrupted": True,
+        "message": "`plan` interrupted after 0 compiled candidates: nothing to show.",
+        "rows": [],
+    }
 
 
 def test_nothing_fits_prints_the_table_and_writes_the_json(
@@ -129,6 +186,10 @@ def test_bad_input_names_the_argument():
     assert "`fewest_chips(chip='tpu-v9')`" in _refused(factory, "--chip", "tpu-v9")
     message = _refused(factory, "--target", "tpu-v5e", "--batch-per-device")
     assert "--batch-per-device needs --chip" in message
+    message = _refused(factory, "--target", "gpu-h100", "--workspace-margin", "lots")
+    assert "`plan(workspace_margin='lots')` is not a size" in message
+    message = _refused(factory, "--target", "gpu-h200", "--hardware", "nowhere.json")
+    assert "`Hardware.from_measurements('nowhere.json')`: cannot read it" in message
 
 
 def test_the_old_factory_and_flag_name_the_new_form():

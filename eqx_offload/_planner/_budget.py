@@ -1,5 +1,6 @@
-"""Memory budgets as users write them (bytes, or strings such as `"16GiB"`), and
-what to change when a step exceeds them."""
+"""Memory budgets as users write them (bytes, or strings such as `"16GiB"`), the
+device memory left free for what a compile without the device cannot see
+(`workspace_margin`), and what to change when a step exceeds them."""
 
 import re
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ _UNITS = {
 }
 
 
-def parse_bytes(value: int | str, argument: str) -> int:
+def parse_bytes(value: int | str, argument: str, api: str = "plan") -> int:
     """`value` in bytes: an int, or a number and a unit (`"16GiB"`, `"48 GB"`,
     `"1.5TiB"`); anything else is a `ValueError` naming `argument`."""
     if isinstance(value, bool):
@@ -36,9 +37,50 @@ def parse_bytes(value: int | str, argument: str) -> int:
             if n >= 1:
                 return int(n)
     raise ValueError(
-        f"`plan({argument}={value!r})` is not a size. Give positive bytes: an int, "
+        f"`{api}({argument}={value!r})` is not a size. Give positive bytes: an int, "
         "or a string such as '16GiB'." + see(114)
     )
+
+
+# The device memory `plan` leaves free on a GPU target by default: what a compile
+# without the GPU cannot see. It has no autotuning: the GEMMs get XLA's default
+# configurations, whereas on the GPU the autotuner may pick a Triton split-K
+# configuration, whose partial products (split_k x M x N in float32) are a scratch
+# buffer the deviceless program lacks (a [2048, 8192] weight gradient split 16
+# ways: 1 GiB), or cuBLASLt algorithms with their own workspace (NVIDIA's
+# `cublasSetWorkspace` docs: 32 MiB a stream on Hopper, 4 MiB before). Its cuDNN
+# calls get no workspace at all (fused attention, convolutions). JAX's allocator
+# also holds what is not the step's program: the next batch copied in while a
+# step runs, and the fragmentation of its pool. 2 GiB covers one large split-K
+# scratch and those; it is 3.4% of an H100's default capacity (59.33 GiB) and 1.9%
+# of an H200's. A TPU compile sees every buffer: no margin there.
+GPU_MARGIN = 2 * 2**30
+# A budget smaller than `GPU_MARGIN / MARGIN_SHARE` (16 GiB) keeps this share of
+# it free instead.
+MARGIN_SHARE = 1 / 8
+
+
+def workspace_margin(
+    value: int | str | None, budget: int, platform: str | None, api: str = "plan"
+) -> int:
+    """The device bytes to leave free under a `budget` of device memory:
+    `value` (bytes, or a string such as `"1GiB"`; `0` for none), or by default
+    `GPU_MARGIN` (or `MARGIN_SHARE` of a smaller budget) on a GPU and none
+    elsewhere. A margin of the whole budget or more is a `ValueError`."""
+    if value is None:
+        if platform != "gpu":
+            return 0
+        return min(GPU_MARGIN, int(budget * MARGIN_SHARE))
+    margin = 0 if value == 0 and not isinstance(value, bool) else None
+    if margin is None:
+        margin = parse_bytes(value, "workspace_margin", api)
+    if margin >= budget:
+        raise ValueError(
+            f"`{api}(workspace_margin={value!r})` leaves nothing of the device budget "
+            f"({budget} bytes). Give a smaller margin, `0`, or a larger "
+            "`device_budget`." + see(114)
+        )
+    return margin
 
 
 def fixes(exceeded: Sequence[str]) -> str:

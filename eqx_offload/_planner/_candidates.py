@@ -122,6 +122,16 @@ class Settings(NamedTuple):
     update_timing: Literal["now", "next_forward"] = "now"
 
     @property
+    def experimental(self) -> tuple[str, ...]:
+        """The experimental stages (`plan(experimental=...)`) these settings use."""
+        used = [
+            "prefetch" if self.prefetch else "",
+            "next_forward" if self.update_timing == "next_forward" else "",
+            "host_update" if self.update == "host" else "",
+        ]
+        return tuple(u for u in used if u)
+
+    @property
     def label(self) -> str:
         parts = [
             "update on host" if self.update == "host" else "",

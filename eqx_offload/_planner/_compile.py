@@ -22,7 +22,7 @@ from .._compiler import crash_line
 from .._errors import see
 from .._placement import place
 from .._policy import Policy
-from .._report import memory_report, MemoryReport
+from .._report import Hardware, memory_report, MemoryReport
 from .._train_step import train_step
 from .._update import init_opt_state
 
@@ -54,7 +54,8 @@ class CompilerCrashed(Exception):
 
 class Task(NamedTuple):
     """What `plan` compiles candidates of: the step's loss, optimizer and `has_aux`,
-    an abstract model and batch, and the target (`mesh`: a slice's)."""
+    an abstract model and batch, and the target (`mesh`: a slice's; `hardware`: the
+    rates its step time is priced at, `None` for the target's)."""
 
     loss_fn: Callable
     optimizer: optax.GradientTransformation | optax.MultiSteps
@@ -63,6 +64,7 @@ class Task(NamedTuple):
     has_aux: bool = False
     target: str | None = None
     mesh: AbstractMesh | None = None
+    hardware: Hardware | None = None
 
 
 def report(task: Task, policy: Policy, microbatches: int) -> MemoryReport:
@@ -76,7 +78,14 @@ def report(task: Task, policy: Policy, microbatches: int) -> MemoryReport:
         has_aux=task.has_aux,
         microbatches=microbatches,
     )
-    return memory_report(step, placed, opt_state, *task.batch, target=task.target)
+    return memory_report(
+        step,
+        placed,
+        opt_state,
+        *task.batch,
+        target=task.target,
+        hardware=task.hardware,
+    )
 
 
 def report_in_child(task: Task, policy: Policy, microbatches: int) -> MemoryReport:
@@ -142,7 +151,14 @@ class Cache:
             except (ValueError, CompilerCrashed) as e:
                 return e
 
-        more = (task.optimizer, task.target, task.mesh, repr(policy), microbatches)
+        more = (
+            task.optimizer,
+            task.target,
+            task.mesh,
+            repr(task.hardware),
+            repr(policy),
+            microbatches,
+        )
         return _keep(self.reports, _key(task, *more), compile_once)
 
     def checkpoint_names(self, task: Task) -> tuple[CheckpointName, ...]:

@@ -14,9 +14,11 @@ import optax
 from jaxtyping import DTypeLike, PyTree
 
 from .._memory_kinds import is_arraylike
-from .._report import device_count, DoesNotFit, size_text, target_sizes
+from .._report import device_count, DoesNotFit, Hardware, size_text, target_sizes
 from . import _budget
-from ._plan import Plan, search_plan, Searched
+from ._choice import Experimental
+from ._plan import search_plan, Searched
+from ._plan_type import Plan
 
 
 def fewest_chips(
@@ -33,6 +35,9 @@ def fewest_chips(
     microbatches: Sequence[int] = (1,),
     compute_dtypes: Sequence[DTypeLike | None] = (None,),
     progress: bool = False,
+    experimental: Sequence[Experimental] = (),
+    workspace_margin: int | str | None = None,
+    hardware: Hardware | None = None,
 ) -> Plan:
     """The fewest devices of `chip` on which the training step fits, and its plan.
 
@@ -42,7 +47,8 @@ def fewest_chips(
     **Arguments:**
 
     - `loss_fn`, `optimizer`, `model`, `*batch`, `has_aux`, `axis`, `microbatches`,
-        `compute_dtypes`, `progress`: as for `eo.plan`.
+        `compute_dtypes`, `progress`, `experimental`, `workspace_margin`,
+        `hardware`: as for `eo.plan`.
     - `chip`: `"tpu-v5e"`, `"tpu-v6e"`, `"tpu-v5p"`, `"tpu-v4"`, `"gpu-h100"` or
         `"gpu-h200"`. The targets tried start with one chip. Then:
         - for a v5e or v6e, the slices `2x2`, `2x4`, `4x4` ... `16x16`;
@@ -75,7 +81,9 @@ def fewest_chips(
     `DoesNotFit` if the step fits on none of them. It gives the smallest footprint
     on the largest, and the budgets it exceeds there (`e.exceeded`). As in
     `eo.plan`, a target fits when its device and host bytes are within their
-    budgets, both per device.
+    budgets, both per device. On Ctrl-C, `PlanInterrupted` (as for `eo.plan`) with
+    the best plan so far of the target it was planning (`e.plan.target`), which
+    need not be the fewest.
     """
     start = time.perf_counter()
     targets = list(target_sizes(chip))
@@ -104,6 +112,9 @@ def fewest_chips(
                 compute_dtypes=compute_dtypes,
                 progress=progress,
                 first_fit=not full,
+                experimental=experimental,
+                workspace_margin=workspace_margin,
+                hardware=hardware,
             )
             searches.append(searched)
             tried[target] = searched.found

@@ -1,40 +1,35 @@
 """`plan`: the fastest placement of a training step that fits the memory budgets.
 
 The budgets are a device and a host memory. The placement is chosen from compiled
-candidates, ranked by the step-time estimate. `Plan` is what it chose.
+candidates, by the step-time estimate within its error (`_choice`, `_outcome`).
+Here are `plan`, the order of its search's stages, and what a search stopped by
+Ctrl-C found; `Plan` and `PlanInterrupted` are in `_plan_type`, the arguments'
+checks in `_arguments`.
 """
 
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-import jax
-import jax.tree_util as jtu
 import optax
-from jax.sharding import AbstractMesh, AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType
 from jaxtyping import DTypeLike, PyTree
 
 from .._errors import see
-from .._memory_kinds import is_arraylike
-from .._placement import place
-from .._policy import Policy
 from .._report import (
-    abstract,
-    capacity,
     device_count,
     DoesNotFit,
     Hardware,
-    MemoryReport,
     platform as target_platform,
 )
-from .._train_step import train_step, TrainStep
-from .._update import apply_pending, init_opt_state, NotOnHost
-from ._budget import parse_bytes
+from .._update import NotOnHost
+from . import _arguments, _choice, _outcome
 from ._candidates import Candidate, Move, Settings
+from ._choice import Experimental
 from ._compile import Task
+from ._plan_type import Plan, PlanInterrupted
 from ._progress import Progress
-from ._search import IMPROVE_COMPILES, Search
+from ._search import IMPROVE_COMPILES, Result, Search
 from ._sizes import (
     copies_of,
     estimates,
@@ -49,6 +44,8 @@ from ._table import PlanTable
 # Where nothing fits on a TPU, the best candidate is compiled once more with the
 # compiler's own remat to host (`Policy(host_remat=True)`), in a child process.
 HOST_REMAT = True
+# The stages below are experimental (`_choice.EXPERIMENTAL`): each runs only when
+# `plan(experimental=...)` names it.
 # Candidates compiled again with the update on the host's CPU (`_update_on_host`).
 HOST_UPDATES = 3
 # Candidates compiled again reading their layers ahead (`_read_ahead`).
@@ -56,111 +53,6 @@ READ_AHEAD = 2
 # Candidates compiled again applying the stacked layers' update in the next
 # step's forward scan (`_update_in_forward`).
 UPDATE_LATER = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """What `plan` chose, and why.
-
-    - `policy`: the chosen `Policy`.
-    - `microbatches`: the chosen micro-batch count. It is 1 unless
-        `plan(microbatches=...)` offered others.
-    - `report`: its compiled `MemoryReport`, with its step time in `report.time`.
-    - `target`: the target planned for.
-    - `mesh`: for a slice (or several GPUs), an `AbstractMesh` of one axis over
-        every device. The policy's FSDP layout and batch split name that axis.
-        `None` for one device.
-    - `table`: every candidate considered, a `PlanTable`. Use `print(plan.table)`
-        or `plan.table.to_dict()`.
-    - `compiled`: how many were compiled.
-    - `reused`: how many of them an earlier `plan` in this process had compiled.
-        They are kept by step, shapes, policy and target.
-    - `seconds`: the planning time. For `eo.fewest_chips`, of every target it
-        planned.
-    - `tried`: for `eo.fewest_chips`, the other targets and why each was not chosen.
-    - `train_step()`: the chosen step. Call it with `place(model)` and
-        `init_opt_state(...)`'s state.
-    - `place(model)`: the model in the memory kinds the policy gives it. On a
-        slice, also in its layout.
-    """
-
-    policy: Policy
-    report: MemoryReport
-    table: PlanTable
-    compiled: int
-    seconds: float
-    loss_fn: Callable = dataclasses.field(repr=False)
-    optimizer: optax.GradientTransformation | optax.MultiSteps = dataclasses.field(
-        repr=False
-    )
-    has_aux: bool = False
-    microbatches: int = 1
-    target: str | None = None
-    mesh: AbstractMesh | None = None
-    tried: tuple[tuple[str, str], ...] = ()
-    reused: int = 0
-
-    def train_step(self) -> TrainStep:
-        """The chosen step, an `eo.TrainStep`.
-
-        It is `eo.train_step(loss_fn, optimizer, plan.policy,
-        microbatches=plan.microbatches)`.
-        """
-        return train_step(
-            self.loss_fn,
-            self.optimizer,
-            self.policy,
-            has_aux=self.has_aux,
-            microbatches=self.microbatches,
-        )
-
-    def place(self, model: PyTree, mesh: Mesh | None = None) -> PyTree:
-        """`eo.place(model, plan.policy)`.
-
-        For a plan with a `mesh`, an abstract model is laid out on `plan.mesh`. A
-        concrete one is laid out on `mesh`. That is a `jax.sharding.Mesh` of as many
-        devices, with the same axis name. By default it is `jax.make_mesh` over this
-        backend's devices.
-        """
-        if self.mesh is None or mesh is not None:
-            return place(model, self.policy, mesh=mesh)
-        if not any(isinstance(x, jax.Array) for x in jtu.tree_leaves(model)):
-            return place(model, self.policy, mesh=self.mesh)
-        if len(jax.devices()) != self.mesh.size:
-            raise ValueError(
-                f"`Plan.place`: the plan is for {self.mesh.size} devices, this "
-                f"backend has {len(jax.devices())}. Pass `mesh=` (axis "
-                f"{self.mesh.axis_names[0]!r})." + see(120)
-            )
-        here = jax.make_mesh(
-            self.mesh.axis_sizes,
-            self.mesh.axis_names,
-            axis_types=self.mesh.axis_types,
-        )
-        return place(model, self.policy, mesh=here)
-
-    def init_opt_state(self, model: PyTree) -> PyTree:
-        """`eo.init_opt_state(optimizer, model, plan.policy)` for a placed model."""
-        return init_opt_state(self.optimizer, model, self.policy)
-
-    def apply_pending(self, model: PyTree, opt_state: PyTree) -> tuple[PyTree, PyTree]:
-        """`eo.apply_pending(model, opt_state, optimizer, plan.policy)`.
-
-        Where the plan chose `update_timing="next_forward"`, it applies the update
-        the last step left pending. Otherwise it returns the arguments as they are.
-        """
-        return apply_pending(model, opt_state, self.optimizer, self.policy)
-
-    def __str__(self) -> str:
-        chosen = next(r for r in self.table.rows if r.status == "chosen")
-        on = "" if self.target is None else f" on {self.target}"
-        others = "".join(f"{t}: {why}\n" for t, why in self.tried)
-        reused = f", {self.reused} of them earlier" if self.reused else ""
-        return (
-            f"{others}Plan{on}: {chosen.label} "
-            f"({self.compiled} compiled{reused} in {self.seconds:.1f} s)\n"
-            f"{self.table}"
-        )
 
 
 def plan(
@@ -176,12 +68,15 @@ def plan(
     microbatches: Sequence[int] = (1,),
     compute_dtypes: Sequence[DTypeLike | None] = (None,),
     progress: bool = False,
+    experimental: Sequence[Experimental] = (),
+    workspace_margin: int | str | None = None,
+    hardware: Hardware | None = None,
 ) -> Plan:
     """Chooses where a training step's parameters, state and saved activations live.
 
-    The plan is the candidate with the lowest estimated step time that fits. Its
-    compiled step must fit both memory budgets. It compiles candidates
-    (`memory_report`), and never runs them.
+    The plan is a candidate that fits both memory budgets, with the lowest
+    estimated step time up to the estimate's error (below). It compiles
+    candidates (`memory_report`), and never runs them.
 
     **Arguments:**
 
@@ -192,8 +87,7 @@ def plan(
     - `device_budget`, `host_budget`: bytes of device memory and of host memory
         per device. Each is an int or a string (`"16GiB"`, `"48GB"`). The defaults
         are the target's capacity (`MemoryReport.capacity`) and its host RAM per
-        device (`eo.Hardware.of(target).host_memory_bytes`). On the CPU backend,
-        give both.
+        device (`hardware.host_memory_bytes`). On the CPU backend, give both.
     - `target`: as for `memory_report` (`"tpu-v5e"`, `"tpu-v5e:4x4"`,
         `"gpu-h100"`, `"gpu-h100:8"`, ...). On a slice (or several GPUs), every
         candidate is laid out FSDP over all devices, on `plan.mesh`. That layout
@@ -212,6 +106,25 @@ def plan(
     - `progress`: a progress bar over the compiles (tqdm, if installed). Its
         total is the candidates compiled, plus the most the search still plans to
         compile.
+    - `experimental`: the stages to run whose gain rests on host transfers (or
+        host compute) overlapping device work, which no measurement has shown (on
+        an H200 nothing overlapped). Any of `"prefetch"` (`Policy(prefetch=1)`),
+        `"next_forward"` (`Policy(update_timing="next_forward")`) and
+        `"host_update"` (`Policy(update="host")`). None by default.
+    - `workspace_margin`: device bytes left free under `device_budget` (an int, a
+        string such as `"1GiB"`, or `0`): a candidate fits if its device bytes are
+        within the budget less the margin. The default, `None`, is 2 GiB on a GPU
+        target (an eighth of a device budget under 16 GiB) and 0 elsewhere. A
+        compile without the GPU sees neither what its autotuner adds (a Triton
+        GEMM split over its contraction keeps `split_k` float32 partial products
+        of its output: a [2048, 8192] weight gradient split 16 ways takes 1 GiB;
+        cuBLASLt takes up to 32 MiB of workspace a call on Hopper) nor any cuDNN
+        workspace (fused attention, convolutions), nor what JAX's allocator holds
+        beside the step (the next batch, fragmentation). A TPU compile sees every
+        buffer. The table and `plan.workspace_margin` say what was left free.
+    - `hardware`: the rates candidates are priced at (`eo.Hardware`, e.g.
+        `eo.Hardware.from_measurements(path)`), as for `memory_report`. By
+        default the target's (`eo.Hardware.of(target)`).
 
     **The search** (`docs/plan.md`) tries `Policy.none()` first: the plan, if it
     fits. Else it tries, in turn:
@@ -227,11 +140,31 @@ def plan(
     best candidate, and the local search again. For a TPU target where nothing fits
     yet, it tries the best candidate with the compiler's own remat to host. That is
     `Policy(host_remat=True)`, in a child process. The local search then runs
-    again. The plan is the fitting candidate with the lowest estimated step time.
-    Among equals, and on the CPU backend (no step time), it has the smallest device
-    footprint. Each step is compiled once in a process. `plan` again reuses what an
-    earlier one compiled for the same `loss_fn` and `optimizer` objects, shapes,
-    policy and target.
+    again. Then the experimental stages asked for: the fastest candidates with
+    their update on the host, reading their layers ahead, or updating in the next
+    forward pass. Each step is compiled once in a process. `plan` again reuses what
+    an earlier one compiled for the same `loss_fn` and `optimizer` objects, shapes,
+    policy, target and hardware.
+
+    **The choice.** An estimate is expected within `seconds × (1 ± error)` of the
+    measured step, where `error` is what the model has shown for that kind of step
+    on that hardware (`report.time.error`, by `report.time.kind`: device only,
+    host link, host compute). So among the candidates that fit, those whose
+    estimate exceeds the fastest's by at most the larger of the two errors (as a
+    share of the fastest's: `seconds - fastest <= max(error, fastest_error) *
+    fastest`) are tied with it. Of the tied ones, the plan is one that uses no
+    experimental stage if any does; then the one with the most headroom (the
+    device budget less its footprint), counted up to a tenth of the budget; then
+    the fastest. (Uncapped, a tie would go to whatever offloads the most, the kind
+    of step the model has under-priced.) On the CPU backend (no step time) every
+    candidate is tied: the smallest device footprint wins. The table marks the
+    tied rows, and says which rates each estimate used (measured, nominal,
+    assumed) and its error.
+
+    **Interrupted** (Ctrl-C): it raises `PlanInterrupted`, a `KeyboardInterrupt`
+    with the best plan of what it had compiled (`e.plan`, `None` if none fits yet)
+    and the table of it (`e.tried`). `python -m eqx_offload plan` prints them and
+    writes its `--json` on Ctrl-C or a `SIGTERM` (`timeout`).
 
     **Returns:**
 
@@ -242,8 +175,10 @@ def plan(
 
     - `DoesNotFit` when no candidate fits. It gives the smallest device footprint
         found, and which budget it broke. `e.tried` is the table of every candidate.
-    - `ValueError` for a budget that is not a size. Also for a micro-batch count
-        that does not split the batch.
+    - `ValueError` for a budget or margin that is not a size, or a margin of the
+        whole budget. Also for a micro-batch count that does not split the batch,
+        and an `experimental` stage it does not know.
+    - `PlanInterrupted` on Ctrl-C (above).
     """
     found = search_plan(
         loss_fn,
@@ -258,6 +193,9 @@ def plan(
         microbatches=microbatches,
         compute_dtypes=compute_dtypes,
         progress=progress,
+        experimental=experimental,
+        workspace_margin=workspace_margin,
+        hardware=hardware,
     ).found
     if isinstance(found, DoesNotFit):
         raise found
@@ -290,69 +228,118 @@ def search_plan(
     compute_dtypes: Sequence[DTypeLike | None] = (None,),
     progress: bool = False,
     first_fit: bool = False,
+    experimental: Sequence[Experimental] = (),
+    workspace_margin: int | str | None = None,
+    hardware: Hardware | None = None,
 ) -> Searched:
     """`plan`'s search. With `first_fit`, it stops at the first candidate that
-    fits (the probe of `fewest_chips`)."""
+    fits (the probe of `fewest_chips`). On Ctrl-C, `PlanInterrupted` with the
+    best of what it compiled."""
     start = time.perf_counter()
     if isinstance(target, str) and target.endswith(":*"):
         raise ValueError(
             f"`plan(target={target!r})`: `plan` takes one target. Call "
             f"`eo.fewest_chips(..., chip={target[:-2]!r})`." + see(119)
         )
-    budgets = _budgets(device_budget, host_budget, target)
+    stages = _choice.experimental_names(experimental)
+    if hardware is not None and not isinstance(hardware, Hardware):
+        raise TypeError(
+            f"`plan(hardware={hardware!r})` is not an `eo.Hardware`. Give e.g. "
+            "`eo.Hardware.from_measurements(path)`, or `None` for the target's."
+        )
+    budgets, margin = _arguments.budgets(
+        device_budget, host_budget, target, workspace_margin, hardware
+    )
     task = Task(
         loss_fn,
         optimizer,
-        _abstract(model),
-        tuple(_abstract(b) for b in batch),
+        _arguments.abstract(model),
+        tuple(_arguments.abstract(b) for b in batch),
         has_aux,
         target,
+        hardware=hardware,
     )
-    settings = _settings(target, axis, microbatches, compute_dtypes, task.batch)
+    settings = _arguments.settings(
+        target, axis, microbatches, compute_dtypes, task.batch
+    )
     if settings[0].axis is not None:
         assert target is not None
         n = device_count(target)
         mesh = AbstractMesh((n,), (axis,), axis_types=(AxisType.Auto,))
         task = task._replace(mesh=mesh)
-    search = Search(task, budgets, Progress(progress), first_fit=first_fit)
-    base, names = _start(search, settings)
-    _run(search, base, names, settings)
-    finished = None if search.stopped else search.finish()
+    search = Search(
+        task, budgets, Progress(progress), first_fit=first_fit, margin=margin
+    )
+    try:
+        base, names = _start(search, settings)
+        _run(search, base, names, settings, stages)
+    except KeyboardInterrupt:
+        raise _interrupted(search, start) from None
+    finished = None if search.stopped else _outcome.finish(search)
     if not isinstance(finished, tuple):
         return Searched(finished, len(search.results), search.reused)
+    found = _found(search, finished, start)
+    return Searched(found, found.compiled, found.reused)
+
+
+def _found(search: Search, finished: tuple[Result, PlanTable], start: float) -> Plan:
+    """The `Plan` of what `search` chose."""
     result, table = finished
+    task = search.task
     assert result.report is not None
-    found = Plan(
+    return Plan(
         result.policy,
         result.report,
         table,
         compiled=len(search.results),
         reused=search.reused,
         seconds=time.perf_counter() - start,
-        loss_fn=loss_fn,
-        optimizer=optimizer,
-        has_aux=has_aux,
+        loss_fn=task.loss_fn,
+        optimizer=task.optimizer,
+        has_aux=task.has_aux,
         microbatches=result.candidate.microbatches,
-        target=target,
+        target=task.target,
         mesh=task.mesh,
+        interrupted=search.interrupted,
     )
-    return Searched(found, found.compiled, found.reused)
+
+
+def _interrupted(search: Search, start: float) -> PlanInterrupted:
+    """What a search stopped by Ctrl-C found: the best plan of what it compiled
+    (`None` if none fits), and the table of it (`None` if nothing compiled)."""
+    search.interrupted = True
+    search.progress.close()
+    if not search.results:
+        return PlanInterrupted(None, None, 0)
+    finished = _outcome.finish(search)
+    if isinstance(finished, DoesNotFit):
+        return PlanInterrupted(None, finished.tried, len(search.results))
+    return PlanInterrupted(
+        _found(search, finished, start), finished[1], len(search.results)
+    )
 
 
 def _run(
-    search: Search, base: Candidate, names: tuple[str, ...], settings: list[Settings]
+    search: Search,
+    base: Candidate,
+    names: tuple[str, ...],
+    settings: list[Settings],
+    experimental: frozenset[str] = frozenset(),
 ) -> None:
     """The steps of the search (`plan`'s docstring), from `base`: `Policy.none()`
-    in the first settings."""
+    in the first settings; then the `experimental` stages asked for."""
     with search.progress.stage(1):
         search.evaluate(base, "no remat, all on device: Policy.none()")
     if search.fits(base):
         search.variants(base, settings[1:])
     else:
         _moves(search, base, names, settings)
-    _update_on_host(search)
-    _read_ahead(search)
-    _update_in_forward(search)
+    if "host_update" in experimental:
+        _update_on_host(search)
+    if "prefetch" in experimental:
+        _read_ahead(search)
+    if "next_forward" in experimental:
+        _update_in_forward(search)
 
 
 def _moves(
@@ -476,99 +463,3 @@ def _start(
         fields, tuple(slots), settings[0], tuple(tables), tuple(copies)
     )
     return base, tuple(n.name for n in offered)
-
-
-def _settings(
-    target: str | None,
-    axis: str,
-    microbatches: Sequence[int],
-    compute_dtypes: Sequence[DTypeLike | None],
-    batch: tuple,
-) -> list[Settings]:
-    """Every combination of the micro-batch counts and compute dtypes offered, the
-    first ones first; FSDP over `axis` on a target of several devices."""
-    if not isinstance(axis, str) or not axis:
-        raise ValueError(
-            f"`plan(axis={axis!r})` is not a mesh axis name. Give one, such as "
-            "'fsdp'." + see(118)
-        )
-    devices = 1 if target is None else device_count(target)
-    counts = _counts(microbatches, batch, devices)
-    dtypes = tuple(compute_dtypes)
-    if not dtypes:
-        raise ValueError(
-            "`plan(compute_dtypes=())` offers no dtype. Give at least one, such as "
-            "`(None,)`." + see(118)
-        )
-    names = tuple(None if d is None else _dtype_name(d, dtypes) for d in dtypes)
-    sharded = axis if devices > 1 else None
-    return [Settings(sharded, k, d) for k in counts for d in names]
-
-
-def _counts(microbatches: Sequence[int], batch: tuple, devices: int) -> tuple[int, ...]:
-    """The micro-batch counts offered, each checked to split the batch."""
-    counts = tuple(microbatches)
-    if not counts or not all(_is_count(k) for k in counts):
-        raise ValueError(
-            f"`plan(microbatches={microbatches!r})` needs positive micro-batch "
-            "counts. Offer e.g. `(1, 2, 4)`." + see(118)
-        )
-    leaves = [x for x in jtu.tree_leaves(batch) if hasattr(x, "ndim")]
-    leading = {x.shape[0] for x in leaves if x.ndim}
-    for k in counts:
-        if any(n % (k * devices) for n in leading):
-            over = "" if devices == 1 else f" over {devices} devices"
-            raise ValueError(
-                f"`plan(microbatches={microbatches!r})`: {k} micro-batches{over} do "
-                f"not split a batch of leading size {sorted(leading)}. Offer "
-                "divisors." + see(118)
-            )
-        if k > 1 and any(x.ndim == 0 for x in leaves):
-            raise ValueError(
-                f"`plan(microbatches={microbatches!r})`: micro-batches cannot split "
-                "a scalar batch argument. Offer `(1,)`, or bind it into the loss."
-                + see(118)
-            )
-    return counts
-
-
-def _is_count(k: object) -> bool:
-    return isinstance(k, int) and not isinstance(k, bool) and k >= 1
-
-
-def _dtype_name(dtype: DTypeLike, offered: tuple) -> str:
-    try:
-        checked = Policy(compute_dtype=dtype).compute_dtype
-    except TypeError:
-        checked = None
-    if checked is None:
-        raise TypeError(
-            f"`plan(compute_dtypes={offered!r})`: {dtype!r} is not a floating-point "
-            "dtype. Offer `None` or dtypes such as `jnp.bfloat16`." + see(118)
-        )
-    return checked.name
-
-
-def _budgets(
-    device: int | str | None, host: int | str | None, target: str | None
-) -> tuple[int, int]:
-    """The budgets given, or the target's capacity and host RAM per device."""
-    d = None if device is None else parse_bytes(device, "device_budget")
-    h = None if host is None else parse_bytes(host, "host_budget")
-    if target is None:
-        if d is None or h is None:
-            missing = "device_budget" if d is None else "host_budget"
-            raise ValueError(
-                f"`plan({missing}=None)` on this backend, which states no memory. "
-                "Give both budgets, or a `target=`." + see(113)
-            )
-        return d, h
-    d = capacity(target) if d is None else d
-    h = Hardware.of(target).host_memory_bytes if h is None else h
-    return d, h
-
-
-def _abstract(tree: PyTree) -> PyTree:
-    """Array leaves as `jax.ShapeDtypeStruct`s in their memory kinds and layouts
-    (as `memory_report` takes them): each candidate places its own copy."""
-    return jtu.tree_map(lambda x: abstract(x, None) if is_arraylike(x) else x, tree)

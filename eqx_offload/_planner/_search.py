@@ -1,26 +1,24 @@
 """The search `plan` runs. It compiles candidates (`memory_report`), never runs
 them, and keeps what each compile showed. Its steps: the presets, single moves and
 their combinations, a local search, the opted-in micro-batch counts and compute
-dtypes. Then the choice among the compiled candidates."""
+dtypes. The search goes by the raw estimates; the choice among the compiled
+candidates that fit is made within the estimates' error (`_choice`), by
+`_outcome`."""
 
 import dataclasses
 import itertools
 from collections.abc import Iterable, Iterator
-from typing import Literal, TypeVar
-
-import jax
+from typing import TypeVar
 
 from .._checkpoint_name_log import UnusedName
 from .._checkpoint_names import CheckpointName
 from .._diagnose import DoesNotCompile
-from .._errors import see
 from .._policy import Policy
 from .._report import DoesNotFit, MemoryReport, size_text, time_text
-from . import _budget
+from . import _rates
 from ._candidates import Candidate, Move, Part, presets, Settings
 from ._compile import CACHE, Cache, CompilerCrashed, Task
 from ._progress import Progress
-from ._table import PlanRow, PlanTable
 
 
 # Single moves compiled, the largest by estimated bytes freed first; combinations
@@ -57,11 +55,15 @@ _Option = tuple[float, float, list[Move]]
 
 @dataclasses.dataclass
 class Search:
-    """The candidates compiled for one task, and the choice among them.
+    """The candidates compiled for one task, and what each showed (the choice among
+    them is `_outcome.choose`).
 
     - `task`: what is compiled; `budgets`: device and host bytes per device.
     - `progress`: the bar; `cache`: what the searches of a process share.
     - `first_fit`: stop at the first candidate that fits (`stopped`).
+    - `margin`: the device bytes left free under the device budget (the first of
+        `budgets` is the budget less it).
+    - `interrupted`: stopped by Ctrl-C (`KeyboardInterrupt`).
     - `results`: each candidate compiled; `reused`: how many of them an earlier
         search compiled; `pruned`: those left out, with their label and why.
     - `estimates`: the device bytes a move frees, before compiling; `parts`: the
@@ -79,6 +81,8 @@ class Search:
     estimates: dict[Move, int] = dataclasses.field(default_factory=dict)
     parts: dict[Part, tuple[Part, ...]] = dataclasses.field(default_factory=dict)
     stopped: bool = False
+    margin: int = 0
+    interrupted: bool = False
 
     def evaluate(self, candidate: Candidate, label: str | None = None) -> Result:
         """Compiles `candidate`, once. With `first_fit`, one that fits stops the
@@ -173,7 +177,7 @@ class Search:
             return False
         return r.report.device_bytes <= device and r.report.host_bytes <= host
 
-    def _seconds(self, candidate: Candidate) -> float:
+    def seconds(self, candidate: Candidate) -> float:
         """The estimated step time: 0 on the CPU backend, which has none (the
         smallest footprint is chosen there); infinite if not compiled."""
         r = self.results[candidate]
@@ -181,13 +185,13 @@ class Search:
             return float("inf")
         return 0.0 if r.report.time is None else r.report.time.seconds
 
-    def _device(self, candidate: Candidate) -> float:
+    def device(self, candidate: Candidate) -> float:
         r = self.results[candidate]
         if r.report is not None:
             return float(r.report.device_bytes)
         return float("inf") if r.required is None else float(r.required)
 
-    def _host(self, candidate: Candidate) -> float:
+    def host(self, candidate: Candidate) -> float:
         r = self.results[candidate]
         return 0.0 if r.report is None else float(r.report.host_bytes)
 
@@ -231,7 +235,7 @@ class Search:
             for move in self.until_stopped(moves[:SINGLES]):
                 single = base.apply(move, names)
                 self.evaluate(single)
-                freed = self._device(base) - self._device(single)
+                freed = self.device(base) - self.device(single)
                 if 0 < freed < float("inf"):
                     effects.append((move, freed, *self._added(base, single, move)))
         options = self._options(base, effects)
@@ -253,10 +257,10 @@ class Search:
                 touched = [(m.knob, m.name) for m, *_ in chosen]
                 if len(set(touched)) < len(touched):
                     continue  # one name offloaded and recomputed
-                device = self._device(base) - sum(c[1] for c in chosen)
-                host = self._host(base) + sum(c[3] for c in chosen)
+                device = self.device(base) - sum(c[1] for c in chosen)
+                host = self.host(base) + sum(c[3] for c in chosen)
                 if device <= device_budget and host <= host_budget:
-                    seconds = self._seconds(base) + sum(c[2] for c in chosen)
+                    seconds = self.seconds(base) + sum(c[2] for c in chosen)
                     options.append((seconds, host, [c[0] for c in chosen]))
         options.sort(key=lambda o: o[0])
         return options
@@ -343,8 +347,9 @@ class Search:
         return [move for _, move in options]
 
     def best(self) -> Candidate | None:
-        """The fastest candidate that fits, else the one over its budgets by the
-        least; `None` if none compiled."""
+        """The fastest candidate that fits by estimate (where the search goes on
+        from), else the one over its budgets by the least; `None` if none
+        compiled."""
         compiled = [c for c, r in self.results.items() if r.report is not None]
         fitting = [c for c in compiled if self.fits(c)]
         if fitting:
@@ -362,9 +367,14 @@ class Search:
             and self.over(a) < self.over(b)
         )
 
+    def error(self, candidate: Candidate) -> float:
+        """How far the candidate's estimate can be off, relative."""
+        report = self.results[candidate].report
+        return _rates.error_of(None if report is None else report.time)
+
     def rank(self, candidate: Candidate) -> tuple[float, float]:
         """Faster first; of equal times, the smaller device footprint."""
-        return self._seconds(candidate), self._device(candidate)
+        return self.seconds(candidate), self.device(candidate)
 
     def over(self, candidate: Candidate) -> float:
         """How far a compiled candidate is over its budgets (0: fits)."""
@@ -429,104 +439,7 @@ class Search:
             self.results[single].report is not None
             and self.results[base].report is not None
         ):
-            added = self._seconds(single) - self._seconds(base)
-            return added, self._host(single) - self._host(base)
+            added = self.seconds(single) - self.seconds(base)
+            return added, self.host(single) - self.host(base)
         to_host = move.knob != "residual" or move.to == "offload"
         return 0.0, float(self.estimates.get(move, 0) if to_host else 0)
-
-    def finish(self) -> tuple[Result, PlanTable] | DoesNotFit:
-        """The chosen candidate's result and the table of every candidate; or,
-        where none fits, the error about the nearest miss (`e.tried`: the table)."""
-        chosen = self.best()
-        if chosen is not None and not self.fits(chosen):
-            chosen = None
-        none_flops = self._flops(next(iter(self.results)))
-        rows = [self._row(c, c == chosen, none_flops) for c in self.results]
-        rows += [
-            PlanRow(label, c.policy(), why) for c, (label, why) in self.pruned.items()
-        ]
-        self.progress.close()
-        table = PlanTable(tuple(rows), *self.budgets)
-        if chosen is None:
-            error = self._nothing_fits()
-            error.tried = table
-            return error
-        return self.results[chosen], table
-
-    def _row(self, c: Candidate, chosen: bool, none_flops: float | None) -> PlanRow:
-        """The table's row of a compiled candidate."""
-        r = self.results[c]
-        rep = r.report
-        if rep is None:
-            status = "chosen" if chosen else (r.error or "compiled")
-            return PlanRow(r.label, r.policy, status, device_bytes=r.required)
-        t = rep.time
-        return PlanRow(
-            r.label,
-            r.policy,
-            "chosen" if chosen else (r.error or "compiled"),
-            device_bytes=rep.device_bytes,
-            host_bytes=rep.host_bytes,
-            fits=self.fits(c),
-            seconds=None if t is None else t.seconds,
-            bound=None if t is None else t.bound,
-            transfer_bytes=rep.host_to_device_bytes + rep.device_to_host_bytes,
-            recomputed_flops=None
-            if t is None or none_flops is None
-            else max(t.flops - none_flops, 0.0),
-        )
-
-    def _flops(self, candidate: Candidate) -> float | None:
-        r = self.results[candidate]
-        t = None if r.report is None else r.report.time
-        return None if t is None else t.flops
-
-    def _nothing_fits(self) -> DoesNotFit:
-        """The error when no candidate fits, about the nearest miss: of the
-        compiled candidates that fit the device, the one with the smallest host
-        footprint (the host budget broke); else the smallest device footprint."""
-        device, host = self.budgets
-        on_device = [
-            c
-            for c, r in self.results.items()
-            if r.report is not None and r.report.device_bytes <= device
-        ]
-        if on_device:
-            nearest = min(on_device, key=self._host)
-        else:
-            nearest = min(self.results, key=self._device)
-        r = self.results[nearest]
-        need = self._device(nearest)
-        host_need = None if r.report is None else r.report.host_bytes
-        exceeded: tuple[Literal["device", "host"], ...] = (
-            ("host",) if on_device else ("device",)
-        )
-        if not on_device and host_need is not None and host_need > host:
-            exceeded = ("device", "host")
-        if on_device:
-            what = (
-                "the smallest host footprint of the candidates that fit the "
-                f"device is {size_text(host_need or 0)} ({r.label})"
-            )
-        else:
-            shown = "unknown" if need == float("inf") else size_text(int(need))
-            what = f"the smallest device footprint found is {shown} ({r.label})"
-            what += (
-                f"; its host footprint is {size_text(host_need)}" if host_need else ""
-            )
-        budgets = "budgets" if len(exceeded) > 1 else "budget"
-        message = (
-            f"`plan`: no candidate fits the budgets ({size_text(device)} of device "
-            f"memory, {size_text(host)} of host memory per device): {what}, over the "
-            f"{' and '.join(exceeded)} {budgets}. Give {_budget.fixes(exceeded)}, or "
-            "more devices." + see(115)
-        )
-        return DoesNotFit(
-            message,
-            target=self.task.target or jax.default_backend(),
-            compiler_message="",
-            arguments={},
-            sizes=(int(need) if need != float("inf") else 0, device),
-            host_sizes=(host_need, host),
-            exceeded=exceeded,
-        )

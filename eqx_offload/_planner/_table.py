@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 from .._policy import Policy
 from .._report import size_text, time_text
+from . import _rates
 
 
 # The width of the labels' column, less the space before the next.
@@ -30,6 +31,16 @@ class PlanRow(NamedTuple):
         (`MemoryReport.time`).
     - `transfer_bytes`: host <-> device bytes per step.
     - `recomputed_flops`: matmul FLOPs beyond those of the step without remat.
+    - `error`: how far `seconds` can be off, relative (`MemoryReport.time.error`):
+        a measured step is expected within `seconds × (1 ± error)` (`range`).
+    - `kind`: what the step's host traffic makes it, for that error: `"device"`,
+        `"host link"` or `"host compute"` (`MemoryReport.time.kind`).
+    - `rates`: the rates the estimate used, each with where its figure comes from:
+        `(("compute", "nominal"), ("HBM", "nominal"), ("link", "measured"))`
+        (`eo.Hardware.label`; a rate resting on several figures has the least
+        trusted of them).
+    - `tied`: it fits and its estimate is within the error of the fastest's
+        (`plan`'s choice is among these). `None` if it does not fit.
     """
 
     label: str
@@ -42,52 +53,115 @@ class PlanRow(NamedTuple):
     bound: str | None = None
     transfer_bytes: int | None = None
     recomputed_flops: float | None = None
+    error: float | None = None
+    kind: str | None = None
+    rates: tuple[tuple[str, str], ...] = ()
+    tied: bool | None = None
+
+    @property
+    def range(self) -> tuple[float, float] | None:
+        """The seconds a measured step is expected within: `seconds × (1 ±
+        error)`."""
+        if self.seconds is None or self.error is None:
+            return None
+        return self.seconds * (1 - self.error), self.seconds * (1 + self.error)
+
+    @property
+    def rates_text(self) -> str:
+        """`rates` in words: `"link measured; compute, HBM nominal"`."""
+        return _rates.text(self.rates)
 
     def to_dict(self) -> dict[str, Any]:
-        return self._asdict() | {"policy": repr(self.policy)}
+        return self._asdict() | {
+            "policy": repr(self.policy),
+            "rates": dict(self.rates),
+            "range": self.range,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanTable:
     """Every candidate `plan` considered (`rows`), printable as a table.
 
-    A label longer than its column goes on over the lines below its row.
+    - `device_budget`: the device bytes a candidate may use: the budget given (or
+        the target's capacity) less `workspace_margin`.
+    - `host_budget`: the host bytes per device a candidate may use.
+    - `workspace_margin`: the device bytes left free for what a compile without the
+        device cannot see (`plan(workspace_margin=...)`).
+    - `decision`: why the chosen row was chosen, where it is not the fastest by
+        estimate (a tie within the estimates' error); else empty.
+    - `interrupted`: the planning was stopped (Ctrl-C) before its search ended.
+
+    A label longer than its column goes on over the lines below its row. Each row
+    with a step time shows its error (`±`) and the rates it used.
     """
 
     rows: tuple[PlanRow, ...]
     device_budget: int
     host_budget: int
+    workspace_margin: int = 0
+    decision: str = ""
+    interrupted: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "device_budget": self.device_budget,
             "host_budget": self.host_budget,
+            "workspace_margin": self.workspace_margin,
+            "decision": self.decision,
+            "interrupted": self.interrupted,
             "rows": [r.to_dict() for r in self.rows],
         }
 
     def __str__(self) -> str:
-        budgets = (
-            f"budgets per device: {size_text(self.device_budget)} device, "
-            f"{size_text(self.host_budget)} host"
-        )
+        device = size_text(self.device_budget)
+        if self.workspace_margin:
+            device += (
+                f" device ({size_text(self.workspace_margin)} of "
+                f"{size_text(self.device_budget + self.workspace_margin)} left free "
+                "for workspaces a compile without the device cannot see)"
+            )
+        else:
+            device += " device"
+        budgets = f"budgets per device: {device}, {size_text(self.host_budget)} host"
+        rates = [r.rates_text for r in self.rows]
+        width = max(map(len, rates), default=0)
+
+        def column(text: str) -> str:  # the rates, where some row has them
+            return f"{text:<{width}}  " if width else ""
+
         header = (
-            f"{'candidate':<46}{'device':>11}{'host':>11}{'step':>10}"
-            f"{'moved':>11}  status"
+            f"{'candidate':<46}{'device':>11}{'host':>11}{'step':>10}{'±':>6}"
+            f"{'moved':>11}  {column('rates')}status"
         )
         lines = [budgets, header, "-" * (len(header) + 10)]
-        for r in self.rows:
+        for r, rate in zip(self.rows, rates):
             label, *more = _wrap(r.label)
 
             def cell(n: int | None) -> str:
                 return "" if n is None else size_text(n)
 
             step = "" if r.seconds is None else time_text(r.seconds)
+            error = "" if r.error is None or r.seconds is None else f"{r.error:.0%}"
             fits = "" if r.fits is None else (" fits" if r.fits else " too big")
+            tied = ", tied" if r.tied and r.status != "chosen" else ""
             lines.append(
                 f"{label:<46}{cell(r.device_bytes):>11}{cell(r.host_bytes):>11}"
-                f"{step:>10}{cell(r.transfer_bytes):>11}  {r.status}{fits}"
+                f"{step:>10}{error:>6}{cell(r.transfer_bytes):>11}  "
+                f"{column(rate)}{r.status}{fits}{tied}"
             )
             lines += more
+        if self.decision:
+            lines += ["", self.decision]
+        if any(r.tied is not None for r in self.rows):
+            lines += [
+                "",
+                "±: how far a step time can be off (what the model has shown for "
+                "its kind of step). tied: within that of the fastest; of those, "
+                "the plan is one without experimental stages, then the one that "
+                "leaves the most device memory free (up to a tenth of the "
+                "budget), then the fastest.",
+            ]
         return "\n".join(lines)
 
 

@@ -1,0 +1,187 @@
+"""What a search found: the choice among the compiled candidates that fit (within
+the estimates' error, `_choice`) and why it was made, the table of every candidate
+considered, or, where none fits, the error about the nearest miss."""
+
+from typing import Literal, TYPE_CHECKING
+
+import jax
+
+from .._errors import see
+from .._report import DoesNotFit, size_text, time_text
+from . import _budget, _choice, _rates
+from ._candidates import Candidate
+from ._table import PlanRow, PlanTable
+
+
+if TYPE_CHECKING:  # types only: `_search` is not below us in the module map
+    from ._search import Result, Search
+
+
+def _fitting(search: "Search") -> tuple[list[Candidate], list[_choice.Option]]:
+    """The compiled candidates that fit, and each as the choice sees it."""
+    fitting = [
+        c for c, r in search.results.items() if r.report is not None and search.fits(c)
+    ]
+    options = [
+        _choice.Option(
+            search.seconds(c),
+            search.error(c),
+            search.budgets[0] - search.device(c),
+            c.settings.experimental,
+        )
+        for c in fitting
+    ]
+    return fitting, options
+
+
+def choose(search: "Search") -> tuple[Candidate | None, list[Candidate]]:
+    """The candidate `plan` chooses (`_choice.choose`), and those tied with the
+    fastest (`_choice.tied`); `None` and none if nothing fits."""
+    fitting, options = _fitting(search)
+    if not fitting:
+        return None, []
+    tied = [fitting[i] for i in _choice.tied(options)]
+    enough = _choice.ENOUGH_HEADROOM * search.budgets[0]
+    return fitting[_choice.choose(options, enough)], tied
+
+
+def finish(search: "Search") -> "tuple[Result, PlanTable] | DoesNotFit":
+    """The chosen candidate's result and the table of every candidate; or,
+    where none fits, the error about the nearest miss (`e.tried`: the table)."""
+    chosen, tied = choose(search)
+    none_flops = _flops(search, next(iter(search.results)))
+    rows = [_row(search, c, c == chosen, none_flops, c in tied) for c in search.results]
+    rows += [
+        PlanRow(label, c.policy(), why) for c, (label, why) in search.pruned.items()
+    ]
+    search.progress.close()
+    table = PlanTable(
+        tuple(rows),
+        *search.budgets,
+        workspace_margin=search.margin,
+        decision="" if chosen is None else _decision(search, chosen, tied),
+        interrupted=search.interrupted,
+    )
+    if chosen is None:
+        error = _nothing_fits(search)
+        error.tried = table
+        return error
+    return search.results[chosen], table
+
+
+def _decision(search: "Search", chosen: Candidate, tied: list[Candidate]) -> str:
+    """Why the chosen candidate was chosen, where it is not simply the fastest
+    by estimate."""
+    fastest = min(tied, key=search.rank)
+    if chosen == fastest or search.seconds(fastest) <= 0:
+        return ""
+    error = max(search.error(fastest), search.error(chosen))
+    slower = search.seconds(chosen) / search.seconds(fastest) - 1
+    budget = search.budgets[0]
+    free = [budget - search.device(c) for c in (chosen, fastest)]
+    if fastest.settings.experimental and not chosen.settings.experimental:
+        why = f"it uses no experimental stage ({fastest.settings.label} does)"
+    else:
+        why = (
+            f"it leaves {size_text(int(free[0]))} of device memory free where "
+            f"the fastest leaves {size_text(int(free[1]))}, less than "
+            f"{_choice.ENOUGH_HEADROOM:.0%} of the budget"
+        )
+    report = search.results[chosen].report
+    assert report is not None and report.time is not None
+    origin = _rates.error_origin(report.time)
+    return (
+        f"Chosen within the estimates' error: it is estimated {slower:.0%} "
+        f"slower than the fastest ({search.results[fastest].label}: "
+        f"{time_text(search.seconds(fastest))}), within their ±{error:.0%} error "
+        f"({origin}); of the {len(tied)} candidates that close, {why}."
+    )
+
+
+def _row(
+    search: "Search",
+    c: Candidate,
+    chosen: bool,
+    none_flops: float | None,
+    tied: bool = False,
+) -> PlanRow:
+    """The table's row of a compiled candidate."""
+    r = search.results[c]
+    rep = r.report
+    if rep is None:
+        status = "chosen" if chosen else (r.error or "compiled")
+        return PlanRow(r.label, r.policy, status, device_bytes=r.required)
+    t = rep.time
+    return PlanRow(
+        r.label,
+        r.policy,
+        "chosen" if chosen else (r.error or "compiled"),
+        device_bytes=rep.device_bytes,
+        host_bytes=rep.host_bytes,
+        fits=search.fits(c),
+        seconds=None if t is None else t.seconds,
+        bound=None if t is None else t.bound,
+        transfer_bytes=rep.host_to_device_bytes + rep.device_to_host_bytes,
+        recomputed_flops=None
+        if t is None or none_flops is None
+        else max(t.flops - none_flops, 0.0),
+        error=None if t is None else _rates.error_of(t),
+        kind=_rates.kind_of(t),
+        rates=_rates.used(t),
+        tied=tied if search.fits(c) and t is not None else None,
+    )
+
+
+def _flops(search: "Search", candidate: Candidate) -> float | None:
+    r = search.results[candidate]
+    t = None if r.report is None else r.report.time
+    return None if t is None else t.flops
+
+
+def _nothing_fits(search: "Search") -> DoesNotFit:
+    """The error when no candidate fits, about the nearest miss: of the
+    compiled candidates that fit the device, the one with the smallest host
+    footprint (the host budget broke); else the smallest device footprint."""
+    device, host = search.budgets
+    on_device = [
+        c
+        for c, r in search.results.items()
+        if r.report is not None and r.report.device_bytes <= device
+    ]
+    if on_device:
+        nearest = min(on_device, key=search.host)
+    else:
+        nearest = min(search.results, key=search.device)
+    r = search.results[nearest]
+    need = search.device(nearest)
+    host_need = None if r.report is None else r.report.host_bytes
+    exceeded: tuple[Literal["device", "host"], ...] = (
+        ("host",) if on_device else ("device",)
+    )
+    if not on_device and host_need is not None and host_need > host:
+        exceeded = ("device", "host")
+    if on_device:
+        what = (
+            "the smallest host footprint of the candidates that fit the "
+            f"device is {size_text(host_need or 0)} ({r.label})"
+        )
+    else:
+        shown = "unknown" if need == float("inf") else size_text(int(need))
+        what = f"the smallest device footprint found is {shown} ({r.label})"
+        what += f"; its host footprint is {size_text(host_need)}" if host_need else ""
+    budgets = "budgets" if len(exceeded) > 1 else "budget"
+    message = (
+        f"`plan`: no candidate fits the budgets ({size_text(device)} of device "
+        f"memory, {size_text(host)} of host memory per device): {what}, over the "
+        f"{' and '.join(exceeded)} {budgets}. Give {_budget.fixes(exceeded)}, or "
+        "more devices." + see(115)
+    )
+    return DoesNotFit(
+        message,
+        target=search.task.target or jax.default_backend(),
+        compiler_message="",
+        arguments={},
+        sizes=(int(need) if need != float("inf") else 0, device),
+        host_sizes=(host_need, host),
+        exceeded=exceeded,
+    )
