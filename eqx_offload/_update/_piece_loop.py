@@ -214,21 +214,26 @@ class _Loop:
         and before that piece is written back: unordered, XLA copies the leaf
         whole at every step. It also waits for the write into the leaf two
         before: so one write runs beside one read, and the device holds at most
-        one piece more than when reads wait for writes."""
+        one piece more than when reads wait for writes. That leaf goes on from
+        the barrier's output: were its written value also used beside the
+        barrier, XLA would copy a leaf whole (on the host, for a host leaf)."""
         writer = {o.overwrite: k for k, o in enumerate(self.outputs)}
-        ahead, written = [], []
+        ahead = []
         for c, x in enumerate(self.carried):
             k = writer[x.position]
             after = [values[k]] if isinstance(values[k], jax.Array) else []
-            after += written[-2:-1]
-            _, fulls[c] = jax.lax.optimization_barrier((after, fulls[c]))
+            before = [c - 2] if c >= 2 else []
+            _, olds, fulls[c] = jax.lax.optimization_barrier(
+                (after, [fulls[b] for b in before], fulls[c])
+            )
+            for b, old in zip(before, olds):
+                fulls[b] = old
             piece = None
             if self.piece.ins[x.position] in self.used:
                 piece = self.read(fulls[c], index + 1, x)
                 piece, fulls[c] = jax.lax.optimization_barrier((piece, fulls[c]))
             ahead.append(piece)
             self._write(k, self.outputs[k], values[k], index, fulls, [])
-            written.append(fulls[c])
         ys: list = []
         for k, out in enumerate(self.outputs):
             if out.overwrite is None:
