@@ -67,10 +67,12 @@ _PHASE_LABELS = {
 }
 Kind = Literal["device", "host link", "host compute"]
 
+# Shown for a GPU program with batched matmuls (attention has them; so may other
+# code: the note says "if").
 ATTENTION_NOTE = (
-    "attention is priced as XLA computes it, its scores through device memory: a "
-    "compile without a GPU has no cuDNN fused attention, which keeps them on chip, "
-    "so on the GPU the step may be faster than this"
+    "if this step computes attention, it is priced as XLA computes it, its scores "
+    "through device memory: a compile without a GPU has no cuDNN fused attention, "
+    "which keeps them on chip, so on the GPU the step may be faster than this"
 )
 
 
