@@ -5,8 +5,8 @@ Everything JAX here is imported inside the functions: the parent process of
 `gpu_check.py` never starts a backend (each part runs in a child process of its
 own, and only there is the GPU taken).
 
-- `save_program`, `capture_compiles`: compiled programs' text, gzip-compressed,
-  beside the results.
+- `save_program`: a compiled program's text (`_compiles.compiles` keeps it),
+  gzip-compressed, beside the results.
 - `link`: the probes, each a small jitted program timed alone and beside its
   counterpart (median of `runs` after one warm-up): a `pinned_host` -> device
   copy, a device -> `pinned_host` copy, both at once, a matmul chain, a copy beside
@@ -21,7 +21,6 @@ own, and only there is the GPU taken).
 """
 
 import bisect
-import contextlib
 import datetime
 import gzip
 import json
@@ -29,7 +28,7 @@ import math
 import re
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,27 +56,6 @@ def save_program(text: str, path: str | Path) -> str:
     with gzip.open(path, "wt", encoding="utf-8") as f:
         f.write(text)
     return str(path)
-
-
-@contextlib.contextmanager
-def capture_compiles() -> Iterator[list[str]]:
-    """The text of every program compiled ahead of time inside (`jax.stages.Lowered
-    .compile`, as `memory_report` compiles), appended to the list it gives."""
-    import jax
-
-    texts: list[str] = []
-    compile_ = jax.stages.Lowered.compile
-
-    def compile_and_keep(self: Any, *args: Any, **kwargs: Any) -> Any:
-        compiled = compile_(self, *args, **kwargs)
-        texts.append(compiled.as_text() or "")
-        return compiled
-
-    jax.stages.Lowered.compile = compile_and_keep
-    try:
-        yield texts
-    finally:
-        jax.stages.Lowered.compile = compile_
 
 
 # --- The link probes ---------------------------------------------------------------

@@ -125,6 +125,7 @@ from pathlib import Path
 from typing import Any
 
 import _gpu_probes as probes
+from _compiles import compiles
 
 
 HERE = Path(__file__).parent
@@ -361,7 +362,7 @@ def deviceless(
             opt_state = eo.init_opt_state(optimizer, model, policy)
             tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
             step = eo.train_step(loss_fn, optimizer, policy)
-            with probes.capture_compiles() as texts:
+            with compiles() as texts:
                 r = eo.memory_report(
                     step, model, opt_state, tokens, tokens, target="gpu-h200"
                 )

@@ -17,10 +17,10 @@ from collections.abc import Callable
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
 from _common import parser, table, write_json
+from _compiles import compiles
 from models import decoder
 from models.decoder import chunked_loss
 from models.shapes import LLAMA_3_2_1B, SEQ
-from prefetch_schedule import compiler_options
 
 import eqx_offload as eo
 
@@ -67,7 +67,7 @@ def compiled_row(
     part, and `more(report, step_time)`."""
     start = time.perf_counter()
     try:
-        with compiler_options(options):
+        with compiles(options):
             r = decoder.step_report(
                 LLAMA_3_2_1B, policy, chunked_loss, target=target, batch=batch, seq=SEQ
             )

@@ -10,35 +10,14 @@ layers ahead").
 Everything it prints is read from a compiled program, not timed."""
 
 import argparse
-import contextlib
 
 import compile_matrix as cm
-import jax
 import jax.numpy as jnp
 import optax
+from _compiles import compiles
 
 import eqx_offload as eo
 import eqx_offload.internal as eoi
-
-
-@contextlib.contextmanager
-def compiler_options(options: dict, texts: list | None = None):
-    """Every compile inside with these options too (the step's own kept), and
-    the compiled program's text appended to `texts`, if given."""
-    compile_ = jax.stages.Lowered.compile
-
-    def with_options(self, *args, **kwargs):
-        kwargs["compiler_options"] = (kwargs.get("compiler_options") or {}) | options
-        compiled = compile_(self, *args, **kwargs)
-        if texts is not None:
-            texts.append(compiled.as_text())
-        return compiled
-
-    jax.stages.Lowered.compile = with_options
-    try:
-        yield
-    finally:
-        jax.stages.Lowered.compile = compile_
 
 
 def schedules(arch, width, depth, target, prefetch, policy, options, **fields):
@@ -51,8 +30,7 @@ def schedules(arch, width, depth, target, prefetch, policy, options, **fields):
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
     opt_state = eo.init_opt_state(optimizer, model, p)
     step = eo.train_step(loss, optimizer, p)
-    texts: list[str] = []
-    with compiler_options(options, texts):
+    with compiles(options) as texts:
         report = eo.memory_report(step, model, opt_state, *batch, target=target)
     module = eoi.compiler.parse_hlo(texts[-1])
     orders = {

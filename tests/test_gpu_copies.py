@@ -26,7 +26,7 @@ thunks = eoi.compiler_thunks
 pytest.importorskip("jax_cuda12_plugin", reason="the `gpu-aot` extra")
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-import prefetch_schedule  # noqa: E402
+from _compiles import compiles  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> thunks.Program:
     step = eo.train_step(cross_entropy, optimizer, policy)
     tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
     dump = tmp_path_factory.mktemp("dump")
-    with prefetch_schedule.compiler_options(thunks.dump_options(dump)):
+    with compiles(thunks.dump_options(dump)):
         eo.memory_report(step, model, opt_state, tokens, tokens, target="gpu-h100")
     return thunks.read(dump)
 

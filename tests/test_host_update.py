@@ -4,7 +4,6 @@ optax's own on the same gradients; compiled for a TPU or GPU, the update's
 arithmetic must be inside the host computation and no optimizer state may cross the
 host link."""
 
-import contextlib
 import functools
 import sys
 from pathlib import Path
@@ -41,6 +40,7 @@ from .numerics import (
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 import compile_matrix as cm  # noqa: E402
+from _compiles import compiles  # noqa: E402
 
 
 def host_policy(**fields: Any) -> eo.Policy:
@@ -401,23 +401,6 @@ def test_both_forms_of_host_compute(form):
 CLIPPED = optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(ADAM_LR))
 
 
-@contextlib.contextmanager
-def compiled_texts():
-    texts: list[str] = []
-    original = jax.stages.Lowered.compile
-
-    def compile(self, *args, **kwargs):
-        compiled = original(self, *args, **kwargs)
-        texts.append(compiled.as_text() or "")
-        return compiled
-
-    jax.stages.Lowered.compile = compile
-    try:
-        yield texts
-    finally:
-        jax.stages.Lowered.compile = original
-
-
 def host_and_device_ops(text: str) -> tuple[list, list]:
     """The instructions the program runs on the host's CPU and the others."""
     comps, entry = eoi.compiler.parse_hlo(text)
@@ -465,7 +448,7 @@ def test_compiled_update_runs_on_the_host(target, width, microbatches, dtype):
     model = eo.place(model, policy)
     opt_state = eo.init_opt_state(CLIPPED, model, policy)
     step = eo.train_step(loss, CLIPPED, policy, microbatches=microbatches)
-    with compiled_texts() as texts:
+    with compiles() as texts:
         report = eo.memory_report(step, model, opt_state, *batch, target=target)
     assert report.compiled_transfers is not None
     assert not [
@@ -500,7 +483,7 @@ def test_a_transposed_gradient_compiles_for_a_gpu():
 
     step = eo.train_step(loss, CLIPPED, policy)
     x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
-    with compiled_texts() as texts:
+    with compiles() as texts:
         eo.memory_report(step, model, opt_state, x, target="gpu-h100")
     host, _ = host_and_device_ops(texts[-1])
     assert any(i.opcode == "sqrt" for i in host)

@@ -30,7 +30,7 @@ from .numerics import assert_close, excess, TRAINED
 
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-import prefetch_schedule  # noqa: E402
+from _compiles import compiles  # noqa: E402
 
 
 _PREFETCH = eoi.scan_body._prefetch  # (the module of the prefetching scans)
@@ -289,8 +289,7 @@ def _gpu_loop_orders(width: int, depth: int, policy: eo.Policy) -> dict[str, str
 
     step = eo.train_step(loss, optimizer, policy)
     tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
-    texts: list[str] = []
-    with prefetch_schedule.compiler_options(GPU_OPTIONS, texts):
+    with compiles(GPU_OPTIONS) as texts:
         eo.memory_report(step, model, opt_state, tokens, tokens, target="gpu-h100")
     module = eoi.compiler.parse_hlo(texts[-1])
     orders = {
