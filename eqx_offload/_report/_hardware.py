@@ -232,9 +232,8 @@ class Hardware:
         host = self.label("host_memory_bytes_per_second")
 
         def word(origins: set[str]) -> str:
-            for origin in ORIGINS:
-                if origin in origins and len(origins) == 1:
-                    return origin
+            if len(origins) == 1:
+                return next(iter(origins))
             return "partly measured" if "measured" in origins else "nominal, assumed"
 
         return f"link {word(link)}, compute {word(compute)}, host memory {host}"

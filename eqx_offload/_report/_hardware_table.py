@@ -58,10 +58,12 @@ _NVIDIA = (
 )
 
 _HOST = (
-    "host memory bandwidth and FLOP/s per device: ESTIMATES until measured, from "
-    "the host's memory channels (a DDR4-3200 channel moves 25.6 GB/s, DDR5-4800 "
-    "38.4 GB/s) and cores (float32 FMA: 16 FLOPs a cycle per 256-bit unit, two "
-    "units a core), over the devices the host serves; {}"
+    "host memory bandwidth and FLOP/s per device: ESTIMATES until measured (the "
+    "memory bandwidth is not used: every row takes the host update's rate "
+    "measured on an H200's host), from the host's memory channels (a DDR4-3200 "
+    "channel moves 25.6 GB/s, DDR5-4800 38.4 GB/s) and cores (float32 FMA: 16 "
+    "FLOPs a cycle per 256-bit unit, two units a core), over the devices the "
+    "host serves; {}"
 )
 
 # The tensor-core rates of the H100 SXM, which the H200 shares (dense).
@@ -102,7 +104,6 @@ ROWS: dict[str, dict[str, Any]] = {
                 "GHz with AVX2 FMA (9 TFLOP/s, 1.1 a chip)"
             ),
         ),
-        host_memory_bytes_per_second=51 * _GB,
         host_flops=1.1 * _T,
     ),
     "tpu-v6e": _row(
@@ -128,7 +129,6 @@ ROWS: dict[str, dict[str, Any]] = {
                 "GHz with AVX-512 FMA (13 TFLOP/s, 1.6 a chip)"
             ),
         ),
-        host_memory_bytes_per_second=77 * _GB,
         host_flops=1.6 * _T,
     ),
     "tpu-v5p": _row(
@@ -154,7 +154,6 @@ ROWS: dict[str, dict[str, Any]] = {
                 "AVX-512 FMA (13 TFLOP/s, 3.3 a chip)"
             ),
         ),
-        host_memory_bytes_per_second=154 * _GB,
         host_flops=3.3 * _T,
     ),
     # A `tpu-v4` device is one TensorCore, half a chip (`_targets.HBM_BYTES`).
@@ -181,7 +180,6 @@ ROWS: dict[str, dict[str, Any]] = {
                 "1.2 a TensorCore)"
             ),
         ),
-        host_memory_bytes_per_second=51 * _GB,
         host_flops=1.2 * _T,
     ),
     "gpu-h100": _row(
@@ -202,7 +200,6 @@ ROWS: dict[str, dict[str, Any]] = {
                 "with AVX-512 FMA (13 TFLOP/s, 1.6 a GPU)"
             ),
         ),
-        host_memory_bytes_per_second=77 * _GB,
         host_flops=1.6 * _T,
     ),
     "gpu-h200": _row(
@@ -223,7 +220,6 @@ ROWS: dict[str, dict[str, Any]] = {
                 "AVX-512 FMA (13 TFLOP/s, 1.6 a GPU)"
             ),
         ),
-        host_memory_bytes_per_second=77 * _GB,
         host_flops=1.6 * _T,
     ),
 }
