@@ -229,3 +229,25 @@ def test_the_step_time_page_leads_with_this_table(steps):
         assert r["estimated step ms"] == pytest.approx(
             1e3 * calibration.price(row, h200), rel=1e-9
         )
+
+
+def test_bad_model_parameters_name_the_field_and_the_fix():
+    h200 = eo.Hardware.of("gpu-h200")
+    with pytest.raises(ValueError, match="`transfer_overlap` is 1.5. Give a share"):
+        dataclasses.replace(h200, transfer_overlap=1.5)
+    with pytest.raises(ValueError, match=r"`compute_efficiency` is 0\. .*\(above 0\)"):
+        dataclasses.replace(h200, compute_efficiency=0)
+    with pytest.raises(ValueError, match=r"`error` has \['slow'\]. Key it by the kind"):
+        dataclasses.replace(h200, error={"slow": 0.1})
+    with pytest.raises(ValueError, match="`both_ways_bytes_per_second` is -1"):
+        dataclasses.replace(h200, both_ways_bytes_per_second=-1)
+    with pytest.raises(ValueError, match="`labels` are by field"):
+        dataclasses.replace(h200, labels={"transfer_overlap": "guessed: by me"})
+    with pytest.raises(ValueError, match=r"`Hardware.measured\(...\)`: \['speed'\]"):
+        h200.measured("my run", speed=1.0)
+    with pytest.raises(ValueError, match="not a labelled field"):
+        h200.label("name")
+    mine = h200.measured("my run", transfer_overlap=0.5)
+    assert mine.transfer_overlap == 0.5 and mine.labels["transfer_overlap"] == (
+        "measured: my run"
+    )
