@@ -2,13 +2,15 @@
 update mode (`whole`, `streamed`, `host`), parameter placement and compute dtype:
 per parameter of a stacked layer (fp32 master, AdamW), and in GB per step for the
 Llama-3.2-1B shape of `benchmarks/llama.py` (batch 8 x 1024 tokens). The rules are
-`eqx_offload/_report/_minimum.py`'s; `memory_report` prints the same minimum next
-to what the compiled program moves. `compile_matrix.py` compiles each row for
-`tpu-v5e` and `gpu-h100` against it (the command is in docs/step-time.md), and
-`tests/test_minimum_traffic.py` a covering six.
+the test oracle's, `tests/minimum_traffic.py` (not public API). `compile_matrix.py`
+compiles each row for `tpu-v5e` and `gpu-h100` against it (the command is in
+docs/step-time.md), and `tests/test_minimum_traffic.py` a covering six.
 
     python benchmarks/minimum_bytes.py [--json FILE]
 """
+
+import sys
+from pathlib import Path
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
 import equinox as eqx
@@ -20,7 +22,10 @@ from models.decoder import Decoder
 from models.shapes import BATCH, LLAMA_3_2_1B, SEQ
 
 import eqx_offload as eo
-import eqx_offload.internal as eoi
+
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the repository, for `tests`
+from tests.minimum_traffic import minimum_traffic, MinimumTraffic  # noqa: E402
 
 
 UPDATES = ("whole", "streamed", "host")
@@ -44,12 +49,12 @@ def policy(update: str, placement: str, dtype: str) -> eo.Policy:
 
 
 def minimum(model, update: str, placement: str, dtype: str, **kwargs):
-    """`minimum_traffic` of an abstract `model` under a row's policy (AdamW)."""
+    """The oracle's minimum for an abstract `model` under a row's policy (AdamW)."""
     optimizer = optax.adamw(1e-3)
     p = policy(update, placement, dtype)
     model = eo.place(model, p)
     opt_state = eo.init_opt_state(optimizer, model, p)
-    return eoi.minimum.minimum_traffic(model, opt_state, p, optimizer, **kwargs)
+    return minimum_traffic(model, opt_state, p, optimizer, **kwargs)
 
 
 def stacked_layer(width: int = 2048, layers: int = 2):
@@ -94,7 +99,7 @@ def per_parameter_rows() -> list[list[str]]:
     return rows
 
 
-def _parts(m: eo.MinimumTraffic, n: int) -> str:
+def _parts(m: MinimumTraffic, n: int) -> str:
     """Which parts the bytes are: parameters, gradients, optimizer state."""
     out = []
     for what, label in (

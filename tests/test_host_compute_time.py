@@ -20,7 +20,7 @@ from .fixtures import capture
 
 
 ROOT = Path(__file__).parent.parent
-FIXTURES = Path(__file__).parent / "fixtures" / eoi.compiler.JAX_VERSION
+FIXTURES = Path(__file__).parent / "fixtures" / eoi.JAX_VERSION
 
 N = 1024 * 1024  # elements of each array of the hand-written update
 MIB4 = 4 * N  # its bytes, f32
@@ -108,7 +108,7 @@ V5E = dataclasses.replace(eo.Hardware.of("tpu-v5e"), host_memory_bytes_per_secon
 def test_a_host_region_costs_its_bytes_at_the_host_bandwidth():
     """5 arrays of 4 MiB (three read, two written) at 51 GB/s: 411 us, against 3
     FLOPs an element at 1.1 TFLOP/s (2.9 us): bytes-bound."""
-    t = eoi.step_time.estimate(_update_hlo("async"), V5E, "tpu")
+    t = eoi.step_time_estimate(_update_hlo("async"), V5E, "tpu")
     assert t.host_compute_bytes == 5 * MIB4
     assert t.host_compute_flops == 3 * N
     host = 5 * MIB4 / V5E.host_memory_bytes_per_second
@@ -118,18 +118,18 @@ def test_a_host_region_costs_its_bytes_at_the_host_bandwidth():
     slower = dataclasses.replace(
         V5E, host_memory_bytes_per_second=V5E.host_memory_bytes_per_second / 2
     )
-    half = eoi.step_time.estimate(_update_hlo("async"), slower, "tpu")
+    half = eoi.step_time_estimate(_update_hlo("async"), slower, "tpu")
     assert half.host_compute_seconds == pytest.approx(2 * t.host_compute_seconds)
     assert half.seconds > t.seconds + 0.9 * host
     # A host this slow at arithmetic is FLOP-bound instead: 3 FLOPs an element
     # at 1 GFLOP/s.
     weak = dataclasses.replace(V5E, host_flops=1e9)
-    flops = eoi.step_time.estimate(_update_hlo("async"), weak, "tpu")
+    flops = eoi.step_time_estimate(_update_hlo("async"), weak, "tpu")
     assert flops.host_compute_seconds == pytest.approx(3 * N / 1e9)
 
 
 def test_a_global_norm_reads_the_gradient_once_more():
-    t = eoi.step_time.estimate(_update_hlo("async", clip=True), V5E, "tpu")
+    t = eoi.step_time_estimate(_update_hlo("async", clip=True), V5E, "tpu")
     assert t.host_compute_bytes == 6 * MIB4
     # multiply, reduce, divide of the norm; then multiply, add, subtract.
     assert t.host_compute_flops == 6 * N
@@ -141,20 +141,20 @@ def test_host_compute_overlaps_only_the_device_work_scheduled_meanwhile():
     matmul waits for it."""
     host = 5 * MIB4 / V5E.host_memory_bytes_per_second
     matmul = MATMUL_FLOPS / V5E.matmul_flops["bf16"]
-    overlapped = eoi.step_time.estimate(_update_hlo("async"), V5E, "tpu")
+    overlapped = eoi.step_time_estimate(_update_hlo("async"), V5E, "tpu")
     assert overlapped.seconds == pytest.approx(host, rel=0.01)
     assert overlapped.exposed_host_compute_seconds == pytest.approx(
         host - matmul, rel=0.01
     )
     assert overlapped.bound == "host compute"
-    blocking = eoi.step_time.estimate(_update_hlo("sync"), V5E, "tpu")
+    blocking = eoi.step_time_estimate(_update_hlo("sync"), V5E, "tpu")
     assert blocking.host_compute_bytes == 5 * MIB4
     assert blocking.host_compute_flops == 3 * N
     assert blocking.seconds == pytest.approx(host + matmul, rel=0.01)
     assert blocking.exposed_host_compute_seconds == pytest.approx(host)
     # Where the host keeps up, the device does not wait.
     fast = dataclasses.replace(V5E, host_memory_bytes_per_second=1e15)
-    quick = eoi.step_time.estimate(_update_hlo("async"), fast, "tpu")
+    quick = eoi.step_time_estimate(_update_hlo("async"), fast, "tpu")
     assert quick.exposed_host_compute_seconds == 0 and quick.bound == "compute"
 
 
@@ -174,7 +174,7 @@ def test_the_compiled_adamw_update_costs_28_bytes_a_parameter(target):
     platform = target.split("-")[0]
     text = _fixture(f"{platform}_host_update.txt")
     n = 2 * 128 * 128
-    t = eoi.step_time.estimate(text, eo.Hardware.of(target), platform)
+    t = eoi.step_time_estimate(text, eo.Hardware.of(target), platform)
     copies = 0
     assert t.host_compute_bytes == 28 * n + 8 + 8 * n + copies
     assert t.host_compute_flops > 10 * n  # AdamW: about 17 an element
@@ -186,7 +186,7 @@ def test_the_compiled_adamw_update_costs_28_bytes_a_parameter(target):
     assert t.exposed_host_compute_seconds == pytest.approx(t.host_compute_seconds)
     assert t.bound == "host compute"
     # One array of the update's shape, besides its parameters and results.
-    assert eoi.costs.host_temporaries(text, platform) == 4 * n
+    assert eoi.host_temporaries(text, platform) == 4 * n
 
 
 def _structure(text: str) -> list[list[tuple]]:
@@ -194,7 +194,7 @@ def _structure(text: str) -> list[list[tuple]]:
     instructions of it are the operands (by position: the compiler numbers some
     instructions differently from run to run, with Python's hash seed)."""
     out = []
-    for comp in eoi.compiler.parse_hlo(text).computations.values():
+    for comp in eoi.parse_hlo(text).computations.values():
         order = {name: i for i, name in enumerate(comp.insts)}
         out.append(
             [
@@ -216,7 +216,7 @@ def test_this_compiler_still_writes_host_compute_so(target):
     assert _structure(live) == _structure(_fixture(f"{platform}_host_update.txt"))
     starts = [
         i
-        for c in eoi.compiler.parse_hlo(live).computations.values()
+        for c in eoi.parse_hlo(live).computations.values()
         for i in c.insts.values()
         if i.host_calls
     ]
@@ -245,8 +245,8 @@ def test_the_memory_report_counts_the_host_computations_temporaries():
 
 
 def test_the_table_and_the_plot_show_host_compute():
-    t = eoi.step_time.estimate(_update_hlo("async"), V5E, "tpu")
-    lines = eoi.step_time.lines(t)
+    t = eoi.step_time_estimate(_update_hlo("async"), V5E, "tpu")
+    lines = eoi.step_time_lines(t)
     row = next(line for line in lines if line.startswith("  host compute "))
     assert "20.00 MiB" in row and "411 us" in row
     assert any(line.startswith("  host compute not hidden") for line in lines)
@@ -260,7 +260,7 @@ def test_the_table_and_the_plot_show_host_compute():
         host_compute_bytes=0,
         host_compute_flops=0.0,
     )
-    assert not any("host compute" in line for line in eoi.step_time.lines(plain))
+    assert not any("host compute" in line for line in eoi.step_time_lines(plain))
     pytest.importorskip("matplotlib")
     import matplotlib
 
@@ -298,7 +298,7 @@ def test_results_saved_before_host_compute_still_load():
         "compile_options",
         "notes",
     }
-    t = eoi.step_time.estimate(_update_hlo("async"), V5E, "tpu").to_dict()
+    t = eoi.step_time_estimate(_update_hlo("async"), V5E, "tpu").to_dict()
     before = {k: v for k, v in t.items() if k not in new_fields} | {"hardware": old}
     loaded = eo.StepTime.from_dict(before)
     assert loaded.host_compute_seconds == loaded.exposed_host_compute_seconds == 0
@@ -335,9 +335,9 @@ def test_the_hosts_rates_are_in_the_table_and_checked():
 def test_programs_without_host_compute_have_none():
     """A host-offloading loop (`tpu_hlo.txt`): transfers, no host compute."""
     text = _fixture("tpu_hlo.txt")
-    assert not eoi.compiler.has_host_compute(text)
-    t = eoi.step_time.estimate(text, V5E, "tpu")
+    assert not eoi.has_host_compute(text)
+    t = eoi.step_time_estimate(text, V5E, "tpu")
     assert t.host_to_device_bytes > 0
     assert t.host_compute_seconds == t.host_compute_bytes == 0
     assert t.exposed_host_compute_seconds == 0 and t.bound != "host compute"
-    assert eoi.costs.host_temporaries(text, "tpu") == 0
+    assert eoi.host_temporaries(text, "tpu") == 0

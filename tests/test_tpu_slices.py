@@ -77,7 +77,7 @@ def test_host_bytes_of_sharded_and_replicated_host_arrays_by_hand():
         "argument 2": {"pinned_host": 8 * 64 * F32},
     }
     # The same arithmetic from the layouts the compiler reports.
-    slice_mesh = eoi.targets.slice_mesh(TARGET, mesh)
+    slice_mesh = eoi.slice_mesh(TARGET, mesh)
     layouts = [(w.shape, P(None, "fsdp")), (b.shape, P()), (m.shape, P("fsdp"))]
     args = [sds(shape, spec, "pinned_host", slice_mesh) for shape, spec in layouts]
     compiled = jax.jit(f).trace(*args).lower().compile()
@@ -197,12 +197,12 @@ def test_one_chip_targets_are_unchanged():
 
 def test_chips_per_host_follow_libtpu():
     # (chips or TensorCores compiled for, how many one host serves)
-    assert len(eoi.targets.devices("tpu-v5e:16x16")) == 256
-    assert eoi.targets.chips_per_host("tpu-v5e:16x16") == 4
-    assert eoi.targets.chips_per_host("tpu-v5e:2x2") == 4
-    assert len(eoi.targets.devices("tpu-v5p:2x2x2")) == 8
-    assert eoi.targets.chips_per_host("tpu-v5p:2x2x2") == 4
-    assert eoi.targets.chips_per_host("tpu-v4:2x2x2") == 8  # two cores per chip
+    assert len(eoi.targets_devices("tpu-v5e:16x16")) == 256
+    assert eoi.chips_per_host("tpu-v5e:16x16") == 4
+    assert eoi.chips_per_host("tpu-v5e:2x2") == 4
+    assert len(eoi.targets_devices("tpu-v5p:2x2x2")) == 8
+    assert eoi.chips_per_host("tpu-v5p:2x2x2") == 4
+    assert eoi.chips_per_host("tpu-v4:2x2x2") == 8  # two cores per chip
 
 
 def test_a_program_too_big_for_a_chip_of_the_slice():

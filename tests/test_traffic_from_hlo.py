@@ -60,7 +60,7 @@ ENTRY %main.1 (p0: f32[3,8,128], p1: f32[3,128], p2: f32[16,128]) -> (f32[3,128]
 def test_counts_loops_and_follows_values_to_arguments():
     inputs = [("params", "blocks.weight"), ("params", "rows"), ("opt_state", "mu")]
     outputs = [("params", "rows"), ("opt_state", "mu")]
-    rows = eoi.compiled_traffic.count(HLO, inputs, outputs, traced=())
+    rows = eoi.compiled_traffic_count(HLO, inputs, outputs, traced=())
     layer, row, whole = 8 * 128 * 4, 128 * 4, 16 * 128 * 4
     assert set(rows) == {
         # three asynchronous layer reads, followed through the loop to parameter 0
@@ -76,14 +76,14 @@ def test_counts_loops_and_follows_values_to_arguments():
 
 
 def test_trip_count_from_the_condition_or_the_known_count():
-    comps, entry = eoi.compiler.parse_hlo(HLO)
-    walker = eoi.hlo_program.Walker(comps, entry)
+    comps, entry = eoi.parse_hlo(HLO)
+    walker = eoi.Walker(comps, entry)
     times = {comp.name: n for comp, n in walker.visits()}
     assert times["body"] == 3 and times["async_computation"] == 3
     known = HLO.replace(
         "condition=%cond, body=%body",
         'condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}',
     )
-    comps, entry = eoi.compiler.parse_hlo(known)
-    times = {c.name: n for c, n in eoi.hlo_program.Walker(comps, entry).visits()}
+    comps, entry = eoi.parse_hlo(known)
+    times = {c.name: n for c, n in eoi.Walker(comps, entry).visits()}
     assert times["body"] == 5

@@ -17,11 +17,12 @@ The text is read in `_compiler.py`; this module reads the transfers off it.
 
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from .. import _compiler, _scopes
 from .._compiler import Computation, Instruction
 from . import _traffic
-from ._hlo_program import moved, Walker
+from ._hlo_program import made, moved, Walker
 from ._traffic import Transfer
 
 
@@ -39,46 +40,64 @@ def count(
     moves the same leaf."""
     comps, entry = _compiler.parse_hlo(text)
     walker = Walker(comps, entry)
-    results = _results(comps[entry]) if entry in comps else {}
     phases: dict[tuple, set[str]] = defaultdict(set)
     for t in traced:
         phases[t.direction, t.what, t.name].add(t.phase)
+    results = _results(comps[entry]) if entry in comps else {}
+    program = _Program(walker, results, phases, inputs, outputs)
     totals: dict[tuple, int] = defaultdict(int)
     for comp, times in walker.visits():
         for inst in comp.insts.values():
             for direction, nbytes, source, label in _moves(comp, inst):
-                scope = label or inst.op_name or _users_scope(comp, inst.name)
-                if _compiler.in_host_compute(scope) and _scopes.UPDATE in scope:
-                    # A move XLA:GPU makes for a host computation's operand or
-                    # result (named after the computation that uses it).
-                    scope = _HOST_CALL_SCOPES[direction]
-                update = _scopes.UPDATE in scope
-                number = walker.origin(comp, source)
-                found = None
-                if number is not None and number < len(inputs):
-                    found = inputs[number]
-                output = _output(comp, inst, results) if comp.name == entry else None
-                if output is not None and output < len(outputs):
-                    (what, name), update = outputs[output], True
-                else:
-                    what, name = _what(found, scope, update)
-                phase = "update" if update else "forward/backward"
-                if not scope and len(phases[direction, what, name]) == 1:
-                    (phase,) = phases[direction, what, name]
-                totals[direction, phase, what, name] += nbytes * times
-    rows = [Transfer(d, p, w, n, b) for (d, p, w, n), b in totals.items() if b]
-    return tuple(sorted(rows, key=lambda t: (t.direction, t.phase, t.what, t.name)))
+                key = program.key(comp, inst, direction, source, label)
+                totals[key] += nbytes * times
+    return _traffic.rows(totals)
+
+
+class _Program(NamedTuple):
+    """A compiled module as `count` reads it: its walker, the entry's results, and
+    the phases each traced transfer moves in."""
+
+    walker: Walker
+    results: dict
+    phases: dict[tuple, set[str]]
+    inputs: Sequence[tuple[str, str]]
+    outputs: Sequence[tuple[str, str]]
+
+    def key(
+        self,
+        comp: Computation,
+        inst: Instruction,
+        direction: str,
+        source: str,
+        label: str,
+    ) -> tuple[str, str, str, str]:
+        """(direction, phase, what, name) of one move of `inst`."""
+        scope = label or inst.op_name or _users_scope(comp, inst.name)
+        if _compiler.in_host_compute(scope) and _scopes.UPDATE in scope:
+            # A move XLA:GPU makes for a host computation's operand or result
+            # (named after the computation that uses it).
+            scope = _HOST_CALL_SCOPES[direction]
+        update = _scopes.UPDATE in scope
+        number = self.walker.origin(comp, source)
+        inputs, outputs = self.inputs, self.outputs
+        found = inputs[number] if number is not None and number < len(inputs) else None
+        entry = comp.name == self.walker.entry
+        output = _output(comp, inst, self.results) if entry else None
+        if output is not None and output < len(outputs):
+            (what, name), update = outputs[output], True
+        else:
+            what, name = _what(found, scope, update)
+        phase = "update" if update else "forward/backward"
+        if not scope and len(self.phases[direction, what, name]) == 1:
+            (phase,) = self.phases[direction, what, name]
+        return direction, phase, what, name
 
 
 def _what(found: tuple[str, str] | None, scope: str, update: bool) -> tuple[str, str]:
-    """What a move carries and its name: the step argument it comes from
-    (`found`), else what its named scope says."""
-    if found is not None and found[0]:
-        what, name = found
-        if what == "opt_state" and not update and name.startswith(_scopes.COPIES + "."):
-            what, name = "params", name[len(_scopes.COPIES) + 1 :]
-        return what, name
-    what, name = _traffic.guess(_label(scope), update)
+    """What a move carries and its name (`_traffic.named`): the step argument it
+    comes from (`found`), else what its named scope says."""
+    what, name = _traffic.named(found or ("", ""), _label(scope), update)
     if what == "gradients" and not name and not update:
         # Computed in the forward or backward pass: a gradient, an offloaded
         # residual or an accumulator; the compiled program does not say which.
@@ -113,9 +132,7 @@ def _moves(comp: Computation, inst: Instruction) -> list[tuple[str, int, str, st
             if not array.host:
                 direction = "device_to_host"
                 out.append((direction, array.nbytes, name, scopes[direction]))
-    parts = _compiler.tuple_elements(inst.shape)
-    results = parts[1] if inst.opcode.endswith("-start") else inst.shape
-    for array in _compiler.arrays(results):
+    for array in _compiler.arrays(made(inst)):
         if not array.host:
             direction = "host_to_device"
             out.append((direction, array.nbytes, inst.name, scopes[direction]))

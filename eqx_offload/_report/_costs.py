@@ -5,12 +5,13 @@ compute, `compute_on("device_host")`: its host-memory bytes and FLOPs)
 (`_step_time.py` adds them up along the schedule). The text is read in
 `_compiler.py`."""
 
+import math
 from collections import defaultdict
 from typing import Any, NamedTuple
 
 from .. import _compiler
 from .._compiler import Computation, Instruction
-from ._hlo_program import moved, Walker
+from ._hlo_program import made, moved, Walker
 
 
 # Instructions that move or compute nothing.
@@ -74,14 +75,8 @@ def precision(
         return "bf16"
     if "f64" in kinds:
         return "f64"
-    level = max(
-        (
-            ("default", "high", "highest").index(p)
-            for p in operand_precision
-            if p in ("default", "high", "highest")
-        ),
-        default=0,
-    )
+    levels = ("default", "high", "highest")
+    level = max((levels.index(p) for p in operand_precision if p in levels), default=0)
     if platform == "tpu":
         return ("bf16", "bf16x3", "bf16x6")[level]
     return ("tf32", "tf32", "f32")[level]
@@ -105,67 +100,53 @@ class Program:
         self, comp: Computation, inst: Instruction
     ) -> tuple[str, float] | None:
         """(precision, FLOPs) of a dot, convolution or GEMM library call."""
-        if inst.opcode == "custom-call":
-            return self._gemm_call(comp, inst)
-        if inst.opcode not in ("dot", "convolution") or len(inst.operands) < 2:
+        gemm = _gemm_config(inst)
+        is_dot = inst.opcode in ("dot", "convolution")
+        if not (is_dot or gemm is not None) or len(inst.operands) < 2:
             return None
-        lhs = _compiler.array_type(self.shape(comp, inst.operands[0]))
-        rhs = _compiler.array_type(self.shape(comp, inst.operands[1]))
-        out = _compiler.array_type(inst.shape)
-        if lhs is None or rhs is None or out is None:
-            return None
-        if inst.opcode == "dot":
-            inner = _product(
-                lhs[1][d] for d in inst.dims("lhs_contracting_dims") if d < len(lhs[1])
-            )
-        else:
-            found = _convolution_inner(inst, lhs[1], rhs[1], out[1])
-            if found is None:
-                return None
-            inner = found
-        flops = 2.0 * _product(out[1]) * inner
-        return precision((lhs[0], rhs[0]), inst.operand_precision, self.platform), flops
-
-    def _gemm_call(
-        self, comp: Computation, inst: Instruction
-    ) -> tuple[str, float] | None:
-        if inst.custom_call_target not in _GEMM_TARGETS or len(inst.operands) < 2:
-            return None
-        config = inst.backend_config.get("gemm_backend_config", {})
-        numbers = config.get("dot_dimension_numbers", {})
-        lhs = _compiler.array_type(self.shape(comp, inst.operands[0]))
-        rhs = _compiler.array_type(self.shape(comp, inst.operands[1]))
         shape = inst.shape
-        if shape.startswith("("):
+        if gemm is not None and shape.startswith("("):  # (result, workspace)
             shape = _compiler.tuple_elements(shape)[0]
-        out = _compiler.array_type(shape)
-        if lhs is None or rhs is None or out is None:
+        shapes = [self.shape(comp, o) for o in inst.operands[:2]] + [shape]
+        types: Any = [_compiler.array_type(s) for s in shapes]
+        if None in types:  # (of an operand or result that is not one array)
             return None
-        contracting = [int(d) for d in numbers.get("lhs_contracting_dimensions", [])]
-        inner = _product(lhs[1][d] for d in contracting if d < len(lhs[1]))
-        given = config.get("precision_config", {}).get("operand_precision", [])
-        level = [str(p).lower() for p in given]
-        return precision((lhs[0], rhs[0]), level, self.platform), 2.0 * _product(
-            out[1]
-        ) * inner
+        (lhs_type, lhs), (rhs_type, rhs), (_, out) = types
+        dims, level = _contracting(inst, gemm)
+        inner = math.prod(lhs[d] for d in dims if d < len(lhs))
+        if inst.opcode == "convolution":
+            inner = _convolution_inner(inst, lhs, rhs, out)
+        if inner is None:
+            return None
+        flops = 2.0 * math.prod(out) * inner
+        return precision((lhs_type, rhs_type), level, self.platform), flops
 
     def has_batched_dots(self) -> bool:
         """Whether any matmul has batch dimensions (as attention's have: one
         product per batch element and head), fused ones included."""
         for comp in self.comps.values():
             for inst in comp.insts.values():
-                if inst.opcode == "dot" and inst.dims("lhs_batch_dims"):
-                    return True
-                if inst.opcode == "custom-call" and inst.custom_call_target in (
-                    _GEMM_TARGETS
+                gemm = _gemm_config(inst) or {}
+                numbers = gemm.get("dot_dimension_numbers", {})
+                if numbers.get("lhs_batch_dimensions") or (
+                    inst.opcode == "dot" and inst.dims("lhs_batch_dims")
                 ):
-                    config = inst.backend_config.get("gemm_backend_config", {})
-                    numbers = config.get("dot_dimension_numbers", {})
-                    if numbers.get("lhs_batch_dimensions"):
-                        return True
+                    return True
         return False
 
-    def fused_flops(self, name: str) -> tuple[tuple[str, float], ...]:
+    def flops(self, comp: Computation, inst: Instruction) -> dict[str, float]:
+        """An instruction's matmul FLOPs by precision, those of the computation it
+        calls (a fusion's) included."""
+        out: dict[str, float] = defaultdict(float)
+        found = self.dot_flops(comp, inst)
+        if found is not None:
+            out[found[0]] += found[1]
+        callee = inst.computation("calls")
+        for p, n in self._fused_flops(callee) if callee is not None else ():
+            out[p] += n
+        return out
+
+    def _fused_flops(self, name: str) -> tuple[tuple[str, float], ...]:
         """The dot FLOPs of a fused (or otherwise called) computation, by precision."""
         if name in self._flops:
             return self._flops[name]
@@ -175,13 +156,8 @@ class Program:
             return ()
         out: dict[str, float] = defaultdict(float)
         for inst in comp.insts.values():
-            found = self.dot_flops(comp, inst)
-            if found is not None:
-                out[found[0]] += found[1]
-            callee = inst.computation("calls")
-            if callee is not None:
-                for p, n in self.fused_flops(callee):
-                    out[p] += n
+            for p, n in self.flops(comp, inst).items():
+                out[p] += n
         self._flops[name] = tuple(out.items())
         return self._flops[name]
 
@@ -190,32 +166,35 @@ class Program:
         operands there; of a slice, the slice (read and written); of a buffer
         updated in place, the update; of an operand a fusion only slices, the
         slices. (Of an asynchronous start, the result it starts.)"""
-        op = inst.opcode
-        base = op.removesuffix("-start")
-        result = inst.shape
-        if op.endswith("-start"):
-            parts = _compiler.tuple_elements(inst.shape)
-            result = parts[0] if base == "copy" else parts[1] if len(parts) > 1 else ""
+        base = inst.opcode.removesuffix("-start")
+        result = made(inst)
         operands = [self.shape(comp, name) for name in inst.operands]
         if base in ("slice", "dynamic-slice") and operands:
             read = _hbm(result) if _hbm(operands[0]) else 0
             return read + _hbm(result)
         if base == "dynamic-update-slice" and len(operands) > 1:
             return 2 * _hbm(operands[1]) if _hbm(operands[0]) else _hbm(operands[1])
-        sliced: dict[int, int] = {}
-        in_place = None
-        if op == "fusion":
-            fused = self.comps.get(inst.computation("calls") or "")
-            if fused is not None:
-                sliced, in_place = self._access(fused.name)
-                root = fused.insts.get(fused.root)
-                if in_place is not None and root is not None and len(root.operands) > 1:
-                    result = self.shape(fused, root.operands[1])  # the update
-        total = _hbm(result)
-        for i, shape in enumerate(operands):
-            if i != in_place:
-                total += sliced[i] if i in sliced else _hbm(shape)
-        return total
+        sliced, in_place, result = self._fused(inst, result)
+        return _hbm(result) + sum(
+            sliced.get(i, _hbm(shape))
+            for i, shape in enumerate(operands)
+            if i != in_place
+        )
+
+    def _fused(
+        self, inst: Instruction, result: str
+    ) -> tuple[dict[int, int], int | None, str]:
+        """Of a fusion: the operands it only slices, the one it updates in place,
+        and its result (of an update in place, the update)."""
+        callee = inst.computation("calls") if inst.opcode == "fusion" else None
+        fused = self.comps.get(callee or "")
+        if fused is None:
+            return {}, None, result
+        sliced, in_place = self._access(fused.name)
+        root = fused.insts.get(fused.root)
+        if in_place is not None and root is not None and len(root.operands) > 1:
+            result = self.shape(fused, root.operands[1])  # the update
+        return sliced, in_place, result
 
     def _access(self, name: str) -> tuple[dict[int, int], int | None]:
         """Of a fused computation: the parameters it only slices (number ->
@@ -236,14 +215,8 @@ class Program:
                 sliced[number] = sum(
                     a.nbytes for u in found for a in _compiler.arrays(u.shape)
                 )
-        in_place = None
-        root = comp.insts.get(comp.root)
-        if root is not None and root.opcode == "dynamic-update-slice" and root.operands:
-            base = comp.insts.get(root.operands[0])
-            if base is not None and base.parameter_number is not None:
-                in_place = base.parameter_number
-        self._accesses[name] = (sliced, in_place)
-        return sliced, in_place
+        self._accesses[name] = (sliced, _in_place(comp))
+        return self._accesses[name]
 
     def host_work(self, comp: Computation, inst: Instruction) -> HostWork | None:
         """The host's work in `inst`, if it is host compute:
@@ -260,14 +233,9 @@ class Program:
             where it measured free).
 
         `None` for anything else."""
-        called = inst.host_calls
-        if called:
-            nbytes, flops = 0, 0.0
-            for name in called:
-                found = self._host_region(name)
-                nbytes += found[0]
-                flops += found[1]
-            return HostWork(nbytes, flops, True)
+        if inst.host_calls:
+            nbytes, flops = zip(*map(self._host_region, inst.host_calls))
+            return HostWork(sum(nbytes), sum(flops), True)
         if inst.host_compute:
             shapes = [inst.shape] + [self.shape(comp, o) for o in inst.operands]
             callee = inst.computation("calls")
@@ -296,8 +264,7 @@ class Program:
         nbytes += _bytes(root.shape) if root is not None else 0
         for inst in comp.insts.values():
             if inst.opcode == "reduce" and inst.operands:
-                inputs = inst.operands[: max(len(inst.operands) // 2, 1)]
-                nbytes += sum(_bytes(self.shape(comp, o)) for o in inputs)
+                nbytes += sum(_bytes(self.shape(comp, o)) for o in _reduced(inst))
         return nbytes, self._host_flops(name)
 
     def _host_flops(self, name: str) -> float:
@@ -307,23 +274,9 @@ class Program:
             return 0.0
         return sum(_flops(self, comp, inst) for inst in comp.insts.values())
 
-    def host_temporaries(self) -> int:
-        """An estimate of the host memory a host computation takes while it runs,
-        besides its parameters and results (the compiler's memory analysis counts
-        the buffers of the program that calls it, not those of the computation it
-        runs on the host): one array of the largest shape it computes. A CPU
-        compiler that fuses the elementwise work into loops writes out at most
-        such a value shared by two loops (the clipped gradient Adam's two moments
-        read); the unfused text would hold many. The largest over the host
-        computations, which run one at a time."""
-        largest = 0
-        for comp in self.comps.values():
-            for inst in comp.insts.values():
-                for name in inst.host_calls:
-                    largest = max(largest, self._intermediate(name))
-        return largest
-
-    def _intermediate(self, name: str) -> int:
+    def intermediate(self, name: str) -> int:
+        """The bytes of the largest array host computation `name` computes that is
+        not a result (`host_temporaries`)."""
         comp = self.comps.get(name)
         if comp is None:
             return 0
@@ -343,11 +296,8 @@ class Program:
         found = moved(comp, inst)
         if found is not None:
             return found[0], found[1]
-        callee = inst.computation("calls")
-        if not inst.opcode.endswith("-start") or callee is None:
-            return None
-        inner = self.comps.get(callee)
-        if inner is None:
+        inner = self.comps.get(inst.computation("calls") or "")
+        if not inst.opcode.endswith("-start") or inner is None:
             return None
         totals: dict[str, int] = defaultdict(int)
         for i in inner.insts.values():
@@ -361,11 +311,23 @@ class Program:
 
 
 def host_temporaries(text: str, platform: str) -> int:
-    """`Program.host_temporaries` of a compiled program's text (0, unparsed, for a
-    program without host compute)."""
+    """An estimate of the host memory a host computation of a compiled program's
+    text takes while it runs, besides its parameters and results (the compiler's
+    memory analysis counts the buffers of the program that calls it, not those of
+    the computation it runs on the host): one array of the largest shape it
+    computes. A CPU compiler that fuses the elementwise work into loops writes out
+    at most such a value shared by two loops (the clipped gradient Adam's two
+    moments read); the unfused text would hold many. The largest over the host
+    computations, which run one at a time (0, unparsed, for a program without host
+    compute)."""
     if not _compiler.has_host_compute(text):
         return 0
-    return Program(text, platform).host_temporaries()
+    program = Program(text, platform)
+    comps = program.comps.values()
+    calls = [
+        name for c in comps for inst in c.insts.values() for name in inst.host_calls
+    ]
+    return max(map(program.intermediate, calls), default=0)
 
 
 def _flops(program: Program, comp: Computation, inst: Instruction) -> float:
@@ -380,9 +342,14 @@ def _flops(program: Program, comp: Computation, inst: Instruction) -> float:
     if found is not None:
         return found[1]
     if op == "reduce" and inst.operands:
-        inputs = inst.operands[: max(len(inst.operands) // 2, 1)]
+        inputs = _reduced(inst)
         return float(sum(_compiler.elements(program.shape(comp, o)) for o in inputs))
     return float(_compiler.elements(inst.shape))
+
+
+def _reduced(reduce: Instruction) -> list[str]:
+    """The inputs of a `reduce` (its operands are inputs, then initial values)."""
+    return reduce.operands[: max(len(reduce.operands) // 2, 1)]
 
 
 def _bytes(shape: str) -> int:
@@ -426,24 +393,39 @@ def _convolution_inner(
         size = lhs[lhs_labels.index(digit)]
         outputs = out[out_labels.index(digit)]
         get = lambda key, default: window.get(key, [default] * len(spatial))[n]  # noqa: E731
-        k, stride = get("size", 1), get("stride", 1)
-        low, base, dilate = (
-            get("pad_low", 0),
-            get("lhs_dilate", 1),
-            get("rhs_dilate", 1),
-        )
-        landed = 0
-        for o in range(outputs):
-            for w in range(k):
-                at = o * stride + w * dilate - low
-                if 0 <= at <= (size - 1) * base and at % base == 0:
-                    landed += 1
+        k, stride, low = get("size", 1), get("stride", 1), get("pad_low", 0)
+        base, dilate = get("lhs_dilate", 1), get("rhs_dilate", 1)
+        at = [o * stride + w * dilate - low for o in range(outputs) for w in range(k)]
+        landed = sum(0 <= a <= (size - 1) * base and a % base == 0 for a in at)
         inner *= landed / max(outputs, 1)
     return inner
 
 
-def _product(values: Any) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
+def _contracting(
+    inst: Instruction, gemm: dict[str, Any] | None
+) -> tuple[list[int], list[str]]:
+    """A matmul's contracting dimensions of its left operand, and its operands'
+    precisions; of a GEMM call, from its configuration `gemm`."""
+    if gemm is None:
+        return inst.dims("lhs_contracting_dims"), inst.operand_precision
+    numbers = gemm.get("dot_dimension_numbers", {})
+    given = gemm.get("precision_config", {}).get("operand_precision", [])
+    dims = [int(d) for d in numbers.get("lhs_contracting_dimensions", [])]
+    return dims, [str(p).lower() for p in given]
+
+
+def _gemm_config(inst: Instruction) -> dict[str, Any] | None:
+    """The configuration of a GEMM library call; None for any other instruction."""
+    if inst.opcode != "custom-call" or inst.custom_call_target not in _GEMM_TARGETS:
+        return None
+    return inst.backend_config.get("gemm_backend_config", {})
+
+
+def _in_place(comp: Computation) -> int | None:
+    """The parameter a fused computation updates in place (its root a
+    `dynamic-update-slice` of it), if any."""
+    root = comp.insts.get(comp.root)
+    if root is None or root.opcode != "dynamic-update-slice" or not root.operands:
+        return None
+    base = comp.insts.get(root.operands[0])
+    return None if base is None else base.parameter_number

@@ -4,14 +4,14 @@
 what to change.
 """
 
-import functools
 from typing import Any, Literal, NamedTuple
 
 from .. import _compiler, _paths
 from .._errors import see
 from .._policy import Policy
-from ._memory_report_type import host_advice, host_total, ResidualRow, UNNAMED
-from ._units import device_word, size_text
+from ._memory_report_type import ResidualRow
+from ._memory_table import DESCRIPTIONS, host_advice, UNNAMED
+from ._units import device_word, host_total, one_device, size_text
 
 
 Memory = Literal["device", "host"]
@@ -87,26 +87,19 @@ class DoesNotFit(ValueError):
 
     def __reduce__(self) -> tuple:
         """Pickled whole, figures and all (`plan` receives it from a child process)."""
-        rebuild = functools.partial(
-            type(self),
-            target=self.target,
-            compiler_message=self.compiler_message,
-            arguments=self.arguments,
-            params=self.params,
-            opt_state=self.opt_state,
-            residuals=self.residuals,
-            sizes=(self.required_bytes, self.available_bytes),
-            host_sizes=(self.host_required_bytes, self.host_available_bytes),
-            exceeded=self.exceeded,
-        )
-        return rebuild, (str(self),), {"tried": self.tried}
+        return _unpickled, (type(self), str(self)), self.__dict__
+
+
+def _unpickled(cls: type[DoesNotFit], message: str) -> DoesNotFit:
+    """A `DoesNotFit` with `message`; pickle restores its figures."""
+    error = cls.__new__(cls)
+    ValueError.__init__(error, message)
+    return error
 
 
 def too_big(
     message: str,
     *,
-    what: str,
-    one_device: str,
     target: str,
     is_slice: bool,
     per_device: bool,
@@ -121,20 +114,23 @@ def too_big(
     sizes: tuple[int, int] | None = None,
     host_bytes: int | None = None,
 ) -> DoesNotFit:
-    """`memory_report`'s error for `what` (`"a train step"`), too big for a device.
+    """`memory_report`'s error for what it `compiled` (`"train_step"`: "a train
+    step"), too big for one device of `target` (`"one tpu-v5e chip"`, `"one GPU of
+    gpu-h100:8"` of a slice).
 
-    The device is `one_device` (`"one tpu-v5e chip"`). The error says what the step
-    holds. It says whether its host memory exceeds `host_capacity` too. That memory
-    is `host_bytes`. Where the compile failed, it is the host-resident arguments (a
-    floor). It advises what would shrink each memory it exceeds. It never advises
-    the placement of `policy`, the policy in use. `message` is the compiler's. With
-    `sizes` (required, available), it is our own.
+    The error says what the step holds. It says whether its host memory exceeds
+    `host_capacity` too. That memory is `host_bytes`. Where the compile failed, it
+    is the host-resident arguments (a floor). It advises what would shrink each
+    memory it exceeds. It never advises the placement of `policy`, the policy in
+    use. `message` is the compiler's. With `sizes` (required, available), it is
+    our own.
     """
     said = "" if sizes is not None else "the compiler says: "
     u = device_word(target)
     lines = [
-        f"`memory_report`: {what} does not fit in the device memory of "
-        f"{one_device}; {said}{message.strip().rstrip('.')}.",
+        f"`memory_report`: {DESCRIPTIONS[compiled]} does not fit in the device "
+        f"memory of {one_device(target, is_slice)}; {said}"
+        f"{message.strip().rstrip('.')}.",
         "What it holds, by memory kind (device / host"
         + (f", per {u}" if per_device else "")
         + "):",
@@ -144,12 +140,7 @@ def too_big(
     host_need = on_host if host_bytes is None else host_bytes
     host_full = host_capacity is not None and host_need > host_capacity
     if host_capacity is not None and host_need:
-        needs = (
-            f"its host-resident arguments alone take {size_text(on_host)}"
-            if host_bytes is None
-            else f"its host footprint is {size_text(host_bytes)}"
-        )
-        lines.append(_host_line(needs, host_capacity, host_full, u))
+        lines.append(_host_line(on_host, host_bytes, host_capacity, host_full, u))
     advice = device_advice(
         target=target,
         is_slice=is_slice,
@@ -186,8 +177,16 @@ def too_big(
     )
 
 
-def _host_line(needs: str, host_capacity: int, host_full: bool, u: str) -> str:
-    """The host memory a step needs (`needs`) against what one device has."""
+def _host_line(
+    on_host: int, host_bytes: int | None, host_capacity: int, host_full: bool, u: str
+) -> str:
+    """The host memory a step needs (its footprint `host_bytes`, else its
+    host-resident arguments `on_host`) against what one device has."""
+    needs = (
+        f"its host-resident arguments alone take {size_text(on_host)}"
+        if host_bytes is None
+        else f"its host footprint is {size_text(host_bytes)}"
+    )
     return (
         f"Host memory: {needs} per {u}, {'over' if host_full else 'within'} "
         f"the {size_text(host_capacity)} behind one {u} "
@@ -204,11 +203,10 @@ def _holdings(
     is_slice: bool,
 ) -> list[str]:
     """The rows of what a step holds: device / host bytes of each part."""
-    rows: list[tuple[str, dict[str, int]]] = []
     if params is not None and opt_state is not None:
-        rows += [("parameters", params), ("optimizer state", opt_state)]
+        rows = [("parameters", params), ("optimizer state", opt_state)]
     else:
-        rows += [(f"argument {name}", by_kind) for name, by_kind in arguments.items()]
+        rows = [(f"argument {name}", by_kind) for name, by_kind in arguments.items()]
     if residuals is not None:
         saved: dict[str, int] = {}
         for r in residuals:
@@ -276,6 +274,11 @@ def device_advice(
         advice.append(
             "arguments in `pinned_host`, moved to the device by the function itself"
         )
+    return advice + _smaller_or_more(target, is_slice, compiled)
+
+
+def _smaller_or_more(target: str, is_slice: bool, compiled: str) -> list[str]:
+    """The advice every step too big gets: a smaller batch, more devices."""
     batch = "a smaller batch"
     if compiled == "train_step":
         batch += ", or micro-batches (`eo.train_step(..., microbatches=4)`)"
@@ -283,23 +286,18 @@ def device_advice(
     more = (
         f"more {u}s" if is_slice else f"more {u}s (a slice), or a {u} with more memory"
     )
-    return advice + [batch, more]
+    return [batch, more]
 
 
 def _to_the_host(held: _OnDevice) -> list[str]:
     """Parameters and optimizer state moved to the host, where worth it."""
-    advice = []
-    if held.params >= held.least:
-        advice.append(
-            f"parameters on the host ({size_text(held.params)} on the "
-            "device): `Policy(params='pinned_host')`"
-        )
-    if held.opt_state >= held.least:
-        advice.append(
-            f"optimizer state on the host ({size_text(held.opt_state)} "
-            "on the device): `Policy(opt_state='pinned_host')`"
-        )
-    return advice
+    parts = (("parameters", "params"), ("optimizer state", "opt_state"))
+    return [
+        f"{what} on the host ({size_text(getattr(held, field))} on the device): "
+        f"`Policy({field}='pinned_host')`"
+        for what, field in parts
+        if getattr(held, field) >= held.least
+    ]
 
 
 def _residual_advice(held: _OnDevice, policy: Any, host_full: bool) -> list[str]:

@@ -44,10 +44,6 @@ FALLBACK = {
     "bf16x3": "bf16",
 }
 
-_GB = 1e9
-_T = 1e12
-
-
 # The kinds of step `error` is kept for (`StepTime.kind`).
 KINDS = ("device", "host link", "host compute")
 Origin = Literal["measured", "nominal", "assumed"]
@@ -70,21 +66,9 @@ _RATES = (
     "host_flops",
 )
 # The fields a label can name.
-LABELLED = (
-    *_RATES,
-    "both_ways_bytes_per_second",
-    "transfer_overlap",
-    "compute_efficiency",
-    "error",
-)
+LABELLED = (*_RATES, *_LINK[2:], "compute_efficiency", "error")
 # What a calibration file measures (`from_measurements`).
-_CALIBRATED = (
-    "host_to_device_bytes_per_second",
-    "device_to_host_bytes_per_second",
-    "both_ways_bytes_per_second",
-    "transfer_overlap",
-    "host_memory_bytes_per_second",
-)
+_CALIBRATED = (*_LINK, "host_memory_bytes_per_second")
 
 # The error of an estimate nothing has measured: what the model showed on the H200
 # before it was calibrated (0.72-0.85 of the measured step on the device, 0.31-0.76
@@ -181,14 +165,7 @@ class Hardware:
 
     def _rates(self) -> dict[str, Any]:
         """The figures that must be positive, by name."""
-        rates: dict[str, Any] = {
-            "hbm_bytes_per_second": self.hbm_bytes_per_second,
-            "host_to_device_bytes_per_second": self.host_to_device_bytes_per_second,
-            "device_to_host_bytes_per_second": self.device_to_host_bytes_per_second,
-            "host_memory_bytes": self.host_memory_bytes,
-            "host_memory_bytes_per_second": self.host_memory_bytes_per_second,
-            "host_flops": self.host_flops,
-        }
+        rates = {f: getattr(self, f) for f in _RATES if f != "matmul_flops"}
         if self.both_ways_bytes_per_second is not None:
             rates["both_ways_bytes_per_second"] = self.both_ways_bytes_per_second
         rates.update({f"matmul_flops[{k!r}]": v for k, v in self.matmul_flops.items()})
@@ -411,10 +388,6 @@ def of_this_backend() -> Hardware | None:
     have none.
     """
     kind = jax.devices()[0].device_kind
-    if kind in _DEVICE_KINDS:
-        return TABLE[_DEVICE_KINDS[kind]]
-    if kind.startswith("NVIDIA H100"):
-        return TABLE["gpu-h100"]
-    if kind.startswith("NVIDIA H200"):
-        return TABLE["gpu-h200"]
-    return None
+    if kind.startswith(("NVIDIA H100", "NVIDIA H200")):
+        return TABLE[f"gpu-h{kind[8:11]}"]  # "NVIDIA H100 80GB HBM3": "gpu-h100"
+    return TABLE[_DEVICE_KINDS[kind]] if kind in _DEVICE_KINDS else None

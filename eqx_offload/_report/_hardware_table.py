@@ -9,34 +9,20 @@ _GB = 1e9
 _T = 1e12
 
 
-def _row(
-    name: str,
-    matmul_flops: dict[str, float],
-    hbm_bytes_per_second: float,
-    host_to_device_bytes_per_second: float,
-    device_to_host_bytes_per_second: float,
-    host_memory_bytes: int,
-    sources: tuple[str, ...] = (),
-    **rest: Any,
-) -> dict[str, Any]:
-    """A row's fields, as `Hardware(...)` takes them."""
+def _row(matmul_flops: dict[str, float], link: float, **fields: Any) -> dict[str, Any]:
+    """A row's fields, as `Hardware(...)` takes them: matmul FLOP/s by precision,
+    the host link (the same each way), and `fields` (HBM bandwidth, host memory and
+    FLOP/s per device, sources)."""
     return dict(
-        name=name,
         matmul_flops=matmul_flops,
-        hbm_bytes_per_second=hbm_bytes_per_second,
-        host_to_device_bytes_per_second=host_to_device_bytes_per_second,
-        device_to_host_bytes_per_second=device_to_host_bytes_per_second,
-        host_memory_bytes=host_memory_bytes,
-        sources=sources,
-        **rest,
+        host_to_device_bytes_per_second=link,
+        device_to_host_bytes_per_second=link,
+        **fields,
     )
 
 
-def _tpu(bf16: float, int8: float | None, **rest: Any) -> dict[str, Any]:
-    flops = {"bf16": bf16, "bf16x3": bf16 / 3, "bf16x6": bf16 / 6}
-    if int8 is not None:
-        flops["int8"] = int8
-    return {"matmul_flops": flops, **rest}
+def _tpu(bf16: float, int8: float) -> dict[str, float]:
+    return {"bf16": bf16, "bf16x3": bf16 / 3, "bf16x6": bf16 / 6, "int8": int8}
 
 
 _TPU_SPECS = "https://cloud.google.com/tpu/docs/{}"
@@ -80,17 +66,13 @@ _HOPPER = {
 # links' nominal rates: what a program gets is lower (a plain `jax.device_put` to
 # the host measured 2.7 GB/s on an H100 PCIe, jax#21438): override them with
 # what you measure.
-ROWS: dict[str, dict[str, Any]] = {
+_ROWS: dict[str, dict[str, Any]] = {
     "tpu-v5e": _row(
-        "tpu-v5e",
-        **_tpu(
-            197 * _T,
-            393 * _T,
-            hbm_bytes_per_second=819 * _GB,
-            host_to_device_bytes_per_second=15 * _GB,
-            device_to_host_bytes_per_second=15 * _GB,
-            host_memory_bytes=48 * 10**9,
-        ),
+        _tpu(197 * _T, 393 * _T),
+        hbm_bytes_per_second=819 * _GB,
+        link=15 * _GB,
+        host_memory_bytes=48 * 10**9,
+        host_flops=1.1 * _T,
         sources=(
             _TPU_SPECS.format("v5e") + ": 197 TFLOP/s bf16, 393 TOP/s int8, 16 GB "
             "of HBM at 819 GB/s; VM ct5lp-hightpu-4t: 4 chips, 192 GB of memory "
@@ -104,18 +86,13 @@ ROWS: dict[str, dict[str, Any]] = {
                 "GHz with AVX2 FMA (9 TFLOP/s, 1.1 a chip)"
             ),
         ),
-        host_flops=1.1 * _T,
     ),
     "tpu-v6e": _row(
-        "tpu-v6e",
-        **_tpu(
-            918 * _T,
-            1836 * _T,
-            hbm_bytes_per_second=1640 * _GB,
-            host_to_device_bytes_per_second=32 * _GB,
-            device_to_host_bytes_per_second=32 * _GB,
-            host_memory_bytes=180 * 10**9,
-        ),
+        _tpu(918 * _T, 1836 * _T),
+        hbm_bytes_per_second=1640 * _GB,
+        link=32 * _GB,
+        host_memory_bytes=180 * 10**9,
+        host_flops=1.6 * _T,
         sources=(
             _TPU_SPECS.format("v6e") + ": 918 TFLOP/s bf16, 1836 TOP/s int8, 32 GB "
             "of HBM at 1640 GB/s, PCIe Gen5 to the host; VM ct6e-standard-4t: 4 "
@@ -129,18 +106,13 @@ ROWS: dict[str, dict[str, Any]] = {
                 "GHz with AVX-512 FMA (13 TFLOP/s, 1.6 a chip)"
             ),
         ),
-        host_flops=1.6 * _T,
     ),
     "tpu-v5p": _row(
-        "tpu-v5p",
-        **_tpu(
-            459 * _T,
-            918 * _T,
-            hbm_bytes_per_second=2765 * _GB,
-            host_to_device_bytes_per_second=15 * _GB,
-            device_to_host_bytes_per_second=15 * _GB,
-            host_memory_bytes=112 * 10**9,
-        ),
+        _tpu(459 * _T, 918 * _T),
+        hbm_bytes_per_second=2765 * _GB,
+        link=15 * _GB,
+        host_memory_bytes=112 * 10**9,
+        host_flops=3.3 * _T,
         sources=(
             _TPU_SPECS.format("v5p-training") + ": 459 TFLOP/s bf16, 95 GB of HBM "
             "at 2765 GB/s, a 4-chip VM with 448 GB of RAM (112 GB a chip); int8 "
@@ -154,19 +126,14 @@ ROWS: dict[str, dict[str, Any]] = {
                 "AVX-512 FMA (13 TFLOP/s, 3.3 a chip)"
             ),
         ),
-        host_flops=3.3 * _T,
     ),
     # A `tpu-v4` device is one TensorCore, half a chip (`_targets.HBM_BYTES`).
     "tpu-v4": _row(
-        "tpu-v4",
-        **_tpu(
-            275 * _T / 2,
-            275 * _T / 2,
-            hbm_bytes_per_second=1200 * _GB / 2,
-            host_to_device_bytes_per_second=8 * _GB,
-            device_to_host_bytes_per_second=8 * _GB,
-            host_memory_bytes=407 * 10**9 // 8,
-        ),
+        _tpu(275 * _T / 2, 275 * _T / 2),
+        hbm_bytes_per_second=1200 * _GB / 2,
+        link=8 * _GB,
+        host_memory_bytes=407 * 10**9 // 8,
+        host_flops=1.2 * _T,
         sources=(
             _TPU_SPECS.format("v4") + ": 275 TFLOP/s (bf16 or int8), 32 GiB of HBM "
             "at 1200 GB/s per chip; VM ct4p-hightpu-4t: 4 chips, 407 GB of memory; "
@@ -180,15 +147,13 @@ ROWS: dict[str, dict[str, Any]] = {
                 "1.2 a TensorCore)"
             ),
         ),
-        host_flops=1.2 * _T,
     ),
     "gpu-h100": _row(
-        "gpu-h100",
         _HOPPER,
         hbm_bytes_per_second=3350 * _GB,
-        host_to_device_bytes_per_second=64 * _GB,
-        device_to_host_bytes_per_second=64 * _GB,
+        link=64 * _GB,
         host_memory_bytes=234 * 10**9,
+        host_flops=1.6 * _T,
         sources=(
             _NVIDIA.format("h100") + "; 80 GB of HBM3 at 3.35 TB/s",
             "https://cloud.google.com/compute/docs/gpus: a3-highgpu-8g, 8 H100s "
@@ -200,15 +165,13 @@ ROWS: dict[str, dict[str, Any]] = {
                 "with AVX-512 FMA (13 TFLOP/s, 1.6 a GPU)"
             ),
         ),
-        host_flops=1.6 * _T,
     ),
     "gpu-h200": _row(
-        "gpu-h200",
         _HOPPER,
         hbm_bytes_per_second=4800 * _GB,
-        host_to_device_bytes_per_second=64 * _GB,
-        device_to_host_bytes_per_second=64 * _GB,
+        link=64 * _GB,
         host_memory_bytes=256 * 10**9,
+        host_flops=1.6 * _T,
         sources=(
             _NVIDIA.format("h200") + "; 141 GB of HBM3e at 4.8 TB/s",
             "NVIDIA's MLPerf Training system description of an 8-H200 node: 2 TB "
@@ -220,9 +183,11 @@ ROWS: dict[str, dict[str, Any]] = {
                 "AVX-512 FMA (13 TFLOP/s, 1.6 a GPU)"
             ),
         ),
-        host_flops=1.6 * _T,
     ),
 }
+
+# Each row named by its key.
+ROWS = {name: {"name": name, **row} for name, row in _ROWS.items()}
 
 # What one H200 measured (`benchmarks/gpu_check.py` in a session lent one;
 # benchmarks/results/gpu_check_h200_gpt02b.json), and the step-time model's

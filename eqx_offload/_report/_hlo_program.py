@@ -11,20 +11,16 @@ from .. import _compiler
 from .._compiler import Computation, Instruction
 
 
-# Operations whose result is (a piece of, a view of) their first operand.
+# Operations whose result is (a piece of, a view of) their first operand (as is
+# every `*-done`'s).
 _PASS = {
     "bitcast",
     "copy",
     "copy-start",
-    "copy-done",
     "dynamic-slice",
     "slice",
     "reshape",
     "dynamic-update-slice",
-    "async-done",
-    "dynamic-slice-done",
-    "dynamic-update-slice-done",
-    "slice-done",
 }
 
 
@@ -81,19 +77,9 @@ class Walker:
         if root.opcode != "compare" or root.direction != "LT":
             return 1
         counter, limit = (c.insts.get(o) for o in root.operands[:2])
-        if limit is None or counter is None:
+        if limit is None or counter is None or limit.constant is None:
             return 1
-        value = limit.constant
-        if value is None:
-            return 1
-        start = 0
-        if counter.opcode == "get-tuple-element":
-            index = counter.index
-            init = comp.insts.get(inst.operands[0]) if inst.operands else None
-            if init is not None and init.opcode == "tuple" and index is not None:
-                element = comp.insts.get(init.operands[index])
-                start = (element.constant if element else None) or 0
-        return max(value - start, 0)
+        return max(limit.constant - _start(comp, inst, counter), 0)
 
     def origin(
         self, comp: Computation, name: str, index: int | None = None
@@ -149,17 +135,29 @@ def _operand(inst: Instruction, index: int | None) -> tuple[str, int | None] | N
     return None
 
 
+def _start(comp: Computation, loop: Instruction, counter: Instruction) -> int:
+    """The constant a loop's `counter` (an element of its state) starts at; 0 if
+    not found."""
+    index = counter.index
+    if counter.opcode != "get-tuple-element" or index is None or not loop.operands:
+        return 0
+    init = comp.insts.get(loop.operands[0])
+    if init is None or init.opcode != "tuple":
+        return 0
+    element = comp.insts.get(init.operands[index])
+    return (element.constant if element else None) or 0
+
+
 _MOVES = ("dynamic-slice", "slice", "copy", "dynamic-update-slice")
 
 
 def moved(comp: Computation, inst: Instruction) -> tuple[str, int, str] | None:
     """(direction, bytes, the operand moved) if `inst` moves data between host and
     device memory: synchronously, or the start of an asynchronous move."""
-    found = _move(inst)
-    if found is None:
+    op = inst.opcode.removesuffix("-start")  # (a slice, a copy, ...)
+    if op not in _MOVES:
         return None
-    op, shape = found
-    out = _compiler.arrays(shape)
+    out = _compiler.arrays(made(inst))
     operands = [comp.insts.get(o) for o in inst.operands]
     if len(out) != 1 or not operands or operands[0] is None:
         return None
@@ -168,10 +166,9 @@ def moved(comp: Computation, inst: Instruction) -> tuple[str, int, str] | None:
         return None
     source = inst.operands[0]
     if op == "dynamic-update-slice":
-        update = operands[1] if len(operands) > 1 else None
-        written = _compiler.arrays(update.shape) if update is not None else []
-        if out[0].host and len(written) == 1 and not written[0].host:
-            return "device_to_host", written[0].nbytes, source
+        written = _written(operands)
+        if out[0].host and written is not None:
+            return "device_to_host", written, source
         return None
     if first[0].host and not out[0].host:
         return "host_to_device", out[0].nbytes, source
@@ -180,18 +177,24 @@ def moved(comp: Computation, inst: Instruction) -> tuple[str, int, str] | None:
     return None
 
 
-def _move(inst: Instruction) -> tuple[str, str] | None:
-    """The move `inst` is (a slice, a copy, ...) and the shape it makes; None if
-    it is none. An asynchronous start's shape is `(operands, result, context)`,
-    a copy's `(result, operand, ...)`."""
-    op = inst.opcode
-    if op.endswith("-start") and op.removesuffix("-start") in _MOVES:
-        op = op.removesuffix("-start")
-        parts = _compiler.tuple_elements(inst.shape)
-        if len(parts) < 2:
-            return None
-        return op, parts[0] if op == "copy" else parts[1]
-    return (op, inst.shape) if op in _MOVES else None
+def _written(operands: list[Instruction | None]) -> int | None:
+    """The bytes a `dynamic-update-slice` writes from device memory (its update,
+    one array on the device), else None."""
+    update = operands[1] if len(operands) > 1 else None
+    written = _compiler.arrays(update.shape) if update is not None else []
+    return written[0].nbytes if len(written) == 1 and not written[0].host else None
+
+
+def made(inst: Instruction) -> str:
+    """The shape `inst` makes; of an asynchronous start, the result it starts ("" if
+    its shape is not a tuple). Its shape is `(operands, result, context)`, a
+    copy's `(result, operand, ...)`."""
+    if not inst.opcode.endswith("-start"):
+        return inst.shape
+    parts = _compiler.tuple_elements(inst.shape)
+    if len(parts) < 2:
+        return ""
+    return parts[0] if inst.opcode == "copy-start" else parts[1]
 
 
 class Event(NamedTuple):

@@ -4,84 +4,41 @@ It compiles for this backend, a TPU chip, a whole TPU slice, or NVIDIA GPUs.
 """
 
 import functools
-import math
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
-from jax.sharding import NamedSharding
-from jaxtyping import PyTree
 
-from .. import (
-    _compat,
-    _compiler,
-    _mesh,
-    _paths,
-    _pending,
-    _train_step,
-)
+from .. import _compat, _compiler, _mesh, _pending, _train_step
 from .._checkpoint_names import one_microbatch
 from .._diagnose import DoesNotCompile, out_of_memory
 from .._errors import see
 from .._flatten import flatten, unflatten
-from .._memory_kinds import is_arraylike, kind_of
+from .._memory_kinds import is_arraylike
 from .._train_step import TrainStep
 from .._transform import Offloaded
-from . import _compiled_traffic, _costs, _minimum, _step_time, _targets, _traffic
+from . import _compiled_traffic, _costs, _step_time, _targets, _traffic
+from ._compile_job import (
+    abstract_arguments,
+    bytes_by_kind,
+    CompileJob,
+    inputs,
+    kind_not_kept,
+    outputs,
+    policy_of,
+    split_estimate,
+)
 from ._does_not_fit import DoesNotFit, too_big
 from ._hardware import Hardware
-from ._memory_report_type import (
-    DESCRIPTIONS,
-    device_word,
-    host_total,
-    MemoryReport,
-    PARTS,
-    size_text,
-)
+from ._memory_report_type import DESCRIPTIONS, MemoryReport
+from ._memory_table import PARTS
 from ._saved_for_backward import differentiated, Saved, saved_for_backward
-from ._targets import abstract
+from ._units import host_total, size_text
 
 
-_KINDS = ("device", "pinned_host")
-
-
-def _nbytes(x: Any, per_chip: bool = False) -> int:
-    shape = x.shape
-    sharding = getattr(x, "sharding", None)
-    if per_chip and isinstance(sharding, NamedSharding):
-        shape = sharding.shard_shape(shape)
-    return math.prod(shape) * x.dtype.itemsize
-
-
-def bytes_by_kind(tree: PyTree, per_chip: bool = False) -> dict[str, int]:
-    """Bytes of the array leaves of `tree`, by memory kind.
-
-    Whole arrays, or with `per_chip` the shard one chip holds (unpadded).
-    """
-    out: dict[str, int] = defaultdict(int)
-    for x in jtu.tree_leaves(tree):
-        if is_arraylike(x):
-            out[kind_of(x)] += _nbytes(x, per_chip)
-    return dict(out)
-
-
-class _CompileJob(NamedTuple):
-    """What to compile (`trace()`), and how to describe it."""
-
-    trace: Callable[[], Any]  # -> a `jax.stages.Traced`
-    compiled: str  # "train_step", "filter_offload" or "function"
-    arguments: dict[str, Any]
-    params: Any = None
-    opt_state: Any = None
-    residuals: Callable[[], Saved] | None = None
-    # (what, compiler message, mesh) -> the error naming the leaves at fault
-    rejected: Callable[[str, str, Any], DoesNotCompile] | None = None
-
-
-def _train_step_job(step: TrainStep, args: tuple, kwargs: dict) -> _CompileJob:
+def _train_step_job(step: TrainStep, args: tuple, kwargs: dict) -> CompileJob:
     if kwargs or len(args) < 2:
         raise TypeError(
             "`memory_report(step, ...)` takes the step's arguments by position: "
@@ -104,7 +61,7 @@ def _train_step_job(step: TrainStep, args: tuple, kwargs: dict) -> _CompileJob:
         fn, seen = differentiated(step, model, opt_state)
         return saved_for_backward(fn, seen, *one_microbatch(step, batch))
 
-    return _CompileJob(
+    return CompileJob(
         lambda: jitted.trace(*dynamic, statics),
         "train_step",
         {"model": model, "opt_state": opt_state, "batch": tuple(batch)},
@@ -122,9 +79,9 @@ def _has_aux(fn: Any, args: tuple, kwargs: dict) -> bool:
     out = eqx.filter_eval_shape(fn, *args, **kwargs)
     if is_arraylike(out) and out.shape == ():
         return False
-    if isinstance(out, tuple) and len(out) == 2 and is_arraylike(out[0]):
-        if out[0].shape == ():
-            return True
+    pair = isinstance(out, tuple) and len(out) == 2 and is_arraylike(out[0])
+    if pair and out[0].shape == ():
+        return True
     shapes = jax.tree.map(lambda x: getattr(x, "shape", x), out)
     raise ValueError(
         "`memory_report(fn, ...)`: a `filter_offload` function must return a scalar "
@@ -133,22 +90,22 @@ def _has_aux(fn: Any, args: tuple, kwargs: dict) -> bool:
     )
 
 
-def _function_job(fn: Any, args: tuple, kwargs: dict) -> _CompileJob:
+def _function_job(fn: Any, args: tuple, kwargs: dict) -> CompileJob:
     named = {f"argument {i}": a for i, a in enumerate(args)}
     named.update({f"argument `{k}`": v for k, v in kwargs.items()})
     named = {
         k: v for k, v in named.items() if any(map(is_arraylike, jtu.tree_leaves(v)))
     }
     if hasattr(fn, "trace"):  # a `jax.jit` function: its donation and statics hold
-        return _CompileJob(lambda: fn.trace(*args, **kwargs), "function", named)
+        return CompileJob(lambda: fn.trace(*args, **kwargs), "function", named)
     # `eqx.filter_jit` functions are re-jitted from the function they wrap (they
     # treat `ShapeDtypeStruct`s as static), keeping their donation.
     parts = _compat.filter_jit_parts(fn)
     donate = () if parts is None else parts.donated
     fn = _compat.inside_filter_jit(fn)
-    compiled = "function"
+    compiled, params, residuals = "function", None, None
     if isinstance(fn, Offloaded):
-        compiled = "filter_offload"
+        compiled, params = "filter_offload", args[0] if args else None
         residuals = functools.partial(saved_for_backward, fn, *args, **kwargs)
         fn = eqx.filter_value_and_grad(fn, has_aux=_has_aux(fn, args, kwargs))
     first, first_static = flatten(args[:1])
@@ -161,11 +118,7 @@ def _function_job(fn: Any, args: tuple, kwargs: dict) -> _CompileJob:
 
     jitted = jax.jit(call, static_argnums=2, donate_argnums=donate, keep_unused=True)
     trace = lambda: jitted.trace(first, rest, (first_static, rest_static))  # noqa: E731
-    if compiled == "function":
-        return _CompileJob(trace, compiled, named)
-    return _CompileJob(
-        trace, compiled, named, args[0] if args else None, None, residuals
-    )
+    return CompileJob(trace, compiled, named, params, None, residuals)
 
 
 def memory_report(
@@ -263,10 +216,11 @@ def memory_report(
     on_target = where.mesh is not None
     platform = _targets.platform(where.name) if on_target else jax.default_backend()
     hardware = _step_time.hardware_for(target, platform, hardware)
-    args, kwargs = _abstract_arguments(fn, args, kwargs, where, platform)
-    traced = _trace(fn, args, kwargs, platform)
-    compiled, stats = _compile(fn, traced, where, platform, hardware)
-    report = _build(fn, traced, compiled, stats, where, platform, hardware)
+    args, kwargs = abstract_arguments(fn, args, kwargs, where, platform)
+    traced = _TracedJob(
+        fn, where, platform, hardware, *_trace(fn, args, kwargs, platform)
+    )
+    report = _build(traced, *_compile(traced))
     if platform == "gpu":
         _check_host_kept(report, where)
         # (None on a GPU itself.) Only the device raises: over the host alone, it
@@ -278,56 +232,45 @@ def memory_report(
                 f"{where.name} has {size_text(sizes[1])} for it (the share JAX's "
                 "allocator takes, `XLA_PYTHON_CLIENT_MEM_FRACTION`)"
             )
-            refusal = _Refusal(fn, traced, where, hardware)
-            raise refusal.error(message, sizes, report.host_bytes)
+            raise _too_big(traced, message, sizes, report.host_bytes)
     return report
 
 
-def _host_capacity(where: "_Where", hardware: Hardware | None) -> int | None:
+def _host_capacity(traced: "_TracedJob") -> int | None:
     """Like `capacity`, known for a target only: on this backend, its own RAM."""
-    return hardware.host_memory_bytes if where.mesh is not None and hardware else None
+    hardware, on_target = traced.hardware, traced.where.mesh is not None
+    return hardware.host_memory_bytes if on_target and hardware else None
 
 
-def _count(tree: Any, where: "_Where") -> dict[str, int]:
-    """Bytes by memory kind, per chip on a target."""
-    return bytes_by_kind(tree, per_chip=where.mesh is not None)
-
-
-def _abstract_arguments(
-    fn: Any, args: tuple, kwargs: dict, where: "_Where", platform: str
-) -> tuple[tuple, dict]:
-    """The arguments as abstract values on the target's devices. On a slice, the
-    batch a `train_step` with `Policy(batch=...)` lays out is not replicated."""
-
-    def to_abstract(tree: Any, replicate: bool = True) -> Any:
-        def leaf(x: Any) -> Any:
-            out = abstract(x, where.mesh, where.source, replicate)
-            if platform == "gpu" and replicate and kind_of(out) != kind_of(x):
-                raise _kind_not_kept(where.name, kind_of(x))
-            return out
-
-        return jtu.tree_map(lambda x: leaf(x) if is_arraylike(x) else x, tree)
-
-    lays_out_batch = (
-        isinstance(fn, TrainStep) and fn.policy.batch is not None and where.is_slice
+def _held(traced: "_TracedJob") -> dict[str, Any]:
+    """What the step holds, by memory kind: its arguments, parameters and optimizer
+    state (per chip on a target), and what it saves for the backward pass."""
+    job = traced.job
+    count = functools.partial(bytes_by_kind, per_chip=traced.where.mesh is not None)
+    return dict(
+        arguments={k: count(v) for k, v in job.arguments.items()},
+        params=None if job.params is None else count(job.params),
+        opt_state=None if job.opt_state is None else count(job.opt_state),
+        residuals=None if traced.saved is None else traced.saved.rows,
     )
-    if lays_out_batch:
-        args = to_abstract(args[:2]) + to_abstract(args[2:], replicate=False)
-    else:
-        args = to_abstract(args)
-    return args, to_abstract(kwargs)
 
 
 class _TracedJob(NamedTuple):
-    """A compile job traced and lowered, with what its trace says."""
+    """A compile job traced and lowered, with what its trace says, and what it is
+    compiled for."""
 
-    job: _CompileJob
+    fn: Any  # what `memory_report` was given
+    where: "_Where"
+    platform: str  # the compiler's
+    hardware: Hardware | None  # the rates its step time is priced at
+    job: CompileJob
     lowered: Any  # a `jax.stages.Lowered`
     saved: Saved | None  # what it saves for the backward pass
     transfers: Any  # `_traffic.count`'s
 
 
-def _trace(fn: Any, args: tuple, kwargs: dict, platform: str) -> _TracedJob:
+def _trace(fn: Any, args: tuple, kwargs: dict, platform: str) -> tuple:
+    """(`CompileJob`, lowered, saved, transfers) of `fn(*args, **kwargs)`."""
     with _mesh.context(args, kwargs):
         if isinstance(fn, TrainStep):
             job = _train_step_job(fn, args, kwargs)
@@ -336,8 +279,8 @@ def _trace(fn: Any, args: tuple, kwargs: dict, platform: str) -> _TracedJob:
         traced = job.trace()
         lowered = traced.lower()
         saved = None if job.residuals is None else job.residuals()
-        transfers = _traffic.count(traced.jaxpr, _inputs(job), platform)
-    return _TracedJob(job, lowered, saved, transfers)
+        transfers = _traffic.count(traced.jaxpr, inputs(job), platform)
+    return job, lowered, saved, transfers
 
 
 def compile_options_of(fn: Any, platform: str) -> dict[str, Any] | None:
@@ -346,31 +289,24 @@ def compile_options_of(fn: Any, platform: str) -> dict[str, Any] | None:
     return _compiler.compile_options(platform, host_remat=host_remat)
 
 
-def _compile(
-    fn: Any,
-    traced: _TracedJob,
-    where: "_Where",
-    platform: str,
-    hardware: Hardware | None,
-) -> tuple[Any, Any]:
+def _compile(traced: _TracedJob) -> tuple[Any, Any]:
     """The compiled program and its memory analysis, or the error that says why
     there is none."""
-    job = traced.job
-    options = compile_options_of(fn, platform)
-    if isinstance(fn, TrainStep) and fn.policy.host_remat:
-        if options is None:
-            raise ValueError(
-                "`memory_report`: `Policy(host_remat=True)` is a TPU compiler "
-                f"option, and this step is compiled for {where.name}. Compile it "
-                "for a TPU (`target='tpu-v5e'`), or drop `host_remat`." + see(121)
-            )
+    fn, job, where = traced.fn, traced.job, traced.where
+    options = compile_options_of(fn, traced.platform)
+    if options is None and isinstance(fn, TrainStep) and fn.policy.host_remat:
+        raise ValueError(
+            "`memory_report`: `Policy(host_remat=True)` is a TPU compiler "
+            f"option, and this step is compiled for {where.name}. Compile it "
+            "for a TPU (`target='tpu-v5e'`), or drop `host_remat`." + see(121)
+        )
     what = DESCRIPTIONS[job.compiled]
     try:
         compiled = traced.lowered.compile(compiler_options=options)
         stats = compiled.memory_analysis()
     except jax.errors.JaxRuntimeError as e:
         if out_of_memory(e):
-            raise _Refusal(fn, traced, where, hardware).error(str(e)) from e
+            raise _too_big(traced, str(e)) from e
         if where.mesh is not None and job.rejected is not None:
             message = f"`memory_report`: {what}, compiled for {where.name}"
             raise job.rejected(message, str(e), where.chip_mesh) from e
@@ -385,25 +321,17 @@ def _compile(
     return compiled, stats
 
 
-def _build(
-    fn: Any,
-    traced: _TracedJob,
-    compiled: Any,
-    stats: Any,
-    where: "_Where",
-    platform: str,
-    hardware: Hardware | None,
-) -> MemoryReport:
+def _build(traced: _TracedJob, compiled: Any, stats: Any) -> MemoryReport:
     """The report of a compiled program."""
     job, saved, transfers = traced.job, traced.saved, traced.transfers
+    where, platform, hardware = traced.where, traced.platform, traced.hardware
     estimate = where.mesh is None and jax.default_backend() == "cpu"
     if estimate:
-        device, host = _split_estimate(stats, traced.lowered)
+        device, host = split_estimate(stats, traced.lowered)
     else:
         device = {p: int(getattr(stats, f"{p}_size_in_bytes")) for p in PARTS}
         host = {p: int(getattr(stats, f"host_{p}_size_in_bytes")) for p in PARTS}
     text = compiled.as_text() if platform in ("tpu", "gpu") else None
-    residuals = None if saved is None else saved.rows
     return MemoryReport(
         target=where.name,
         capacity=where.capacity,
@@ -411,25 +339,21 @@ def _build(
         estimate=estimate,
         device=device,
         host=host,
-        arguments={k: _count(v, where) for k, v in job.arguments.items()},
-        params=None if job.params is None else _count(job.params, where),
-        opt_state=None if job.opt_state is None else _count(job.opt_state, where),
-        residuals=residuals,
+        **_held(traced),
         largest_unnamed=None if saved is None else saved.largest_unnamed,
         chips=where.chips,
         chips_per_host=where.chips_per_host,
-        host_capacity=_host_capacity(where, hardware),
+        host_capacity=_host_capacity(traced),
         transfers=transfers,
         compiled_transfers=None
         if text is None
-        else _compiled_traffic.count(text, _inputs(job), _outputs(job), transfers),
+        else _compiled_traffic.count(text, inputs(job), outputs(job), transfers),
         time=None
         if text is None or hardware is None
         else _step_time.estimate(
-            text, hardware, platform, compile_options_of(fn, platform)
+            text, hardware, platform, compile_options_of(traced.fn, platform)
         ),
         host_compute_temp=_costs.host_temporaries(text or "", platform),
-        minimum_transfers=_minimum.of_step(fn, job, residuals, platform, where),
     )
 
 
@@ -440,49 +364,9 @@ def _check_host_kept(report: MemoryReport, where: "_Where") -> None:
     """
     on_host = sum(host_total(by_kind) for by_kind in report.arguments.values())
     if on_host > 0 and report.host["argument"] == 0:
-        raise _kind_not_kept(
+        raise kind_not_kept(
             where.name, f"host memory ({size_text(on_host)} of arguments)"
         )
-
-
-def _kind_not_kept(target: str, kind: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"`memory_report(target={target!r})`: an argument in {kind} would be "
-        f"compiled into device memory (JAX {jax.__version__} keeps no memory kind on "
-        "compile-only GPU devices, and eqx_offload's workaround, checked on jax "
-        f"{_compat.JAX_VERSION}, did not hold here), so the report would be wrong: "
-        "report for a TPU target, or on the GPU itself (`target=None`)."
-    )
-
-
-def _inputs(job: _CompileJob) -> list[tuple[str, str]]:
-    """What each input of the traced program is, for `_traffic.count`.
-
-    The inputs are the array leaves of the arguments, in order. For a `train_step`,
-    each is a parameter, optimizer state or batch leaf. For another function, the
-    leaves of its first argument are parameters.
-    """
-    kinds = {"model": "params", "opt_state": "opt_state", "batch": "batch"}
-    out = []
-    for i, (name, tree) in enumerate(job.arguments.items()):
-        what = kinds.get(name, "params" if i == 0 else "batch")
-        prefix = "" if name in kinds else f"{name}."
-        out += [
-            (what, prefix + leaf.path if prefix else leaf.path)
-            for leaf in _paths.leaves(tree)
-            if is_arraylike(leaf.value)
-        ]
-    return out
-
-
-def _outputs(job: _CompileJob) -> list[tuple[str, str]]:
-    """What the first outputs of the compiled program are.
-
-    A `train_step` returns the new parameters and optimizer state first, leaf for leaf.
-    """
-    if job.compiled != "train_step":
-        return []
-    return [i for i in _inputs(job) if i[0] in ("params", "opt_state")]
 
 
 class _Where(NamedTuple):
@@ -500,11 +384,6 @@ class _Where(NamedTuple):
     def is_slice(self) -> bool:
         return self.chips is not None and self.chips > 1
 
-    @property
-    def one_chip(self) -> str:  # 'one tpu-v5e chip', 'one GPU of gpu-h100:8'
-        n, u = self.name, device_word(self.name)
-        return f"one {u} of {n}" if self.is_slice else f"one {n} {u}"
-
 
 def _where(target: str | None, trees: Any) -> _Where:
     if target is None:
@@ -520,74 +399,26 @@ def _where(target: str | None, trees: Any) -> _Where:
     return _Where(target, mesh, source, chip_mesh, capacity, chips, per_host)
 
 
-class _Refusal(NamedTuple):
-    """What is known of a program too big for the device memory of `where`.
-
-    It is known without compiling the program.
-    """
-
-    fn: Any
-    traced: _TracedJob
-    where: _Where
-    hardware: Hardware | None
-
-    def error(
-        self,
-        message: str,
-        sizes: tuple[int, int] | None = None,
-        host_bytes: int | None = None,
-    ) -> DoesNotFit:
-        """The error (`_does_not_fit.too_big`), with the compiler's `message`."""
-        job, where, saved = self.traced.job, self.where, self.traced.saved
-        return too_big(
-            message,
-            what=DESCRIPTIONS[job.compiled],
-            one_device=where.one_chip,
-            target=where.name,
-            is_slice=where.is_slice,
-            per_device=where.mesh is not None,
-            compiled=job.compiled,
-            policy=_policy_of(self.fn),
-            params=None if job.params is None else _count(job.params, where),
-            opt_state=None if job.opt_state is None else _count(job.opt_state, where),
-            residuals=None if saved is None else saved.rows,
-            arguments={k: _count(v, where) for k, v in job.arguments.items()},
-            capacity=where.capacity,
-            host_capacity=_host_capacity(where, self.hardware),
-            sizes=sizes,
-            host_bytes=host_bytes,
-        )
-
-
-def _policy_of(fn: Any) -> Any:
-    """The `Policy` of a `train_step` or `filter_offload` function, or `None`."""
-    if isinstance(fn, TrainStep):
-        return fn.policy
-    fn = _compat.inside_filter_jit(fn)
-    return fn.policy if isinstance(fn, Offloaded) else None
-
-
-def _split_estimate(stats: Any, lowered: Any) -> tuple[dict[str, int], dict[str, int]]:
-    """Device and host parts on a backend with one memory.
-
-    Arguments and outputs go by the memory kinds of the compiled signature.
-    Temporaries are on the device. Aliased are only the donated inputs that share an
-    output's memory kind. A device with two memories cannot alias across them.
-    """
-    arg_bytes = [_nbytes(a) for a in jtu.tree_leaves(lowered.args_info)]
-    signature = _compiler.signature(lowered.as_text(), len(arg_bytes))
-    arg_kinds, aliases, out_kinds = signature
-    out_bytes = [_nbytes(o) for o in jtu.tree_leaves(lowered.out_info)]
-    parts = {
-        kind: {"argument": 0, "output": 0, "temp": 0, "alias": 0}
-        for kind in ("device", "host")
-    }
-    for kind, n in zip(arg_kinds, arg_bytes, strict=True):
-        parts[kind]["argument"] += n
-    for kind, n in zip(out_kinds, out_bytes, strict=True):
-        parts[kind]["output"] += n
-    for i, j in aliases.items():
-        if arg_kinds[i] == out_kinds[j]:
-            parts[arg_kinds[i]]["alias"] += arg_bytes[i]
-    parts["device"]["temp"] = int(stats.temp_size_in_bytes)
-    return parts["device"], parts["host"]
+def _too_big(
+    traced: _TracedJob,
+    message: str,
+    sizes: tuple[int, int] | None = None,
+    host_bytes: int | None = None,
+) -> DoesNotFit:
+    """The error for a program too big for the device memory it is compiled for
+    (`_does_not_fit.too_big`), with the compiler's `message`, and what is known
+    of the program without compiling it."""
+    where = traced.where
+    return too_big(
+        message,
+        target=where.name,
+        is_slice=where.is_slice,
+        per_device=where.mesh is not None,
+        compiled=traced.job.compiled,
+        policy=policy_of(traced.fn),
+        **_held(traced),
+        capacity=where.capacity,
+        host_capacity=_host_capacity(traced),
+        sizes=sizes,
+        host_bytes=host_bytes,
+    )

@@ -4,26 +4,16 @@ They are figures, and the table `str(report)` prints. `memory_report` in
 `_memory_report.py` builds it.
 """
 
+import copy
 import dataclasses
-import functools
-import textwrap
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple, NoReturn
 
 from .._errors import see
-from . import _minimum, _plot, _step_time, _traffic
+from . import _memory_table, _plot
+from ._memory_table import DESCRIPTIONS as DESCRIPTIONS, UNNAMED as UNNAMED
 from ._step_time import StepTime
 from ._traffic import Transfer
-from ._units import device_word, size_text
-
-
-PARTS = ("argument", "output", "temp", "alias")
-DESCRIPTIONS = {
-    "train_step": "a train step",
-    "filter_offload": "the gradient of a filter_offload function",
-    "function": "a function",
-}
 
 
 class ResidualRow(NamedTuple):
@@ -50,7 +40,6 @@ class UnnamedResidual(NamedTuple):
     bytes: int  # of all of them
 
 
-UNNAMED = ("(other)", "(unnamed, in stacked layers)")
 LARGEST = 3  # unnamed residuals shown per group
 
 _KIND_IS_COMPILED = (
@@ -108,8 +97,6 @@ class MemoryReport:
     - `host_to_device_bytes`, `device_to_host_bytes`: the totals per step. They come
         from `compiled_transfers` where there are some, else from `transfers`.
         `transfer_bytes(direction, *, phase, what, compiled)` gives a part.
-    - `minimum_transfers`: the fewest bytes a `train_step` must move per step. A
-        `MinimumTraffic`, residuals apart; `None` for other functions.
     - `host_compute_temp`: the host memory host compute takes while it runs
         (`compute_on("device_host")`, `Policy(update="host")`). That is one array of its
         largest shape. `host_bytes` counts it; the compiler's `host["temp"]` does not. 0
@@ -134,7 +121,6 @@ class MemoryReport:
     compiled_transfers: tuple[Transfer, ...] | None = None
     time: StepTime | None = None
     host_compute_temp: int = 0  # host computations' own temporaries, estimated
-    minimum_transfers: _minimum.MinimumTraffic | None = None  # the fewest moves
 
     @property
     def kind(self) -> NoReturn:
@@ -145,17 +131,15 @@ class MemoryReport:
     def host_to_device_bytes(self) -> int:
         """Bytes moved from host to device memory per step. They come from
         `compiled_transfers` on a TPU or GPU target, else from `transfers`."""
-        return self.transfer_bytes("host_to_device", compiled=self._from_compiled)
+        compiled = self.compiled_transfers is not None
+        return self.transfer_bytes("host_to_device", compiled=compiled)
 
     @property
     def device_to_host_bytes(self) -> int:
         """Bytes moved from device to host memory per step, as
         `host_to_device_bytes`."""
-        return self.transfer_bytes("device_to_host", compiled=self._from_compiled)
-
-    @property
-    def _from_compiled(self) -> bool:
-        return self.compiled_transfers is not None
+        compiled = self.compiled_transfers is not None
+        return self.transfer_bytes("device_to_host", compiled=compiled)
 
     def transfer_bytes(
         self,
@@ -199,12 +183,7 @@ class MemoryReport:
                 "`MemoryReport.transfer_seconds`: this report has no step time. "
                 "Report with a `target=`." + see(112)
             )
-        hw = self.time.hardware
-        rate = (
-            hw.host_to_device_bytes_per_second
-            if direction == "host_to_device"
-            else hw.device_to_host_bytes_per_second
-        )
+        rate = getattr(self.time.hardware, f"{direction}_bytes_per_second")
         moved = self.transfer_bytes(direction, phase=phase, what=what, compiled=True)
         return moved / rate
 
@@ -250,43 +229,11 @@ class MemoryReport:
         this machine."""
         return self.host_bytes * (self.chips_per_host or 1)
 
-    @property
-    def _unit(self) -> str:
-        return device_word(self.target)
-
     def to_dict(self) -> dict[str, Any]:
-        """The report as JSON-serialisable data (bytes as ints)."""
-        return {
-            "target": self.target,
-            "compiled": self.compiled,
-            "estimate": self.estimate,
-            "capacity": self.capacity,
-            "host_capacity": self.host_capacity,
-            "fits": self.fits,
-            "fits_device": self.fits_device,
-            "fits_host": self.fits_host,
-            "device_bytes": self.device_bytes,
-            "host_bytes": self.host_bytes,
-            "device": dict(self.device),
-            "host": dict(self.host),
-            "arguments": {k: dict(v) for k, v in self.arguments.items()},
-            "params": None if self.params is None else dict(self.params),
-            "opt_state": None if self.opt_state is None else dict(self.opt_state),
-            "residuals": _as_dicts(self.residuals),
-            "largest_unnamed": None
-            if self.largest_unnamed is None
-            else [r._asdict() | {"shape": list(r.shape)} for r in self.largest_unnamed],
-            "chips": self.chips,
-            "chips_per_host": self.chips_per_host,
-            "host_bytes_per_host": self.host_bytes_per_host,
-            "host_to_device_bytes": self.host_to_device_bytes,
-            "device_to_host_bytes": self.device_to_host_bytes,
-            "transfers": _as_dicts(self.transfers),
-            "compiled_transfers": _as_dicts(self.compiled_transfers),
-            "time": None if self.time is None else self.time.to_dict(),
-            "host_compute_temp": self.host_compute_temp,
-            "minimum_transfers": _minimum.to_dict(self.minimum_transfers),
-        }
+        """The report as JSON-serialisable data (bytes as ints), with its derived
+        figures."""
+        out = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return out | {name: getattr(self, name) for name in _DERIVED}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "MemoryReport":
@@ -300,32 +247,16 @@ class MemoryReport:
                 f"`MemoryReport.from_dict(data)`: `data` lacks "
                 f"{', '.join(sorted(missing))}. Pass what `to_dict()` returns."
             )
-
-        def rows(key: str, row: Callable[..., Any]) -> Any:
-            value = data.get(key)
-            return None if value is None else tuple(row(**r) for r in value)
-
-        return cls(
-            target=data["target"],
-            compiled=data["compiled"],
-            estimate=data["estimate"],
-            capacity=data.get("capacity"),
-            device=dict(data["device"]),
-            host=dict(data["host"]),
-            arguments={k: dict(v) for k, v in data.get("arguments", {}).items()},
-            params=data.get("params"),
-            opt_state=data.get("opt_state"),
-            residuals=rows("residuals", ResidualRow),
-            largest_unnamed=rows("largest_unnamed", _unnamed_row),
-            chips=data.get("chips"),
-            chips_per_host=data.get("chips_per_host"),
-            host_capacity=data.get("host_capacity"),
-            transfers=rows("transfers", Transfer),
-            compiled_transfers=rows("compiled_transfers", Transfer),
-            time=None if data.get("time") is None else StepTime.from_dict(data["time"]),
-            host_compute_temp=data.get("host_compute_temp", 0),
-            minimum_transfers=_minimum.from_dict(data.get("minimum_transfers")),
-        )
+        fields = {f.name for f in dataclasses.fields(cls)}
+        out: dict[str, Any] = {"capacity": None, "arguments": {}}
+        for name, value in data.items():
+            if name in _ROWS and value is not None:  # (lists in them for tuples)
+                value = tuple(_ROWS[name](**_tuples(r)) for r in value)
+            elif name == "time" and value is not None:
+                value = StepTime.from_dict(value)
+            if name in fields:
+                out[name] = value
+        return cls(**out)
 
     def plot(
         self,
@@ -364,233 +295,44 @@ class MemoryReport:
         return _plot.plot((self, *others), labels, ax=ax, unit=unit, title=title)
 
     def __str__(self) -> str:
-        lines = _title(self) + _footprint(self) + _capacities(self) + _held(self)
-        traffic = (
-            (self.transfers, "as traced"),
-            (self.compiled_transfers, "as compiled"),
-        )
-        for rows, how in traffic:
-            lines += _traffic.table_lines(rows, how) if rows else []
-        lines += _minimum.table_lines(self)
-        if self.time is not None:
-            lines += _step_time.lines(self.time)
-        return "\n".join(lines)
+        return "\n".join(_memory_table.lines(self))
 
 
-def _as_dicts(rows: Sequence[Any] | None) -> list[dict[str, Any]] | None:
-    return None if rows is None else [r._asdict() for r in rows]
-
-
-def _row(label: str, device: int | None, host: int) -> str:
-    shown = "" if device is None else size_text(device)
-    return f"{label:<34}{shown:>14}{size_text(host):>14}"
-
-
-def _title(r: MemoryReport) -> list[str]:
-    """What was compiled for what, and the table's header."""
-    what = DESCRIPTIONS[r.compiled]
-    if r.estimate:
-        lines = [
-            f"Memory report for {what}, compiled for this CPU backend",
-            "(an estimate: XLA's CPU compiler has one memory, so the split follows "
-            "the leaves' memory kinds",
-            "and temporaries count as device memory)",
-        ]
-    elif r.chips is not None and r.chips > 1:
-        hosts = r.chips // (r.chips_per_host or r.chips)
-        lines = [
-            f"Memory report for {what}, compiled for {r.target}: "
-            f"{r.chips} {r._unit}s, {r.chips_per_host} per host "
-            f"({hosts} host{'s' if hosts > 1 else ''})"
-        ]
-    else:
-        lines = [f"Memory report for {what}, compiled for {r.target}"]
-    per_chip = f"per {r._unit}" if r.chips is not None else ""
-    header = f"{per_chip:<34}{'device':>14}{'host':>14}"
-    return lines + [header, "-" * len(header)]
-
-
-def _footprint(r: MemoryReport) -> list[str]:
-    """The footprints and their parts."""
-    lines = [_row("footprint", r.device_bytes, r.host_bytes)]
-    for part, label in zip(PARTS, ("arguments", "outputs", "temporaries")):
-        lines.append(_row(f"  {label}", r.device[part], r.host[part]))
-    if r.host_compute_temp:
-        lines.append(_row("  host compute temporaries", None, r.host_compute_temp))
-    label = "  aliased (donated, counted once)"
-    return lines + [_row(label, -r.device["alias"], -r.host["alias"])]
-
-
-def _capacities(r: MemoryReport) -> list[str]:
-    """The capacities of one device, whether the step fits them, and what would
-    shrink the host's share if it does not; the host memory of a host."""
-    lines = []
-    if r.capacity is not None or r.host_capacity is not None:
-        lines.append(
-            f"{f'capacity of one {r._unit}':<34}"
-            f"{_size_or_blank(r.capacity):>14}{_size_or_blank(r.host_capacity):>14}"
-        )
-        lines.append(
-            f"{'  verdict':<34}{_verdict(r.fits_device):>14}{_verdict(r.fits_host):>14}"
-        )
-    if r.fits_host is False:
-        lines.append("  the host memory is exceeded; to shrink it:")
-        for advice in host_advice(
-            r.target,
-            r.opt_state,
-            r.residuals,
-            r.host_capacity or 0,
-            device_room=r.fits_device is True,
-        ):
-            lines += _wrap(advice)
-    if r.chips is not None and r.chips > 1:
-        label = f"host memory of a host ({r.chips_per_host} {r._unit}s)"
-        lines.append(_row(label, None, r.host_bytes_per_host))
-    return lines
-
-
-_wrap = functools.partial(
-    textwrap.wrap,
-    width=80,
-    initial_indent="    - ",
-    subsequent_indent="      ",
-    break_on_hyphens=False,
+# What `to_dict` adds to the fields.
+_DERIVED = (
+    "fits",
+    "fits_device",
+    "fits_host",
+    "device_bytes",
+    "host_bytes",
+    "host_bytes_per_host",
+    "host_to_device_bytes",
+    "device_to_host_bytes",
 )
 
 
-def _held(r: MemoryReport) -> list[str]:
-    """Parameters, optimizer state and residuals, or the arguments, by memory."""
-    held = {"parameters": r.params, "optimizer state": r.opt_state}
-    lines = [_by_kind(label, by) for label, by in held.items() if by is not None]
-    if r.residuals is not None:
-        lines += _residual_lines(r)
-    if r.params is None:
-        lines.append("arguments")
-        lines += [_by_kind(f"  {name}", by) for name, by in r.arguments.items()]
-    return lines
+def _plain(value: Any) -> Any:
+    """A field as JSON-serialisable data: rows as dicts (tuples in them as lists),
+    a `StepTime` by its `to_dict`."""
+    if isinstance(value, StepTime):
+        return value.to_dict()
+    if isinstance(value, tuple):
+        return [
+            {k: list(v) if isinstance(v, tuple) else v for k, v in r._asdict().items()}
+            for r in value
+        ]
+    return copy.deepcopy(value)  # the dicts of bytes, not shared with the report
 
 
-def _by_kind(label: str, by_kind: dict[str, int]) -> str:
-    return _row(label, by_kind.get("device", 0), host_total(by_kind))
+def _tuples(row: dict[str, Any]) -> dict[str, Any]:
+    """A row's fields from JSON, with tuples for its lists (as `_plain` wrote)."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in row.items()}
 
 
-def _residual_lines(r: MemoryReport) -> list[str]:
-    """What is saved for the backward pass, by name, with the largest unnamed."""
-    whole = ", whole arrays" if r.chips is not None and r.chips > 1 else ""
-    lines = [f"saved for the backward pass (as traced{whole})"]
-    totals: dict[str, dict[str, int]] = defaultdict(dict)
-    for row in r.residuals or ():
-        totals[row.name][row.memory_kind] = row.bytes
-    for name, by_kind in totals.items():
-        lines.append(_by_kind(f"  {name}", by_kind))
-        lines += _unnamed_lines(r.largest_unnamed or (), name)
-    if not totals:
-        lines.append("  (nothing)")
-    return lines + _unnamed_hints({name for name in totals if name in UNNAMED})
-
-
-def _size_or_blank(n: int | None) -> str:
-    return "" if n is None else size_text(n)
-
-
-def _verdict(fits: bool | None) -> str:
-    return {None: "", True: "fits", False: "does NOT fit"}[fits]
-
-
-def host_advice(
-    target: str,
-    opt_state: dict[str, int] | None,
-    residuals: tuple[ResidualRow, ...] | None,
-    host_capacity: int,
-    device_room: bool,
-) -> list[str]:
-    """What would shrink the host memory of one device of `target`, for a step
-    that exceeds it: never more offloading, which only adds to it; keeping some of
-    it on the device only when the device has room (`device_room`)."""
-    u, chip = device_word(target), target.split(":")[0]
-    least = max(int(host_capacity * 0.01), 1)
-    example = "a larger one" if ":" in target else f"such as {_larger(chip)!r}"
-    advice = [
-        f"more {u}s: FSDP over a slice splits the parameters and optimizer state "
-        f"between them (`Policy(shard='fsdp', batch='fsdp')` on a target "
-        f"{example}; `eo.fewest_chips(..., chip={chip!r})` finds the fewest)"
-    ]
-    if host_total(opt_state or {}) >= least:
-        advice.append(
-            "Adam's first moment in bfloat16: `optax.adamw(..., "
-            "mu_dtype=jnp.bfloat16)` halves its bytes"
-        )
-    offloaded = sum(r.bytes for r in residuals or () if r.memory_kind != "device")
-    if offloaded >= least:
-        advice.append(
-            f"fewer offloaded activations ({size_text(offloaded)} on the host): a "
-            "smaller batch, or recompute names instead of offloading them "
-            "(`Policy(offload=...)`)"
-        )
-    if device_room:
-        advice.append(
-            "keep part of it on the device, which has room: "
-            f"`eo.plan(..., target={target!r})` chooses within both memories"
-        )
-    advice.append("a smaller model")
-    return advice
-
-
-def _larger(chip: str) -> str:
-    """A target of several devices of `chip`, for an example."""
-    if chip.startswith("gpu-"):
-        return f"{chip}:8"
-    return f"{chip}:2x2x1" if chip in ("tpu-v5p", "tpu-v4") else f"{chip}:2x2"
-
-
-def _unnamed_row(**fields: Any) -> UnnamedResidual:
-    """An `UnnamedResidual` from JSON (lists for tuples)."""
-    fields = dict(fields)
-    fields["shape"] = tuple(fields["shape"])
-    fields["operations"] = tuple(fields["operations"])
-    return UnnamedResidual(**fields)
-
-
-def _unnamed_lines(largest: tuple[UnnamedResidual, ...], group: str) -> list[str]:
-    """Under an unnamed group's row: the lines of code that save the most in it."""
-    lines = []
-    for r in largest:
-        if r.group != group:
-            continue
-        value = f"{r.dtype}[{','.join(map(str, r.shape))}]"
-        what = f"    {value}" if r.count == 1 else f"    {r.count} values, {value}"
-        device, host = (r.bytes, 0) if r.memory_kind == "device" else (0, r.bytes)
-        lines.append(f"{what:<34}{size_text(device):>14}{size_text(host):>14}")
-        if r.where is None and r.operations == ("device_put",):
-            lines.append("      host-resident leaves, on the device for the step")
-        elif r.where is None and r.operations == ("convert_element_type",):
-            lines.append("      device-resident parameters in the compute dtype")
-        else:
-            where = r.where or "(no line of yours)"
-            shown = r.operations[:4] + (("...",) if len(r.operations) > 4 else ())
-            lines.append(f"      {where}: {', '.join(shown)}")
-    return lines
-
-
-# How to shrink each unnamed group the table shows.
-_HINTS = {
-    "(other)": [
-        "  (other) is saved outside every `Stacked`, where no policy applies:",
-        "    hold repeated layers in an `eo.Stacked` (a Python list of them is",
-        "    on the device whole), recompute other code (`eqx.filter_checkpoint`",
-        "    around it), or for logits use `eo.chunked_cross_entropy`",
-    ],
-    "(unnamed, in stacked layers)": [
-        "  (unnamed, in stacked layers): name a value inside the layer",
-        "    (`jax.ad_checkpoint.checkpoint_name(x, 'h')`), then save or offload",
-        "    it by name (`Policy(offload=('blocks.h',))`), or recompute it",
-    ],
+# The rows `from_dict` reads back, by field.
+_ROWS: dict[str, Callable[..., Any]] = {
+    "residuals": ResidualRow,
+    "largest_unnamed": UnnamedResidual,
+    "transfers": Transfer,
+    "compiled_transfers": Transfer,
 }
-
-
-def _unnamed_hints(groups: set[str]) -> list[str]:
-    return [line for group in UNNAMED if group in groups for line in _HINTS[group]]
-
-
-def host_total(by_kind: dict[str, int]) -> int:
-    return sum(v for k, v in by_kind.items() if k != "device")

@@ -1,17 +1,15 @@
 """Pictures of memory reports: device and host bytes by category, stacked bars,
-several reports side by side (matplotlib, the `plot` extra)."""
+several reports side by side (matplotlib, the `plot` extra). A report is read by
+its fields: `MemoryReport.plot` calls this module, which imports nothing of it."""
 
 import zlib
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any, TYPE_CHECKING
+from typing import Any
 
 from .._errors import see
-from ._units import time_text
+from ._units import host_total, time_text
 
-
-if TYPE_CHECKING:  # an import cycle, not a type switch: `MemoryReport.plot` calls us
-    from ._memory_report_type import MemoryReport
 
 _MEMORIES = ("device", "host")
 _UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
@@ -29,7 +27,7 @@ _COLOURS = {
 }
 
 
-def categories(report: "MemoryReport", memory: str) -> dict[str, int]:
+def categories(report: Any, memory: str) -> dict[str, int]:
     """The footprint of one memory (`"device"` or `"host"`) of a report, split so
     that the parts add up to it: parameters, optimizer state, other arguments
     (the batch; on a TPU also the padding of every argument to the compiler's
@@ -44,9 +42,7 @@ def categories(report: "MemoryReport", memory: str) -> dict[str, int]:
     def of(by_kind: dict[str, int] | None) -> int:
         if by_kind is None:
             return 0
-        if memory == "device":
-            return by_kind.get("device", 0)
-        return sum(v for k, v in by_kind.items() if k != "device")
+        return by_kind.get("device", 0) if memory == "device" else host_total(by_kind)
 
     params, opt_state = of(report.params), of(report.opt_state)
     argument = parts["argument"]
@@ -77,14 +73,14 @@ def categories(report: "MemoryReport", memory: str) -> dict[str, int]:
     return out
 
 
-def _near(report: "MemoryReport", device: float | int) -> bool:
+def _near(report: Any) -> bool:
     """Whether a device bar comes within half of the chip's capacity (only then is
     the capacity drawn: far above the bars it would flatten them)."""
-    return report.capacity is not None and device >= report.capacity / 2
+    return bool(report.capacity) and report.device_bytes >= report.capacity / 2
 
 
 def plot(
-    reports: Sequence["MemoryReport"],
+    reports: Sequence[Any],
     labels: Sequence[str] | None = None,
     *,
     ax: Any = None,
@@ -94,12 +90,46 @@ def plot(
     """Draws `reports` side by side (see `MemoryReport.plot`); returns the axes."""
     try:
         import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
     except ImportError as e:
         raise ImportError(
             "`MemoryReport.plot` needs matplotlib. Install it: `pip install "
             "matplotlib` (from a clone, the `plot` extra)."
         ) from e
+    labels = _labels(reports, labels, unit)
+    split = [{m: categories(r, m) for m in _MEMORIES} for r in reports]
+    unit = unit or _unit(split)
+    names = list(dict.fromkeys(k for s in split for m in _MEMORIES for k in s[m]))
+    colours = _colours(names, plt.get_cmap("Greens"))
+    if ax is None:
+        width = max(4.0, 1.6 * len(reports) + 2.5)
+        _, ax = plt.subplots(figsize=(width, 4.5), layout="constrained")
+    _bars(ax, split, names, colours, _UNITS[unit])
+    near = {r.capacity for r in reports if _near(r)}
+    for capacity in sorted(near):
+        ax.axhline(
+            capacity / _UNITS[unit], color="#c44e52", linestyle="dashed", linewidth=1
+        )
+    for i, (label, report) in enumerate(zip(labels, reports)):
+        ax.annotate(
+            _label(label, report.time),
+            xy=(3 * i + 0.5, 0),
+            xycoords=("data", "axes fraction"),
+            xytext=(0, -24),
+            textcoords="offset points",
+            ha="center",
+            va="top",
+        )
+    ax.set_ylabel(f"{unit} per chip" if reports[0].chips else unit)
+    _legend(ax, _used(names, split), colours, bool(near))
+    if title is not None:
+        ax.set_title(title)
+    return ax
+
+
+def _labels(
+    reports: Sequence[Any], labels: Sequence[str] | None, unit: str | None
+) -> list[str]:
+    """One label per report (by default its target), the unit checked."""
     if unit is not None and unit not in _UNITS:
         raise ValueError(
             f"`MemoryReport.plot(unit={unit!r})` is not a unit. Use one of "
@@ -109,67 +139,70 @@ def plot(
         labels = [r.target for r in reports]
         if len(set(labels)) < len(labels):
             labels = [f"{i}: {r.target}" for i, r in enumerate(reports)]
-    labels = list(labels)
     if len(labels) != len(reports):
         raise ValueError(
             f"`MemoryReport.plot(labels=...)`: {len(labels)} labels for "
             f"{len(reports)} reports. Give one label per report." + see(102)
         )
-    split = [{m: categories(r, m) for m in _MEMORIES} for r in reports]
-    if unit is None:  # the largest unit in which the tallest bar is at least 1
-        tallest = max(sum(s[m].values()) for s in split for m in _MEMORIES)
-        unit = next((u for u, n in _UNITS.items() if tallest >= n), "B")
-    scale = _UNITS[unit]
-    names = list(dict.fromkeys(k for s in split for m in _MEMORIES for k in s[m]))
-    cmap = plt.get_cmap("Greens")
+    return list(labels)
+
+
+def _unit(split: list[dict[str, dict[str, int]]]) -> str:
+    """The largest unit in which the tallest bar is at least 1."""
+    tallest = max(sum(s[m].values()) for s in split for m in _MEMORIES)
+    return next((u for u, n in _UNITS.items() if tallest >= n), "B")
+
+
+def _used(names: list[str], split: list[dict[str, dict[str, int]]]) -> list[str]:
+    """The categories some bar shows."""
+    return [
+        n for n in names if any(s[m].get(n, 0) > 0 for s in split for m in _MEMORIES)
+    ]
+
+
+def _colours(names: list[str], cmap: Any) -> dict[str, Any]:
+    """Each category's colour; a checkpoint name's the same shade in every figure."""
     colours: dict[str, Any] = dict(_COLOURS)
     for n in names:
-        if n not in colours:  # a checkpoint name: the same shade in every figure
+        if n not in colours:
             colours[n] = cmap(0.4 + 0.5 * (zlib.crc32(n.encode()) % 1000) / 999)
-    if ax is None:
-        width = max(4.0, 1.6 * len(reports) + 2.5)
-        _, ax = plt.subplots(figsize=(width, 4.5), layout="constrained")
-    positions, ticks = [], []
-    for i, (report, s) in enumerate(zip(reports, split)):
+    return colours
+
+
+def _bars(
+    ax: Any, split: list[dict], names: list[str], colours: dict, scale: int
+) -> None:
+    """A stacked bar per report and memory, two apart for each report."""
+    for i, s in enumerate(split):
         for j, memory in enumerate(_MEMORIES):
-            x = 3 * i + j
-            positions.append(x)
-            ticks.append(memory)
             bottom = 0.0
             for name in names:
                 height = s[memory].get(name, 0) / scale
                 if height > 0:
-                    ax.bar(x, height, bottom=bottom, color=colours[name], width=0.8)
+                    ax.bar(3 * i + j, height, bottom=bottom, color=colours[name])
                     bottom += height
-    near = {r.capacity for r in reports if r.capacity and _near(r, r.device_bytes)}
-    for capacity in sorted(c for c in near if c is not None):
-        ax.axhline(capacity / scale, color="#c44e52", linestyle="dashed", linewidth=1)
-    ax.set_xticks(positions, ticks, fontsize=10 if len(reports) <= 3 else 8)
-    for i, (label, report) in enumerate(zip(labels, reports)):
-        if report.time is not None:  # the estimated step time under the label
-            t = report.time
-            label += f"\n{time_text(t.seconds)} a step ({t.bound})"
-            if t.host_compute_seconds:
-                label += f"\nhost compute {time_text(t.host_compute_seconds)}"
-        ax.annotate(
-            label,
-            xy=(3 * i + 0.5, 0),
-            xycoords=("data", "axes fraction"),
-            xytext=(0, -24),
-            textcoords="offset points",
-            ha="center",
-            va="top",
-        )
-    ax.set_ylabel(f"{unit} per chip" if reports[0].chips else unit)
-    used = [
-        n for n in names if any(s[m].get(n, 0) > 0 for s in split for m in _MEMORIES)
-    ]
-    handles = [Patch(color=colours[n], label=n) for n in reversed(used)]
-    if any(_near(r, r.device_bytes) for r in reports):
+    positions = [3 * i + j for i in range(len(split)) for j in range(len(_MEMORIES))]
+    ticks = list(_MEMORIES) * len(split)
+    ax.set_xticks(positions, ticks, fontsize=10 if len(split) <= 3 else 8)
+
+
+def _legend(ax: Any, names: list[str], colours: dict, capacity: bool) -> None:
+    """The legend: the categories `names` (the top of a bar first), and the chip's
+    capacity if drawn."""
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=colours[n], label=n) for n in reversed(names)]
+    if capacity:
         handles.append(
             Patch(facecolor="none", edgecolor="#c44e52", label="chip capacity")
         )
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
-    if title is not None:
-        ax.set_title(title)
-    return ax
+
+
+def _label(label: str, t: Any) -> str:
+    """A report's label, with its estimated step time (a `StepTime`) under it."""
+    if t is not None:
+        label += f"\n{time_text(t.seconds)} a step ({t.bound})"
+        if t.host_compute_seconds:
+            label += f"\nhost compute {time_text(t.host_compute_seconds)}"
+    return label

@@ -3,6 +3,7 @@ transfer and host computation takes on a `Hardware`, and what the device waits
 for (`_step_time.py` says how, and turns the tally into a `StepTime`)."""
 
 import dataclasses
+import functools
 from collections import defaultdict
 from typing import Literal
 
@@ -13,6 +14,12 @@ from ._hardware import Hardware
 
 
 _On = Literal["link", "device", "host"]  # what a started instruction occupies
+# The host link: each direction, and both together.
+_LINKS = ("host_to_device", "device_to_host", "both")
+
+
+_sums = functools.partial(defaultdict, float)
+_counts = functools.partial(defaultdict, int)
 
 
 @dataclasses.dataclass
@@ -23,12 +30,8 @@ class _Tally:
     compute_bound: float = 0.0
     hbm_bound: float = 0.0
     exposed: float = 0.0
-    exposed_by_phase: dict[str, float] = dataclasses.field(
-        default_factory=lambda: defaultdict(float)
-    )
-    link_by_phase: dict[str, float] = dataclasses.field(
-        default_factory=lambda: defaultdict(float)
-    )
+    exposed_by_phase: dict[str, float] = dataclasses.field(default_factory=_sums)
+    link_by_phase: dict[str, float] = dataclasses.field(default_factory=_sums)
     host_bound: float = 0.0  # waiting for host compute
     compute: float = 0.0
     hbm: float = 0.0
@@ -36,40 +39,22 @@ class _Tally:
     host: float = 0.0  # host compute, busy
     host_bytes: int = 0
     host_flops: float = 0.0
-    flops: dict[str, float] = dataclasses.field(
-        default_factory=lambda: defaultdict(float)
-    )
-    link_bytes: dict[str, int] = dataclasses.field(
-        default_factory=lambda: defaultdict(int)
-    )
+    flops: dict[str, float] = dataclasses.field(default_factory=_sums)
+    link_bytes: dict[str, int] = dataclasses.field(default_factory=_counts)
     # When (after the run starts) its first transfer in each direction, and its
     # first transfer at all ("both"), may begin: what a caller's transfers still
     # in flight delay.
     first_link: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def add(self, other: "_Tally", times: int = 1) -> None:
-        for f in (
-            "seconds",
-            "compute_bound",
-            "hbm_bound",
-            "exposed",
-            "host_bound",
-            "compute",
-            "hbm",
-            "hbm_bytes",
-            "host",
-            "host_bytes",
-            "host_flops",
-        ):
-            setattr(self, f, getattr(self, f) + times * getattr(other, f))
-        for k, v in other.flops.items():
-            self.flops[k] += times * v
-        for k, v in other.link_bytes.items():
-            self.link_bytes[k] += times * v
-        for k, v in other.exposed_by_phase.items():
-            self.exposed_by_phase[k] += times * v
-        for k, v in other.link_by_phase.items():
-            self.link_by_phase[k] += times * v
+        """Adds `times` runs of `other` (all but when its transfers begin)."""
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, defaultdict):
+                for k, v in theirs.items():
+                    mine[k] += times * v
+            elif f.name != "first_link":
+                setattr(self, f.name, mine + times * theirs)
 
 
 @dataclasses.dataclass
@@ -83,11 +68,7 @@ class _Run:
     tally: _Tally
     clock: float = 0.0
     link_free: dict[str, float] = dataclasses.field(
-        default_factory=lambda: {
-            "host_to_device": 0.0,
-            "device_to_host": 0.0,
-            "both": 0.0,
-        }
+        default_factory=lambda: dict.fromkeys(_LINKS, 0.0)
     )
     # The part of the step the transfer last on each of `link_free` belongs to.
     link_phase: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -119,13 +100,7 @@ class Replay:
     def __init__(self, program: Program, hardware: Hardware):
         self.program = program
         self.hw = hardware
-        self.rate = {
-            "host_to_device": hardware.host_to_device_bytes_per_second,
-            "device_to_host": hardware.device_to_host_bytes_per_second,
-        }
-        self.both = hardware.both_ways_bytes_per_second
-        self.overlap = hardware.transfer_overlap
-        self.efficiency = hardware.compute_efficiency
+        self.rate = {d: getattr(hardware, f"{d}_bytes_per_second") for d in _LINKS[:2]}
         self.memo: dict[str, _Tally] = {}
 
     def run(self, name: str) -> _Tally:
@@ -206,9 +181,10 @@ class Replay:
         finish = begin + nbytes / self.rate[direction]
         phase = _compiler.phase(_named(comp, inst).op_name)
         t.first_link.setdefault(direction, begin)
-        if self.both is not None:  # both directions share the link's total rate
+        both = self.hw.both_ways_bytes_per_second
+        if both is not None:  # both directions share the link's total rate
             t.first_link.setdefault("both", begin)
-            shared = max(begin, run.link_free["both"]) + nbytes / self.both
+            shared = max(begin, run.link_free["both"]) + nbytes / both
             finish = max(finish, shared)
             run.link_free["both"] = shared
             run.link_phase["both"] = phase
@@ -219,7 +195,7 @@ class Replay:
             run.wait(finish, "link", phase)
             return
         # The share that cannot overlap holds device work up from when it begins.
-        held = finish - self.overlap * (finish - begin)
+        held = finish - self.hw.transfer_overlap * (finish - begin)
         if held > run.held[0]:
             run.held = (held, phase)
         run.pending[inst.name] = (finish, "link", phase)
@@ -251,9 +227,7 @@ class Replay:
         op = inst.opcode
         if op == "while":
             body = inst.computation("body")
-            if body is None:
-                return []
-            return [(body, self.program.walker.trips(comp, inst))]
+            return [(body, self.program.walker.trips(comp, inst))] if body else []
         if op == "conditional":
             return [(name, 1) for name in inst.branches[:1]]
         if op == "call" and inst.computation("to_apply"):
@@ -265,13 +239,13 @@ class Replay:
         its device-memory bytes."""
         t = run.tally
         compute = 0.0
-        for p, n in self._flops(comp, inst).items():
+        for p, n in self.program.flops(comp, inst).items():
             used, rate = self.hw.flops_per_second(p)
             t.flops[used] += n
             compute += n / rate
         nbytes = self.program.device_bytes(comp, inst)
-        memory = nbytes / self.hw.hbm_bytes_per_second / self.efficiency
-        compute /= self.efficiency
+        memory = nbytes / self.hw.hbm_bytes_per_second / self.hw.compute_efficiency
+        compute /= self.hw.compute_efficiency
         t.compute += compute
         t.hbm += memory
         t.hbm_bytes += nbytes
@@ -286,18 +260,6 @@ class Replay:
         else:
             t.hbm_bound += took
         run.clock += took
-
-    def _flops(self, comp: Computation, inst: Instruction) -> dict[str, float]:
-        """An instruction's matmul FLOPs by precision, fused ones included."""
-        flops: dict[str, float] = defaultdict(float)
-        found = self.program.dot_flops(comp, inst)
-        if found is not None:
-            flops[found[0]] += found[1]
-        callee = inst.computation("calls")
-        if callee is not None:
-            for p, n in self.program.fused_flops(callee):
-                flops[p] += n
-        return flops
 
 
 def _named(comp: Computation, inst: Instruction) -> Instruction:

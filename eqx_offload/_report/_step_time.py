@@ -52,7 +52,7 @@ from . import _hardware
 from ._costs import Program
 from ._hardware import Hardware
 from ._replay import Replay
-from ._units import flops_text, size_text, time_text
+from ._units import flops_text, header, row, size_text, time_text
 
 
 Bound = Literal["compute", "HBM", "host link", "host compute"]
@@ -161,14 +161,8 @@ class StepTime:
         return self.seconds * (1 - self.error), self.seconds * (1 + self.error)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out["flops_by_precision"] = dict(self.flops_by_precision)
-        out["exposed_seconds_by_phase"] = dict(self.exposed_seconds_by_phase)
-        out["transfer_seconds_by_phase"] = dict(self.transfer_seconds_by_phase)
-        out["hardware"] = self.hardware.to_dict()
-        out["compile_options"] = dict(self.compile_options)
-        out["notes"] = list(self.notes)
-        return out
+        out = dataclasses.asdict(self)  # (copies the dicts, `hardware` too)
+        return out | {"hardware": self.hardware.to_dict(), "notes": list(self.notes)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "StepTime":
@@ -188,31 +182,20 @@ class StepTime:
 def lines(t: StepTime) -> list[str]:
     """The step-time section of a report's table."""
     by = ", ".join(f"{p} {flops_text(n)}" for p, n in t.flops_by_precision.items())
+    error = f"±{t.error:.0%} ({t.hardware.label('error')} for a {t.kind} step)"
     rows = [
-        (
-            "step time (estimate)",
-            t.seconds,
-            f"{t.bound}-bound, ±{t.error:.0%} ({t.hardware.label('error')} "
-            f"for a {t.kind} step)",
-        ),
+        ("step time (estimate)", t.seconds, f"{t.bound}-bound, {error}"),
         (
             "  compute",
             t.compute_seconds,
-            f"{flops_text(t.flops)}" + (f": {by}" if by else ""),
+            flops_text(t.flops) + (f": {by}" if by else ""),
         ),
         ("  HBM", t.hbm_seconds, size_text(int(t.hbm_bytes))),
-        (
-            "  host link to device",
-            t.host_to_device_seconds,
-            size_text(t.host_to_device_bytes),
-        ),
-        (
-            "  host link to host",
-            t.device_to_host_seconds,
-            size_text(t.device_to_host_bytes),
-        ),
-        ("  transfers not hidden", t.exposed_transfer_seconds, ""),
     ]
+    for way, to in (("host_to_device", "device"), ("device_to_host", "host")):
+        seconds, nbytes = getattr(t, f"{way}_seconds"), getattr(t, f"{way}_bytes")
+        rows.append((f"  host link to {to}", seconds, size_text(nbytes)))
+    rows.append(("  transfers not hidden", t.exposed_transfer_seconds, ""))
     for phase in PHASES:
         seconds = t.exposed_seconds_by_phase.get(phase, 0.0)
         if seconds:
@@ -221,10 +204,9 @@ def lines(t: StepTime) -> list[str]:
         work = f"{size_text(t.host_compute_bytes)}, {flops_text(t.host_compute_flops)}"
         rows.append(("  host compute", t.host_compute_seconds, work))
         rows.append(("  host compute not hidden", t.exposed_host_compute_seconds, ""))
-    header = f"{f'time per step, {t.hardware.name}':<34}{'seconds':>14}"
-    out = [header, "-" * len(header)]
+    out = header(f"time per step, {t.hardware.name}", "seconds")
     for label, seconds, note in rows:
-        out.append(f"{label:<34}{time_text(seconds):>14}  {note}".rstrip())
+        out.append(f"{row(label, time_text(seconds))}  {note}".rstrip())
     out.append(f"rates: {t.hardware.rates_text()}")
     if t.compile_options:
         given = ", ".join(f"{k}={v}" for k, v in t.compile_options.items())
@@ -273,14 +255,11 @@ def estimate(
     tally = Replay(program, hardware).run(program.entry)
     h2d = tally.link_bytes.get("host_to_device", 0)
     d2h = tally.link_bytes.get("device_to_host", 0)
-    kind: Kind = "device"
-    if tally.host:
-        kind = "host compute"
-    elif h2d or d2h:
-        kind = "host link"
-    notes = ()
-    if platform == "gpu" and program.has_batched_dots():
-        notes = (ATTENTION_NOTE,)
+    kind: Kind = (
+        "host compute" if tally.host else "host link" if h2d or d2h else "device"
+    )
+    batched = platform == "gpu" and program.has_batched_dots()
+    notes = (ATTENTION_NOTE,) if batched else ()
     parts: dict[Bound, float] = {
         "compute": tally.compute_bound,
         "HBM": tally.hbm_bound,

@@ -3,6 +3,7 @@ TPU slice, compiled ahead of time on this machine with libtpu; one NVIDIA GPU, a
 node of them or several nodes, with JAX's CUDA plugin (no TPU or GPU needed)."""
 
 import functools
+import importlib
 import os
 import re
 from collections import Counter
@@ -148,22 +149,19 @@ def capacity(target: str) -> int:
 def _import_cuda_plugin() -> None:
     # The CUDA 12 plugin (the `gpu-aot` extra) or, on a machine set up for CUDA 13,
     # that one: both register the same "cuda" platform.
-    try:
-        import jax_plugins.xla_cuda12  # noqa: F401  # pyright: ignore[reportMissingImports]
-    except ImportError:
-        pass
-    else:
-        return
-    try:
-        import jax_plugins.xla_cuda13  # noqa: F401  # pyright: ignore[reportMissingImports]
-    except ImportError as e:
-        raise ImportError(
-            "`memory_report(target='gpu-...')` needs JAX's CUDA plugin, which is not "
-            "installed. Install it (no GPU or CUDA needed): `pip install "
-            f"jax-cuda12-plugin=={jax.__version__} "
-            f"jax-cuda12-pjrt=={jax.__version__}`, or from a clone, the `gpu-aot` "
-            "extra: `pip install -e '.[gpu-aot]'`."
-        ) from e
+    for version in (12, 13):
+        try:
+            importlib.import_module(f"jax_plugins.xla_cuda{version}")
+            return
+        except ImportError as e:
+            missing = e
+    raise ImportError(
+        "`memory_report(target='gpu-...')` needs JAX's CUDA plugin, which is not "
+        "installed. Install it (no GPU or CUDA needed): `pip install "
+        f"jax-cuda12-plugin=={jax.__version__} "
+        f"jax-cuda12-pjrt=={jax.__version__}`, or from a clone, the `gpu-aot` "
+        "extra: `pip install -e '.[gpu-aot]'`."
+    ) from missing
 
 
 @functools.cache
@@ -258,10 +256,10 @@ def slice_mesh(target: str, like: Mesh | AbstractMesh | None) -> Mesh:
     """A mesh over every device of slice `target`: with the axis names, sizes and
     types of `like` (the mesh the inputs are laid out on), or one `Auto` axis
     `"chips"`. A `like` of another size is a `ValueError` saying so."""
+    n = len(devices(target))
     if like is None:
-        return _slice_mesh(target, (len(devices(target)),), ("chips",), None)
-    if like.size != len(devices(target)):
-        n = len(devices(target))
+        return _slice_mesh(target, (n,), ("chips",), (AxisType.Auto,))
+    if like.size != n:
         raise ValueError(
             f"`memory_report(target={target!r})`: the inputs are laid out on a mesh "
             f"of shape {dict(like.shape)} ({like.size} devices), but {target} has "
@@ -282,8 +280,6 @@ def _slice_mesh(
     except (AssertionError, NotImplementedError, ValueError):
         # (shapes it cannot map onto the torus, and `tpu-v4`'s two cores per chip)
         grid = np.array(all_devices).reshape(sizes)
-    if types is None:
-        types = (AxisType.Auto,) * len(sizes)
     return Mesh(grid, names, axis_types=types)
 
 
@@ -298,13 +294,12 @@ def abstract(
         over `mesh`, or, with `replicate=False`, left without a sharding (for
         `Policy(batch=...)` to lay out).
     """
+    sharding = getattr(x, "sharding", None)
     if mesh is None:
-        sharding = getattr(x, "sharding", None)
         if isinstance(x, jax.Array) and not x.committed:
             sharding = None  # placed by the jit, as when the step itself is called
         sharding = None if sharding is None else abstract_sharding(sharding)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-    sharding = getattr(x, "sharding", None)
     if isinstance(sharding, NamedSharding):
         if source is not None and sharding.mesh == source:
             named = _compat.named_sharding(mesh, sharding.spec, kind_of(x))

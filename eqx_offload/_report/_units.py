@@ -6,6 +6,33 @@ def device_word(target: str) -> str:
     return "GPU" if target.startswith("gpu-") else "chip"
 
 
+def one_device(target: str, is_slice: bool) -> str:
+    """One device of `target`, in words: "one tpu-v5e chip", "one GPU of
+    gpu-h100:8" (of a slice)."""
+    u = device_word(target)
+    return f"one {u} of {target}" if is_slice else f"one {target} {u}"
+
+
+def host_total(by_kind: dict[str, int]) -> int:
+    """The bytes of `by_kind` (bytes by memory kind) that are not on the device."""
+    return sum(v for k, v in by_kind.items() if k != "device")
+
+
+def row(label: str, *cells: int | str | None) -> str:
+    """A line of a report's table: `label`, then a column per cell (bytes as
+    `size_text`, words as they are, `None` blank)."""
+    shown = [
+        c if isinstance(c, str) else "" if c is None else size_text(c) for c in cells
+    ]
+    return f"{label:<34}" + "".join(f"{c:>14}" for c in shown)
+
+
+def header(label: str, *columns: str) -> list[str]:
+    """A table's header line (`row`), underlined."""
+    line = row(label, *columns)
+    return [line, "-" * len(line)]
+
+
 def size_text(n: int) -> str:
     sign, n = ("-" if n < 0 else ""), abs(n)
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -21,13 +48,11 @@ def time_text(seconds: float | int) -> str:
     return "0 s" if seconds == 0 else f"{seconds / 1e-9:.3g} ns"
 
 
+_FLOPS = (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6))
+
+
 def flops_text(n: float | int) -> str:
-    for unit, scale in (
-        ("PFLOP", 1e15),
-        ("TFLOP", 1e12),
-        ("GFLOP", 1e9),
-        ("MFLOP", 1e6),
-    ):
+    for unit, scale in _FLOPS:
         if n >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{n:.3g} FLOP"
