@@ -6,7 +6,7 @@ one of them stops working. The compiler's text (HLO, StableHLO, error messages) 
 read in `_compiler.py`.
 """
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -17,36 +17,24 @@ JAX_VERSION = "0.10.2"
 EQUINOX_VERSION = "0.13.8"
 
 
-def _inner(x: Any) -> Iterator[Any]:
-    """`x` and the values it wraps, transformation by transformation.
-
-    A batched value wraps its value; a differentiated value, its primal.
-    """
-    from jax._src.interpreters import ad, batching
-
-    while True:
-        yield x
-        if isinstance(x, batching.BatchTracer):
-            x = x.val
-        elif isinstance(x, (ad.JVPTracer, ad.LinearizeTracer)):
-            x = x.primal
-        else:
-            return
-
-
 def forward_mode(tree: Any) -> bool:
     """Whether a leaf of `tree` is differentiated in forward mode.
 
     Forward mode is `jax.jvp` or `jax.jacfwd`, at any depth of the transformations
-    around it (inside a `jax.vmap`, say). A `jax.custom_vjp` cannot run there.
-    Reverse mode (`jax.vjp`, `jax.grad`) linearizes with another tracer: JAX's
-    direct linearization, on by default since jax 0.7.
+    around it (inside a `jax.vmap`, say): a leaf is unwrapped transformation by
+    transformation (a batched value wraps its value; a differentiated value, its
+    primal). A `jax.custom_vjp` cannot run there. Reverse mode (`jax.vjp`,
+    `jax.grad`) linearizes with another tracer: JAX's direct linearization, on by
+    default since jax 0.7.
     """
-    from jax._src.interpreters import ad
+    from jax._src.interpreters import ad, batching
 
-    return any(
-        isinstance(v, ad.JVPTracer) for x in jax.tree.leaves(tree) for v in _inner(x)
-    )
+    for x in jax.tree.leaves(tree):
+        while isinstance(x, (batching.BatchTracer, ad.JVPTracer, ad.LinearizeTracer)):
+            if isinstance(x, ad.JVPTracer):
+                return True
+            x = x.val if isinstance(x, batching.BatchTracer) else x.primal
+    return False
 
 
 def current_trace() -> Any:
@@ -65,10 +53,9 @@ def only_batched_since(traces: list[Any]) -> bool:
     That is, batching traces all the way down to it. It is not inside a loop, a
     conditional, a `jax.checkpoint` or a `jax.jit` traced since.
     """
-    from jax._src import core
     from jax._src.interpreters import batching
 
-    trace = core.trace_ctx.trace
+    trace = current_trace()
     while trace is not None:
         if any(trace is t for t in traces):
             return True
@@ -85,10 +72,9 @@ def batched(tree: Any) -> bool:
     gradient (per-example gradients) does not count: its batch is outside the
     differentiation.
     """
-    from jax._src import core
     from jax._src.interpreters import batching
 
-    trace = core.trace_ctx.trace
+    trace = current_trace()
     if not isinstance(trace, batching.BatchTrace):
         return False
     return any(
@@ -161,10 +147,8 @@ def filter_jit_parts(fn: Any) -> FilterJit | None:
 
 def inside_filter_jit(fn: Any) -> Any:
     """`fn`, or the function inside the `eqx.filter_jit`s around it."""
-    parts = filter_jit_parts(fn)
-    while parts is not None:
+    while (parts := filter_jit_parts(fn)) is not None:
         fn = parts.fun
-        parts = filter_jit_parts(fn)
     return fn
 
 

@@ -9,20 +9,13 @@ it exports one. It says which sub-jaxprs run on which operands. And it reads the
 few parameters the library needs.
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jex
 import jax.extend.core.primitives as _p
 
-
-# Primitives JAX does not export in 0.10.2, matched by name: the only names here.
-_UNEXPORTED = {
-    "platform_index": "platform_index",  # `jax.lax.platform_dependent`'s choice
-    "reshard": "reshard",  # `jax.sharding.reshard`, `jax.sharding.auto_axes`
-    "custom_vmap": "custom_vmap_call",  # `jax.custom_batching.custom_vmap`
-}
 
 # Call-like primitives whose body runs on all of the equation's operands.
 _CALLS = (_p.jit_p, _p.closed_call_p, _p.custom_jvp_call_p, _p.custom_vjp_call_p)
@@ -33,84 +26,45 @@ def _primitive(x: Any) -> Any:
     return getattr(x, "primitive", x)
 
 
-def _is_unexported(x: Any, key: str) -> bool:
-    return _primitive(x).name == _UNEXPORTED[key]
+def _is(primitive: Any) -> Callable[[Any], bool]:
+    """Whether an equation (or a primitive) is `primitive`."""
+    return lambda x: _primitive(x) is primitive
+
+
+def _named(name: str) -> Callable[[Any], bool]:
+    """Whether an equation (or a primitive) is the one JAX 0.10.2 calls `name`:
+    for the primitives it does not export, the only names matched here."""
+    return lambda x: _primitive(x).name == name
 
 
 # --- Which primitive: each takes an equation or a primitive --------------------
 
-
-def is_scan(x: Any) -> bool:
-    return _primitive(x) is _p.scan_p
-
-
-def is_cond(x: Any) -> bool:
-    return _primitive(x) is _p.cond_p
-
-
-def is_while(x: Any) -> bool:
-    return _primitive(x) is _p.while_p
-
-
-def is_jit(x: Any) -> bool:
-    return _primitive(x) is _p.jit_p
+is_scan = _is(_p.scan_p)
+is_cond = _is(_p.cond_p)
+is_while = _is(_p.while_p)
+is_jit = _is(_p.jit_p)
+is_checkpoint_name = _is(_p.name_p)  # `jax.ad_checkpoint.checkpoint_name`
+is_device_put = _is(_p.device_put_p)
+is_dynamic_slice = _is(_p.dynamic_slice_p)
+is_squeeze = _is(_p.squeeze_p)
+is_optimization_barrier = _is(jax.lax.optimization_barrier_p)
+is_reduce_precision = _is(_p.reduce_precision_p)
+is_custom_vmap = _named("custom_vmap_call")  # `jax.custom_batching.custom_vmap`
+is_platform_index = _named("platform_index")  # `jax.lax.platform_dependent`'s
+is_reshard = _named("reshard")  # `jax.sharding.reshard`, `jax.sharding.auto_axes`
 
 
-def is_checkpoint_name(x: Any) -> bool:
-    """`jax.ad_checkpoint.checkpoint_name`."""
-    return _primitive(x) is _p.name_p
-
-
-def is_device_put(x: Any) -> bool:
-    return _primitive(x) is _p.device_put_p
-
-
-def is_dynamic_slice(x: Any) -> bool:
-    return _primitive(x) is _p.dynamic_slice_p
-
-
-def is_squeeze(x: Any) -> bool:
-    return _primitive(x) is _p.squeeze_p
-
-
-def is_custom_vmap(x: Any) -> bool:
-    """A `jax.custom_batching.custom_vmap` function's call."""
-    return _is_unexported(x, "custom_vmap")
-
-
-def is_optimization_barrier(x: Any) -> bool:
-    return _primitive(x) is jax.lax.optimization_barrier_p
-
-
-def is_reduce_precision(x: Any) -> bool:
-    return _primitive(x) is _p.reduce_precision_p
-
-
-# Operations whose result is (a piece of) their first operand.
+# Operations whose result is (a piece, a view or a cast of) their first operand.
 _KEEPS_FIRST = {
-    _p.dynamic_slice_p,
-    _p.dynamic_update_slice_p,
-    _p.slice_p,
-    _p.squeeze_p,
-    _p.reshape_p,
-    _p.broadcast_in_dim_p,
-    _p.copy_p,
-    _p.convert_element_type_p,
+    getattr(_p, f"{name}_p")
+    for name in """dynamic_slice dynamic_update_slice slice squeeze reshape
+    broadcast_in_dim copy convert_element_type""".split()
 }
 
 
 def keeps_first_operand(x: Any) -> bool:
     """Whether the result is (a piece, a view or a cast of) the first operand."""
     return _primitive(x) in _KEEPS_FIRST
-
-
-def is_platform_index(x: Any) -> bool:
-    """The index of the branch `jax.lax.platform_dependent` takes."""
-    return _is_unexported(x, "platform_index")
-
-
-def is_reshard(x: Any) -> bool:
-    return _is_unexported(x, "reshard")
 
 
 def primitive_name(x: Any) -> str:
@@ -242,21 +196,14 @@ def call_body(eqn: Any) -> Any:
     other equations."""
     if _primitive(eqn) not in _CALLS:
         return None
-    for value in eqn.params.values():
-        if isinstance(value, jex.ClosedJaxpr) and len(value.jaxpr.invars) == len(
-            eqn.invars
-        ):
-            return value
-    return None
+    bodies = [v for v in eqn.params.values() if isinstance(v, jex.ClosedJaxpr)]
+    return next((b for b in bodies if len(b.jaxpr.invars) == len(eqn.invars)), None)
 
 
 def jit_body(eqn: Any) -> Any:
     """The `jax.extend.core.Jaxpr` an inner `jax.jit` runs; `None` for other
     equations."""
-    if not is_jit(eqn):
-        return None
-    inner = eqn.params["jaxpr"]
-    return getattr(inner, "jaxpr", inner)
+    return eqn.params["jaxpr"].jaxpr if is_jit(eqn) else None
 
 
 # --- Parameters -----------------------------------------------------------------
@@ -314,7 +261,12 @@ def has_effects(eqn: Any) -> bool:
     return bool(eqn.effects)
 
 
-# --- Tracing --------------------------------------------------------------------
+# --- Tracing and evaluating ------------------------------------------------------
+
+
+def evaluate(closed: Any, *args: Any) -> list:
+    """The outputs of `closed` (a closed jaxpr) on `args`."""
+    return jex.jaxpr_as_fun(closed)(*args)
 
 
 def closure_converted(fn: Any, *examples: Any) -> tuple[Any, list[Any]]:

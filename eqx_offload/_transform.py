@@ -6,7 +6,6 @@ from typing import Any, cast, NamedTuple, overload, ParamSpec, TypeVar
 
 import equinox as eqx
 import jax
-import jax.extend.core as jex
 import jax.tree_util as jtu
 from jax.sharding import PartitionSpec
 
@@ -14,13 +13,14 @@ from . import (
     _checkpoint_name_log,
     _compat,
     _grad_taps,
-    _host_leaves,
+    _jaxpr,
+    _jaxpr_host_leaves,
     _layout,
     _paths,
     _pending,
 )
 from ._errors import see
-from ._host_leaves import Argument, arguments
+from ._jaxpr_host_leaves import Argument, arguments
 from ._memory_kinds import is_host
 from ._policy import check_policy, checkpoint_patterns, Policy, replace
 from ._scan_body import configure
@@ -101,11 +101,10 @@ def _host_table_paths(model: Any, policy: Policy) -> set[str]:
     """
     if not policy.host_tables:
         return set()
-    flat = jtu.tree_flatten_with_path(model, is_leaf=_is_stacked)[0]
     arrays = {
-        _paths.join("", keys): x
-        for keys, x in flat
-        if eqx.is_array(x) and not isinstance(x, Stacked)
+        leaf.path: leaf.value
+        for leaf in _paths.leaves(model)
+        if leaf.stacked is None and eqx.is_array(leaf.value)
     }
     found = set()
     for pattern in policy.host_tables:
@@ -237,31 +236,25 @@ class _TracedFun(NamedTuple):
     positions: list[int]  # where they are among the flattened arguments
     rebuild: Callable[[list], Any]  # output leaves -> the output of `fun`
 
+    @property
+    def names(self) -> _checkpoint_name_log.NameLog:
+        return _checkpoint_name_log.NameLog.of(self.closed)
+
 
 def _trace(fun: Callable, args: tuple, kwargs: dict) -> _TracedFun:
-    flat, treedef = jtu.tree_flatten((args, kwargs))
-    positions = [i for i, x in enumerate(flat) if eqx.is_array(x)]
-    out_parts = []
-
-    def flat_fun(*dynamic: Any) -> list:
+    def traced(*args: Any, **kwargs: Any) -> Any:
         _pending.allow(_compat.current_trace())  # (evaluated in the caller's)
-        leaves = list(flat)
-        for i, x in zip(positions, dynamic):
-            leaves[i] = x
-        a, k = jtu.tree_unflatten(treedef, leaves)
-        out_dynamic, out_static = eqx.partition(fun(*a, **k), eqx.is_array)
-        out_leaves, out_treedef = jtu.tree_flatten(out_dynamic)
-        out_parts.append((out_treedef, out_static))
-        return out_leaves
+        return fun(*args, **kwargs)
 
-    dynamic = [flat[i] for i in positions]
-    closed = jax.make_jaxpr(flat_fun)(*dynamic)
+    closed, out_dynamic, out_static = eqx.filter_make_jaxpr(traced)(*args, **kwargs)
+    flat = jtu.tree_leaves((args, kwargs))
+    positions = [i for i, x in enumerate(flat) if eqx.is_array(x)]
 
     def rebuild(out_leaves: list) -> Any:
-        out_treedef, out_static = out_parts[0]
+        out_treedef = jtu.tree_structure(out_dynamic)
         return eqx.combine(jtu.tree_unflatten(out_treedef, out_leaves), out_static)
 
-    return _TracedFun(closed, dynamic, positions, rebuild)
+    return _TracedFun(closed, [flat[i] for i in positions], positions, rebuild)
 
 
 class Offloaded(eqx.Module):
@@ -307,13 +300,11 @@ class Offloaded(eqx.Module):
                 # Checking needs the jaxpr before any outer transformation sees it:
                 # trace, check, then evaluate it, so `fun` still runs once.
                 traced = _trace(self.fun, args, kwargs)
-                _host_leaves.check(
+                _jaxpr_host_leaves.check(
                     traced.closed.jaxpr, traced.positions, args, kwargs, tables
                 )
-                _checkpoint_name_log.check(
-                    self.policy, _checkpoint_name_log.NameLog.of(traced.closed)
-                )
-                outputs = jex.jaxpr_as_fun(traced.closed)(*traced.dynamic)
+                _checkpoint_name_log.check(self.policy, traced.names)
+                outputs = _jaxpr.evaluate(traced.closed, *traced.dynamic)
                 return traced.rebuild(outputs)
             out = self.fun(*args, **kwargs)
         if checkpoint_patterns(self.policy):
@@ -323,9 +314,7 @@ class Offloaded(eqx.Module):
                 # Scans served from an inner `jax.jit`'s cache were not traced now,
                 # so they recorded nothing; the jaxpr has them all.
                 traced = _trace(self.fun, args, kwargs)
-                _checkpoint_name_log.check(
-                    self.policy, _checkpoint_name_log.NameLog.of(traced.closed)
-                )
+                _checkpoint_name_log.check(self.policy, traced.names)
         return out
 
 
@@ -342,7 +331,7 @@ def _offered(wrapper: Offloaded, args: tuple, kwargs: dict) -> tuple[str, ...]:
         traced = _trace(lambda *a, **k: probe.run(a, k), args, kwargs)
     except Exception:  # only a hint for the error being raised: that error wins
         return ()
-    return tuple(_checkpoint_name_log.NameLog.of(traced.closed).residual_names)
+    return tuple(traced.names.residual_names)
 
 
 @overload

@@ -1,4 +1,4 @@
-"""Host copies a GPU can overlap (`_compiler_thunks.py`): the `offload_all` step of
+"""Host copies a GPU can overlap (`gpu_thunks.py`): the `offload_all` step of
 a small model, compiled for an H100 without a GPU, as XLA:GPU's thunk sequence
 runs it. Every host read and write of the forward, backward and update loops runs
 on a copy engine, not as a kernel on the GPU's cores; and in the update loop a
@@ -15,12 +15,9 @@ import optax
 import pytest
 
 import eqx_offload as eo
-from eqx_offload import internal as eoi
 
+from . import gpu_thunks as thunks
 from .helpers import cross_entropy, table_lm
-
-
-thunks = eoi.compiler_thunks
 
 
 pytest.importorskip("jax_cuda12_plugin", reason="the `gpu-aot` extra")

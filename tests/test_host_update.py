@@ -376,10 +376,10 @@ def test_errors():
         first_step(optimizer)
 
 
-@pytest.mark.parametrize("form", eoi.compat.host_forms())
+@pytest.mark.parametrize("form", eoi.host_forms())
 def test_both_forms_of_host_compute(form):
     """Pinned to jax 0.10.2, which has both; after 0.11.0 only the decorator."""
-    assert jax.__version__ != "0.10.2" or eoi.compat.host_forms() == (
+    assert jax.__version__ != "0.10.2" or eoi.host_forms() == (
         "decorator",
         "context",
     )
@@ -391,7 +391,7 @@ def test_both_forms_of_host_compute(form):
     def double(x):
         return [x * 2 + jnp.zeros_like(x)]  # a fresh array, typed device memory
 
-    (out,) = jax.jit(lambda x: eoi.compat.on_host(double, form)(x))(x)
+    (out,) = jax.jit(lambda x: eoi.on_host(double, form)(x))(x)
     assert out.sharding.memory_kind == "pinned_host"
     np.testing.assert_array_equal(out, [0.0, 2.0, 4.0, 6.0])
 
@@ -403,7 +403,7 @@ CLIPPED = optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(ADAM_LR))
 
 def host_and_device_ops(text: str) -> tuple[list, list]:
     """The instructions the program runs on the host's CPU and the others."""
-    comps, entry = eoi.compiler.parse_hlo(text)
+    comps, entry = eoi.parse_hlo(text)
     on_host: set[str] = set()
     todo = [
         c for comp in comps.values() for i in comp.insts.values() for c in i.host_calls

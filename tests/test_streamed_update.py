@@ -79,7 +79,7 @@ def streamed_step(optimizer, params, state):
     @jax.jit
     def step(params, state, grads):
         paths = sorted(params)
-        new = eoi.streaming.update(
+        new = eoi.streaming_update(
             optimizer, grads, state, params, layers, kinds, paths
         )
         return new[:2]
@@ -151,7 +151,7 @@ def assert_streamed_equals_optax(make_optimizer, getkey, steps=1, nan_at=None):
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_streamed_update_equals_optax(name, monkeypatch, getkey):
-    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 8192)  # "large" is 32 KiB
+    monkeypatch.setattr("eqx_offload._tiling.PIECE_BYTES", 8192)  # "large" is 32 KiB
     ours = assert_streamed_equals_optax(OPTIMIZERS[name], getkey)
     assert {x.sharding.memory_kind for x in jax.tree.leaves(ours)} == {"pinned_host"}
 
@@ -169,8 +169,8 @@ def test_the_tpu_loop_equals_optax_too(name, monkeypatch, getkey):
     # On the CPU the streamed loops read one piece ahead; this runs the loop a TPU
     # compiles (each step reads its own piece) here: after a global norm, and
     # with each leaf's norm.
-    monkeypatch.setattr(eoi.streaming, "READ_IN_STEP", ("cpu",))
-    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 8192)
+    monkeypatch.setattr("eqx_offload._update._streaming.READ_IN_STEP", ("cpu",))
+    monkeypatch.setattr("eqx_offload._tiling.PIECE_BYTES", 8192)
     assert_streamed_equals_optax(TPU_LOOP[name], getkey)
 
 
@@ -183,7 +183,7 @@ def test_the_tpu_loop_equals_optax_too(name, monkeypatch, getkey):
     ids=["zero_nans + adam", "adafactor"],
 )
 def test_state_not_shaped_like_its_parameter_is_shared(make, monkeypatch, getkey):
-    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 8192)
+    monkeypatch.setattr("eqx_offload._tiling.PIECE_BYTES", 8192)
     assert_streamed_equals_optax(make, getkey)
 
 
@@ -200,7 +200,7 @@ def fresh_state():
 
 
 def test_state_made_afresh_is_written_in_its_leafs_loop(monkeypatch, getkey):
-    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 8192)
+    monkeypatch.setattr("eqx_offload._tiling.PIECE_BYTES", 8192)
     make = lambda: optax.chain(fresh_state(), optax.adam(1e-2))  # noqa: E731
     assert_streamed_equals_optax(make, getkey)
 
@@ -217,9 +217,9 @@ def test_state_made_afresh_is_written_in_its_leafs_loop(monkeypatch, getkey):
     ids=["factored adafactor"],
 )
 def test_other_unstreamable_updates_are_refused(make, why, monkeypatch, getkey):
-    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 8192)
+    monkeypatch.setattr("eqx_offload._tiling.PIECE_BYTES", 8192)
     params, grads = random_tree(getkey()), random_tree(getkey())
-    with pytest.raises(eoi.streaming.NotStreamable, match=why):
+    with pytest.raises(eoi.NotStreamable, match=why):
         streamed_once(make(), params, grads)
 
 
@@ -242,7 +242,7 @@ def test_conds_over_several_groups_of_pieces(name, monkeypatch, getkey):
     # `MultiSteps` accumulates, applies and accumulates; `apply_if_finite` skips
     # the second, whose gradients are not finite (the parameters stay as they
     # are, bit for bit).
-    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 8192)
+    monkeypatch.setattr("eqx_offload._tiling.PIECE_BYTES", 8192)
     nan_at = 1 if name == "apply_if_finite(adam)" else None
     assert_streamed_equals_optax(CONDS[name], getkey, steps=3, nan_at=nan_at)
 
@@ -283,7 +283,7 @@ def size_dependent():
 )
 def test_an_update_that_changes_piece_by_piece_is_refused(transformation, why, getkey):
     params, grads = random_tree(getkey()), random_tree(getkey())
-    with pytest.raises(eoi.streaming.NotStreamable, match=why):
+    with pytest.raises(eoi.NotStreamable, match=why):
         streamed_once(optax.chain(transformation(), optax.sgd(0.1)), params, grads)
     # ...and in a train step, with the way out.
     policy = eo.Policy.remat(opt_state="pinned_host")
@@ -350,7 +350,7 @@ def test_streamed_and_whole_updates_agree_in_a_train_step(monkeypatch, getkey):
     losses and state too (the momentum is a sum of gradients, as the updates
     are). With small pieces the tables are streamed in row blocks besides the
     layers. The negative control: the first layer's update dropped."""
-    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 1024)
+    monkeypatch.setattr("eqx_offload._tiling.PIECE_BYTES", 1024)
     key, steps = getkey(), 4
     results = []
     for update in ("streamed", "whole"):

@@ -3,9 +3,10 @@
 The update runs whole, or streamed: one layer or row block of the parameters on the
 device at a time.
 
-- `_optim` places the state and dispatches the update.
+- `_optim` places the state; `_dispatch` runs the update whole, streamed or on the host.
 - `_state_tree` pairs state leaves with the parameters they mirror.
-- `_dataflow` reads the update's jaxpr: which values are shared, piecewise or global.
+- `_jaxpr_dataflow` (an adapter, at the top level) reads the update's jaxpr: which
+  values are shared, piecewise or global.
 - `_streaming` runs it piece by piece. `_piece_loop` is the loop over one group.
 - `_host` runs it on the host's CPU.
 - `_optimizer_update` is the public update for a hand-written step.
@@ -38,8 +39,4 @@ from ._optim import (
     with_params as with_params,
 )
 from ._optimizer_update import optimizer_update as optimizer_update
-from ._state_tree import (
-    check_matches as check_matches,
-    state_leaves as state_leaves,
-    StateLeaf as StateLeaf,
-)
+from ._state_tree import check_matches as check_matches, state_leaves as state_leaves

@@ -6,7 +6,7 @@ moves only two things over the host link. These are the gradients the device sen
 and the parameters it computes with.
 
 The update is traced once on the whole tree. It is inlined into a flat jaxpr
-(`_dataflow.flatten`). An output is computed on the host if it lives there. It is
+(`_jaxpr_dataflow.flatten`). An output is computed on the host if it lives there. It is
 also computed there if it depends on a host-resident array. A global norm over
 host-resident gradients makes every new leaf depend on all of them. Other outputs
 are computed on the device. So a parameter whose state the policy keeps on the
@@ -20,7 +20,6 @@ values inside is `_compat.on_host`'s business.
 
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -28,10 +27,9 @@ import numpy as np
 import optax
 from jax.core import Tracer
 
-from .. import _compat, _jaxpr, _scopes
+from .. import _compat, _jaxpr, _jaxpr_dataflow as _dataflow, _scopes
 from .._memory_kinds import is_host, to_space
-from . import _dataflow, _metrics
-from ._dataflow import Literal
+from . import _metrics
 
 
 class NotOnHost(ValueError):
@@ -65,155 +63,92 @@ def update(
 
     `NotOnHost` naming the optax code that cannot run on the host.
     """
-    p_leaves, p_def = jtu.tree_flatten(params)
-    s_leaves, s_def = jtu.tree_flatten(opt_state)
-    args = (jtu.tree_leaves(grads), s_leaves, p_leaves)
-    jaxpr = _trace(optimizer, args, (p_def, s_def), metrics)
-    inputs = args[0] + args[1] + args[2]
-    n_new = len(out_kinds[0] + out_kinds[1])
+    squares = _metrics.squares if metrics else None
+    apply, leaves, (p_def, s_def) = _metrics.flat_update(
+        optimizer, (grads, opt_state, params), squares
+    )
+    inputs = leaves[0] + leaves[1] + leaves[2]
+    closed = jax.make_jaxpr(apply)(
+        *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
+    )
+    check_runnable(closed)
+    jaxpr = _dataflow.flatten(closed)
     kinds = out_kinds[0] + out_kinds[1]
-    kinds += ["device"] * (len(jaxpr.outs) - len(kinds))
-    on_host = _on_host_outputs(jaxpr, inputs, kinds)
-    value_of = dict(zip(jaxpr.ins, inputs))
-    outs: list[Any] = [None] * len(jaxpr.outs)
-    if any(on_host):
-        grads = frozenset(jaxpr.ins[: len(args[0])])
-        values = _host_values(jaxpr, on_host, kinds, value_of, form, grads)
-        positions = [k for k, h in enumerate(on_host) if h]
-        for position, value in zip(positions, values, strict=True):
-            outs[position] = value
-    for position, value in _device_values(jaxpr, on_host, value_of).items():
-        outs[position] = value
-    outs = [
-        to_space(jnp.asarray(x), kind, "") for x, kind in zip(outs, kinds, strict=True)
-    ]
-    n_p = len(p_leaves)
+    n_new, n_p = len(kinds), len(leaves[2])
+    kinds += ["device"] * (len(jaxpr.outs) - n_new)
+    outs = _split(jaxpr, inputs, kinds, form, len(leaves[0]))
     new_params = jtu.tree_unflatten(p_def, outs[:n_p])
     new_state = jtu.tree_unflatten(s_def, outs[n_p:n_new])
-    if not metrics:
-        return new_params, new_state, None
-    squares = outs[n_new:]
-    sums = [sum(squares[i * n_p : (i + 1) * n_p]) for i in range(3)]
-    return new_params, new_state, dict(zip(_metrics.METRICS, map(jnp.sqrt, sums)))
+    norms = _metrics.from_squares(outs[n_new:], n_p) if metrics else None
+    return new_params, new_state, norms
 
 
-def _trace(
-    optimizer: optax.GradientTransformation,
-    args: tuple[list, list, list],
-    trees: tuple[Any, Any],
-    metrics: bool,
-) -> _dataflow.FlatJaxpr:
-    """The update on the leaves `args` (gradients, state, parameters), as a flat
-    jaxpr; `trees` are the treedefs of the parameters and the state."""
-    p_def, s_def = trees
-    n_g, n_s = len(args[0]), len(args[1])
-
-    def apply(*xs: Any) -> list:
-        g, s, p = xs[:n_g], xs[n_g : n_g + n_s], xs[n_g + n_s :]
-        # A gradient sent in the compute dtype, cast where the update runs.
-        g = [_upcast(gi, pi) for gi, pi in zip(g, p, strict=True)]
-        grads = jtu.tree_unflatten(p_def, g)
-        p_tree = jtu.tree_unflatten(p_def, p)
-        updates, state = optimizer.update(grads, jtu.tree_unflatten(s_def, s), p_tree)
-        new = eqx.apply_updates(p_tree, updates)
-        out = jtu.tree_leaves(new) + jtu.tree_leaves(state)
-        if metrics:  # each leaf's sum of squares, computed where the leaf is
-            for tree in (grads, updates, new):
-                out += [_metrics.squares(x) for x in jtu.tree_leaves(tree)]
-        return out
-
-    inputs = args[0] + args[1] + args[2]
-    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
-    closed = jax.make_jaxpr(apply)(*avals)
-    check_runnable(closed)
-    return _dataflow.flatten(closed)
-
-
-def _on_host_outputs(
-    jaxpr: _dataflow.FlatJaxpr, inputs: list, kinds: list[str]
-) -> list[bool]:
-    """Per output: whether the host computes it. It does for an output that lives
-    there or depends on a host-resident array (scalars are not counted: a step
-    count is read by both sides)."""
-    tainted = {i for i, x in zip(jaxpr.ins, inputs) if is_host(x) and x.ndim}
-    for e in jaxpr.eqns:
-        if any(isinstance(r, int) and r in tainted for r in e.ins):
-            tainted.update(e.outs)
+def _split(
+    jaxpr: _dataflow.FlatJaxpr,
+    inputs: list,
+    kinds: list[str],
+    form: _compat.HostForm,
+    n_grads: int,
+) -> list:
+    """The outputs of `jaxpr` on `inputs` (the first `n_grads` are gradients), each
+    in its memory kind (`kinds`): computed on the host if it lives there or
+    depends on a host-resident array (not a scalar: both sides read a step count),
+    else on the device."""
+    value_of = dict(zip(jaxpr.ins, inputs))
+    host_arrays = {i for i, x in value_of.items() if is_host(x) and x.ndim}
+    tainted = _dataflow.dependents(jaxpr, host_arrays)
+    on_host = [_on_host_output(r, k, tainted) for r, k in zip(jaxpr.outs, kinds)]
+    host = [(r, k) for r, k, h in zip(jaxpr.outs, kinds, on_host) if h]
+    grads = frozenset(jaxpr.ins[:n_grads])
+    host_values = _on_host(jaxpr, host, value_of, form, grads) if host else []
+    device_refs = [r for r, h in zip(jaxpr.outs, on_host) if not h]
+    compute, ins = _evaluator(jaxpr, device_refs)
+    device_values = compute(*[to_space(value_of[i], "device", "") for i in ins])
+    found = iter(host_values), iter(device_values)
     return [
-        isinstance(ref, int) and (kind == "pinned_host" or ref in tainted)
-        for ref, kind in zip(jaxpr.outs, kinds)
+        to_space(jnp.asarray(next(found[0] if h else found[1])), kind, "")
+        for h, kind in zip(on_host, kinds, strict=True)
     ]
 
 
-def _host_values(
-    jaxpr: _dataflow.FlatJaxpr,
-    on_host: list[bool],
-    kinds: list[str],
-    value_of: dict[int, Any],
-    form: _compat.HostForm,
-    grads: frozenset[int],
-) -> list:
-    """The outputs the host computes, in order. Non-scalar results the device
-    keeps are written to device memory by the host computation itself (not to
-    the host, then copied). `grads`: the inputs that are gradients."""
-    refs = [r for r, h in zip(jaxpr.outs, on_host) if h]
-    to_device = tuple(
-        kind == "device" and bool(jaxpr.avals[r].shape)
-        for r, kind, h in zip(jaxpr.outs, kinds, on_host)
-        if h
-    )
-    return _on_host(jaxpr, refs, value_of, form, to_device, grads)
+def _on_host_output(ref: Any, kind: str, tainted: set[int]) -> bool:
+    """Whether the host computes an output: one that lives there, or depends on a
+    host-resident array."""
+    return isinstance(ref, int) and (kind == "pinned_host" or ref in tainted)
 
 
-def _device_values(
-    jaxpr: _dataflow.FlatJaxpr, on_host: list[bool], value_of: dict[int, Any]
-) -> dict[int, Any]:
-    """The outputs the device computes, by position."""
-    refs = [r for r, h in zip(jaxpr.outs, on_host) if not h]
-    env: dict[int, Any] = {i: _as_constant(c) for i, c in jaxpr.consts.items()}
-    eqns = _dataflow.needed(jaxpr, refs)
-    for i in _inputs_of(jaxpr, eqns, refs):
-        env[i] = to_space(value_of[i], "device", "")
-    _dataflow.run(jaxpr, eqns, env)
-    return {
-        position: ref.value if isinstance(ref, Literal) else env[ref]
-        for position, (ref, h) in enumerate(zip(jaxpr.outs, on_host))
-        if not h
-    }
+def _evaluator(jaxpr: _dataflow.FlatJaxpr, refs: list) -> tuple[Any, list[int]]:
+    """A function that computes `refs` (values of `jaxpr`) from the inputs it
+    needs, and those inputs (in input order)."""
+    ops = _dataflow.needed(jaxpr, refs)
+    read = _dataflow.reads(jaxpr, ops, refs)
+    ins = [i for i in jaxpr.ins if i in read]
+    consts = {i: _as_constant(c) for i, c in jaxpr.consts.items()}
 
+    def compute(*xs: Any) -> list:
+        env = _dataflow.run(jaxpr, ops, {**consts, **dict(zip(ins, xs))})
+        return [_dataflow.value(r, env) for r in refs]
 
-def _upcast(g: Any, p: Any) -> Any:
-    """A gradient in a narrower dtype than its parameter (sent in the compute
-    dtype) in the parameter's; any other as it is."""
-    if g is None or g.dtype.itemsize >= p.dtype.itemsize:
-        return g
-    return g.astype(p.dtype)
+    return compute, ins
 
 
 def _on_host(
     jaxpr: _dataflow.FlatJaxpr,
-    refs: list,
+    outs: list[tuple[int, str]],
     value_of: dict[int, Any],
     form: _compat.HostForm,
-    to_device: tuple[bool, ...],
     grads: frozenset[int],
 ) -> list:
-    """The values of `refs` (variables of `jaxpr`), computed on the host from the
-    inputs they need, moved to host memory first; the inputs in `grads`
-    (gradients, computed in the step) as `_default_layout` gives them."""
-    eqns = _dataflow.needed(jaxpr, refs)
-    ins = _inputs_of(jaxpr, eqns, refs)
+    """The values of `outs` (values of `jaxpr`, with their memory kinds), computed
+    on the host from the inputs they need, moved to host memory first; the inputs
+    in `grads` (gradients, computed in the step) as `_default_layout` gives them.
+    Non-scalar results the device keeps are written to device memory by the host
+    computation itself (not to the host, then copied)."""
+    compute, ins = _evaluator(jaxpr, [r for r, _ in outs])
+    to_device = tuple(k == "device" and bool(jaxpr.avals[r].shape) for r, k in outs)
     with jax.named_scope(_scopes.GRAD):  # (device-resident values: mostly gradients)
         xs = [_default_layout(value_of[i]) if i in grads else value_of[i] for i in ins]
         args = [to_space(x, "pinned_host", "") for x in xs]
-    consts = {i: _as_constant(c) for i, c in jaxpr.consts.items()}
-
-    def compute(*xs: Any) -> list:
-        env = dict(consts)
-        env.update(zip(ins, xs))
-        env = _dataflow.run(jaxpr, eqns, env)
-        return [env[r] for r in refs]
-
     return list(_compat.on_host(compute, form, to_device)(*args))
 
 
@@ -240,14 +175,6 @@ def _default_layout(x: Any) -> Any:
         return jax.lax.reshape(jax.lax.optimization_barrier(x[None]), x.shape)
 
     return jax.lax.platform_dependent(x, cuda=relaid, rocm=relaid, default=lambda x: x)
-
-
-def _inputs_of(jaxpr: _dataflow.FlatJaxpr, eqns: list[int], refs: list) -> list[int]:
-    """The inputs of `jaxpr` that computing `refs` with the equations `eqns`
-    reads (in input order)."""
-    read = {r for n in eqns for r in jaxpr.eqns[n].ins if isinstance(r, int)}
-    read.update(r for r in refs if isinstance(r, int))
-    return [i for i in jaxpr.ins if i in read]
 
 
 def _as_constant(c: Any) -> Any:

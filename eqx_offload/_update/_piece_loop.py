@@ -28,7 +28,7 @@ its offset is affine in the loop's counter over the whole trip count. Any other
 slice becomes a kernel that moves the bytes over PCIe with the GPU's cores. (So
 are the reads before the loop and the writes after it, at constant offsets: one
 piece of each leaf; and a loop of one step, which XLA removes.)
-`_compiler_thunks.py` reads which.
+`tests/gpu_thunks.py` reads which.
 """
 
 import dataclasses
@@ -39,9 +39,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .. import _tiling
+from .. import _jaxpr_dataflow as _dataflow, _tiling
 from .._memory_kinds import is_host, to_space
-from . import _dataflow
 
 
 class Input(NamedTuple):
@@ -78,20 +77,6 @@ class Output(NamedTuple):
     replaces: Input | None = None  # the input whose new value it is (a new leaf)
 
 
-def shared_inputs(
-    dataflow: _dataflow.Dataflow, outputs: list[Output]
-) -> list[tuple[Any, Any]]:
-    """The shared and global values that computing `outputs` piece by piece
-    reads: pairs of references (whole jaxpr, piece jaxpr), in a fixed order."""
-    whole, piece = dataflow.whole, dataflow.piece
-    pairs: dict[Any, Any] = {}
-    for n in dataflow.piece_eqns([o.whole for o in outputs]):
-        for w_ref, p_ref in zip(whole.eqns[n].ins, piece.eqns[n].ins):
-            if isinstance(w_ref, int) and not dataflow.is_piecewise(w_ref):
-                pairs.setdefault(w_ref, p_ref)
-    return list(pairs.items())
-
-
 def scan_pieces(
     dataflow: _dataflow.Dataflow,
     group: Group,
@@ -109,12 +94,12 @@ def scan_pieces(
     reads piece `k` on the backends of `read_in_step`, else piece `k + 1`."""
     loop = _Loop.build(dataflow, group, env, outputs)
     fulls = [x.value for x in loop.carried]
-    fulls += [jnp.zeros((), jnp.float32)] * len(loop.sum_slot)
+    fulls += [jnp.zeros((), jnp.float32)] * (len(loop.slot) - len(loop.carried))
     others = [x.value for x in loop.streamed]
     if loop.carried:
-        direct = {
-            p: functools.partial(loop.run, read_ahead=False) for p in read_in_step
-        }
+        direct = dict.fromkeys(
+            read_in_step, functools.partial(loop.run, read_ahead=False)
+        )
         ahead = functools.partial(loop.run, read_ahead=True)
         fulls, ys = jax.lax.platform_dependent(fulls, others, **direct, default=ahead)
     else:
@@ -137,7 +122,8 @@ class _Loop:
     used: set[int]  # the variables of the piece jaxpr the steps read
     carried: list[Input]  # the inputs overwritten piece by piece
     streamed: list[Input]  # the inputs only read, a piece per step
-    sum_slot: dict[int, int]  # output index -> carry slot of its running sum
+    # Output index -> its carry slot: its overwritten input's, or its running sum's.
+    slot: dict[int, int]
 
     @classmethod
     def build(
@@ -147,16 +133,14 @@ class _Loop:
         env: dict,
         outputs: list[Output],
     ) -> "_Loop":
-        piece = dataflow.piece
-        wanted = dataflow.piece_eqns([o.whole for o in outputs])
+        piece, wholes = dataflow.piece, [o.whole for o in outputs]
+        wanted = dataflow.piece_eqns(wholes)
         known = dict(piece.consts)
-        for w_ref, p_ref in shared_inputs(dataflow, outputs):  # what the body reads
+        for w_ref, p_ref in dataflow.shared_inputs(wholes):  # what the body reads
             known[p_ref] = env[w_ref]
         # Only the pieces the body computes with are read (a global norm's scan
         # needs the gradients, not the moments).
-        refs = [r for n in wanted for r in piece.eqns[n].ins]
-        refs += [o.piece for o in outputs]
-        used = {r for r in refs if isinstance(r, int)}
+        used = _dataflow.reads(piece, wanted, [o.piece for o in outputs])
         overwritten = {o.overwrite for o in outputs}
         carried = [x for x in group.inputs if x.position in overwritten]
         streamed = [
@@ -164,11 +148,8 @@ class _Loop:
             for x in group.inputs
             if x.position not in overwritten and piece.ins[x.position] in used
         ]
-        summed = [k for k, o in enumerate(outputs) if o.summed]
-        sum_slot = dict(zip(summed, range(len(carried), len(carried) + len(outputs))))
-        return cls(
-            piece, group, outputs, known, wanted, used, carried, streamed, sum_slot
-        )
+        slot = _slots(outputs, carried)
+        return cls(piece, group, outputs, known, wanted, used, carried, streamed, slot)
 
     def read(self, full: Any, index: Any, x: Input) -> Any:
         """Piece `index` of `full` (input `x`'s leaf), on the device."""
@@ -186,10 +167,6 @@ class _Loop:
             for f, x in zip(fulls, self.carried)
         ]
 
-    def step(self, index: Any, others: list, current: list, fulls: list) -> tuple:
-        """One piece: its new values, written into `fulls` or returned as `ys`."""
-        return self.store(index, self.compute(index, others, current), fulls)
-
     def compute(self, index: Any, others: list, current: list) -> list:
         """The value of each output for piece `index`, from the pieces of the
         overwritten inputs (`current`) and of the others (read here)."""
@@ -200,15 +177,12 @@ class _Loop:
         for x, value in zip(self.carried, current):
             local[ins[x.position]] = value
         _dataflow.run(self.piece, self.wanted, local)
-        return [
-            local[o.piece] if isinstance(o.piece, int) else o.piece.value
-            for o in self.outputs
-        ]
+        return [_dataflow.value(o.piece, local) for o in self.outputs]
 
     def store_ahead(self, index: Any, values: list, fulls: list) -> tuple:
         """Piece `index`'s `values` stored as `store` does, and piece `index + 1`
         of each overwritten input read (None for one not read): the new carry,
-        the pieces read and the `ys`.
+        the `ys` and the pieces read.
 
         The read of a leaf's next piece comes after its new piece is computed,
         and before that piece is written back: unordered, XLA copies the leaf
@@ -234,17 +208,17 @@ class _Loop:
                 piece, fulls[c] = jax.lax.optimization_barrier((piece, fulls[c]))
             ahead.append(piece)
             self._write(k, self.outputs[k], values[k], index, fulls, [])
-        ys: list = []
-        for k, out in enumerate(self.outputs):
-            if out.overwrite is None:
-                self._write(k, out, values[k], index, fulls, ys)
-        return fulls, ahead, ys
+        return (*self.store(index, values, fulls, written=True), ahead)
 
-    def store(self, index: Any, values: list, fulls: list) -> tuple[list, list]:
-        """Piece `index`'s `values` written into `fulls` or returned as `ys`."""
+    def store(
+        self, index: Any, values: list, fulls: list, written: bool = False
+    ) -> tuple[list, list]:
+        """Piece `index`'s `values` written into `fulls` or returned as `ys`
+        (not those written into their inputs already, if `written`)."""
         fulls, ys = list(fulls), []
         for k, (out, value) in enumerate(zip(self.outputs, values)):
-            self._write(k, out, value, index, fulls, ys)
+            if not (written and out.overwrite is not None):
+                self._write(k, out, value, index, fulls, ys)
         return fulls, ys
 
     def _write(
@@ -254,22 +228,18 @@ class _Loop:
         (in `fulls`), or appended to `ys` for the scan to stack."""
         rows = self.group.rows
         if out.summed:
-            fulls[self.sum_slot[k]] = fulls[self.sum_slot[k]] + jnp.sum(value)
+            fulls[self.slot[k]] = fulls[self.slot[k]] + jnp.sum(value)
         elif out.overwrite is None:  # stacked by the scan
             if out.kind is not None:  # a new leaf's piece (of a layer: the leaf)
                 value = to_space(_tiling.lower(value, rows), out.kind, "")
             ys.append(value)
         else:
-            c = self._slot(out.overwrite)
+            c = self.slot[k]
             # The transfer under the leaf's scope, which names it in reports.
             with jax.named_scope(out.label):
                 new = _tiling.lower(value, rows)
                 new = new if out.kind is None else to_space(new, out.kind, "")
                 fulls[c] = _tiling.write(fulls[c], new, index, rows)
-
-    def _slot(self, position: int) -> int:
-        """The carry slot of the overwritten input at `position`."""
-        return [x.position for x in self.carried].index(position)
 
     def run(self, fulls: list, others: list, read_ahead: bool) -> tuple[list, list]:
         """The loop: the new carry, and the outputs the scan stacks. Its index is
@@ -286,7 +256,8 @@ class _Loop:
 
             def body(carry: Any, _: Any) -> tuple[Any, list]:
                 index, fulls = carry
-                fulls, ys = self.step(index, others, self.current(fulls, index), fulls)
+                values = self.compute(index, others, self.current(fulls, index))
+                fulls, ys = self.store(index, values, fulls)
                 return (index + 1, fulls), ys
 
             (_, fulls), ys = jax.lax.scan(body, (start, fulls), length=pieces)
@@ -295,13 +266,15 @@ class _Loop:
         def ahead_body(carry: Any, _: Any) -> tuple[Any, list]:
             index, now, fulls = carry
             values = self.compute(index, others, now)
-            fulls, ahead, ys = self.store_ahead(index, values, list(fulls))
+            fulls, ys, ahead = self.store_ahead(index, values, list(fulls))
             return (index + 1, ahead, fulls), ys
 
         # The last piece after the loop: it has no next piece to read.
         first = (start, self.current(fulls, 0), fulls)
         (_, now, fulls), ys = jax.lax.scan(ahead_body, first, length=pieces - 1)
-        fulls, last = self.step(pieces - 1, others, now, fulls)
+        fulls, last = self.store(
+            pieces - 1, self.compute(pieces - 1, others, now), fulls
+        )
         return fulls, [jnp.concatenate([y, z[None]]) for y, z in zip(ys, last)]
 
     def collect(self, fulls: list, ys: Iterator) -> list:
@@ -310,13 +283,23 @@ class _Loop:
         rows = self.group.rows
         values = []
         for k, out in enumerate(self.outputs):
-            if out.summed:
-                values.append(fulls[self.sum_slot[k]])
-            elif out.overwrite is not None:
-                values.append(fulls[self._slot(out.overwrite)])
+            if k in self.slot:  # summed, or overwritten
+                values.append(fulls[self.slot[k]])
             else:
                 y = next(ys)
                 if out.kind is not None and rows > 1:  # pieces of rows: one leaf
                     y = y.reshape((y.shape[0] * rows,) + y.shape[2:])
                 values.append(y)
         return values
+
+
+def _slots(outputs: list[Output], carried: list[Input]) -> dict[int, int]:
+    """Each output's carry slot (by output index): that of the input it
+    overwrites, or after the overwritten inputs, its running sum's."""
+    carry = [x.position for x in carried]
+    summed = [k for k, o in enumerate(outputs) if o.summed]
+    slot = {k: len(carried) + i for i, k in enumerate(summed)}
+    for k, o in enumerate(outputs):
+        if o.overwrite is not None:
+            slot[k] = carry.index(o.overwrite)
+    return slot

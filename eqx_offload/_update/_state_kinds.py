@@ -15,22 +15,6 @@ from .._memory_kinds import ParamsSpec
 from ._state_tree import StateLeaf
 
 
-def split_spec(
-    spec: ParamsSpec,
-) -> tuple[ParamsSpec, dict[str, list[tuple[str, str]]]]:
-    """The patterns of `Policy(opt_state=spec)` that name parameters only, and
-    those that name a state part (`"nu:**"`), by part."""
-    if spec is None or isinstance(spec, str):
-        return spec, {}
-    plain = tuple((p, k) for p, k in spec if ":" not in p)
-    parts: dict[str, list[tuple[str, str]]] = {}
-    for p, k in spec:
-        if ":" in p:
-            part, pattern = p.split(":", 1)
-            parts.setdefault(part, []).append((pattern, k))
-    return plain, parts
-
-
 def state_leaf_kinds(
     spec: ParamsSpec,
     leaves: list[StateLeaf],
@@ -42,52 +26,53 @@ def state_leaf_kinds(
     and for state that is not parameter-shaped. A pattern that matches nothing is
     a `ValueError`, as is a part this optimizer's state does not have."""
     where = f"{where} (`Policy(opt_state=...)`)"
-    plain, parts = split_spec(spec)
-    if plain is None or isinstance(plain, str):
-        return ["device" if s.owner is None else plain or "device" for s in leaves]
-    items = plain
-    general_used = dict.fromkeys((p for p, _ in items), False)
-    by_param = [
-        _paths.best_match(leaf.path, items, where, general_used, see(17))
-        for leaf in param_leaves
-    ]
-    _paths.check_used(
-        general_used, [leaf.path for leaf in param_leaves], where, see(18)
-    )
+    if spec is None or isinstance(spec, str):
+        return ["device" if s.owner is None else spec or "device" for s in leaves]
+    # The patterns by the state part they name (None: every part, `"blocks"`).
+    parts: dict[str | None, list[tuple[str, str]]] = {None: []}
+    for p, k in spec:
+        part, pattern = p.split(":", 1) if ":" in p else (None, p)
+        parts.setdefault(part, []).append((pattern, k))
     used = {
         part: dict.fromkeys((p for p, _ in ps), False) for part, ps in parts.items()
     }
-    out = []
-    for s in leaves:
-        if s.owner is None:
-            out.append("device")
-            continue
-        best = by_param[s.owner]
-        if s.part in parts and s.owner_path is not None:
-            named = _paths.best_match(
-                s.owner_path, parts[s.part], where, used[s.part], see(17)
-            )
-            if named is not None and (
-                best is None
-                or _paths.specificity(named[0]) >= _paths.specificity(best[0])
-            ):
-                best = named
-        out.append("device" if best is None else best[1])
-    _check_parts(parts, used, leaves, param_leaves, where)
+    paths = [leaf.path for leaf in param_leaves]
+
+    def best(path: str, part: str | None) -> tuple[str, str] | None:
+        return _paths.best_match(path, parts[part], where, used[part], see(17))
+
+    by_param = [best(path, None) for path in paths]
+    _paths.check_used(used.pop(None), paths, where, see(18))
+
+    def kind(s: StateLeaf) -> str:
+        """The kind of the best pattern for `s`'s parameter, or for its part."""
+        if s.owner is None or s.owner_path is None:
+            return "device"
+        found = by_param[s.owner]
+        named = best(s.owner_path, s.part) if s.part in used else None
+        if named is not None and (
+            found is None
+            or _paths.specificity(named[0]) >= _paths.specificity(found[0])
+        ):
+            found = named
+        return "device" if found is None else found[1]
+
+    out = [kind(s) for s in leaves]
+    _check_parts(parts, used, leaves, paths, where)
     return out
 
 
 def _check_parts(
-    parts: dict[str, list[tuple[str, str]]],
-    used: dict[str, dict[str, bool]],
+    parts: dict[str | None, list[tuple[str, str]]],
+    used: dict[str | None, dict[str, bool]],
     leaves: list[StateLeaf],
-    param_leaves: list[_paths.Leaf],
+    paths: list[str],
     where: str,
 ) -> None:
     """Raises a `ValueError` for a state part the state does not have, or a
     part's parameter pattern that matches no parameter."""
     have = list(dict.fromkeys(s.part for s in leaves if s.part is not None))
-    for part in parts:
+    for part in used:
         if part not in have:
             patterns = _paths.quoted(f"{part}:{p}" for p, _ in parts[part])
             raise ValueError(
@@ -96,4 +81,4 @@ def _check_parts(
                 f"{_paths.quoted(have)}." + see(116)
             )
         unused = {f"{part}:{p}": hit for p, hit in used[part].items()}
-        _paths.check_used(unused, [leaf.path for leaf in param_leaves], where, see(18))
+        _paths.check_used(unused, paths, where, see(18))

@@ -3,7 +3,7 @@ parameter-shaped, and which parameter each of them belongs to."""
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.tree_util as jtu
@@ -103,23 +103,16 @@ def check_matches(
             )
 
 
-class StateLeaf:
+class StateLeaf(NamedTuple):
     """An array leaf of an optimizer state: its path, the index of the parameter
     whose parameter-shaped part of the state it is in (`None` for step counts and
     other state) and its path (`None` too), and that part's name (`"mu"` of
     `"[0].mu.blocks.w"`)."""
 
-    def __init__(
-        self,
-        leaf: _paths.Leaf,
-        owner: int | None,
-        owner_path: str | None,
-        part: str | None,
-    ):
-        self.leaf = leaf
-        self.owner = owner
-        self.owner_path = owner_path
-        self.part = part
+    leaf: _paths.Leaf
+    owner: int | None
+    owner_path: str | None
+    part: str | None
 
 
 class _Index:
@@ -147,21 +140,20 @@ def state_leaves(
     )
     owners = [x.i for x in jtu.tree_leaves(mapped) if isinstance(x, _Index)]
     leaves = [leaf for leaf in _paths.leaves(opt_state) if is_arraylike(leaf.value)]
-    out = []
-    for leaf, owner in zip(leaves, owners, strict=True):
-        path = None if owner is None else param_leaves[owner].path
-        part = None if path is None else _part(leaf.path, path)
-        out.append(StateLeaf(leaf, owner, path, part))
-    return out
+    paths = [None if owner is None else param_leaves[owner].path for owner in owners]
+    return [
+        StateLeaf(leaf, owner, path, _part(leaf.path, path))
+        for leaf, owner, path in zip(leaves, owners, paths, strict=True)
+    ]
 
 
 _NAME = re.compile(r"(?:^|\.)([A-Za-z_]\w*)$")
 
 
-def _part(state_path: str, param_path: str) -> str | None:
+def _part(state_path: str, param_path: str | None) -> str | None:
     """The field of the state holding this copy of the parameters: `"nu"` of
-    `"[0].nu.blocks.w"` for parameter `"blocks.w"`."""
-    if not state_path.endswith(param_path):
+    `"[0].nu.blocks.w"` for parameter `"blocks.w"` (None without a parameter)."""
+    if param_path is None or not state_path.endswith(param_path):
         return None
     prefix = state_path[: len(state_path) - len(param_path)].rstrip(".")
     found = _NAME.search(prefix)

@@ -29,12 +29,11 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
 
-from .. import _scopes, _tiling
+from .. import _jaxpr_dataflow as _dataflow, _scopes, _tiling
+from .._jaxpr_dataflow import Flow, NotStreamable, ValueFlow
 from .._memory_kinds import is_host, to_space
-from . import _dataflow
-from ._dataflow import Flow, NotStreamable, ValueFlow
-from ._metrics import METRICS
-from ._piece_loop import Group, Input, Output, scan_pieces, shared_inputs
+from . import _metrics
+from ._piece_loop import Group, Input, Output, scan_pieces
 from ._state_tree import state_owners
 
 
@@ -70,14 +69,9 @@ def update(
     """
     prepared = prepare(optimizer, grads, opt_state, params, stacked, paths, metrics)
     new_params, new_state, extra, _ = execute(prepared, out_kinds)
-    if not metrics:
-        return new_params, new_state, None
-    n = len(jtu.tree_leaves(params))
-    sums = [
-        jnp.sqrt(sum(jnp.sum(x) for x in extra[i * n : (i + 1) * n]))
-        for i in range(len(METRICS))
-    ]
-    return new_params, new_state, dict(zip(METRICS, sums))
+    squares = [jnp.sum(x) for x in extra]
+    norms = _metrics.from_squares(squares, prepared.n_params) if metrics else None
+    return new_params, new_state, norms
 
 
 @dataclasses.dataclass
@@ -107,6 +101,12 @@ class Prepared:
     def n_params(self) -> int:
         return len(self.params)
 
+    def scan(self, key: Any, env: dict, outputs: list[Output]) -> list:
+        """The value of each of `outputs`, computed piece by piece over the group
+        `key` (`_piece_loop.scan_pieces`)."""
+        group = self.groups[key]
+        return scan_pieces(self.dataflow, group, env, outputs, READ_IN_STEP)
+
 
 def prepare(
     optimizer: optax.GradientTransformation,
@@ -121,22 +121,24 @@ def prepare(
     """The update of `update` (same arguments), read for streaming. `waits[i]`,
     if given, names the `Stacked` whose update of trainable leaf `i` waits for
     the next step (`_deferred.py`): its pieces form a group of their own."""
-    p_leaves, p_def = jtu.tree_flatten(params)
-    g_leaves = jtu.tree_leaves(grads)
-    s_leaves, s_def = jtu.tree_flatten(opt_state)
+    # The update's dataflow: traced on whole leaves and on one piece of each. Each
+    # leaf's squares per row are piecewise, computed in the update's loops.
+    squares = _metrics.row_squares if metrics else None
+    apply, leaves, (p_def, s_def) = _metrics.flat_update(
+        optimizer, (grads, opt_state, params), squares
+    )
+    g_leaves, s_leaves, p_leaves = leaves
     owner = state_owners(optimizer, opt_state, params)
-    assert len(owner) == len(s_leaves)
     waiting = [None] * len(p_leaves) if waits is None else waits
     groups: dict[Any, Group] = {}
+    leaf_groups = [
+        _group(p, stacked[i], i, waiting[i], groups) for i, p in enumerate(p_leaves)
+    ]
     inputs: list[Input] = []
 
     def add(value: Any, label: str, leaf: int | None) -> Input:
         """The next input, streamed with trainable leaf `leaf` (if it is cut)."""
-        group = None
-        if leaf is not None:
-            group = _group(p_leaves[leaf], stacked[leaf], leaf, waiting[leaf])
-        if group is not None:
-            group = groups.setdefault(group.key, group)
+        group = None if leaf is None else leaf_groups[leaf]
         x = Input(len(inputs), value, label, None if group is None else group.key)
         inputs.append(x)
         if group is not None:
@@ -147,45 +149,9 @@ def prepare(
     g_in = [add(g, f"{grad}.{p}", i) for i, (g, p) in enumerate(zip(g_leaves, paths))]
     s_in = [
         add(s, state if i is None else f"{state}.{paths[i]}", i)
-        for s, i in zip(s_leaves, owner)
+        for s, i in zip(s_leaves, owner, strict=True)
     ]
     p_in = [add(p, path, i) for i, (p, path) in enumerate(zip(p_leaves, paths))]
-    args = (g_in, s_in, p_in)
-    dataflow = _read_dataflow(optimizer, args, groups, (p_def, s_def), metrics)
-    return Prepared(dataflow, g_in, s_in, p_in, groups, p_def, s_def)
-
-
-def _read_dataflow(
-    optimizer: optax.GradientTransformation,
-    args: tuple[list[Input], list[Input], list[Input]],
-    groups: dict[Any, Group],
-    trees: tuple[Any, Any],
-    metrics: bool,
-) -> _dataflow.Dataflow:
-    """The update's dataflow: traced on whole leaves and on one piece of each.
-    `args` are the gradients, state and parameters; `trees` the treedefs of the
-    parameters and the state."""
-    p_def, s_def = trees
-    inputs = args[0] + args[1] + args[2]
-    n_g, n_s = len(args[0]), len(args[1])
-
-    def apply(*xs: Any) -> list:
-        g, s, p = xs[:n_g], xs[n_g : n_g + n_s], xs[n_g + n_s :]
-        # A gradient sent in the compute dtype, cast here, a piece at a time.
-        g = [
-            gi.astype(pi.dtype) if gi.dtype.itemsize < pi.dtype.itemsize else gi
-            for gi, pi in zip(g, p, strict=True)
-        ]
-        grads = jtu.tree_unflatten(p_def, g)
-        updates, state = optimizer.update(
-            grads, jtu.tree_unflatten(s_def, s), jtu.tree_unflatten(p_def, p)
-        )
-        new = eqx.apply_updates(jtu.tree_unflatten(p_def, p), updates)
-        extra = []
-        if metrics:  # per leaf and row: piecewise, computed in the update's loops
-            for tree in (grads, updates, new):
-                extra += [_row_squares(x) for x in jtu.tree_leaves(tree)]
-        return jtu.tree_leaves(new) + jtu.tree_leaves(state) + extra
 
     def trace(chunked: bool) -> Any:
         avals = []
@@ -208,31 +174,26 @@ def _read_dataflow(
             f"traced on one piece of each leaf, it fails ({type(e).__name__}: {first})"
         ) from e
     flows = [
-        ValueFlow(Flow.SHARED)
-        if x.group is None
-        else ValueFlow(Flow.PIECEWISE, x.group)
+        ValueFlow(Flow.SHARED if x.group is None else Flow.PIECEWISE, x.group)
         for x in inputs
     ]
-    return _dataflow.Dataflow(whole, _dataflow.flatten(traced), flows)
-
-
-def _row_squares(x: Any) -> Any:
-    """The sum of squares of each row of `x` (of `x` itself, for a scalar)."""
-    return jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim)))
+    dataflow = _dataflow.Dataflow(whole, _dataflow.flatten(traced), flows)
+    return Prepared(dataflow, g_in, s_in, p_in, groups, p_def, s_def)
 
 
 def _group(
-    leaf: Any, layers: int | None, index: int, waits: str | None
+    leaf: Any, layers: int | None, index: int, waits: str | None, groups: dict
 ) -> Group | None:
-    """The group of pieces trainable leaf `index` is streamed in (without its
-    inputs), or None. `waits`: the `Stacked` whose update of it waits."""
+    """The group of pieces trainable leaf `index` is streamed in, or None: the
+    one of its key in `groups`, else a new one added there. `waits`: the
+    `Stacked` whose update of it waits."""
     cut = pieces(leaf, layers, index)
     if cut is None:
         return None
     key, count, rows = cut
     if waits is not None and key[0] == "stacked":
         key = ("waits", waits, count)
-    return Group(key, count, rows)
+    return groups.setdefault(key, Group(key, count, rows))
 
 
 def pieces(leaf: Any, layers: int | None, index: int) -> tuple[Any, int, int] | None:
@@ -271,14 +232,14 @@ def execute(
                 value = to_space(value, "device", "") if eqx.is_array(value) else value
                 env[dataflow.whole.ins[x.position]] = value
     _run_globals(prepared, env)
-    _run_shared(dataflow, env, None)
+    dataflow.run_shared(env, None)
 
     # The outputs: the new parameters, the new state, then the metrics' per-row
     # partial sums (on the device).
     outputs = output_list(prepared, out_kinds)
     outs = [_whole_value(out, env) for out in outputs]
     held: dict[Any, list] = {}
-    for key, group in prepared.groups.items():
+    for key in prepared.groups:
         positions = [k for k, out in enumerate(outputs) if out.group == key]
         if not positions:
             continue
@@ -287,7 +248,7 @@ def execute(
             held[key] = [env[w] for w, _ in shared_inputs(dataflow, mine)]
             values = [_unchanged(out) for out in mine]
         else:
-            values = scan_pieces(dataflow, group, env, mine, READ_IN_STEP)
+            values = prepared.scan(key, env, mine)
         for k, value in zip(positions, values):
             outs[k] = value
     n_p, n = prepared.n_params, len(prepared.replaced)
@@ -302,15 +263,12 @@ def _run_globals(prepared: Prepared, env: dict) -> None:
     dataflow = prepared.dataflow
     roots = list(dataflow.roots.values())
     for level in sorted({dataflow.flows[r.out].level for r in roots}):
-        _run_shared(dataflow, env, level - 1)
+        dataflow.run_shared(env, level - 1)
         now = [r for r in roots if dataflow.flows[r.out].level == level]
         for key in dict.fromkeys(r.group for r in now):
             mine = [r for r in now if r.group == key]
             partials = [Output(r.out, r.piece_out) for r in mine]
-            values = scan_pieces(
-                dataflow, prepared.groups[key], env, partials, READ_IN_STEP
-            )
-            for r, value in zip(mine, values):
+            for r, value in zip(mine, prepared.scan(key, env, partials)):
                 env[r.out] = r.combine(value, axis=0)
 
 
@@ -364,10 +322,21 @@ def _in_group(dataflow: _dataflow.Dataflow, out: Output) -> Output:
         raise NotStreamable("a new leaf has the shape of a piece but no pieces")
     overwrite = None
     if source is not None and source.group == key:
-        aval = dataflow.whole.avals[out.whole]
-        if _overwritable(source.value, aval, out.kind):
+        # Written in place into the input it replaces where it has the same shape,
+        # dtype and memory kind.
+        x, aval = source.value, dataflow.whole.avals[out.whole]
+        same = x.shape == aval.shape and x.dtype == aval.dtype
+        if same and ("pinned_host" if is_host(x) else "device") == out.kind:
             overwrite = source.position
     return out._replace(group=key, overwrite=overwrite)
+
+
+def shared_inputs(
+    dataflow: _dataflow.Dataflow, outputs: list[Output]
+) -> list[tuple[Any, Any]]:
+    """The shared and global values that computing `outputs` piece by piece
+    reads: pairs of ids (whole jaxpr, piece jaxpr), in a fixed order."""
+    return dataflow.shared_inputs([o.whole for o in outputs])
 
 
 def waiting_outputs(outputs: list[Output], key: Any) -> list[int]:
@@ -393,33 +362,7 @@ def apply_held(
         positions = waiting_outputs(outputs, key)
         mine = [outputs[k] for k in positions]
         env = dict(zip([w for w, _ in shared_inputs(prepared.dataflow, mine)], values))
-        found = scan_pieces(
-            prepared.dataflow, prepared.groups[key], env, mine, READ_IN_STEP
-        )
-        for k, value in zip(positions, found):
+        for k, value in zip(positions, prepared.scan(key, env, mine)):
             outs[k] = value
     new_params = jtu.tree_unflatten(prepared.p_def, outs[: prepared.n_params])
     return new_params, jtu.tree_unflatten(prepared.s_def, outs[prepared.n_params :])
-
-
-def _overwritable(x: Any, aval: Any, kind: str | None) -> bool:
-    """Whether an output (of abstract value `aval`, going to `kind`) can be written
-    in place into the input `x` it replaces: same shape, dtype and memory kind."""
-    same = x.shape == aval.shape and x.dtype == aval.dtype
-    return same and ("pinned_host" if is_host(x) else "device") == kind
-
-
-def _run_shared(dataflow: _dataflow.Dataflow, env: dict, level: int | None) -> None:
-    """Evaluates (on whole values) every shared or global value whose inputs are
-    known, up to `level` rounds of global reductions (all of them with None)."""
-    whole = dataflow.whole
-    for n, e in enumerate(whole.eqns):
-        if all(o in env for o in e.outs) or n in dataflow.roots:
-            continue
-        flows = [dataflow.flows[o] for o in e.outs]
-        if any(f.flow is Flow.PIECEWISE for f in flows):
-            continue  # computed piece by piece, in the loops
-        if level is not None and any(f.level > level for f in flows):
-            continue
-        if all(r in env for r in e.ins if isinstance(r, int)):
-            _dataflow.run(whole, [n], env)

@@ -1,7 +1,10 @@
 """The check that `filter_offload` runs on a traced function: host-resident
 stacked leaves are used only inside the scans that bring them to the device a layer
 at a time, and the host tables of `Policy(host_tables=...)` only by the functions
-that read them by blocks of rows."""
+that read them by blocks of rows.
+
+An adapter: it walks the function's jaxpr, following each watched value.
+"""
 
 import re
 from typing import Any, NamedTuple
@@ -22,9 +25,8 @@ class Argument(NamedTuple):
     @property
     def name(self) -> str:
         """How messages name it: "argument 0", "argument `mask`"."""
-        if isinstance(self.key, int):
-            return f"argument {self.key}"
-        return f"argument `{self.key}`"
+        key = self.key if isinstance(self.key, int) else f"`{self.key}`"
+        return f"argument {key}"
 
     @property
     def is_model(self) -> bool:
@@ -78,12 +80,6 @@ class _Misuse(NamedTuple):
     primitive: str  # the operation's name; "twice" for a host table read twice
 
 
-def _in_scope(eqn: Any, scope: str) -> bool:
-    """Whether `eqn` was traced under the named scope `scope` (a whole name in its
-    name stack, such as `a/scope/b` or `transpose(jvp(scope))`)."""
-    return scope in re.split(r"[/()]", str(eqn.source_info.name_stack))
-
-
 class _Walk:
     """A walk through one jaxpr after operations that compute on a watched value.
 
@@ -110,9 +106,10 @@ class _Walk:
         return None
 
     def _equation(self, eqn: Any, used: dict[int, _Watched]) -> _Misuse | None:
-        if all(w.host_table for w in used.values()) and _in_scope(
-            eqn, _scopes.VOCAB_BLOCKS
-        ):
+        # The scopes `eqn` was traced under: the whole names in its name stack
+        # (`a/scope/b`, `transpose(jvp(scope))`).
+        scopes = re.split(r"[/()]", str(eqn.source_info.name_stack))
+        if all(w.host_table for w in used.values()) and _scopes.VOCAB_BLOCKS in scopes:
             return self._read_by_blocks(eqn, used)
         if _jaxpr.is_device_put(eqn):
             return _device_put(eqn, used)
@@ -135,7 +132,7 @@ class _Walk:
                 return _Misuse(w, "twice")
             self.consumed.add(eqn.invars[i])
         for out in eqn.outvars:  # the table `embed` hands on
-            if _host_table(out.aval):
+            if is_host_aval(out.aval) and getattr(out.aval, "ndim", 0) == 2:
                 self.watched[out] = next(iter(used.values()))
         return None
 
@@ -180,10 +177,6 @@ def _device_put(eqn: Any, used: dict[int, _Watched]) -> _Misuse | None:
         if not (w.is_slice or whole_ok) or destinations[i] != jax.memory.Space.Device:
             return _Misuse(w, "device_put")
     return None
-
-
-def _host_table(aval: Any) -> bool:
-    return is_host_aval(aval) and getattr(aval, "ndim", 0) == 2
 
 
 def _misuse_error(misuse: _Misuse) -> ValueError:

@@ -19,6 +19,10 @@ in flight together.
 each thunk (`*.thunk_metadata.txt`) and the optimised HLO, also for a program
 compiled without a GPU. None of these texts is a stable interface: checked
 against jax and jaxlib 0.10.2 with its CUDA 12 plugin.
+
+It reads the compiler's text for the tests (`test_gpu_copies.py`), not for the
+library: it was `eqx_offload/_compiler_thunks.py` until nothing in the package
+used it. The HLO it reads is parsed by the package's `_compiler.py`.
 """
 
 import dataclasses
@@ -26,7 +30,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from . import _compiler
+import eqx_offload.internal as eoi
 
 
 Direction = Literal["to device", "to host"]
@@ -66,11 +70,11 @@ class Loop:
     waits: tuple[tuple[int, int], ...] = ()
 
     @property
-    def phase(self) -> _compiler.Phase:
+    def phase(self) -> eoi.Phase:
         """Which part of a train step it runs, by its op_name: "forward",
         "backward", "update", or "outside" (also a loop of none of these, such
         as the micro-batches')."""
-        return _compiler.phase(self.op_name) if self.name else "outside"
+        return eoi.hlo_phase(self.op_name) if self.name else "outside"
 
     def overlapping(self) -> list[tuple[Transfer, Transfer]]:
         """The pairs of its transfers in flight together, each in start order."""
@@ -89,7 +93,7 @@ class Program:
 
     loops: tuple[Loop, ...]
 
-    def phase(self, phase: _compiler.Phase) -> list[Loop]:
+    def phase(self, phase: eoi.Phase) -> list[Loop]:
         """Its loops (or the part outside every loop) of one phase."""
         return [loop for loop in self.loops if loop.phase == phase]
 
@@ -105,7 +109,7 @@ def read(directory: str | Path) -> Program:
     sequences = sequences or sorted(folder.glob("*.thunk_sequence.txt"))
     if len(sequences) != 1:
         raise ValueError(
-            f"`_compiler_thunks.read`: {folder} holds {len(sequences)} XLA:GPU "
+            f"`gpu_thunks.read`: {folder} holds {len(sequences)} XLA:GPU "
             "thunk sequences; compile one program for a GPU target with "
             "`dump_options(directory)`, into an empty directory."
         )
@@ -183,7 +187,7 @@ def _thunk_names(metadata: str) -> dict[int, str]:
 def parse(sequence: str, names: dict[int, str], hlo: str) -> Program:
     """The host transfers of a thunk sequence (its text, the HLO instruction of
     each thunk id, and the optimised HLO's text)."""
-    module = _compiler.parse_hlo(hlo)
+    module = eoi.parse_hlo(hlo)
     insts = {
         name: inst
         for comp in module.computations.values()
@@ -223,7 +227,7 @@ def parse(sequence: str, names: dict[int, str], hlo: str) -> Program:
     return Program(tuple(loops[-1:] + loops[:-1]))  # outside every loop first
 
 
-def _waits(body: _compiler.Computation, starts: list[str]) -> tuple:
+def _waits(body: eoi.Computation, starts: list[str]) -> tuple:
     """The pairs `(i, j)` of `starts` (async starts in `body`) where start `j`
     slices (or writes into) the host array that start `i` wrote."""
     position = {name: k for k, name in enumerate(starts)}
@@ -236,7 +240,7 @@ def _waits(body: _compiler.Computation, starts: list[str]) -> tuple:
     return tuple(sorted(pairs))
 
 
-def _written_by(body: _compiler.Computation, name: str, position: dict) -> int | None:
+def _written_by(body: eoi.Computation, name: str, position: dict) -> int | None:
     """The start (by position) whose done gives the array `name`, through tuples
     (an `optimization_barrier` becomes one), or None."""
     while (inst := body.insts.get(name)) is not None:
@@ -264,17 +268,17 @@ def _flat(thunks: list[_Thunk]) -> list[_Thunk]:
 
 
 def _transfer(
-    start: _Thunk, names: dict[int, str], insts: dict[str, _compiler.Instruction]
+    start: _Thunk, names: dict[int, str], insts: dict[str, eoi.Instruction]
 ) -> Transfer | None:
     """The host transfer an `AsyncStart` thunk starts, or None for other work."""
     inst = insts.get(names.get(start.id, ""))
     if inst is None or start.stream is None:
         return None
-    parts = _compiler.tuple_elements(inst.shape)
+    parts = eoi.tuple_elements(inst.shape)
     if inst.opcode == "copy-start":  # (destination, source, context)
         into, operands = parts[0], parts[1:2]
     elif inst.opcode == "async-start":  # ((operands...), result, context)
-        into, operands = parts[1], _compiler.tuple_elements(parts[0])
+        into, operands = parts[1], eoi.tuple_elements(parts[0])
     else:
         return None
     on_host = [_on_host(shape) for shape in operands if not _scalar(shape)]
@@ -295,9 +299,9 @@ def _transfer(
 
 
 def _on_host(shape: str) -> bool:
-    return any(a.host for a in _compiler.arrays(shape))
+    return any(a.host for a in eoi.hlo_arrays(shape))
 
 
 def _scalar(shape: str) -> bool:
-    found = _compiler.array_type(shape)
+    found = eoi.array_type(shape)
     return found is not None and not found[1]
