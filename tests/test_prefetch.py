@@ -33,22 +33,19 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 from _compiles import compiles  # noqa: E402
 
 
-_PREFETCH = eoi.scan_body._prefetch  # (the module of the prefetching scans)
-
-
 @contextlib.contextmanager
 def prefetching_scans() -> Iterator[list[bool]]:
     """One entry per prefetching scan traced inside (`_prefetch._scan`, its
     forward and backward scans together), True where it also applies a pending
     update. A `Stacked` that runs the plain scan instead adds none."""
     found: list[bool] = []
-    original = _PREFETCH._scan
+    original = eoi.prefetch_scan
 
-    def spy(meta, *args):
-        found.append(meta.pending is not None)
-        return original(meta, *args)
+    def spy(args, how):
+        found.append(how.pending is not None)
+        return original(args, how)
 
-    with mock.patch.object(_PREFETCH, "_scan", spy):
+    with mock.patch("eqx_offload._prefetch._scan", spy):
         yield found
 
 
@@ -291,10 +288,10 @@ def _gpu_loop_orders(width: int, depth: int, policy: eo.Policy) -> dict[str, str
     tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
     with compiles(GPU_OPTIONS) as texts:
         eo.memory_report(step, model, opt_state, tokens, tokens, target="gpu-h100")
-    module = eoi.compiler.parse_hlo(texts[-1])
+    module = eoi.parse_hlo(texts[-1])
     orders = {
-        name: eoi.hlo_program.order(events)
-        for name, events in eoi.hlo_program.loop_schedules(module).items()
+        name: eoi.hlo_program_order(events)
+        for name, events in eoi.loop_schedules(module).items()
     }
     return {k: o for k, o in orders.items() if "S" in o}
 
