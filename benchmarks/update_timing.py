@@ -1,12 +1,12 @@
 """When the stacked layers' update runs (`Policy(update_timing=...)`) on the
 Llama-3.2-1B-shaped model of `llama.py` (fp32 master, AdamW, chunked loss, 8
 sequences of 1024 tokens): `offload_all` updating at the end of the step
-(`"now"`), in the next step's forward scan (`"next_forward"`, the same numbers)
-and one step late (`"delayed"`, DeepSpeed's DPU), on one H100 (at XLA:GPU's
-default async copy limit and at 16) and one v5e chip, with `remat`'s step for
-scale. Per row: the step, the exposed link time by part of the step
-(`StepTime.exposed_seconds_by_phase`), the bytes each way, host compute (copies
-the compiler adds) and the device footprint.
+(`"now"`) and in the next step's forward scan (`"next_forward"`, experimental,
+the same numbers), on one H100 (at XLA:GPU's default async copy limit and at 16)
+and one v5e chip, with `remat`'s step for scale. (The rows of `"delayed"`,
+removed, are gone from the results.) Per row: the step, the exposed link time by
+part of the step (`StepTime.exposed_seconds_by_phase`), the bytes each way, host
+compute (copies the compiler adds) and the device footprint.
 
     python benchmarks/update_timing.py [--targets gpu-h100 tpu-v5e] [--json FILE]
 
@@ -61,7 +61,7 @@ def main() -> None:
         if target.startswith("gpu"):
             settings.append({ASYNC_LIMIT: 16})
         for options in settings:
-            for timing in ("now", "next_forward", "delayed"):
+            for timing in ("now", "next_forward"):
                 rows.append(row(target, "offload_all", timing, options))
                 print(rows[-1], flush=True)
     keys = list(max(rows, key=len))

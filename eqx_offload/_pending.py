@@ -1,7 +1,7 @@
 """A pending update applied by the forward scan (`Policy(update_timing=...)`).
 
-This is what `train_step` hands a `Stacked`'s scan, and the record that each was
-applied.
+This is what `train_step` hands a `Stacked`'s scan, the record that each was
+applied, and the mark of a `Stacked` one update behind.
 
 While its loss runs, the step sets the update each `Stacked` still owes its layers
 (`Layers`, by path). The configured scan takes it (`take`). It applies it a layer at
@@ -12,17 +12,20 @@ that the user wrote.
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+import dataclasses
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, NamedTuple
 
 import equinox as eqx
+import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from . import _paths
 from ._errors import see
 
 
 class PendingUpdate(eqx.Module):
-    """The optimizer state under `Policy(update_timing="next_forward")` or `"delayed"`.
+    """The optimizer state under `Policy(update_timing="next_forward")`.
 
     It holds the optimizer's own state. It also holds the stacked layers' update,
     kept over to the next step.
@@ -47,9 +50,7 @@ def structure(state: Any) -> Any:
 
     Whether an update waits is a static field.
     """
-    if isinstance(state, PendingUpdate):
-        return PendingUpdate(state.inner, state.grads, state.held, False)
-    return state
+    return ready_as(state, False)
 
 
 def steady(state: Any) -> Any:
@@ -58,22 +59,84 @@ def steady(state: Any) -> Any:
     Under `Policy(update_timing=...)` it has an update pending. `init_opt_state`
     gives one with none. Its first step applies nothing: a program of its own.
     """
-    if isinstance(state, PendingUpdate) and not state.ready:
-        return PendingUpdate(state.inner, state.grads, state.held, True)
+    return ready_as(state, True)
+
+
+def ready_as(state: Any, ready: bool) -> Any:
+    """A `PendingUpdate` `state` with its static `ready` flag set (else `state`)."""
+    if isinstance(state, PendingUpdate):
+        return dataclasses.replace(state, ready=ready)
     return state
 
 
-def check_ready(state: Any, where: str) -> None:
-    """Raises if `state` holds an update still waiting."""
+def check_ready(where: str, state: Any = None, model: Any = None) -> None:
+    """Raises if `state` holds an update still waiting, or `model` is marked as
+    one update behind."""
     if isinstance(state, PendingUpdate) and state.ready:
-        raise ValueError(
-            f"{where}: `opt_state` holds a pending update. Call "
-            "`eqx_offload.apply_pending` first." + see(_PENDING_ENTRIES.get(where, 133))
-        )
+        what = "`opt_state` holds a pending update"
+    elif marked(model):
+        what = f"the model's {_paths.quoted(marked(model))} is one update behind"
+    else:
+        return
+    raise ValueError(
+        f"{where}: {what}. Call `eqx_offload.apply_pending(model, opt_state, "
+        "optimizer, policy)` first." + see(_PENDING_ENTRIES.get(where, 148))
+    )
 
 
 # The catalogue's entry for each caller's refusal (`docs/errors.md`).
-_PENDING_ENTRIES = {"`verify`": 133, "`save(opt_state=...)`": 134}
+_PENDING_ENTRIES = {"`verify`": 133, "`save`": 134}
+
+
+def _is_stack(x: Any) -> bool:
+    return isinstance(x, _paths.AbstractLayerStack)
+
+
+def marked(model: Any) -> list[str]:
+    """The paths of the `Stacked`s of `model` marked as one update behind: those
+    whose update the step that returned them left pending."""
+    stacks = jtu.tree_flatten_with_path(model, is_leaf=_is_stack)[0]
+    return [
+        _paths.join("", keys)
+        for keys, x in stacks
+        if _is_stack(x) and getattr(x, "pending", False)
+    ]
+
+
+def mark(model: Any, paths: Collection[str]) -> Any:
+    """`model` with the `Stacked`s at `paths` marked, and the others not."""
+
+    def set_mark(keys: Any, x: Any) -> Any:
+        pending = _paths.join("", keys) in paths
+        if not _is_stack(x) or getattr(x, "pending", False) == pending:
+            return x
+        return dataclasses.replace(x, pending=pending)
+
+    return jtu.tree_map_with_path(set_mark, model, is_leaf=_is_stack)
+
+
+def refuse(path: str) -> None:
+    """Raises for the marked `Stacked` at `path`, run outside the step that owes
+    it its update. (That step runs it unmarked: `unmarked`.)"""
+    raise ValueError(
+        f"`{path}` is one optimizer update behind: the "
+        "`Policy(update_timing='next_forward')` step that returned it left its "
+        "update pending. Call `eqx_offload.apply_pending(model, opt_state, "
+        "optimizer, policy)` before running it outside the step." + see(148)
+    )
+
+
+def unmarked(model: Any, state: Any, where: str) -> Any:
+    """`model` without its marks, for the step that applies the update `state`
+    holds. Raises if `model` is marked and `state` holds none (a fresh state)."""
+    paths = marked(model)
+    if paths and not (isinstance(state, PendingUpdate) and state.ready):
+        raise ValueError(
+            f"{where}: the model's {_paths.quoted(paths)} is one update behind, but "
+            "`opt_state` holds no pending update. Pass the state the step "
+            "returned, or `eqx_offload.apply_pending` both first." + see(148)
+        )
+    return mark(model, ())
 
 
 class Layers(NamedTuple):
@@ -84,19 +147,16 @@ class Layers(NamedTuple):
         slice of `aux` and `held` to its new slice.
     - `aux`: `(params, grads, state)`. These are the stacked arrays of the leaves at
         `paths`, their waiting gradients and their optimizer state. The forward
-        scan writes the new slices in place, into the slots `writes` marks. The new
-        parameters go over the old ones. Under `"delayed"` the layers compute with
-        the old ones, so they go over the gradients. The layers compute with the
-        parameters slot. The arrays at the end are the cotangent of `aux`.
+        scan writes the new parameters and state over the old, in place, and the
+        layers compute with the new. The arrays at the end are the cotangent of
+        `aux`.
     - `held`: the values computed from the whole tree the update reads.
-    - `writes`: which of the three slots of `aux` the update writes.
     """
 
     paths: tuple[str, ...]
     update: Callable[[Any, Any], Any]
     aux: Any
     held: Any
-    writes: tuple[bool, bool, bool]
 
 
 class Record(NamedTuple):

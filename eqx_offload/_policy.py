@@ -5,35 +5,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NoReturn
 
 import equinox as eqx
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 from jax.typing import DTypeLike
 
-from . import _paths
+from . import _paths, _policy_args as _args
 from ._errors import see
 from ._layout import check_batch, check_rules, FSDP, Rules
 from ._memory_kinds import check_kind, MemoryKind, ParamsSpec
-from ._warn import warn_at_caller
-
-
-def _name_patterns(value: Any, argument: str) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = (value,)
-    if not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
-        paths = argument in ("keep_dtype", "host_tables")
-        what = "leaf-path patterns" if paths else "checkpoint names"
-        raise TypeError(
-            f"`Policy({argument}=...)` must be a sequence of {what} (strings), got "
-            f"{value!r}." + see(20)
-        )
-    for name in value:
-        if not name or name != name.strip():
-            raise ValueError(
-                f"`Policy({argument}=...)` contains {name!r}. Names are non-empty, "
-                "without surrounding spaces."
-            )
-    return tuple(value)
 
 
 def _params(value: Any, argument: str = "params") -> ParamsSpec:
@@ -80,21 +59,6 @@ def _check_part_key(pattern: str, argument: str) -> None:
         )
 
 
-def _compute_dtype(value: Any) -> np.dtype | None:
-    if value is None:
-        return None
-    try:
-        dtype = np.dtype(value)
-    except TypeError:
-        dtype = None
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(
-            f"`Policy(compute_dtype={value!r})` must be a floating-point dtype such "
-            "as `jnp.bfloat16`, or None." + see(89)
-        )
-    return dtype
-
-
 class Policy(eqx.Module):
     """Where parameters, saved activations ("residuals") and optimizer state live.
 
@@ -132,7 +96,7 @@ class Policy(eqx.Module):
     loss_axes: Literal["auto", "explicit"] = eqx.field(static=True)
     host_remat: bool = eqx.field(static=True)
     prefetch: int = eqx.field(static=True)
-    update_timing: Literal["now", "next_forward", "delayed"] = eqx.field(static=True)
+    update_timing: Literal["now", "next_forward"] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -155,7 +119,7 @@ class Policy(eqx.Module):
         loss_axes: Literal["auto", "explicit"] = "auto",
         host_remat: bool = False,
         prefetch: int = 0,
-        update_timing: Literal["now", "next_forward", "delayed"] = "now",
+        update_timing: Literal["now", "next_forward"] = "now",
         **renamed: Any,
     ):
         """**Arguments:**
@@ -196,14 +160,13 @@ class Policy(eqx.Module):
             whole-tree update. An update that cannot be split that way is an error
             naming the operation.
             `"whole"`: everything is brought to the device at once (more device memory).
-            `"host"`: the host's CPU updates the host-resident parameters and state
-            inside the step (JAX's host compute). The device sends each gradient once.
-            It receives only the parameters it computes with. No optimizer state crosses
-            the host link. Parameters whose state stays on the device are updated there.
-            The exception is an update that ties them to host-resident values (a
-            global-norm clip). It needs optimizer state on the host. An optimizer the
-            host cannot run (a loop, a callback) is an error naming the optax code.
-            `eo.plan` picks it where the estimate says it is faster.
+            `"host"` (**experimental**, `ExperimentalWarning`): the host's CPU updates
+            the host-resident parameters and state inside the step (JAX's host
+            compute). The device sends each gradient once and receives only the
+            parameters it computes with. Measured on an H200 it is 2.75x slower than
+            `"streamed"`, with 1.8x the host memory (docs/benchmarks/host-update.md).
+            It needs optimizer state on the host. An optimizer the host cannot run
+            (a loop, a callback) is an error naming the optax code.
         - `shard`: how parameter leaves are laid out over the device mesh. It names mesh
             axes only. The mesh comes from `jax.set_mesh`, the arrays, or `place(...,
             mesh=...)`. `None`: no opinion, so leaves keep their sharding. A mapping:
@@ -267,38 +230,37 @@ class Policy(eqx.Module):
             pass it: give the option to its `jax.jit`. Try it on small programs first.
             It can abort the compiling process (design notes, "What the TPU compiler
             cannot stream").
-        - `prefetch`: how many layers ahead a `Stacked`'s scan reads its layers. `0`
-            (the default): each layer is read where the scan reaches it. A plain
-            `jax.lax.scan` does the same. `1`: while layer `i` computes, the forward
-            pass reads layer `i + 1`'s parameters. The backward pass reads layer `i -
-            1`'s parameters and offloaded residuals. So the compiler can hide the host
-            link behind compute. The cost is one more layer on the device, and one more
-            layer read per step. It applies to a `Stacked` whose parameters live on the
-            host or whose residuals are offloaded. Elsewhere the scan is plain. It does
-            not apply yet under a mesh with `Explicit` axes. Under forward-mode
-            differentiation (`jax.jvp`) the scan is always plain. (A prefetching scan is
-            a `jax.custom_vjp`.) `jax.linearize` of a prefetching step cannot be
-            evaluated: use `prefetch=0` there.
-        - `update_timing`: when `train_step` applies the optimizer update of the stacked
-            layers' parameters and state. `"now"` (the default): at the end of the step
-            that computed the gradients. `"next_forward"`: in the next step, inside the
-            forward scan. Each layer is updated just before it computes. The update's
-            reads and writes can then overlap the layers' compute. The numbers are those
-            of `"now"`. Between steps the model and state hold that update *pending*.
-            Apply it with `eqx_offload.apply_pending` before reading the model. (`save`
-            and `verify` refuse a pending update and say so.) `"delayed"`: DeepSpeed's
-            delayed parameter update. Each step's layers compute with their weights
-            before the previous step's update. That update is applied alongside. Their
-            gradients are one step stale (docs: "The update hidden too"). Both apply to
-            the stacked leaves updated a layer at a time. Those are the leaves with two
-            or more axes per layer: the weights. The rest of the model is updated at the
-            end of every step, per-layer vectors (biases, norms) too. Both need the
-            streamed update (`update="auto"` or `"streamed"`).
+        - `prefetch` (**experimental**, `ExperimentalWarning`): how many layers
+            ahead a `Stacked`'s scan reads its layers. `0` (the default): each layer
+            is read where the scan reaches it, as `jax.lax.scan` does. `1`: while
+            layer `i` computes, the forward pass reads layer `i + 1`'s parameters (the
+            backward pass layer `i - 1`'s, and its offloaded residuals). It costs one
+            more layer on the device. Measured on an H200 it gained nothing (173.6 ms
+            against 173.3 ms; docs/benchmarks/prefetch.md). It applies to a
+            `Stacked` whose parameters live on the host or whose residuals are
+            offloaded. Under `Explicit` mesh axes and under `jax.jvp` the scan is
+            plain. `jax.linearize` of a prefetching step cannot be evaluated.
+        - `update_timing`: when `train_step` applies the optimizer update of the
+            stacked layers' weights (their leaves with two or more axes per layer).
+            `"now"` (the default): at the end of the step that computed the
+            gradients. `"next_forward"` (**experimental**, `ExperimentalWarning`): in
+            the next step, inside the forward scan, each layer just before it
+            computes, so the update can overlap the compute. The numbers are those of
+            `"now"`. Measured on an H200 it is 0.9% (0.2B) to 3.3% (0.9B) faster
+            (docs/benchmarks/update-timing.md). Between steps the update is
+            *pending*: the returned model's `Stacked`s are marked, and refuse to run
+            (and `save`, `state_dict` refuse them) until
+            `eqx_offload.apply_pending`. With micro-batches, `compute_dtype` or
+            `Explicit` axes, the step applies the update before the loss, hiding
+            nothing (a warning says so). It needs the streamed update. (`"delayed"`
+            was removed.)
         """
-        _check_renamed(renamed)
+        for name in renamed:
+            unknown = f"`Policy` got an unexpected keyword argument {name!r}."
+            raise TypeError(_args.RENAMED.get(name, unknown))
         self.params = _params(params)
-        self.save = "all" if save == "all" else _name_patterns(save, "save")
-        self.offload = _name_patterns(offload, "offload")
+        self.save = "all" if save == "all" else _args.name_patterns(save, "save")
+        self.offload = _args.name_patterns(offload, "offload")
         self.offload_dst = offload_dst
         opt = _params(opt_state, "opt_state")
         if opt is None:
@@ -310,9 +272,9 @@ class Policy(eqx.Module):
         self.update = update
         self.shard = check_rules(shard)
         self.batch = check_batch(batch)
-        self.compute_dtype = _compute_dtype(compute_dtype)
-        self.keep_dtype = _name_patterns(keep_dtype, "keep_dtype")
-        self.host_tables = _name_patterns(host_tables, "host_tables")
+        self.compute_dtype = _args.check_compute_dtype(compute_dtype)
+        self.keep_dtype = _args.name_patterns(keep_dtype, "keep_dtype")
+        self.host_tables = _args.name_patterns(host_tables, "host_tables")
         self.loss_axes = loss_axes
         if not isinstance(host_remat, bool):
             raise TypeError(f"`Policy(host_remat={host_remat!r})`: give True or False.")
@@ -332,8 +294,10 @@ class Policy(eqx.Module):
                 f"`Policy(offload_dst={self.offload_dst!r})`: residuals can only be "
                 "offloaded to 'pinned_host'. Use `save=` to keep them." + see(22)
             )
-        _check_choice("update", self.update)
-        if self.update == "host" and _state_kinds(self.opt_state) <= {"device"}:
+        _args.check_choice("update", self.update)
+        state = self.opt_state
+        kinds = {state} if isinstance(state, str) else {k for _, k in state}
+        if self.update == "host" and kinds <= {"device"}:
             raise ValueError(
                 "`Policy(update='host')` needs optimizer state on the host, but "
                 "`opt_state` keeps it on the device. Give `opt_state='pinned_host'`."
@@ -344,19 +308,29 @@ class Policy(eqx.Module):
                 f"`Policy(prefetch={self.prefetch!r})`: valid values are 0 and 1 "
                 "(read one layer ahead)." + see(131)
             )
-        _check_choice("update_timing", self.update_timing)
+        if self.update_timing == "delayed":
+            raise ValueError(
+                "`Policy(update_timing='delayed')` was removed: its one-step-stale "
+                "gradients bought no speed (estimated slower than `'now'`). Use "
+                "`update_timing='now'` (the default), or the experimental "
+                "`'next_forward'`." + see(147)
+            )
+        _args.check_choice("update_timing", self.update_timing)
         if self.update_timing != "now" and self.update not in ("auto", "streamed"):
             raise ValueError(
                 f"`Policy(update_timing={self.update_timing!r})` updates a layer at "
                 f"a time, which `update={self.update!r}` cannot. Use "
                 "`update='streamed'`." + see(136)
             )
-        _check_choice("loss_axes", self.loss_axes)
-        _check_save_and_offload(self.save, self.offload)
+        _args.check_choice("loss_axes", self.loss_axes)
+        _args.check_save_and_offload(self.save, self.offload)
+        for (field, value), message in _args.EXPERIMENTAL.items():
+            if getattr(self, field) == value:
+                _args.warn_once(message)
 
     @property
     def stream(self) -> NoReturn:
-        raise AttributeError(_RENAMED["stream"])
+        raise AttributeError(_args.RENAMED["stream"])
 
     @classmethod
     def none(cls, **overrides: Any) -> "Policy":
@@ -384,8 +358,8 @@ class Policy(eqx.Module):
         the layer is recomputed. Device memory for activations no longer grows with
         depth.
         """
-        _check_replaced("offload_residuals", overrides)
-        return cls(**{"offload": _LAYER_INPUTS, **overrides})
+        _args.check_replaced("offload_residuals", overrides)
+        return cls(**{"offload": _args.LAYER_INPUTS, **overrides})
 
     @classmethod
     def offload_all(cls, **overrides: Any) -> "Policy":
@@ -395,75 +369,22 @@ class Policy(eqx.Module):
         memory between steps. Each stacked layer's parameters are brought to the device
         inside the scan, one layer at a time.
         """
-        _check_replaced("offload_all", overrides)
+        _args.check_replaced("offload_all", overrides)
         return cls(
             **{
                 "params": "pinned_host",
-                "offload": _LAYER_INPUTS,
+                "offload": _args.LAYER_INPUTS,
                 "opt_state": "pinned_host",
                 **overrides,
             }
         )
 
 
-# The old keywords of `Policy(...)`: the message naming the new one.
-_RENAMED = {
-    "stream": "`Policy(stream=...)` is now `Policy(host_tables=...)`. Rename the "
-    "keyword (the attribute too: `policy.host_tables`)." + see(140),
-}
-# The valid values of each mode option, with the entry of its error.
-_CHOICES = {
-    "update": (("auto", "streamed", "whole", "host"), 23),
-    "update_timing": (("now", "next_forward", "delayed"), 135),
-    "loss_axes": (("auto", "explicit"), 26),
-}
-
-
-def _check_renamed(renamed: dict[str, Any]) -> None:
-    for name in renamed:
-        if name in _RENAMED:
-            raise TypeError(_RENAMED[name])
-        raise TypeError(f"`Policy` got an unexpected keyword argument {name!r}.")
-
-
-def _check_choice(name: str, value: Any) -> None:
-    valid, number = _CHOICES[name]
-    if value not in valid:
-        *rest, last = map(repr, valid)
-        raise ValueError(
-            f"`Policy({name}={value!r})`: valid values are {', '.join(rest)} and "
-            f"{last}." + see(number)
-        )
-
-
-def _state_kinds(opt_state: str | tuple[tuple[str, str], ...]) -> set[str]:
-    if isinstance(opt_state, str):
-        return {opt_state}
-    return {kind for _, kind in opt_state}
-
-
-def _check_save_and_offload(
-    save: Literal["all"] | tuple[str, ...], offload: tuple[str, ...]
-) -> None:
-    if save == "all":
-        if offload:
-            raise ValueError(
-                f"`Policy(save='all')` keeps every residual, so `offload={offload!r}` "
-                "never applies. Drop `offload`." + see(21)
-            )
-        return
-    both = [n for n in save if _paths.is_literal(n) and n in offload]
-    if both:
-        raise ValueError(
-            f"`Policy`: {_paths.quoted(both)} is in both `save` and `offload`. Keep "
-            "it in one." + see(21)
-        )
-
-
 def replace(policy: Policy, **changes: Any) -> Policy:
     """`policy` with some fields changed, as `dataclasses.replace` would give it.
 
-    Its patterns are given back to `Policy(...)` as the mappings it takes.
+    Its patterns are given back to `Policy(...)` as the mappings it takes (its
+    annotations, checked by beartype in the tests, take no pairs).
     """
     fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
     for name in ("params", "opt_state", "shard"):
@@ -497,33 +418,6 @@ def split_names(policy: Policy, names: Sequence[str]) -> tuple[list[str], list[s
         elif o:
             to_offload.append(name)
     return to_save, to_offload
-
-
-_LAYER_INPUTS = ("**.input",)
-
-
-def _check_replaced(preset: str, overrides: dict[str, Any]) -> None:
-    """Warns when `offload=` replaces a preset's `("**.input",)` without keeping it.
-
-    The preset then no longer offloads the carry entering each layer. That is easy to
-    miss.
-    """
-    given = overrides.get("offload", _LAYER_INPUTS)
-    given = (given,) if isinstance(given, str) else given
-    if isinstance(given, Sequence) and _LAYER_INPUTS[0] not in given:
-        names = tuple(given)
-        written = {
-            "offload_all": "Policy(params='pinned_host', opt_state='pinned_host', "
-            f"offload={names!r})",
-            "offload_residuals": f"Policy(offload={names!r})",
-        }[preset]
-        warn_at_caller(
-            f"`Policy.{preset}(offload={names!r})` replaces the preset's "
-            f"`offload={_LAYER_INPUTS!r}`: the carry entering each layer "
-            "('<path>.input') is no longer offloaded but kept on the device. To "
-            f"offload both, write `offload=({_LAYER_INPUTS[0]!r}, ...)`; to "
-            f"offload only these names, write the policy out: `{written}`." + see(25)
-        )
 
 
 PRESETS = ("none", "remat", "offload_residuals", "offload_all")

@@ -146,9 +146,10 @@ def save(
 
     - `path`: the checkpoint directory; created if missing.
     - `model`: the model, wherever its leaves live.
-    - `opt_state`: its optimizer state. Under `Policy(update_timing=...)`, first apply
-        the update the last step left pending (`eqx_offload.apply_pending`). Until then
-        the model's stacked layers are one update behind.
+    - `opt_state`: its optimizer state. Under `Policy(update_timing="next_forward")`,
+        first apply the update the last step left pending
+        (`eqx_offload.apply_pending`). Until then the model's stacked layers are one
+        update behind, and `save` refuses them.
     - `step`: the step number (an `int` >= 0), usually the number of steps trained. It
         must not be saved already.
     - `extra`: your own state, restored by `load(..., extra=template)`. A pytree of
@@ -168,7 +169,7 @@ def save(
     **Raises:**
 
     - `ValueError` if `step` is negative, already saved or below the latest saved step.
-        Also if `keep` < 1, or if `opt_state` holds a pending update.
+        Also if `keep` < 1, or if an update is pending (in `opt_state` or the model).
     - `TypeError` for an abstract leaf (a `jax.ShapeDtypeStruct`). Also for a leaf of
         `extra` that is neither an array nor a scalar.
 
@@ -186,7 +187,7 @@ def save(
     """
     directory = _orbax.directory(path, "`save(path=...)`")
     # The parameters of a model one update behind would be saved as its own.
-    check_ready(opt_state, "`save(opt_state=...)`")
+    check_ready("`save`", opt_state, model)
     if not isinstance(step, int | np.integer) or isinstance(step, bool) or step < 0:
         raise ValueError(
             f"`save(step=...)` must be an int >= 0, got {step!r}." + see(60)
@@ -251,7 +252,8 @@ def _save_args(
                     "`jax.ShapeDtypeStruct`). Save concrete arrays." + see(59)
                 )
             if eqx.is_array(x):
-                impl = _key_impl(x)
+                # A PRNG key array: its key data, and its implementation's name.
+                impl = str(jax.random.key_impl(x)) if _orbax.is_key(x) else None
                 data = x if impl is None else jax.random.key_data(x)
                 if not wait:
                     data = _snapshot(data)
@@ -284,14 +286,6 @@ def wait_for(directory: str) -> None:
     saving = _pending.get(directory)
     if saving is not None:
         saving.wait()
-
-
-def _key_impl(x: Any) -> str | None:
-    """The PRNG implementation of a key array, else None."""
-    if not _orbax.is_key(x):
-        return None
-    impl = jax.random.key_impl(x)
-    return impl if isinstance(impl, str) else str(impl)
 
 
 def _snapshot(x: Any) -> Any:

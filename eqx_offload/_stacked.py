@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
-from . import _checkpoint_name_log, _layout, _paths, _tiling
+from . import _checkpoint_name_log, _layout, _paths, _pending, _tiling
 from ._errors import see
 from ._memory_kinds import is_arraylike, is_host
 from ._warn import warn_at_caller
@@ -93,17 +93,29 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
     """
 
     layers: _Layer
+    pending: bool = eqx.field(static=True, repr=False)
     _scan: "AbstractScan | None" = eqx.field(static=True, repr=False)
 
-    def __init__(self, layers: _Layer, *, _scan: "AbstractScan | None" = None):
+    def __init__(
+        self,
+        layers: _Layer,
+        *,
+        pending: bool = False,
+        _scan: "AbstractScan | None" = None,
+    ):
         """**Arguments:**
 
         - `layers`: one layer whose array leaves all have the same leading (layer)
             axis. Usually built with `Stacked.from_fn` or `Stacked.from_layers`.
+        - `pending`: set by a `Policy(update_timing="next_forward")` step on the
+            `Stacked`s whose update it left pending, cleared by
+            `eqx_offload.apply_pending`. Such a `Stacked` refuses to run. (The step
+            that applies its update runs it unmarked.)
 
         `_scan` is private: the configuration `filter_offload` gives its view.
         """
         self.layers = layers
+        self.pending = pending
         self._scan = _scan
 
     def __check_init__(self):
@@ -214,9 +226,8 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
                 )
             if self._scan is not None:
                 self._scan.check_slice(self.layers, how)
-            return Stacked(
-                map_arrays(lambda x: x[index], self.layers), _scan=self._scan
-            )
+            layers = map_arrays(lambda x: x[index], self.layers)
+            return Stacked(layers, pending=self.pending, _scan=self._scan)
         return self._layer(index, f"`{self._where()}[{index}]`")
 
     def __iter__(self) -> Iterator[_Layer]:
@@ -295,20 +306,26 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
 
         `(carry, ys)`: the final carry and the stacked `y`s.
         """
+        if self.pending:  # its weights are one update behind (`train_step` unmarks)
+            _pending.refuse(self._where())
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
         dynamic = jtu.tree_map(whole_to_device, dynamic)
         if self._scan is not None:
             return self._scan.scan(f, carry, dynamic, static, xs, len(self))
-        elif _checkpoint_name_log.is_inside():
+        if _checkpoint_name_log.is_inside():
             raise ValueError(
                 "A `Stacked` inside a `filter_offload` function is not configured: "
                 "it was closed over, or rebuilt inside the function. "
                 + _PASS_THE_MODEL
                 + see(31)
             )
-        else:
-            _warn_host_outside(self.layers)
-            body = _plain_body(f, static)
+        _warn_host_outside(self.layers)
+
+        def body(carry: Any, inputs: Any) -> Any:
+            layer_arrays, x = inputs
+            new, y = f(eqx.combine(to_device(layer_arrays), static), carry, x)
+            return keep_carry_sharding(new, carry), y
+
         return jax.lax.scan(body, carry, (dynamic, xs), length=len(self))
 
 
@@ -463,12 +480,3 @@ def keep_carry_sharding(new: Any, old: Any) -> Any:
         return n if same else jax.sharding.reshard(n, want)
 
     return jtu.tree_map(reshard, new, old)
-
-
-def _plain_body(f: Callable, static: Any) -> Callable:
-    def body(carry: Any, inputs: Any) -> Any:
-        layer_arrays, x = inputs
-        new, y = f(eqx.combine(to_device(layer_arrays), static), carry, x)
-        return keep_carry_sharding(new, carry), y
-
-    return body

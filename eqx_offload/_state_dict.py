@@ -38,6 +38,7 @@ from jaxtyping import Array, PyTree
 from . import _layout, _paths, _tiling
 from ._errors import see
 from ._memory_kinds import is_arraylike, is_host, kind_of, to_space
+from ._pending import check_ready
 
 
 _LOAD = "`eqx_offload.load_state_dict`"
@@ -235,10 +236,9 @@ def state_dict(model: PyTree) -> dict[str, Array]:
     **Arguments:**
 
     - `model`: any pytree of arrays, usually an Equinox model holding `Stacked` layers.
-        Leaves that are not arrays are left out. Under `Policy(update_timing=...)` a
-        step returns the stacked layers one update behind. The optimizer state holds the
-        rest. Pass the model through `eqx_offload.apply_pending` first, or its weights
-        are stale.
+        Leaves that are not arrays are left out. A model whose update a step left
+        pending (`Policy(update_timing="next_forward")`) is refused: pass it through
+        `eqx_offload.apply_pending` first.
 
     **Returns:**
 
@@ -253,6 +253,7 @@ def state_dict(model: PyTree) -> dict[str, Array]:
         model = eo.load_state_dict(model, weights)
         ```
     """
+    check_ready("`eqx_offload.state_dict`", model=model)
     entries = _entries(model, "`eqx_offload.state_dict`")
     arrays: dict[str, Any] = {}
     for entry in entries:
@@ -443,54 +444,43 @@ def load_state_dict(
 def _check_keys(
     expected: dict[str, _Entry], state_dict: Mapping[str, Any], strict: bool
 ) -> None:
-    """Raises naming the missing and unexpected keys.
-
-    It names any of them if `strict`. Otherwise it names the missing keys of abstract
-    leaves, which have no arrays to keep.
-    """
+    """Raises naming the missing and unexpected keys (with `strict`; else only the
+    missing keys of abstract leaves, which have no arrays to keep)."""
     missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    abstract_missing = [k for k in missing if not eqx.is_array(expected[k].value)]
-    if not ((strict and (missing or unexpected)) or abstract_missing):
+    unexpected = [k for k in state_dict if k not in expected] if strict else []
+    abstract = any(not eqx.is_array(expected[k].value) for k in missing)
+    if not ((strict and missing) or unexpected or abstract):
         return
-    parts = []
-    if missing:
-        parts.append(f"missing keys: {_paths.quoted(missing)}")
-    if unexpected and strict:
-        parts.append(f"unexpected keys: {_paths.quoted(unexpected)}")
-    example = next(iter(expected), "blocks.0.weight")
-    if abstract_missing:
+    parts = [
+        f"{what} keys: {_paths.quoted(keys)}"
+        for what, keys in (("missing", missing), ("unexpected", unexpected))
+        if keys
+    ]
+    fix = "Pass `strict=False` to keep the model's arrays for missing keys."
+    if abstract:
         fix = "Abstract leaves have no values to keep: give every key, even with "
         fix += "`strict=False`."
-    else:
-        fix = "Pass `strict=False` to keep the model's arrays for missing keys."
     raise ValueError(
         f"{_LOAD}: {'; '.join(parts)}. Keys have layer indices as segments, e.g. "
-        f"{example!r} (`state_dict_keys` lists them). "
-        + fix
-        + see(65 if unexpected and strict else 64)
+        f"{next(iter(expected), 'blocks.0.weight')!r} (`state_dict_keys` lists "
+        "them). " + fix + see(65 if unexpected else 64)
     )
 
 
 def _load_leaf(x: Any, entry: _Entry, state_dict: Mapping[str, Any]) -> Any:
-    """The leaf `x` (at `entry`) with the arrays `state_dict` has for its keys.
-
-    They come in its memory kind and sharding. It is `x` itself if it has none.
-    """
+    """The leaf `x` (at `entry`) with the arrays `state_dict` has for its keys, in
+    its memory kind and sharding (`x` itself if it has none)."""
     layer_shape = x.shape[entry.depth :]
     keys = [entry.key(index) for index in entry.indices()]
     for key in keys:
         if key in state_dict:
             _check_value(key, state_dict[key], layer_shape, x.dtype)
-    sharding = _target_sharding(x, entry.path)
-    if not entry.depth:
-        value = state_dict.get(keys[0])
-        if value is None:
-            return x
-        return jax.device_put(value, sharding, may_alias=False)
     pieces = [state_dict.get(key) for key in keys]
     if all(p is None for p in pieces):
         return x
+    sharding = _target_sharding(x, entry.path)
+    if not entry.depth:
+        return jax.device_put(pieces[0], sharding, may_alias=False)
     kind = kind_of(x)
     if kind != "device":
         # Into host memory before the jitted join: its NumPy arguments would

@@ -1,7 +1,7 @@
 """The function a `TrainStep` jits: the checks of its arguments, the loss and
 its gradient, the optimizer update, and every output leaf placed where it lives."""
 
-from collections.abc import Callable
+import dataclasses
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -26,6 +26,7 @@ from ._errors import see
 from ._flatten import flatten, Static, unflatten
 from ._memory_kinds import is_arraylike, is_host, to_space
 from ._policy import Policy
+from ._policy_args import warn_once
 from ._transform import filter_offload
 from ._update import check_matches
 
@@ -58,40 +59,38 @@ def _check_layout(model: PyTree, policy: Policy, shardings: tuple) -> None:
     `Policy(shard=...)` declares (at trace time, from the input shardings)."""
     if policy.shard is None:
         return
-    meshes = [s.mesh for s in shardings if s is not None]
     pairs = [
         (leaf, sharding)
         for leaf, sharding in zip(_paths.leaves(model), shardings, strict=True)
         if is_arraylike(leaf.value)
         and not jax.dtypes.issubdtype(leaf.value.dtype, jax.dtypes.prng_key)
     ]
-    declared = (
-        _layout.specs(
-            [leaf for leaf, _ in pairs],
-            policy.shard,
-            meshes[0],
-            False,
-            policy.host_tables,
-        )
-        if meshes
-        else [
-            None if _layout.rule_of(leaf.path, policy.shard) is None else P()
-            for leaf, _ in pairs
-        ]
-    )
+    leaves = [leaf for leaf, _ in pairs]
+    declared = _declared(leaves, policy.shard, shardings, policy.host_tables)
     for (leaf, sharding), spec in zip(pairs, declared):
         if spec is None:
             continue
         ndim = len(leaf.value.shape)
         actual = None if sharding is None else _layout.normalise(sharding.spec, ndim)
-        if actual != _layout.normalise(spec, ndim):
+        wanted = _layout.normalise(spec, ndim)
+        if actual != wanted:
             where = "on one device" if sharding is None else f"laid out as {actual}"
-            wanted = _layout.normalise(spec, ndim)
             raise ValueError(
                 f"`train_step`: model leaf {leaf.path!r} is {where}, but "
                 f"`Policy(shard=...)` lays it out as {wanted}. Place it first: "
                 "`eqx_offload.place(model, policy, mesh=mesh)`." + see(79)
             )
+
+
+def _declared(
+    leaves: list, rules: _layout.Rules, shardings: tuple, tables: tuple
+) -> list:
+    """The spec `Policy(shard=rules)` declares for each leaf (None: no rule), on the
+    mesh of the input shardings (`P()` for a ruled leaf without one)."""
+    meshes = [s.mesh for s in shardings if s is not None]
+    if meshes:
+        return _layout.specs(leaves, rules, meshes[0], False, tables)
+    return [None if _layout.rule_of(x.path, rules) is None else P() for x in leaves]
 
 
 class Statics(NamedTuple):
@@ -105,36 +104,23 @@ class Statics(NamedTuple):
     opt_shardings: tuple
 
 
-def value_and_grad(
-    loss_fn: Callable,
-    policy: Policy,
-    has_aux: bool,
-    microbatches: int,
-    unsplit: tuple[int, ...],
-    arguments: tuple[PyTree, PyTree, tuple],
-    where: str,
-) -> tuple[Any, PyTree]:
-    """The loss and gradient of the step on `arguments = (model, opt_state,
-    batch)`: `filter_offload(loss_fn, policy)` differentiated, in micro-batches and
-    from the compute copies in `opt_state` where the policy asks for them. (`verify`
-    checks this against plain JAX.)"""
-    model, opt_state, batch = arguments
-    loss = filter_offload(checked_loss(loss_fn, has_aux, where), policy)
-    if microbatches == 1 and policy.compute_dtype is None:
-        return eqx.filter_value_and_grad(loss, has_aux=has_aux)(model, *batch)
+def value_and_grad(step: Any, arguments: tuple, where: str) -> tuple[Any, PyTree]:
+    """The loss and gradient of `step` (a `TrainStep`) on `arguments = (model,
+    opt_state, batch)`: `filter_offload(loss_fn, policy)` differentiated, in
+    micro-batches and from the compute copies in `opt_state` where the policy asks
+    for them. (`verify` checks this against plain JAX.)"""
+    (model, opt_state, batch), policy = arguments, step.policy
+    loss = filter_offload(checked_loss(step.loss_fn, step.has_aux, where), policy)
+    if step.microbatches == 1 and policy.compute_dtype is None:
+        return eqx.filter_value_and_grad(loss, has_aux=step.has_aux)(model, *batch)
     params = _update.trainable(model)
     _mixed_precision.check_keep_dtype(params, policy, where)
+    sources = _mixed_precision.sources(model, params, opt_state)
+    dtypes = _mixed_precision.compute_dtypes(params, policy)
+    split = (step.microbatches, step.unsplit, step.has_aux, policy.host_tables)
+    host = policy.update == "host"
     return _microbatch.value_and_grad(
-        loss,
-        _mixed_precision.sources(model, params, opt_state),
-        params,
-        _mixed_precision.compute_dtypes(params, policy),
-        batch,
-        microbatches,
-        unsplit,
-        has_aux,
-        policy.host_tables,
-        policy.update == "host",
+        loss, sources, params, dtypes, batch, *split, host
     )
 
 
@@ -148,46 +134,31 @@ def traced_step(
     """The step on flat arguments (`_flatten.flatten`'s): `step` is the
     `TrainStep` (its public fields). Returns the new model's and optimizer state's
     array leaves, the loss, and the metrics or `None`."""
-    optimizer, policy, has_aux = step.optimizer, step.policy, step.has_aux
-    microbatches = step.microbatches
-    model = unflatten(model_dynamic, statics.model)
+    optimizer, policy, where = step.optimizer, step.policy, "`train_step`"
     opt_state = unflatten(opt_dynamic, statics.opt_state)
+    # Without the marks of the `Stacked`s whose update this step applies (a static
+    # field, which the optimizer state's trees do not have).
+    model = _pending.unmarked(unflatten(model_dynamic, statics.model), opt_state, where)
     batch = unflatten(batch_dynamic, statics.batch)
-    model_kinds = _update.check_model(model, policy, "`train_step`")
+    model_kinds = _update.check_model(model, policy, where)
     _check_layout(model, policy, statics.model_shardings)
     params = _update.trainable(model)
     wrapped = _mixed_precision.for_policy(optimizer, params, policy)
-    copies = wrapped is not optimizer
-    _mixed_precision.check_state(copies, _update.own_state(opt_state), "`train_step`")
-    stepping = _update.stepping(optimizer, params, policy)
-    check_matches(stepping, _update.structure(opt_state), params, "`train_step`")
-    opt_kinds = _update.check_state(stepping, opt_state, model, policy)
-    if policy.update_timing != "now":
-        return _pending_step(
-            step, model, opt_state, batch, statics, model_kinds, opt_kinds
-        )
-
-    value, grads = value_and_grad(
-        step.loss_fn,
-        policy,
-        has_aux,
-        microbatches,
-        step.unsplit,
-        (model, opt_state, batch),
-        "`train_step`",
+    _mixed_precision.check_state(
+        wrapped is not optimizer, _update.own_state(opt_state), where
     )
+    stepping = _update.stepping(optimizer, params, policy)
+    check_matches(stepping, _update.structure(opt_state), params, where)
+    opt_kinds = _update.check_state(stepping, opt_state, model, policy)
+    kinds = (model_kinds, opt_kinds)
+    if policy.update_timing != "now":
+        return _pending_step(step, wrapped, model, opt_state, batch, statics, kinds)
+    value, grads = value_and_grad(step, (model, opt_state, batch), where)
     with jax.named_scope(_scopes.UPDATE):
         model, opt_state, norms = _update.update(
-            wrapped,
-            grads,
-            opt_state,
-            model,
-            policy,
-            model_kinds,
-            opt_kinds,
-            step.metrics,
+            wrapped, grads, opt_state, model, policy, *kinds, step.metrics
         )
-    return _outputs(model, opt_state, model_kinds, opt_kinds, statics) + (value, norms)
+    return _outputs(model, opt_state, kinds, statics) + (value, norms)
 
 
 # The compiled program keeps its name, `jit__step` (profiles and captured HLO show it).
@@ -195,96 +166,85 @@ traced_step.__name__ = traced_step.__qualname__ = "_step"
 
 
 def _outputs(
-    model: PyTree,
-    opt_state: PyTree,
-    model_kinds: list,
-    opt_kinds: list,
-    statics: Statics,
+    model: PyTree, opt_state: PyTree, kinds: tuple[list, list], statics: Statics
 ) -> tuple[list, list]:
     """The step's new model and optimizer state, flattened as `jitted` returns
     them, every leaf back where it lives. (With `device_put` to a memory space
     inside the traced function: the same trace then compiles for any backend.)"""
     with jax.named_scope(_scopes.UPDATE):
         with jax.named_scope(_scopes.PARAMS):
-            model = _place_outputs(model, model_kinds, statics.model_shardings)
+            model = _place_outputs(model, kinds[0], statics.model_shardings)
         with jax.named_scope(_scopes.OPT_STATE):
-            opt_state = _place_outputs(opt_state, opt_kinds, statics.opt_shardings)
+            opt_state = _place_outputs(opt_state, kinds[1], statics.opt_shardings)
     return flatten(model)[0], flatten(opt_state)[0]
 
 
 def _pending_step(
     step: Any,
+    optimizer: optax.GradientTransformation,
     model: PyTree,
     opt_state: "_update.PendingUpdate",
     batch: tuple,
     statics: Statics,
-    model_kinds: list,
-    opt_kinds: list,
+    kinds: tuple[list, list],
 ) -> tuple[list, list, Any, dict[str, Any] | None]:
-    """`traced_step` under `Policy(update_timing=...)`: the waiting update of the
-    stacked layers applied before the loss (`"next_forward"`) or after it
-    (`"delayed"`), and this step's held over."""
-    policy = step.policy
+    """`traced_step` under `Policy(update_timing="next_forward")`: the waiting
+    update of the stacked layers applied in the forward scan (where it cannot, in
+    a loop of its own before the loss, with a warning), and this step's held over.
+    `optimizer` is the step's, wrapped for the policy."""
     params = _update.trainable(model)
-    optimizer = _mixed_precision.for_policy(step.optimizer, params, policy)
-    param_kinds = _update.param_kinds(params, model_kinds)
-    state_kinds = [kind for _, kind in opt_kinds]
-
-    def apply(model: PyTree, opt_state: Any) -> tuple[PyTree, Any]:
-        with jax.named_scope(_scopes.UPDATE):
-            new, opt_state = _update.apply_waiting(
-                optimizer, opt_state, _update.trainable(model), param_kinds, state_kinds
-            )
-        return _update.with_params(model, new), opt_state
-
-    in_forward = (
-        opt_state.ready
-        and step.microbatches == 1
-        and policy.compute_dtype is None
-        and not _layout.explicit_axes()
-    )
+    new_kinds = (_update.param_kinds(params, kinds[0]), [k for _, k in kinds[1]])
+    cause = _not_in_forward(step) if opt_state.ready else None
     applied = None
-    if in_forward:
-        applied = _value_and_grad_applying(
-            step, optimizer, model, opt_state, batch, param_kinds, state_kinds
+    if opt_state.ready and cause is None:
+        applied = _applying(step, optimizer, model, opt_state, batch, new_kinds)
+        cause = None if applied else _NOT_ONCE
+    if cause is not None:
+        warn_once(
+            f"`Policy(update_timing='next_forward')` {cause}: the step applies the "
+            "held-over update before the loss, hiding nothing (the numbers are the "
+            "same). Use `update_timing='now'`."
         )
     if applied is not None:
         value, grads, model, opt_state = applied
     else:
-        if policy.update_timing == "next_forward":
-            model, opt_state = apply(model, opt_state)
-        value, grads = value_and_grad(
-            step.loss_fn,
-            policy,
-            step.has_aux,
-            step.microbatches,
-            step.unsplit,
-            (model, _update.own_state(opt_state), batch),
-            "`train_step`",
-        )
-        if policy.update_timing == "delayed":
-            model, opt_state = apply(model, opt_state)
+        with jax.named_scope(_scopes.UPDATE):  # (nothing where none waits)
+            new, opt_state = _update.apply_waiting(
+                optimizer, opt_state, params, *new_kinds
+            )
+        model = _update.with_params(model, new)
+        state = _update.own_state(opt_state)
+        value, grads = value_and_grad(step, (model, state, batch), "`train_step`")
     with jax.named_scope(_scopes.UPDATE):
         new, opt_state = _update.hold_update(
-            optimizer,
-            grads,
-            opt_state,
-            _update.trainable(model),
-            param_kinds,
-            state_kinds,
+            optimizer, grads, opt_state, _update.trainable(model), *new_kinds
         )
     model = _update.with_params(model, new)
-    return _outputs(model, opt_state, model_kinds, opt_kinds, statics) + (value, None)
+    return _outputs(model, opt_state, kinds, statics) + (value, None)
 
 
-def _value_and_grad_applying(
+_NOT_ONCE = (
+    "where a `Stacked`'s forward scan did not run, differentiated, exactly once "
+    "in the loss (it ran twice, in a loop, under `jax.checkpoint` or a `jax.jit`)"
+)
+
+
+def _not_in_forward(step: Any) -> str | None:
+    """Why the forward scan cannot apply the held-over update, or None."""
+    if step.microbatches > 1:
+        return f"with `microbatches={step.microbatches}`"
+    if step.policy.compute_dtype is not None:
+        return "with `compute_dtype`"
+    return "under `Explicit` mesh axes" if _layout.explicit_axes() else None
+
+
+def _applying(
     step: Any,
     optimizer: optax.GradientTransformation,
     model: PyTree,
     opt_state: Any,
     batch: tuple,
-    param_kinds: list[str],
-    state_kinds: list[str],
+    kinds: tuple[list[str], list[str]],
 ) -> tuple[Any, PyTree, PyTree, Any] | None:
     """The loss and gradient, with each `Stacked`'s forward scan applying the
     update `opt_state` holds for it (`_pending.py`): its new parameters and state
@@ -292,20 +252,12 @@ def _value_and_grad_applying(
     and the model and state with the update applied; or None where a `Stacked`
     did not apply its update exactly once (the caller applies it before the
     loss instead)."""
-    policy = step.policy
-    params = _update.trainable(model)
     owed, back = _update.layer_updates(
-        optimizer,
-        opt_state,
-        params,
-        param_kinds,
-        state_kinds,
-        policy.update_timing == "delayed",
+        optimizer, opt_state, _update.trainable(model), *kinds
     )
     loss = filter_offload(
-        checked_loss(step.loss_fn, step.has_aux, "`train_step`"), policy
+        checked_loss(step.loss_fn, step.has_aux, "`train_step`"), step.policy
     )
-
     records = []
 
     def outer(both: tuple[PyTree, dict], *batch: Any) -> Any:
@@ -320,11 +272,10 @@ def _value_and_grad_applying(
         (model, aux), *batch
     )
     if not records[0].applied_once():
-        # A `Stacked` run twice, in a loop, not at all or not differentiated: its
-        # new values did not come back as the cotangent. (What was traced here
-        # is left unused: the compiler removes it.)
+        # Its new values did not come back as the cotangent. (What was traced
+        # here is left unused: the compiler removes it.)
         return None
     new_params, inner = back(new_aux)
     model = _update.with_params(model, new_params)
-    opt_state = _update.PendingUpdate(inner, opt_state.grads, opt_state.held, False)
+    opt_state = dataclasses.replace(opt_state, inner=inner, ready=False)
     return value, grads, model, opt_state

@@ -15,29 +15,27 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import PyTree
 
-from . import _compiler, _diagnose, _mesh, _microbatch, _paths, _update
+from . import _compiler, _diagnose, _mesh, _microbatch, _paths, _pending, _update
 from ._diagnose import DoesNotCompile
 from ._errors import see
 from ._flatten import flatten, unflatten
 from ._placement import place_batch
 from ._policy import check_policy, Policy
 from ._traced_step import Statics, traced_step
+from ._update._deferred import held_paths
 
 
 def _mesh_shardings(dynamic: list) -> tuple:
     """The input shardings that sharding propagation might not give back.
 
-    Those are the shardings of leaves laid out over several devices. (A static argument
-    of the jitted step.)
+    Those are the shardings of leaves laid out over several devices (else None). (A
+    static argument of the jitted step.)
     """
-    return tuple(_over_a_mesh(x) for x in dynamic)
-
-
-def _over_a_mesh(x: Any) -> NamedSharding | None:
-    sharding = getattr(x, "sharding", None)
-    if isinstance(sharding, NamedSharding) and len(sharding.device_set) > 1:
-        return sharding
-    return None
+    shardings = [getattr(x, "sharding", None) for x in dynamic]
+    return tuple(
+        s if isinstance(s, NamedSharding) and len(s.device_set) > 1 else None
+        for s in shardings
+    )
 
 
 def _deleted(x: Any) -> bool:
@@ -189,10 +187,10 @@ class TrainStep(eqx.Module):
             raise rejected(self, what, str(e), mesh, model, opt_state) from e
         model = unflatten(model_dynamic, statics.model)
         opt_state = unflatten(opt_dynamic, statics.opt_state)
-        if isinstance(opt_state, _update.PendingUpdate):  # (a static field)
-            opt_state = _update.PendingUpdate(
-                opt_state.inner, opt_state.grads, opt_state.held, True
-            )
+        if isinstance(opt_state, _update.PendingUpdate):  # (static fields)
+            opt_state = _pending.ready_as(opt_state, True)
+            held = held_paths(_update.trainable(model), opt_state)
+            model = _pending.mark(model, held)
         return model, opt_state, value, norms
 
     def trace(self, model: PyTree, opt_state: PyTree, *batch: Any) -> jax.stages.Traced:

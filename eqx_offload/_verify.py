@@ -11,10 +11,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
 from jaxtyping import PyTree
 
-from . import _compat, _cutting, _layout, _mesh, _microbatch, _mixed_precision, _paths
+from . import _compat, _cutting, _layout, _mesh, _microbatch, _mixed_precision
 from ._errors import see
 from ._memory_kinds import kind_of
 from ._placement import place_batch
@@ -30,106 +29,8 @@ from ._update import (
     stepping,
     trainable,
 )
-from ._verify_report import Difference, raise_if_failed, VerifyReport
-
-
-# Default tolerances by the compared leaf's floating-point width (bytes): see
-# `verify`'s docstring and docs/verify.md for why these values.
-_DEFAULT_TOLERANCES = {
-    8: (1e-4, 1e-8),
-    4: (1e-4, 1e-8),
-    2: (5e-2, 1e-5),
-    1: (2e-1, 1e-3),
-}
-
-
-def _check_count(value: Any, argument: str) -> None:
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, int) or value < 1
-    ):
-        raise ValueError(
-            f"`verify({argument}=...)` must be a positive int, or None to keep all, "
-            f"got {value!r}."
-        )
-
-
-def _tolerance(
-    dtype: Any, rtol: float | None, atol: float | None, computed: Any = None
-) -> tuple:
-    """`(rtol, atol)` for a leaf of `dtype`.
-
-    That is its own default, or the default of the dtype it was `computed` in where that
-    is narrower.
-    """
-    if jnp.issubdtype(dtype, jnp.inexact):
-        width = np.dtype(dtype).itemsize
-        if computed is not None:
-            width = min(width, np.dtype(computed).itemsize)
-        default = _DEFAULT_TOLERANCES.get(width, (1e-4, 1e-8))
-    else:
-        default = (0.0, 0.0)  # integers, booleans, PRNG keys: exactly
-    return (default[0] if rtol is None else rtol, default[1] if atol is None else atol)
-
-
-def _rounding(x: Any) -> float:
-    """One rounding of the largest entry of a floating-point array."""
-    largest = float(np.nanmax(np.abs(_as_float(x)), initial=0.0))
-    return float(jnp.finfo(x.dtype).eps) * largest
-
-
-def _as_float(x: Any) -> np.ndarray:
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        # Laid out over several processes' devices: each process compares the
-        # whole value.
-        from jax.experimental import multihost_utils
-
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(x).astype(np.float64)
-
-
-def _compare(
-    pairs: list[tuple[str, Any, Any, Any, float]],
-    rtol: float | None,
-    atol: float | None,
-    computed: Any = None,
-) -> Difference:
-    """The worst of `(leaf, ours, reference, scale_of, slack)` comparisons.
-
-    The worst is the largest difference relative to its tolerance, `atol + rtol * scale
-    + slack`. `scale` is the largest magnitude of the array `scale_of`. The tolerance is
-    that of the reference's dtype. Where the values were `computed` in a narrower dtype,
-    it is that dtype's. `computed` is one dtype for every leaf, or a dict of them by
-    leaf.
-    """
-    worst: Difference | None = None
-    for leaf, ours, ref, scale_of, slack in pairs:
-        dtype = computed.get(leaf) if isinstance(computed, dict) else computed
-        r, a = _tolerance(ref.dtype, rtol, atol, dtype)
-        ours, ref = _as_float(ours), _as_float(ref)
-        with np.errstate(invalid="ignore"):
-            gap = np.where(ours == ref, 0.0, np.abs(ours - ref))
-        # NaNs where the reference has them are equal; anywhere else they differ.
-        gap = np.where(np.isnan(ours) & np.isnan(ref), 0.0, gap)
-        gap = np.where(np.isnan(gap), np.inf, gap)
-        difference = float(np.max(gap, initial=0.0))
-        scale = float(np.nanmax(np.abs(_as_float(scale_of)), initial=0.0))
-        found = Difference(leaf, difference, scale, a + r * scale + slack)
-        if worst is None or _ratio(found) > _ratio(worst):
-            worst = found
-    assert worst is not None
-    return worst
-
-
-def _ratio(d: Difference) -> float:
-    if d.tolerance == 0:
-        return 0.0 if d.difference == 0 else float("inf")
-    return d.difference / d.tolerance
-
-
-def _array_leaves(tree: Any) -> list[_paths.Leaf]:
-    return [leaf for leaf in _paths.leaves(tree) if eqx.is_array(leaf.value)]
+from ._verify_compare import array_leaves, check_kinds, compare, update_pairs
+from ._verify_report import raise_if_failed, VerifyReport
 
 
 @eqx.filter_jit
@@ -189,19 +90,10 @@ def _reference(
 
 
 @eqx.filter_jit
-def _offloaded(
-    loss_fn: Callable,
-    policy: Policy,
-    has_aux: bool,
-    split: tuple[int, tuple[int, ...]],
-    arguments: tuple[Any, Any, tuple],
-) -> Any:
-    """The forward and backward pass as `train_step` computes them (its own code).
-
-    It runs on `arguments = (model, opt_state, batch)`, in `split = (microbatches,
-    unsplit)`.
-    """
-    return value_and_grad(loss_fn, policy, has_aux, *split, arguments, "`verify`")
+def _offloaded(step: TrainStep, arguments: tuple[Any, Any, tuple]) -> Any:
+    """The forward and backward pass as `train_step` computes them (its own code),
+    on `arguments = (model, opt_state, batch)`."""
+    return value_and_grad(step, arguments, "`verify`")
 
 
 def _loss(value: Any, has_aux: bool) -> Any:
@@ -317,7 +209,7 @@ def _gradient_pairs(
     cut: _Slice,
     arguments: tuple[PyTree, PyTree, tuple],
 ) -> tuple[Any, list, list]:
-    """The reference loss, and the `_compare` pairs of the loss and of each leaf's
+    """The reference loss, and the `compare` pairs of the loss and of each leaf's
     gradient.
 
     They compare the step's own forward and backward pass against plain JAX. Both run on
@@ -345,27 +237,29 @@ def _gradient_pairs(
             _cutting.copy_into(own_state(cut.opt_state), own_state(opt_state)),
             cut.batch,
         )
-        value, grads = _offloaded(
-            step.loss_fn, step.policy, step.has_aux, split, copies
-        )
+        value, grads = _offloaded(step, copies)
     ref_loss = _loss(ref_value, step.has_aux)
     losses = [("loss", _loss(value, step.has_aux), ref_loss, ref_loss, 0.0)]
     gradients = [
         (r.path, o.value, r.value, r.value, 0.0)
-        for o, r in zip(_array_leaves(grads), _array_leaves(ref_grads), strict=True)
+        for o, r in zip(array_leaves(grads), array_leaves(ref_grads), strict=True)
     ]
     return ref_loss, losses, gradients
 
 
 def _run_step(
     step: TrainStep, policy: Policy, cut: _Slice, model: PyTree, opt_state: PyTree
-) -> tuple[PyTree, PyTree, Any]:
-    """One donating step under `policy` on copies of the slice.
+) -> tuple[PyTree, PyTree, list]:
+    """Donating steps under `policy` on copies of the slice, on its batch.
 
-    It gives the model, the optimizer state (its own, without a pending update) and the
-    loss. Under `Policy(update_timing=...)`, the update it holds over is applied.
+    It gives the model, the optimizer state (its own, without a pending update) and
+    each step's loss. One step, or two under `Policy(update_timing=...)`: the second
+    applies the update the first held over in its forward scan. Then
+    `apply_pending` applies the second's.
     """
-    mine = policy.update != "whole"
+    # Under `update_timing="now"` (the whole update's), its own optimizer state.
+    pending = policy.update_timing != "now"
+    own = (lambda x: x) if pending else own_state
     run = train_step(
         step.loss_fn,
         step.optimizer,
@@ -374,17 +268,17 @@ def _run_step(
         microbatches=step.microbatches,
         unsplit=step.unsplit,
     )
-    state = cut.opt_state if mine else own_state(cut.opt_state)
-    new_model, new_state, value, _ = run(
-        _cutting.copy_into(cut.model, model),
-        _cutting.copy_into(state, opt_state if mine else own_state(opt_state)),
-        *cut.batch,
-    )
-    if mine and policy.update_timing != "now":
+    new_model = _cutting.copy_into(cut.model, model)
+    new_state = _cutting.copy_into(own(cut.opt_state), own(opt_state))
+    values = []
+    for _ in range(1 if step.policy.update_timing == "now" else 2):
+        new_model, new_state, value, _ = run(new_model, new_state, *cut.batch)
+        values.append(value)
+    if pending:
         new_model, new_state = apply_pending(
             new_model, new_state, step.optimizer, policy
         )
-    return new_model, own_state(new_state) if mine else new_state, value
+    return new_model, own_state(new_state), values
 
 
 def _step_checks(
@@ -398,17 +292,18 @@ def _step_checks(
 
     A streamed step (or one updating on the host) runs against the whole update. Any
     other step runs once. Either way its own program is exercised: placements, donation,
-    outputs. Under `update_timing`, the step holds the stacked layers' update over.
-    `apply_pending` applies it. Together they run against the whole update now.
+    outputs. Under `update_timing`, two steps run, the second applying the first's
+    held-over update in its forward scan, then `apply_pending`: against two whole
+    updates now, loss by loss.
 
-    **Returns:** the `_compare` pairs of the steps' losses, and of the update (`None`
+    **Returns:** the `compare` pairs of the steps' losses, and of the update (`None`
     where nothing streams).
     """
     policy = step.policy
     own = _own_update(policy, model, opt_state)
     timing = policy.update_timing != "now"
     streams = own is not None or timing
-    losses, outputs = [], []
+    losses, outputs, values = [], [], []
     for mode in (own or policy.update, "whole") if streams else (policy.update,):
         mine = mode != "whole"
         timed = {} if mine else {"update_timing": "now"}
@@ -416,11 +311,14 @@ def _step_checks(
         new_model, new_state, value = _run_step(step, chosen, cut, model, opt_state)
         step_name = f"{mode}, {policy.update_timing}" if mine and timing else mode
         name = f"loss ({step_name} step)" if streams else "loss (step)"
-        losses.append((name, _loss(value, step.has_aux), ref_loss, ref_loss, 0.0))
+        losses.append((name, _loss(value[0], step.has_aux), ref_loss, ref_loss, 0.0))
         outputs.append((new_model, new_state))
-    _check_kinds(outputs[0], (model, own_state(opt_state)))
+        values.append(_loss(value[-1], step.has_aux))
+    if timing:  # the second steps' losses: the held-over update applied first
+        losses.append(("loss (second step)", values[0], values[1], values[1], 0.0))
+    check_kinds(outputs[0], (model, own_state(opt_state)))
     # Both updates are the optimizer's on the masters, in their own dtype.
-    return losses, _update_pairs(cut.model, *outputs) if streams else None
+    return losses, update_pairs(cut.model, *outputs) if streams else None
 
 
 @_refuses_old_forms
@@ -452,10 +350,11 @@ def verify(
     with `update="whole"` (plain optax on the device). This runs when the step streams
     or updates on the host and the first two checks pass. Both steps' losses join the
     loss check. Any other step runs once, and its loss joins the loss check. Under
-    `Policy(update_timing=...)` the step holds the stacked layers' update over. It runs,
-    then `eqx_offload.apply_pending`, against the whole update with
-    `update_timing="now"`. So `opt_state` must have no update pending. Give a fresh one
-    from `init_opt_state`, or one after `apply_pending`.
+    `Policy(update_timing="next_forward")` two steps run on the batch, the second
+    applying the update the first held over in its forward scan, then
+    `eqx_offload.apply_pending`: against two whole updates with
+    `update_timing="now"`. So neither `opt_state` nor `model` may have an update
+    pending: give a fresh state from `init_opt_state`, or both after `apply_pending`.
 
     It never donates or changes the caller's arrays: the steps it runs get copies.
 
@@ -514,12 +413,18 @@ def verify(
         print(eo.verify(step, model, opt_state, tokens, targets))  # then train
         ```
     """
-    _check_count(layers, "layers")
-    _check_count(examples, "examples")
+    for value, argument in ((layers, "layers"), (examples, "examples")):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(
+                f"`verify({argument}=...)` must be a positive int, or None to keep "
+                f"all, got {value!r}."
+            )
     policy = step.policy
     # A pending update (`Policy(update_timing=...)`) was computed for the whole
     # model: it cannot be cut, and the model is one update behind.
-    check_ready(opt_state, "`verify`")
+    check_ready("`verify`", opt_state, model)
     params = trainable(model)
     wrapped = _mixed_precision.for_policy(step.optimizer, params, policy)
     _mixed_precision.check_state(
@@ -538,15 +443,15 @@ def verify(
     computed = policy.compute_dtype
     by_leaf = {}
     if dtypes is not None:
-        arrays = [leaf.path for leaf in _array_leaves(params)]
+        arrays = [leaf.path for leaf in array_leaves(params)]
         by_leaf = dict(zip(arrays, dtypes, strict=True))
-    loss_check = _compare(losses, rtol, atol, computed)
-    gradient_check = _compare(gradients, rtol, atol, by_leaf)
+    loss_check = compare(losses, rtol, atol, computed)
+    gradient_check = compare(gradients, rtol, atol, by_leaf)
     update = None
     if loss_check.passed and gradient_check.passed:
         more, pairs = _step_checks(step, cut, model, opt_state, ref_loss)
-        loss_check = _compare(losses + more, rtol, atol, computed)
-        update = None if pairs is None else _compare(pairs, rtol, atol)
+        loss_check = compare(losses + more, rtol, atol, computed)
+        update = None if pairs is None else compare(pairs, rtol, atol)
 
     report = VerifyReport(
         loss=loss_check,
@@ -559,42 +464,3 @@ def verify(
     )
     raise_if_failed(report)
     return report
-
-
-def _update_pairs(old: PyTree, streamed: tuple, whole: tuple) -> list:
-    """What the update check compares.
-
-    Each leaf of the model and optimizer state after the streamed update, against the
-    same after the whole update.
-    """
-    (streamed_model, streamed_state), (whole_model, whole_state) = streamed, whole
-    pairs = []
-    for s, w, o in zip(
-        _array_leaves(streamed_model),
-        _array_leaves(whole_model),
-        _array_leaves(old),
-        strict=True,
-    ):
-        if is_trainable(o.value):
-            # Relative to the change, which is what the update computes, give or
-            # take one rounding of the new parameter (a change below it rounds
-            # away, in bfloat16 often).
-            change = _as_float(w.value) - _as_float(o.value)
-            pairs.append((s.path, s.value, w.value, change, _rounding(w.value)))
-        else:
-            pairs.append((s.path, s.value, w.value, w.value, 0.0))
-    for s, w in zip(
-        _array_leaves(streamed_state), _array_leaves(whole_state), strict=True
-    ):
-        pairs.append((f"opt_state.{s.path}", s.value, w.value, w.value, 0.0))
-    return pairs
-
-
-def _check_kinds(outputs: tuple, inputs: tuple) -> None:
-    for out, into in zip(_array_leaves(outputs), _array_leaves(inputs), strict=True):
-        if kind_of(out.value) != kind_of(into.value):
-            raise ValueError(
-                f"`verify`: the step returned leaf {out.path!r} in "
-                f"{kind_of(out.value)!r}, not {kind_of(into.value)!r}: an "
-                "eqx_offload bug, please report it."
-            )

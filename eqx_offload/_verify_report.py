@@ -22,15 +22,24 @@ _UPSTREAM = (
 )
 
 
-# The error catalogue's entry of each check's failure.
-_ENTRIES = {"loss": 67, "gradients": 68, "update": 67}
-
-
-_SCALES = {
-    "loss": "the reference loss",
-    "gradients": "the largest entry of the reference gradient",
-    "update": "the largest change of a parameter in the whole update, which also "
-    "allows one rounding of the parameter; the largest entry of a state leaf",
+_REFERENCE = "the reference (every leaf on the device, no remat)"
+# Each check's failure: what differs (of its leaf), from what, the scale of its
+# tolerance, and the link to the error catalogue's entry.
+_FAILURES = {
+    "loss": ("the {}", _REFERENCE, "the reference loss", see(67)),
+    "gradients": (
+        "the gradient of leaf {!r}",
+        _REFERENCE,
+        "the largest entry of the reference gradient",
+        see(68),
+    ),
+    "update": (
+        "leaf {!r} after the streamed update",
+        "the whole update (`Policy(update='whole')`: plain optax)",
+        "the largest change of a parameter in the whole update, which also "
+        "allows one rounding of the parameter; the largest entry of a state leaf",
+        see(67),
+    ),
 }
 
 
@@ -156,29 +165,20 @@ def _slice_text(report: VerifyReport) -> str:
 
 
 def raise_if_failed(report: VerifyReport) -> None:
-    reference = "the reference (every leaf on the device, no remat)"
     where = _slice_text(report)
-    for name in ("loss", "gradients", "update"):
+    for name, (subject, against, scale, link) in _FAILURES.items():
         check = getattr(report, name)
         if check is None or check.passed:
             continue
-        if name == "loss":
-            subject = f"the {check.leaf}"  # "the loss", "the loss (streamed step)"
-            against = reference
-        elif name == "gradients":
-            subject = f"the gradient of leaf {check.leaf!r}"
-            against = reference
-        else:
-            subject = f"leaf {check.leaf!r} after the streamed update"
-            against = "the whole update (`Policy(update='whole')`: plain optax)"
+        # (The loss's leaf is "loss", or "loss (streamed step)".)
         by = (
             f"{check.difference:.3g}, beyond the tolerance {check.tolerance:.3g} "
-            f"(`atol + rtol * scale`, scale {check.scale:.3g}: {_SCALES[name]})"
+            f"(`atol + rtol * scale`, scale {check.scale:.3g}: {scale})"
         )
         raise DoesNotMatch(
-            f"`verify`: {subject} differs between the offloaded step and {against} "
-            f"by {by}. Checked on {where}. {_UPSTREAM}"
-            + see(_ENTRIES[name])
+            f"`verify`: {subject.format(check.leaf)} differs between the offloaded "
+            f"step and {against} by {by}. Checked on {where}. {_UPSTREAM}"
+            + link
             + f"\n{report}",
             report,
         )

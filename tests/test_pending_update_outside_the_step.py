@@ -1,7 +1,8 @@
-"""`Policy(update_timing=...)` outside the step: `verify`, `save`/`load`,
-`memory_report`, `place_opt_state` and `minimum_traffic` see a state whose update
-waits (`eo.PendingUpdate`) as the step does, and never a pending update as if it
-were applied."""
+"""`Policy(update_timing="next_forward")` outside the step: `verify`, `save`/`load`,
+`state_dict`, `filter_offload`, `memory_report`, `place_opt_state` and
+`minimum_traffic` see a state whose update waits (`eo.PendingUpdate`) as the step
+does, and never a pending update as if it were applied: a model one update behind
+is marked, and refused."""
 
 import dataclasses
 import functools
@@ -23,12 +24,12 @@ from .helpers import (
     memory_kind,
     table_lm,
 )
+from .minimum_traffic import minimum_traffic
 
 
 VOCAB, DIM, DEPTH = 32, 8, 3
 OPTIMIZER = optax.adam(1e-2)
 NEXT_FORWARD = eo.Policy.offload_all(update_timing="next_forward")
-DELAYED = eo.Policy.offload_all(update_timing="delayed")
 
 
 # The model every test starts from.
@@ -80,21 +81,53 @@ def test_verify_finds_a_pending_update_left_unapplied(monkeypatch):
     """Negative control: without `apply_pending`, the streamed step's stacked
     layers are one update behind the whole one's, and `verify` says so."""
 
-    monkeypatch.setattr(eoi.verify, "apply_pending", lambda m, s, o, p: (m, s))
+    monkeypatch.setattr("eqx_offload._verify.apply_pending", lambda m, s, o, p: (m, s))
     with pytest.raises(eo.DoesNotMatch, match="after the streamed update"):
         _verify_compute_copies()
 
 
-def test_verify_and_save_refuse_a_pending_update(tmp_path):
+def test_verify_exercises_the_update_in_the_forward_scan(monkeypatch):
+    """`verify` runs two steps, the second applying the first's held-over update
+    in its forward scan. Negative control: that update left out of the forward
+    scan (the layers' new parameters dropped) is found."""
+    policy = eo.Policy.none(update_timing="next_forward")  # (the cheapest to compile)
+    model, opt_state = _start(policy)
+    tokens, targets = next(batches(batch=2))
+    assert eo.verify(step(policy), model, opt_state, tokens, targets).passed
+    owed = eoi.pending_owed
+
+    def stale(layers, trace):
+        def keep(update):  # the parameters' slot as it was
+            return lambda aux, held: (aux[0], *update(aux, held)[1:])
+
+        layers = {p: x._replace(update=keep(x.update)) for p, x in layers.items()}
+        return owed(layers, trace)
+
+    monkeypatch.setattr("eqx_offload._pending.owed", stale)
+    with pytest.raises(eo.DoesNotMatch, match="second step"):
+        eo.verify(step(policy), model, opt_state, tokens, targets)
+
+
+def test_verify_save_and_state_dict_refuse_a_pending_update(tmp_path):
+    """The state a step returned, or its model (marked) with a fresh state: each
+    refused, naming `apply_pending`; nothing is written."""
     model, opt_state = _ready(NEXT_FORWARD)
-    with pytest.raises(ValueError, match=r"`verify`: .*pending update.*apply_pending"):
-        eo.verify(step(NEXT_FORWARD), model, opt_state, *next(batches()))
-    with pytest.raises(ValueError, match=r"`save\(opt_state=...\)`.*apply_pending"):
-        eo.save(tmp_path / "ckpt", model, opt_state, step=1)
+    assert model.blocks.pending
+    fresh = eo.init_opt_state(OPTIMIZER, model, NEXT_FORWARD)
+    batch = next(batches())
+    for state, what in ((opt_state, "pending update"), (fresh, "'blocks'.*behind")):
+        with pytest.raises(ValueError, match=f"`verify`: .*{what}.*apply_pending"):
+            eo.verify(step(NEXT_FORWARD), model, state, *batch)
+        with pytest.raises(ValueError, match=f"`save`: .*{what}.*apply_pending"):
+            eo.save(tmp_path / "ckpt", model, state, step=1)
+    with pytest.raises(ValueError, match=r"state_dict`: .*'blocks'.*apply_pending"):
+        eo.state_dict(model)
     assert not eo.saved_steps(tmp_path / "ckpt")
     model, opt_state = eo.apply_pending(model, opt_state, OPTIMIZER, NEXT_FORWARD)
+    assert not model.blocks.pending
     eo.save(tmp_path / "ckpt", model, opt_state, step=1)
     assert eo.saved_steps(tmp_path / "ckpt") == [1]
+    assert eo.state_dict(model)
 
 
 def _train(policy, model, opt_state, data, n):
@@ -103,14 +136,12 @@ def _train(policy, model, opt_state, data, n):
     return model, opt_state
 
 
-@pytest.mark.parametrize(
-    "policy", [NEXT_FORWARD, DELAYED], ids=["next_forward", "delayed"]
-)
-def test_resuming_gives_the_numbers_of_not_stopping(policy, tmp_path):
+def test_resuming_gives_the_numbers_of_not_stopping(tmp_path):
     """2 steps, `apply_pending`, save, load, 2 steps, `apply_pending`: exactly
     what the same steps give without stopping, through the same compiled
     programs. (That those are plain training's, under `"next_forward"`:
     `test_update_timing.py::test_apply_pending`.)"""
+    policy = NEXT_FORWARD
     model, opt_state = _start(policy)
     data = batches()
     model, opt_state = _train(policy, model, opt_state, data, 2)
@@ -140,16 +171,18 @@ def test_resuming_gives_the_numbers_of_not_stopping(policy, tmp_path):
 
 def test_load_gives_a_state_with_nothing_pending(tmp_path):
     """A `like` whose state has an update pending (a step's output): the static
-    `ready` neither breaks the comparison with the checkpoint nor comes back
-    (a checkpoint holds no pending update: the next step would apply it)."""
-    model, opt_state = _start(DELAYED)
+    `ready` and the model's mark neither break the comparison with the
+    checkpoint nor come back (a checkpoint holds no pending update: the next step
+    would apply it)."""
+    model, opt_state = _start(NEXT_FORWARD)
     eo.save(tmp_path / "ckpt", model, opt_state, step=0)
-    ready_model, ready_state = _ready(DELAYED)
+    ready_model, ready_state = _ready(NEXT_FORWARD)
     for use in (None, OPTIMIZER):
-        _, state, _ = eo.load(
-            tmp_path / "ckpt", (ready_model, ready_state), DELAYED, optimizer=use
+        loaded, state, _ = eo.load(
+            tmp_path / "ckpt", (ready_model, ready_state), NEXT_FORWARD, optimizer=use
         )
         assert isinstance(state, eo.PendingUpdate) and not state.ready
+        assert not loaded.blocks.pending
         assert_trees_equal(state, opt_state)
 
 
@@ -189,7 +222,7 @@ def test_memory_report_compiles_the_steady_state(monkeypatch):
         assert _transfers(report) == _transfers(steady)
         assert report.device_bytes == steady.device_bytes
     # The first step's program reads less: the pending update is not there.
-    monkeypatch.setattr(eoi.pending, "steady", lambda s: s)
+    monkeypatch.setattr("eqx_offload._pending.steady", lambda s: s)
     first = eo.memory_report(step(NEXT_FORWARD), model, opt_state, *batch)
     assert _transfers(first) < _transfers(steady)
 
@@ -206,8 +239,8 @@ def test_minimum_traffic_counts_the_gradients_held_on_the_host():
         timed = preset(opt_state="pinned_host", update_timing="next_forward")
         model, state_now = _start(now)
         _, state_timed = _start(timed)
-        a = eoi.minimum.minimum_traffic(model, state_now, now, OPTIMIZER)
-        b = eoi.minimum.minimum_traffic(model, state_timed, timed, OPTIMIZER)
+        a = minimum_traffic(model, state_now, now, OPTIMIZER)
+        b = minimum_traffic(model, state_timed, timed, OPTIMIZER)
         held = sum(
             x.size * x.dtype.itemsize for x in jax.tree.leaves(state_timed.grads)
         )

@@ -1,6 +1,8 @@
 """`eo.Policy`: the presets' fields, overrides, hashing (a static argument), and the
 policies it refuses."""
 
+import warnings
+
 import pytest
 
 import eqx_offload as eo
@@ -86,3 +88,26 @@ def test_overlapping_patterns_are_an_error_when_names_are_known():
 def test_offload_destination_must_be_pinned_host():
     with pytest.raises(ValueError, match=r"offload_dst='unpinned_host'.*'pinned_host'"):
         eo.Policy(offload_dst="unpinned_host")
+
+
+def test_experimental_settings_warn_once_each(monkeypatch):
+    """`prefetch=1`, `update_timing="next_forward"` and `update="host"`: an
+    `ExperimentalWarning` (a `UserWarning`) at the caller's line naming the
+    setting, its measured value and its page, once per process each."""
+    monkeypatch.setattr("eqx_offload._policy_args.WARNED", set())
+    settings = {
+        "prefetch=1": dict(prefetch=1),
+        "update_timing='next_forward'": dict(update_timing="next_forward"),
+        "update='host'": dict(update="host"),
+    }
+    for name, fields in settings.items():
+        with pytest.warns(eo.ExperimentalWarning, match=f"{name}.*H200") as record:
+            eo.Policy.offload_all(**fields)
+        assert record[0].filename == __file__
+        assert issubclass(record[0].category, UserWarning)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            eo.Policy.offload_all(**fields)  # once
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eo.Policy.offload_all()

@@ -448,7 +448,7 @@ def test_place_opt_state_keeps_values(getkey, steps):
     assert_trees_equal(bits(placed), before)
     step(model, placed, *data(getkey()))  # accepted
     abstract = eo.place_opt_state(
-        OPTIMIZER, eoi.loading._abstract(opt_state), model, policy
+        OPTIMIZER, eoi.abstract_tree(opt_state), model, policy
     )
     assert [x.sharding.memory_kind for x in jax.tree.leaves(abstract)] == [
         x.sharding.memory_kind for x in jax.tree.leaves(opt_state)

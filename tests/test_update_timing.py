@@ -1,9 +1,8 @@
-"""`Policy(update_timing=...)`: the stacked layers' update held over to the next
-step. `"next_forward"` trains as the plain step does (its pending update applied by
-`apply_pending`), and the update it holds over is optax's on the gradients it holds;
-`"delayed"` trains as a hand-written optax loop whose stacked layers take each update
-one step late; both keep every leaf where the policy puts it, and refuse what they
-cannot do.
+"""`Policy(update_timing="next_forward")`: the stacked layers' update held over to
+the next step. It trains as the plain step does (its pending update applied by
+`apply_pending`), the update it holds over is optax's on the gradients it holds, it
+keeps every leaf where the policy puts it, marks the `Stacked`s one update behind
+(which then refuse to run outside the step), and refuses what it cannot do.
 
 Training is compared through the updates of momentum SGD steps (`TRAINED`), against
 one plain Equinox + optax run per loss; the held-over update's own arithmetic (AdamW
@@ -104,9 +103,6 @@ CONFIGS = {
     "lax.map": Config(NONE_NEXT_FORWARD, mapped, 1, []),
     "twice": Config(NONE_NEXT_FORWARD, twice, 1, []),
     "frozen": Config(NONE_NEXT_FORWARD, frozen, 1, []),
-    "delayed": Config(
-        eo.Policy.offload_all(update_timing="delayed"), cross_entropy, 1, ["blocks"]
-    ),
 }
 
 
@@ -114,9 +110,9 @@ CONFIGS = {
 def counting_updating_scans() -> Iterator[list[str]]:
     """The paths of the `Stacked`s whose forward scan applied a pending update,
     one per trace of the step that kept it (not one the step traced, then
-    replaced by the update before the loss: `eoi.pending.Record.applied_once`)."""
+    replaced by the update before the loss: `eoi.Record.applied_once`)."""
     paths: list[str] = []
-    original = eoi.pending.Record.applied_once
+    original = eoi.Record.applied_once
 
     def counted(record):
         once = original(record)
@@ -124,7 +120,7 @@ def counting_updating_scans() -> Iterator[list[str]]:
             paths.extend(record.taken)
         return once
 
-    with mock.patch.object(eoi.pending.Record, "applied_once", counted):
+    with mock.patch.object(eoi.Record, "applied_once", counted):
         yield paths
 
 
@@ -194,10 +190,6 @@ def run(name: str) -> Run:
     )
 
 
-def _select(mask: Any, a: Any, b: Any) -> Any:
-    return jax.tree.map(lambda m, x, y: x if m else y, mask, a, b)
-
-
 class Reference(NamedTuple):
     losses: list[float]
     model: Any
@@ -205,48 +197,24 @@ class Reference(NamedTuple):
 
 
 @functools.cache
-def reference(loss: Callable, late: Callable[[Any], Any] | None = None) -> Reference:
-    """Plain Equinox and optax. With `late`, DeepSpeed's delayed parameter update:
-    at the end of each step the whole tree's update (`optimizer.update` on every
-    gradient: one step count), of which the new values of the parameters
-    `late(params)` marks (a parameter-shaped tree of bools), and their momentum,
-    are taken only after the *next* step's loss and gradient (computed with the
-    old ones); the rest at once."""
+def reference(loss: Callable) -> Reference:
+    """Plain Equinox and optax."""
     params, static = eqx.partition(lm(), eqx.is_array)
     state = SGD.init(params)
-    p_mask = jax.tree.map(lambda _: False, params) if late is None else late(params)
-    # The momentum: the parameter-shaped part of the state.
-    is_model = lambda s: isinstance(s, TableLM)  # noqa: E731
-    s_mask = jax.tree.map(
-        lambda s: p_mask if is_model(s) else False, state, is_leaf=is_model
-    )
 
     @jax.jit
-    def value_and_grad(params, tokens, targets):
-        return jax.value_and_grad(
+    def step(params, state, tokens, targets):
+        value, grads = jax.value_and_grad(
             lambda p: loss(eqx.combine(p, static), tokens, targets)
         )(params)
-
-    @jax.jit
-    def update(grads, state, params):
         updates, state = SGD.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+        return optax.apply_updates(params, updates), state, value
 
     data = batches(batch=4)
-    losses, pending = [], None
+    losses = []
     for _ in range(STEPS):
-        value, grads = value_and_grad(params, *next(data))
+        params, state, value = step(params, state, *next(data))
         losses.append(float(value))
-        if pending is not None:
-            params = _select(p_mask, pending[0], params)
-            state = _select(s_mask, pending[1], state)
-        new_params, new_state = update(grads, state, params)
-        pending = (new_params, new_state)
-        params = _select(p_mask, params, new_params)
-        state = _select(s_mask, state, new_state)
-    assert pending is not None
-    params = _select(p_mask, pending[0], params)
-    state = _select(s_mask, pending[1], state)
     return Reference(losses, numpy(eqx.combine(params, static)), numpy(state))
 
 
@@ -286,7 +254,7 @@ def test_where_the_forward_scan_cannot_apply_it_the_step_does(name):
     assert ours.updating_scans == CONFIGS[name].updating_scans == []
     loss = CONFIGS[name].loss
     assert_same_training(ours, reference(cross_entropy if loss is mapped else loss))
-    assert eoi.pending.take("blocks") is None  # (nothing left owed)
+    assert eoi.pending_take("blocks") is None  # (nothing left owed)
 
 
 def test_apply_pending():
@@ -316,34 +284,6 @@ def test_apply_pending():
     theirs = reference(cross_entropy)
     assert_close(losses, theirs.losses)
     assert_close(numpy(model), theirs.model, tol=TRAINED, origin=lm(), steps=STEPS)
-
-
-def _waiting(state: eo.PendingUpdate) -> Callable[[Any], Any]:
-    """The parameters whose update `state` holds gradients for."""
-    masked = lambda g: isinstance(g, optax.MaskedNode)  # noqa: E731
-    mask = jax.tree.map(lambda g: not masked(g), state.grads, is_leaf=masked)
-    return lambda params: mask
-
-
-def test_delayed_trains_as_the_delayed_reference():
-    """The stacked leaves whose update waits (those `PendingUpdate.grads` holds)
-    take each update one step late, with the values of the step that computed it
-    (the step count); the rest at once. From the second step on the layers
-    compute with older parameters than plain training's, and that is seen: the
-    negative control of `test_next_forward_trains_as_the_plain_step`'s
-    comparison."""
-    ours = run("delayed")
-    assert ours.ready is True
-    assert ours.updating_scans == CONFIGS["delayed"].updating_scans == ["blocks"]
-    waiting = _waiting(ours.opt_state)
-    late = jax.tree.leaves(waiting(None))
-    assert any(late) and sum(late) == sum(jax.tree.leaves(waiting(None).blocks))
-    assert_same_training(ours, reference(cross_entropy, waiting))
-
-    plain = reference(cross_entropy)
-    assert_close(ours.losses[0], plain.losses[0])
-    behind = excess(ours.model, plain.model, tol=TRAINED, origin=lm(), steps=STEPS)
-    assert behind > 10
 
 
 def test_placements():
@@ -547,6 +487,30 @@ def test_the_held_over_update_is_optax_update_on_the_held_gradients(name):
     assert excess(dropped, expected, origin=params) > 10
 
 
+def test_a_model_one_update_behind_runs_only_in_the_step():
+    """The step marks the `Stacked` whose update it held over; the next step
+    applies it (two compiled programs in all: the mark is static, as `ready`
+    is); evaluating the marked model, through `filter_offload` or a plain
+    call, is refused naming `apply_pending`, which clears the mark."""
+    policy = NEXT_FORWARD
+    model = eo.place(lm(), policy)
+    state = eo.init_opt_state(SGD, model, policy)
+    data = batches(batch=4)
+    for _ in range(3):
+        model, state, _, _ = step("offload_all")(model, state, *next(data))
+        assert model.blocks.pending
+    assert step("offload_all")._jitted._cache_size() == 2
+    tokens, targets = next(data)
+    evaluate = eqx.filter_jit(eo.filter_offload(cross_entropy, policy))
+    with pytest.raises(ValueError, match="`blocks` is one .*apply_pending"):
+        evaluate(model, tokens, targets)
+    with pytest.raises(ValueError, match="`stacked` is one .*apply_pending"):
+        model.blocks(jnp.zeros(DIM))
+    model, state = eo.apply_pending(model, state, SGD, policy)
+    assert not model.blocks.pending
+    assert jnp.isfinite(evaluate(model, tokens, targets))
+
+
 def _layers(state: Any) -> list[Any]:
     """The stacked layers' part of each parameter-shaped part of `state`."""
     is_held = lambda x: isinstance(x, Held)  # noqa: E731
@@ -556,6 +520,8 @@ def _layers(state: Any) -> list[Any]:
 def test_errors():
     with unchecked(), pytest.raises(ValueError, match="update_timing='bad'"):
         eo.Policy(update_timing="bad")  # pyright: ignore[reportArgumentType]
+    with unchecked(), pytest.raises(ValueError, match="'delayed'.*removed.*'now'"):
+        eo.Policy(update_timing="delayed")  # pyright: ignore[reportArgumentType]
     for update in ("host", "whole"):
         with pytest.raises(ValueError, match=f"update='{update}'.*'streamed'"):
             eo.Policy.offload_all(update=update, update_timing="next_forward")

@@ -134,9 +134,9 @@ def test_optimizer_state_is_cut_with_its_parameters(getkey):
     model = Net(key=getkey())
     optimizer = optax.adafactor(1e-2, min_dim_size_to_factor=8)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-    small = eoi.cutting.cut(model, eoi.cutting.model_sizes(model, 2))
+    small = eoi.cutting_cut(model, eoi.model_sizes(model, 2))
     assert len(small.blocks) == 2
-    sizes = eoi.cutting.state_sizes(
+    sizes = eoi.state_sizes(
         optimizer, opt_state, eqx.filter(small, eqx.is_inexact_array)
     )
     expected = jax.eval_shape(optimizer.init, eqx.filter(small, eqx.is_inexact_array))
@@ -149,7 +149,7 @@ def test_optimizer_state_is_cut_with_its_parameters(getkey):
 
 def test_nested_stacked_are_cut_too(getkey):
     model = make_nested(key=getkey())  # 2 blocks of 3 linears
-    small = eoi.cutting.cut(model, eoi.cutting.model_sizes(model, 2))
+    small = eoi.cutting_cut(model, eoi.model_sizes(model, 2))
     assert small.blocks.layers.linears.layers.weight.shape == (2, 2, 8, 8)
     assert small.blocks.layers.scale.shape == (2, 8)
 
@@ -158,7 +158,7 @@ def test_a_loss_that_differs_under_the_transform_is_named(getkey):
     # Under the offloaded transform only, the loss is shifted and the head gets no
     # gradient: the loss is reported first, and the report names the gradient too.
     def loss_fn(model, tokens, targets):
-        if eoi.checkpoint_name_log.is_inside():
+        if eoi.is_inside():
             head = jax.lax.stop_gradient(model.head.weight)
             model = eqx.tree_at(lambda m: m.head.weight, model, head)
             return cross_entropy(model, tokens, targets) + 1.0
@@ -192,7 +192,7 @@ def test_a_corrupted_transfer_in_the_backward_pass_is_named(monkeypatch, getkey)
         return x
 
     corrupt.defvjp(lambda x: (x, None), lambda _, g: (2.0 * g,))
-    to_device = eoi.scan_body.to_device
+    to_device = eoi.to_device
 
     def corrupted(layer_arrays):
         def one(x):
@@ -200,7 +200,7 @@ def test_a_corrupted_transfer_in_the_backward_pass_is_named(monkeypatch, getkey)
 
         return to_device(jax.tree.map(one, layer_arrays))
 
-    monkeypatch.setattr(eoi.scan_body, "to_device", corrupted)
+    monkeypatch.setattr("eqx_offload._scan_body.to_device", corrupted)
 
     def loss_fn(*args):  # its own: no program traced before the patch is reused
         return cross_entropy(*args)
@@ -219,14 +219,14 @@ def test_a_corrupted_streamed_update_is_named(monkeypatch, getkey):
         policy, getkey(), optimizer=optax.sgd(1e-2)
     )
     before = snapshot((model, opt_state))
-    update = eoi.streaming.update
+    update = eoi.streaming_update
 
     def corrupted(*args, **kwargs):
         params, state, norms = update(*args, **kwargs)
         head = params.head.weight
         return eqx.tree_at(lambda p: p.head.weight, params, head + 1e-3), state, norms
 
-    monkeypatch.setattr(eoi.streaming, "update", corrupted)
+    monkeypatch.setattr("eqx_offload._update._streaming.update", corrupted)
     with pytest.raises(
         eo.DoesNotMatch,
         match=r"leaf 'head.weight' after the streamed update differs between the "
@@ -333,14 +333,14 @@ def test_compute_dtypes_are_verified(getkey):
     other = eo.init_opt_state(optimizer, eo.place(Net(key=getkey()), policy), policy)
     with pytest.raises(eo.DoesNotMatch, match=r"`verify`: the gradient of leaf"):
         eo.verify(step, model, other, tokens, targets)
-    reference = eoi.verify._reference
+    reference = eoi.verify_reference
 
     def in_float32(loss_fn, options, *args):
         loss_axes, has_aux, _ = options  # (no dtypes: no cast)
         return reference(loss_fn, (loss_axes, has_aux, None), *args)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(eoi.verify, "_reference", in_float32)
+        patch.setattr("eqx_offload._verify._reference", in_float32)
         with pytest.raises(eo.DoesNotMatch) as info:
             eo.verify(step, model, opt_state, tokens, targets)
     assert beyond_float32(info.value.report) > 10
@@ -375,9 +375,9 @@ def test_micro_batched_steps_are_verified(getkey):
     def loss_fn(*args):  # its own: no program traced before the patch is reused
         return summed_cross_entropy(*args)
 
-    split = eoi.microbatch.split
+    split = eoi.microbatch_split
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(eoi.microbatch, "split", repeated)
+        patch.setattr("eqx_offload._microbatch.split", repeated)
         with pytest.raises(eo.DoesNotMatch, match="the loss differs") as info:
             step = eo.train_step(loss_fn, optimizer, policy, microbatches=2)
             eo.verify(step, *args)
@@ -425,5 +425,5 @@ def test_fsdp_steps_are_verified():
 def test_unsplit_arguments_are_not_cut():
     # Passed whole to every micro-batch, so not batch-major: a shared mask.
     tokens, mask = jnp.zeros((8, 4), jnp.int32), jnp.ones((4, 4))
-    assert eoi.cutting.batch_sizes((tokens, mask), 2, (1,)) == [(2, 4), (4, 4)]
-    assert eoi.cutting.examples((tokens, mask), (1,)) == 8
+    assert eoi.batch_sizes((tokens, mask), 2, (1,)) == [(2, 4), (4, 4)]
+    assert eoi.cutting_examples((tokens, mask), (1,)) == 8

@@ -1,25 +1,16 @@
-"""`apply_pending`: the stacked layers' update a `Policy(update_timing=...)` step
-held over, applied."""
+"""`apply_pending`: the stacked layers' update a
+`Policy(update_timing="next_forward")` step held over, applied."""
 
 import equinox as eqx
 import jax
 import optax
 from jaxtyping import PyTree
 
-from .. import _mixed_precision
+from .. import _mixed_precision, _pending
 from .._errors import see
 from .._memory_kinds import is_arraylike, to_space
 from .._policy import check_policy, Policy
-from . import _deferred
-from ._optim import (
-    as_transformation,
-    check_model,
-    check_state,
-    param_kinds,
-    stepping,
-    trainable,
-    with_params,
-)
+from . import _deferred, _optim
 
 
 def apply_pending(
@@ -30,13 +21,14 @@ def apply_pending(
 ) -> tuple[PyTree, PyTree]:
     """Applies the optimizer update that a `train_step` left pending.
 
-    Steps under `Policy(update_timing="next_forward")` or `"delayed"` leave one.
-    Such a step returns the stacked layers' parameters and optimizer state one
-    update behind. The next step applies the update. Call this before reading the
-    model in any other way: after the last step, before evaluating, exporting or
-    saving. `eqx_offload.save` and `verify` refuse a state with an update pending.
-    Their errors name this function. `memory_report` reports the step as it runs,
-    with one pending. With nothing pending, it returns its arguments as they are.
+    Steps under `Policy(update_timing="next_forward")` leave one. Such a step
+    returns the stacked layers' parameters and optimizer state one update behind,
+    and marks those `Stacked`s. The next step applies the update. Call this before
+    using the model in any other way: after the last step, before evaluating,
+    exporting or saving. A marked `Stacked` refuses to run outside the step, and
+    `save`, `state_dict` and `verify` refuse it; their errors name this function.
+    `memory_report` reports the step as it runs, with one pending. With nothing
+    pending, it returns its arguments as they are.
 
     **Arguments:**
 
@@ -45,8 +37,9 @@ def apply_pending(
 
     **Returns:**
 
-    `(model, opt_state)`: the model with the update applied, and the state with
-    nothing pending. The next step then applies none. Both inputs are donated.
+    `(model, opt_state)`: the model with the update applied (its marks cleared),
+    and the state with nothing pending. The next step then applies none. Both
+    inputs are donated.
 
     !!! Example
 
@@ -56,22 +49,20 @@ def apply_pending(
         model, opt_state = eo.apply_pending(model, opt_state, optimizer, policy)
         ```
     """
-    optimizer = as_transformation(optimizer, "`apply_pending(optimizer=...)`")
+    optimizer = _optim.as_transformation(optimizer, "`apply_pending(optimizer=...)`")
     check_policy(policy, "`apply_pending(policy=...)`")
-    if not isinstance(opt_state, _deferred.PendingUpdate):
-        if policy.update_timing != "now":
-            raise ValueError(
-                "`apply_pending`: `opt_state` is not from a "
-                f"`Policy(update_timing={policy.update_timing!r})` step. Build it "
-                "with `eqx_offload.init_opt_state`." + see(139)
-            )
-        return model, opt_state
-    if policy.update_timing == "now":
-        raise ValueError(
-            "`apply_pending`: `opt_state` holds a pending update, but `policy` has "
-            "`update_timing='now'`. Pass the step's policy." + see(139)
+    pending = isinstance(opt_state, _deferred.PendingUpdate)
+    if pending == (policy.update_timing == "now"):  # (a state of another policy)
+        mismatch = (
+            "holds a pending update, but `policy` has `update_timing='now'`. Pass "
+            "the step's policy."
+            if pending
+            else "is not from a "
+            f"`Policy(update_timing={policy.update_timing!r})` step. Build it with "
+            "`eqx_offload.init_opt_state`."
         )
-    if not opt_state.ready:
+        raise ValueError(f"`apply_pending`: `opt_state` {mismatch}" + see(139))
+    if not pending or not opt_state.ready:
         return model, opt_state
     return _apply(model, opt_state, optimizer, policy)
 
@@ -84,16 +75,17 @@ def _apply(
     policy: Policy,
 ) -> tuple[PyTree, PyTree]:
     where = "`apply_pending`"
-    model_kinds = check_model(model, policy, where)
-    params = trainable(model)
-    full = stepping(optimizer, params, policy)
-    opt_kinds = check_state(full, opt_state, model, policy)
+    model = _pending.mark(model, ())  # (cleared: the update is applied)
+    model_kinds = _optim.check_model(model, policy, where)
+    params = _optim.trainable(model)
+    full = _optim.stepping(optimizer, params, policy)
+    opt_kinds = _optim.check_state(full, opt_state, model, policy)
     state_kinds = [kind for _, kind in opt_kinds]
     inner = _mixed_precision.for_policy(optimizer, params, policy)
     new, opt_state = _deferred.apply_waiting(
-        inner, opt_state, params, param_kinds(params, model_kinds), state_kinds
+        inner, opt_state, params, _optim.param_kinds(params, model_kinds), state_kinds
     )
-    model = with_params(model, new)
+    model = _optim.with_params(model, new)
     leaves, treedef = jax.tree.flatten(opt_state)
     kinds = iter(state_kinds)
     leaves = [to_space(x, next(kinds), "") if is_arraylike(x) else x for x in leaves]

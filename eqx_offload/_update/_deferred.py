@@ -1,4 +1,5 @@
-"""`Policy(update_timing=...)`: the stacked layers' update held over to the next step.
+"""`Policy(update_timing="next_forward")`: the stacked layers' update held over to
+the next step.
 
 At the end of a step, the update runs as the streamed update does (`_streaming.py`).
 It does so for every leaf but the stacked layers' parameters and state. For those,
@@ -12,7 +13,8 @@ The next step applies it layer by layer, inside the forward scan (`_pending.py`,
 the same values as `update_timing="now"`. So the numbers are the same.
 """
 
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,32 +22,39 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import PyTree
 
-from .. import _paths, _pending, _tiling
+from .. import _jaxpr_dataflow as _dataflow, _paths, _pending, _tiling
 from .._memory_kinds import is_arraylike, to_space
 from .._pending import (
     check_ready as check_ready,
     PendingUpdate as PendingUpdate,
     structure as structure,
 )
-from . import _dataflow, _streaming
+from . import _streaming
 
 
 def waits(params: PyTree) -> list[str | None]:
     """Per trainable array leaf: the path of the `Stacked` it is a layer leaf of,
     whose update may wait (None for the others)."""
-    return [
-        leaf.stacked if leaf.layer_axes == 1 else None  # (not a nested `Stacked`)
-        for leaf in _paths.leaves(params)
-        if is_arraylike(leaf.value)
-    ]
+    # (Not a leaf of a nested `Stacked`.)
+    return [x.stacked if x.layer_axes == 1 else None for x in _array_leaves(params)]
 
 
-def _layers(params: PyTree) -> list[int | None]:
-    return [
-        leaf.value.shape[0] if leaf.stacked is not None else None
-        for leaf in _paths.leaves(params)
-        if is_arraylike(leaf.value)
-    ]
+def _array_leaves(params: PyTree) -> list[_paths.Leaf]:
+    return [leaf for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
+
+
+def held_paths(params: PyTree, state: PendingUpdate) -> set[str]:
+    """The paths of the `Stacked`s whose update `state` holds over."""
+    grads = jtu.tree_leaves(state.grads, is_leaf=_is_masked)
+    return {
+        path
+        for path, g in zip(waits(params), grads, strict=True)
+        if path is not None and not _is_masked(g)
+    }
+
+
+def _is_masked(x: Any) -> bool:
+    return isinstance(x, optax.MaskedNode)
 
 
 def _prepare(
@@ -54,20 +63,16 @@ def _prepare(
     inner: PyTree,
     params: PyTree,
 ) -> _streaming.Prepared:
-    paths = [leaf.path for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
+    leaves = _array_leaves(params)
+    layers = [x.value.shape[0] if x.stacked is not None else None for x in leaves]
+    paths = [x.path for x in leaves]
     return _streaming.prepare(
-        optimizer, grads, inner, params, _layers(params), paths, waits=waits(params)
+        optimizer, grads, inner, params, layers, paths, waits=waits(params)
     )
 
 
 def _waiting_keys(prepared: _streaming.Prepared) -> list[Any]:
     return [key for key in prepared.groups if key[0] == "waits"]
-
-
-def _waiting_mask(prepared: _streaming.Prepared) -> list[bool]:
-    """Per trainable leaf: whether its update waits."""
-    waiting = _waiting_keys(prepared)
-    return [g.group in waiting for g in prepared.grads]
 
 
 def with_pending(
@@ -83,8 +88,10 @@ def with_pending(
 
         def held_values(params: PyTree, inner: PyTree) -> Any:
             prepared = _prepare(optimizer, params, inner, params)
-            masks.append(_waiting_mask(prepared))
-            _, _, _, held = _streaming.execute(prepared, _device_kinds(prepared))
+            waiting = _waiting_keys(prepared)
+            masks.append([g.group in waiting for g in prepared.grads])
+            kinds = ["device"] * len(prepared.params), ["device"] * len(prepared.state)
+            _, _, _, held = _streaming.execute(prepared, kinds)
             return tuple(tuple(held[key]) for key in _waiting_keys(prepared))
 
         abstract = jax.eval_shape(held_values, params, inner)
@@ -107,10 +114,6 @@ def with_pending(
         )
 
     return optax.GradientTransformation(init, update)  # pyright: ignore
-
-
-def _device_kinds(prepared: _streaming.Prepared) -> tuple[list[str], list[str]]:
-    return ["device"] * len(prepared.params), ["device"] * len(prepared.state)
 
 
 def _split_kinds(
@@ -137,15 +140,14 @@ def hold_update(
     new_params, inner, _, held = _streaming.execute(
         prepared, (param_kinds, inner_kinds)
     )
-    mask = _waiting_mask(prepared)
-    waiting = [g for g, m in zip(jtu.tree_leaves(grads), mask, strict=True) if m]
-    waiting = [
-        to_space(_cast(g, p.dtype), kind, "")
-        for g, p, kind in zip(
-            waiting, jtu.tree_leaves(state.grads), grad_kinds, strict=True
+    kinds = iter(grad_kinds)
+
+    def keep(old: Any, g: Any) -> Any:  # (`old` is masked where nothing waits)
+        return (
+            old if _is_masked(old) else to_space(_cast(g, old.dtype), next(kinds), "")
         )
-    ]
-    kept = jtu.tree_unflatten(jtu.tree_structure(state.grads), waiting)
+
+    kept = jtu.tree_map(keep, state.grads, grads, is_leaf=_is_masked)
     held_values = tuple(
         tuple(to_space(jnp.asarray(x), "device", "") for x in held[key])
         for key in _waiting_keys(prepared)
@@ -166,10 +168,10 @@ def _grads_for(run_params: PyTree, state: PendingUpdate) -> PyTree:
     """A gradient tree for `_prepare`: the waiting gradients, and each other
     leaf's parameter in its place (never read: only waiting groups run)."""
     return jtu.tree_map(
-        lambda g, p: p if isinstance(g, optax.MaskedNode) else g,
+        lambda g, p: p if _is_masked(g) else g,
         state.grads,
         run_params,
-        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+        is_leaf=_is_masked,
     )
 
 
@@ -192,7 +194,7 @@ def apply_waiting(
     new_params, inner = _streaming.apply_held(
         prepared, (param_kinds, inner_kinds), held
     )
-    return new_params, PendingUpdate(inner, state.grads, state.held, False)
+    return new_params, dataclasses.replace(state, inner=inner, ready=False)
 
 
 def layer_updates(
@@ -201,41 +203,37 @@ def layer_updates(
     params: PyTree,
     param_kinds: list[str],
     state_kinds: list[str],
-    delayed: bool,
 ) -> tuple[dict[str, _pending.Layers], Any]:
     """Per `Stacked` path, the waiting update as its forward scan applies it, and
     a function that takes the gradient of the step's `aux` (the new values) back
     to the new parameters and inner state."""
     inner_kinds, _ = _split_kinds(state, state_kinds)
-    prepared = _prepare(optimizer, _grads_for(params, state), state.inner, params)
+    grads = _grads_for(params, state)
+    prepared = _prepare(optimizer, grads, state.inner, params)
     outputs = _streaming.output_list(prepared, (param_kinds, inner_kinds))
-    mask = _waiting_mask(prepared)
-    names = [leaf.path for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
-    grad_slot = {t: k for k, t in enumerate(t for t, m in enumerate(mask) if m)}
-    p_leaves = jtu.tree_leaves(params)
-    g_leaves = jtu.tree_leaves(state.grads)  # the waiting leaves' only
+    names = [leaf.path for leaf in _array_leaves(params)]
+    p_leaves, g_leaves = jtu.tree_leaves(params), jtu.tree_leaves(grads)
     s_leaves = jtu.tree_leaves(state.inner)
     layers: dict[str, _pending.Layers] = {}
     places: dict[str, tuple[list[int], list[int]]] = {}
     for key, held in zip(_waiting_keys(prepared), state.held, strict=True):
         path = key[1]
-        leaves, states, update = _stack_update(prepared, outputs, key, delayed)
-        grads = [g_leaves[grad_slot[t]] for t in leaves]
-        aux = ([p_leaves[t] for t in leaves], grads, [s_leaves[j] for j in states])
-        writes = (False, True, True) if delayed else (True, False, True)
+        leaves, states, update = _stack_update(prepared, outputs, key)
+        aux = (
+            [p_leaves[t] for t in leaves],
+            [g_leaves[t] for t in leaves],
+            [s_leaves[j] for j in states],
+        )
         paths = tuple(names[t] for t in leaves)
-        layers[path] = _pending.Layers(paths, update, aux, tuple(held), writes)
+        layers[path] = _pending.Layers(paths, update, aux, tuple(held))
         places[path] = (leaves, states)
 
     def back(new_aux: dict[str, Any]) -> tuple[PyTree, PyTree]:
-        """The parameters and inner state with each `Stacked`'s new values: the
-        new parameters written over the old (`"next_forward"`) or, where the
-        layers computed with the old ones (`"delayed"`), over the gradients."""
+        """The parameters and inner state with each `Stacked`'s new values."""
         p_leaves, p_def = jtu.tree_flatten(params)
         s_leaves, s_def = jtu.tree_flatten(state.inner)
         for path, (leaves, states) in places.items():
-            params_slot, grads_slot, new_state = new_aux[path]
-            new_params = grads_slot if delayed else params_slot
+            new_params, _, new_state = new_aux[path]
             for t, x in zip(leaves, new_params, strict=True):
                 p_leaves[t] = to_space(x, param_kinds[t], "")
             for j, x in zip(states, new_state, strict=True):
@@ -249,7 +247,6 @@ def _stack_update(
     prepared: _streaming.Prepared,
     outputs: list[_streaming.Output],
     key: Any,
-    delayed: bool,
 ) -> tuple[list[int], list[int], Any]:
     """For the waiting group `key` (one `Stacked`'s layers): the trainable leaves
     and the state leaves its update reads and writes, and one layer's update."""
@@ -257,66 +254,64 @@ def _stack_update(
     positions = _streaming.waiting_outputs(outputs, key)
     mine = [outputs[k] for k in positions]
     leaves = [k for k in positions if k < n_p]  # new parameters, then new state
+    written = {k - n_p for k in positions if k >= n_p}
     states = sorted(
-        {k - n_p for k in positions if k >= n_p}
-        | {j for j, x in enumerate(prepared.state) if x.group == key}
+        written | {j for j, x in enumerate(prepared.state) if x.group == key}
     )
     dataflow, piece = prepared.dataflow, prepared.dataflow.piece
-    pairs = _streaming.shared_inputs(dataflow, mine)
+    held = [ref for _, ref in _streaming.shared_inputs(dataflow, mine)]
     wanted = dataflow.piece_eqns([o.whole for o in mine])
-    refs = _PieceRefs(
-        [ref for _, ref in pairs],
-        [piece.ins[prepared.params[t].position] for t in leaves],
-        [piece.ins[prepared.grads[t].position] for t in leaves],
-        [piece.ins[prepared.state[j].position] for j in states],
+    ins = [
+        [piece.ins[inputs[i].position] for i in which]
+        for inputs, which in (
+            (prepared.params, leaves),
+            (prepared.grads, leaves),
+            (prepared.state, states),
+        )
+    ]
+    outs = (
         [piece.outs[t] for t in leaves],
-        [piece.outs[n_p + j] for j in states],
+        [piece.outs[n_p + j] if j in written else None for j in states],
     )
-    return leaves, states, _piece_update(piece, wanted, refs, delayed)
-
-
-class _PieceRefs(NamedTuple):
-    """The variables of the piece jaxpr one layer's update sets and reads."""
-
-    held: list  # the shared and global values it reads
-    params: list
-    grads: list
-    state: list
-    new_params: list  # outputs (variable ids or `Literal`s)
-    new_state: list
+    return leaves, states, _piece_update(piece, wanted, held, ins, outs)
 
 
 def _piece_update(
-    piece: _dataflow.FlatJaxpr, wanted: list[int], refs: _PieceRefs, delayed: bool
+    piece: _dataflow.FlatJaxpr,
+    wanted: list[int],
+    held_refs: list,
+    ins: list,
+    outs: tuple,
 ) -> Any:
     """One layer's update of the waiting leaves, by the piece jaxpr.
 
     It takes one layer's slice of `aux = (params, grads, state)`, on the device
-    and without the layer axis, to the new slice. The new parameters replace the
-    old ones, or the gradients where the layers compute with the old (`delayed`)."""
+    and without the layer axis, to the new slice. `held_refs` are the variables of
+    the shared and global values it reads, `ins` those of each part of `aux`, and
+    `outs` the outputs (variables or `Literal`s) of the new parameters and state:
+    None for a state leaf the update reads but does not write, which stays."""
 
     def update(aux: Any, held: Any) -> Any:
-        params, grads, state = aux
         local = dict(piece.consts)
-        local.update(zip(refs.held, held, strict=True))
-        pairs = zip(refs.params, refs.grads, params, grads, strict=True)
-        for p_ref, g_ref, p, g in pairs:
-            local[g_ref] = _tiling.lift(g, 1)
-            local[p_ref] = _tiling.lift(p, 1)
-        for ref, x in zip(refs.state, state, strict=True):
-            local[ref] = _tiling.lift(x, 1)
+        local.update(zip(held_refs, held, strict=True))
+        for refs, values in zip(ins, aux, strict=True):
+            local.update(zip(refs, [_tiling.lift(x, 1) for x in values], strict=True))
         _dataflow.run(piece, wanted, local)
 
         def out(ref: Any, old: Any) -> Any:
-            value = ref.value if isinstance(ref, _dataflow.Literal) else local.get(ref)
-            if value is None:  # a state leaf the update reads but does not write
+            if ref is None:
                 return old
+            value = ref.value if isinstance(ref, _dataflow.Literal) else local.get(ref)
+            if value is None:  # (every written output's equations were run)
+                raise AssertionError(
+                    "`train_step`: the held-over update computed no value for a "
+                    "leaf it writes: an eqx_offload bug, please report it."
+                )
             return _tiling.lower(jnp.asarray(value), 1).astype(old.dtype)
 
-        new_params = [out(r, p) for r, p in zip(refs.new_params, params, strict=True)]
-        new_state = [out(r, x) for r, x in zip(refs.new_state, state, strict=True)]
-        if delayed:
-            return params, new_params, new_state
+        params, grads, state = aux
+        new_params = [out(r, p) for r, p in zip(outs[0], params, strict=True)]
+        new_state = [out(r, x) for r, x in zip(outs[1], state, strict=True)]
         return new_params, grads, new_state
 
     return update
