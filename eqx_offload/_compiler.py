@@ -1,7 +1,8 @@
-"""Reading the compiler's text: StableHLO, HLO, and error messages.
+"""Reading the compiler's text: HLO, and error messages.
 
-The StableHLO is a lowered function's. The HLO is a compiled one's, the TPU
-compiler's after optimisation. None of these texts is a stable interface. Checked
+The HLO is a compiled function's, the TPU compiler's after optimisation (a lowered
+function's StableHLO is read in `_compiler_stablehlo.py`). None of these texts is
+a stable interface. Checked
 against jax 0.10.2, jaxlib 0.10.2 and libtpu 0.0.42.1. Samples captured with them
 are in `tests/fixtures/0.10.2/`. `tests/test_compiler_text.py` parses them, and
 compares them with what this installation's compiler writes. So an upgrade that
@@ -10,9 +11,12 @@ changes the text fails there. The private Python parts of JAX and Equinox are in
 """
 
 import json
+import math
 import re
 from collections.abc import Iterator
 from typing import Any, Literal, NamedTuple
+
+import jax.numpy as jnp
 
 from . import _scopes
 
@@ -49,24 +53,14 @@ def compile_options(platform: str, *, host_remat: bool) -> dict[str, Any] | None
     (`train_step` and `memory_report` both take them from here, and
     `StepTime.compile_options` reports them), or `None` for none.
 
-    `Policy(host_remat=True)` sets the TPU's (`host_remat_options`); a platform
-    without that option gets `None` here, and the caller refuses it.
+    `Policy(host_remat=True)` sets the TPU compiler's option that keeps values it
+    would rematerialize in host memory instead (design notes, "JAX facts relied
+    on"); a platform without that option gets `None` here, and the caller
+    refuses it.
     """
-    if host_remat:
-        return host_remat_options(platform)
+    if host_remat and platform == "tpu":
+        return {"xla_tpu_rematerialization_use_host_memory_offload": True}
     return None
-
-
-def host_remat_options(platform: str) -> dict[str, bool] | None:
-    """The TPU compiler's option for `Policy(host_remat=True)`, or `None`.
-
-    With it, values the compiler would rematerialize are kept in host memory
-    instead (design notes, "JAX facts relied on"). `None` means the platform has
-    no such option.
-    """
-    if platform != "tpu":
-        return None
-    return {"xla_tpu_rematerialization_use_host_memory_offload": True}
 
 
 # Error messages.
@@ -102,20 +96,14 @@ def crash_line(stderr: str) -> str:
 
 
 # HLO's element types, as `jnp.dtype` names.
-_HLO_TYPES = {
-    "pred": "bool",
-    "s8": "int8",
-    "s16": "int16",
-    "s32": "int32",
-    "s64": "int64",
-    "u8": "uint8",
-    "u16": "uint16",
-    "u32": "uint32",
-    "u64": "uint64",
-    "f16": "float16",
-    "bf16": "bfloat16",
-    "f32": "float32",
-    "f64": "float64",
+_HLO_TYPES = {"pred": "bool", "bf16": "bfloat16"} | {
+    f"{short}{bits}": f"{name}{bits}"
+    for short, name, sizes in (
+        ("s", "int", (8, 16, 32, 64)),
+        ("u", "uint", (8, 16, 32, 64)),
+        ("f", "float", (16, 32, 64)),
+    )
+    for bits in sizes
 }
 _HLO_SHAPE = re.compile(r"\b(" + "|".join(_HLO_TYPES) + r")\[([0-9,]*)\](\{[^}]*\})?")
 _EXPECTED = re.compile(r"shape equal to \((.*?)\), actual shape is \((.*?)\):", re.S)
@@ -174,96 +162,12 @@ def named_scopes(op_name: str) -> list[str]:
     return out
 
 
-# StableHLO (`jax.jit(f).lower(...).as_text()`).
-
-
-class Signature(NamedTuple):
-    """The signature of a lowered function's `main`."""
-
-    arg_kinds: list[str]  # "device" or "host", per argument
-    aliases: dict[int, int]  # donated argument -> the output it aliases
-    out_kinds: list[str]  # "device" or "host", per output
-
-
-def signature(text: str, arguments: int | None = None) -> Signature:
-    """From the StableHLO of a lowered function: each argument's memory kind, which
-    output each donated argument aliases, and each output's memory kind.
-
-    `arguments`: how many arguments the function has. JAX 0.10 passes the large
-    constants a program closes over (a mask made outside the step) as more
-    arguments of `main`, before the function's own: those are dropped."""
-    start = text.index("func.func public @main(")
-    body = text[start : text.index(") {", text.index(") -> (", start)) + 1]
-    args_text, outs_text = body.split(") -> (", 1)
-
-    def attributes(part: str, marker: str) -> list[str]:
-        out = []
-        for match in re.finditer(marker, part):
-            i = match.end()
-            depth, j, quoted = 0, i, False
-            while j < len(part) and (quoted or depth or part[j] not in ",)"):
-                if part[j] == '"' and part[j - 1] != "\\":
-                    quoted = not quoted  # a sharding string: "{devices=[8]<=[8]}"
-                elif not quoted:
-                    depth += {"<": 1, ">": -1, "{": 1, "}": -1}.get(part[j], 0)
-                j += 1
-            out.append(part[i:j])
-        return out
-
-    def kind(attrs: str) -> str:
-        found = re.search(r'mhlo\.memory_kind = "(\w+)"', attrs)
-        return "host" if found and found[1] != "device" else "device"
-
-    arg_attrs = attributes(args_text, r"%arg\d+: ")
-    if arguments is not None and len(arg_attrs) > arguments:
-        arg_attrs = arg_attrs[len(arg_attrs) - arguments :]
-    out_attrs = attributes(outs_text, r"(?:^|, )(?=tensor<)")
-    arg_kinds, out_kinds = [kind(a) for a in arg_attrs], [kind(a) for a in out_attrs]
-    aliases = {}
-    for i, attrs in enumerate(arg_attrs):
-        found = re.search(r"tf\.aliasing_output = (\d+)", attrs)
-        if found:
-            aliases[i] = int(found[1])
-    # A program over a mesh marks donated arguments `jax.buffer_donor` and lets the
-    # compiler pick the output each one aliases: the first free output of the same
-    # type in the same memory.
-    taken = set(aliases.values())
-    for i, attrs in enumerate(arg_attrs):
-        if i in aliases or "jax.buffer_donor = true" not in attrs:
-            continue
-        for j, out in enumerate(out_attrs):
-            same = _tensor_type(out) == _tensor_type(attrs)
-            if j not in taken and same and out_kinds[j] == arg_kinds[i]:
-                aliases[i] = j
-                taken.add(j)
-                break
-    return Signature(arg_kinds, aliases, out_kinds)
-
-
-def _tensor_type(attrs: str) -> str:
-    """The `tensor<...>` type at the start of an argument's or output's text."""
-    return attrs.split(" ", 1)[0]
-
-
 # HLO (`compiled.as_text()`), where host memory is memory space 5 (`S(5)`).
 
-_BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-}
+_BYTES = {t: jnp.dtype(name).itemsize for t, name in _HLO_TYPES.items()}
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
 _INTEGER = re.compile(r"-?\d+")
+_JSON = json.JSONDecoder()
 
 
 class Array(NamedTuple):
@@ -287,67 +191,70 @@ class Instruction(NamedTuple):
     operands: list[str]
     attrs: str
 
+    def _attr(self, pattern: str) -> str | None:
+        """The first group of `pattern` in its attributes, or `None`."""
+        found = re.search(pattern, self.attrs)
+        return found[1] if found else None
+
     def computation(self, key: str) -> str | None:
         """The computation an attribute names (`body`, `condition`, `calls`, ...)."""
-        found = re.search(rf"\b{key}=%([^\s,}}]+)", self.attrs)
-        return found[1] if found else None
+        return self._attr(rf"\b{key}=%([^\s,}}]+)")
+
+    def _computations(self, key: str) -> list[str]:
+        """The computations an attribute lists: `key={%a, %b}`."""
+        found = self._attr(rf"\b{key}=\{{([^}}]*)\}}") or ""
+        return re.findall(r"%([^\s,}]+)", found)
 
     @property
     def branches(self) -> list[str]:
         """A `conditional`'s branch computations, in order."""
-        found = re.search(r"branch_computations=\{([^}]*)\}", self.attrs)
-        names = re.findall(r"%([^\s,}]+)", found[1]) if found else []
-        true = self.computation("true_computation")
-        false = self.computation("false_computation")
-        return names + [n for n in (true, false) if n]
+        pair = [self.computation(f"{b}_computation") for b in ("true", "false")]
+        return self._computations("branch_computations") + [n for n in pair if n]
 
     @property
     def known_trip_count(self) -> int | None:
         """A `while` loop's trip count, where the compiler knows it."""
-        found = re.search(r'"known_trip_count":\{"n":"(\d+)"', self.attrs)
-        return int(found[1]) if found else None
+        found = self._attr(r'"known_trip_count":\{"n":"(\d+)"')
+        return None if found is None else int(found)
 
     @property
     def direction(self) -> str | None:
         """A `compare`'s direction: "LT", "GE", ..."""
-        found = re.search(r"\bdirection=(\w+)", self.attrs)
-        return found[1] if found else None
+        return self._attr(r"\bdirection=(\w+)")
 
     @property
     def index(self) -> int | None:
         """A `get-tuple-element`'s index."""
-        found = re.search(r"index=(\d+)", self.attrs)
-        return int(found[1]) if found else None
+        found = self._attr(r"index=(\d+)")
+        return None if found is None else int(found)
 
     @property
     def dim_labels(self) -> str | None:
         """A `convolution`'s dimension labels: "bf_io->bf" (lhs, rhs -> result;
         `b` batch, `f` feature, `i`/`o` the kernel's input/output feature, digits
         spatial)."""
-        found = re.search(r"\bdim_labels=(\S+?)(?:,|$)", self.attrs)
-        return found[1] if found else None
+        return self._attr(r"\bdim_labels=(\S+?)(?:,|$)")
 
     def dims(self, key: str) -> list[int]:
         """The dimension numbers an attribute lists: `lhs_contracting_dims={1}`,
         `rhs_batch_dims={0}`, ... (empty if absent)."""
-        found = re.search(rf"\b{key}=\{{([0-9,]*)\}}", self.attrs)
-        return [int(d) for d in found[1].split(",") if d] if found else []
+        found = self._attr(rf"\b{key}=\{{([0-9,]*)\}}") or ""
+        return [int(d) for d in found.split(",") if d]
 
     @property
     def operand_precision(self) -> list[str]:
         """A `dot`'s or `convolution`'s operand precisions ("highest", "high";
         empty at the default)."""
-        found = re.search(r"\boperand_precision=\{([a-z,]*)\}", self.attrs)
-        return found[1].split(",") if found else []
+        found = self._attr(r"\boperand_precision=\{([a-z,]*)\}")
+        return [] if found is None else found.split(",")
 
     @property
     def window(self) -> dict[str, list[int]]:
         """A `convolution`'s window, per spatial dimension: `size`, `stride`,
         `pad_low`, `pad_high`, `lhs_dilate`, `rhs_dilate` (each present when the
         text gives it; `{}` for no window)."""
-        found = re.search(r"\bwindow=\{([^}]*)\}", self.attrs)
         out: dict[str, list[int]] = {}
-        for item in found[1].split() if found else []:
+        for item in (self._attr(r"\bwindow=\{([^}]*)\}") or "").split():
             key, _, value = item.partition("=")
             if key == "pad":
                 pairs = [p.split("_") for p in value.split("x")]
@@ -368,8 +275,7 @@ class Instruction(NamedTuple):
 
     @property
     def custom_call_target(self) -> str | None:
-        found = re.search(r'\bcustom_call_target="([^"]*)"', self.attrs)
-        return found[1] if found else None
+        return self._attr(r'\bcustom_call_target="([^"]*)"')
 
     @property
     def host_compute(self) -> bool:
@@ -391,8 +297,7 @@ class Instruction(NamedTuple):
         on_host = 'async_execution_thread="host"' in self.attrs
         if not on_host and self.custom_call_target != "HostExecute":
             return []
-        found = re.search(r"\bcalled_computations=\{([^}]*)\}", self.attrs)
-        return re.findall(r"%([^\s,}]+)", found[1]) if found else []
+        return self._computations("called_computations")
 
     @property
     def backend_config(self) -> dict:
@@ -400,21 +305,11 @@ class Instruction(NamedTuple):
         start = self.attrs.find("backend_config={")
         if start < 0:
             return {}
-        start += len("backend_config=")
-        depth, quoted = 0, False
-        for i in range(start, len(self.attrs)):
-            ch = self.attrs[i]
-            if ch == '"' and self.attrs[i - 1] != "\\":
-                quoted = not quoted
-            elif not quoted and ch in "{}":
-                depth += 1 if ch == "{" else -1
-                if depth == 0:
-                    try:
-                        found = json.loads(self.attrs[start : i + 1])
-                    except ValueError:
-                        return {}
-                    return found if isinstance(found, dict) else {}
-        return {}
+        try:  # the JSON object there, whatever follows it
+            found, _ = _JSON.raw_decode(self.attrs, start + len("backend_config="))
+        except ValueError:
+            return {}
+        return found if isinstance(found, dict) else {}
 
     @property
     def op_name(self) -> str:
@@ -455,10 +350,7 @@ def _array_parts(shape: str) -> Iterator[tuple[str, int, str]]:
     for dtype, dims, layout in _ARRAY.findall(shape):
         if dtype not in _BYTES and not dtype.startswith(("f8", "s4", "u4")):
             continue
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        yield dtype, n, layout or ""
+        yield dtype, math.prod(int(d) for d in dims.split(",") if d), layout or ""
 
 
 def arrays(shape: str) -> list[Array]:
@@ -515,9 +407,7 @@ def _closing(text: str, start: int) -> int:
 
 
 def _instruction(line: str) -> Instruction | None:
-    line = line.strip()
-    if line.startswith("ROOT "):
-        line = line[5:]
+    line = line.strip().removeprefix("ROOT ")
     if not line.startswith("%") or " = " not in line:
         return None
     name, rest = line[1:].split(" = ", 1)

@@ -18,7 +18,7 @@ import pytest
 import eqx_offload as eo
 from eqx_offload import __main__
 from eqx_offload.__main__ import main
-from eqx_offload.internal import planner_compile, planner_plan
+from eqx_offload.internal import compile_report
 
 from .helpers import MLPBlock, StackedNet
 
@@ -80,7 +80,7 @@ def test_an_interrupted_plan_prints_and_writes_the_best_so_far(
     `Policy.remat()` fits), writes it to `--json` with `"interrupted": true`, and
     exits with 130; a SIGTERM (`timeout`'s) before any compile writes an empty
     table, and exits with 143."""
-    report = planner_compile.report
+    report = compile_report
 
     def interrupted(task, policy, microbatches):
         if policy.offload:
@@ -93,7 +93,7 @@ def test_an_interrupted_plan_prints_and_writes_the_best_so_far(
     plan = ["plan", "tests.test_cli:small_factory", "--target", "tpu-v5e"]
     plan += ["--device-budget", "1400000", "--workspace-margin", "80000"]
     plan += ["--json", str(out)]
-    monkeypatch.setattr(planner_compile, "report", interrupted)
+    monkeypatch.setattr("eqx_offload._planner._compile.report", interrupted)
     with pytest.raises(SystemExit) as e:
         main(plan)
     assert e.value.code == 130
@@ -110,7 +110,7 @@ def test_an_interrupted_plan_prints_and_writes_the_best_so_far(
     def terminated(*args):
         os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(planner_plan, "_start", terminated)
+    monkeypatch.setattr("eqx_offload._planner._plan._start", terminated)
     previous = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as e:
         main(plan)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from eqx_offload import _compat, _compiler, _diagnose
+from eqx_offload import _compat, _compiler, _compiler_stablehlo, _diagnose
 from eqx_offload._report import _compiled_traffic
 from eqx_offload._report._traffic import Transfer
 
@@ -109,16 +109,16 @@ def test_op_names_and_named_scopes():
 
 
 def test_signature_with_aliased_outputs():
-    signature = _compiler.signature(fixture("stablehlo_donated.mlir"))
-    assert signature == _compiler.Signature(
+    signature = _compiler_stablehlo.signature(fixture("stablehlo_donated.mlir"))
+    assert signature == _compiler_stablehlo.Signature(
         ["host", "device", "host"], {1: 0, 2: 1}, ["device", "host", "device"]
     )
 
 
 def test_signature_with_buffer_donors():
     # The donors are paired with the first free output of their type and memory.
-    signature = _compiler.signature(fixture("stablehlo_mesh.mlir"))
-    assert signature == _compiler.Signature(
+    signature = _compiler_stablehlo.signature(fixture("stablehlo_mesh.mlir"))
+    assert signature == _compiler_stablehlo.Signature(
         ["device", "host", "device"], {0: 0, 1: 2}, ["device", "device", "host"]
     )
 

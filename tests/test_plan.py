@@ -18,18 +18,8 @@ import optax
 import pytest
 
 import eqx_offload as eo
-from eqx_offload.internal import (  # named as in eqx_offload/_planner/
-    planner_arguments as _arguments,
-    planner_budget as _budget,
-    planner_candidates as _candidates,
-    planner_choice as _choice,
-    planner_compile as _compile,
-    planner_plan as _plan,
-    planner_progress as _progress,
-    planner_search as _search,
-    planner_sizes as _sizes,
-    UnusedName,
-)
+import eqx_offload.internal as eoi
+from eqx_offload.internal import UnusedName
 
 from .helpers import Model, unchecked
 from .numerics import assert_close, excess, scaled_update, TRAINED
@@ -51,7 +41,11 @@ KEY = jax.random.key(0)
 # each with the update on the host, reading its layers ahead and updating in the
 # next forward scan.
 SEARCH = {"SINGLES": 3, "COMBINATIONS": 1}
-LATER = {"HOST_UPDATES": 1, "READ_AHEAD": 1, "UPDATE_LATER": 1}
+LATER: dict[eoi.Experimental, int] = {  # `eoi.AGAIN`
+    "host_update": 1,
+    "prefetch": 1,
+    "next_forward": 1,
+}
 EXPERIMENTAL = ("host_update", "prefetch", "next_forward")
 KINDS = ("device", "host link", "host compute")
 
@@ -117,10 +111,10 @@ def _small_search(patch: pytest.MonkeyPatch) -> None:
     """`tight`'s search (`SEARCH`, `LATER`), choosing by the estimates alone (an
     error of 0: no ties; the choice within the error is tested on its own)."""
     for name, value in SEARCH.items():
-        patch.setattr(_search, name, value)
+        patch.setattr(f"eqx_offload._planner._search.{name}", value)
     for name, value in LATER.items():
-        patch.setattr(_plan, name, value)
-    patch.setattr(_search.Search, "error", lambda self, candidate: 0.0)
+        patch.setitem(eoi.AGAIN, name, value)
+    patch.setattr(eoi.Search, "error", lambda self, candidate: 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +221,7 @@ def test_the_fastest_fitting_candidate_is_chosen(tight):
     # update on the host's CPU (`Policy.offload_all()`'s placement), and the
     # estimate chose.
     host = [r for r in compiled if r.label.endswith("update on host")]
-    assert len(host) == LATER["HOST_UPDATES"]
+    assert len(host) == LATER["host_update"]
     everything = "params on host: proj, blocks, head; opt_state on host: proj,"
     (offloaded,) = [r for r in host if r.label.startswith(everything)]
     assert offloaded.fits and offloaded.seconds is not None
@@ -237,8 +231,8 @@ def test_the_fastest_fitting_candidate_is_chosen(tight):
     # "next_forward"`).
     later = [r for r in compiled if "update in the next forward" in r.label]
     ahead = [r for r in compiled if "layers read ahead" in r.label]
-    assert len(ahead) == LATER["READ_AHEAD"]
-    assert len(later) == LATER["UPDATE_LATER"]
+    assert len(ahead) == LATER["prefetch"]
+    assert len(later) == LATER["next_forward"]
     assert any(r.status.startswith("pruned: frees") for r in rows)  # singles
     # Combinations estimated to fit, not compiled once one fitted.
     assert any(r.status.startswith("pruned: estimated to fit") for r in rows)
@@ -309,7 +303,7 @@ def test_a_tie_within_the_error_goes_to_headroom_without_experimental_stages():
     (a tenth of the budget, in `plan`), then to the fastest. The issue's case on
     an H100 (59.33 GiB): 4 micro-batches at 59.22 GiB estimated 1% faster than 8
     at 40.3 GiB."""
-    Option, choose, tied = _choice.Option, _choice.choose, _choice.tied
+    Option, choose, tied = eoi.Option, eoi.choose, eoi.tied
     gib = 2**30
     four, eight = Option(1.00, 0.1, 0.11 * gib), Option(1.01, 0.1, 19.03 * gib)
     enough = 5.9 * gib
@@ -328,7 +322,7 @@ def test_a_tie_within_the_error_goes_to_headroom_without_experimental_stages():
     assert tied([a, b, c]) == [0, 1] and choose([c, b, a]) == 1
     # No step time (the CPU backend): the most headroom, capped or not.
     assert choose([Option(0.0, 0.0, 10), Option(0.0, 0.0, 20)], enough=5.0) == 1
-    assert _choice.experimental_names("prefetch") == {"prefetch"}
+    assert eoi.experimental_names("prefetch") == {"prefetch"}
     with pytest.raises(
         ValueError,
         match=(
@@ -349,8 +343,10 @@ def test_the_plan_is_chosen_within_the_error_and_experiments_are_asked_for(
     fastest that have no experimental stage and leave a tenth of the budget free,
     and the table says why (the preference for no experimental stage is tested
     above); without `experimental`, no experimental stage is compiled."""
-    for name, value in {**SEARCH, **LATER}.items():
-        monkeypatch.setattr(_search if name in SEARCH else _plan, name, value)
+    for name, value in SEARCH.items():
+        monkeypatch.setattr(f"eqx_offload._planner._search.{name}", value)
+    for name, value in LATER.items():
+        monkeypatch.setitem(eoi.AGAIN, name, value)
     p = _v5e_plan(device_budget=BUDGET, experimental=EXPERIMENTAL)
     assert p.compiled == p.reused == tight.compiled
     rows = [r for r in p.table.rows if r.fits]
@@ -392,18 +388,18 @@ def test_a_gpu_plan_leaves_room_for_workspaces():
     """On a GPU target 2 GiB of the device budget are left free by default (an
     eighth of a budget under 16 GiB), none on a TPU; the table says so."""
     gib = 2**30
-    (device, host), margin = _arguments.budgets(None, "48GB", "gpu-h100")
-    assert margin == 2 * gib and device + margin == _arguments.capacity("gpu-h100")
-    assert _arguments.budgets("4GiB", "48GB", "gpu-h100")[1] == gib // 2
-    assert _arguments.budgets(None, None, "tpu-v5e")[1] == 0
-    assert _arguments.budgets("8GiB", "1GiB", "gpu-h200", "1GiB")[0] == (7 * gib, gib)
-    assert _arguments.budgets("8GiB", "1GiB", "gpu-h200", 0)[1] == 0
+    (device, host), margin = eoi.planner_budgets(None, "48GB", "gpu-h100")
+    assert margin == 2 * gib and device + margin == eoi.planner_capacity("gpu-h100")
+    assert eoi.planner_budgets("4GiB", "48GB", "gpu-h100")[1] == gib // 2
+    assert eoi.planner_budgets(None, None, "tpu-v5e")[1] == 0
+    assert eoi.planner_budgets("8GiB", "1GiB", "gpu-h200", "1GiB")[0] == (7 * gib, gib)
+    assert eoi.planner_budgets("8GiB", "1GiB", "gpu-h200", 0)[1] == 0
     for bad, match in [
         ("8GiB", r"`plan\(workspace_margin='8GiB'\)` leaves nothing of the device"),
         ("lots", r"`plan\(workspace_margin='lots'\)` is not a size"),
     ]:
         with pytest.raises(ValueError, match=match):
-            _arguments.budgets("8GiB", "1GiB", "gpu-h100", bad)
+            eoi.planner_budgets("8GiB", "1GiB", "gpu-h100", bad)
     table = eo.PlanTable((), device, host, workspace_margin=margin)
     assert str(table).startswith(
         "budgets per device: 57.33 GiB device (2.00 GiB of 59.33 GiB left free "
@@ -441,7 +437,7 @@ def test_a_second_plan_reuses_the_first_ones_compiles(tight):
 
     with pytest.MonkeyPatch.context() as patch:
         _small_search(patch)
-        patch.setattr(_compile, "checkpoint_names", counted)
+        patch.setattr("eqx_offload._planner._compile.checkpoint_names", counted)
         same = _v5e_plan(device_budget=BUDGET, experimental=EXPERIMENTAL)
         assert traced == []
         other = eo.plan(
@@ -479,7 +475,7 @@ def test_the_progress_bar_counts_the_candidates_to_compile(tight, monkeypatch):
         def close(self):
             shown.append(("closed", self.n, self.total))
 
-    monkeypatch.setattr(_progress, "_bar", Bar)
+    monkeypatch.setattr("eqx_offload._planner._progress._bar", Bar)
     _small_search(monkeypatch)
     p = eo.plan(
         _loss,
@@ -493,7 +489,7 @@ def test_the_progress_bar_counts_the_candidates_to_compile(tight, monkeypatch):
         experimental=EXPERIMENTAL,
     )
     assert shown[0] == (1, 1)  # `Policy.none()`, the only one planned
-    most = 3 + 3 + _search.COMBINATION_COMPILES + _search.IMPROVE_COMPILES
+    most = 3 + 3 + eoi.COMBINATION_COMPILES + eoi.IMPROVE_COMPILES
     assert shown[1] == (2, 1 + most)  # the first preset, and the rest planned
     assert all(n <= total for n, total in shown[:-1])
     assert shown[-1] == ("closed", p.compiled, p.compiled)
@@ -514,8 +510,8 @@ def test_nothing_fits_names_the_smallest_footprint_and_the_budget(monkeypatch):
     check and aborts (as libtpu did), which is a row of the table, not the end of
     the plan. (The child is a bare Python that aborts at once, not the compile's:
     `test_a_candidate_compiled_in_a_child_process_reports_as_here` runs that.)"""
-    monkeypatch.setattr(_search, "SINGLES", 1)
-    monkeypatch.setattr(_search, "IMPROVE_COMPILES", 0)
+    monkeypatch.setattr("eqx_offload._planner._search.SINGLES", 1)
+    monkeypatch.setattr("eqx_offload._planner._search.IMPROVE_COMPILES", 0)
     children = []
     run = subprocess.run
 
@@ -523,11 +519,11 @@ def test_nothing_fits_names_the_smallest_footprint_and_the_budget(monkeypatch):
         children.append(command)
         return run([sys.executable, "-c", _ABORT], **kwargs)
 
-    monkeypatch.setattr(_compile.subprocess, "run", aborting)
+    monkeypatch.setattr("eqx_offload._planner._compile.subprocess.run", aborting)
     with pytest.raises(eo.DoesNotFit, match="over the device budget") as e:
         _v5e_plan(device_budget=MIB)
     (child,) = children
-    assert child[:3] == [sys.executable, "-m", _compile.__name__]
+    assert child[:3] == [sys.executable, "-m", eoi.compile_child.__module__]
     assert e.value.available_bytes == MIB
     assert e.value.required_bytes is not None and e.value.required_bytes > MIB
     assert "smallest device footprint found" in str(e.value)
@@ -546,8 +542,8 @@ def test_a_host_budget_nothing_fits_is_named(tight, monkeypatch):
     than 1 MiB: the error is about the host (the presets only: `tight` compiled
     them)."""
     for stage in ("SINGLES", "COMBINATION_COMPILES", "IMPROVE_COMPILES"):
-        monkeypatch.setattr(_search, stage, 0)
-    monkeypatch.setattr(_plan, "HOST_REMAT", False)
+        monkeypatch.setattr(f"eqx_offload._planner._search.{stage}", 0)
+    monkeypatch.setattr("eqx_offload._planner._plan.HOST_REMAT", False)
     with pytest.raises(
         eo.DoesNotFit, match="over the host budget. Give a larger "
     ) as e:
@@ -566,22 +562,22 @@ def test_a_candidate_compiled_in_a_child_process_reports_as_here():
     policy = eo.Policy.remat(host_remat=True)
     batch = jax.ShapeDtypeStruct((8, 32), jnp.float32)
     tiny = eqx.filter_eval_shape(_Tiny, KEY)
-    task = _compile.Task(_squared, OPTIMIZER, tiny, (batch,), target="tpu-v5e")
-    here = _compile.report(task, policy, 1)
-    child = _compile.report_in_child(task, policy, 1)
+    task = eoi.Task(_squared, OPTIMIZER, tiny, (batch,), target="tpu-v5e")
+    here = eoi.compile_report(task, policy, 1)
+    child = eoi.report_in_child(task, policy, 1)
     assert child == here and child.time is not None
 
     # The child's other answers, round-tripped in this process: a refusal.
     def in_this_process(command, **_):
-        _compile._child(*command[-2:])
+        eoi.compile_child(*command[-2:])
         return subprocess.CompletedProcess(command, 0, "", "")
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_compile.subprocess, "run", in_this_process)
+        patch.setattr("eqx_offload._planner._compile.subprocess.run", in_this_process)
         with pytest.raises(eo.DoesNotFit, match="tpu-v5e") as e:
             big = eqx.filter_eval_shape(_Tiny, KEY, 2**16)  # 32 GiB of layers
             wide = jax.ShapeDtypeStruct((8, 2**16), jnp.float32)
-            _compile.report_in_child(task._replace(model=big, batch=(wide,)), policy, 1)
+            eoi.report_in_child(task._replace(model=big, batch=(wide,)), policy, 1)
     required, available = e.value.required_bytes, e.value.available_bytes
     assert required is not None and available is not None and required > available
     assert "Ran out of memory" in e.value.compiler_message  # the whole error
@@ -594,17 +590,17 @@ def test_a_candidate_compiled_in_a_child_process_reports_as_here():
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(sys.modules, "cloudpickle", None)  # not installed
         with pytest.raises(ImportError, match=r"needs cloudpickle\. Install it: `pip"):
-            _compile.report_in_child(task, policy, 1)
+            eoi.report_in_child(task, policy, 1)
 
 
 def test_budgets():
-    assert _budget.parse_bytes("16GiB", "device_budget") == 16 * 2**30
-    assert _budget.parse_bytes("48GB", "host_budget") == 48 * 10**9
-    assert _budget.parse_bytes(" 1.5 MiB", "device_budget") == int(1.5 * MIB)
-    assert _budget.parse_bytes(4096, "device_budget") == 4096
+    assert eoi.parse_bytes("16GiB", "device_budget") == 16 * 2**30
+    assert eoi.parse_bytes("48GB", "host_budget") == 48 * 10**9
+    assert eoi.parse_bytes(" 1.5 MiB", "device_budget") == int(1.5 * MIB)
+    assert eoi.parse_bytes(4096, "device_budget") == 4096
     for bad in ("16 apples", "0GB", -1, True, "GiB"):
         with pytest.raises(ValueError, match=r"`plan\(device_budget="):
-            _budget.parse_bytes(bad, "device_budget")  # pyright: ignore[reportArgumentType]
+            eoi.parse_bytes(bad, "device_budget")  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="Give both budgets"):
         eo.plan(_loss, OPTIMIZER, _abstract(), BATCH, BATCH)
 
@@ -675,12 +671,14 @@ def test_fewest_chips(monkeypatch):
     """With 4 MiB a chip nothing fits on one chip (the smallest footprint is
     `offload_all`'s 6.75 MiB), and everything on four; 16 chips and more do not
     split a batch of 8."""
-    monkeypatch.setattr(_search, "SINGLES", 0)
-    monkeypatch.setattr(_search, "IMPROVE_COMPILES", 0)
-    monkeypatch.setattr(_plan, "HOST_REMAT", False)  # (tested above)
+    monkeypatch.setattr("eqx_offload._planner._search.SINGLES", 0)
+    monkeypatch.setattr("eqx_offload._planner._search.IMPROVE_COMPILES", 0)
+    monkeypatch.setattr(
+        "eqx_offload._planner._plan.HOST_REMAT", False
+    )  # (tested above)
     # (With the update on the host, `offload_all`'s placement takes 2.12 MiB and
     # one chip is enough: tested in `tight`.)
-    monkeypatch.setattr(_plan, "HOST_UPDATES", 0)
+    monkeypatch.setitem(eoi.AGAIN, "host_update", 0)
     p = eo.fewest_chips(
         _loss,
         OPTIMIZER,
@@ -732,12 +730,12 @@ def test_a_vocabulary_table_is_a_candidate_for_streaming():
     `Policy(host_tables=...)`; smaller tables and stacked leaves are not offered."""
     big = eqx.filter_eval_shape(Model, 1024, 16, 2, key=jax.random.key(0))
     table = 1024 * 16 * 4  # the head's weight is `[vocab, dim]` too
-    assert _sizes.tables_of(big) == {"embed.weight": table, "head.weight": table}
-    assert _sizes.tables_of(_abstract()) == {}  # 128 rows
-    start = _candidates.Candidate.start(
-        ("embed", "blocks", "head"), (), _candidates.Settings(), ("embed.weight",)
+    assert eoi.tables_of(big) == {"embed.weight": table, "head.weight": table}
+    assert eoi.tables_of(_abstract()) == {}  # 128 rows
+    start = eoi.Candidate.start(
+        ("embed", "blocks", "head"), (), eoi.Settings(), ("embed.weight",)
     )
-    move = _candidates.Move("host_tables", "embed.weight", "pinned_host")
+    move = eoi.Move("host_tables", "embed.weight", "pinned_host")
     assert move in start.moves(())
     streamed = start.apply(move, ())
     policy = streamed.policy()
@@ -750,7 +748,7 @@ def test_a_vocabulary_table_is_a_candidate_for_streaming():
         "embed.weight": "pinned_host",
     }
     assert streamed.label == "stream embed.weight from host; no remat"
-    back = _candidates.Move("host_tables", "embed.weight", "device")
+    back = eoi.Move("host_tables", "embed.weight", "device")
     assert back in streamed.flips({})
     assert start.policy().host_tables == ()
 
@@ -759,10 +757,10 @@ def test_a_part_placed_apart_folds_back_into_its_field():
     """A part of a field's state placed apart from it is dropped once it is placed
     as the field again, either way: the policy names each placement once; the
     last part is not placed apart (that is the field moved)."""
-    Move, Part = _candidates.Move, _candidates.Part
+    Move, Part = eoi.Move, eoi.Part
     mu, nu = Part("blocks", slot="mu"), Part("blocks", slot="nu")
     attn, mlp, norm = (Part("blocks", c, "nu") for c in ("attn", "mlp", "norm1"))
-    start = _candidates.Candidate.start(("blocks",), (mu, nu), _candidates.Settings())
+    start = eoi.Candidate.start(("blocks",), (mu, nu), eoi.Settings())
     host = start.apply(Move("opt_state", nu, "pinned_host"), ())
     apart = host.apply(Move("opt_state", mlp, "device"), ())
     assert dict(apart.opt_state) == {mu: "device", nu: "pinned_host", mlp: "device"}
@@ -818,11 +816,11 @@ def test_a_presets_row_is_its_memory_report():
     keep them on the device."""
     model = eqx.filter_eval_shape(_Tiny, KEY)
     batch = jax.ShapeDtypeStruct((8, 32), jnp.float32)
-    settings = [_candidates.Settings(compute_dtype="bfloat16")]
-    task = _compile.Task(_squared, OPTIMIZER, model, (batch,), target="tpu-v5e")
-    search = _search.Search(task, budgets=(0, 0))
-    base, names = _plan._start(search, settings)
-    candidates = [("", base), *_candidates.presets(base, names)]
+    settings = [eoi.Settings(compute_dtype="bfloat16")]
+    task = eoi.Task(_squared, OPTIMIZER, model, (batch,), target="tpu-v5e")
+    search = eoi.Search(task, budgets=(0, 0))
+    base, names = eoi.plan_start(search, settings)
+    candidates = [("", base), *eoi.presets(base, names)]
     presets = ("none", "remat", "offload_residuals", "offload_all")
     for (_, candidate), preset in zip(candidates, presets, strict=True):
         policy = getattr(eo.Policy, preset)(compute_dtype=jnp.bfloat16)
@@ -841,10 +839,10 @@ def test_a_presets_row_is_its_memory_report():
     )
     # Moves: the layers' parameters to the host take their copies along; the
     # copies can come back to the device (and go with the parameters).
-    Move, layers = _candidates.Move, _candidates.Part("layers")
+    Move, layers = eoi.Move, eoi.Part("layers")
     moved = base.apply(Move("params", layers, "pinned_host"), names)
     copies = [k for k in _kinds(model, moved.policy()) if k == "pinned_host"]
-    assert len(copies) == 2 * len(jax.tree.leaves(_sizes.trainable(model.layers)))
+    assert len(copies) == 2 * len(jax.tree.leaves(eoi.sizes_trainable(model.layers)))
     kept = moved.apply(Move("copies", "layers", "device"), names)
     assert Move("copies", "layers", "device") in moved.flips(search.parts)
     assert kept.label.startswith("params on host: layers; compute copies of layers")
@@ -859,19 +857,19 @@ def test_labels_are_unique_and_printed_whole():
     and parts) has a label of its own, and two candidates that compile alike (a
     saved name recomputed, as it is not saved in that combination) keep theirs;
     the table prints each label whole, over several lines where it is long."""
-    Move, Part, Settings = _candidates.Move, _candidates.Part, _candidates.Settings
+    Move, Part, Settings = eoi.Move, eoi.Part, eoi.Settings
     names = ("blocks.input", "blocks.mlp")
     slots = tuple(Part(f, slot=s) for f in ("blocks", "head") for s in ("mu", "nu"))
     parts = {
         Part("blocks", slot=s): tuple(Part("blocks", c, s) for c in ("attn", "mlp"))
         for s in (None, "m", "n")
     }
-    seen: dict[_candidates.Candidate, str] = {}
+    seen: dict[eoi.Candidate, str] = {}
     for settings in (Settings(), Settings(compute_dtype="bfloat16")):
-        start = _candidates.Candidate.start(
+        start = eoi.Candidate.start(
             ("blocks", "head"), slots, settings, (), ("blocks", "head")
         )
-        frontier = [start, *(c for _, c in _candidates.presets(start, names))]
+        frontier = [start, *(c for _, c in eoi.presets(start, names))]
         for _ in range(2):
             frontier = [
                 c.apply(m, names)
@@ -888,10 +886,10 @@ def test_labels_are_unique_and_printed_whole():
             raise UnusedName("save", "blocks.mlp", ("blocks.mlp",), names, names)
         return mock.Mock(spec=eo.MemoryReport)  # (not looked at)
 
-    task = _compile.Task(_loss, OPTIMIZER, None, ())  # (never compiled)
-    search = _search.Search(task, budgets=(0, 0))
+    task = eoi.Task(_loss, OPTIMIZER, None, ())  # (never compiled)
+    search = eoi.Search(task, budgets=(0, 0))
     search._report = report  # pyright: ignore[reportAttributeAccessIssue]
-    start = _candidates.Candidate.start(("blocks",), (), Settings())
+    start = eoi.Candidate.start(("blocks",), (), Settings())
     alike = [
         start.remat(names).apply(Move("residual", "blocks.mlp", to), names)
         for to in ("save", "offload", "recompute")

@@ -8,21 +8,15 @@ from collections.abc import Sequence
 from .._errors import see
 
 
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
+# Units, in capitals: kilo- to terabytes, in powers of 1000 and of 1024 ("KiB").
+_UNITS = {"": 1, "B": 1} | {
+    f"{prefix}{i}B": base ** (n + 1)
+    for n, prefix in enumerate("KMGT")
+    for i, base in (("", 1000), ("I", 1024))
 }
 
 
-def parse_bytes(value: int | str, argument: str, api: str = "plan") -> int:
+def parse_bytes(value: int | str, argument: str) -> int:
     """`value` in bytes: an int, or a number and a unit (`"16GiB"`, `"48 GB"`,
     `"1.5TiB"`); anything else is a `ValueError` naming `argument`."""
     if isinstance(value, bool):
@@ -37,7 +31,7 @@ def parse_bytes(value: int | str, argument: str, api: str = "plan") -> int:
             if n >= 1:
                 return int(n)
     raise ValueError(
-        f"`{api}({argument}={value!r})` is not a size. Give positive bytes: an int, "
+        f"`plan({argument}={value!r})` is not a size. Give positive bytes: an int, "
         "or a string such as '16GiB'." + see(114)
     )
 
@@ -60,9 +54,7 @@ GPU_MARGIN = 2 * 2**30
 MARGIN_SHARE = 1 / 8
 
 
-def workspace_margin(
-    value: int | str | None, budget: int, platform: str | None, api: str = "plan"
-) -> int:
+def workspace_margin(value: int | str | None, budget: int, platform: str | None) -> int:
     """The device bytes to leave free under a `budget` of device memory:
     `value` (bytes, or a string such as `"1GiB"`; `0` for none), or by default
     `GPU_MARGIN` (or `MARGIN_SHARE` of a smaller budget) on a GPU and none
@@ -71,12 +63,11 @@ def workspace_margin(
         if platform != "gpu":
             return 0
         return min(GPU_MARGIN, int(budget * MARGIN_SHARE))
-    margin = 0 if value == 0 and not isinstance(value, bool) else None
-    if margin is None:
-        margin = parse_bytes(value, "workspace_margin", api)
+    zero = value == 0 and not isinstance(value, bool)
+    margin = 0 if zero else parse_bytes(value, "workspace_margin")
     if margin >= budget:
         raise ValueError(
-            f"`{api}(workspace_margin={value!r})` leaves nothing of the device budget "
+            f"`plan(workspace_margin={value!r})` leaves nothing of the device budget "
             f"({budget} bytes). Give a smaller margin, `0`, or a larger "
             "`device_budget`." + see(114)
         )

@@ -6,7 +6,7 @@ checkpoint name (saved, offloaded or recomputed), or no remat at all. Its
 dtype. `Candidate.policy` is the `Policy` that trains that way. A `Move` turns one
 knob; `presets` are `Policy`'s presets as candidates."""
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import cast, Literal, NamedTuple, TypeVar
 
 import numpy as np
@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec
 from .._custom_types import MemoryKind
 from .._layout import FSDP
 from .._policy import Policy
+from ._choice import SETS
 
 
 Residual = Literal["save", "offload", "recompute"]
@@ -32,42 +33,31 @@ _K = TypeVar("_K")
 _V = TypeVar("_V")
 
 
-class Placements(Mapping[_K, _V]):
-    """A frozen mapping, hashable, equal to another with the same items in the
-    same order (as the `Policy` it becomes is ordered)."""
-
-    __slots__ = ("_items",)
-
-    def __init__(self, items: Mapping[_K, _V] | Iterable[tuple[_K, _V]] = ()):
-        self._items: dict[_K, _V] = dict(items)
+class Placements(dict[_K, _V]):
+    """A mapping never changed once made (`set` makes a changed copy), hashable,
+    equal to another with the same items in the same order (as the `Policy` it
+    becomes is ordered)."""
 
     @classmethod
-    def fromkeys(cls, keys: Iterable[_K], value: _V) -> "Placements[_K, _V]":
+    def fromkeys(  # pyright: ignore[reportIncompatibleMethodOverride]
+        cls, keys: Iterable[_K], value: _V
+    ) -> "Placements[_K, _V]":
         return cls((k, value) for k in keys)
-
-    def __getitem__(self, key: _K) -> _V:
-        return self._items[key]
-
-    def __iter__(self) -> Iterator[_K]:
-        return iter(self._items)
-
-    def __len__(self) -> int:
-        return len(self._items)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Placements):
             return NotImplemented
-        return list(self._items.items()) == list(other._items.items())
+        return list(self.items()) == list(other.items())
 
-    def __hash__(self) -> int:
-        return hash(tuple(self._items.items()))
+    def __ne__(self, other: object) -> bool:
+        return not self == other
 
-    def __repr__(self) -> str:
-        return f"Placements({self._items!r})"
+    def __hash__(self) -> int:  # pyright: ignore[reportIncompatibleVariableOverride]
+        return hash(tuple(self.items()))
 
     def set(self, key: _K, value: _V) -> "Placements[_K, _V]":
         """A copy with `key` mapped to `value` (a new key goes last)."""
-        return Placements({**self._items, key: value})
+        return Placements({**self, key: value})
 
 
 class Part(NamedTuple):
@@ -124,12 +114,11 @@ class Settings(NamedTuple):
     @property
     def experimental(self) -> tuple[str, ...]:
         """The experimental stages (`plan(experimental=...)`) these settings use."""
-        used = [
-            "prefetch" if self.prefetch else "",
-            "next_forward" if self.update_timing == "next_forward" else "",
-            "host_update" if self.update == "host" else "",
-        ]
-        return tuple(u for u in used if u)
+        return tuple(
+            stage
+            for stage, (field, _) in SETS.items()
+            if getattr(self, field) != getattr(Settings(), field)
+        )
 
     @property
     def label(self) -> str:
@@ -192,10 +181,6 @@ class Candidate(NamedTuple):
         """Every name recomputed, the placements unchanged."""
         return self._replace(residuals=Placements.fromkeys(names, "recompute"))
 
-    @property
-    def microbatches(self) -> int:
-        return self.settings.microbatches
-
     def with_settings(self, settings: Settings) -> "Candidate":
         """This placement in other settings."""
         return self._replace(settings=settings)._normal()
@@ -228,17 +213,15 @@ class Candidate(NamedTuple):
                 residuals = Placements.fromkeys(names, "save")
             moved = residuals.set(move.name, cast(Residual, move.to))
             return self._replace(residuals=moved)
-        if move.knob in ("host_tables", "copies"):
-            moved = getattr(self, move.knob).set(move.name, move.to)
-            return self._replace(**{move.knob: moved})._normal()
         moved = getattr(self, move.knob).set(move.name, move.to)
-        # A part placed as its field is no longer placed apart.
-        kept = Placements(
-            (p, k)
-            for p, k in moved.items()
-            if p.child is None or moved.get(p.whole) != k
-        )
-        return self._replace(**{move.knob: kept})._normal()
+        if move.knob in ("params", "opt_state"):
+            # A part placed as its field is no longer placed apart.
+            moved = Placements(
+                (p, k)
+                for p, k in moved.items()
+                if p.child is None or moved.get(p.whole) != k
+            )
+        return self._replace(**{move.knob: moved})._normal()
 
     def moves(self, names: tuple[str, ...]) -> list[Move]:
         """The one-knob changes from here that can free device memory."""
@@ -304,22 +287,10 @@ class Candidate(NamedTuple):
             update_timing=s.update_timing,
         )
 
-    @property
-    def reads_from_host(self) -> bool:
-        """Whether some parameters are on the host or some residual is offloaded:
-        what a `Stacked` reads from the host inside its scans."""
-        offloaded = "offload" in (self.residuals or {}).values()
-        return offloaded or any(k != "device" for k in self.params.values())
-
-    @property
-    def state_on_host(self) -> bool:
-        """Whether some optimizer state is on the host."""
-        return any(k != "device" for k in self.opt_state.values())
-
     def _copies(self) -> dict[str, MemoryKind]:
-        """The `Policy(opt_state=...)` patterns that place the compute copies: one
-        `"copies:<field>"` for each field with copies. A pattern naming no copies
-        is an error, so only those that exist."""
+        """The `Policy(opt_state=...)` patterns that place the compute copies, one
+        `"copies:<field>"` for each field with copies: only those that exist (a
+        pattern naming no copies is an error)."""
         if self.settings.compute_dtype is None:
             return {}
         return {f"copies:{f}": k for f, k in self.copies.items() if self._host(f)}
@@ -355,30 +326,33 @@ def _placement_labels(c: Candidate) -> list[str]:
     host = [p.pattern for p, k in c.params.items() if k != "device" and p.child is None]
     state = _by_field([(p, k) for p, k in c.opt_state.items() if p.child is None])
     apart = [
-        f"{_apart_prefix(knob, p)}{p.pattern} on "
-        f"{'device' if k == 'device' else 'host'}"
+        _apart(knob, p, k)
         for knob in ("params", "opt_state")
         for p, k in getattr(c, knob).items()
         if p.child is not None
     ]
     tables = [t for t, k in c.host_tables.items() if k != "device"]
-    kept = [f for f, k in c.copies.items() if k == "device"]
-    if c.settings.compute_dtype is None:
-        kept = []
+    cast = c.settings.compute_dtype is not None
+    kept = [f for f, k in c.copies.items() if k == "device" and cast]
     return [
-        f"params on host: {', '.join(host)}" if host else "",
-        f"opt_state on host: {', '.join(state)}" if state else "",
+        _listed("params on host: ", host),
+        _listed("opt_state on host: ", state),
         ", ".join(apart),
-        f"stream {', '.join(tables)} from host" if tables else "",
-        f"compute copies of {', '.join(kept)} on device" if kept else "",
+        _listed("stream ", tables, " from host"),
+        _listed("compute copies of ", kept, " on device"),
     ]
 
 
-def _apart_prefix(knob: str, part: Part) -> str:
-    """`"params of "`, `"opt_state of "` for a whole field's state, else none."""
-    if knob == "params":
-        return "params of "
-    return "opt_state of " if part.slot is None else ""
+def _listed(before: str, names: list[str], after: str = "") -> str:
+    """`names` listed between `before` and `after`; nothing without names."""
+    return f"{before}{', '.join(names)}{after}" if names else ""
+
+
+def _apart(knob: str, part: Part, kind: MemoryKind) -> str:
+    """A part placed apart: `"params of blocks.mlp on host"`, `"opt_state of
+    blocks.mlp on device"` (all of its state), `"nu:blocks.mlp on host"`."""
+    whose = f"{knob} of " if knob == "params" or part.slot is None else ""
+    return f"{whose}{part.pattern} on {'device' if kind == 'device' else 'host'}"
 
 
 def _residual_label(residuals: Mapping[str, Residual] | None) -> str:
@@ -386,15 +360,13 @@ def _residual_label(residuals: Mapping[str, Residual] | None) -> str:
     if residuals is None:
         return "no remat"
     by = {c: [n for n, x in residuals.items() if x == c] for c in _CHOICES}
-    offload = by["offload"]
-    if not by["recompute"]:
-        rest = "save the rest" if offload else "save all"
-    elif not by["save"]:
-        rest = "recompute the rest" if offload else "recompute all"
-    elif len(by["save"]) <= len(by["recompute"]):
-        rest = f"save {', '.join(by['save'])}"
-    else:
-        rest = f"recompute {', '.join(by['recompute'])}"
+    offload, save, recompute = by["offload"], by["save"], by["recompute"]
+    if save and recompute:  # the shorter list, saved if as short
+        verb = "save" if len(save) <= len(recompute) else "recompute"
+        rest = f"{verb} {', '.join(by[verb])}"
+    else:  # the one choice left: of the rest, or of all
+        verb = "recompute" if recompute else "save"
+        rest = f"{verb} {'the rest' if offload else 'all'}"
     return "; ".join([f"offload {', '.join(offload)}", rest] if offload else [rest])
 
 
@@ -436,9 +408,8 @@ def _by_field(slots: list[tuple[Part, MemoryKind]]) -> list[str]:
         fields.setdefault(part.field, []).append((part.slot, kind))
     out = []
     for field, kinds in fields.items():
-        host = [slot for slot, kind in kinds if kind != "device"]
-        if len(host) == len(kinds):
-            out.append(field)
-        elif host:
-            out.append(f"{field} ({', '.join(str(s) for s in host)})")
+        host = [str(slot) for slot, kind in kinds if kind != "device"]
+        if host:
+            whole = len(host) == len(kinds)
+            out.append(field if whole else f"{field} ({', '.join(host)})")
     return out

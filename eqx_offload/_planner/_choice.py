@@ -2,7 +2,7 @@
 step-time model has shown, not by its raw estimate; and which of its stages are
 experimental (off unless asked for)."""
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import get_args, Literal, NamedTuple
 
 from .._errors import see
@@ -14,23 +14,26 @@ from .._errors import see
 # `Policy(update="host")`. `plan(experimental=...)` turns them on.
 Experimental = Literal["prefetch", "next_forward", "host_update"]
 EXPERIMENTAL: tuple[Experimental, ...] = get_args(Experimental)
+# The `Policy` field each sets, and to what (a candidate's `Settings` too).
+SETS: dict[Experimental, tuple[str, object]] = {
+    "host_update": ("update", "host"),
+    "prefetch": ("prefetch", 1),
+    "next_forward": ("update_timing", "next_forward"),
+}
 
 
 def experimental_names(
-    value: Sequence[Experimental] | Experimental, api: str = "plan"
+    value: Sequence[Experimental] | Experimental,
 ) -> frozenset[Experimental]:
     """The experimental stages asked for (`plan(experimental=...)`): a sequence of
     their names, or one name; anything else is a `ValueError` naming the
     argument and the names allowed."""
-    names = (value,) if isinstance(value, str) else value
-    try:
-        names = tuple(names)
-    except TypeError:
-        names = (value,)
+    one = isinstance(value, str) or not isinstance(value, Iterable)
+    names = (value,) if one else tuple(value)
     bad = [n for n in names if n not in EXPERIMENTAL]
     if bad:
         raise ValueError(
-            f"`{api}(experimental={value!r})`: {', '.join(map(repr, bad))} is not an "
+            f"`plan(experimental={value!r})`: {', '.join(map(repr, bad))} is not an "
             f"experimental stage. Give some of {', '.join(map(repr, EXPERIMENTAL))} "
             "(e.g. `experimental=('prefetch',)`), or `()` for none." + see(118)
         )

@@ -4,12 +4,12 @@ and what a process keeps of its compiles (`Cache`), so that none is repeated."""
 
 import collections
 import dataclasses
-import os
 import pickle
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Hashable
+from pathlib import Path
 from typing import NamedTuple, TypeVar
 
 import jax
@@ -100,23 +100,21 @@ def report_in_child(task: Task, policy: Policy, microbatches: int) -> MemoryRepo
     sixty_four = jax.dtypes.canonicalize_dtype(float) == jax.numpy.float64
     payload = cloudpickle.dumps((task, policy, microbatches))
     with tempfile.TemporaryDirectory() as folder:
-        sent, received = (os.path.join(folder, n) for n in ("sent", "received"))
-        with open(sent, "wb") as f:
-            pickle.dump((list(sys.path), sixty_four, payload), f)
+        sent, received = Path(folder, "sent"), Path(folder, "received")
+        sent.write_bytes(pickle.dumps((list(sys.path), sixty_four, payload)))
         try:
             done = subprocess.run(
-                [sys.executable, "-m", __name__, sent, received],
+                [sys.executable, "-m", __name__, str(sent), str(received)],
                 capture_output=True,
                 text=True,
                 timeout=CHILD_SECONDS,
             )
         except subprocess.TimeoutExpired:
             raise CompilerCrashed(-9, f"no answer in {CHILD_SECONDS} s") from None
-        if done.returncode != 0 or not os.path.exists(received):
+        if done.returncode != 0 or not received.exists():
             last = crash_line(done.stderr)[:300]
             raise CompilerCrashed(done.returncode, last)
-        with open(received, "rb") as f:
-            answer = pickle.load(f)
+        answer = pickle.loads(received.read_bytes())
     if isinstance(answer, Exception):
         raise answer
     return answer
@@ -180,16 +178,11 @@ def _key(task: Task, *more: Hashable) -> Hashable | None:
     """The loss function (by identity), the model's and batch's structure and
     shapes, and `more`, as a key of the cache; `None` if it cannot be hashed (a
     static field that is not)."""
-    key = (
-        task.loss_fn,
-        task.has_aux,
-        jax.tree.structure(task.model),
-        tuple(jax.tree.leaves(task.model)),
-        jax.tree.structure(task.batch),
-        tuple(jax.tree.leaves(task.batch)),
-        jax.dtypes.canonicalize_dtype(float),  # 64-bit or not
-        *more,
-    )
+    trees = [
+        (jax.tree.structure(t), *jax.tree.leaves(t)) for t in (task.model, task.batch)
+    ]
+    x64 = jax.dtypes.canonicalize_dtype(float)  # 64-bit or not
+    key = (task.loss_fn, task.has_aux, *trees, x64, *more)
     try:
         hash(key)
     except TypeError:
@@ -216,8 +209,7 @@ def _keep(
 
 
 def _child(sent: str, received: str) -> None:
-    with open(sent, "rb") as f:
-        path, sixty_four, payload = pickle.load(f)
+    path, sixty_four, payload = pickle.loads(Path(sent).read_bytes())
     sys.path[:] = path
     jax.config.update("jax_enable_x64", sixty_four)
     task, policy, microbatches = pickle.loads(payload)
@@ -225,8 +217,7 @@ def _child(sent: str, received: str) -> None:
         answer: MemoryReport | ValueError = report(task, policy, microbatches)
     except ValueError as e:  # `DoesNotFit`, `DoesNotCompile`, `UnusedName`, ...
         answer = e
-    with open(received, "wb") as f:
-        pickle.dump(answer, f)
+    Path(received).write_bytes(pickle.dumps(answer))
 
 
 if __name__ == "__main__":

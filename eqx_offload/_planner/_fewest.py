@@ -3,10 +3,11 @@
 The slice is of one chip kind. The step fits with its best plan.
 """
 
+import bisect
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.tree_util as jtu
@@ -85,6 +86,9 @@ def fewest_chips(
     the best plan so far of the target it was planning (`e.plan.target`), which
     need not be the fewest.
     """
+    # Its options of `plan`, passed on as they are (the first statement: the
+    # locals are the arguments).
+    options = {k: v for k, v in locals().items() if k not in _NOT_PLANS}
     start = time.perf_counter()
     targets = list(target_sizes(chip))
     counts = {t: device_count(t) for t in targets}
@@ -103,30 +107,18 @@ def fewest_chips(
                 optimizer,
                 model,
                 local,
-                device_budget=device_budget,
-                host_budget=host_budget,
                 target=target,
-                has_aux=has_aux,
-                axis=axis,
-                microbatches=microbatches,
-                compute_dtypes=compute_dtypes,
-                progress=progress,
                 first_fit=not full,
-                experimental=experimental,
-                workspace_margin=workspace_margin,
-                hardware=hardware,
+                **options,
             )
             searches.append(searched)
             tried[target] = searched.found
         return tried[target]
 
-    low, high = 0, len(targets)  # the fewest that fits is in targets[low:high]
-    while low < high:
-        middle = (low + high) // 2
-        if isinstance(attempt(targets[middle]), DoesNotFit):
-            low = middle + 1
-        else:
-            high = middle
+    # The first target that fits, bisected (what fits on n devices fits on more).
+    low = bisect.bisect_left(
+        targets, True, key=lambda t: not isinstance(attempt(t), DoesNotFit)
+    )
     chosen_target = targets[low] if low < len(targets) else None
     notes = tuple(skipped) + tuple(
         (t, _why(r)) for t, r in tried.items() if t != chosen_target
@@ -144,6 +136,10 @@ def fewest_chips(
     )
 
 
+# `fewest_chips`' arguments that are not options of `plan`.
+_NOT_PLANS = ("loss_fn", "optimizer", "model", "batch", "chip", "batch_per_device")
+
+
 def _splitting(
     targets: list[str], counts: dict[str, int], batch: tuple, microbatches: int
 ) -> tuple[list[str], list[tuple[str, str]]]:
@@ -154,16 +150,13 @@ def _splitting(
     """
     leading = {x.shape[0] for x in jtu.tree_leaves(batch) if getattr(x, "ndim", 0) > 0}
     parts = "" if microbatches == 1 else f" (in {microbatches} micro-batches)"
-    kept, skipped = [], []
-    for t in targets:
-        if any(n % (counts[t] * microbatches) for n in leading):
-            why = (
-                f"skipped: {counts[t]} devices do not split a batch of leading size "
-                f"{sorted(leading)}{parts}"
-            )
-            skipped.append((t, why))
-        else:
-            kept.append(t)
+    kept = [
+        t for t in targets if not any(n % (counts[t] * microbatches) for n in leading)
+    ]
+    why = f"do not split a batch of leading size {sorted(leading)}{parts}"
+    skipped = [
+        (t, f"skipped: {counts[t]} devices {why}") for t in targets if t not in kept
+    ]
     return kept, skipped
 
 
@@ -204,13 +197,13 @@ def _none_fits(
 ) -> DoesNotFit:
     largest = targets[-1] if targets else chip
     last = tried.get(largest)
-    if not isinstance(last, DoesNotFit):
-        last = None
-    need = None if last is None else last.required_bytes
-    exceeded = ("device",) if last is None else last.exceeded
     lines = "; ".join(f"{t}: {why}" for t, why in notes)
-    over = ""
-    if last is not None:
+    exceeded: tuple[Literal["device", "host"], ...] = ("device",)
+    sizes, host_sizes, over = None, (None, None), ""
+    if isinstance(last, DoesNotFit):
+        exceeded = last.exceeded
+        sizes = (last.required_bytes or 0, last.available_bytes or 0)
+        host_sizes = (last.host_required_bytes, last.host_available_bytes)
         budgets = "budgets" if len(exceeded) > 1 else "budget"
         over = f"; on {largest} it exceeds the {' and '.join(exceeded)} {budgets}"
     return DoesNotFit(
@@ -219,9 +212,7 @@ def _none_fits(
         target=largest,
         compiler_message="",
         arguments={},
-        sizes=None if last is None else (need or 0, last.available_bytes or 0),
-        host_sizes=(None, None)
-        if last is None
-        else (last.host_required_bytes, last.host_available_bytes),
+        sizes=sizes,
+        host_sizes=host_sizes,
         exceeded=exceeded,
     )

@@ -13,15 +13,16 @@ from ._candidates import Candidate
 from ._table import PlanRow, PlanTable
 
 
-if TYPE_CHECKING:  # types only: `_search` is not below us in the module map
+if TYPE_CHECKING:  # types only (`_search` is one level below)
     from ._search import Result, Search
 
 
-def _fitting(search: "Search") -> tuple[list[Candidate], list[_choice.Option]]:
-    """The compiled candidates that fit, and each as the choice sees it."""
-    fitting = [
-        c for c, r in search.results.items() if r.report is not None and search.fits(c)
-    ]
+def choose(search: "Search") -> tuple[Candidate | None, list[Candidate]]:
+    """The candidate `plan` chooses (`_choice.choose`), and those tied with the
+    fastest (`_choice.tied`); `None` and none if nothing fits."""
+    fitting = list(filter(search.fits, search.results))
+    if not fitting:
+        return None, []
     options = [
         _choice.Option(
             search.seconds(c),
@@ -31,15 +32,6 @@ def _fitting(search: "Search") -> tuple[list[Candidate], list[_choice.Option]]:
         )
         for c in fitting
     ]
-    return fitting, options
-
-
-def choose(search: "Search") -> tuple[Candidate | None, list[Candidate]]:
-    """The candidate `plan` chooses (`_choice.choose`), and those tied with the
-    fastest (`_choice.tied`); `None` and none if nothing fits."""
-    fitting, options = _fitting(search)
-    if not fitting:
-        return None, []
     tied = [fitting[i] for i in _choice.tied(options)]
     enough = _choice.ENOUGH_HEADROOM * search.budgets[0]
     return fitting[_choice.choose(options, enough)], tied
@@ -49,11 +41,11 @@ def finish(search: "Search") -> "tuple[Result, PlanTable] | DoesNotFit":
     """The chosen candidate's result and the table of every candidate; or,
     where none fits, the error about the nearest miss (`e.tried`: the table)."""
     chosen, tied = choose(search)
-    none_flops = _flops(search, next(iter(search.results)))
+    # (`Policy.none()`'s, the first compiled)
+    none = search.results[next(iter(search.results))].report
+    none_flops = None if none is None or none.time is None else none.time.flops
     rows = [_row(search, c, c == chosen, none_flops, c in tied) for c in search.results]
-    rows += [
-        PlanRow(label, c.policy(), why) for c, (label, why) in search.pruned.items()
-    ]
+    rows += [PlanRow(c.label, c.policy(), why) for c, why in search.pruned.items()]
     search.progress.close()
     table = PlanTable(
         tuple(rows),
@@ -89,7 +81,7 @@ def _decision(search: "Search", chosen: Candidate, tied: list[Candidate]) -> str
         )
     report = search.results[chosen].report
     assert report is not None and report.time is not None
-    origin = _rates.error_origin(report.time)
+    origin = report.time.hardware.label("error")
     return (
         f"Chosen within the estimates' error: it is estimated {slower:.0%} "
         f"slower than the fastest ({search.results[fastest].label}: "
@@ -108,14 +100,14 @@ def _row(
     """The table's row of a compiled candidate."""
     r = search.results[c]
     rep = r.report
+    status = "chosen" if chosen else (r.error or "compiled")
     if rep is None:
-        status = "chosen" if chosen else (r.error or "compiled")
         return PlanRow(r.label, r.policy, status, device_bytes=r.required)
     t = rep.time
     return PlanRow(
         r.label,
         r.policy,
-        "chosen" if chosen else (r.error or "compiled"),
+        status,
         device_bytes=rep.device_bytes,
         host_bytes=rep.host_bytes,
         fits=search.fits(c),
@@ -125,17 +117,11 @@ def _row(
         recomputed_flops=None
         if t is None or none_flops is None
         else max(t.flops - none_flops, 0.0),
-        error=None if t is None else _rates.error_of(t),
-        kind=_rates.kind_of(t),
-        rates=_rates.used(t),
+        error=None if t is None else t.error,
+        kind=None if t is None else t.kind,
+        rates=() if t is None else _rates.used(t),
         tied=tied if search.fits(c) and t is not None else None,
     )
-
-
-def _flops(search: "Search", candidate: Candidate) -> float | None:
-    r = search.results[candidate]
-    t = None if r.report is None else r.report.time
-    return None if t is None else t.flops
 
 
 def _nothing_fits(search: "Search") -> DoesNotFit:
@@ -155,17 +141,14 @@ def _nothing_fits(search: "Search") -> DoesNotFit:
     r = search.results[nearest]
     need = search.device(nearest)
     host_need = None if r.report is None else r.report.host_bytes
-    exceeded: tuple[Literal["device", "host"], ...] = (
-        ("host",) if on_device else ("device",)
+    exceeded: tuple[Literal["device", "host"], ...] = ("host",)
+    what = (
+        "the smallest host footprint of the candidates that fit the "
+        f"device is {size_text(host_need or 0)} ({r.label})"
     )
-    if not on_device and host_need is not None and host_need > host:
-        exceeded = ("device", "host")
-    if on_device:
-        what = (
-            "the smallest host footprint of the candidates that fit the "
-            f"device is {size_text(host_need or 0)} ({r.label})"
-        )
-    else:
+    if not on_device:
+        over_host = host_need is not None and host_need > host
+        exceeded = ("device", "host") if over_host else ("device",)
         shown = "unknown" if need == float("inf") else size_text(int(need))
         what = f"the smallest device footprint found is {shown} ({r.label})"
         what += f"; its host footprint is {size_text(host_need)}" if host_need else ""

@@ -24,7 +24,7 @@ from .._report import (
 )
 from .._update import NotOnHost
 from . import _arguments, _choice, _outcome
-from ._candidates import Candidate, Move, Settings
+from ._candidates import Candidate, presets, Settings
 from ._choice import Experimental
 from ._compile import Task
 from ._plan_type import Plan, PlanInterrupted
@@ -33,7 +33,7 @@ from ._search import IMPROVE_COMPILES, Result, Search
 from ._sizes import (
     copies_of,
     estimates,
-    fields_of,
+    param_bytes,
     parts_of,
     state_slots,
     tables_of,
@@ -44,15 +44,10 @@ from ._table import PlanTable
 # Where nothing fits on a TPU, the best candidate is compiled once more with the
 # compiler's own remat to host (`Policy(host_remat=True)`), in a child process.
 HOST_REMAT = True
-# The stages below are experimental (`_choice.EXPERIMENTAL`): each runs only when
-# `plan(experimental=...)` names it.
-# Candidates compiled again with the update on the host's CPU (`_update_on_host`).
-HOST_UPDATES = 3
-# Candidates compiled again reading their layers ahead (`_read_ahead`).
-READ_AHEAD = 2
-# Candidates compiled again applying the stacked layers' update in the next
-# step's forward scan (`_update_in_forward`).
-UPDATE_LATER = 2
+# The experimental stages (`_choice.EXPERIMENTAL`), in the order they run, each
+# only when `plan(experimental=...)` names it: how many candidates each compiles
+# again (`_again`) with its setting (`_choice.SETS`).
+AGAIN: dict[Experimental, int] = {"host_update": 3, "prefetch": 2, "next_forward": 2}
 
 
 def plan(
@@ -106,11 +101,13 @@ def plan(
     - `progress`: a progress bar over the compiles (tqdm, if installed). Its
         total is the candidates compiled, plus the most the search still plans to
         compile.
-    - `experimental`: the stages to run whose gain rests on host transfers (or
-        host compute) overlapping device work, which no measurement has shown (on
-        an H200 nothing overlapped). Any of `"prefetch"` (`Policy(prefetch=1)`),
-        `"next_forward"` (`Policy(update_timing="next_forward")`) and
-        `"host_update"` (`Policy(update="host")`). None by default.
+    - `experimental`: the experimental stages to run, none by default. Their gain
+        rests on host transfers (or host compute) overlapping device work, which no
+        measurement has shown (on an H200 nothing overlapped). Any of `"prefetch"`
+        (`Policy(prefetch=1)`: a step of 173.6 ms against 173.3 ms without, on an
+        H200), `"next_forward"` (`Policy(update_timing="next_forward")`: 1-3%
+        faster there) and `"host_update"` (`Policy(update="host")`: 2.75 times
+        slower there than the streamed update).
     - `workspace_margin`: device bytes left free under `device_budget` (an int, a
         string such as `"1GiB"`, or `0`): a candidate fits if its device bytes are
         within the budget less the margin. The default, `None`, is 2 GiB on a GPU
@@ -180,27 +177,18 @@ def plan(
         and an `experimental` stage it does not know.
     - `PlanInterrupted` on Ctrl-C (above).
     """
-    found = search_plan(
-        loss_fn,
-        optimizer,
-        model,
-        batch,
-        device_budget=device_budget,
-        host_budget=host_budget,
-        target=target,
-        has_aux=has_aux,
-        axis=axis,
-        microbatches=microbatches,
-        compute_dtypes=compute_dtypes,
-        progress=progress,
-        experimental=experimental,
-        workspace_margin=workspace_margin,
-        hardware=hardware,
-    ).found
+    # Its keyword arguments, passed on as they are (the first statement: the
+    # locals are the arguments).
+    options = {k: v for k, v in locals().items() if k not in _TASK}
+    found = search_plan(loss_fn, optimizer, model, batch, **options).found
     if isinstance(found, DoesNotFit):
         raise found
     assert found is not None
     return found
+
+
+# `plan`'s arguments that are not options of its search.
+_TASK = ("loss_fn", "optimizer", "model", "batch")
 
 
 class Searched(NamedTuple):
@@ -250,23 +238,15 @@ def search_plan(
     budgets, margin = _arguments.budgets(
         device_budget, host_budget, target, workspace_margin, hardware
     )
-    task = Task(
-        loss_fn,
-        optimizer,
-        _arguments.abstract(model),
-        tuple(_arguments.abstract(b) for b in batch),
-        has_aux,
-        target,
-        hardware=hardware,
-    )
-    settings = _arguments.settings(
-        target, axis, microbatches, compute_dtypes, task.batch
-    )
+    batch = tuple(_arguments.abstract(b) for b in batch)
+    settings = _arguments.settings(target, axis, microbatches, compute_dtypes, batch)
+    mesh = None
     if settings[0].axis is not None:
         assert target is not None
         n = device_count(target)
         mesh = AbstractMesh((n,), (axis,), axis_types=(AxisType.Auto,))
-        task = task._replace(mesh=mesh)
+    model = _arguments.abstract(model)
+    task = Task(loss_fn, optimizer, model, batch, has_aux, target, mesh, hardware)
     search = Search(
         task, budgets, Progress(progress), first_fit=first_fit, margin=margin
     )
@@ -276,15 +256,13 @@ def search_plan(
     except KeyboardInterrupt:
         raise _interrupted(search, start) from None
     finished = None if search.stopped else _outcome.finish(search)
-    if not isinstance(finished, tuple):
-        return Searched(finished, len(search.results), search.reused)
-    found = _found(search, finished, start)
-    return Searched(found, found.compiled, found.reused)
+    if isinstance(finished, tuple):  # the chosen result and the table
+        finished = _found(search, *finished, start)
+    return Searched(finished, len(search.results), search.reused)
 
 
-def _found(search: Search, finished: tuple[Result, PlanTable], start: float) -> Plan:
+def _found(search: Search, result: Result, table: PlanTable, start: float) -> Plan:
     """The `Plan` of what `search` chose."""
-    result, table = finished
     task = search.task
     assert result.report is not None
     return Plan(
@@ -297,7 +275,7 @@ def _found(search: Search, finished: tuple[Result, PlanTable], start: float) -> 
         loss_fn=task.loss_fn,
         optimizer=task.optimizer,
         has_aux=task.has_aux,
-        microbatches=result.candidate.microbatches,
+        microbatches=result.candidate.settings.microbatches,
         target=task.target,
         mesh=task.mesh,
         interrupted=search.interrupted,
@@ -314,9 +292,8 @@ def _interrupted(search: Search, start: float) -> PlanInterrupted:
     finished = _outcome.finish(search)
     if isinstance(finished, DoesNotFit):
         return PlanInterrupted(None, finished.tried, len(search.results))
-    return PlanInterrupted(
-        _found(search, finished, start), finished[1], len(search.results)
-    )
+    plan = _found(search, *finished, start)
+    return PlanInterrupted(plan, plan.table, len(search.results))
 
 
 def _run(
@@ -331,15 +308,12 @@ def _run(
     with search.progress.stage(1):
         search.evaluate(base, "no remat, all on device: Policy.none()")
     if search.fits(base):
-        search.variants(base, settings[1:])
+        search.compile_each([(None, base.with_settings(s)) for s in settings[1:]])
     else:
         _moves(search, base, names, settings)
-    if "host_update" in experimental:
-        _update_on_host(search)
-    if "prefetch" in experimental:
-        _read_ahead(search)
-    if "next_forward" in experimental:
-        _update_in_forward(search)
+    for stage in AGAIN:
+        if stage in experimental:
+            _again(search, stage)
 
 
 def _moves(
@@ -349,13 +323,13 @@ def _moves(
     combinations, the local search, the other settings; on a TPU where nothing
     fits yet, the compiler's own remat to host."""
     search.progress.expect(search.most(base, names, len(settings) - 1))
-    search.presets(base, names)
+    search.compile_each(presets(base, names))
     search.combine(base, names)
     search.improve(names)
     if settings[1:]:
         best = search.best()
         if best is not None:
-            search.variants(best, settings[1:])
+            search.compile_each([(None, best.with_settings(s)) for s in settings[1:]])
             search.improve(names)
     best = search.best()
     target = search.task.target
@@ -363,35 +337,40 @@ def _moves(
     if HOST_REMAT and on_tpu and best is not None and not search.fits(best):
         # Compiled in a child process: it can abort the process.
         search.progress.expect(1 + IMPROVE_COMPILES)
-        search.variants(best, [best.settings._replace(host_remat=True)])
+        remat = best.settings._replace(host_remat=True)
+        search.compile_each([(None, best.with_settings(remat))])
         search.improve(names)
 
 
-def _fastest(search: Search) -> list[Candidate]:
-    """The compiled candidates that fit, the fastest first."""
-    compiled = [c for c, r in search.results.items() if r.report is not None]
-    return sorted((c for c in compiled if search.fits(c)), key=search.rank)
+def _again(search: Search, stage: Experimental) -> None:
+    """The fastest candidates that fit that `stage` applies to (up to
+    `AGAIN[stage]`) compiled again with it; the estimate chooses.
 
-
-def _update_on_host(search: Search) -> None:
-    """Where the update runs. The fastest candidates with optimizer state on the
-    host (up to `HOST_UPDATES` that fit, else the nearest to fitting) compiled
-    again with `update="host"`. It moves no optimizer state over the host link
-    but costs host memory bandwidth; the estimate chooses."""
-    ranked = _fastest(search)
-    if not ranked:
-        compiled = [c for c, r in search.results.items() if r.report is not None]
-        ranked = sorted(compiled, key=search.over)[:1]
-    ranked = [c for c in ranked if c.state_on_host and c.settings.update != "host"]
-    # The fastest with all its state on the host first: where the host update
-    # saves most (state split between host and device goes to the host for it).
-    whole = [c for c in ranked if "device" not in c.opt_state.values()]
-    tried = [
-        c.with_settings(c.settings._replace(update="host"))
-        for c in dict.fromkeys(whole[:1] + ranked)
-    ][:HOST_UPDATES]
-    with search.progress.stage(len(tried)):
-        for candidate in search.until_stopped(tried):
+    - `"host_update"`: those with optimizer state on the host (else the nearest to
+        fitting), the fastest with all of it there first (where the host update
+        saves most), with `update="host"`. It moves no optimizer state over the
+        host link but costs host memory bandwidth.
+    - `"prefetch"`: those that read from the host inside their scans, with
+        `Policy(prefetch=1)`: one more layer on the device, and reads the compiler
+        may hide behind compute. On a GPU it may already move some reads of the
+        plain scan.
+    - `"next_forward"`: those with optimizer state on the host updated through
+        the device, with `Policy(update_timing="next_forward")`: the stacked
+        layers' update is applied in the next step's forward scan, where its
+        transfers may hide behind the layers' compute (same numbers).
+    """
+    ranked = search.fastest()
+    if stage == "host_update" and not ranked:  # none fits: the nearest to fitting
+        nearest = search.best()
+        ranked = [] if nearest is None else [nearest]
+    ranked = [c for c in ranked if _applies(c, stage)]
+    if stage == "host_update":
+        whole = [c for c in ranked if "device" not in c.opt_state.values()]
+        ranked = list(dict.fromkeys(whole[:1] + ranked))
+    field, value = _choice.SETS[stage]
+    tried = [c.with_settings(c.settings._replace(**{field: value})) for c in ranked]
+    with search.progress.stage(len(tried[: AGAIN[stage]])):
+        for candidate in search.until_stopped(tried[: AGAIN[stage]]):
             try:
                 search.evaluate(candidate)
             except ValueError as e:
@@ -400,40 +379,17 @@ def _update_on_host(search: Search) -> None:
                 return  # an optimizer the host cannot run (a loop): none will
 
 
-def _read_ahead(search: Search) -> None:
-    """The fastest candidates that read from the host inside their scans (up to
-    `READ_AHEAD` that fit) compiled again with `Policy(prefetch=1)`: one more
-    layer on the device, and reads the compiler may hide behind compute. On a
-    GPU it may already move some reads of the plain scan; the estimate chooses."""
-    ranked = [
-        c for c in _fastest(search) if c.reads_from_host and not c.settings.prefetch
-    ]
-    tried = [c.with_settings(c.settings._replace(prefetch=1)) for c in ranked]
-    with search.progress.stage(len(tried[:READ_AHEAD])):
-        for candidate in search.until_stopped(tried[:READ_AHEAD]):
-            search.evaluate(candidate)
-
-
-def _update_in_forward(search: Search) -> None:
-    """The fastest candidates with optimizer state on the host updated through
-    the device (up to `UPDATE_LATER` that fit) compiled again with
-    `Policy(update_timing="next_forward")`. The stacked layers' update is applied
-    in the next step's forward scan, where its transfers may hide behind the
-    layers' compute (same numbers); the estimate chooses."""
-    ranked = [
-        c
-        for c in _fastest(search)
-        if c.state_on_host
-        and c.settings.update == "auto"
-        and c.settings.update_timing == "now"
-    ]
-    tried = [
-        c.with_settings(c.settings._replace(update_timing="next_forward"))
-        for c in ranked
-    ]
-    with search.progress.stage(len(tried[:UPDATE_LATER])):
-        for candidate in search.until_stopped(tried[:UPDATE_LATER]):
-            search.evaluate(candidate)
+def _applies(c: Candidate, stage: Experimental) -> bool:
+    """Whether `stage` changes `c`: the prefetch where a `Stacked` reads from the
+    host inside its scans (parameters on the host, or a residual offloaded), the
+    others where its optimizer state is on the host and its update is not."""
+    used = c.settings.experimental
+    if stage == "prefetch":
+        offloaded = "offload" in (c.residuals or {}).values()
+        reads = offloaded or any(k != "device" for k in c.params.values())
+        return reads and stage not in used
+    state_on_host = any(k != "device" for k in c.opt_state.values())
+    return state_on_host and stage not in used and "host_update" not in used
 
 
 def _start(
@@ -443,23 +399,20 @@ def _start(
     estimate, the parts of fields that can be placed apart), where it starts
     (`Policy.none()` in the first settings), and the checkpoint names offered."""
     model, optimizer, mesh = search.task.model, search.task.optimizer, search.task.mesh
-    fields = fields_of(model)
-    offered = [n for n in search.names() if n.residual]
+    params = param_bytes(model)
+    names = search.cache.checkpoint_names(search.task)  # (traced once a process)
+    offered = [n for n in names if n.residual]
     slots = state_slots(optimizer, model)
-    search.estimates = estimates(model, fields, slots, offered)
     search.parts, finer = parts_of(optimizer, model, slots)
-    search.estimates |= finer
     # Streamed tables stay whole on every device: offered on one device only.
     tables = tables_of(model) if mesh is None else {}
-    search.estimates |= {
-        Move("host_tables", t, "pinned_host"): n for t, n in tables.items()
-    }
     # Compute copies of host parameters, under the compute dtypes offered.
     copies = copies_of(model, tuple(s.compute_dtype for s in settings))
-    search.estimates |= {Move("copies", f, "pinned_host"): n for f, n in copies.items()}
-    if mesh is not None:  # FSDP splits the parameters, the state and the batch
-        search.estimates = {m: n // mesh.size for m, n in search.estimates.items()}
+    sizes = estimates(params, slots, tables, copies, offered) | finer
+    # FSDP splits the parameters, the state and the batch.
+    split = 1 if mesh is None else mesh.size
+    search.estimates = {m: n // split for m, n in sizes.items()}
     base = Candidate.start(
-        fields, tuple(slots), settings[0], tuple(tables), tuple(copies)
+        tuple(params), tuple(slots), settings[0], tuple(tables), tuple(copies)
     )
     return base, tuple(n.name for n in offered)

@@ -19,10 +19,6 @@ class Progress:
         self.left = 0  # the most the stage under way may still compile
         self.ahead = 0  # the most the stages planned after it compile
 
-    @property
-    def total(self) -> int:
-        return self.done + self.left + self.ahead
-
     def expect(self, n: int) -> None:
         """Plans stages still to come that compile at most `n` candidates."""
         self.ahead += n
@@ -58,7 +54,7 @@ class Progress:
 
     def _show(self) -> None:
         if self.bar is not None:
-            self.bar.total = self.total
+            self.bar.total = self.done + self.left + self.ahead
             self.bar.refresh()
 
 

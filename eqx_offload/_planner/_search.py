@@ -7,16 +7,14 @@ candidates that fit is made within the estimates' error (`_choice`), by
 
 import dataclasses
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TypeVar
 
 from .._checkpoint_name_log import UnusedName
-from .._checkpoint_names import CheckpointName
 from .._diagnose import DoesNotCompile
 from .._policy import Policy
 from .._report import DoesNotFit, MemoryReport, size_text, time_text
-from . import _rates
-from ._candidates import Candidate, Move, Part, presets, Settings
+from ._candidates import Candidate, Move, Part
 from ._compile import CACHE, Cache, CompilerCrashed, Task
 from ._progress import Progress
 
@@ -49,8 +47,8 @@ class Result:
     required: int | None = None
 
 
-# One combination of single moves estimated to fit: its step time and host bytes.
-_Option = tuple[float, float, list[Move]]
+# One combination of single moves estimated to fit, and its step time.
+_Option = tuple[float, list[Move]]
 
 
 @dataclasses.dataclass
@@ -65,7 +63,7 @@ class Search:
         `budgets` is the budget less it).
     - `interrupted`: stopped by Ctrl-C (`KeyboardInterrupt`).
     - `results`: each candidate compiled; `reused`: how many of them an earlier
-        search compiled; `pruned`: those left out, with their label and why.
+        search compiled; `pruned`: those left out, with why.
     - `estimates`: the device bytes a move frees, before compiling; `parts`: the
         parts of a field (or of its state slot) that can be placed apart.
     """
@@ -77,7 +75,7 @@ class Search:
     first_fit: bool = False
     results: dict[Candidate, Result] = dataclasses.field(default_factory=dict)
     reused: int = 0
-    pruned: dict[Candidate, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    pruned: dict[Candidate, str] = dataclasses.field(default_factory=dict)
     estimates: dict[Move, int] = dataclasses.field(default_factory=dict)
     parts: dict[Part, tuple[Part, ...]] = dataclasses.field(default_factory=dict)
     stopped: bool = False
@@ -97,17 +95,14 @@ class Search:
         if self.first_fit and self.fits(candidate):
             self.stopped = True
             self.progress.close()
-            return result
-        self.pruned.pop(candidate, None)
-        self.progress.compiled()
+        else:
+            self.pruned.pop(candidate, None)
+            self.progress.compiled()
         return result
 
     def until_stopped(self, items: Iterable[_T]) -> Iterator[_T]:
         """`items`, one by one, while the search goes on (not `stopped`)."""
-        for item in items:
-            if self.stopped:
-                return
-            yield item
+        return itertools.takewhile(lambda _: not self.stopped, items)
 
     def _fill(self, result: Result) -> None:
         """The result's report, or why there is none."""
@@ -138,7 +133,7 @@ class Search:
         label = result.label
         for _ in range(len(asked) + 1):
             try:
-                return self._report(candidate.policy(), candidate.microbatches)
+                return self._report(candidate.policy(), candidate.settings.microbatches)
             except UnusedName as e:
                 if e.never_occurred or candidate.residuals is None:
                     raise
@@ -157,10 +152,6 @@ class Search:
                 result.policy = candidate.policy()
         raise AssertionError("unreachable: every name recomputed compiles")
 
-    def names(self) -> tuple[CheckpointName, ...]:
-        """The task's checkpoint names, traced once in this process."""
-        return self.cache.checkpoint_names(self.task)
-
     def _report(self, policy: Policy, microbatches: int) -> MemoryReport:
         """`memory_report` of the step under `policy` (or what it raised), compiled
         once in this process."""
@@ -171,11 +162,9 @@ class Search:
         return outcome
 
     def fits(self, candidate: Candidate) -> bool:
-        r = self.results[candidate]
+        r = self.results[candidate].report
         device, host = self.budgets
-        if r.report is None:
-            return False
-        return r.report.device_bytes <= device and r.report.host_bytes <= host
+        return r is not None and r.device_bytes <= device and r.host_bytes <= host
 
     def seconds(self, candidate: Candidate) -> float:
         """The estimated step time: 0 on the CPU backend, which has none (the
@@ -203,18 +192,13 @@ class Search:
         n += IMPROVE_COMPILES
         return n + (others + IMPROVE_COMPILES if others else 0)
 
-    def presets(self, base: Candidate, names: tuple[str, ...]) -> None:
-        """`Policy.remat()`, `Policy.offload_residuals()` and `Policy.offload_all()`
-        in `base`'s settings (`base` is `Policy.none()`)."""
-        with self.progress.stage(3):
-            for label, candidate in self.until_stopped(presets(base, names)):
+    def compile_each(self, candidates: Sequence[tuple[str | None, Candidate]]) -> None:
+        """A stage that compiles each of `candidates`, with its label (`None`: its
+        own): `Policy`'s presets (`_candidates.presets`), or a candidate in the
+        other settings offered."""
+        with self.progress.stage(len(candidates)):
+            for label, candidate in self.until_stopped(candidates):
                 self.evaluate(candidate, label)
-
-    def variants(self, candidate: Candidate, settings: list[Settings]) -> None:
-        """`candidate` in each of the other settings offered."""
-        with self.progress.stage(len(settings)):
-            for s in self.until_stopped(settings):
-                self.evaluate(candidate.with_settings(s))
 
     def combine(self, base: Candidate, names: tuple[str, ...]) -> None:
         """Compiles the single moves from `base` that free the most device memory
@@ -223,12 +207,10 @@ class Search:
         `COMBINATIONS` of them fit."""
         moves = sorted(base.moves(names), key=lambda m: -self.estimates.get(m, 0))
         for move in moves[SINGLES:]:
-            after = base.apply(move, names)
             freed = size_text(self.estimates.get(move, 0))
-            self.pruned[after] = (
-                after.label,
+            self.pruned[base.apply(move, names)] = (
                 f"pruned: frees {freed} by estimate, less than the {SINGLES} moves "
-                "tried",
+                "tried"
             )
         effects: list[tuple[Move, float, float, float]] = []
         with self.progress.stage(min(SINGLES, len(moves))):
@@ -240,8 +222,26 @@ class Search:
                     effects.append((move, freed, *self._added(base, single, move)))
         options = self._options(base, effects)
         most = min(len(options), COMBINATION_COMPILES)
+        fitted = compiled = 0
         with self.progress.stage(most, planned=COMBINATION_COMPILES):
-            self._combinations(base, names, options)
+            for seconds, chosen in self.until_stopped(options):
+                candidate = base
+                for move in chosen:
+                    candidate = candidate.apply(move, names)
+                if candidate in self.results:
+                    continue
+                if fitted < COMBINATIONS and compiled < COMBINATION_COMPILES:
+                    self.evaluate(candidate)
+                    compiled += 1
+                    fitted += self.fits(candidate)
+                    continue
+                why = (
+                    f"in {time_text(seconds)}: slower than the combinations compiled"
+                    if seconds < float("inf")
+                    else "after the combinations compiled (no step time to rank by: "
+                    "the step without moves is too big to compile)"
+                )
+                self.pruned[candidate] = f"pruned: estimated to fit, {why}"
 
     def _options(
         self, base: Candidate, effects: list[tuple[Move, float, float, float]]
@@ -261,35 +261,9 @@ class Search:
                 host = self.host(base) + sum(c[3] for c in chosen)
                 if device <= device_budget and host <= host_budget:
                     seconds = self.seconds(base) + sum(c[2] for c in chosen)
-                    options.append((seconds, host, [c[0] for c in chosen]))
+                    options.append((seconds, [c[0] for c in chosen]))
         options.sort(key=lambda o: o[0])
         return options
-
-    def _combinations(
-        self, base: Candidate, names: tuple[str, ...], options: list[_Option]
-    ) -> None:
-        fitted = compiled = 0
-        for seconds, _, chosen in self.until_stopped(options):
-            candidate = base
-            for move in chosen:
-                candidate = candidate.apply(move, names)
-            if candidate in self.results:
-                continue
-            if fitted >= COMBINATIONS or compiled >= COMBINATION_COMPILES:
-                why = (
-                    f"in {time_text(seconds)}: slower than the combinations compiled"
-                    if seconds < float("inf")
-                    else "after the combinations compiled (no step time to rank by: "
-                    "the step without moves is too big to compile)"
-                )
-                self.pruned[candidate] = (
-                    candidate.label,
-                    f"pruned: estimated to fit, {why}",
-                )
-                continue
-            self.evaluate(candidate)
-            compiled += 1
-            fitted += self.fits(candidate)
 
     def improve(self, names: tuple[str, ...]) -> None:
         """A local search from the best candidate compiled so far: the fastest that
@@ -299,28 +273,24 @@ class Search:
         candidate it tries what moves bytes back to the device within the budgets
         (less host traffic); of one over a budget, what brings it closer. At most
         `IMPROVE_COMPILES` compiles."""
+        current, compiled = self.best(), 0
         with self.progress.stage(IMPROVE_COMPILES):
-            self._improve(names)
-
-    def _improve(self, names: tuple[str, ...]) -> None:
-        current = self.best()
-        compiled = 0
-        while current is not None and compiled < IMPROVE_COMPILES:
-            report = self.results[current].report
-            assert report is not None
-            if self.fits(current) and report.time is None:
-                return  # no step time to improve (the CPU backend)
-            following = None
-            for move in self.until_stopped(self._flips(current, report)):
-                candidate = current.apply(move, names)
-                if candidate in self.results or compiled >= IMPROVE_COMPILES:
-                    continue
-                self.evaluate(candidate)
-                compiled += 1
-                if self._better(candidate, current):
-                    following = candidate
-                    break
-            current = following
+            while current is not None and compiled < IMPROVE_COMPILES:
+                report = self.results[current].report
+                assert report is not None
+                if self.fits(current) and report.time is None:
+                    return  # no step time to improve (the CPU backend)
+                following = None
+                for move in self.until_stopped(self._flips(current, report)):
+                    candidate = current.apply(move, names)
+                    if candidate in self.results or compiled >= IMPROVE_COMPILES:
+                        continue
+                    self.evaluate(candidate)
+                    compiled += 1
+                    if self.order(candidate) < self.order(current):
+                        following = candidate
+                        break
+                current = following
 
     def _flips(self, current: Candidate, report: MemoryReport) -> list[Move]:
         """The local search's changes from `current`, the most promising first:
@@ -346,41 +316,35 @@ class Search:
         options.sort(key=lambda o: o[0])
         return [move for _, move in options]
 
+    def fastest(self) -> list[Candidate]:
+        """The compiled candidates that fit, the fastest by estimate first."""
+        return sorted(filter(self.fits, self.results), key=self.rank)
+
     def best(self) -> Candidate | None:
         """The fastest candidate that fits by estimate (where the search goes on
-        from), else the one over its budgets by the least; `None` if none
-        compiled."""
+        from), else the one over its budgets by the least (`order`); `None` if
+        none compiled."""
         compiled = [c for c, r in self.results.items() if r.report is not None]
-        fitting = [c for c in compiled if self.fits(c)]
-        if fitting:
-            return min(fitting, key=self.rank)
-        if not compiled:
-            return None
-        return min(compiled, key=self.over)
+        return min(compiled, key=self.order, default=None)
 
-    def _better(self, a: Candidate, b: Candidate) -> bool:
-        if self.fits(a):
-            return not self.fits(b) or self.rank(a) < self.rank(b)
-        return (
-            not self.fits(b)
-            and self.results[a].report is not None
-            and self.over(a) < self.over(b)
-        )
+    def order(self, candidate: Candidate) -> tuple[bool, float, float]:
+        """Better first: those that fit, by `rank`; then the others, over their
+        budgets by the least first (not compiled: last)."""
+        report = self.results[candidate].report
+        if report is None:
+            return True, float("inf"), 0.0
+        if self.fits(candidate):
+            return (False, *self.rank(candidate))
+        return True, self._overflow(report.device_bytes, report.host_bytes), 0.0
 
     def error(self, candidate: Candidate) -> float:
         """How far the candidate's estimate can be off, relative."""
         report = self.results[candidate].report
-        return _rates.error_of(None if report is None else report.time)
+        return 0.0 if report is None or report.time is None else report.time.error
 
     def rank(self, candidate: Candidate) -> tuple[float, float]:
         """Faster first; of equal times, the smaller device footprint."""
         return self.seconds(candidate), self.device(candidate)
-
-    def over(self, candidate: Candidate) -> float:
-        """How far a compiled candidate is over its budgets (0: fits)."""
-        report = self.results[candidate].report
-        assert report is not None
-        return self._overflow(report.device_bytes, report.host_bytes)
 
     def _overflow(self, device: int | float, host: int | float) -> float:
         """How far over the budgets, as fractions of them (0: fits)."""
@@ -415,6 +379,7 @@ class Search:
             if placed.get(part) == move.to
         )
         sign = 1 if move.to == "device" else -1
+        share = 1.0  # of the bytes to the device that leave the host
         if (
             isinstance(move.name, Part)
             and move.knob == "params"
@@ -425,8 +390,8 @@ class Search:
             field = move.name.field
             copies = self.estimates.get(Move("copies", field, "pinned_host"), 0)
             whole = self.estimates.get(Move("params", Part(field), "pinned_host"), 1)
-            return device + sign * n, host - sign * n * (1 + copies / whole)
-        return device + sign * n, host - sign * n
+            share += copies / whole
+        return device + sign * n, host - sign * n * share
 
     def _added(
         self, base: Candidate, single: Candidate, move: Move

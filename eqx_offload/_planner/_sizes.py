@@ -18,13 +18,15 @@ from .._update import (
 from ._candidates import field_of, Knob, Move, Part
 
 
-def fields_of(model: Any) -> tuple[str, ...]:
-    """The top-level fields of `model` that hold trainable leaves, in order."""
-    out = []
+def param_bytes(model: Any) -> dict[str, int]:
+    """The top-level fields of `model` that hold trainable leaves, in order, with
+    the bytes of those leaves."""
+    out: dict[str, int] = {}
     for leaf in _paths.leaves(model):
-        if is_trainable(leaf.value) and field_of(leaf.path) not in out:
-            out.append(field_of(leaf.path))
-    return tuple(out)
+        if is_trainable(leaf.value):
+            field = field_of(leaf.path)
+            out[field] = out.get(field, 0) + _nbytes(leaf.value)
+    return out
 
 
 def state_slots(optimizer: Any, model: Any) -> dict[Part, int]:
@@ -32,13 +34,7 @@ def state_slots(optimizer: Any, model: Any) -> dict[Part, int]:
     part of one top-level field's state (`Part("blocks", slot="nu")`: Adam's second
     moment of the blocks), or all of it where the optimizer names no parts. State
     that mirrors no parameter (step counts) stays on the device, uncounted."""
-    params = trainable(model)
-    state = init_opt_state(optimizer, model, Policy())
-    owned = [
-        (s, field_of(s.owner_path))
-        for s in state_leaves(as_transformation(optimizer, "`plan`"), state, params)
-        if s.owner_path is not None
-    ]
+    owned = [(s, field_of(s.owner_path)) for s in _owned(optimizer, model)]
     unnamed = {field for s, field in owned if s.part is None}
     out: dict[Part, int] = {}
     for s, field in owned:
@@ -48,17 +44,20 @@ def state_slots(optimizer: Any, model: Any) -> dict[Part, int]:
 
 
 def estimates(
-    model: Any, fields: tuple[str, ...], slots: dict[Part, int], offered: list
+    params: dict[str, int],
+    slots: dict[Part, int],
+    tables: dict[str, int],
+    copies: dict[str, int],
+    offered: list,
 ) -> dict[Move, int]:
     """The device bytes each single move frees, before compiling anything: a
-    field's parameters, a slot's optimizer state (`state_slots`), a checkpoint
-    name's saved bytes (`checkpoint_names`)."""
-    params: dict[str, int] = dict.fromkeys(fields, 0)
-    for leaf in _paths.leaves(model):
-        if is_trainable(leaf.value):
-            params[field_of(leaf.path)] += _nbytes(leaf.value)
+    field's parameters (`param_bytes`), a slot's optimizer state (`state_slots`),
+    a streamed table (`tables_of`), a field's compute copies (`copies_of`), a
+    checkpoint name's saved bytes (`checkpoint_names`)."""
     out = {Move("params", Part(f), "pinned_host"): n for f, n in params.items()}
     out |= {Move("opt_state", s, "pinned_host"): n for s, n in slots.items()}
+    out |= {Move("host_tables", t, "pinned_host"): n for t, n in tables.items()}
+    out |= {Move("copies", f, "pinned_host"): n for f, n in copies.items()}
     for n in offered:
         out[Move("residual", n.name, "offload")] = n.bytes
         out[Move("residual", n.name, "recompute")] = n.bytes
@@ -70,9 +69,8 @@ def copies_of(model: Any, dtypes: tuple[str | None, ...]) -> dict[str, int]:
     (`Policy(compute_dtype=...)`) under every compute dtype offered, with the bytes
     of their copies (in the widest of those dtypes): the fields with a floating
     leaf in another dtype; none without a compute dtype offered."""
-    offered = [jnp.dtype(d) for d in dtypes if d is not None]
-    out: dict[str, int] = {}
-    for dtype in offered:
+    out: dict[str, int] | None = None
+    for dtype in [jnp.dtype(d) for d in dtypes if d is not None]:
         sizes: dict[str, int] = {}
         for leaf in _paths.leaves(model):
             x = leaf.value
@@ -80,10 +78,10 @@ def copies_of(model: Any, dtypes: tuple[str | None, ...]) -> dict[str, int]:
             if floating and x.dtype != dtype:
                 field = field_of(leaf.path)
                 sizes[field] = sizes.get(field, 0) + x.size * dtype.itemsize
-        if dtype is offered[0]:
-            out = sizes
-        out = {f: max(n, sizes[f]) for f, n in out.items() if f in sizes}
-    return out
+        if out is not None:  # under every dtype, the widest copies
+            sizes = {f: max(n, sizes[f]) for f, n in out.items() if f in sizes}
+        out = sizes
+    return out or {}
 
 
 def parts_of(
@@ -105,11 +103,8 @@ def parts_of(
         part = _part(leaf.path)
         if is_trainable(leaf.value) and part is not None:
             add("params", part, _nbytes(leaf.value))
-    params = trainable(model)
-    state = init_opt_state(optimizer, model, Policy())
-    transformation = as_transformation(optimizer, "`plan`")
-    for s in state_leaves(transformation, state, params):
-        part = None if s.owner_path is None else _part(s.owner_path)
+    for s in _owned(optimizer, model):
+        part = _part(s.owner_path)
         if part is not None:
             # A part of one state slot, or of all of the field's state.
             slot = None if part.whole in slots else s.part
@@ -135,6 +130,15 @@ def tables_of(model: Any) -> dict[str, int]:
     }
     largest = sorted(found, key=lambda p: -found[p])[:2]
     return {p: n for p, n in found.items() if p in largest}
+
+
+def _owned(optimizer: Any, model: Any) -> list[Any]:
+    """The optimizer state's leaves that mirror a parameter (`state_leaves`, with
+    an `owner_path`)."""
+    state = init_opt_state(optimizer, model, Policy())
+    transformation = as_transformation(optimizer, "`plan`")
+    leaves = state_leaves(transformation, state, trainable(model))
+    return [s for s in leaves if s.owner_path is not None]
 
 
 def _part(path: str) -> Part | None:

@@ -104,25 +104,19 @@ class PlanTable:
     interrupted: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "device_budget": self.device_budget,
-            "host_budget": self.host_budget,
-            "workspace_margin": self.workspace_margin,
-            "decision": self.decision,
-            "interrupted": self.interrupted,
-            "rows": [r.to_dict() for r in self.rows],
+        fields = dataclasses.fields(self)[1:]  # all but the rows, then them
+        return {f.name: getattr(self, f.name) for f in fields} | {
+            "rows": [r.to_dict() for r in self.rows]
         }
 
     def __str__(self) -> str:
-        device = size_text(self.device_budget)
+        device = f"{size_text(self.device_budget)} device"
         if self.workspace_margin:
             device += (
-                f" device ({size_text(self.workspace_margin)} of "
+                f" ({size_text(self.workspace_margin)} of "
                 f"{size_text(self.device_budget + self.workspace_margin)} left free "
                 "for workspaces a compile without the device cannot see)"
             )
-        else:
-            device += " device"
         budgets = f"budgets per device: {device}, {size_text(self.host_budget)} host"
         rates = [r.rates_text for r in self.rows]
         width = max(map(len, rates), default=0)
@@ -137,17 +131,13 @@ class PlanTable:
         lines = [budgets, header, "-" * (len(header) + 10)]
         for r, rate in zip(self.rows, rates):
             label, *more = _wrap(r.label)
-
-            def cell(n: int | None) -> str:
-                return "" if n is None else size_text(n)
-
             step = "" if r.seconds is None else time_text(r.seconds)
             error = "" if r.error is None or r.seconds is None else f"{r.error:.0%}"
             fits = "" if r.fits is None else (" fits" if r.fits else " too big")
             tied = ", tied" if r.tied and r.status != "chosen" else ""
             lines.append(
-                f"{label:<46}{cell(r.device_bytes):>11}{cell(r.host_bytes):>11}"
-                f"{step:>10}{error:>6}{cell(r.transfer_bytes):>11}  "
+                f"{label:<46}{_size(r.device_bytes):>11}{_size(r.host_bytes):>11}"
+                f"{step:>10}{error:>6}{_size(r.transfer_bytes):>11}  "
                 f"{column(rate)}{r.status}{fits}{tied}"
             )
             lines += more
@@ -163,6 +153,10 @@ class PlanTable:
                 "budget), then the fastest.",
             ]
         return "\n".join(lines)
+
+
+def _size(n: int | None) -> str:
+    return "" if n is None else size_text(n)
 
 
 def _wrap(label: str) -> list[str]:
