@@ -21,9 +21,7 @@ def _describe(out: Any) -> str:
             return f"{jax.numpy.dtype(x.dtype).name}{list(x.shape)}"
         return type(x).__name__
 
-    leaves, treedef = jtu.tree_flatten(out, is_leaf=lambda x: x is None)
-    text = str(jtu.tree_unflatten(treedef, [_Text(one(x)) for x in leaves]))
-    return text
+    return str(jtu.tree_map(lambda x: _Text(one(x)), out, is_leaf=lambda x: x is None))
 
 
 class _Text(str):
@@ -39,6 +37,16 @@ def _is_loss(x: Any) -> bool:
     )
 
 
+# The fix, by `has_aux` and whether `loss_fn` returned what the other `has_aux` wants.
+_FIXES = {
+    (False, True): "for `(loss, aux)`, pass `has_aux=True`",
+    (True, True): "it returns the loss alone: drop `has_aux=True`",
+    (True, False): "with `has_aux=True` it returns `(loss, aux)`, `loss` a scalar",
+    (False, False): "the loss must be one floating-point scalar (e.g. `jnp.mean` over "
+    "the examples); for `(loss, aux)`, pass `has_aux=True`",
+}
+
+
 def checked_loss(loss_fn: Callable, has_aux: bool, where: str) -> Callable:
     """`loss_fn`, raising a `ValueError` that names `has_aux` and the fix when it
     returns something other than what the step differentiates: a floating-point
@@ -47,23 +55,12 @@ def checked_loss(loss_fn: Callable, has_aux: bool, where: str) -> Callable:
     @functools.wraps(loss_fn)
     def checked(*args: Any, **kwargs: Any) -> Any:
         out = loss_fn(*args, **kwargs)
-        pair = isinstance(out, tuple | list) and len(out) == 2
-        if has_aux and pair and _is_loss(out[0]):
+        pair = isinstance(out, tuple | list) and len(out) == 2 and _is_loss(out[0])
+        if pair if has_aux else _is_loss(out):
             return out
-        if not has_aux and _is_loss(out):
-            return out
-        got = f"`loss_fn` returned {_describe(out)}"
-        if not has_aux and pair and _is_loss(out[0]):
-            fix = "for `(loss, aux)`, pass `has_aux=True`"
-        elif has_aux and _is_loss(out):
-            fix = "it returns the loss alone: drop `has_aux=True`"
-        elif has_aux:
-            fix = "with `has_aux=True` it returns `(loss, aux)`, `loss` a scalar"
-        else:
-            fix = (
-                "the loss must be one floating-point scalar (e.g. `jnp.mean` over "
-                "the examples); for `(loss, aux)`, pass `has_aux=True`"
-            )
-        raise ValueError(f"{where}: {got}; {fix}." + see(49))
+        fix = _FIXES[has_aux, _is_loss(out) if has_aux else pair]
+        raise ValueError(
+            f"{where}: `loss_fn` returned {_describe(out)}; {fix}." + see(49)
+        )
 
     return checked

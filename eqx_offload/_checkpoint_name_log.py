@@ -11,6 +11,7 @@ traced before) records nothing, but its jaxpr still carries the occurrence.
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -35,22 +36,18 @@ def attach(checkpoint_policy: Any, occurrence: Occurrence) -> Any:
     return checkpoint_policy
 
 
+@dataclasses.dataclass
 class NameLog:
     """The `Occurrence`s of one traced function."""
 
-    def __init__(self):
-        self.occurrences: list[Occurrence] = []
+    occurrences: list[Occurrence] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(cls, closed_jaxpr: Any) -> "NameLog":
         """The occurrences inside a jaxpr, nested jaxprs included."""
-        log = cls()
-        for eqn in _jaxpr.equations(closed_jaxpr):
-            policy = _jaxpr.checkpoint_policy_of(eqn)
-            occurrence = getattr(policy, _ATTRIBUTE, None)
-            if occurrence is not None:
-                log.occurrences.append(occurrence)
-        return log
+        policies = map(_jaxpr.checkpoint_policy_of, _jaxpr.equations(closed_jaxpr))
+        found = (getattr(policy, _ATTRIBUTE, None) for policy in policies)
+        return cls([occurrence for occurrence in found if occurrence is not None])
 
     @property
     def names(self) -> list[str]:
@@ -58,9 +55,8 @@ class NameLog:
 
     @property
     def residual_names(self) -> list[str]:
-        return list(
-            dict.fromkeys(n for o in self.occurrences for n in o.residual_names)
-        )
+        residuals = (n for o in self.occurrences for n in o.residual_names)
+        return list(dict.fromkeys(residuals))
 
 
 _NOT_RESIDUAL = (
@@ -69,6 +65,7 @@ _NOT_RESIDUAL = (
 )
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class UnusedName(ValueError):
     """A `save`/`offload` entry of a policy that would do nothing.
 
@@ -77,22 +74,13 @@ class UnusedName(ValueError):
     select instead, when known.
     """
 
-    def __init__(
-        self,
-        argument: str,
-        pattern: str,
-        matched: tuple[str, ...],
-        seen: tuple[str, ...],
-        offered: tuple[str, ...],
-    ):
-        self.argument, self.pattern, self.matched = argument, pattern, matched
-        self.seen, self.offered = seen, offered
-        super().__init__(self._message())
-
-    def __reduce__(self) -> tuple:
-        """Pickled by its fields (`plan` receives it from a child process)."""
-        fields = (self.argument, self.pattern, self.matched, self.seen, self.offered)
-        return type(self), fields
+    # Built positionally, its fields are its `args` too, so that it pickles (`plan`
+    # receives it from a child process); its message is `__str__`.
+    argument: str
+    pattern: str
+    matched: tuple[str, ...]
+    seen: tuple[str, ...]
+    offered: tuple[str, ...]
 
     @property
     def never_occurred(self) -> bool:
@@ -102,7 +90,7 @@ class UnusedName(ValueError):
         """The same error, listing `offered` as the names that can be used."""
         return UnusedName(self.argument, self.pattern, self.matched, self.seen, offered)
 
-    def _message(self) -> str:
+    def __str__(self) -> str:
         entry = f"`Policy({self.argument}=...)` names {self.pattern!r}"
         usable = (
             f"Names this model offers (saved for the backward pass, so a policy can "
@@ -134,15 +122,13 @@ def check(policy: Policy, log: NameLog) -> None:
     residual. Otherwise it would silently do nothing. The error lists the
     residual names this trace found.
     """
-    seen = tuple(log.names)
-    residuals = set(log.residual_names)
-    offered = tuple(log.residual_names)
+    seen, offered = tuple(log.names), tuple(log.residual_names)
     entries = [("offload", p) for p in policy.offload]
     if policy.save != "all":
         entries = [("save", p) for p in policy.save] + entries
     for argument, pattern in entries:
         matched = tuple(n for n in seen if _paths.matches(pattern, n))
-        if not matched or not residuals.intersection(matched):
+        if not set(offered).intersection(matched):
             raise UnusedName(argument, pattern, matched, seen, offered)
 
 

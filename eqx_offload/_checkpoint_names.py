@@ -94,7 +94,7 @@ def checkpoint_names(
         )
     try:
         # Every name occurs when a pattern matches every submodule.
-        everything = Offloaded(fn, _saving(base, "**"))
+        everything = Offloaded(fn, replace(base, save=("**",), offload=()))
         closed = eqx.filter_make_jaxpr(everything.run)(args, kwargs)[0]
     except _checkpoint_name_log.UnusedName as e:
         if not e.never_occurred:
@@ -107,15 +107,9 @@ def checkpoint_names(
     # Whether a value is saved depends on what else is (two names of one value,
     # say), so each name is traced as a policy saving it alone would trace it.
     return tuple(
-        _alone(fn, _saving(base, name), name, args, kwargs)
+        _alone(fn, base, name, args, kwargs)
         for name in _checkpoint_name_log.NameLog.of(closed).names
     )
-
-
-def _saving(base: Policy, name: str) -> Policy:
-    """`base` (its streamed tables and layout) saving `name` alone, offloading
-    nothing."""
-    return replace(base, save=(name,), offload=())
 
 
 def _as_the_step_calls_it(step: TrainStep, args: tuple, kwargs: dict) -> tuple:
@@ -166,9 +160,11 @@ def one_microbatch(step: TrainStep, batch: Sequence[Any]) -> list[Any]:
 
 
 def _alone(
-    fn: Callable, policy: Policy, name: str, args: tuple, kwargs: dict
+    fn: Callable, base: Policy, name: str, args: tuple, kwargs: dict
 ) -> CheckpointName:
-    loss = Offloaded(fn, policy)
+    """`name` as `base` (its streamed tables and layout) saving it alone, offloading
+    nothing, traces it."""
+    loss = Offloaded(fn, replace(base, save=(name,), offload=()))
 
     def wrt_first(first: Any, *rest: Any, **kw: Any) -> Any:
         rest, kw = jtu.tree_map(

@@ -98,38 +98,26 @@ def chunked_cross_entropy(
     t = targets.reshape(-1)
     w = jnp.ones(t.shape, jnp.float32) if mask is None else mask.reshape(-1)
     w = w.astype(jnp.float32)
-    if _vocab_blocks.streams(weight):
-        _vocab_blocks.check(weight, "chunked_cross_entropy")
+    if _vocab_blocks.streams(weight, "chunked_cross_entropy"):
         with jax.named_scope(_scopes.VOCAB_BLOCKS):
             total = _layout.on_auto_axes(_streamed_sum, PartitionSpec())
             return total(h, weight, t, w) / jnp.sum(w)
-    n = h.shape[0]
-    size = min(chunk, n)
-    pad = -n % size
-    if pad:
-        h = jnp.concatenate([h, jnp.zeros((pad, dim), h.dtype)])
-        t = jnp.concatenate([t, jnp.zeros((pad,), t.dtype)])
-        w = jnp.concatenate([w, jnp.zeros((pad,), w.dtype)])
-    chunks = h.shape[0] // size
+    size = min(chunk, h.shape[0])
+    pad = -h.shape[0] % size
+
+    if pad:  # to whole chunks, the padding of no weight
+        h, t, w = (
+            jnp.concatenate([x, jnp.zeros((pad, *x.shape[1:]), x.dtype)])
+            for x in (h, t, w)
+        )
     total = _layout.on_auto_axes(_weighted_sum, PartitionSpec())(
-        h.reshape(chunks, size, dim),
-        weight,
-        t.reshape(chunks, size),
-        w.reshape(chunks, size),
+        h.reshape(-1, size, dim), weight, t.reshape(-1, size), w.reshape(-1, size)
     )
     return total / jnp.sum(w)
 
 
 def _logits(h: Any, weight: Any) -> Any:
     return jnp.einsum("td,vd->tv", h, weight, preferred_element_type=jnp.float32)
-
-
-def _chunk_losses(h: Any, weight: Any, t: Any) -> tuple[Any, Any]:
-    """One chunk: each token's loss, and its log-sum-exp."""
-    logits = _logits(h, weight)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    correct = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
-    return lse - correct, lse
 
 
 @jax.custom_vjp
@@ -140,8 +128,10 @@ def _weighted_sum(h: Any, weight: Any, t: Any, w: Any) -> Any:
 def _forward(h: Any, weight: Any, t: Any, w: Any) -> tuple[Any, Any]:
     def body(total: Any, chunk: tuple) -> tuple[Any, Any]:
         hc, tc, wc = chunk
-        losses, lse = _chunk_losses(hc, weight, tc)
-        return total + jnp.sum(wc * losses), lse
+        logits = _logits(hc, weight)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        correct = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
+        return total + jnp.sum(wc * (lse - correct)), lse
 
     total, lse = jax.lax.scan(body, jnp.zeros((), jnp.float32), (h, t, w))
     return total, (h, weight, t, w, lse)

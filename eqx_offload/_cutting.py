@@ -19,7 +19,7 @@ from jaxtyping import PyTree
 
 from . import _layout, _mesh, _paths, _tiling
 from ._errors import see
-from ._memory_kinds import is_host, kind_of, to_space
+from ._memory_kinds import abstract, is_host, kind_of, to_space
 from ._policy import Policy
 from ._state_dict import layer_axes
 
@@ -54,7 +54,7 @@ def take(x: Any, sizes: tuple[int, ...]) -> Any:
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def take_all(xs: list[Any], sizes: tuple[tuple[int, ...], ...]) -> list[Any]:
+def _take_all(xs: list[Any], sizes: tuple[tuple[int, ...], ...]) -> list[Any]:
     return [take(x, s) for x, s in zip(xs, sizes)]
 
 
@@ -63,14 +63,10 @@ def cut(tree: Any, sizes: list[tuple[int, ...] | None]) -> Any:
 
     `sizes` has one entry per leaf: `None` for the leaves that are not arrays.
     """
-    flat, treedef = jtu.tree_flatten(tree)
-    positions = [i for i, x in enumerate(flat) if eqx.is_array(x)]
-    cut = take_all(
-        [flat[i] for i in positions], tuple(sizes[i] or () for i in positions)
-    )
-    for i, x in zip(positions, cut):
-        flat[i] = x
-    return jtu.tree_unflatten(treedef, flat)
+    arrays, rest = eqx.partition(tree, eqx.is_array)
+    shapes = tuple(size for size in sizes if size is not None)
+    flat, treedef = jtu.tree_flatten(arrays)
+    return eqx.combine(jtu.tree_unflatten(treedef, _take_all(flat, shapes)), rest)
 
 
 def copy_into(tree: Any, like: Any) -> Any:
@@ -93,16 +89,15 @@ def model_sizes(model: PyTree, layers: int | None) -> list[tuple[int, ...] | Non
 
     A `Stacked` leaf is cut along each of its leading layer axes.
     """
-    out: list[tuple[int, ...] | None] = []
-    for x, depth in zip(jtu.tree_leaves(model), layer_axes(model)):
+
+    def size(x: Any, depth: int) -> tuple[int, ...] | None:
         if not eqx.is_array(x):
-            out.append(None)
-        elif layers is None:
-            out.append(tuple(x.shape))
-        else:
-            sizes = tuple(min(n, layers) for n in x.shape[:depth])
-            out.append(sizes + tuple(x.shape[depth:]))
-    return out
+            return None
+        if layers is None:
+            return tuple(x.shape)
+        return tuple(min(n, layers) for n in x.shape[:depth]) + tuple(x.shape[depth:])
+
+    return [size(x, d) for x, d in zip(jtu.tree_leaves(model), layer_axes(model))]
 
 
 def state_sizes(
@@ -117,18 +112,16 @@ def state_sizes(
     compute dtype, its state holds the compute copies too.
     """
     expected = jax.eval_shape(optimizer.init, small_params)
-    flat, treedef = jtu.tree_flatten(opt_state)
-    flat_expected, expected_def = jtu.tree_flatten(expected)
-    if treedef != expected_def:
+    if jtu.tree_structure(opt_state) != jtu.tree_structure(expected):
         raise ValueError(
             "`verify`: `opt_state` does not have the structure `optimizer.init` "
             "gives. Build it with `eqx_offload.init_opt_state`." + see(43)
         )
-    out: list[tuple[int, ...] | None] = []
-    for leaf, x, e in zip(_paths.leaves(opt_state), flat, flat_expected):
+
+    def size(leaf: _paths.Leaf, e: Any) -> tuple[int, ...] | None:
+        x = leaf.value
         if not eqx.is_array(x):
-            out.append(None)
-            continue
+            return None
         shape = tuple(getattr(e, "shape", ()))
         if len(shape) != x.ndim or any(a > b for a, b in zip(shape, x.shape)):
             raise ValueError(
@@ -136,8 +129,9 @@ def state_sizes(
                 f"{tuple(x.shape)} cannot be cut to {shape}, its `optimizer.init` "
                 "shape. Verify with `layers=None`."
             )
-        out.append(shape)
-    return out
+        return shape
+
+    return list(map(size, _paths.leaves(opt_state), jtu.tree_leaves(expected)))
 
 
 def whole_parts(
@@ -168,16 +162,15 @@ def batch_sizes(
     The arguments at positions `unsplit` are not cut. They are passed whole to
     every micro-batch, so they are not batch-major.
     """
-    out: list[tuple[int, ...] | None] = []
-    for position, argument in enumerate(batch):
-        for x in jtu.tree_leaves(argument):
-            if not eqx.is_array(x):
-                out.append(None)
-            elif examples is None or x.ndim == 0 or position in unsplit:
-                out.append(tuple(x.shape))
-            else:
-                out.append((min(x.shape[0], examples),) + tuple(x.shape[1:]))
-    return out
+
+    def size(x: Any, position: int) -> tuple[int, ...] | None:
+        if not eqx.is_array(x):
+            return None
+        if examples is None or x.ndim == 0 or position in unsplit:
+            return tuple(x.shape)
+        return (min(x.shape[0], examples),) + tuple(x.shape[1:])
+
+    return [size(x, i) for i, arg in enumerate(batch) for x in jtu.tree_leaves(arg)]
 
 
 def examples(batch: tuple, unsplit: tuple[int, ...] = ()) -> int | None:
@@ -192,18 +185,11 @@ def examples(batch: tuple, unsplit: tuple[int, ...] = ()) -> int | None:
     return max(sizes, default=None)
 
 
-def _abstract(tree: Any) -> Any:
-    """`tree` with its arrays as device-resident `jax.ShapeDtypeStruct`s."""
-    return jtu.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x,
-        tree,
-    )
-
-
 def _traces(loss_fn: Callable, model: Any, batch: tuple) -> bool:
     """Whether `loss_fn` traces on (abstract, device-resident) `model` and `batch`."""
     try:
-        eqx.filter_eval_shape(loss_fn, _abstract(model), *_abstract(batch))
+        device = abstract((model, *batch), keep_sharding=False)
+        eqx.filter_eval_shape(loss_fn, *device)
     except Exception:  # whatever the loss raises: it does not trace
         return False
     return True

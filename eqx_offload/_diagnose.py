@@ -58,11 +58,6 @@ class Streamed(NamedTuple):
     gradient: bool  # also sliced in the forward pass, its gradient written back
 
 
-class Rejected(NamedTuple):
-    leaf: Streamed
-    message: str
-
-
 def _probe(leaf: Streamed, mesh: Mesh) -> str | None:
     """The compiler's message if it rejects streaming `leaf` as the step does.
 
@@ -118,7 +113,7 @@ def _probe(leaf: Streamed, mesh: Mesh) -> str | None:
 _cache: dict[tuple, str | None] = {}
 
 
-def rejected(leaves: Sequence[Streamed], mesh: Mesh) -> list[Rejected]:
+def rejected(leaves: Sequence[Streamed], mesh: Mesh) -> list[tuple[Streamed, str]]:
     """The leaves whose streaming the compiler for `mesh` rejects, cached per shape.
 
     A leaf whose probe fails for a reason of its own is left out. The diagnosis
@@ -132,21 +127,9 @@ def rejected(leaves: Sequence[Streamed], mesh: Mesh) -> list[Rejected]:
                 _cache[key] = _probe(leaf, mesh)
             except Exception:  # the probe's own failure: no verdict, not kept
                 continue
-        message = _cache[key]
-        if message is not None:
-            out.append(Rejected(leaf, message))
+        if _cache[key] is not None:
+            out.append((leaf, _cache[key]))
     return out
-
-
-def _with_device(spec: ParamsSpec, paths: list[str]) -> dict[str, str]:
-    """`spec` as a mapping, plus `path: "device"` for each path."""
-    if spec is None:
-        items: dict[str, str] = {}
-    elif isinstance(spec, str):
-        items = {"**": spec}
-    else:
-        items = dict(spec)
-    return items | {p: "device" for p in paths}
 
 
 def way_out(params: ParamsSpec, opt_state: ParamsSpec, paths: list[str]) -> str:
@@ -154,8 +137,12 @@ def way_out(params: ParamsSpec, opt_state: ParamsSpec, paths: list[str]) -> str:
 
     They are written as the user would write them.
     """
-    p, s = _with_device(params, paths), _with_device(opt_state, paths)
-    return f"`params={p!r}, opt_state={s!r}`"
+
+    def with_device(spec: ParamsSpec) -> dict[str, str]:
+        items = {"**": spec} if isinstance(spec, str) else dict(spec or {})
+        return items | {p: "device" for p in paths}
+
+    return f"`params={with_device(params)!r}, opt_state={with_device(opt_state)!r}`"
 
 
 def leaves_in_message(message: str, leaves: Sequence[Streamed]) -> list[str]:
@@ -196,24 +183,22 @@ def explain(
     It names the leaves that fail alone, and a way out. If none does, it names
     the leaves the compiler's message points at.
     """
-    bad = rejected(leaves, mesh)
-    if bad:
-        first = {r.leaf.path: r for r in bad}  # a parameter, or its state
-        paths = list(first)
-        lines = [
-            f"{what}: the compiler rejected it ({_first_line(message)}). Compiled "
-            "alone, streaming these host-resident leaves from the host fails:"
-        ]
-        for r in first.values():
-            dtype = jnp.dtype(r.leaf.dtype).name
-            lines.append(
-                f"  - {r.leaf.path!r} ({dtype}{list(r.leaf.shape)}): {r.message}"
-            )
-        lines.append(
-            "Keep them and their optimizer state on the device: in the `Policy`, "
-            f"{way_out(params, opt_state, paths)}." + see(54)
+    # A parameter's first rejection (or its state's).
+    first = {leaf.path: (leaf, reason) for leaf, reason in rejected(leaves, mesh)}
+    if first:
+        return "\n".join(
+            [
+                f"{what}: the compiler rejected it ({_first_line(message)}). Compiled "
+                "alone, streaming these host-resident leaves from the host fails:",
+                *(
+                    f"  - {leaf.path!r} ({jnp.dtype(leaf.dtype).name}"
+                    f"{list(leaf.shape)}): {reason}"
+                    for leaf, reason in first.values()
+                ),
+                "Keep them and their optimizer state on the device: in the `Policy`, "
+                f"{way_out(params, opt_state, list(first))}." + see(54),
+            ]
         )
-        return "\n".join(lines)
     named = leaves_in_message(message, leaves)
     if named:
         keep = (

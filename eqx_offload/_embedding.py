@@ -30,7 +30,7 @@ def embed(
     **Tied embeddings.** Pass the *returned* table to the output projection:
     `eo.chunked_cross_entropy(hidden, table, targets)`. The projection's gradient
     then flows into this lookup's backward pass. That pass adds its own rows to it,
-    in place. Using `model.embed` a second time would add two host-resident
+    in place. Using `model.embed.weight` a second time would add two host-resident
     gradients. No backend can compute that sum. The step raises an error naming
     the leaf.
 
@@ -50,7 +50,7 @@ def embed(
 
         ```python
         def loss_fn(model, tokens, targets):
-            h, table = eo.embed(model.embed, tokens)   # [batch, seq, dim]
+            h, table = eo.embed(model.embed.weight, tokens)  # [batch, seq, dim]
             hidden = jax.vmap(model.trunk)(h)
             return eo.chunked_cross_entropy(hidden, table, targets)
         ```
@@ -62,9 +62,8 @@ def embed(
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"`embed`: `tokens` must be integer ids, got {tokens.dtype}.")
     found = PartitionSpec(*_layout.traced_spec(tokens), None)  # laid out as the ids are
-    if not _vocab_blocks.streams(table):
+    if not _vocab_blocks.streams(table, "embed"):
         return _layout.on_auto_axes(_take, found)(table, tokens), table
-    _vocab_blocks.check(table, "embed")
     with jax.named_scope(_scopes.VOCAB_BLOCKS):
         lookup = _layout.on_auto_axes(_streamed, (found, _layout.traced_spec(table)))
         return lookup(table, tokens)
@@ -96,10 +95,8 @@ def _streamed(table: Any, tokens: Any) -> tuple[Any, Any]:
 
 
 def _forward(table: Any, tokens: Any) -> tuple[tuple[Any, Any], tuple]:
-    return (_lookup(table.value, tokens.value), table.value), (
-        table.value,
-        tokens.value,
-    )
+    table, tokens = table.value, tokens.value
+    return (_lookup(table, tokens), table), (table, tokens)
 
 
 def _backward(residuals: tuple, cotangents: tuple) -> tuple[Any, None]:

@@ -127,7 +127,8 @@ def _backward_rule(static: tuple, residual: tuple, g: Any) -> tuple[None, Any, N
     reads, layer, _, acc_dtype = static
     acc, flag, host = residual
     if is_host(g):
-        return None, _add_host(g, acc, flag if reads else False), None
+        blocks = _tiling.row_blocks(acc.shape, g.dtype, _tiling.PIECE_BYTES)
+        return None, _add_by_blocks(g, acc, flag if reads else False, blocks), None
     g = g.astype(acc_dtype)
     if not reads:
         return None, to_space(g, "pinned_host" if host else "device", ""), None
@@ -153,29 +154,17 @@ def _add_whole(g: Any, acc: Any, flag: Any) -> Any:
 
 
 def _add_by_blocks(g: Any, acc: Any, flag: Any, blocks: int) -> Any:
-    """`g + acc` written into the host-resident `acc`, one block of rows on the
-    device at a time (a large leaf outside any `Stacked`: an embedding)."""
+    """`g` cast to `acc`'s dtype, plus `acc` where `flag` (never if `False`), written
+    into the host-resident `acc` one block of rows on the device at a time.
+
+    `g` is on the device (a large leaf outside any `Stacked`: an embedding), or on
+    the host (a table streamed by `Policy(host_tables=...)`).
+    """
     rows = acc.shape[0] // blocks
 
     def body(acc: Any, index: Any) -> tuple[Any, None]:
-        piece = to_space(_tiling.read(acc, index, rows), "device", "")
-        piece = jnp.where(flag, piece, 0)
-        piece = piece + jax.lax.dynamic_slice_in_dim(g, index * rows, rows)
-        piece = to_space(piece, "pinned_host", "")
-        return _tiling.write(acc, piece, index, rows), None
-
-    return jax.lax.scan(body, acc, jnp.arange(blocks))[0]
-
-
-def _add_host(g: Any, acc: Any, flag: Any) -> Any:
-    """`g` (host-resident: a table streamed by `Policy(host_tables=...)`) cast to
-    `acc`'s dtype, plus `acc` where `flag`, written into `acc` block by block."""
-    blocks = _tiling.row_blocks(acc.shape, g.dtype, _tiling.PIECE_BYTES)
-    rows = acc.shape[0] // blocks
-
-    def body(acc: Any, index: Any) -> tuple[Any, None]:
-        piece = to_space(_tiling.read(g, index, rows), "device", "")
-        piece = piece.astype(acc.dtype)
+        piece = jax.lax.dynamic_slice_in_dim(g, index * rows, rows)
+        piece = to_space(piece, "device", "").astype(acc.dtype)
         if flag is not False:
             old = to_space(_tiling.read(acc, index, rows), "device", "")
             piece = piece + jnp.where(flag, old, 0)

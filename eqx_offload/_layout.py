@@ -64,10 +64,6 @@ class FSDP(eqx.Module):
                 f"`FSDP(min_size={self.min_size!r})` must be a non-negative int."
             )
 
-    @property
-    def axes(self) -> tuple[str, ...]:
-        return axis_names(self.axis)
-
 
 Rule = PartitionSpec | FSDP
 Rules = tuple[tuple[str, Rule], ...]
@@ -86,10 +82,10 @@ def _rule(value: Any, where: str) -> Rule:
     )
 
 
-def check_rules(value: Any, argument: str = "shard") -> Rules | None:
+def check_rules(value: Any) -> Rules | None:
     """`Policy(shard=...)` in canonical form: `None`, or (pattern, rule) pairs. One
     rule (a spec, an `FSDP`, an axis name) applies to every leaf (`"**"`)."""
-    where = f"`Policy({argument}=...)`"
+    where = "`Policy(shard=...)`"
     if value is None:
         return None
     if isinstance(value, Mapping):
@@ -100,15 +96,13 @@ def check_rules(value: Any, argument: str = "shard") -> Rules | None:
         items = value
     else:
         return (("**", _rule(value, where)),)
-    out = []
-    for pattern, rule in items:
+    for pattern, _ in items:
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(
                 f"{where} has key {pattern!r}. Keys are non-empty leaf path patterns, "
                 "such as 'blocks.**'."
             )
-        out.append((pattern, _rule(rule, f"{where}[{pattern!r}]")))
-    return tuple(out)
+    return tuple((p, _rule(rule, f"{where}[{p!r}]")) for p, rule in items)
 
 
 def check_batch(value: Any) -> PartitionSpec | None:
@@ -124,15 +118,8 @@ def check_batch(value: Any) -> PartitionSpec | None:
 
 def current_mesh() -> AnyMesh | None:
     """The mesh of `jax.set_mesh`, concrete if there is one, or None."""
-    mesh = jax.sharding.get_mesh()
-    if not mesh.empty:
-        return mesh
-    abstract = jax.sharding.get_abstract_mesh()
-    return None if abstract.empty else abstract
-
-
-def _sizes(mesh: AnyMesh) -> dict[str, int]:
-    return dict(mesh.shape)
+    meshes = (jax.sharding.get_mesh(), jax.sharding.get_abstract_mesh())
+    return next((mesh for mesh in meshes if not mesh.empty), None)
 
 
 def normalise(spec: PartitionSpec, ndim: int, full: bool = True) -> PartitionSpec:
@@ -164,7 +151,7 @@ def check_spec(
     does not divide its dimension ends with `undivided_link` (a batch's). Otherwise it
     ends with the catalogue's link for a leaf.
     """
-    sizes = _sizes(mesh)
+    sizes = dict(mesh.shape)
     if len(spec) > len(shape):
         raise ValueError(
             f"{what} has shape {shape} but is given {spec}, with {len(spec)} "
@@ -194,51 +181,42 @@ def check_spec(
             )
 
 
-def _fsdp_spec(
-    rule: FSDP,
-    shape: tuple[int, ...],
-    dtype: Any,
-    layer_axes: int,
-    mesh: AnyMesh,
-    path: str,
-) -> PartitionSpec | None:
-    """The spec `rule` gives a leaf.
+def _fsdp_spec(rule: FSDP, leaf: _paths.Leaf, mesh: AnyMesh) -> PartitionSpec | None:
+    """The spec `rule` gives `leaf`, in full spelling.
 
     None if it stays replicated for lack of a divisible dimension.
     """
-    sizes = _sizes(mesh)
-    missing = [a for a in rule.axes if a not in sizes]
+    sizes = dict(mesh.shape)
+    missing = [a for a in axis_names(rule.axis) if a not in sizes]
     if missing:
         raise ValueError(
-            f"`Policy(shard=...)`: `FSDP` along {rule.axis!r} for leaf {path!r}, but "
-            f"the mesh has no axis {missing[0]!r}; its axes are {sizes}." + see(71)
+            f"`Policy(shard=...)`: `FSDP` along {rule.axis!r} for leaf {leaf.path!r}, "
+            f"but the mesh has no axis {missing[0]!r}; its axes are {sizes}." + see(71)
         )
+    shape, layer_axes = tuple(leaf.value.shape), leaf.layer_axes
     per_layer = shape[layer_axes:]
     if math.prod(per_layer) < rule.min_size or not per_layer:
-        return PartitionSpec()
-    parts = math.prod(sizes[a] for a in rule.axes)
+        return normalise(PartitionSpec(), len(shape))
+    parts = math.prod(sizes[a] for a in axis_names(rule.axis))
     divisible = [d for d in range(len(per_layer)) if per_layer[d] % parts == 0]
     if not divisible:
         return None
     # Prefer a dimension whose shard is whole tiles of rows (a TPU compiler stores
     # arrays in tiles of 8 rows of 32 bits, and moves host-resident layers of other
     # shapes only sometimes), then the largest, then the first.
-    tile = _tiling.SUBLANES * _tiling.packing(dtype)
+    tile = _tiling.SUBLANES * _tiling.packing(leaf.value.dtype)
     best = max(
-        divisible,
-        key=lambda d: ((per_layer[d] // parts) % tile == 0, per_layer[d], -d),
+        divisible, key=lambda d: ((per_layer[d] // parts) % tile == 0, per_layer[d], -d)
     )
     entries: list[Any] = [None] * len(shape)
     entries[layer_axes + best] = rule.axis
     return PartitionSpec(*entries)
 
 
-def rule_of(
-    path: str, rules: Rules, used: dict[str, bool] | None = None
-) -> tuple[str, Rule] | None:
+def rule_of(path: str, rules: Rules) -> tuple[str, Rule] | None:
     """The (pattern, rule) of `Policy(shard=...)` that applies to the leaf at
     `path` (`_paths.best_match`)."""
-    return _paths.best_match(path, rules, "`Policy(shard=...)`", used, see(17))
+    return _paths.best_match(path, rules, "`Policy(shard=...)`", None, see(17))
 
 
 def explicit_mesh(mesh: AnyMesh) -> bool:
@@ -287,13 +265,10 @@ def gather_fsdp(tree: Any, prefix: str, rules: Rules | None) -> Any:
         found = rule_of(path, rules)
         if found is None or not isinstance(found[1], FSDP):
             return x
-        axes = set(found[1].axes)
+        axes = set(axis_names(found[1].axis))
         spec = jax.typeof(x).sharding.spec
-        kept = []
-        for entry in spec:
-            names = tuple(n for n in axis_names(entry) if n not in axes)
-            kept.append(None if not names else names[0] if len(names) == 1 else names)
-        want = PartitionSpec(*kept)
+        kept = (tuple(n for n in axis_names(e) if n not in axes) for e in spec)
+        want = PartitionSpec(*(n[0] if len(n) == 1 else n or None for n in kept))
         if want == spec:
             return x
         # The barrier keeps the gather of this layer inside the scan: without it the
@@ -301,10 +276,9 @@ def gather_fsdp(tree: Any, prefix: str, rules: Rules | None) -> Any:
         # memory, before the loop.
         return jax.sharding.reshard(jax.lax.optimization_barrier(x), want)
 
-    flat, treedef = jtu.tree_flatten(tree)
-    paths = iter(leaf.path for leaf in _paths.leaves(tree))
-    out = [gather(_paths.join(prefix, next(paths)), x) for x in flat]
-    return jtu.tree_unflatten(treedef, out)
+    leaves = _paths.leaves(tree)
+    out = [gather(_paths.join(prefix, leaf.path), leaf.value) for leaf in leaves]
+    return jtu.tree_unflatten(jtu.tree_structure(tree), out)
 
 
 def specs(
@@ -328,64 +302,49 @@ def specs(
     """
     if rules is None:
         return [None] * len(leaves)
-    used = {pattern: False for pattern, _ in rules}
+    where, paths = "`Policy(shard=...)`", [leaf.path for leaf in leaves]
+    found = _paths.best_matches(paths, rules, where, (see(17), see(75)))
     out: list[PartitionSpec | None] = []
     undivided = []
-    for leaf in leaves:
-        best = rule_of(leaf.path, rules, used)
-        if best is None:
-            out.append(None)
-            continue
-        shape = tuple(leaf.value.shape)
-        rule = best[1]
-        host_table = not leaf.layer_axes and any(
-            _paths.prefix_match(p, leaf.path) is not None for p in host_tables
-        )
-        if host_table:
-            if isinstance(rule, FSDP) or not any(axis_names(e) for e in rule):
-                out.append(normalise(PartitionSpec(), len(shape)))
-                continue
-            raise ValueError(
-                f"`Policy(shard=...)`: leaf {leaf.path!r} is streamed from the host, "
-                f"but {best[0]!r} splits it. Give it `PartitionSpec()`." + see(103)
-            )
-        if isinstance(rule, FSDP):
-            spec = _fsdp_spec(
-                rule, shape, leaf.value.dtype, leaf.layer_axes, mesh, leaf.path
-            )
-            if spec is None:
-                undivided.append(f"{leaf.path} {shape}")
-                spec = PartitionSpec()
-        else:
-            what = f"`Policy(shard=...)`: leaf {leaf.path!r}"
-            if leaf.layer_axes:
-                per_layer = shape[leaf.layer_axes :]
-                if len(rule) > len(per_layer):
-                    raise ValueError(
-                        f"{what} is in a `Stacked` and has shape {per_layer} per "
-                        f"layer, but is given {rule}: drop the entry for the layer "
-                        "axis." + see(73)
-                    )
-                check_spec(rule, per_layer, mesh, what)
-                spec = PartitionSpec(*((None,) * leaf.layer_axes + tuple(rule)))
-            else:
-                check_spec(rule, shape, mesh, what)
-                spec = rule
-        out.append(normalise(spec, len(shape)))
-    paths = [leaf.path for leaf in leaves]
-    _paths.check_used(used, paths, "`Policy(shard=...)`", see(75))
+    for leaf, best in zip(leaves, found):
+        spec = None if best is None else _spec(leaf, best, mesh, host_tables)
+        if best is not None and spec is None:
+            undivided.append(f"{leaf.path} {tuple(leaf.value.shape)}")
+            spec = normalise(PartitionSpec(), len(leaf.value.shape))
+        out.append(spec)
     if undivided and warn:
         warn_at_caller(
-            f"`Policy(shard=...)`: `FSDP` leaves {_paths.quoted(undivided)} "
+            f"{where}: `FSDP` leaves {_paths.quoted(undivided)} "
             "replicated: no dimension is divisible by the mesh axis. Pad them, or "
             "give them a spec or `FSDP(min_size=...)` to say so." + see(80)
         )
     return out
 
 
-def batch_spec(spec: PartitionSpec, shape: tuple[int, ...]) -> PartitionSpec:
-    """The batch spec for one batch leaf.
+def _spec(
+    leaf: _paths.Leaf, best: tuple[str, Rule], mesh: AnyMesh, tables: tuple[str, ...]
+) -> PartitionSpec | None:
+    """The spec `best`, a (pattern, rule) pair, gives `leaf`, in full spelling
+    (`specs`). `tables`: the `Policy(host_tables=...)` patterns.
 
-    Scalars are replicated, and the spec is cut to the leaf's dimensions.
+    None for an `FSDP` leaf with no divisible dimension.
     """
-    return PartitionSpec(*tuple(spec)[: len(shape)])
+    (pattern, rule), shape = best, tuple(leaf.value.shape)
+    if not leaf.layer_axes and _paths.under(leaf.path, tables):
+        if isinstance(rule, FSDP) or not any(axis_names(e) for e in rule):
+            return normalise(PartitionSpec(), len(shape))
+        raise ValueError(
+            f"`Policy(shard=...)`: leaf {leaf.path!r} is streamed from the host, "
+            f"but {pattern!r} splits it. Give it `PartitionSpec()`." + see(103)
+        )
+    if isinstance(rule, FSDP):
+        return _fsdp_spec(rule, leaf, mesh)
+    what = f"`Policy(shard=...)`: leaf {leaf.path!r}"
+    per_layer = shape[leaf.layer_axes :]
+    if leaf.layer_axes and len(rule) > len(per_layer):
+        raise ValueError(
+            f"{what} is in a `Stacked` and has shape {per_layer} per layer, but is "
+            f"given {rule}: drop the entry for the layer axis." + see(73)
+        )
+    check_spec(rule, per_layer, mesh, what)
+    return normalise(PartitionSpec(*(None,) * leaf.layer_axes, *rule), len(shape))

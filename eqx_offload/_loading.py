@@ -3,11 +3,11 @@
 The step is checked against what the caller describes.
 """
 
+import itertools
 import os
 import warnings
 from typing import Any, NamedTuple, overload
 
-import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
@@ -16,15 +16,12 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jaxtyping import PyTree
 
-from . import _compat, _orbax, _update
+from . import _compat, _orbax, _pending, _update
 from ._errors import see
+from ._memory_kinds import abstract, is_key
 from ._placement import place
 from ._policy import check_policy, Policy
 from ._saving import saved_steps, wait_for
-
-
-# The saved items `like` describes, in its order, and `extra`.
-_ITEMS = ("model", "opt_state", "extra")
 
 
 class Restored(NamedTuple):
@@ -145,14 +142,10 @@ def load(
     step = _saved_step(directory, step)
     _orbax.check_global_load(like, extra)
     targets = _targets(like, extra, policy, optimizer)
-    meta, flats, arrays = _restore(directory, step, targets)
-    out = {
-        name: _rebuild(name, target, flats[name], meta, arrays)
-        for name, target in targets.items()
-    }
+    model, opt_state, *rest = _restore(directory, step, targets)
     if extra is None:
-        return Restored(out["model"], out["opt_state"], step)
-    return RestoredWithExtra(out["model"], out["opt_state"], step, out["extra"])
+        return Restored(model, opt_state, step)
+    return RestoredWithExtra(model, opt_state, step, *rest)
 
 
 def _check_arguments(like: Any, step: int | None) -> None:
@@ -194,30 +187,18 @@ def _targets(
     optimizer: optax.GradientTransformation | None,
 ) -> dict[str, PyTree]:
     """The saved items to restore, abstract, each leaf placed as `policy` says."""
-    model = place(_abstract(like[0]), policy)
+    model = place(_pending.mark(abstract(like[0]), ()), policy)
     # A checkpoint holds no pending update (`save` refuses one): the state comes
     # back with none waiting, whatever `like`'s state says (a static field).
-    opt_state = _update.place_state(
-        optimizer,
-        _update.structure(_abstract(like[1])),
-        model,
-        policy,
-        "`eqx_offload.load`",
-    )
-    targets = {"model": model, "opt_state": opt_state}
-    if extra is not None:
-        targets["extra"] = _abstract(extra)
-    return targets
+    state = _update.structure(abstract(like[1]))
+    where = "`eqx_offload.load`"
+    opt_state = _update.place_state(optimizer, state, model, policy, where)
+    extras = {} if extra is None else {"extra": abstract(extra)}
+    return {"model": model, "opt_state": opt_state, **extras}
 
 
-def _restore(
-    directory: str, step: int, targets: dict[str, PyTree]
-) -> tuple[dict, dict[str, list], Any]:
-    """The step's description, each target's flattened leaves, and the arrays restored
-    into them.
-
-    It first checks that the step matches the targets.
-    """
+def _restore(directory: str, step: int, targets: dict[str, PyTree]) -> list[PyTree]:
+    """Each target, restored from the step after checking that the step matches it."""
     manager = _orbax.manager(directory, create=False)
     try:
         meta = manager.restore(
@@ -228,16 +209,19 @@ def _restore(
                 f"`load`: step {step} in {directory!r} was not written by this "
                 "version of `eqx_offload.save`."
             )
-        args, flats = {}, {}
-        for name, target in targets.items():
-            flats[name] = _orbax.flatten(target)
-            abstract = _check_match(name, meta["leaves"][name], flats[name], step)
-            if abstract:
-                args[name] = ocp.args.StandardRestore(abstract)
+        flats = {name: _orbax.flatten(target) for name, target in targets.items()}
+        args = {}
+        for name, flat in flats.items():
+            wanted = _check_match(name, meta["leaves"][name], flat, step)
+            if wanted:
+                args[name] = ocp.args.StandardRestore(wanted)
         arrays = manager.restore(step, args=ocp.args.Composite(**args)) if args else {}
     finally:
         manager.close()
-    return meta, flats, arrays
+    return [
+        _rebuild(name, target, flats[name], meta, arrays)
+        for name, target in targets.items()
+    ]
 
 
 def _rebuild(
@@ -250,21 +234,16 @@ def _rebuild(
     """
     impls = {leaf_path: impl for leaf_path, _, _, impl in meta["leaves"][name]}
     values = meta["values"][name]
-    restored = []
-    for leaf_path, x in flat:
-        if isinstance(x, jax.ShapeDtypeStruct):
-            data = _host_aval(arrays[name][_orbax.name(leaf_path)])
-            impl = impls[leaf_path]
-            restored.append(data if impl is None else _wrap_key(data, impl))
-        elif name == "extra":
-            restored.append(type(x)(values[leaf_path]))
-        else:
-            restored.append(x)
-    return jtu.tree_unflatten(jtu.tree_structure(target), restored)
 
+    def restored(leaf_path: str, x: Any) -> Any:
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            return type(x)(values[leaf_path]) if name == "extra" else x
+        data = _host_aval(arrays[name][_orbax.name(leaf_path)])
+        impl = impls[leaf_path]
+        return data if impl is None else jax.random.wrap_key_data(data, impl=impl)
 
-def _wrap_key(data: jax.Array, impl: str) -> jax.Array:
-    return jax.random.wrap_key_data(data, impl=impl)
+    leaves = [restored(leaf_path, x) for leaf_path, x in flat]
+    return jtu.tree_unflatten(jtu.tree_structure(target), leaves)
 
 
 def _host_aval(x: jax.Array) -> jax.Array:
@@ -290,20 +269,6 @@ def _host_aval(x: jax.Array) -> jax.Array:
     return jax.device_put(x, x.sharding, may_alias=False)
 
 
-def _abstract(tree: Any) -> Any:
-    """`tree` with every array leaf a `jax.ShapeDtypeStruct` of its sharding."""
-
-    def to_struct(x: Any) -> Any:
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return x
-        if eqx.is_array(x):
-            sharding = x.sharding if isinstance(x, jax.Array) else None
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-        return x
-
-    return jtu.tree_map(to_struct, tree)
-
-
 def _restore_target(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     """What orbax restores a leaf into: its sharding and memory kind, or key data for a
     key.
@@ -317,17 +282,9 @@ def _restore_target(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     elif isinstance(sharding, NamedSharding) and len(sharding.device_set) == 1:
         (device,) = sharding.device_set
         sharding = SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
-    if _orbax.is_key(x):
+    if is_key(x):
         x = jax.eval_shape(jax.random.key_data, x)
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-
-class _Saved(NamedTuple):
-    """One leaf as the step's description lists it (and as `like` would)."""
-
-    path: str
-    shape: list[int] | None  # None for a Python scalar of `extra`
-    dtype: str  # the dtype, or the scalar's type name
 
 
 def _check_match(
@@ -336,16 +293,24 @@ def _check_match(
     """The restore targets of one saved item.
 
     It first checks, leaf by leaf, that what was saved is what `like` (or the `extra`
-    template) describes.
+    template) describes: each leaf as `(path, "float32[2, 3]")`, or `"a Python int"`
+    for a scalar of `extra`.
     """
-    have = [_Saved(p, shape, dtype) for p, shape, dtype, _ in saved]
-    wanted = _wanted(name, flat)
+    have = [(p, f"a Python {d}" if s is None else f"{d}{s}") for p, s, d, _ in saved]
+    wanted, targets = [], {}
+    for leaf_path, x in flat:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            wanted.append((leaf_path, f"{x.dtype}{list(x.shape)}"))
+            targets[_orbax.name(leaf_path)] = _restore_target(x)
+        elif name == "extra":
+            x = x.item() if isinstance(x, np.generic) else x
+            wanted.append((leaf_path, f"a Python {type(x).__name__}"))
     if name == "extra" and not have and wanted:
         raise ValueError(
             f"`load(extra=...)`: step {step} was saved without `extra`. Leave "
             "`extra` out." + see(58)
         )
-    argument = "extra" if name == "extra" else f"like[{_ITEMS.index(name)}]"
+    argument = {"model": "like[0]", "opt_state": "like[1]"}.get(name, "extra")
     difference = _first_difference(have, wanted, argument)
     if difference is not None:
         raise ValueError(
@@ -354,11 +319,7 @@ def _check_match(
             + (_EXTRA_FIX if name == "extra" else _LIKE_FIX)
             + see(57)
         )
-    return {
-        _orbax.name(leaf_path): _restore_target(x)
-        for leaf_path, x in flat
-        if isinstance(x, jax.ShapeDtypeStruct)
-    }
+    return targets
 
 
 _LIKE_FIX = (
@@ -368,43 +329,15 @@ _LIKE_FIX = (
 _EXTRA_FIX = "Pass a template of the `extra` given to `save`."
 
 
-def _wanted(name: str, flat: list[tuple[str, Any]]) -> list[_Saved]:
-    """The leaves `like` (or the `extra` template) describes, as `save` lists them."""
-    wanted = []
-    for leaf_path, x in flat:
-        if isinstance(x, jax.ShapeDtypeStruct):
-            wanted.append(_Saved(leaf_path, list(x.shape), str(x.dtype)))
-        elif name == "extra":
-            if isinstance(x, np.generic):
-                x = x.item()
-            wanted.append(_Saved(leaf_path, None, type(x).__name__))
-    return wanted
-
-
-def _first_difference(
-    have: list[_Saved], wanted: list[_Saved], argument: str
-) -> str | None:
-    """The first leaf that differs between the checkpoint and `argument`."""
-    for i in range(max(len(have), len(wanted))):
-        a = have[i] if i < len(have) else None
-        b = wanted[i] if i < len(wanted) else None
-        if a == b:
-            continue
-        if a is None or b is None or a.path != b.path:
-            saved_leaf = "nothing" if a is None else repr(a.path)
-            like_leaf = "nothing" if b is None else repr(b.path)
+def _first_difference(have: list, wanted: list, argument: str) -> str | None:
+    """The first leaf, `(path, description)`, that differs between the checkpoint and
+    `argument`."""
+    for i, (a, b) in enumerate(itertools.zip_longest(have, wanted)):
+        if a is None or b is None or a[0] != b[0]:
+            saved, given = ("nothing" if x is None else repr(x[0]) for x in (a, b))
+            return f"leaf {i} is {saved} in the checkpoint but {given} in `{argument}`"
+        if a != b:
             return (
-                f"leaf {i} is {saved_leaf} in the checkpoint but {like_leaf} in "
-                f"`{argument}`"
+                f"leaf {a[0]!r} is {a[1]} in the checkpoint but {b[1]} in `{argument}`"
             )
-        return (
-            f"leaf {a.path!r} is {_describe(a)} in the checkpoint but {_describe(b)} "
-            f"in `{argument}`"
-        )
     return None
-
-
-def _describe(leaf: _Saved) -> str:
-    if leaf.shape is None:
-        return f"a Python {leaf.dtype}"
-    return f"{leaf.dtype}{leaf.shape}"

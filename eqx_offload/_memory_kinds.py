@@ -20,6 +20,22 @@ def is_arraylike(x: Any) -> bool:
     return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
+def abstract(tree: Any, keep_sharding: bool = True) -> Any:
+    """`tree` with every array leaf a `jax.ShapeDtypeStruct` of its sharding, or
+    (without `keep_sharding`) device-resident."""
+
+    def struct(x: Any) -> Any:
+        sharding = getattr(x, "sharding", None) if keep_sharding else None
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(lambda x: struct(x) if eqx.is_array(x) else x, tree)
+
+
+def is_key(x: Any) -> bool:
+    """Whether `x` (an array or its abstract value) is an array of PRNG keys."""
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 def is_masked(x: Any) -> bool:
     """`optax.masked`'s holes in an optimizer state: leaves that hold no memory."""
     return isinstance(x, optax.MaskedNode)
@@ -42,14 +58,10 @@ def backend_kinds() -> tuple[str, ...]:
 def kind_of(x: Any) -> str:
     """The memory kind a leaf is in now. Inside a trace only host vs device is known,
     and host means `"pinned_host"`."""
-    if isinstance(x, jax.ShapeDtypeStruct):
-        sharding = x.sharding
-        return getattr(sharding, "memory_kind", None) or "device"
     if isinstance(x, jax.core.Tracer):
         return "pinned_host" if is_host(x) else "device"
-    if isinstance(x, jax.Array):
-        return x.sharding.memory_kind or "device"
-    return "device"  # NumPy arrays go to the default memory when used
+    # A NumPy array (no sharding) goes to the default memory when used.
+    return getattr(getattr(x, "sharding", None), "memory_kind", None) or "device"
 
 
 def abstract_sharding(sharding: Any) -> Any:
@@ -59,12 +71,11 @@ def abstract_sharding(sharding: Any) -> Any:
     in device memory whatever its memory kind (a concrete array with the same
     sharding is traced correctly); a `NamedSharding` over a one-device mesh works.
     """
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        (device,) = sharding.device_set
-        mesh = jax.sharding.Mesh([device], ("device",))
-        spec = jax.sharding.PartitionSpec()
-        return jax.sharding.NamedSharding(mesh, spec, memory_kind=sharding.memory_kind)
-    return sharding
+    if not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return sharding
+    mesh = jax.sharding.Mesh(list(sharding.device_set), ("device",))
+    spec = jax.sharding.PartitionSpec()
+    return jax.sharding.NamedSharding(mesh, spec, memory_kind=sharding.memory_kind)
 
 
 def is_host(x: Any) -> bool:

@@ -40,15 +40,6 @@ def tree_mesh(tree: Any, abstract: bool = False) -> Any:
     return None if found is None else found[1]
 
 
-def _context_mesh(trees: Any, explicit_only: bool) -> Mesh | None:
-    for x in jax.tree.leaves(trees):
-        named = _named(x)
-        if named is not None and isinstance(named.mesh, Mesh) and named.mesh.size > 1:
-            if not explicit_only or AxisType.Explicit in named.mesh.axis_types:
-                return named.mesh
-    return None
-
-
 @contextlib.contextmanager
 def context(*trees: Any, explicit_only: bool = False) -> Iterator[None]:
     """`jax.set_mesh` of the mesh `trees` are laid out on, if any: JAX needs it to
@@ -57,11 +48,14 @@ def context(*trees: Any, explicit_only: bool = False) -> Iterator[None]:
     axis type; otherwise nothing. `explicit_only`: only a mesh with `Explicit`
     axes (under an `Auto` mesh in context, a jitted function returns arrays of a
     partly laid out tree on the mesh, which `init_opt_state` does not want)."""
-    mesh = _context_mesh(trees, explicit_only)
-    if mesh is None:
-        yield
-        return
-    with jax.set_mesh(mesh):
+    meshes = [
+        named.mesh
+        for named in map(_named, jax.tree.leaves(trees))
+        if named is not None and isinstance(named.mesh, Mesh) and named.mesh.size > 1
+    ]
+    if explicit_only:
+        meshes = [m for m in meshes if AxisType.Explicit in m.axis_types]
+    with jax.set_mesh(meshes[0]) if meshes else contextlib.nullcontext():
         yield
 
 

@@ -60,11 +60,7 @@ def _parts(x: Any) -> int:
 
 
 def check(
-    batch: tuple,
-    k: int,
-    unsplit: tuple[int, ...],
-    where: str,
-    undivided_link: str = "",
+    batch: tuple, k: int, unsplit: tuple[int, ...], where: str, undivided_link: str = ""
 ) -> None:
     """Raises unless every batch array splits into `k` micro-batches.
 
@@ -86,8 +82,9 @@ def check(
             x = leaf.value
             if not is_arraylike(x):
                 continue
-            name = f"batch argument {position}"
-            name += f" ({leaf.path})" if leaf.path else ""
+            name = f"batch argument {position}" + (
+                f" ({leaf.path})" if leaf.path else ""
+            )
             if x.ndim == 0:
                 raise ValueError(
                     f"{where}: {name} is a scalar, which cannot be split into {k} "
@@ -133,42 +130,28 @@ class _ByPlace(NamedTuple):
     moved: set[str]  # host-resident paths of `plain`, sent to the host at the end
 
 
-def _is_host_table(path: str, host_tables: tuple[str, ...]) -> bool:
-    return any(_paths.prefix_match(p, path) is not None for p in host_tables)
-
-
-def _adds_up_on_device(
-    leaf: _paths.Leaf, dtype: Any, k: int, host_tables: tuple[str, ...]
-) -> bool:
-    """Whether a host-resident leaf's gradient is accumulated on the device.
-
-    That is one outside every `Stacked`, not a host table, over several
-    micro-batches, whose minor dimensions are not whole TPU tiles.
-    """
-    x = leaf.value
-    return (
-        k > 1
-        and leaf.stacked is None
-        and not _is_host_table(leaf.path, host_tables)
-        and not (
-            _tiling.whole_tiles(x.shape, x.dtype)
-            and _tiling.whole_tiles(x.shape, dtype)
-        )
-    )
-
-
 def _by_place(
     leaves: list, dtypes: list, k: int, host_tables: tuple[str, ...]
 ) -> _ByPlace:
-    moved = {
-        leaf.path
-        for leaf, d in zip(leaves, dtypes)
-        if is_host(leaf.value) and _adds_up_on_device(leaf, d, k, host_tables)
-    }
-    host = [is_host(leaf.value) and leaf.path not in moved for leaf in leaves]
+    """A host-resident leaf's gradient adds up on the device (`moved`) over several
+    micro-batches if it is outside every `Stacked`, not a host table, and its minor
+    dimensions are not whole TPU tiles."""
+
+    def moved(leaf: _paths.Leaf, dtype: Any) -> bool:
+        x, whole_tiles = leaf.value, _tiling.whole_tiles
+        return (
+            is_host(x)
+            and k > 1
+            and leaf.stacked is None
+            and not _paths.under(leaf.path, host_tables)
+            and not (whole_tiles(x.shape, x.dtype) and whole_tiles(x.shape, dtype))
+        )
+
+    to_device = {leaf.path for leaf, d in zip(leaves, dtypes) if moved(leaf, d)}
+    host = [is_host(leaf.value) and leaf.path not in to_device for leaf in leaves]
     tapped = [(leaf, d) for leaf, d, h in zip(leaves, dtypes, host) if h]
     plain = [(leaf, d) for leaf, d, h in zip(leaves, dtypes, host) if not h]
-    return _ByPlace(tapped, plain, moved)
+    return _ByPlace(tapped, plain, to_device)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -183,6 +166,7 @@ class _MicroLoss:
     model_leaves: list[_paths.Leaf]  # of the model `sources` the loss sees
     treedef: Any
     by_place: _ByPlace
+    device_params: list  # the leaves of `by_place.plain`, on the device
     k: int
     has_aux: bool
 
@@ -205,87 +189,53 @@ class _MicroLoss:
         value, aux = out if self.has_aux else (out, None)
         return value / self.k, (value, aux)
 
-    def grad(self, wrt: tuple, arguments: tuple, read: Any) -> tuple:
+    def grad(self, accs: list, arguments: tuple, read: Any) -> tuple:
+        wrt = (accs, self.device_params)
         out, (accs, new) = jax.value_and_grad(self.run, has_aux=True)(
             wrt, arguments, read
         )
         # A leaf the loss never reaches gets a zero gradient from JAX, on the
         # device: put it where its accumulator lives.
-        accs = [to_space(a, "pinned_host", "") for a in accs]
-        return out, (accs, new)
+        return out, ([to_space(a, "pinned_host", "") for a in accs], new)
 
+    def loop(self, batch: tuple, unsplit: tuple[int, ...], on_host: bool) -> tuple:
+        """One loop over every micro-batch: `(value, aux), (host grads, device grads)`.
 
-def _one_batch(
-    micro: _MicroLoss, batch: tuple, device_params: list, host_tables: tuple[str, ...]
-) -> tuple:
-    """The whole batch at once: `(value, aux), (host grads, device grads)`.
+        The first micro-batch does not read the host accumulators. They start as the
+        masters, any value of their shape and placement, so nothing is
+        zero-initialised on the host.
+        """
+        parts = split(batch, self.k, unsplit)
 
-    Each host gradient is received by its compute copy. It crosses to the host
-    once, in the compute dtype (exactly: it is computed in it), and the update
-    casts it to its master's dtype where it runs. A host table's is not: it
-    is written into its receiver block by block (`_grad_taps._add_host`).
-    """
-    copies = {leaf.path: leaf.value for leaf in micro.model_leaves}
-    receivers = [
-        leaf.value
-        if _is_host_table(leaf.path, host_tables)
-        else copies.get(leaf.path, leaf.value)
-        for leaf, _ in micro.by_place.tapped
-    ]
-    (_, (value, aux)), grads = micro.grad((receivers, device_params), batch, False)
-    return (value, aux), grads
+        def arguments(part: tuple) -> tuple:
+            return tuple(
+                whole if p is None else p for whole, p in zip(batch, part, strict=True)
+            )
 
+        def body(carry: tuple, part: tuple, read: Any = None) -> tuple:
+            (accs, device_grads), total, index = carry
+            read = index > 0 if read is None else read
+            (_, (value, aux)), (accs, new) = self.grad(accs, arguments(part), read)
+            device_grads = [a + b for a, b in zip(device_grads, new, strict=True)]
+            return ((accs, device_grads), total + value, index + 1), aux
 
-def _micro_batches(
-    micro: _MicroLoss,
-    batch: tuple,
-    device_params: list,
-    masters: list,
-    unsplit: tuple[int, ...],
-    on_host: bool,
-) -> tuple:
-    """One loop over every micro-batch: `(value, aux), (host grads, device grads)`.
-
-    The first micro-batch does not read the host accumulators. They start as the
-    masters, any value of their shape and placement, so nothing is
-    zero-initialised on the host.
-    """
-    k = micro.k
-    parts = split(batch, k, unsplit)
-
-    def arguments(part: tuple) -> tuple:
-        return tuple(
-            whole if p is None else p for whole, p in zip(batch, part, strict=True)
-        )
-
-    def body(carry: tuple, part: tuple) -> tuple:
-        (accs, device_grads), total, index = carry
-        (_, (value, aux)), (accs, new) = micro.grad(
-            (accs, device_params), arguments(part), index > 0
-        )
-        device_grads = [a + b for a, b in zip(device_grads, new, strict=True)]
-        return ((accs, device_grads), total + value, index + 1), aux
-
-    zeros = [jnp.zeros_like(x) for x in device_params]
-    init = ((masters, zeros), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-    if on_host:
-        # The first micro-batch before the loop: its gradients start the host
-        # accumulators. Started as the masters, the loop's accumulators and the
-        # masters are both operands of the host update, and the TPU compiler fails
-        # to alias them ("output index {0} is already aliased with param 0").
-        first = arguments(jtu.tree_map(lambda p: p[0], parts))
-        (_, (value, aux_first)), (accs, new) = micro.grad(
-            (masters, device_params), first, False
-        )
-        device_grads = [a + b for a, b in zip(zeros, new, strict=True)]
-        init = ((accs, device_grads), init[1] + value, init[2] + 1)
-        parts = jtu.tree_map(lambda p: p[1:], parts)
-    (grads, total, _), aux = jax.lax.scan(body, init, parts)
-    if on_host:
-        aux = jtu.tree_map(
-            lambda a, b: jnp.concatenate([jnp.asarray(a)[None], b]), aux_first, aux
-        )
-    return (total / k, aux), grads
+        masters = [leaf.value for leaf, _ in self.by_place.tapped]
+        zeros = [jnp.zeros_like(x) for x in self.device_params]
+        init = ((masters, zeros), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+        if on_host:
+            # The first micro-batch before the loop: its gradients start the host
+            # accumulators. Started as the masters, the loop's accumulators and
+            # the masters are both operands of the host update, and the TPU
+            # compiler fails to alias them ("output index {0} is already aliased
+            # with param 0").
+            init, aux_first = body(init, jtu.tree_map(lambda p: p[0], parts), False)
+            parts = jtu.tree_map(lambda p: p[1:], parts)
+        (grads, total, _), aux = jax.lax.scan(body, init, parts)
+        if on_host:
+            aux = jtu.tree_map(
+                lambda a, b: jnp.concatenate([jnp.asarray(a)[None], b]), aux_first, aux
+            )
+        return (total / self.k, aux), grads
 
 
 def value_and_grad(
@@ -329,15 +279,24 @@ def value_and_grad(
     leaves = [leaf for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
     by_place = _by_place(leaves, dtypes, k, host_tables)
     treedef = jtu.tree_structure(sources)
-    micro = _MicroLoss(loss, _paths.leaves(sources), treedef, by_place, k, has_aux)
     device_params = [to_space(leaf.value, "device", "") for leaf, _ in by_place.plain]
-    masters = [leaf.value for leaf, _ in by_place.tapped]
+    model_leaves = _paths.leaves(sources)
+    micro = _MicroLoss(loss, model_leaves, treedef, by_place, device_params, k, has_aux)
     if k == 1:
-        (value, aux), grads = _one_batch(micro, batch, device_params, host_tables)
+        # Each host gradient is received by its compute copy. It crosses to the host
+        # once, in the compute dtype (exactly: it is computed in it), and the update
+        # casts it to its master's dtype where it runs. A host table's is not: it is
+        # written into its receiver block by block (`_grad_taps._add_by_blocks`).
+        copies = {leaf.path: leaf.value for leaf in model_leaves}
+        receivers = [
+            leaf.value
+            if _paths.under(leaf.path, host_tables)
+            else copies.get(leaf.path, leaf.value)
+            for leaf, _ in by_place.tapped
+        ]
+        (_, (value, aux)), grads = micro.grad(receivers, batch, False)
     else:
-        (value, aux), grads = _micro_batches(
-            micro, batch, device_params, masters, unsplit, on_host
-        )
+        (value, aux), grads = micro.loop(batch, unsplit, on_host)
     paths = [leaf.path for leaf, _ in by_place.tapped + by_place.plain]
     by_path = dict(zip(paths, grads[0] + grads[1], strict=True))
     flat = [

@@ -44,53 +44,26 @@ class ComputeCopyState(NamedTuple):
     copies: PyTree
 
 
-def _floating(x: Any) -> bool:
-    return is_arraylike(x) and jnp.issubdtype(x.dtype, jnp.floating)
-
-
-def _kept(path: str, policy: Policy) -> bool:
-    """Whether a `keep_dtype` pattern matches the leaf path or a dotted prefix of it.
-
-    This is as `params` patterns match: `"head"` keeps every leaf under `head`.
-    """
-    return any(_paths.prefix_match(p, path) is not None for p in policy.keep_dtype)
-
-
 def compute_dtypes(params: PyTree, policy: Policy) -> list[Any]:
     """The dtype the loss computes with, for each array leaf of `params`.
 
     `params` is the trainable part of the model; the order is `jax.tree.leaves`'.
     """
-    out = []
-    for leaf in _paths.leaves(params):
+
+    def dtype(leaf: _paths.Leaf) -> Any:
         x = leaf.value
-        if not is_arraylike(x):
-            continue
-        keep = policy.compute_dtype is None or not _floating(x)
-        keep = keep or _kept(leaf.path, policy)
-        out.append(x.dtype if keep else jnp.dtype(policy.compute_dtype))
-    return out
+        keep = policy.compute_dtype is None or not jnp.issubdtype(x.dtype, jnp.floating)
+        keep = keep or _paths.under(leaf.path, policy.keep_dtype)
+        return x.dtype if keep else jnp.dtype(policy.compute_dtype)
 
-
-def copy_mask(params: PyTree, policy: Policy) -> PyTree:
-    """`params` with each array leaf replaced by whether it gets a compute copy.
-
-    A leaf gets one if it is host-resident and computed with in another dtype.
-    """
-    dtypes = iter(compute_dtypes(params, policy))
-
-    def wants(x: Any) -> bool:
-        dtype = next(dtypes)
-        return dtype != x.dtype and kind_of(x) != "device"
-
-    return jtu.tree_map(wants, params)
+    return [dtype(leaf) for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
 
 
 def check_keep_dtype(params: PyTree, policy: Policy, where: str) -> None:
     """Raises if a `Policy(keep_dtype=...)` pattern matches no trainable leaf."""
     paths = [leaf.path for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
     for pattern in policy.keep_dtype:
-        if not any(_paths.prefix_match(pattern, p) is not None for p in paths):
+        if not any(_paths.under(p, (pattern,)) for p in paths):
             raise ValueError(
                 f"{where}: `Policy(keep_dtype=...)` has {pattern!r}, which matches no "
                 f"trainable leaf. Leaves include {_paths.quoted(paths, 5)}." + see(91)
@@ -146,7 +119,11 @@ def for_policy(
     """
     if policy.compute_dtype is None:
         return optimizer
-    mask = copy_mask(params, policy)
+    # A leaf gets a copy if it is host-resident and computed with in another dtype.
+    dtypes = iter(compute_dtypes(params, policy))
+    mask = jtu.tree_map(
+        lambda x: next(dtypes) != x.dtype and kind_of(x) != "device", params
+    )
     if not any(jtu.tree_leaves(mask)):
         return optimizer
     return with_compute_copies(optimizer, mask, jnp.dtype(policy.compute_dtype))

@@ -99,17 +99,10 @@ def _not_global(tree: Any) -> Iterator[tuple[str, str]]:
     """The array leaves of `tree` not laid out over every process's devices, each
     with what it has instead; none in a run of one process."""
     count = jax.process_count()
-    if count == 1:
-        return
-    for leaf_path, x in flatten(tree):
+    for leaf_path, x in flatten(tree) if count > 1 else ():
         if not eqx.is_array(x) and not isinstance(x, jax.ShapeDtypeStruct):
             continue
-        sharding = getattr(x, "sharding", None)
-        processes = (
-            {d.process_index for d in sharding.device_set} if sharding else set()
-        )
-        if len(processes) != count:
-            if sharding is None:
-                yield leaf_path, "it has no sharding"
-            else:
-                yield leaf_path, f"it has a sharding on {len(processes)} of them"
+        if getattr(x, "sharding", None) is None:
+            yield leaf_path, "it has no sharding"
+        elif len(processes := {d.process_index for d in x.sharding.device_set}) < count:
+            yield leaf_path, f"it has a sharding on {len(processes)} of them"

@@ -11,7 +11,6 @@ matches no segment at all, so `**.input` matches `input`), and everything else,
 brackets included, is literal.
 """
 
-import dataclasses
 import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -23,16 +22,13 @@ import jax.tree_util as jtu
 
 def format_key(key: Any) -> str:
     """One key of a JAX key path as it appears in a dotted path."""
-    if isinstance(key, jtu.GetAttrKey):
-        return "." + key.name
-    if isinstance(key, jtu.DictKey):
-        if isinstance(key.key, str) and key.key.isidentifier():
-            return "." + key.key
+    named = isinstance(key, jtu.DictKey) and isinstance(key.key, str)
+    if isinstance(key, jtu.DictKey) and not (named and key.key.isidentifier()):
         return f"[{key.key!r}]"
-    if isinstance(key, jtu.SequenceKey):
-        return f"[{key.idx}]"
-    if isinstance(key, jtu.FlattenedIndexKey):
-        return f"[{key.key}]"
+    if isinstance(key, jtu.GetAttrKey | jtu.DictKey):
+        return "." + key_segment(key)
+    if isinstance(key, jtu.SequenceKey | jtu.FlattenedIndexKey):
+        return f"[{key_segment(key)}]"
     return str(key)
 
 
@@ -40,14 +36,9 @@ def key_segment(key: Any) -> str:
     """One key of a JAX key path as a segment of a state-dict key (`_state_dict`):
     attribute names, dictionary keys and sequence indices alike, without dots or
     brackets."""
-    if isinstance(key, jtu.GetAttrKey):
-        return key.name
-    if isinstance(key, jtu.DictKey):
-        return str(key.key)
-    if isinstance(key, jtu.SequenceKey):
-        return str(key.idx)
-    if isinstance(key, jtu.FlattenedIndexKey):
-        return str(key.key)
+    for field in ("name", "key", "idx"):  # `GetAttrKey`, `DictKey`, `SequenceKey`
+        if hasattr(key, field):
+            return str(getattr(key, field))
     return str(key)
 
 
@@ -106,9 +97,13 @@ def _visit(
     if isinstance(node, AbstractLayerStack):
         _visit(node.layers, prefix, segments + (None,), prefix, meta, is_leaf, out)
         return
-    flat, _ = jtu.tree_flatten_with_path(
-        node, is_leaf=functools.partial(_stops, node=node, is_leaf=is_leaf)
-    )
+
+    def stops(x: Any) -> bool:  # a nested `Stacked` (visited on its own), or a leaf
+        return x is not node and (
+            isinstance(x, AbstractLayerStack) or (is_leaf is not None and is_leaf(x))
+        )
+
+    flat, _ = jtu.tree_flatten_with_path(node, is_leaf=stops)
     for keys, value in flat:
         path = join(prefix, keys)
         key = segments + tuple(key_segment(k) for k in keys)
@@ -120,28 +115,16 @@ def _visit(
             out.append(Leaf(path, value, stacked, leaf_meta, depth, key))
 
 
-def _stops(x: Any, *, node: Any, is_leaf: Callable[[Any], bool] | None) -> bool:
-    """Whether the walk below `node` stops at `x`: a nested `Stacked` (visited on its
-    own) or a leaf by `is_leaf`."""
-    if x is node:
-        return False
-    return isinstance(x, AbstractLayerStack) or (is_leaf is not None and is_leaf(x))
-
-
 def _field_metadata(node: Any, keys: tuple[Any, ...], meta: Mapping) -> Mapping:
     """The metadata of the innermost dataclass field on the way down `keys`."""
     for key in keys:
         try:
             if isinstance(key, jtu.GetAttrKey):
-                if dataclasses.is_dataclass(node):
-                    fields = {f.name: f for f in dataclasses.fields(node)}
-                    if key.name in fields and fields[key.name].metadata:
-                        meta = fields[key.name].metadata
+                field = getattr(node, "__dataclass_fields__", {}).get(key.name)
+                meta = field.metadata if field is not None and field.metadata else meta
                 node = getattr(node, key.name)
-            elif isinstance(key, jtu.DictKey):
-                node = node[key.key]
-            elif isinstance(key, jtu.SequenceKey):
-                node = node[key.idx]
+            elif isinstance(key, jtu.DictKey | jtu.SequenceKey):
+                node = node[key.key if isinstance(key, jtu.DictKey) else key.idx]
             else:
                 break
         except (AttributeError, KeyError, IndexError, TypeError):
@@ -149,24 +132,15 @@ def _field_metadata(node: Any, keys: tuple[Any, ...], meta: Mapping) -> Mapping:
     return meta
 
 
+# `**.` (any segments, or none), `**`, `*`, and a run of literal characters.
+_TOKENS = re.compile(r"\*\*\.|\*\*|\*|[^*]+")
+_WILDCARDS = {"**.": r"(?:.*\.)?", "**": r".*", "*": r"[^.]*"}
+
+
 @functools.cache
 def _regex(pattern: str) -> re.Pattern[str]:
-    parts = []
-    i = 0
-    while i < len(pattern):
-        if pattern.startswith("**.", i):
-            parts.append(r"(?:.*\.)?")
-            i += 3
-        elif pattern.startswith("**", i):
-            parts.append(r".*")
-            i += 2
-        elif pattern[i] == "*":
-            parts.append(r"[^.]*")
-            i += 1
-        else:
-            parts.append(re.escape(pattern[i]))
-            i += 1
-    return re.compile("".join(parts))
+    tokens = _TOKENS.findall(pattern)
+    return re.compile("".join(_WILDCARDS.get(t) or re.escape(t) for t in tokens))
 
 
 def matches(pattern: str, name: str) -> bool:
@@ -179,10 +153,15 @@ def prefix_match(pattern: str, path: str) -> int | None:
     whole path) that `pattern` matches, or `None`."""
     regex = _regex(pattern)
     ends = [i for i, c in enumerate(path) if c in ".["] + [len(path)]
-    for end in reversed(ends):
-        if end and regex.fullmatch(path[:end]):
-            return end
-    return None
+    return next(
+        (end for end in reversed(ends) if end and regex.fullmatch(path[:end])), None
+    )
+
+
+def under(path: str, patterns: Sequence[str]) -> bool:
+    """Whether one of `patterns` matches `path` or a dotted prefix of it (as
+    `Policy(params=...)` patterns match: `"head"` is every leaf under `head`)."""
+    return any(prefix_match(p, path) is not None for p in patterns)
 
 
 def specificity(pattern: str) -> int:
@@ -231,6 +210,17 @@ def check_used(
             f"{where}: pattern(s) {quoted(unused)} match no leaf. Array leaves are: "
             f"{quoted(paths)}." + link
         )
+
+
+def best_matches(
+    paths: list[str], items: Sequence[tuple], where: str, links: tuple[str, str]
+) -> list[tuple[str, Any] | None]:
+    """The `best_match` of `items` for each path. A pattern that matches none of them
+    is a `ValueError` (`check_used`). `links`: the catalogue's, for each error."""
+    used = {pattern: False for pattern, _ in items}
+    found = [best_match(path, items, where, used, links[0]) for path in paths]
+    check_used(used, paths, where, links[1])
+    return found
 
 
 def is_literal(pattern: str) -> bool:

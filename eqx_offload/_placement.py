@@ -1,37 +1,29 @@
 """Memory kinds on pytree leaves: `field`, resolving each leaf's kind, and `place`."""
 
-from typing import Any, TypeVar
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.core
 import numpy as np
-from jax.sharding import (
-    AbstractMesh,
-    AxisType,
-    Mesh,
-    NamedSharding,
-    PartitionSpec,
-    SingleDeviceSharding,
-)
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxtyping import PyTree
 
 from . import _layout, _mesh, _paths
+from ._custom_types import AnyMesh
 from ._errors import see
 from ._memory_kinds import (
     abstract_sharding,
     backend_kinds,
     check_kind,
     is_arraylike,
+    is_key,
     kind_of,
     MemoryKind,
     ParamsSpec,
     to_space,
 )
 from ._policy import check_policy, Policy
-
-
-_T = TypeVar("_T")
 
 
 def field(*, memory_kind: MemoryKind, **kwargs: Any) -> Any:
@@ -58,8 +50,7 @@ def field(*, memory_kind: MemoryKind, **kwargs: Any) -> Any:
         ```
     """
     check_kind(memory_kind, "`eqx_offload.field(memory_kind=...)`")
-    metadata = dict(kwargs.pop("metadata", None) or {})
-    metadata["memory_kind"] = memory_kind
+    metadata = {**(kwargs.pop("metadata", None) or {}), "memory_kind": memory_kind}
     return eqx.field(metadata=metadata, **kwargs)
 
 
@@ -72,17 +63,11 @@ def match_params(
     wins. A pattern that matches no leaf is a `ValueError`. So are two equally specific
     patterns that disagree.
     """
-    if params is None:
-        return [None] * len(leaves)
-    if isinstance(params, str):
+    if params is None or isinstance(params, str):
         return [params] * len(leaves)
-    used = {pattern: False for pattern, _ in params}
-    out: list[str | None] = []
-    for leaf in leaves:
-        best = _paths.best_match(leaf.path, params, where, used, see(17))
-        out.append(None if best is None else best[1])
-    _paths.check_used(used, [leaf.path for leaf in leaves], where, see(16))
-    return out
+    paths = [leaf.path for leaf in leaves]
+    found = _paths.best_matches(paths, params, where, (see(17), see(16)))
+    return [None if best is None else best[1] for best in found]
 
 
 def resolve(
@@ -96,21 +81,19 @@ def resolve(
     leaves = [leaf for leaf in _paths.leaves(tree) if is_arraylike(leaf.value)]
     # PRNG key arrays stay on the device: inside `jax.jit`, JAX 0.10 does not track
     # their memory kind, so a host-resident key could not be kept there by a step.
-    keys = [_is_key(leaf.value) for leaf in leaves]
-    others = [leaf for leaf, key in zip(leaves, keys) if not key]
+    others = [leaf for leaf in leaves if not is_key(leaf.value)]
     from_policy = iter(match_params(params, others, where))
     available = backend_kinds()
-    out = []
-    for leaf, key in zip(leaves, keys):
+
+    def kind_for(leaf: _paths.Leaf) -> str:
         annotated = leaf.metadata.get("memory_kind")
-        if key:
+        if is_key(leaf.value):
             if annotated not in (None, "device"):
                 raise ValueError(
                     f"{where}: leaf {leaf.path!r} is a PRNG key array annotated "
                     f"{annotated!r}. Drop the annotation." + see(11)
                 )
-            out.append((leaf, "device"))
-            continue
+            return "device"
         kind = next(from_policy) or annotated or kind_of(leaf.value)
         check_kind(kind, f"{where}: the memory kind of leaf {leaf.path!r}")
         if kind not in available:
@@ -119,12 +102,9 @@ def resolve(
                 f"{jax.default_backend()!r} backend lacks; valid kinds here: "
                 f"{_paths.quoted(available)}." + see(10)
             )
-        out.append((leaf, kind))
-    return out
+        return kind
 
-
-def _explicit(sharding: NamedSharding) -> bool:
-    return AxisType.Explicit in getattr(sharding.mesh, "axis_types", ())
+    return [(leaf, kind_for(leaf)) for leaf in leaves]
 
 
 def _uncommitted(x: Any) -> bool:
@@ -132,10 +112,6 @@ def _uncommitted(x: Any) -> bool:
     if isinstance(x, jax.core.Tracer | jax.ShapeDtypeStruct):
         return False
     return not isinstance(x, jax.Array) or not x.committed
-
-
-def _is_key(x: Any) -> bool:
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _spelled(sharding: Any, ndim: int) -> Any:
@@ -147,71 +123,33 @@ def _spelled(sharding: Any, ndim: int) -> Any:
     """
     if not isinstance(sharding, NamedSharding):
         return sharding
-    spec = _layout.normalise(sharding.spec, ndim, _explicit(sharding))
+    spec = _layout.normalise(sharding.spec, ndim, _layout.explicit_mesh(sharding.mesh))
     return NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
 
 
 def move(x: Any, kind: str, path: str, sharding: Any = None) -> Any:
     """Puts one array leaf in `kind`, keeping its sharding (or taking `sharding`)."""
-    if isinstance(x, jax.ShapeDtypeStruct):
-        sharding = sharding or x.sharding or SingleDeviceSharding(jax.devices()[0])
-        sharding = _spelled(sharding, len(x.shape))
-        sharding = abstract_sharding(sharding.with_memory_kind(kind))
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     if isinstance(x, jax.core.Tracer):
         if isinstance(sharding, NamedSharding):
             plain = NamedSharding(sharding.mesh, sharding.spec)
             x = jax.lax.with_sharding_constraint(to_space(x, "device", path), plain)
         return to_space(x, kind, path)
-    if sharding is None:
-        sharding = x.sharding if isinstance(x, jax.Array) else None
-        sharding = sharding or SingleDeviceSharding(jax.devices()[0])  # NumPy
+    # A NumPy array, or a `jax.ShapeDtypeStruct` without one, has no sharding.
+    sharding = sharding or getattr(x, "sharding", None)
+    sharding = _spelled(sharding or SingleDeviceSharding(jax.devices()[0]), x.ndim)
+    if isinstance(x, jax.ShapeDtypeStruct):
+        sharding = abstract_sharding(sharding.with_memory_kind(kind))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     if getattr(x, "weak_type", False):
         x = x.astype(x.dtype)  # strongly typed, as a jitted step's outputs will be
-    sharding = _spelled(sharding, len(x.shape))
-    if not sharding.is_fully_addressable and _local(x):
-        # A global layout from a value every process holds (several processes).
+    if not sharding.is_fully_addressable and getattr(x, "is_fully_addressable", True):
+        # A global layout from a value every process holds whole (several
+        # processes): a NumPy array, or an array on this process's devices only.
         data = np.asarray(x)
         x = jax.make_array_from_callback(data.shape, sharding, lambda i: data[i])
     # Also commits the array to its sharding, as a step's outputs will be, so that
     # the first step is not compiled for a second signature.
     return jax.device_put(x, sharding.with_memory_kind(kind))
-
-
-def _local(x: Any) -> bool:
-    """A value this process holds whole: a NumPy array, or a JAX array on this
-    process's devices only."""
-    return not isinstance(x, jax.Array) or x.is_fully_addressable
-
-
-def move_leaves(
-    tree: _T,
-    kinds: list[tuple[_paths.Leaf, str]],
-    specs: list[PartitionSpec | None] | None = None,
-    mesh: Any = None,
-) -> _T:
-    """Puts each array leaf of `tree` in its kind from `resolve(tree, ...)`.
-
-    Where `specs` gives one, the leaf also goes in `NamedSharding(mesh, spec)`. On a
-    tree laid out on a mesh, other arrays are replicated over it: those not committed to
-    devices yet, and NumPy arrays. A jitted function would place them so.
-    """
-    by_position = iter(kinds)
-    by_spec = iter(specs or [None] * len(kinds))
-    flat, treedef = jax.tree.flatten(tree)
-    mesh = mesh if mesh is not None else _mesh.tree_mesh(tree)
-    out = []
-    for value in flat:
-        if is_arraylike(value):
-            (leaf, kind), spec = next(by_position), next(by_spec)
-            sharding = None
-            if mesh is not None and spec is not None:
-                sharding = NamedSharding(mesh, spec)
-            elif mesh is not None and _uncommitted(value):
-                sharding = NamedSharding(mesh, PartitionSpec())
-            value = move(value, kind, leaf.path, sharding)
-        out.append(value)
-    return jax.tree.unflatten(treedef, out)
 
 
 def layout(
@@ -229,8 +167,7 @@ def layout(
     """
     if rules is None:
         return None, mesh
-    if mesh is None:
-        mesh = _layout.current_mesh()
+    mesh = _layout.current_mesh() if mesh is None else mesh
     if mesh is None:
         mesh = _mesh.tree_mesh(tree, abstract=True)
     if mesh is None:
@@ -249,9 +186,9 @@ def layout(
             f"`jax.sharding.Mesh`, not {mesh}. Pass a mesh of devices." + see(77)
         )
     # PRNG keys stay replicated.
-    leaves = [leaf for leaf, _ in kinds if not _is_key(leaf.value)]
+    leaves = [leaf for leaf, _ in kinds if not is_key(leaf.value)]
     found = iter(_layout.specs(leaves, rules, mesh, host_tables=host_tables))
-    specs = [None if _is_key(leaf.value) else next(found) for leaf, _ in kinds]
+    specs = [None if is_key(leaf.value) else next(found) for leaf, _ in kinds]
     return specs, mesh
 
 
@@ -272,8 +209,7 @@ def place_batch(
     """
     if spec is None:
         return batch
-    if mesh is None:
-        mesh = _layout.current_mesh()
+    mesh = _layout.current_mesh() if mesh is None else mesh
     if mesh is None:
         raise ValueError(
             f"{where}: `Policy(batch={spec})` names mesh axes, but there is no mesh. "
@@ -295,7 +231,7 @@ def place_batch(
         shape = tuple(x.shape)
         leaf_spec = PartitionSpec()
         if not whole:
-            leaf_spec = _layout.batch_spec(spec, shape)
+            leaf_spec = PartitionSpec(*tuple(spec)[: len(shape)])
             what = f"{where}: batch leaf {'batch' + leaf.path!r}"
             _layout.check_spec(leaf_spec, shape, mesh, what, see(78))
         return move(x, "device", leaf.path, NamedSharding(mesh, leaf_spec))
@@ -309,10 +245,7 @@ def place_batch(
 
 
 def place(
-    tree: PyTree,
-    policy: Policy | None = None,
-    *,
-    mesh: Mesh | AbstractMesh | None = None,
+    tree: PyTree, policy: Policy | None = None, *, mesh: AnyMesh | None = None
 ) -> PyTree:
     """Moves every array leaf of `tree` to the memory kind it should live in.
 
@@ -379,11 +312,24 @@ def place(
         model.blocks.layers.mlp.weight.sharding.memory_kind  # 'pinned_host'
         ```
     """
-    if policy is not None:
-        check_policy(policy, "`place(tree, policy)`")
-    params = None if policy is None else policy.params
-    kinds = resolve(tree, params)
-    rules = None if policy is None else policy.shard
-    tables = () if policy is None else policy.host_tables
-    specs, mesh = layout(tree, kinds, rules, mesh, "`eqx_offload.place`", tables)
-    return move_leaves(tree, kinds, specs, mesh)
+    policy = Policy() if policy is None else policy
+    check_policy(policy, "`place(tree, policy)`")
+    kinds = resolve(tree, policy.params)
+    where = "`eqx_offload.place`"
+    specs, mesh = layout(tree, kinds, policy.shard, mesh, where, policy.host_tables)
+    mesh = mesh if mesh is not None else _mesh.tree_mesh(tree)
+    placed = iter(zip(kinds, specs or [None] * len(kinds), strict=True))
+
+    def place_one(x: Any) -> Any:
+        """Puts an array leaf in its kind from `resolve`, and where `specs` gives one,
+        in `NamedSharding(mesh, spec)`. On a tree laid out on a mesh, other arrays are
+        replicated over it: those not committed to devices yet, and NumPy arrays. A
+        jitted function would place them so."""
+        if not is_arraylike(x):
+            return x
+        (leaf, kind), spec = next(placed)
+        if mesh is None or (spec is None and not _uncommitted(x)):
+            return move(x, kind, leaf.path)
+        return move(x, kind, leaf.path, NamedSharding(mesh, spec or PartitionSpec()))
+
+    return jax.tree.map(place_one, tree)

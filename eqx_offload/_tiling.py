@@ -81,14 +81,12 @@ def row_blocks(shape: tuple[int, ...], dtype: Any, max_bytes: int) -> int:
 
     Each block is at most `max_bytes` if possible. 1 means it is updated whole.
     """
-    if len(shape) < 2:
+    if len(shape) < 2 or (len(shape) == 2 and shape[1] % LANES):
         return 1
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     needed = max(1, math.ceil(nbytes / max_bytes))
     rows = shape[0]
     tile = SUBLANES * packing(dtype) if len(shape) == 2 else 1
-    if len(shape) == 2 and shape[1] % LANES:
-        return 1
     fits = [d for d in range(2, rows + 1) if rows % d == 0 and (rows // d) % tile == 0]
     # The fewest blocks of at most `max_bytes`; failing that, the smallest blocks.
     return next((d for d in fits if d >= needed), fits[-1] if fits else 1)

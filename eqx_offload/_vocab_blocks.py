@@ -36,31 +36,21 @@ BLOCK_BYTES = 32 * 2**20
 LOGIT_BYTES = 32 * 2**20
 
 
-def streams(table: Any) -> bool:
+def streams(table: Any, where: str) -> bool:
     """Whether `table` is read by blocks, being in host memory.
 
-    Inside a step, only a leaf named in `Policy(host_tables=...)` is.
+    Inside a step, only a leaf named in `Policy(host_tables=...)` is. Such a table
+    must be read inside a `filter_offload` function (a step), as a table of whole
+    tiles, else `where` raises. (Its callers check that it is `[vocab, dim]`.)
     """
-    return is_host(table)
-
-
-def check(table: Any, where: str) -> None:
-    """Raises unless `table` can be read by blocks here.
-
-    That is inside a `filter_offload` function (a step), as a `[vocab, dim]` table
-    of whole tiles.
-    """
+    if not is_host(table):
+        return False
     if not _checkpoint_name_log.is_inside():
         # Outside a step no `Policy(host_tables=...)` asked for streaming, and the
         # rest of a host-resident model cannot be computed on there either.
         raise ValueError(
             f"`{where}` was given a host-resident table of shape {tuple(table.shape)} "
             "outside `filter_offload` and `train_step`. " + _RUN_INSIDE + see(107)
-        )
-    if table.ndim != 2:
-        raise ValueError(
-            f"`{where}`: a host-resident table must be `[vocab, dim]`, got shape "
-            f"{tuple(table.shape)}."
         )
     if rows_per_block(table, 1) == table.shape[0] and table.shape[0] > 1:
         rows = _tiling.SUBLANES * _tiling.packing(table.dtype)
@@ -69,6 +59,7 @@ def check(table: Any, where: str) -> None:
             f"no row blocks a TPU can move ({rows}-row, {_tiling.LANES}-wide tiles). "
             "Drop it from `Policy(host_tables=...)`, or pad the vocabulary." + see(100)
         )
+    return True
 
 
 def rows_per_block(table: Any, tokens: int) -> int:
@@ -97,11 +88,9 @@ def loop(body: Any, carry: Any, table: Any, rows: int) -> Any:
 
     It runs under the scope the transform recognises.
     """
-    starts = jnp.arange(table.shape[0] // rows) * rows
+    blocks = jnp.arange(table.shape[0] // rows)
 
     def step(carry: Any, xs: tuple) -> tuple[Any, None]:
-        index, start = xs
-        return body(carry, index, start), None
+        return body(carry, *xs), None
 
-    blocks = jnp.arange(table.shape[0] // rows)
-    return jax.lax.scan(step, carry, (blocks, starts))[0]
+    return jax.lax.scan(step, carry, (blocks, blocks * rows))[0]

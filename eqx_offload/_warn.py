@@ -4,8 +4,9 @@ import sys
 import warnings
 
 
-def warn_at_caller(message: str) -> None:
-    """A `UserWarning` attributed to the line that called into the library.
+def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """A warning (a `UserWarning`, or `category`) attributed to the line that called
+    into the library.
 
     That is the first frame outside this library, Equinox, JAX and a runtime type
     checker's wrappers. Equinox wraps module methods. JAX traces what the library
@@ -20,7 +21,7 @@ def warn_at_caller(message: str) -> None:
         frame = frame.f_back
     warnings.warn_explicit(
         message,
-        UserWarning,
+        category,
         frame.f_code.co_filename,
         frame.f_lineno,
         frame.f_globals.get("__name__"),

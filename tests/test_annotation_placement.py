@@ -11,7 +11,6 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_offload as eo
-import eqx_offload.internal as eoi
 from eqx_offload.internal import is_arraylike
 
 from .helpers import memory_kind, Model, same_place, unchecked
@@ -127,7 +126,7 @@ def test_unknown_kind_names_the_leaf():
 
 def test_kind_missing_on_backend_names_the_leaf(monkeypatch, getkey):
     monkeypatch.setattr(
-        eoi.placement, "backend_kinds", lambda: ("device", "pinned_host")
+        "eqx_offload._placement.backend_kinds", lambda: ("device", "pinned_host")
     )
     policy = eo.Policy(params={"head": "unpinned_host"})
     with pytest.raises(

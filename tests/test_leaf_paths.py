@@ -30,16 +30,16 @@ import eqx_offload.internal as eoi
     ],
 )
 def test_matches(pattern, name, expected):
-    assert eoi.paths.matches(pattern, name) is expected
+    assert eoi.paths_matches(pattern, name) is expected
 
 
 def test_prefix_match_is_at_segment_boundaries():
-    assert eoi.paths.prefix_match("blocks", "blocks.mlp.weight") == len("blocks")
-    assert eoi.paths.prefix_match("blocks.mlp", "blocks.mlp.layers[0].weight") == 10
-    prefix = eoi.paths.prefix_match("blocks.mlp.layers", "blocks.mlp.layers[0].weight")
+    assert eoi.prefix_match("blocks", "blocks.mlp.weight") == len("blocks")
+    assert eoi.prefix_match("blocks.mlp", "blocks.mlp.layers[0].weight") == 10
+    prefix = eoi.prefix_match("blocks.mlp.layers", "blocks.mlp.layers[0].weight")
     assert prefix == 17
-    assert eoi.paths.prefix_match("block", "blocks.mlp.weight") is None
-    assert eoi.paths.prefix_match("blocks.mlp.weight", "blocks.mlp.weight") == 17
+    assert eoi.prefix_match("block", "blocks.mlp.weight") is None
+    assert eoi.prefix_match("blocks.mlp.weight", "blocks.mlp.weight") == 17
 
 
 def test_leaf_paths_skip_the_stacked_field_and_format_keys(getkey):
@@ -54,7 +54,7 @@ def test_leaf_paths_skip_the_stacked_field_and_format_keys(getkey):
         "not an identifier": jnp.zeros(1),
         "seq": [jnp.zeros(2)],
     }
-    paths = [leaf.path for leaf in eoi.paths.leaves(tree) if eqx.is_array(leaf.value)]
+    paths = [leaf.path for leaf in eoi.paths_leaves(tree) if eqx.is_array(leaf.value)]
     assert paths == [
         "blocks.mlp.layers[0].weight",
         "blocks.mlp.layers[0].bias",
@@ -63,8 +63,8 @@ def test_leaf_paths_skip_the_stacked_field_and_format_keys(getkey):
         "['not an identifier']",
         "seq[0]",
     ]
-    assert [leaf.path for leaf in eoi.paths.leaves({7: jnp.zeros(1)})] == ["[7]"]
-    stacked = {leaf.path: leaf.stacked for leaf in eoi.paths.leaves(tree)}
+    assert [leaf.path for leaf in eoi.paths_leaves({7: jnp.zeros(1)})] == ["[7]"]
+    stacked = {leaf.path: leaf.stacked for leaf in eoi.paths_leaves(tree)}
     assert stacked["blocks.mlp.layers[0].weight"] == "blocks"
     assert stacked["seq[0]"] is None
 
@@ -75,7 +75,7 @@ def test_leaves_follow_jax_tree_order(getkey):
         "s": eo.Stacked(jnp.zeros((2, 3))),
         "b": (1, jnp.ones(2)),
     }
-    ours = [leaf.value for leaf in eoi.paths.leaves(model)]
+    ours = [leaf.value for leaf in eoi.paths_leaves(model)]
     theirs = jax.tree.leaves(model)
     assert len(ours) == len(theirs)
     assert all(a is b for a, b in zip(ours, theirs))
