@@ -47,14 +47,14 @@ def steps() -> list[dict]:
     out = []
     for row in rows:
         text = gzip.decompress((FIXTURES / row["file"]).read_bytes()).decode()
-        out.append({**row, "program": eoi.step_time.Program(text, "gpu")})
+        out.append({**row, "program": eoi.Program(text, "gpu")})
     return out
 
 
 def price(step: dict, hardware) -> float:
     from eqx_offload import internal as eoi
 
-    return eoi.step_time.estimate(step["program"], hardware, "gpu").seconds
+    return eoi.step_time_estimate(step["program"], hardware, "gpu").seconds
 
 
 def _worst(ratios: list[float]) -> float:
@@ -90,7 +90,7 @@ def errors(rows: list[dict], hardware) -> dict[str, float]:
 
     out: dict[str, float] = {}
     for row in rows:
-        t = eoi.step_time.estimate(row["program"], hardware, "gpu")
+        t = eoi.step_time_estimate(row["program"], hardware, "gpu")
         e = abs(t.seconds / row["measured step s"] - 1)
         out[t.kind] = max(out.get(t.kind, 0.0), e)
     return out

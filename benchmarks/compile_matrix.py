@@ -23,7 +23,7 @@ case with `train_step(microbatches=k)` too. A case passes if it compiles; a case
 compiler rejects, with `eo.DoesNotCompile` naming the leaves and a way out, is
 listed as refused. Each case that compiles records the bytes its program moves
 each way between host and device memory next to the fewest it must move
-(`MemoryReport.minimum_transfers`). `--optimizer adamw` drops the clip (whose global
+(oracle: `tests/minimum_traffic.py`). `--optimizer adamw` drops the clip (whose global
 norm makes the streamed update read each gradient twice); `--piece-bytes N` patches
 `_tiling.PIECE_BYTES` down, so that small layers take the path of large ones (read
 and written in pieces). `--spot` compiles `SPOT` instead of a product: a spread of
@@ -46,7 +46,9 @@ the size people train (16 layers, width 2048, 32000 tokens, 8 x 1024 tokens) is
 """
 
 import itertools
+import sys
 import time
+from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
@@ -71,6 +73,14 @@ from models.matrix import (
 
 import eqx_offload as eo
 import eqx_offload.internal as eoi
+
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the repository, for `tests`
+from tests.minimum_traffic import (  # noqa: E402
+    minimum_traffic,
+    MinimumTraffic,
+    offloaded_bytes,
+)
 
 
 def matmul_head_gpt(vocab: int, dim: int, depth: int, *, key: Any) -> dict:
@@ -181,7 +191,6 @@ POLICIES: dict[str, tuple[str, dict[str, Any]]] = {
         "offload_residuals",
         {"opt_state": "pinned_host", "update_timing": "next_forward"},
     ),
-    "delayed": ("offload_all", {"update_timing": "delayed"}),
 }
 
 
@@ -206,6 +215,7 @@ class Result(NamedTuple):
     message: str
     seconds: float
     report: eo.MemoryReport | None = None  # where it compiles
+    minimum: MinimumTraffic | None = None  # the fewest bytes it must move
 
 
 OPTIMIZERS = {
@@ -255,17 +265,26 @@ def compile_case(
         opt_state = eo.init_opt_state(transform, model, p)
         step = eo.train_step(loss, transform, p, microbatches=microbatches)
         report = eo.memory_report(step, model, opt_state, *batch, target=target)  # pyright: ignore[reportArgumentType]
+        minimum = minimum_traffic(
+            model,
+            opt_state,
+            p,
+            transform,
+            microbatches=microbatches,
+            residual_bytes=offloaded_bytes(report),
+            platform=eoi.targets_platform(target),
+        )
     except eo.DoesNotCompile as e:
         return Result("refused", str(e), time.perf_counter() - start)
     except Exception as e:
         return Result("FAILS", f"{type(e).__name__}: {e}", time.perf_counter() - start)
-    return Result("compiles", "", time.perf_counter() - start, report)
+    return Result("compiles", "", time.perf_counter() - start, report, minimum)
 
 
-def moved(report: eo.MemoryReport | None) -> dict[str, int]:
+def moved(r: Result) -> dict[str, int]:
     """What a compiled case's program moves each way, and the fewest bytes it must
     (both with the offloaded residuals)."""
-    minimum = None if report is None else report.minimum_transfers
+    report, minimum = r.report, r.minimum
     if report is None or minimum is None:
         return {}
     out = {}
@@ -410,7 +429,7 @@ def main():
             if c[1] != "dict" or c[4] == args.depths[0]  # no depth
         ]
     if args.piece_bytes:
-        eoi.tiling.PIECE_BYTES = args.piece_bytes
+        eoi.PIECE_BYTES = args.piece_bytes
     rows, results = [], []
     for target, arch, dtype, width, depth, policy, k in cases:
         r = compile_case(
@@ -439,7 +458,7 @@ def main():
         print(" | ".join(map(str, row)), flush=True)
         rows.append(row)
         record = dict(zip(HEADERS, row)) | {"seconds": round(r.seconds, 2)}
-        results.append(record | moved(r.report))
+        results.append(record | moved(r))
     outcome = HEADERS.index("outcome")
     counts = {
         o: sum(r[outcome] == o for r in rows) for o in ("compiles", "refused", "FAILS")

@@ -72,8 +72,8 @@ def fsdp_alone(chip: str, name: str) -> dict[str, Any]:
     make, loss_fn = MODELS[name]
     abstract = eqx.filter_eval_shape(make)
     compiles = 0
-    for target in eoi.targets.target_sizes(chip):
-        n = eoi.targets.device_count(target)
+    for target in eoi.target_sizes(chip):
+        n = eoi.device_count(target)
         if n == 1:
             policy, mesh = eo.Policy.remat(), None
         else:
@@ -120,7 +120,7 @@ def planned(chip: str, name: str) -> dict[str, Any]:
     assert p.target is not None
     return {
         "target": p.target,
-        "devices": eoi.targets.device_count(p.target),
+        "devices": eoi.device_count(p.target),
         "device GiB": p.report.device_bytes / GIB,
         "host GiB": p.report.host_bytes / GIB,
         "step s": None if p.report.time is None else p.report.time.seconds,

@@ -39,7 +39,7 @@ process's memory never counts in another's peak, and a part that fails is record
    (measured before part 2, which prices its estimates with it).
 4. **The host update alone**, at each size of part 2: AdamW's update of the model's
    parameters, gradients and state, all in pinned host memory, run on the host's
-   CPU (`eoi.compat.on_host`) in each form of JAX's host compute this JAX has (the
+   CPU (`eoi.on_host`) in each form of JAX's host compute this JAX has (the
    `compute_on2` decorator and the `compute_on` context manager of jax 0.10), timed
    (median of 5 after one warm-up, state and parameters donated as the step donates
    them) against the same update on the device; the host memory it reads and writes
@@ -610,7 +610,7 @@ def _offloaded_scan() -> dict[str, Any]:
 def _host_update_fn(optimizer: Any, form: str | None) -> Any:
     """`(grads, state, params) -> (params, state)`, the optimizer's update applied,
     jitted with the state and parameters donated: on the host's CPU in `form` of
-    JAX's host compute (`eoi.compat.on_host`), its inputs and outputs in host memory;
+    JAX's host compute (`eoi.on_host`), its inputs and outputs in host memory;
     or, with `form=None`, on the device."""
     import jax
     import optax
@@ -637,7 +637,7 @@ def _host_update_fn(optimizer: Any, form: str | None) -> Any:
                 jax.device_put(y, jax.memory.Space.Host) for y in jax.tree.leaves(out)
             ]
 
-        outs = eoi.compat.on_host(compute, form)(*flat)  # pyright: ignore[reportArgumentType]
+        outs = eoi.on_host(compute, form)(*flat)  # pyright: ignore[reportArgumentType]
         return jax.tree.unflatten(out_tree, outs)
 
     return jax.jit(on_host, donate_argnums=(1, 2))
@@ -720,7 +720,7 @@ def host_update(size: tuple[int, ...], steps: int) -> dict[str, Any]:
     out: dict[str, Any] = {"parameters": n, "host memory bytes per update": nbytes}
     out["forms"] = {}
     first: Any = None
-    for form in eoi.compat.host_forms():
+    for form in eoi.host_forms():
         row: dict[str, Any] = {}
         try:
             times, result = run(form)
@@ -789,7 +789,7 @@ def host_update(size: tuple[int, ...], steps: int) -> dict[str, Any]:
         times, on_device = run(None)
         out["device update s median"] = statistics.median(times)
         if first is not None:
-            host = out["forms"][eoi.compat.host_forms()[0]]["update s median"]
+            host = out["forms"][eoi.host_forms()[0]]["update s median"]
             out["host / device"] = host / out["device update s median"]
             _, control = run(None, optax.adamw(1.01e-3))
             out.update(agreement(first, on_device, control))
@@ -832,7 +832,7 @@ def flag() -> dict[str, Any]:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
             jax.eval_shape(optimizer.init, params),
         )
-        fn = _host_update_fn(optimizer, eoi.compat.host_forms()[0])
+        fn = _host_update_fn(optimizer, eoi.host_forms()[0])
         lowered = fn.trace(params, state, params).lower()
         return lowered.compile(compiler_options=options)
 
@@ -864,8 +864,8 @@ def flag() -> dict[str, Any]:
         try:
             import eqx_offload.internal as eoi
 
-            mesh = eoi.targets.chip_mesh("gpu-h100")
-            sharding = eoi.compat.named_sharding(mesh, PartitionSpec(), "pinned_host")
+            mesh = eoi.chip_mesh("gpu-h100")
+            sharding = eoi.named_sharding(mesh, PartitionSpec(), "pinned_host")
             result["gpu-h100 (compile-only)"] = accepts(sharding)
         except Exception as e:
             result["gpu-h100 (compile-only)"] = {"error": _error(e)}

@@ -377,7 +377,7 @@ def write(
 def price(out: Path) -> None:
     """Every fixture priced by this checkout's `eqx_offload` at `gpu-h200`."""
     import eqx_offload
-    from eqx_offload._report import _step_time
+    import eqx_offload.internal as eoi
 
     hardware = eqx_offload.Hardware.of("gpu-h200")
     manifest = json.loads((out / "manifest.json").read_text())
@@ -387,7 +387,7 @@ def price(out: Path) -> None:
         text = gzip.decompress((out / row["file"]).read_bytes()).decode()
         assert hashlib.sha256(text.encode()).hexdigest() == row["text sha256"]
         start = time.perf_counter()
-        t = _step_time.estimate(text, hardware, "gpu")
+        t = eoi.step_time_estimate(text, hardware, "gpu")
         seconds = time.perf_counter() - start
         total += seconds
         m = row["measured step s"]

@@ -106,7 +106,7 @@ def mistral_row(target: str, update: str) -> dict:
     one GPU as `gpu_models.py`, a v5e slice with FSDP as `fewest.py`."""
     start = time.perf_counter()
     optimizer = optax.adamw(1e-4)
-    n = eoi.targets.device_count(target)
+    n = eoi.device_count(target)
     if n == 1:
         policy, mesh = eo.Policy.offload_all(update=update), None
         model = eqx.filter_eval_shape(

@@ -100,7 +100,7 @@ def attempt(
     width: int,
     depth: int,
     probe: bool,
-    experimental: tuple[eoi.planner_choice.Experimental, ...] = (),
+    experimental: tuple[eoi.Experimental, ...] = (),
 ) -> eo.Plan | bool | eo.DoesNotFit:
     """`eo.plan` at this depth (a probe: `True` at the first candidate that fits),
     or its `DoesNotFit` (`e.tried`: what it compiled). Without the experimental
@@ -109,7 +109,7 @@ def attempt(
         decoder.Decoder, shape(width, depth), key=jax.random.key(0)
     )
     tokens = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
-    found = eoi.planner_plan.search_plan(
+    found = eoi.search_plan(
         chunked_loss,
         optax.adamw(1e-4),
         abstract,
@@ -153,7 +153,7 @@ def main():
     if args.probe:
         return probe_only(width, args.probe)
     rows: list[dict[str, Any]] = []
-    cap = (eoi.targets.capacity(TARGET) + HOST) / 16
+    cap = (eoi.targets_capacity(TARGET) + HOST) / 16
     print(f"physical cap: {cap / 1e9:.2f}e9 parameters", flush=True)
     deepest: dict[str, int] = {}
     for preset in PRESETS:

@@ -32,10 +32,10 @@ def schedules(arch, width, depth, target, prefetch, policy, options, **fields):
     step = eo.train_step(loss, optimizer, p)
     with compiles(options) as texts:
         report = eo.memory_report(step, model, opt_state, *batch, target=target)
-    module = eoi.compiler.parse_hlo(texts[-1])
+    module = eoi.parse_hlo(texts[-1])
     orders = {
-        name: eoi.hlo_program.order(events)
-        for name, events in eoi.hlo_program.loop_schedules(module).items()
+        name: eoi.hlo_program_order(events)
+        for name, events in eoi.loop_schedules(module).items()
     }
     return report, {k: o for k, o in orders.items() if "S" in o}
 

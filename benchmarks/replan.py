@@ -55,7 +55,7 @@ def replan(depth: int) -> list[dict]:
     out = []
     for experimental in ((), EXPERIMENTAL):
         start = time.perf_counter()
-        p = eoi.planner_plan.search_plan(
+        p = eoi.search_plan(
             chunked_loss,
             optimizer,
             abstract,

@@ -34,10 +34,10 @@ def test_the_h200_row_is_fitted_on_the_smaller_model(steps):
     assert len(smaller) == 7
     fitted = calibration.fit(smaller)
     h200 = eo.Hardware.of("gpu-h200")
-    for field in eoi.hardware.H200_FITTED:
+    for field in eoi.H200_FITTED:
         assert getattr(fitted, field) == getattr(h200, field)
         assert h200.label(field) == "measured"
-    for field in eoi.hardware.H200_MEASURED:
+    for field in eoi.H200_MEASURED:
         assert h200.label(field) == "measured"
     assert h200.label("both_ways_bytes_per_second") == "assumed"
     # An H100 takes the H200's figures until one is measured; a TPU is nominal.
@@ -137,14 +137,14 @@ ENTRY %main (h: {host}, d: {dev}) -> ({dev}, {host}) {{
 def test_both_directions_share_the_link_as_the_hardware_says():
     base = eo.Hardware.of("gpu-h100")
     one = 4 * 2**20 / base.host_to_device_bytes_per_second
-    shared = eoi.step_time.estimate(_two_way_hlo(), base, "gpu")
+    shared = eoi.step_time_estimate(_two_way_hlo(), base, "gpu")
     assert shared.seconds == pytest.approx(2 * one, rel=1e-6)  # they take turns
     duplex = dataclasses.replace(base, both_ways_bytes_per_second=None)
-    assert eoi.step_time.estimate(_two_way_hlo(), duplex, "gpu").seconds == (
+    assert eoi.step_time_estimate(_two_way_hlo(), duplex, "gpu").seconds == (
         pytest.approx(one, rel=1e-6)
     )
     both = dataclasses.replace(base, both_ways_bytes_per_second=1.5 * 52.5e9)
-    assert eoi.step_time.estimate(_two_way_hlo(), both, "gpu").seconds == (
+    assert eoi.step_time_estimate(_two_way_hlo(), both, "gpu").seconds == (
         pytest.approx(2 * one / 1.5, rel=1e-6)
     )
 
@@ -192,7 +192,7 @@ def test_a_loop_shares_the_link_with_what_its_caller_has_in_flight():
     computation is replayed on its own, but not on a link of its own. The step
     is the link's time for both (8 MiB), not the larger of the two (4 MiB)."""
     hw = eo.Hardware.of("tpu-v5e")  # transfers free to overlap, full duplex
-    t = eoi.step_time.estimate(_nested_hlo(), hw, "tpu")
+    t = eoi.step_time_estimate(_nested_hlo(), hw, "tpu")
     link = 4 * 2**20 / hw.host_to_device_bytes_per_second
     assert t.host_to_device_bytes == 2 * 4 * 2**20
     assert t.seconds == pytest.approx(2 * link, rel=1e-6)

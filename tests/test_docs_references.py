@@ -32,8 +32,8 @@ def test_every_catalogued_mistake_names_an_existing_test():
 
 def test_every_public_name_has_one_entry_on_the_api_pages():
     """The API pages (`docs/api/*.md`, one per topic) are generated from the
-    docstrings: one `::: eqx_offload.<name>` entry for each name of `__all__`, and
-    none for anything else."""
+    docstrings: one `::: eqx_offload.<name>` entry for each public name (each name
+    `eqx_offload/__init__.py` re-exports), and none for anything else."""
     import types
 
     import eqx_offload as eo
@@ -43,14 +43,13 @@ def test_every_public_name_has_one_entry_on_the_api_pages():
         for name, value in vars(eo).items()
         if not name.startswith("_") and not isinstance(value, types.ModuleType)
     }
-    assert set(eo.__all__) == public
     pages = sorted((ROOT / "docs" / "api").glob("*.md"))
     entries = [
         name
         for page in pages
         for name in re.findall(r"(?m)^::: eqx_offload\.(\w+)$", page.read_text())
     ]
-    assert sorted(entries) == sorted(eo.__all__)
+    assert sorted(entries) == sorted(public)
     nav = (ROOT / "mkdocs.yml").read_text()
     for page in pages:
         assert f"- api/{page.name}\n" in nav, page.name

@@ -62,34 +62,34 @@ def _abstract_step(policy: eo.Policy, *, mesh=None, batch=2):
     ],
 )
 def test_gpu_targets_parse(target, chip, topology):
-    assert eoi.targets.parse(target) == (chip, topology)
-    assert eoi.targets.platform(target) == "gpu"
+    assert eoi.targets_parse(target) == (chip, topology)
+    assert eoi.targets_platform(target) == "gpu"
 
 
 @pytest.mark.parametrize("target", ["gpu-a100", "gpu-h100:2x2x2", "tpu-v5e:8"])
 def test_unknown_targets_name_the_valid_ones(target):
     with pytest.raises(ValueError, match="'gpu-h100:8'.*'gpu-h100:4x8'"):
-        eoi.targets.parse(target)
+        eoi.targets_parse(target)
 
 
 def test_the_devices_of_nodes_and_hosts():
-    assert len(eoi.targets.devices("gpu-h100")) == 1
-    assert len(eoi.targets.devices("gpu-h100:8")) == 8
-    assert len(eoi.targets.devices("gpu-h100:4x8")) == 32
-    assert eoi.targets.chips_per_host("gpu-h100:4x8") == 8
+    assert len(eoi.targets_devices("gpu-h100")) == 1
+    assert len(eoi.targets_devices("gpu-h100:8")) == 8
+    assert len(eoi.targets_devices("gpu-h100:4x8")) == 32
+    assert eoi.chips_per_host("gpu-h100:4x8") == 8
 
 
 def test_capacity_is_the_allocators_share_of_the_device(monkeypatch):
     """79.1 GiB (H100 SXM) and 141.0 GiB (H200), as XLA's target configurations
     state them, times 0.75 (JAX's default), or `XLA_PYTHON_CLIENT_MEM_FRACTION`."""
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-    assert eoi.targets.capacity("gpu-h100") == int(84942979072 * 0.75)
-    assert eoi.targets.capacity("gpu-h200:8") == int(151397597184 * 0.75)
+    assert eoi.targets_capacity("gpu-h100") == int(84942979072 * 0.75)
+    assert eoi.targets_capacity("gpu-h200:8") == int(151397597184 * 0.75)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
-    assert eoi.targets.capacity("gpu-h100") == int(84942979072 * 0.9)
+    assert eoi.targets_capacity("gpu-h100") == int(84942979072 * 0.9)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "lots")
     with pytest.raises(ValueError, match="XLA_PYTHON_CLIENT_MEM_FRACTION"):
-        eoi.targets.capacity("gpu-h100")
+        eoi.targets_capacity("gpu-h100")
 
 
 # The compile matrix's share, each compile checking several things at once (the
@@ -121,7 +121,7 @@ def share():
     def compiled(policy: str) -> eo.MemoryReport:
         arch, dtype, width, k = SHARE[policy]
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(eoi.tiling, "PIECE_BYTES", 32 * 1024)
+            patch.setattr("eqx_offload._tiling.PIECE_BYTES", 32 * 1024)
             result = cm.compile_case(
                 arch, width, 2, cm.DTYPES[dtype], policy, "gpu-h100", microbatches=k
             )
@@ -144,7 +144,7 @@ def test_train_step_compiles_for_gpu(policy, share):
     assert (host_params > 0) == (policy in ("offload_all", "host params"))
     assert (host_state > 0) == (policy in ("offload_all", "host state"))
     assert report.host["argument"] == report.host["output"] == host_params + host_state
-    assert report.capacity == eoi.targets.capacity("gpu-h100") and report.fits
+    assert report.capacity == eoi.targets_capacity("gpu-h100") and report.fits
     assert report.compiled_transfers
     moved = {(t.what, t.direction) for t in report.compiled_transfers}
     if host_params:
@@ -165,17 +165,17 @@ def test_the_trap_is_refused_not_reported(monkeypatch):
     """Without the workaround, a compile-only GPU device drops the memory kind of
     a `NamedSharding` and counts host leaves as device memory: the report refuses
     rather than print wrong numbers."""
-    device = eoi.targets.devices("gpu-h100")[0]
+    device = eoi.targets_devices("gpu-h100")[0]
     mesh = Mesh([device], ("x",))
     plain = NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host")
     assert plain.memory_kind is None  # the trap, in this JAX
-    kept = eoi.compat.named_sharding(mesh, PartitionSpec(), "pinned_host")
+    kept = eoi.named_sharding(mesh, PartitionSpec(), "pinned_host")
     assert kept.memory_kind == "pinned_host" and kept != plain
 
     def dropped(mesh, spec, kind):
         return NamedSharding(mesh, spec, memory_kind=kind)
 
-    monkeypatch.setattr(eoi.compat, "named_sharding", dropped)
+    monkeypatch.setattr("eqx_offload._compat.named_sharding", dropped)
     step, model, opt_state, *batch = _abstract_step(eo.Policy.offload_all())
     with pytest.raises(NotImplementedError, match="pinned_host would be compiled"):
         eo.memory_report(step, model, opt_state, *batch, target="gpu-h100")
@@ -201,7 +201,7 @@ def test_a_missing_plugin_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "jax_plugins.xla_cuda12", None)
     monkeypatch.setitem(sys.modules, "jax_plugins.xla_cuda13", None)
     with pytest.raises(ImportError, match=r"pip install -e '\.\[gpu-aot\]'"):
-        eoi.targets.devices("gpu-h200:8")
+        eoi.targets_devices("gpu-h200:8")
 
 
 def test_a_compile_that_lost_the_host_is_refused(share):
@@ -209,11 +209,11 @@ def test_a_compile_that_lost_the_host_is_refused(share):
     did not count on the host."""
 
     report = share("offload_all")
-    where = eoi.memory_report._where("gpu-h100", ())
-    eoi.memory_report._check_host_kept(report, where)  # as compiled: fine
+    where = eoi.memory_report_where("gpu-h100", ())
+    eoi.check_host_kept(report, where)  # as compiled: fine
     lost = dataclasses.replace(report, host={**report.host, "argument": 0})
     with pytest.raises(NotImplementedError, match="host memory"):
-        eoi.memory_report._check_host_kept(lost, where)
+        eoi.check_host_kept(lost, where)
 
 
 # --- The same answers as on a TPU -------------------------------------------------
@@ -334,7 +334,7 @@ def test_a_plugin_that_did_not_load_names_jax_platforms(monkeypatch):
 
     monkeypatch.setattr(topologies, "get_topology_desc", not_loaded)
     with pytest.raises(RuntimeError, match="JAX_PLATFORMS=cpu"):
-        eoi.targets.devices("gpu-h100:3")  # a topology not compiled (cached) before
+        eoi.targets_devices("gpu-h100:3")  # a topology not compiled (cached) before
 
 
 def test_the_quickstart_compiles_for_gpus_without_the_cuda_plugins_noise(capfd):
@@ -389,13 +389,13 @@ def test_the_diagnosis_of_a_rejected_step_compiles_its_probes_for_a_gpu(monkeypa
     devices (it used to be traced in device memory, and the probe itself raised
     "memory_space of all inputs passed to `dynamic_update_slice` must be the
     same"); and a probe that fails for a reason of its own blames no leaf."""
-    mesh = eoi.targets.chip_mesh("gpu-h100")
-    leaf = eoi.diagnose.Streamed("blocks.w", (2, 256, 128), jnp.float32, 1, True)
-    assert eoi.diagnose._probe(leaf, mesh) is None  # it compiles
+    mesh = eoi.chip_mesh("gpu-h100")
+    leaf = eoi.Streamed("blocks.w", (2, 256, 128), jnp.float32, 1, True)
+    assert eoi.diagnose_probe(leaf, mesh) is None  # it compiles
 
     def broken(leaf, mesh):
         raise ValueError("the probe's own bug")
 
-    monkeypatch.setattr(eoi.diagnose, "_probe", broken)
+    monkeypatch.setattr("eqx_offload._diagnose._probe", broken)
     other = leaf._replace(shape=(2, 128, 128))  # not in the probes' cache
-    assert eoi.diagnose.rejected([other], mesh) == []
+    assert eoi.diagnose_rejected([other], mesh) == []

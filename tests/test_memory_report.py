@@ -187,7 +187,7 @@ def test_tpu_target_matches_a_direct_compile():
         to_host(w),
         target="tpu-v5e",
     )
-    mesh = eoi.targets.chip_mesh("tpu-v5e")
+    mesh = eoi.chip_mesh("tpu-v5e")
     args = (
         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
         jax.ShapeDtypeStruct(
@@ -241,7 +241,7 @@ def test_every_tpu_target_compiles_a_train_step(target):
 
 def test_without_libtpu_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "libtpu", None)  # `import libtpu` fails
-    eoi.targets.chip_mesh.cache_clear()
+    eoi.chip_mesh.cache_clear()
     try:
         with pytest.raises(
             ImportError,
@@ -250,7 +250,7 @@ def test_without_libtpu_the_error_names_the_extra(monkeypatch):
         ):
             eo.memory_report(lambda x: x * 2, jnp.ones(3), target="tpu-v5e")
     finally:
-        eoi.targets.chip_mesh.cache_clear()
+        eoi.chip_mesh.cache_clear()
 
 
 def test_unknown_target():
@@ -392,7 +392,7 @@ def test_single_device_leaves_get_no_sharding_constraint():
 
 def test_capacities_are_what_the_compiler_allows():
     # As libtpu 0.0.42 states them ("exceeds available HBM (15.75G)").
-    assert eoi.targets.HBM_BYTES == {
+    assert eoi.HBM_BYTES == {
         "tpu-v5e": int(15.75 * 2**30),
         "tpu-v6e": int(31.25 * 2**30),
         "tpu-v5p": int(95.74 * 2**30),
@@ -579,7 +579,7 @@ def test_does_not_fit_keeps_the_memories_it_exceeds():
     assert back.exceeded == ("host",) and back.required_bytes == 2**30
     assert (back.host_required_bytes, back.host_available_bytes) == (3 * 2**30, 2**30)
     # Over the host only: the host's footprint first.
-    why = eoi.planner_fewest._why(back)
+    why = eoi.planner_fewest_why(back)
     assert (
         why == "does not fit: smallest host footprint 3.00 GiB (over the host budget)"
     )
@@ -592,11 +592,11 @@ def test_does_not_fit_keeps_the_memories_it_exceeds():
         host_sizes=(3 * 2**30, 2**30),
         exceeded=("device", "host"),
     )
-    assert eoi.planner_fewest._why(both) == (
+    assert eoi.planner_fewest_why(both) == (
         "does not fit: smallest device footprint 1.00 GiB (over the host budget, "
         "host footprint 3.00 GiB)"
     )
-    none = eoi.planner_fewest._none_fits("tpu-v5e", ["tpu-v5e"], {"tpu-v5e": back}, ())
+    none = eoi.none_fits("tpu-v5e", ["tpu-v5e"], {"tpu-v5e": back}, ())
     assert none.exceeded == ("host",) and none.host_required_bytes == 3 * 2**30
     assert "on tpu-v5e it exceeds the host budget" in str(none)
     assert "mu_dtype=jnp.bfloat16" in str(none) and "micro" not in str(none)

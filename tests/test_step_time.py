@@ -78,20 +78,20 @@ def _traced_dot_flops(closed, times: int = 1) -> float:
     (the first branch of a `cond`, as the compiled program's first branch)."""
     total = 0.0
     for eqn in closed.jaxpr.eqns if hasattr(closed, "jaxpr") else closed.eqns:
-        if eoi.jaxpr.primitive_name(eqn) == "dot_general":
+        if eoi.primitive_name(eqn) == "dot_general":
             (contracting, _), _ = eqn.params["dimension_numbers"]
             lhs = eqn.invars[0].aval.shape
             inner = math.prod(lhs[d] for d in contracting)
             total += times * 2 * math.prod(eqn.outvars[0].aval.shape) * inner
             continue
-        if eoi.jaxpr.is_scan(eqn):
-            layout = eoi.jaxpr.scan_layout(eqn)
+        if eoi.is_scan(eqn):
+            layout = eoi.scan_layout(eqn)
             total += _traced_dot_flops(layout.body, times * layout.length)
             continue
-        if eoi.jaxpr.is_cond(eqn):
-            total += _traced_dot_flops(eoi.jaxpr.cond_branches(eqn)[0], times)
+        if eoi.is_cond(eqn):
+            total += _traced_dot_flops(eoi.cond_branches(eqn)[0], times)
             continue
-        for sub in eoi.jaxpr.sub_jaxprs(eqn) or []:
+        for sub in eoi.sub_jaxprs(eqn) or []:
             total += _traced_dot_flops(sub.jaxpr, times)
     return total
 
@@ -150,12 +150,12 @@ def test_float32_dots_run_as_the_platform_runs_them():
 
 
 def test_precision_names():
-    assert eoi.costs.precision(("f32", "f32"), [], "tpu") == "bf16"
-    assert eoi.costs.precision(("f32", "f32"), ["high", "high"], "tpu") == "bf16x3"
-    assert eoi.costs.precision(("f32", "f32"), ["high", "high"], "gpu") == "tf32"
-    assert eoi.costs.precision(("bf16", "bf16"), ["highest"], "gpu") == "bf16"
-    assert eoi.costs.precision(("s8", "s8"), [], "tpu") == "int8"
-    assert eoi.costs.precision(("f8e4m3fn", "bf16"), [], "gpu") == "fp8"
+    assert eoi.costs_precision(("f32", "f32"), [], "tpu") == "bf16"
+    assert eoi.costs_precision(("f32", "f32"), ["high", "high"], "tpu") == "bf16x3"
+    assert eoi.costs_precision(("f32", "f32"), ["high", "high"], "gpu") == "tf32"
+    assert eoi.costs_precision(("bf16", "bf16"), ["highest"], "gpu") == "bf16"
+    assert eoi.costs_precision(("s8", "s8"), [], "tpu") == "int8"
+    assert eoi.costs_precision(("f8e4m3fn", "bf16"), [], "gpu") == "fp8"
     # A precision the chip has no rate for runs at a slower one it has.
     assert eo.Hardware.of("tpu-v5e").flops_per_second("fp8")[0] == "bf16"
     assert eo.Hardware.of("tpu-v5e").flops_per_second("f32")[0] == "bf16x6"
@@ -232,13 +232,13 @@ def test_what_is_not_hidden_is_read_from_the_schedule(monkeypatch):
         device_to_host_bytes_per_second=150e9,
     )
     step, *args = _step("offload_all", 4, 512)
-    estimate, texts = eoi.step_time.estimate, []
+    estimate, texts = eoi.step_time_estimate, []
 
     def recording(text, hardware, platform, options=None):
         texts.append(text)
         return estimate(text, hardware, platform, options)
 
-    monkeypatch.setattr(eoi.step_time, "estimate", recording)
+    monkeypatch.setattr("eqx_offload._report._step_time.estimate", recording)
     quick = eo.memory_report(step, *args, target="tpu-v5e", hardware=faster).time
     assert quick is not None and quick.hardware is faster
     assert quick.exposed_transfer_seconds < t.exposed_transfer_seconds / 5
@@ -265,11 +265,11 @@ def test_a_transfer_hides_behind_the_compute_scheduled_before_its_done():
     link = layer / hw.host_to_device_bytes_per_second
     flops = 2 * 4096 * 1024 * 1024
     matmul = flops / hw.matmul_flops["bf16"]  # 43.6 us
-    t = eoi.step_time.estimate(_hlo(asynchronous=True), hw, "tpu")
+    t = eoi.step_time_estimate(_hlo(asynchronous=True), hw, "tpu")
     assert t.host_to_device_bytes == layer and t.flops == flops
     assert t.exposed_transfer_seconds == pytest.approx(link - matmul, rel=0.02)
     assert t.seconds == pytest.approx(link, rel=0.02)
-    sync = eoi.step_time.estimate(_hlo(asynchronous=False), hw, "tpu")
+    sync = eoi.step_time_estimate(_hlo(asynchronous=False), hw, "tpu")
     assert sync.host_to_device_bytes == layer and sync.flops == flops
     assert sync.exposed_transfer_seconds == pytest.approx(link, rel=0.02)
     assert sync.seconds == pytest.approx(link + matmul, rel=0.05)
@@ -282,7 +282,7 @@ def test_a_transfer_hides_behind_the_compute_scheduled_before_its_done():
         (0.1, 0.9 * link + matmul),
     ):
         held = dataclasses.replace(hw, transfer_overlap=share)
-        t_held = eoi.step_time.estimate(_hlo(asynchronous=True), held, "tpu")
+        t_held = eoi.step_time_estimate(_hlo(asynchronous=True), held, "tpu")
         assert t_held.seconds == pytest.approx(seconds, rel=0.05)
     # The matmul reads x and w and writes y in device memory; the host copy is
     # the link's, not HBM traffic; an operand in on-chip memory (S(1)) neither.
@@ -293,7 +293,7 @@ def test_a_transfer_hides_behind_the_compute_scheduled_before_its_done():
         "%w = bf16[1024,1024]{1,0:T(8,128)(2,1)}",
         "%w = bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)}",
     )
-    assert eoi.step_time.estimate(on_chip, hw, "tpu").hbm_bytes == x + y
+    assert eoi.step_time_estimate(on_chip, hw, "tpu").hbm_bytes == x + y
 
 
 def _hlo(asynchronous: bool) -> str:
@@ -465,7 +465,7 @@ def test_a_batched_matmul_is_counted_once_per_batch(target):
     assert plain.time is not None and plain.time.notes == ()
 
 
-ATTENTION_NOTE = eoi.step_time.ATTENTION_NOTE
+ATTENTION_NOTE = eoi.ATTENTION_NOTE
 
 
 def _cublas_hlo(precision: str) -> str:
@@ -493,9 +493,9 @@ ENTRY %main (a: f32[512,384], b: f32[384,256]) -> f32[512,256] {{
 def test_a_cublas_call_is_a_matmul():
     h100 = eo.Hardware.of("gpu-h100")
     flops = 2 * 512 * 384 * 256
-    t = eoi.step_time.estimate(_cublas_hlo("DEFAULT"), h100, "gpu")
+    t = eoi.step_time_estimate(_cublas_hlo("DEFAULT"), h100, "gpu")
     assert t.flops_by_precision == {"tf32": flops}
-    t = eoi.step_time.estimate(_cublas_hlo("HIGHEST"), h100, "gpu")
+    t = eoi.step_time_estimate(_cublas_hlo("HIGHEST"), h100, "gpu")
     assert t.flops_by_precision == {"f32": flops}
     f32 = h100.matmul_flops["f32"] * h100.compute_efficiency
     assert t.compute_seconds == pytest.approx(flops / f32)
@@ -504,16 +504,16 @@ def test_a_cublas_call_is_a_matmul():
 def test_the_compile_options_come_from_one_place_and_are_reported():
     """`train_step` and `memory_report` take their options from
     `_compiler.compile_options`; the step time prints what it was compiled with."""
-    options = eoi.compiler.compile_options("tpu", host_remat=True)
+    options = eoi.compile_options("tpu", host_remat=True)
     assert options == {"xla_tpu_rematerialization_use_host_memory_offload": True}
-    assert eoi.compiler.compile_options("gpu", host_remat=True) is None
-    assert eoi.compiler.compile_options("tpu", host_remat=False) is None
+    assert eoi.compile_options("gpu", host_remat=True) is None
+    assert eoi.compile_options("tpu", host_remat=False) is None
     hw = eo.Hardware.of("tpu-v5e")
-    t = eoi.step_time.estimate(_hlo(asynchronous=True), hw, "tpu", options)
+    t = eoi.step_time_estimate(_hlo(asynchronous=True), hw, "tpu", options)
     assert t.compile_options == options
     assert "compiled with: xla_tpu_rematerialization_use_host_memory_offload=True" in (
         str(t).splitlines()
     )
-    plain = eoi.step_time.estimate(_hlo(asynchronous=True), hw, "tpu")
+    plain = eoi.step_time_estimate(_hlo(asynchronous=True), hw, "tpu")
     assert plain.compile_options == {} and "compiled with" not in str(plain)
     assert "rates: link nominal, assumed" in str(plain)

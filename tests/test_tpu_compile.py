@@ -43,7 +43,7 @@ SHARE = [
 
 @pytest.mark.parametrize("arch, dtype, width, policy, k", SHARE)
 def test_train_step_compiles_for_tpu(arch, dtype, width, policy, k, monkeypatch):
-    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 32 * 1024)
+    monkeypatch.setattr("eqx_offload._tiling.PIECE_BYTES", 32 * 1024)
     result = cm.compile_case(
         arch, width, 2, cm.DTYPES[dtype], policy, "tpu-v5e", microbatches=k
     )
@@ -58,9 +58,9 @@ def test_train_step_compiles_for_tpu(arch, dtype, width, policy, k, monkeypatch)
 
 
 def test_row_blocks_are_streamed_in_the_dict_case(monkeypatch):
-    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 32 * 1024)
+    monkeypatch.setattr("eqx_offload._tiling.PIECE_BYTES", 32 * 1024)
     leaf = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)  # 128 KiB: 4 blocks
-    cut = eoi.streaming.pieces(leaf, None, 0)
+    cut = eoi.streaming_pieces(leaf, None, 0)
     assert cut is not None and cut[1:] == (4, 64)
 
 
@@ -92,23 +92,23 @@ def test_a_step_the_compiler_rejects_names_the_leaves_and_a_way_out():
 
 def test_tiling_rules():
     f32, bf16 = jnp.float32, jnp.bfloat16
-    assert not eoi.tiling.slices_by_layer((4,))  # one element per layer
-    assert not eoi.tiling.slices_by_layer((4, 128))  # one row per layer (a bias)
-    assert eoi.tiling.slices_by_layer((4, 97, 97))
-    assert eoi.tiling.slices_by_layer((4, 2, 64, 32))
+    assert not eoi.slices_by_layer((4,))  # one element per layer
+    assert not eoi.slices_by_layer((4, 128))  # one row per layer (a bias)
+    assert eoi.slices_by_layer((4, 97, 97))
+    assert eoi.slices_by_layer((4, 2, 64, 32))
     mib = 2**20
-    assert eoi.tiling.row_blocks((4096, 1024), f32, 4 * mib) == 4  # 1024 rows each
-    assert eoi.tiling.row_blocks((4096, 1000), f32, 4 * mib) == 1  # lanes not whole
-    assert eoi.tiling.row_blocks((40, 1024), bf16, 8 * 1024) == 1  # 16-row tiles
-    assert eoi.tiling.row_blocks((48, 1024), bf16, 8 * 1024) == 3
-    assert eoi.tiling.row_blocks((6, 64, 128), f32, 64 * 1024) == 3  # any rows
+    assert eoi.row_blocks((4096, 1024), f32, 4 * mib) == 4  # 1024 rows each
+    assert eoi.row_blocks((4096, 1000), f32, 4 * mib) == 1  # lanes not whole
+    assert eoi.row_blocks((40, 1024), bf16, 8 * 1024) == 1  # 16-row tiles
+    assert eoi.row_blocks((48, 1024), bf16, 8 * 1024) == 3
+    assert eoi.row_blocks((6, 64, 128), f32, 64 * 1024) == 3  # any rows
 
 
 def test_the_default_update_streams_on_a_tpu(monkeypatch):
     """`Policy(update="auto")` runs the whole update on the CPU, but the program it
     traces compiles for a TPU exactly as `update="streamed"` does: here the dict
     model's leaves, outside any `Stacked`, streamed in blocks of rows."""
-    monkeypatch.setattr(eoi.tiling, "PIECE_BYTES", 32 * 1024)
+    monkeypatch.setattr("eqx_offload._tiling.PIECE_BYTES", 32 * 1024)
     model, loss, batch = cm.case("dict", 256, 1, jnp.float32)
     optimizer = optax.adam(1e-3)
     figures = {}

@@ -119,9 +119,9 @@ def test_private_helpers_are_checked_too():
     """Beartype alone checks a signature without array shapes; the error is still
     jaxtyping's, naming the parameter."""
 
-    assert eoi.paths.join("a", ("b",)) == "a.b"
+    assert eoi.paths_join("a", ("b",)) == "a.b"
     with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'prefix'"):
-        eoi.paths.join(3, ("b",))  # pyright: ignore[reportArgumentType]
+        eoi.paths_join(3, ("b",))  # pyright: ignore[reportArgumentType]
 
 
 def test_named_dimensions_agree_across_arguments():
