@@ -10,6 +10,7 @@ layers ahead").
 Everything it prints is read from a compiled program, not timed."""
 
 import argparse
+from typing import Any, Literal, NamedTuple
 
 import compile_matrix as cm
 import jax.numpy as jnp
@@ -18,6 +19,94 @@ from _compiles import compiles
 
 import eqx_offload as eo
 import eqx_offload.internal as eoi
+
+
+class Event(NamedTuple):
+    """One step of a loop body's schedule: the start or end of a move between host
+    and device memory, or a matmul."""
+
+    what: Literal["read", "write", "matmul"]  # read: host to device
+    phase: Literal["start", "done", ""]
+    start: str  # the name of the move's start instruction ("" for a matmul)
+    nbytes: int = 0
+
+
+def loop_schedules(module: Any) -> dict[str, list[Event]]:
+    """Each `while` body of a scheduled program (`eoi.parse_hlo` of one compiled
+    for a TPU or GPU), with its host-memory moves and matmuls in the order the
+    compiler scheduled them. A move is asynchronous (a `*-start` and its `*-done`;
+    a GPU's is a `fusion-start` of a wrapped slice); a synchronous one (a `fusion`
+    of a slice) is a start and a done in a row."""
+    comps = module.computations
+    bodies = {
+        inst.computation("body")
+        for comp in comps.values()
+        for inst in comp.insts.values()
+        if inst.opcode == "while"
+    }
+    out = {}
+    for name in sorted(b for b in bodies if b in comps):
+        comp = comps[name]
+        events: list[Event] = []
+        starts: dict[str, Event] = {}
+        for inst in comp.insts.values():
+            move = _async_move(comps, comp, inst)
+            if move is not None:
+                direction, nbytes = move
+                what = "read" if direction == "host_to_device" else "write"
+                event = Event(what, "start", inst.name, nbytes)
+                if inst.opcode.endswith("-start"):
+                    starts[inst.name] = event
+                    events.append(event)
+                else:
+                    events += [event, event._replace(phase="done")]
+            elif inst.opcode.endswith("-done") and inst.operands:
+                begun = starts.get(inst.operands[0])
+                if begun is not None:
+                    events.append(begun._replace(phase="done"))
+            elif _is_matmul(comps, inst):
+                events.append(Event("matmul", "", ""))
+        out[name] = events
+    return out
+
+
+_MOVES = ("dynamic-slice", "slice", "copy", "dynamic-update-slice")
+
+
+def _async_move(comps: dict, comp: Any, inst: Any) -> tuple[str, int] | None:
+    found = eoi.hlo_moved(comp, inst)
+    if found is None and inst.opcode in ("fusion-start", "fusion"):
+        # A fusion of a slice (then, perhaps, a copy into another layout).
+        called = comps.get(inst.computation("calls") or "")
+        if called is not None:
+            for inner in called.insts.values():
+                found = eoi.hlo_moved(called, inner) if inner.opcode in _MOVES else None
+                if found is not None:
+                    break
+    return None if found is None else found[:2]
+
+
+def _is_matmul(comps: dict, inst: Any) -> bool:
+    """A `dot` or `convolution`, a cuBLAS call, or a fusion of one."""
+    if inst.opcode in ("dot", "convolution"):
+        return True
+    if inst.opcode == "custom-call":
+        return "cublas" in inst.attrs
+    if inst.opcode == "fusion":
+        called = comps.get(inst.computation("calls") or "")
+        if called is not None:
+            return any(
+                i.opcode in ("dot", "convolution") for i in called.insts.values()
+            )
+    return False
+
+
+def order(events: list[Event]) -> str:
+    """A schedule as letters: `S`/`D` a read's start and done, `s`/`d` a write's,
+    `g` a matmul."""
+    letters = {("read", "start"): "S", ("read", "done"): "D"}
+    letters |= {("write", "start"): "s", ("write", "done"): "d"}
+    return "".join(letters.get((e.what, e.phase), "g") for e in events)
 
 
 def schedules(arch, width, depth, target, prefetch, policy, options, **fields):
@@ -33,10 +122,7 @@ def schedules(arch, width, depth, target, prefetch, policy, options, **fields):
     with compiles(options) as texts:
         report = eo.memory_report(step, model, opt_state, *batch, target=target)
     module = eoi.parse_hlo(texts[-1])
-    orders = {
-        name: eoi.hlo_program_order(events)
-        for name, events in eoi.loop_schedules(module).items()
-    }
+    orders = {name: order(events) for name, events in loop_schedules(module).items()}
     return report, {k: o for k, o in orders.items() if "S" in o}
 
 

@@ -94,8 +94,9 @@ _OPTIONS: dict[str, dict[str, Any]] = {
         "2.75x slower than the streamed update)",
     ),
     "--workspace-margin": dict(
+        type=lambda text: int(text) if text.strip().isdigit() else text,  # bytes
         help="device memory left free under the budget: '1GiB', bytes, 0 (default: "
-        "2GiB on a GPU, 0 on a TPU)"
+        "2GiB on a GPU, 0 on a TPU)",
     ),
     "--hardware": dict(
         type=Path,
@@ -105,8 +106,7 @@ _OPTIONS: dict[str, dict[str, Any]] = {
     # The step says it now (`train_step(has_aux=True)`): refused with the way.
     "--has-aux": dict(action="store_true", help=argparse.SUPPRESS),
     "--json": dict(
-        type=Path,
-        help="also write the table to this file (with whether anything fits)",
+        type=Path, help="also write the table to this file (with whether anything fits)"
     ),
 }
 
@@ -160,31 +160,25 @@ def main(argv: Sequence[str] | None = None) -> None:
         compute_dtypes=tuple(None if d == "model" else d for d in args.compute_dtypes),
         progress=True,
         experimental=tuple(args.experimental),
-        workspace_margin=_margin(args.workspace_margin),
+        workspace_margin=args.workspace_margin,
         hardware=hardware,
     )
+    search = functools.partial(search, step.loss_fn, step.optimizer, model, *batch)
     signals: list[int] = []
     try:
         with _sigterm_interrupts(signals):
-            result = _plan(args.json, search, step, model, batch, options)
+            result = _plan(args.json, functools.partial(search, **options))
     except PlanInterrupted as e:
         _interrupted(e, args.json, signals[0] if signals else signal.SIGINT)
     _show(args.json, result, result.table)
 
 
-def _plan(
-    path: Path | None,
-    search: Callable[..., Plan],
-    step: TrainStep,
-    model: Any,
-    batch: tuple,
-    options: dict[str, Any],
-) -> Plan:
-    """`search` (`plan` or `fewest_chips`) of `step`; what nothing fits prints and
-    writes (to `path`) before the command ends with its message; bad input ends it
-    too."""
+def _plan(path: Path | None, search: Callable[[], Plan]) -> Plan:
+    """`search()` (`plan` or `fewest_chips` of the factory's step); what nothing
+    fits prints and writes (to `path`) before the command ends with its message;
+    bad input ends it too."""
     try:
-        return search(step.loss_fn, step.optimizer, model, *batch, **options)
+        return search()
     except DoesNotFit as e:  # what was tried, then the message and a status
         _show(path, None, e.tried, message=str(e))
         raise SystemExit(f"eqx_offload plan: {e}") from None
@@ -192,13 +186,6 @@ def _plan(
         if isinstance(e, TypeError) and not str(e).startswith("`plan("):
             raise  # from the factory's model or loss: with its traceback
         raise SystemExit(f"eqx_offload plan: {e}") from None
-
-
-def _margin(text: str | None) -> int | str | None:
-    """`--workspace-margin` as `plan` takes it: bytes as an int, else the text."""
-    if text is None:
-        return None
-    return int(text) if text.strip().isdigit() else text
 
 
 @contextlib.contextmanager

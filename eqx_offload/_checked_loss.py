@@ -5,7 +5,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from ._errors import see
@@ -18,7 +18,7 @@ def _describe(out: Any) -> str:
 
     def one(x: Any) -> str:
         if is_arraylike(x):
-            return f"{jax.numpy.dtype(x.dtype).name}{list(x.shape)}"
+            return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
         return type(x).__name__
 
     return str(jtu.tree_map(lambda x: _Text(one(x)), out, is_leaf=lambda x: x is None))
@@ -30,11 +30,7 @@ class _Text(str):
 
 
 def _is_loss(x: Any) -> bool:
-    return (
-        is_arraylike(x)
-        and x.shape == ()
-        and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
-    )
+    return is_arraylike(x) and x.shape == () and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 # The fix, by `has_aux` and whether `loss_fn` returned what the other `has_aux` wants.

@@ -75,9 +75,7 @@ def batched(tree: Any) -> bool:
     from jax._src.interpreters import batching
 
     trace = current_trace()
-    if not isinstance(trace, batching.BatchTrace):
-        return False
-    return any(
+    return isinstance(trace, batching.BatchTrace) and any(
         isinstance(x, batching.BatchTracer) and x._trace is trace
         for x in jax.tree.leaves(tree)
     )
@@ -135,14 +133,11 @@ def filter_jit_parts(fn: Any) -> FilterJit | None:
     `__wrapped__`, `donate_first`, `donate_rest`. Its public `lower` treats
     `jax.ShapeDtypeStruct`s as static, so it cannot compile abstract arguments.
     """
-    if hasattr(fn, "trace") or not hasattr(fn, "lower"):
-        return None  # a `jax.jit` function, or no jitted function at all
     fun = getattr(fn, "__wrapped__", None)
-    if fun is None:
-        return None
-    first = getattr(fn, "donate_first", False)
-    rest = getattr(fn, "donate_rest", False)
-    return FilterJit(fun, tuple(i for i, d in enumerate((first, rest)) if d))
+    if fun is None or hasattr(fn, "trace") or not hasattr(fn, "lower"):
+        return None  # a `jax.jit` function, or no jitted function at all
+    donates = (getattr(fn, "donate_first", False), getattr(fn, "donate_rest", False))
+    return FilterJit(fun, tuple(i for i, d in enumerate(donates) if d))
 
 
 def inside_filter_jit(fn: Any) -> Any:

@@ -445,15 +445,11 @@ def parse_hlo(text: str) -> HloModule:
             if header[1]:
                 entry = header[2]
             continue
-        if line.startswith("}"):
-            if current is not None:
-                comps[current.name] = current
+        if line.startswith("}") and current is not None:
+            comps[current.name] = current
             current = None
-            continue
-        if current is None:
-            continue
-        inst = _instruction(line)
-        if inst is None:
+        inst = None if current is None else _instruction(line)
+        if current is None or inst is None:
             continue
         current.insts[inst.name] = inst
         if line.strip().startswith("ROOT "):

@@ -97,10 +97,8 @@ def _probe(leaf: Streamed, mesh: Mesh) -> str | None:
     def state(w: Any) -> Any:
         return update(w, jax.device_put(jnp.ones(leaf.shape, leaf.dtype), Host))
 
-    if leaf.gradient:
-        traced = jax.jit(step, donate_argnums=0).trace(w, x)
-    else:
-        traced = jax.jit(state, donate_argnums=0).trace(w)
+    fn, args = (step, (w, x)) if leaf.gradient else (state, (w,))
+    traced = jax.jit(fn, donate_argnums=0).trace(*args)
     try:
         traced.lower().compile()
     # XLA's rejections are `JaxRuntimeError`s; JAX's lowering of memory kinds raises

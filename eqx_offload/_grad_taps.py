@@ -22,10 +22,9 @@ taps to the model's leaves outside any `Stacked`. A configured `Stacked`
 
 import contextlib
 import contextvars
-import dataclasses
 import functools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,21 +33,16 @@ from . import _tiling
 from ._memory_kinds import is_host, to_space
 
 
-@dataclasses.dataclass
-class Tap:
-    """How the loss sees one trainable leaf, and where its gradient goes."""
+class Tap(NamedTuple):
+    """How the loss sees one trainable leaf, and where its gradient goes (a pytree:
+    `acc` and a traced `read` are its array leaves)."""
 
     acc: Any  # receives the gradient (its cotangent); the leaf's shape
     dtype: Any  # what the loss computes with
     read: Any  # False, or a traced bool: add the gradient to `acc`'s value
 
 
-@dataclasses.dataclass
-class Table:
-    taps: dict[str, Tap]
-
-
-_CURRENT: contextvars.ContextVar[Table | None] = contextvars.ContextVar(
+_CURRENT: contextvars.ContextVar[dict[str, Tap] | None] = contextvars.ContextVar(
     "eqx_offload_taps", default=None
 )
 
@@ -60,14 +54,14 @@ def taps(table: dict[str, Tap] | None) -> Iterator[None]:
     None means no taps: inside a layer body, the enclosing `Stacked` has tapped
     the leaves already.
     """
-    token = _CURRENT.set(None if table is None else Table(table))
+    token = _CURRENT.set(table)
     try:
         yield
     finally:
         _CURRENT.reset(token)
 
 
-def current() -> Table | None:
+def current() -> dict[str, Tap] | None:
     return _CURRENT.get()
 
 
@@ -78,7 +72,7 @@ def lookup(path: str) -> Tap | None:
     would without one.
     """
     table = _CURRENT.get()
-    return None if table is None else table.taps.get(path)
+    return None if table is None else table.get(path)
 
 
 def tap(value: Any, acc: Any, dtype: Any, read: Any, *, layer: bool = False) -> Any:

@@ -112,15 +112,6 @@ class ScanLayout(NamedTuple):
     length: int
 
 
-class WhileLayout(NamedTuple):
-    """A while loop's operands are `cond_consts + body_consts + carry`."""
-
-    cond: Any  # `jax.extend.core.Jaxpr`: `cond_consts + carry -> bool`
-    body: Any  # `jax.extend.core.Jaxpr`: `body_consts + carry -> carry`
-    cond_consts: int
-    body_consts: int
-
-
 def scan_layout(eqn: Any) -> ScanLayout:
     params = eqn.params
     if "num_consts" in params:  # jax 0.10
@@ -130,16 +121,6 @@ def scan_layout(eqn: Any) -> ScanLayout:
         consts, carry, _ = (len(group) for group in params["ft_in"].unpack())
     xs = len(eqn.invars) - consts - carry
     return ScanLayout(params["jaxpr"].jaxpr, consts, carry, xs, int(params["length"]))
-
-
-def while_layout(eqn: Any) -> WhileLayout:
-    params = eqn.params
-    return WhileLayout(
-        params["cond_jaxpr"].jaxpr,
-        params["body_jaxpr"].jaxpr,
-        params["cond_nconsts"],
-        params["body_nconsts"],
-    )
 
 
 def cond_branches(eqn: Any) -> tuple[Any, ...]:
@@ -176,14 +157,19 @@ def sub_jaxprs(eqn: Any) -> list[SubJaxpr] | None:
         inputs = {i: i - 1 for i in range(1, n)}
         return [SubJaxpr(b.jaxpr, inputs, False) for b in cond_branches(eqn)]
     if is_while(eqn):
-        loop = while_layout(eqn)
-        first_carry = loop.cond_consts + loop.body_consts
-        cond = {i: i for i in range(loop.cond_consts)}
-        body = {loop.cond_consts + i: i for i in range(loop.body_consts)}
-        for k, i in enumerate(range(first_carry, n)):
-            cond[i] = loop.cond_consts + k
-            body[i] = loop.body_consts + k
-        return [SubJaxpr(loop.cond, cond, False), SubJaxpr(loop.body, body, False)]
+        # The operands are `cond_consts + body_consts + carry`; the cond's inputs
+        # `cond_consts + carry`, the body's `body_consts + carry`.
+        params = eqn.params
+        cond_consts, body_consts = params["cond_nconsts"], params["body_nconsts"]
+        cond = {i: i for i in range(cond_consts)}
+        body = {cond_consts + i: i for i in range(body_consts)}
+        for k, i in enumerate(range(cond_consts + body_consts, n)):
+            cond[i] = cond_consts + k
+            body[i] = body_consts + k
+        return [
+            SubJaxpr(params[name].jaxpr, inputs, False)
+            for name, inputs in (("cond_jaxpr", cond), ("body_jaxpr", body))
+        ]
     subs = list(jex.jaxprs_in_params(eqn.params))
     if len(subs) == 1 and len(subs[0].invars) == n:  # jit, checkpoint, custom_jvp...
         return [SubJaxpr(subs[0], {i: i for i in range(n)}, False)]

@@ -59,9 +59,7 @@ def check(
         table = argument.is_model and leaf.path in tables
         if (leaf.stacked is not None or table) and is_host(leaf.value):
             watched[var] = _Watched(argument.name, leaf, False, table)
-    misuse = _Walk(watched).run(jaxpr)
-    if misuse is not None:
-        raise _misuse_error(misuse)
+    _Walk(watched).run(jaxpr)
 
 
 class _Watched(NamedTuple):
@@ -73,15 +71,9 @@ class _Watched(NamedTuple):
     host_table: bool = False  # in `Policy(host_tables=...)`, or one `embed` gave
 
 
-class _Misuse(NamedTuple):
-    """An operation on a watched value that may not compute on it."""
-
-    watched: _Watched
-    primitive: str  # the operation's name; "twice" for a host table read twice
-
-
 class _Walk:
-    """A walk through one jaxpr after operations that compute on a watched value.
+    """A walk through one jaxpr after operations that compute on a watched value:
+    the first one found raises (`_misuse_error`).
 
     `watched` starts as the jaxpr's inputs and grows with the values an equation
     hands them on to (a slice read ahead, a table `embed` returns); the caller's
@@ -93,48 +85,44 @@ class _Walk:
         self.reading = reading  # inside a scan's read of one layer
         self.consumed: set[Any] = set()  # host tables read by blocks already
 
-    def run(self, jaxpr: Any) -> _Misuse | None:
+    def run(self, jaxpr: Any) -> None:
         for eqn in jaxpr.eqns:
             used = {
                 i: self.watched[v]
                 for i, v in enumerate(eqn.invars)
                 if not _jaxpr.is_literal(v) and v in self.watched
             }
-            misuse = self._equation(eqn, used) if used else None
-            if misuse is not None:
-                return misuse
-        return None
+            if used:
+                self._equation(eqn, used)
 
-    def _equation(self, eqn: Any, used: dict[int, _Watched]) -> _Misuse | None:
+    def _equation(self, eqn: Any, used: dict[int, _Watched]) -> None:
         # The scopes `eqn` was traced under: the whole names in its name stack
         # (`a/scope/b`, `transpose(jvp(scope))`).
         scopes = re.split(r"[/()]", str(eqn.source_info.name_stack))
         if all(w.host_table for w in used.values()) and _scopes.VOCAB_BLOCKS in scopes:
-            return self._read_by_blocks(eqn, used)
-        if _jaxpr.is_device_put(eqn):
-            return _device_put(eqn, used)
-        if self._reads_ahead(eqn, used):
+            self._read_by_blocks(eqn, used)
+        elif _jaxpr.is_device_put(eqn):
+            _device_put(eqn, used)
+        elif self._reads_ahead(eqn, used):
             # A layer read ahead by a prefetching scan (`_prefetch._at`, a
             # `custom_vmap` slice): like a slice the scan takes, it may only be
             # moved to the device.
             self.watched[eqn.outvars[0]] = used[0]._replace(is_slice=True)
-            return None
-        subs = _jaxpr.sub_jaxprs(eqn)
-        if subs is None:
-            return _Misuse(next(iter(used.values())), _jaxpr.primitive_name(eqn))
-        return self._calls(eqn, used, subs)
+        elif (subs := _jaxpr.sub_jaxprs(eqn)) is None:
+            raise _misuse_error(next(iter(used.values())), _jaxpr.primitive_name(eqn))
+        else:
+            self._calls(eqn, used, subs)
 
-    def _read_by_blocks(self, eqn: Any, used: dict[int, _Watched]) -> _Misuse | None:
+    def _read_by_blocks(self, eqn: Any, used: dict[int, _Watched]) -> None:
         """`embed` / `chunked_cross_entropy` reading a host table by blocks. Each
         table is read by one of them: two would sum two host gradients."""
         for i, w in used.items():
             if eqn.invars[i] in self.consumed:
-                return _Misuse(w, "twice")
+                raise _misuse_error(w, "twice")
             self.consumed.add(eqn.invars[i])
         for out in eqn.outvars:  # the table `embed` hands on
             if is_host_aval(out.aval) and getattr(out.aval, "ndim", 0) == 2:
                 self.watched[out] = next(iter(used.values()))
-        return None
 
     def _reads_ahead(self, eqn: Any, used: dict[int, _Watched]) -> bool:
         if not self.reading or set(used) != {0}:
@@ -143,7 +131,7 @@ class _Walk:
             used[0].is_slice and _jaxpr.is_squeeze(eqn)
         )
 
-    def _calls(self, eqn: Any, used: dict[int, _Watched], subs: list) -> _Misuse | None:
+    def _calls(self, eqn: Any, used: dict[int, _Watched], subs: list) -> None:
         """Walks each jaxpr `eqn` calls, with the watched values it passes in."""
         for sub, operands, sliced in subs:
             inner = {
@@ -152,9 +140,8 @@ class _Walk:
                 if i in used
             }
             walk = _Walk(inner, self.reading or _jaxpr.is_custom_vmap(eqn))
-            misuse = walk.run(sub) if inner else None
-            if misuse is not None:
-                return misuse
+            if inner:
+                walk.run(sub)
             if not sliced and len(sub.outvars) == len(eqn.outvars):
                 # A call that returns a watched value as it is (a gradient tap of
                 # the same dtype, an inner `jax.jit`) hands it on.
@@ -164,10 +151,9 @@ class _Walk:
                     w = walk.watched.get(inner_out)
                     if w is not None and (w.host_table or w.is_slice):
                         self.watched[out] = w
-        return None
 
 
-def _device_put(eqn: Any, used: dict[int, _Watched]) -> _Misuse | None:
+def _device_put(eqn: Any, used: dict[int, _Watched]) -> None:
     """A watched value may be moved to the device: a slice inside the scan, or
     (for a leaf the TPU compiler cannot slice on the host) the whole leaf, moved
     by the scan."""
@@ -175,12 +161,12 @@ def _device_put(eqn: Any, used: dict[int, _Watched]) -> _Misuse | None:
     for i, w in used.items():
         whole_ok = not _tiling.slices_by_layer(w.leaf.value.shape)
         if not (w.is_slice or whole_ok) or destinations[i] != jax.memory.Space.Device:
-            return _Misuse(w, "device_put")
-    return None
+            raise _misuse_error(w, "device_put")
 
 
-def _misuse_error(misuse: _Misuse) -> ValueError:
-    w, primitive = misuse
+def _misuse_error(w: _Watched, primitive: str) -> ValueError:
+    """The error for `primitive` computing on `w` ("twice": a host table read
+    twice)."""
     path, argument = w.leaf.path, w.argument
     if w.host_table and primitive == "twice":
         return ValueError(

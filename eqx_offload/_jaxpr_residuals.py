@@ -6,7 +6,7 @@ equation or input that made it.
 
 from typing import Any, NamedTuple
 
-import jax
+from jax.sharding import AxisType
 
 from . import _jaxpr
 
@@ -85,9 +85,13 @@ class _WalkBack:
         """On through `eqn`, which computes `v`, where it only passes a value on."""
         index = eqn.outvars.index(self.v)
         body = _jaxpr.jit_body(eqn)
-        if _jaxpr.is_reduce_precision(eqn) or (
-            _jaxpr.is_reshard(eqn) and _to_auto(eqn)
-        ):
+        # A `reshard` onto a mesh of `Auto` axes only (the way into
+        # `jax.sharding.auto_axes`, `Policy(loss_axes="auto")`) keeps the buffer, in
+        # the layout it had (JAX emits no sharding constraint for it).
+        to_auto = _jaxpr.is_reshard(eqn) and all(
+            t == AxisType.Auto for t in _jaxpr.reshard_destination(eqn).mesh.axis_types
+        )
+        if _jaxpr.is_reduce_precision(eqn) or to_auto:
             self.v = eqn.invars[0]
             return None
         if body is None and _jaxpr.is_scan(eqn):
@@ -116,11 +120,3 @@ class _WalkBack:
 
     def _found(self, source: str, name: str | None = None, infos: tuple = ()) -> Origin:
         return Origin(self.v.aval, source, name, self.per_iteration, infos)
-
-
-def _to_auto(eqn: Any) -> bool:
-    """Whether a `reshard` casts onto a mesh of `Auto` axes only (the way into
-    `jax.sharding.auto_axes`, `Policy(loss_axes="auto")`): the same buffer, in the
-    layout it had (JAX emits no sharding constraint for it)."""
-    mesh = _jaxpr.reshard_destination(eqn).mesh
-    return all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)

@@ -42,10 +42,9 @@ def puts(
     `platform` ("tpu", "cpu", ...), whose inputs are `inputs` (what, name) in order."""
     totals: dict[Put, int] = defaultdict(int)
     jaxpr = closed.jaxpr
-    origins = {}
-    if len(inputs) == len(jaxpr.invars):
-        origins = dict(zip(jaxpr.invars, map(tuple, inputs)))
-    _walk(jaxpr, origins, _Counting(platform, totals))
+    known = len(inputs) == len(jaxpr.invars)
+    origins = dict(zip(jaxpr.invars, map(tuple, inputs))) if known else {}
+    _walk(jaxpr, origins, _Counting(platform, totals, {}))
     return {k: n for k, n in totals.items() if n}
 
 
@@ -58,42 +57,35 @@ def _get(origins: dict, v: Any) -> tuple[str, str]:
 
 
 class _Counting(NamedTuple):
-    """How a (sub-)program's moves count: for which platform, into which totals, how
-    many times a step runs it (the scans around it), whether in the update."""
+    """How a (sub-)program's moves count: for which platform, into which totals, the
+    branch each `platform_index` output chooses, how many times a step runs it (the
+    scans around it), whether in the update."""
 
     platform: str
     totals: dict
+    branch_of: dict
     times: int = 1
     update: bool = False
-
-
-class _Frame(NamedTuple):
-    """One jaxpr's values: where each comes from, and the branch each
-    `platform_index` output chooses."""
-
-    origins: dict
-    branch_of: dict
 
 
 def _walk(jaxpr: Any, origins: dict, walk: _Counting) -> None:
     """Counts the moves of `jaxpr` into `walk.totals`; `origins` holds where its
     inputs come from, and gains its values'."""
-    frame = _Frame(origins, {})
     for eqn in jaxpr.eqns:
         ins = [_get(origins, v) for v in eqn.invars]
         # Sub-programs are traced with name stacks of their own.
         update = walk.update or _scopes.UPDATE in str(eqn.source_info.name_stack)
         handle = next((h for match, h in _HANDLERS if match(eqn)), _other)
-        handle(frame, eqn, ins, walk._replace(update=update))
+        handle(origins, eqn, ins, walk._replace(update=update))
 
 
-def _platform_index(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
+def _platform_index(origins: dict, eqn: Any, ins: list, walk: _Counting) -> None:
     found = _branch(_jaxpr.platform_index_platforms(eqn), walk.platform)
     if found is not None:
-        frame.branch_of[eqn.outvars[0]] = found
+        walk.branch_of[eqn.outvars[0]] = found
 
 
-def _device_put(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
+def _device_put(origins: dict, eqn: Any, ins: list, walk: _Counting) -> None:
     scope = str(eqn.source_info.name_stack)
     destinations = _jaxpr.device_put_destinations(eqn)
     for v, (what, name), where in zip(eqn.invars, ins, destinations):
@@ -104,52 +96,50 @@ def _device_put(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
             direction = "device_to_host" if to_host else "host_to_device"
             put = Put(direction, walk.update, what, name, scope)
             walk.totals[put] += _nbytes(v.aval) * walk.times
-    _pass_through(frame, eqn, ins, walk)
+    _pass_through(origins, eqn, ins, walk)
 
 
-def _pass_through(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
-    frame.origins.update(zip(eqn.outvars, ins))
+def _pass_through(origins: dict, eqn: Any, ins: list, walk: _Counting) -> None:
+    origins.update(zip(eqn.outvars, ins))
 
 
-def _checkpoint_name(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
+def _checkpoint_name(origins: dict, eqn: Any, ins: list, walk: _Counting) -> None:
     if eqn.invars:
         for out in eqn.outvars:
-            frame.origins[out] = ("residuals", _jaxpr.checkpoint_name_of(eqn))
+            origins[out] = ("residuals", _jaxpr.checkpoint_name_of(eqn))
 
 
-def _scan(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
+def _scan(origins: dict, eqn: Any, ins: list, walk: _Counting) -> None:
     scan = _jaxpr.scan_layout(eqn)
     # A carry is the leaf it starts as only in the first iteration: it is not
     # followed (the streamed update names what it carries).
     carries = set(scan.body.invars[scan.consts : scan.consts + scan.carry])
     inner = {v: o for v, o in zip(scan.body.invars, ins) if v not in carries}
     _walk(scan.body, inner, walk._replace(times=walk.times * scan.length))
-    _pass_out(scan.body, inner, eqn, frame.origins)
+    _pass_out(scan.body, inner, eqn, origins)
 
 
-def _cond(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
-    index = frame.branch_of.get(eqn.invars[0])
+def _cond(origins: dict, eqn: Any, ins: list, walk: _Counting) -> None:
+    index = walk.branch_of.get(eqn.invars[0])
     platforms = _jaxpr.cond_platforms(eqn)
     if platforms:
         index = _branch(platforms, walk.platform)
     # A conditional that is not a platform's choice: its largest branch.
-    best: tuple[Any, dict, dict] | None = None
+    found = []
     for i, sub in enumerate(_jaxpr.sub_jaxprs(eqn) or ()):
-        if index is not None and i != index:
-            continue
-        inner = _inputs_of(sub, ins)
-        mine: dict[Put, int] = defaultdict(int)
-        _walk(sub.jaxpr, inner, walk._replace(totals=mine))
-        if best is None or sum(mine.values()) > sum(best[1].values()):
-            best = (sub.jaxpr, mine, inner)
-    if best is not None:
-        branch, mine, inner = best
+        if index is None or i == index:
+            inner = _inputs_of(sub, ins)
+            mine: dict[Put, int] = defaultdict(int)
+            _walk(sub.jaxpr, inner, walk._replace(totals=mine))
+            found.append((sum(mine.values()), sub.jaxpr, mine, inner))
+    if found:  # (the first of the largest)
+        _, branch, mine, inner = max(found, key=lambda f: f[0])
         for key, n in mine.items():
             walk.totals[key] += n
-        _pass_out(branch, inner, eqn, frame.origins)
+        _pass_out(branch, inner, eqn, origins)
 
 
-def _while(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
+def _while(origins: dict, eqn: Any, ins: list, walk: _Counting) -> None:
     # Not made by this library: its body is counted once.
     subs = _jaxpr.sub_jaxprs(eqn)
     assert subs is not None
@@ -157,7 +147,7 @@ def _while(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
     _walk(body.jaxpr, _inputs_of(body, ins), walk)
 
 
-def _other(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
+def _other(origins: dict, eqn: Any, ins: list, walk: _Counting) -> None:
     """A call (`jax.jit`, `jax.checkpoint`, ...), or an operation whose result is
     its first operand (a slice, a cast)."""
     subs = _jaxpr.sub_jaxprs(eqn)
@@ -165,10 +155,10 @@ def _other(frame: _Frame, eqn: Any, ins: list, walk: _Counting) -> None:
         (sub,) = subs
         inner = _inputs_of(sub, ins)
         _walk(sub.jaxpr, inner, walk)
-        _pass_out(sub.jaxpr, inner, eqn, frame.origins)
+        _pass_out(sub.jaxpr, inner, eqn, origins)
     elif _jaxpr.keeps_first_operand(eqn) and ins and ins[0] != _UNKNOWN:
         for out in eqn.outvars:
-            frame.origins[out] = ins[0]
+            origins[out] = ins[0]
 
 
 # Each equation goes to the first handler whose test it passes, else to `_other`.

@@ -141,7 +141,15 @@ def load(
     _check_arguments(like, step)
     step = _saved_step(directory, step)
     _orbax.check_global_load(like, extra)
-    targets = _targets(like, extra, policy, optimizer)
+    # The saved items to restore, abstract, each leaf placed as `policy` says.
+    model = place(_pending.mark(abstract(like[0]), ()), policy)
+    # A checkpoint holds no pending update (`save` refuses one): the state comes
+    # back with none waiting, whatever `like`'s state says (a static field).
+    state = _update.structure(abstract(like[1]))
+    where = "`eqx_offload.load`"
+    opt_state = _update.place_state(optimizer, state, model, policy, where)
+    extras = {} if extra is None else {"extra": abstract(extra)}
+    targets = {"model": model, "opt_state": opt_state, **extras}
     model, opt_state, *rest = _restore(directory, step, targets)
     if extra is None:
         return Restored(model, opt_state, step)
@@ -178,23 +186,6 @@ def _saved_step(directory: str, step: int | None) -> int:
             f"{', '.join(map(str, available))}." + see(56)
         )
     return step
-
-
-def _targets(
-    like: tuple[PyTree, PyTree],
-    extra: PyTree,
-    policy: Policy,
-    optimizer: optax.GradientTransformation | None,
-) -> dict[str, PyTree]:
-    """The saved items to restore, abstract, each leaf placed as `policy` says."""
-    model = place(_pending.mark(abstract(like[0]), ()), policy)
-    # A checkpoint holds no pending update (`save` refuses one): the state comes
-    # back with none waiting, whatever `like`'s state says (a static field).
-    state = _update.structure(abstract(like[1]))
-    where = "`eqx_offload.load`"
-    opt_state = _update.place_state(optimizer, state, model, policy, where)
-    extras = {} if extra is None else {"extra": abstract(extra)}
-    return {"model": model, "opt_state": opt_state, **extras}
 
 
 def _restore(directory: str, step: int, targets: dict[str, PyTree]) -> list[PyTree]:

@@ -8,10 +8,9 @@ out over a mesh is in contiguous blocks. Each device then keeps its share of eve
 micro-batch, and nothing moves between devices to split it.
 """
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -122,18 +121,15 @@ def split(batch: tuple, k: int, unsplit: tuple[int, ...]) -> tuple:
     )
 
 
-class _ByPlace(NamedTuple):
-    """The trainable leaves, each with its dtype, by where the gradient adds up."""
-
-    tapped: list[tuple[_paths.Leaf, Any]]  # on the host, through a tap
-    plain: list[tuple[_paths.Leaf, Any]]  # on the device
-    moved: set[str]  # host-resident paths of `plain`, sent to the host at the end
-
-
 def _by_place(
     leaves: list, dtypes: list, k: int, host_tables: tuple[str, ...]
-) -> _ByPlace:
-    """A host-resident leaf's gradient adds up on the device (`moved`) over several
+) -> tuple[list, list, set[str]]:
+    """The trainable leaves, each with its dtype, by where the gradient adds up:
+    `(tapped, plain, moved)`. `tapped` add up on the host, through a tap; `plain` on
+    the device. `moved` are the host-resident paths of `plain`, sent to the host at
+    the end.
+
+    A host-resident leaf's gradient adds up on the device (`moved`) over several
     micro-batches if it is outside every `Stacked`, not a host table, and its minor
     dimensions are not whole TPU tiles."""
 
@@ -151,91 +147,50 @@ def _by_place(
     host = [is_host(leaf.value) and leaf.path not in to_device for leaf in leaves]
     tapped = [(leaf, d) for leaf, d, h in zip(leaves, dtypes, host) if h]
     plain = [(leaf, d) for leaf, d, h in zip(leaves, dtypes, host) if not h]
-    return _ByPlace(tapped, plain, to_device)
+    return tapped, plain, to_device
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class _MicroLoss:
-    """The loss of one micro-batch, differentiated with respect to its accumulators.
+def _loop(
+    grad: Callable, accs: tuple, batch: tuple, k: int, unsplit: tuple, on_host: bool
+) -> tuple:
+    """One loop over every micro-batch: `(value, aux), (host grads, device grads)`.
 
-    `wrt` is `(accs, device_params)`: the host accumulators of the tapped leaves,
-    and the device leaves. `read` says whether the taps add to the accumulators.
+    `grad(accs, arguments, read)` is one micro-batch's, of `accs`: `(masters,
+    device_params)`. The first micro-batch does not read the host accumulators.
+    They start as the masters, any value of their shape and placement, so nothing
+    is zero-initialised on the host. The device accumulators start at zero.
     """
+    masters, device_params = accs
+    parts = split(batch, k, unsplit)
 
-    loss: Callable
-    model_leaves: list[_paths.Leaf]  # of the model `sources` the loss sees
-    treedef: Any
-    by_place: _ByPlace
-    device_params: list  # the leaves of `by_place.plain`, on the device
-    k: int
-    has_aux: bool
-
-    def run(self, wrt: tuple, arguments: tuple, read: Any) -> tuple[Any, Any]:
-        accs, device_params = wrt
-        table = {
-            leaf.path: _grad_taps.Tap(acc, dtype, read)
-            for (leaf, dtype), acc in zip(self.by_place.tapped, accs, strict=True)
-        }
-        cast = {
-            leaf.path: x.astype(dtype)
-            for (leaf, dtype), x in zip(self.by_place.plain, device_params, strict=True)
-        }
-        model = jtu.tree_unflatten(
-            self.treedef,
-            [cast.get(leaf.path, leaf.value) for leaf in self.model_leaves],
+    def arguments(part: tuple) -> tuple:
+        return tuple(
+            whole if p is None else p for whole, p in zip(batch, part, strict=True)
         )
-        with _grad_taps.taps(table):
-            out = self.loss(model, *arguments)
-        value, aux = out if self.has_aux else (out, None)
-        return value / self.k, (value, aux)
 
-    def grad(self, accs: list, arguments: tuple, read: Any) -> tuple:
-        wrt = (accs, self.device_params)
-        out, (accs, new) = jax.value_and_grad(self.run, has_aux=True)(
-            wrt, arguments, read
+    def body(carry: tuple, part: tuple, read: Any = None) -> tuple:
+        (accs, device_grads), total, index = carry
+        read = index > 0 if read is None else read
+        (_, (value, aux)), (accs, new) = grad(accs, arguments(part), read)
+        device_grads = [a + b for a, b in zip(device_grads, new, strict=True)]
+        return ((accs, device_grads), total + value, index + 1), aux
+
+    zeros = [jnp.zeros_like(x) for x in device_params]
+    init = ((masters, zeros), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+    if on_host:
+        # The first micro-batch before the loop: its gradients start the host
+        # accumulators. Started as the masters, the loop's accumulators and
+        # the masters are both operands of the host update, and the TPU
+        # compiler fails to alias them ("output index {0} is already aliased
+        # with param 0").
+        init, aux_first = body(init, jtu.tree_map(lambda p: p[0], parts), False)
+        parts = jtu.tree_map(lambda p: p[1:], parts)
+    (grads, total, _), aux = jax.lax.scan(body, init, parts)
+    if on_host:
+        aux = jtu.tree_map(
+            lambda a, b: jnp.concatenate([jnp.asarray(a)[None], b]), aux_first, aux
         )
-        # A leaf the loss never reaches gets a zero gradient from JAX, on the
-        # device: put it where its accumulator lives.
-        return out, ([to_space(a, "pinned_host", "") for a in accs], new)
-
-    def loop(self, batch: tuple, unsplit: tuple[int, ...], on_host: bool) -> tuple:
-        """One loop over every micro-batch: `(value, aux), (host grads, device grads)`.
-
-        The first micro-batch does not read the host accumulators. They start as the
-        masters, any value of their shape and placement, so nothing is
-        zero-initialised on the host.
-        """
-        parts = split(batch, self.k, unsplit)
-
-        def arguments(part: tuple) -> tuple:
-            return tuple(
-                whole if p is None else p for whole, p in zip(batch, part, strict=True)
-            )
-
-        def body(carry: tuple, part: tuple, read: Any = None) -> tuple:
-            (accs, device_grads), total, index = carry
-            read = index > 0 if read is None else read
-            (_, (value, aux)), (accs, new) = self.grad(accs, arguments(part), read)
-            device_grads = [a + b for a, b in zip(device_grads, new, strict=True)]
-            return ((accs, device_grads), total + value, index + 1), aux
-
-        masters = [leaf.value for leaf, _ in self.by_place.tapped]
-        zeros = [jnp.zeros_like(x) for x in self.device_params]
-        init = ((masters, zeros), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-        if on_host:
-            # The first micro-batch before the loop: its gradients start the host
-            # accumulators. Started as the masters, the loop's accumulators and
-            # the masters are both operands of the host update, and the TPU
-            # compiler fails to alias them ("output index {0} is already aliased
-            # with param 0").
-            init, aux_first = body(init, jtu.tree_map(lambda p: p[0], parts), False)
-            parts = jtu.tree_map(lambda p: p[1:], parts)
-        (grads, total, _), aux = jax.lax.scan(body, init, parts)
-        if on_host:
-            aux = jtu.tree_map(
-                lambda a, b: jnp.concatenate([jnp.asarray(a)[None], b]), aux_first, aux
-            )
-        return (total / self.k, aux), grads
+    return (total / k, aux), grads
 
 
 def value_and_grad(
@@ -277,11 +232,39 @@ def value_and_grad(
     (leading axis `k`).
     """
     leaves = [leaf for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
-    by_place = _by_place(leaves, dtypes, k, host_tables)
-    treedef = jtu.tree_structure(sources)
-    device_params = [to_space(leaf.value, "device", "") for leaf, _ in by_place.plain]
+    tapped, plain, moved = _by_place(leaves, dtypes, k, host_tables)
+    device_params = [to_space(leaf.value, "device", "") for leaf, _ in plain]
     model_leaves = _paths.leaves(sources)
-    micro = _MicroLoss(loss, model_leaves, treedef, by_place, device_params, k, has_aux)
+
+    def run(wrt: tuple, arguments: tuple, read: Any) -> tuple[Any, Any]:
+        """The loss of one micro-batch, of `wrt`: `(accs, device_params)`, the host
+        accumulators of the tapped leaves and the device leaves. `read` says
+        whether the taps add to the accumulators."""
+        accs, device_params = wrt
+        table = {
+            leaf.path: _grad_taps.Tap(acc, dtype, read)
+            for (leaf, dtype), acc in zip(tapped, accs, strict=True)
+        }
+        cast = {
+            leaf.path: x.astype(dtype)
+            for (leaf, dtype), x in zip(plain, device_params, strict=True)
+        }
+        model = jtu.tree_unflatten(
+            jtu.tree_structure(sources),
+            [cast.get(leaf.path, leaf.value) for leaf in model_leaves],
+        )
+        with _grad_taps.taps(table):
+            out = loss(model, *arguments)
+        value, aux = out if has_aux else (out, None)
+        return value / k, (value, aux)
+
+    def grad(accs: list, arguments: tuple, read: Any) -> tuple:
+        wrt = (accs, device_params)
+        out, (accs, new) = jax.value_and_grad(run, has_aux=True)(wrt, arguments, read)
+        # A leaf the loss never reaches gets a zero gradient from JAX, on the
+        # device: put it where its accumulator lives.
+        return out, ([to_space(a, "pinned_host", "") for a in accs], new)
+
     if k == 1:
         # Each host gradient is received by its compute copy. It crosses to the host
         # once, in the compute dtype (exactly: it is computed in it), and the update
@@ -292,16 +275,17 @@ def value_and_grad(
             leaf.value
             if _paths.under(leaf.path, host_tables)
             else copies.get(leaf.path, leaf.value)
-            for leaf, _ in by_place.tapped
+            for leaf, _ in tapped
         ]
-        (_, (value, aux)), grads = micro.grad(receivers, batch, False)
+        (_, (value, aux)), grads = grad(receivers, batch, False)
     else:
-        (value, aux), grads = micro.loop(batch, unsplit, on_host)
-    paths = [leaf.path for leaf, _ in by_place.tapped + by_place.plain]
+        accs = ([leaf.value for leaf, _ in tapped], device_params)
+        (value, aux), grads = _loop(grad, accs, batch, k, unsplit, on_host)
+    paths = [leaf.path for leaf, _ in tapped + plain]
     by_path = dict(zip(paths, grads[0] + grads[1], strict=True))
     flat = [
         to_space(by_path[leaf.path], "pinned_host", "")
-        if leaf.path in by_place.moved
+        if leaf.path in moved
         else by_path[leaf.path]
         for leaf in leaves
     ]

@@ -59,11 +59,6 @@ def name(leaf_path: str) -> str:
     return leaf_path or "(root)"
 
 
-def is_key(x: Any) -> bool:
-    """Whether `x` (an array or its abstract value) is an array of PRNG keys."""
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 # The fix for a leaf `save` cannot write from every process.
 _SAVE_GLOBAL_FIX = (
     "Lay it out over a mesh of all devices first (for a PRNG key, its "

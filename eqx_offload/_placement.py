@@ -54,35 +54,25 @@ def field(*, memory_kind: MemoryKind, **kwargs: Any) -> Any:
     return eqx.field(metadata=metadata, **kwargs)
 
 
-def match_params(
-    params: ParamsSpec, leaves: list[_paths.Leaf], where: str
-) -> list[str | None]:
-    """The kind `params` gives each leaf (`None`: no opinion).
-
-    Where several patterns match, the one with the most literal (non-`*`) characters
-    wins. A pattern that matches no leaf is a `ValueError`. So are two equally specific
-    patterns that disagree.
-    """
-    if params is None or isinstance(params, str):
-        return [params] * len(leaves)
-    paths = [leaf.path for leaf in leaves]
-    found = _paths.best_matches(paths, params, where, (see(17), see(16)))
-    return [None if best is None else best[1] for best in found]
-
-
 def resolve(
     tree: Any, params: ParamsSpec = None, where: str = "`eqx_offload.place`"
 ) -> list[tuple[_paths.Leaf, str]]:
     """Every array leaf of `tree` with the memory kind it should live in.
 
     Highest first: the policy's `params` spec, the innermost field annotation
-    (`eqx_offload.field`), the leaf's current placement, else `"device"`.
+    (`eqx_offload.field`), the leaf's current placement, else `"device"`. Where
+    several `params` patterns match, the one with the most literal (non-`*`)
+    characters wins. A pattern that matches no leaf is a `ValueError`. So are two
+    equally specific patterns that disagree.
     """
     leaves = [leaf for leaf in _paths.leaves(tree) if is_arraylike(leaf.value)]
     # PRNG key arrays stay on the device: inside `jax.jit`, JAX 0.10 does not track
     # their memory kind, so a host-resident key could not be kept there by a step.
-    others = [leaf for leaf in leaves if not is_key(leaf.value)]
-    from_policy = iter(match_params(params, others, where))
+    others = [leaf.path for leaf in leaves if not is_key(leaf.value)]
+    from_policy = iter([params] * len(others))
+    if params is not None and not isinstance(params, str):
+        found = _paths.best_matches(others, params, where, (see(17), see(16)))
+        from_policy = iter(None if best is None else best[1] for best in found)
     available = backend_kinds()
 
     def kind_for(leaf: _paths.Leaf) -> str:
@@ -152,20 +142,14 @@ def move(x: Any, kind: str, path: str, sharding: Any = None) -> Any:
     return jax.device_put(x, sharding.with_memory_kind(kind))
 
 
-def layout(
-    tree: Any,
-    kinds: list[tuple[_paths.Leaf, str]],
-    rules: Any,
-    mesh: Any,
-    where: str,
-    host_tables: tuple[str, ...] = (),
-) -> tuple[list[PartitionSpec | None] | None, Any]:
-    """The spec `rules` (a `Policy(shard=...)`) give each leaf of `kinds`, and the mesh.
+def _lay_out(tree: Any, kinds: list, policy: Policy, mesh: Any) -> tuple[Any, Any]:
+    """The spec `Policy(shard=...)` gives each leaf of `kinds` (or None, without
+    one), and the mesh, for `place`.
 
-    The mesh is `mesh`, else the one of `jax.set_mesh`, else the tree's. `host_tables`:
-    the `Policy(host_tables=...)` patterns (`_layout.specs`).
+    The mesh is `mesh`, else the one of `jax.set_mesh`, else the tree's.
     """
-    if rules is None:
+    where = "`eqx_offload.place`"
+    if policy.shard is None:
         return None, mesh
     mesh = _layout.current_mesh() if mesh is None else mesh
     if mesh is None:
@@ -187,8 +171,9 @@ def layout(
         )
     # PRNG keys stay replicated.
     leaves = [leaf for leaf, _ in kinds if not is_key(leaf.value)]
-    found = iter(_layout.specs(leaves, rules, mesh, host_tables=host_tables))
-    specs = [None if is_key(leaf.value) else next(found) for leaf, _ in kinds]
+    found = _layout.specs(leaves, policy.shard, mesh, host_tables=policy.host_tables)
+    by_leaf = iter(found)
+    specs = [None if is_key(leaf.value) else next(by_leaf) for leaf, _ in kinds]
     return specs, mesh
 
 
@@ -315,8 +300,7 @@ def place(
     policy = Policy() if policy is None else policy
     check_policy(policy, "`place(tree, policy)`")
     kinds = resolve(tree, policy.params)
-    where = "`eqx_offload.place`"
-    specs, mesh = layout(tree, kinds, policy.shard, mesh, where, policy.host_tables)
+    specs, mesh = _lay_out(tree, kinds, policy, mesh)
     mesh = mesh if mesh is not None else _mesh.tree_mesh(tree)
     placed = iter(zip(kinds, specs or [None] * len(kinds), strict=True))
 

@@ -39,24 +39,20 @@ def _params(value: Any, argument: str = "params") -> ParamsSpec:
                 "leaf path patterns, e.g. 'blocks'."
             )
         check_kind(kind, f"`Policy({argument}=...)[{pattern!r}]`")
-        if ":" in pattern:
-            _check_part_key(pattern, argument)
+        # A key `"<part>:<pattern>"` names a part of the optimizer state.
+        part, colon, params = pattern.partition(":")
+        if colon:
+            if argument != "opt_state":
+                raise ValueError(
+                    f"`Policy({argument}=...)` has key {pattern!r}, a part of the "
+                    "optimizer state. Move it to `opt_state=`." + see(117)
+                )
+            if not (part.isidentifier() and params):
+                raise ValueError(
+                    f"`Policy(opt_state=...)` has key {pattern!r}. Write "
+                    "'<part>:<parameter pattern>', e.g. 'nu:**'." + see(117)
+                )
     return items
-
-
-def _check_part_key(pattern: str, argument: str) -> None:
-    """A key `"<part>:<pattern>"` names a part of the optimizer state."""
-    part, _, params = pattern.partition(":")
-    if argument != "opt_state":
-        raise ValueError(
-            f"`Policy({argument}=...)` has key {pattern!r}, a part of the optimizer "
-            "state. Move it to `opt_state=`." + see(117)
-        )
-    if not part.isidentifier() or not params:
-        raise ValueError(
-            f"`Policy(opt_state=...)` has key {pattern!r}. Write "
-            "'<part>:<parameter pattern>', e.g. 'nu:**'." + see(117)
-        )
 
 
 class Policy(eqx.Module):
@@ -370,14 +366,8 @@ class Policy(eqx.Module):
         inside the scan, one layer at a time.
         """
         _args.check_replaced("offload_all", overrides)
-        return cls(
-            **{
-                "params": "pinned_host",
-                "offload": _args.LAYER_INPUTS,
-                "opt_state": "pinned_host",
-                **overrides,
-            }
-        )
+        on_host = {"params": "pinned_host", "opt_state": "pinned_host"}
+        return cls(**{"offload": _args.LAYER_INPUTS, **on_host, **overrides})
 
 
 def replace(policy: Policy, **changes: Any) -> Policy:

@@ -133,11 +133,9 @@ def check_replaced(preset: str, overrides: dict[str, Any]) -> None:
     given = (given,) if isinstance(given, str) else given
     if isinstance(given, Sequence) and LAYER_INPUTS[0] not in given:
         names = tuple(given)
-        written = {
-            "offload_all": "Policy(params='pinned_host', opt_state='pinned_host', "
-            f"offload={names!r})",
-            "offload_residuals": f"Policy(offload={names!r})",
-        }[preset]
+        host = "params='pinned_host', opt_state='pinned_host', "
+        host = host if preset == "offload_all" else ""
+        written = f"Policy({host}offload={names!r})"
         warn_at_caller(
             f"`Policy.{preset}(offload={names!r})` replaces the preset's "
             f"`offload={LAYER_INPUTS!r}`: the carry entering each layer "

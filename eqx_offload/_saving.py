@@ -16,6 +16,7 @@ from jaxtyping import PyTree
 
 from . import _orbax
 from ._errors import see
+from ._memory_kinds import is_key
 from ._pending import check_ready
 
 
@@ -253,7 +254,7 @@ def _save_args(
                 )
             if eqx.is_array(x):
                 # A PRNG key array: its key data, and its implementation's name.
-                impl = str(jax.random.key_impl(x)) if _orbax.is_key(x) else None
+                impl = str(jax.random.key_impl(x)) if is_key(x) else None
                 data = x if impl is None else jax.random.key_data(x)
                 if not wait:
                     data = _snapshot(data)

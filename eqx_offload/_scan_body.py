@@ -32,10 +32,10 @@ from . import (
     _scopes,
 )
 from ._errors import see
-from ._memory_kinds import is_arraylike, is_host
 from ._policy import checkpoint_patterns, Policy, split_names
 from ._stacked import (
     AbstractScan,
+    array_paths,
     keep_carry_sharding,
     map_arrays,
     Stacked,
@@ -92,7 +92,7 @@ class ScanConfig(AbstractScan):
 
     def check_slice(self, layers: Any, how: str) -> None:
         """Slicing host-resident layers inside a step is a computation on the host."""
-        host = _host_leaves(self, layers)
+        host = array_paths(layers, self.path, host=True)
         if host:
             path = self.path
             raise ValueError(
@@ -108,7 +108,7 @@ class ScanConfig(AbstractScan):
         applied outside its scan: an error for host-resident layers, which are moved to
         the device only inside the scan; a warning when the policy asks for a
         `jax.checkpoint` or offloading that then never happens."""
-        path, host = self.path, _host_leaves(self, layers)
+        path, host = self.path, array_paths(layers, self.path, host=True)
         if _layer_taps(path, layers) is not None:
             raise ValueError(
                 f"{how}: a layer is taken out of the `Stacked` at {path!r} in a step "
@@ -165,7 +165,7 @@ def _prefetches(
     return bool(
         config.policy.prefetch
         and not _layout.explicit_axes()
-        and (_host_leaves(config, layers[0]) or offload)
+        and (array_paths(layers[0], config.path, host=True) or offload)
     )
 
 
@@ -177,11 +177,7 @@ def _pending_update(
     arrays (`_prefetch.scan`'s `owed`)."""
     if owed is None:
         return None, None
-    names = [
-        _paths.join(path, leaf.path)
-        for leaf in _paths.leaves(layers[0])
-        if is_arraylike(leaf.value)
-    ]
+    names = array_paths(layers[0], path)
     positions = [names.index(p) for p in owed.paths]
 
     def apply(aux: Any, held: Any) -> Any:
@@ -204,23 +200,10 @@ def configure(stacked: Stacked, path: str, policy: Policy) -> Stacked:
     return dataclasses.replace(stacked, _scan=ScanConfig(path, policy))
 
 
-def _host_leaves(config: ScanConfig, layers: Any) -> list[str]:
-    """The paths of the host-resident array leaves of a configured `Stacked`."""
-    return [
-        _paths.join(config.path, leaf.path)
-        for leaf in _paths.leaves(layers)
-        if eqx.is_array(leaf.value) and is_host(leaf.value)
-    ]
-
-
 def _layer_taps(path: str, layers: Any) -> list[_grad_taps.Tap | None] | None:
     """The gradient tap of each array leaf of the layers of the `Stacked` at
     `path` (in `jax.tree.leaves` order), or None when there are none."""
-    found = [
-        _grad_taps.lookup(_paths.join(path, leaf.path))
-        for leaf in _paths.leaves(layers)
-        if eqx.is_array(leaf.value)
-    ]
+    found = [_grad_taps.lookup(p) for p in array_paths(layers, path)]
     return found if any(t is not None for t in found) else None
 
 

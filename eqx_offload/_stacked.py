@@ -1,6 +1,7 @@
 """`Stacked`: N structurally identical layers applied in order with `lax.scan`."""
 
 import abc
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -18,22 +19,6 @@ from ._warn import warn_at_caller
 
 _Layer = TypeVar("_Layer")
 _Carry = TypeVar("_Carry")
-
-_PASS_THE_MODEL = (
-    "Pass the model (every half of an `eqx.partition`ed model) as arguments: "
-    "`filter_offload(loss_fn, policy)(model, *batch)`."
-)
-_RUN_INSIDE = (
-    "Its scan moves one layer at a time to the device, without `jax.checkpoint` or "
-    "offloading, and the model's other host-resident leaves cannot be computed on "
-    "here. To evaluate or sample, call the model inside "
-    "`eqx.filter_jit(eo.filter_offload(fn, policy))`. If it fits, put it on the "
-    "device with `eo.place(model, eo.Policy(params='device'))`."
-)
-_USE_SCAN = (
-    "For a layer that also returns its own output (a KV cache), use `stacked.scan`: "
-    "`x, caches = stacked.scan(lambda layer, x, _: layer(x), x)`."
-)
 
 
 class AbstractScan(eqx.Module):
@@ -83,6 +68,15 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
     `Stacked`. The view names the carry entering each layer `"<path>.input"`, and
     applies the policy's `jax.checkpoint`.
 
+    **Arguments:**
+
+    - `layers`: one layer whose array leaves all have the same leading (layer)
+        axis. Usually built with `Stacked.from_fn` or `Stacked.from_layers`.
+    - `pending`: set by a `Policy(update_timing="next_forward")` step on the
+        `Stacked`s whose update it left pending, cleared by
+        `eqx_offload.apply_pending`. Such a `Stacked` refuses to run. (The step
+        that applies its update runs it unmarked.)
+
     !!! Example
 
         ```python
@@ -93,30 +87,9 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
     """
 
     layers: _Layer
-    pending: bool = eqx.field(static=True, repr=False)
-    _scan: "AbstractScan | None" = eqx.field(static=True, repr=False)
-
-    def __init__(
-        self,
-        layers: _Layer,
-        *,
-        pending: bool = False,
-        _scan: "AbstractScan | None" = None,
-    ):
-        """**Arguments:**
-
-        - `layers`: one layer whose array leaves all have the same leading (layer)
-            axis. Usually built with `Stacked.from_fn` or `Stacked.from_layers`.
-        - `pending`: set by a `Policy(update_timing="next_forward")` step on the
-            `Stacked`s whose update it left pending, cleared by
-            `eqx_offload.apply_pending`. Such a `Stacked` refuses to run. (The step
-            that applies its update runs it unmarked.)
-
-        `_scan` is private: the configuration `filter_offload` gives its view.
-        """
-        self.layers = layers
-        self.pending = pending
-        self._scan = _scan
+    pending: bool = eqx.field(static=True, repr=False, default=False)
+    # Private: the configuration `filter_offload` gives its view.
+    _scan: "AbstractScan | None" = eqx.field(static=True, repr=False, default=None)
 
     def __check_init__(self):
         if self._scan is not None:
@@ -139,7 +112,7 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
                 "axis 0. Skip applying an empty range of layers." + see(6)
             )
         for path, size in sizes:
-            if size is None or size != n:
+            if size != n:  # (None: a leaf without axes)
                 raise ValueError(
                     f"`Stacked(layers)`: leaf {path!r} has leading axis {size} but "
                     f"{first_path!r} has {n}. Build it with `Stacked.from_fn` or "
@@ -206,10 +179,8 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
         return cls(jtu.tree_map(stack, *layers))
 
     def __len__(self) -> int:
-        for x in jtu.tree_leaves(self.layers):
-            if is_arraylike(x):
-                return x.shape[0]
-        raise AssertionError("unreachable: `__check_init__` requires an array leaf")
+        # (`__check_init__` requires an array leaf.)
+        return next(x.shape[0] for x in jtu.tree_leaves(self.layers) if is_arraylike(x))
 
     def __getitem__(self, index: int | slice) -> Any:
         """`stacked[i]` is layer `i`, an instance of the layer's class.
@@ -275,10 +246,8 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
         """
 
         def apply(layer: Any, carry: PyTree, layer_key: PRNGKeyArray | None) -> tuple:
-            if layer_key is None:
-                out = layer(carry, *args, **kwargs)
-            else:
-                out = layer(carry, *args, key=layer_key, **kwargs)
+            keys = {} if layer_key is None else {"key": layer_key}
+            out = layer(carry, *args, **keys, **kwargs)
             _check_carry(carry, out)
             return out, None
 
@@ -316,8 +285,8 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
             raise ValueError(
                 "A `Stacked` inside a `filter_offload` function is not configured: "
                 "it was closed over, or rebuilt inside the function. "
-                + _PASS_THE_MODEL
-                + see(31)
+                "Pass the model (every half of an `eqx.partition`ed model) as "
+                "arguments: `filter_offload(loss_fn, policy)(model, *batch)`." + see(31)
             )
         _warn_host_outside(self.layers)
 
@@ -336,18 +305,28 @@ def _warn_host_outside(layers: Any) -> None:
     usually a host-resident model run outside the step. No policy applies to it,
     and its other host-resident leaves cannot be computed on there.
     """
-    host = [
-        leaf.path
-        for leaf in _paths.leaves(layers)
-        if eqx.is_array(leaf.value) and is_host(leaf.value)
-    ]
+    host = array_paths(layers, host=True)
     if host:
         warn_at_caller(
             f"A `Stacked` whose layers are host-resident ({_paths.quoted(host, 3)}) "
             "is applied outside `filter_offload`, so no `Policy` applies. "
-            + _RUN_INSIDE
+            "Its scan moves one layer at a time to the device, without "
+            "`jax.checkpoint` or offloading, and the model's other host-resident "
+            "leaves cannot be computed on here. To evaluate or sample, call the model "
+            "inside `eqx.filter_jit(eo.filter_offload(fn, policy))`. If it fits, put "
+            "it on the device with `eo.place(model, eo.Policy(params='device'))`."
             + see(106)
         )
+
+
+def array_paths(tree: Any, prefix: str = "", host: bool = False) -> list[str]:
+    """The dotted paths (continuing `prefix`) of the array leaves of `tree`, in
+    `jax.tree.leaves` order; with `host`, only of the host-resident ones."""
+    return [
+        _paths.join(prefix, leaf.path)
+        for leaf in _paths.leaves(tree)
+        if eqx.is_array(leaf.value) and (is_host(leaf.value) or not host)
+    ]
 
 
 def _check_carry(carry: PyTree, out: PyTree) -> None:
@@ -371,8 +350,9 @@ def _check_carry(carry: PyTree, out: PyTree) -> None:
     changed = jtu.tree_structure(carry) != jtu.tree_structure(out)
     raise TypeError(
         "`Stacked.__call__`: a layer must return what it takes, but it took "
-        f"{describe(carry)} and returned {describe(out)}. "
-        + _USE_SCAN
+        f"{describe(carry)} and returned {describe(out)}. For a layer that also "
+        "returns its own output (a KV cache), use `stacked.scan`: "
+        "`x, caches = stacked.scan(lambda layer, x, _: layer(x), x)`."
         + see(7 if changed else 8)
     )
 
@@ -385,9 +365,14 @@ def _slice_text(index: slice) -> str:
 def _check_same_layer(layer0: Any, layer: Any, i: int) -> None:
     """Raises naming the first leaf where `layer` (number `i`) differs from layer 0."""
     where = "`Stacked.from_layers`"
-    first = _paths.leaves(layer0)
-    other = _paths.leaves(layer)
-    for a, b in zip(first, other):
+    pairs = itertools.zip_longest(_paths.leaves(layer0), _paths.leaves(layer))
+    for a, b in pairs:
+        if a is None or b is None:
+            extra = next(leaf for leaf in (a, b) if leaf is not None)
+            raise ValueError(
+                f"{where}: layer {i} differs in structure from layer 0 at leaf "
+                f"{extra.path!r}, which only one of them has." + see(1)
+            )
         if a.path != b.path:
             raise ValueError(
                 f"{where}: layer {i} differs in structure from layer 0: leaf "
@@ -411,14 +396,6 @@ def _check_same_layer(layer0: Any, layer: Any, i: int) -> None:
                 f"{b.value!r} in layer {i}. Layers share their non-array fields."
                 + see(1)
             )
-    if len(first) != len(other):
-        extra = (first if len(first) > len(other) else other)[
-            min(len(first), len(other))
-        ]
-        raise ValueError(
-            f"{where}: layer {i} differs in structure from layer 0 at leaf "
-            f"{extra.path!r}, which only one of them has." + see(1)
-        )
     if jtu.tree_structure(layer) != jtu.tree_structure(layer0):
         raise ValueError(
             f"{where}: layer {i} differs from layer 0 in a static field: "

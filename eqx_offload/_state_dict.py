@@ -54,24 +54,16 @@ class LeafIndex(NamedTuple):
     `()` for a leaf outside any `Stacked`."""
 
 
-class _Entry(NamedTuple):
-    """An array leaf, its path, and its key with `None` where layer indices go."""
+def _indices(shape: tuple[int, ...], depth: int) -> list[tuple[int, ...]]:
+    """Every index of the `depth` leading layer axes of a leaf of `shape`."""
+    return list(itertools.product(*map(range, shape[:depth])))
 
-    path: str
-    value: Any
-    segments: tuple[str | None, ...]
 
-    @property
-    def depth(self) -> int:
-        """How many `Stacked` enclose the leaf: its leading layer axes."""
-        return sum(s is None for s in self.segments)
-
-    def indices(self) -> list[tuple[int, ...]]:
-        return list(itertools.product(*map(range, self.value.shape[: self.depth])))
-
-    def key(self, index: tuple[int, ...]) -> str:
-        layers = iter(index)
-        return ".".join(str(next(layers)) if s is None else s for s in self.segments)
+def _key(entry: _paths.Leaf, index: tuple[int, ...]) -> str:
+    """The state-dict key of layer `index` of an array leaf: its `segments` with the
+    layer indices where the `None`s are."""
+    layers = iter(index)
+    return ".".join(str(next(layers)) if s is None else s for s in entry.segments)
 
 
 def layer_axes(tree: Any) -> list[int]:
@@ -84,29 +76,28 @@ def layer_axes(tree: Any) -> list[int]:
     return [leaf.layer_axes for leaf in _paths.leaves(tree)]
 
 
-def _entries(model: Any, where: str) -> list[_Entry | None]:
+def _entries(model: Any, where: str) -> list[_paths.Leaf | None]:
     """One entry per leaf of `model` (`None` for a leaf that is not an array)."""
-    out: list[_Entry | None] = []
+    out: list[_paths.Leaf | None] = []
     seen: dict[str, str] = {}
     for leaf in _paths.leaves(model):
         if not is_arraylike(leaf.value):
             out.append(None)
             continue
-        entry = _Entry(leaf.path, leaf.value, leaf.segments)
-        key = entry.key((0,) * entry.depth)
+        key = _key(leaf, (0,) * leaf.layer_axes)
         if key in seen:
             raise ValueError(
                 f"{where}: leaves {seen[key]!r} and {leaf.path!r} both have the "
                 f"state-dict key {key!r}. Rename one."
             )
         seen[key] = leaf.path
-        out.append(entry)
+        out.append(leaf)
     return out
 
 
 def _per_layer_order(
-    entries: list[_Entry | None],
-) -> list[tuple[str, _Entry, tuple[int, ...]]]:
+    entries: list[_paths.Leaf | None],
+) -> list[tuple[str, _paths.Leaf, tuple[int, ...]]]:
     """Every `(key, entry, index)`, in the order the per-layer model flattens.
 
     That is all of layer 0's leaves, then layer 1's, ... (a `Stacked` flattens leaf by
@@ -115,21 +106,18 @@ def _per_layer_order(
     # A `Stacked`'s leaves are contiguous in flattening order; it sorts where its
     # first leaf is, then by layer, then (recursively) as inside one layer.
     starts: dict[tuple, int] = {}
-    for k, entry in enumerate(entries):
-        if entry is not None:
-            for j, segment in enumerate(entry.segments):
-                if segment is None:
-                    starts.setdefault(entry.segments[:j], k)
     rows = []
     for k, entry in enumerate(entries):
         if entry is None:
             continue
         places = [j for j, s in enumerate(entry.segments) if s is None]
-        for index in entry.indices():
+        for j in places:
+            starts.setdefault(entry.segments[:j], k)
+        for index in _indices(entry.value.shape, entry.layer_axes):
             order = []
             for j, i in zip(places, index):
                 order += [starts[entry.segments[:j]], i]
-            rows.append((tuple(order) + (k,), entry.key(index), entry, index))
+            rows.append((tuple(order) + (k,), _key(entry, index), entry, index))
     rows.sort(key=lambda row: row[0])
     return [(key, entry, index) for _, key, entry, index in rows]
 
@@ -192,7 +180,7 @@ def state_dict_key(model: PyTree, path: str, index: tuple[int, ...] = ()) -> str
     entries = [e for e in _entries(model, where) if e is not None]
     for entry in entries:
         if entry.path == path:
-            layers = tuple(entry.value.shape[: entry.depth])
+            layers = tuple(entry.value.shape[: entry.layer_axes])
             if len(index) != len(layers) or not all(
                 0 <= i < n for i, n in zip(index, layers)
             ):
@@ -201,7 +189,7 @@ def state_dict_key(model: PyTree, path: str, index: tuple[int, ...] = ()) -> str
                     f"{where}: leaf {path!r} has {len(layers)} layer {axes} of sizes "
                     f"{layers}; index {index!r} does not fit. One index per `Stacked`."
                 )
-            return entry.key(tuple(index))
+            return _key(entry, tuple(index))
     raise ValueError(
         f"{where}: no array leaf has path {path!r}. Array leaves are: "
         f"{_paths.quoted([e.path for e in entries])}."
@@ -219,7 +207,7 @@ def _split_layers(x: Any, depth: int) -> list[Any]:
     whole = is_host(x) and not (depth == 1 and _tiling.slices_by_layer(x.shape))
     y = to_space(x, "device", "") if whole else x
     out = []
-    for index in itertools.product(*map(range, x.shape[:depth])):
+    for index in _indices(x.shape, depth):
         piece = y[index]
         out.append(to_space(piece, "pinned_host", "") if whole else piece)
     return out
@@ -264,15 +252,15 @@ def state_dict(model: PyTree) -> dict[str, Array]:
                 f"`eqx_offload.state_dict`: leaf {entry.path!r} is abstract. Load "
                 "weights into it with `load_state_dict`."
             )
-        if not entry.depth:
-            arrays[entry.key(())] = entry.value
+        x, depth = entry.value, entry.layer_axes
+        if not depth:
+            arrays[_key(entry, ())] = x
             continue
-        pieces = _split_layers(entry.value, entry.depth)
-        kind = kind_of(entry.value)
-        for index, piece in zip(entry.indices(), pieces):
+        kind = kind_of(x)
+        for index, piece in zip(_indices(x.shape, depth), _split_layers(x, depth)):
             if kind_of(piece) != kind:  # `unpinned_host`, which `jit` does not track
                 piece = jax.device_put(piece, piece.sharding.with_memory_kind(kind))
-            arrays[entry.key(index)] = piece
+            arrays[_key(entry, index)] = piece
     return {key: arrays[key] for key, _, _ in _per_layer_order(entries)}
 
 
@@ -297,28 +285,27 @@ def _join_layers(layout: _Layout, old: Any, pieces: list[Any]) -> Any:
     `Auto` axes. They lay out the writes of a layer into the stack. It is returned as
     `layout.spec`.
     """
-    join = functools.partial(_join, layout)
-    return _layout.on_auto_axes(join, layout.spec)(old, pieces)
-
-
-def _join(layout: _Layout, old: Any, pieces: list[Any]) -> Any:
     host = layout.kind != "device"
     on_host = host and layout.depth == 1 and _tiling.slices_by_layer(layout.shape)
-    if old is None:
-        full = jnp.zeros(layout.shape, layout.dtype)
-        full = to_space(full, "pinned_host", "") if on_host else full
-    else:
-        full = old if on_host else to_space(old, "device", "")
-    indices = itertools.product(*map(range, layout.shape[: layout.depth]))
-    for index, piece in zip(indices, pieces):
-        if piece is None:
-            continue
-        if on_host:
-            piece = to_space(piece, "pinned_host", "")
-            full = jax.lax.dynamic_update_index_in_dim(full, piece, index[0], 0)
+
+    def join(old: Any, pieces: list[Any]) -> Any:
+        if old is None:
+            full = jnp.zeros(layout.shape, layout.dtype)
+            full = to_space(full, "pinned_host", "") if on_host else full
         else:
-            full = full.at[index].set(to_space(piece, "device", ""))
-    return to_space(full, "pinned_host", "") if host else full
+            full = old if on_host else to_space(old, "device", "")
+        indices = _indices(layout.shape, layout.depth)
+        for index, piece in zip(indices, pieces):
+            if piece is None:
+                continue
+            if on_host:
+                piece = to_space(piece, "pinned_host", "")
+                full = jax.lax.dynamic_update_index_in_dim(full, piece, index[0], 0)
+            else:
+                full = full.at[index].set(to_space(piece, "device", ""))
+        return to_space(full, "pinned_host", "") if host else full
+
+    return _layout.on_auto_axes(join, layout.spec)(old, pieces)
 
 
 def _piece_sharding(sharding: Any, depth: int, kind: str) -> Any:
@@ -339,11 +326,9 @@ def _target_sharding(x: Any, path: str) -> Any:
     sharding = getattr(x, "sharding", None)
     if sharding is None:
         return SingleDeviceSharding(jax.devices()[0], memory_kind="device")
-    if not isinstance(sharding, NamedSharding) or not isinstance(
-        sharding.mesh, AbstractMesh
-    ):
+    abstract = getattr(sharding, "mesh", None)  # (of a `NamedSharding`)
+    if not isinstance(abstract, AbstractMesh):
         return sharding
-    abstract = sharding.mesh
     mesh = jax.sharding.get_mesh()
     same = lambda m: (m.axis_names, m.axis_sizes, m.axis_types)  # noqa: E731
     if mesh.empty or same(mesh) != same(abstract):
@@ -368,20 +353,19 @@ def _join_mesh(sharding: Any) -> Mesh | None:
 
 
 def _check_value(key: str, value: Any, shape: tuple, dtype: Any) -> None:
-    where = _LOAD
     if not (hasattr(value, "shape") and hasattr(value, "dtype")):
         raise TypeError(
-            f"{where}: state_dict[{key!r}] is a {type(value).__name__}, not an array. "
+            f"{_LOAD}: state_dict[{key!r}] is a {type(value).__name__}, not an array. "
             "Give a JAX or NumPy array." + see(66)
         )
     if tuple(value.shape) != tuple(shape):
         raise ValueError(
-            f"{where}: state_dict[{key!r}] has shape {tuple(value.shape)} but the "
+            f"{_LOAD}: state_dict[{key!r}] has shape {tuple(value.shape)} but the "
             f"model expects {tuple(shape)}." + see(66)
         )
     if value.dtype != dtype:
         raise ValueError(
-            f"{where}: state_dict[{key!r}] has dtype {value.dtype} but the model "
+            f"{_LOAD}: state_dict[{key!r}] has dtype {value.dtype} but the model "
             f"expects {dtype}. Cast it first." + see(66)
         )
 
@@ -442,7 +426,7 @@ def load_state_dict(
 
 
 def _check_keys(
-    expected: dict[str, _Entry], state_dict: Mapping[str, Any], strict: bool
+    expected: dict[str, _paths.Leaf], state_dict: Mapping[str, Any], strict: bool
 ) -> None:
     """Raises naming the missing and unexpected keys (with `strict`; else only the
     missing keys of abstract leaves, which have no arrays to keep)."""
@@ -467,28 +451,28 @@ def _check_keys(
     )
 
 
-def _load_leaf(x: Any, entry: _Entry, state_dict: Mapping[str, Any]) -> Any:
+def _load_leaf(x: Any, entry: _paths.Leaf, state_dict: Mapping[str, Any]) -> Any:
     """The leaf `x` (at `entry`) with the arrays `state_dict` has for its keys, in
     its memory kind and sharding (`x` itself if it has none)."""
-    layer_shape = x.shape[entry.depth :]
-    keys = [entry.key(index) for index in entry.indices()]
+    depth = entry.layer_axes
+    keys = [_key(entry, index) for index in _indices(x.shape, depth)]
     for key in keys:
         if key in state_dict:
-            _check_value(key, state_dict[key], layer_shape, x.dtype)
+            _check_value(key, state_dict[key], x.shape[depth:], x.dtype)
     pieces = [state_dict.get(key) for key in keys]
     if all(p is None for p in pieces):
         return x
     sharding = _target_sharding(x, entry.path)
-    if not entry.depth:
+    if not depth:
         return jax.device_put(pieces[0], sharding, may_alias=False)
     kind = kind_of(x)
     if kind != "device":
         # Into host memory before the jitted join: its NumPy arguments would
         # otherwise all go to the device at once, the whole stacked leaf.
-        target = _piece_sharding(sharding, entry.depth, kind)
+        target = _piece_sharding(sharding, depth, kind)
         pieces = [None if p is None else jax.device_put(p, target) for p in pieces]
     spec = getattr(sharding, "spec", PartitionSpec())
-    layout = _Layout(tuple(x.shape), x.dtype, entry.depth, kind, spec)
+    layout = _Layout(tuple(x.shape), x.dtype, depth, kind, spec)
     old = x if eqx.is_array(x) else None
     with jax.set_mesh(_join_mesh(sharding)):
         new = _join_layers(layout, old, pieces)

@@ -28,30 +28,29 @@ from ._memory_kinds import is_arraylike, is_host, to_space
 from ._policy import Policy
 from ._policy_args import warn_once
 from ._transform import filter_offload
-from ._update import check_matches
 
 
 def _place_outputs(tree: Any, kinds: list, shardings: tuple) -> Any:
     """Every array leaf back in its memory kind and, if it is laid out over a mesh,
     in its input sharding, so the outputs feed the next call without recompiling."""
-    leaves, treedef = jtu.tree_flatten(tree)
-    array_shardings = [s for x, s in zip(leaves, shardings) if eqx.is_array(x)]
-    out, position = [], 0
-    for x in leaves:
-        if eqx.is_array(x):
-            (leaf, kind), sharding = kinds[position], array_shardings[position]
-            position += 1
-            if sharding is not None and is_host(x):
-                # Constrained where it is: a round trip through the device (which
-                # the compiler folds into a host-side copy) costs a copy of the
-                # leaf in host memory.
-                x = jax.lax.with_sharding_constraint(x, sharding)
-            elif sharding is not None:
-                plain = NamedSharding(sharding.mesh, sharding.spec)
-                x = jax.lax.with_sharding_constraint(to_space(x, "device", ""), plain)
-            x = to_space(x, kind, leaf.path)
-        out.append(x)
-    return jtu.tree_unflatten(treedef, out)
+    leaves = jtu.tree_leaves(tree)
+    found = zip(kinds, [s for x, s in zip(leaves, shardings) if eqx.is_array(x)])
+
+    def place(x: Any) -> Any:
+        if not eqx.is_array(x):
+            return x
+        (leaf, kind), sharding = next(found)
+        if sharding is not None and is_host(x):
+            # Constrained where it is: a round trip through the device (which
+            # the compiler folds into a host-side copy) costs a copy of the
+            # leaf in host memory.
+            x = jax.lax.with_sharding_constraint(x, sharding)
+        elif sharding is not None:
+            plain = NamedSharding(sharding.mesh, sharding.spec)
+            x = jax.lax.with_sharding_constraint(to_space(x, "device", ""), plain)
+        return to_space(x, kind, leaf.path)
+
+    return jtu.tree_map(place, tree)
 
 
 def _check_layout(model: PyTree, policy: Policy, shardings: tuple) -> None:
@@ -118,9 +117,8 @@ def value_and_grad(step: Any, arguments: tuple, where: str) -> tuple[Any, PyTree
     sources = _mixed_precision.sources(model, params, opt_state)
     dtypes = _mixed_precision.compute_dtypes(params, policy)
     split = (step.microbatches, step.unsplit, step.has_aux, policy.host_tables)
-    host = policy.update == "host"
     return _microbatch.value_and_grad(
-        loss, sources, params, dtypes, batch, *split, host
+        loss, sources, params, dtypes, batch, *split, policy.update == "host"
     )
 
 
@@ -140,24 +138,14 @@ def traced_step(
     # field, which the optimizer state's trees do not have).
     model = _pending.unmarked(unflatten(model_dynamic, statics.model), opt_state, where)
     batch = unflatten(batch_dynamic, statics.batch)
-    model_kinds = _update.check_model(model, policy, where)
+    wrapped, kinds = _update.check_step(optimizer, opt_state, model, policy, where)
     _check_layout(model, policy, statics.model_shardings)
-    params = _update.trainable(model)
-    wrapped = _mixed_precision.for_policy(optimizer, params, policy)
-    _mixed_precision.check_state(
-        wrapped is not optimizer, _update.own_state(opt_state), where
-    )
-    stepping = _update.stepping(optimizer, params, policy)
-    check_matches(stepping, _update.structure(opt_state), params, where)
-    opt_kinds = _update.check_state(stepping, opt_state, model, policy)
-    kinds = (model_kinds, opt_kinds)
     if policy.update_timing != "now":
         return _pending_step(step, wrapped, model, opt_state, batch, statics, kinds)
     value, grads = value_and_grad(step, (model, opt_state, batch), where)
     with jax.named_scope(_scopes.UPDATE):
-        model, opt_state, norms = _update.update(
-            wrapped, grads, opt_state, model, policy, *kinds, step.metrics
-        )
+        args = (wrapped, grads, opt_state, model, policy, *kinds, step.metrics)
+        model, opt_state, norms = _update.update(_update.UpdateArgs(*args))
     return _outputs(model, opt_state, kinds, statics) + (value, norms)
 
 
@@ -210,14 +198,14 @@ def _pending_step(
     else:
         with jax.named_scope(_scopes.UPDATE):  # (nothing where none waits)
             new, opt_state = _update.apply_waiting(
-                optimizer, opt_state, params, *new_kinds
+                optimizer, opt_state, params, new_kinds
             )
         model = _update.with_params(model, new)
         state = _update.own_state(opt_state)
         value, grads = value_and_grad(step, (model, state, batch), "`train_step`")
     with jax.named_scope(_scopes.UPDATE):
         new, opt_state = _update.hold_update(
-            optimizer, grads, opt_state, _update.trainable(model), *new_kinds
+            optimizer, grads, opt_state, _update.trainable(model), new_kinds
         )
     model = _update.with_params(model, new)
     return _outputs(model, opt_state, kinds, statics) + (value, None)
@@ -253,7 +241,7 @@ def _applying(
     did not apply its update exactly once (the caller applies it before the
     loss instead)."""
     owed, back = _update.layer_updates(
-        optimizer, opt_state, _update.trainable(model), *kinds
+        optimizer, opt_state, _update.trainable(model), kinds
     )
     loss = filter_offload(
         checked_loss(step.loss_fn, step.has_aux, "`train_step`"), step.policy

@@ -88,8 +88,9 @@ class TrainStep(eqx.Module):
     metrics: bool
     """Whether the step computes the gradient, update and parameter norms."""
     # `flat_function`, bound once: the step and every report of it trace one function.
-    _flat: Callable = eqx.field(repr=False)
-    _jitted: Callable = eqx.field(repr=False)
+    # Not `__init__` arguments: `dataclasses.replace(step, policy=...)` builds a step.
+    _flat: Callable = eqx.field(repr=False, init=False)
+    _jitted: Callable = eqx.field(repr=False, init=False)
 
     def __init__(
         self,
@@ -217,8 +218,7 @@ def flat_arguments(
     model_dynamic, model_static = flatten(model)
     model_shardings = _mesh_shardings(model_dynamic)
     if policy.batch is not None:
-        meshes = (s.mesh for s in model_shardings if s is not None)
-        mesh = next(meshes, None)
+        mesh = next((s.mesh for s in model_shardings if s is not None), None)
         batch = place_batch(batch, policy.batch, mesh, "`train_step`", step.unsplit)
     if step.microbatches > 1:
         _microbatch.check(batch, step.microbatches, step.unsplit, "`train_step`")

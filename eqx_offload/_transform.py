@@ -2,7 +2,7 @@
 
 import functools
 from collections.abc import Callable
-from typing import Any, cast, NamedTuple, overload, ParamSpec, TypeVar
+from typing import Any, cast, overload, ParamSpec, TypeVar
 
 import equinox as eqx
 import jax
@@ -24,7 +24,7 @@ from ._jaxpr_host_leaves import Argument, arguments
 from ._memory_kinds import is_host
 from ._policy import check_policy, checkpoint_patterns, Policy, replace
 from ._scan_body import configure
-from ._stacked import Stacked
+from ._stacked import array_paths, Stacked
 from ._warn import warn_at_caller
 
 
@@ -51,9 +51,7 @@ def _configure_all(
     owners: dict[str, tuple[str, set[str]]] = {}
 
     def stacked(x: Stacked, path: str, argument: Argument) -> Stacked:
-        arrays = {
-            leaf.path for leaf in _paths.leaves(x.layers) if eqx.is_array(leaf.value)
-        }
+        arrays = set(array_paths(x.layers))
         other, other_arrays = owners.get(path, (None, set()))
         if other is not None and arrays & other_arrays:
             raise ValueError(
@@ -88,9 +86,7 @@ def _configure_all(
 
     # Validated in flattening order.
     done = {a.key: prepare(a) for a in arguments(args, kwargs)}
-    args = tuple(done[i] for i in range(len(args)))
-    kwargs = {k: done[k] for k in kwargs}
-    return args, kwargs
+    return tuple(done[i] for i in range(len(args))), {k: done[k] for k in kwargs}
 
 
 def _host_table_paths(model: Any, policy: Policy) -> set[str]:
@@ -141,11 +137,7 @@ def _warn_layer_lists(args: tuple, kwargs: dict, tables: set[str]) -> None:
             if not _is_layer_list(x):
                 continue
             path = _paths.join("", keys)
-            host = [
-                _paths.join(path, leaf.path)
-                for leaf in _paths.leaves(x)
-                if eqx.is_array(leaf.value) and is_host(leaf.value)
-            ]
+            host = array_paths(x, path, host=True)
             if argument.is_model:
                 host = [p for p in host if p not in tables]
             if not host:
@@ -201,10 +193,8 @@ def call_on_auto_axes(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     taps of the current step: accumulators the loss reaches through a context
     (`_grad_taps.py`). Arrays closed over otherwise cannot enter.
     """
-    table = _grad_taps.current()
-    taps = None
-    if table is not None:
-        taps = {path: (t.acc, t.dtype, t.read) for path, t in table.taps.items()}
+    # (A `_grad_taps.Tap` is a pytree: its accumulator enters as an argument.)
+    taps = _grad_taps.current()
     dynamic, static = eqx.partition((fn, args, kwargs, taps), eqx.is_array)
     flat, treedef = jtu.tree_flatten(dynamic)
     out_static = []
@@ -212,10 +202,7 @@ def call_on_auto_axes(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     def inner(*flat: Any) -> list:
         dynamic = jtu.tree_unflatten(treedef, flat)
         fn, args, kwargs, taps = eqx.combine(dynamic, static)
-        inside = None
-        if taps is not None:
-            inside = {path: _grad_taps.Tap(*tap) for path, tap in taps.items()}
-        with _grad_taps.taps(inside):
+        with _grad_taps.taps(taps):
             out = fn(*args, **kwargs)
         out_dynamic, rest = eqx.partition(out, eqx.is_array)
         leaves, out_treedef = jtu.tree_flatten(out_dynamic)
@@ -228,33 +215,20 @@ def call_on_auto_axes(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     return eqx.combine(jtu.tree_unflatten(out_treedef, leaves), rest)
 
 
-class _TracedFun(NamedTuple):
-    """`fun` traced to a jaxpr on the array leaves of its arguments."""
+def _trace(fun: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+    """`fun` traced to a jaxpr on the array leaves of its arguments: the `ClosedJaxpr`,
+    and the array leaves (abstract) and the rest of its output."""
 
-    closed: Any  # the `ClosedJaxpr`
-    dynamic: list  # its inputs
-    positions: list[int]  # where they are among the flattened arguments
-    rebuild: Callable[[list], Any]  # output leaves -> the output of `fun`
-
-    @property
-    def names(self) -> _checkpoint_name_log.NameLog:
-        return _checkpoint_name_log.NameLog.of(self.closed)
-
-
-def _trace(fun: Callable, args: tuple, kwargs: dict) -> _TracedFun:
     def traced(*args: Any, **kwargs: Any) -> Any:
         _pending.allow(_compat.current_trace())  # (evaluated in the caller's)
         return fun(*args, **kwargs)
 
-    closed, out_dynamic, out_static = eqx.filter_make_jaxpr(traced)(*args, **kwargs)
-    flat = jtu.tree_leaves((args, kwargs))
-    positions = [i for i, x in enumerate(flat) if eqx.is_array(x)]
+    return eqx.filter_make_jaxpr(traced)(*args, **kwargs)
 
-    def rebuild(out_leaves: list) -> Any:
-        out_treedef = jtu.tree_structure(out_dynamic)
-        return eqx.combine(jtu.tree_unflatten(out_treedef, out_leaves), out_static)
 
-    return _TracedFun(closed, [flat[i] for i in positions], positions, rebuild)
+def _names(fun: Callable, args: tuple, kwargs: dict) -> _checkpoint_name_log.NameLog:
+    """The checkpoint names in `fun` on these arguments (traced, never run)."""
+    return _checkpoint_name_log.NameLog.of(_trace(fun, args, kwargs)[0])
 
 
 class Offloaded(eqx.Module):
@@ -299,13 +273,15 @@ class Offloaded(eqx.Module):
             if host_stacked:
                 # Checking needs the jaxpr before any outer transformation sees it:
                 # trace, check, then evaluate it, so `fun` still runs once.
-                traced = _trace(self.fun, args, kwargs)
-                _jaxpr_host_leaves.check(
-                    traced.closed.jaxpr, traced.positions, args, kwargs, tables
-                )
-                _checkpoint_name_log.check(self.policy, traced.names)
-                outputs = _jaxpr.evaluate(traced.closed, *traced.dynamic)
-                return traced.rebuild(outputs)
+                closed, out_dynamic, out_static = _trace(self.fun, args, kwargs)
+                flat = jtu.tree_leaves((args, kwargs))
+                at = [i for i, x in enumerate(flat) if eqx.is_array(x)]
+                _jaxpr_host_leaves.check(closed.jaxpr, at, args, kwargs, tables)
+                names = _checkpoint_name_log.NameLog.of(closed)
+                _checkpoint_name_log.check(self.policy, names)
+                outputs = _jaxpr.evaluate(closed, *(flat[i] for i in at))
+                outputs = jtu.tree_unflatten(jtu.tree_structure(out_dynamic), outputs)
+                return eqx.combine(outputs, out_static)
             out = self.fun(*args, **kwargs)
         if checkpoint_patterns(self.policy):
             try:
@@ -313,8 +289,8 @@ class Offloaded(eqx.Module):
             except _checkpoint_name_log.UnusedName:
                 # Scans served from an inner `jax.jit`'s cache were not traced now,
                 # so they recorded nothing; the jaxpr has them all.
-                traced = _trace(self.fun, args, kwargs)
-                _checkpoint_name_log.check(self.policy, traced.names)
+                names = _names(self.fun, args, kwargs)
+                _checkpoint_name_log.check(self.policy, names)
         return out
 
 
@@ -328,10 +304,10 @@ def _offered(wrapper: Offloaded, args: tuple, kwargs: dict) -> tuple[str, ...]:
     probe = Offloaded(wrapper.fun, everything)
     try:
         # `run`, not the probe itself: its own error must not ask for a hint.
-        traced = _trace(lambda *a, **k: probe.run(a, k), args, kwargs)
+        names = _names(lambda *a, **k: probe.run(a, k), args, kwargs)
     except Exception:  # only a hint for the error being raised: that error wins
         return ()
-    return tuple(traced.names.residual_names)
+    return tuple(names.residual_names)
 
 
 @overload

@@ -3,6 +3,7 @@
 It runs on a slice of the model small enough to run both.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -19,7 +20,7 @@ from ._memory_kinds import kind_of
 from ._placement import place_batch
 from ._policy import Policy, replace
 from ._traced_step import value_and_grad
-from ._train_step import train_step, TrainStep
+from ._train_step import TrainStep
 from ._transform import call_on_auto_axes
 from ._update import (
     apply_pending,
@@ -34,26 +35,19 @@ from ._verify_report import raise_if_failed, VerifyReport
 
 
 @eqx.filter_jit
-def _reference(
-    loss_fn: Callable,
-    options: tuple[str, bool, tuple | None],
-    split: tuple[int, tuple[int, ...]],
-    model: Any,
-    batch: tuple,
-) -> Any:
+def _reference(step: TrainStep, dtypes: tuple | None, model: Any, batch: tuple) -> Any:
     """Plain `value_and_grad`: no transform, so every `Stacked` is a plain scan.
 
     It runs on the axis types the step runs the loss on. Over a mesh with `Explicit`
     axes under `Policy(loss_axes="auto")`, those are `Auto` ones.
 
-    `options = (loss_axes, has_aux, dtypes)`. With `dtypes` (one per trainable leaf),
-    the loss sees each trainable leaf cast to its dtype. The gradient comes back in the
-    leaf's own dtype (the cast's transpose). `split = (microbatches, unsplit)`. It gives
-    the mean of the loss and gradient over micro-batches, in float32. Micro-batch `i` of
-    `k` is examples `i, i + k, ...` (what `train_step` defines).
+    It reads the step's loss, `has_aux` and `Policy(loss_axes=...)`. With `dtypes` (one
+    per trainable leaf), the loss sees each trainable leaf cast to its dtype. The
+    gradient comes back in the leaf's own dtype (the cast's transpose). Over the step's
+    micro-batches it gives the mean of the loss and gradient, in float32. Micro-batch
+    `i` of `k` is examples `i, i + k, ...` (what `train_step` defines).
     """
-    loss_axes, has_aux, dtypes = options
-    k, unsplit = split
+    loss_fn, has_aux, k = step.loss_fn, step.has_aux, step.microbatches
 
     def loss(model: Any, *batch: Any) -> Any:
         if dtypes is not None:
@@ -61,7 +55,7 @@ def _reference(
             flat, treedef = jtu.tree_flatten(params)
             cast = [x.astype(d) for x, d in zip(flat, dtypes, strict=True)]
             model = eqx.combine(jtu.tree_unflatten(treedef, cast), rest)
-        if loss_axes == "auto" and _layout.explicit_axes():
+        if step.policy.loss_axes == "auto" and _layout.explicit_axes():
             return call_on_auto_axes(loss_fn, (model, *batch), {})
         return loss_fn(model, *batch)
 
@@ -77,7 +71,7 @@ def _reference(
         return grad(model, *whole)
 
     split_batch = tuple(
-        None if position in unsplit else jtu.tree_map(parts, argument)
+        None if position in step.unsplit else jtu.tree_map(parts, argument)
         for position, argument in enumerate(batch)
     )
 
@@ -216,14 +210,10 @@ def _gradient_pairs(
     the slice of `arguments = (model, opt_state, batch)`.
     """
     model, opt_state, batch = arguments
-    split = (step.microbatches, step.unsplit)
     # In the model's mesh, as `train_step` traces the loss.
     with _mesh.context(cut.model, cut.batch):
         try:
-            options = (step.policy.loss_axes, step.has_aux, dtypes)
-            ref_value, ref_grads = _reference(
-                step.loss_fn, options, split, cut.model, cut.batch
-            )
+            ref_value, ref_grads = _reference(step, dtypes, cut.model, cut.batch)
         except Exception as e:  # the loss's own error, explained if the cut did it
             kept = None if cut.whole_batch else cut.examples
             error = _cutting.cut_error(
@@ -260,14 +250,7 @@ def _run_step(
     # Under `update_timing="now"` (the whole update's), its own optimizer state.
     pending = policy.update_timing != "now"
     own = (lambda x: x) if pending else own_state
-    run = train_step(
-        step.loss_fn,
-        step.optimizer,
-        policy,
-        has_aux=step.has_aux,
-        microbatches=step.microbatches,
-        unsplit=step.unsplit,
-    )
+    run = dataclasses.replace(step, policy=policy, metrics=False)
     new_model = _cutting.copy_into(cut.model, model)
     new_state = _cutting.copy_into(own(cut.opt_state), own(opt_state))
     values = []
@@ -430,21 +413,18 @@ def verify(
     _mixed_precision.check_state(
         wrapped is not step.optimizer, own_state(opt_state), "`verify`"
     )
-    dtypes = None
+    # Computed in the compute dtype, whatever dtype they are kept in: its rounding
+    # (each gradient in its leaf's: `keep_dtype` leaves are computed in their own).
+    dtypes, by_leaf = None, {}
     if policy.compute_dtype is not None:
         _mixed_precision.check_keep_dtype(params, policy, "`verify`")
         dtypes = tuple(_mixed_precision.compute_dtypes(params, policy))
+        arrays = [leaf.path for leaf in array_leaves(params)]
+        by_leaf = dict(zip(arrays, dtypes, strict=True))
     arguments = (model, opt_state, batch)
     cut = _cut(step, arguments, layers, examples)
     ref_loss, losses, gradients = _gradient_pairs(step, dtypes, cut, arguments)
-
-    # Computed in the compute dtype, whatever dtype they are kept in: its rounding
-    # (each gradient in its leaf's: `keep_dtype` leaves are computed in their own).
     computed = policy.compute_dtype
-    by_leaf = {}
-    if dtypes is not None:
-        arrays = [leaf.path for leaf in array_leaves(params)]
-        by_leaf = dict(zip(arrays, dtypes, strict=True))
     loss_check = compare(losses, rtol, atol, computed)
     gradient_check = compare(gradients, rtol, atol, by_leaf)
     update = None

@@ -117,20 +117,13 @@ from ._report._costs import (
     host_temporaries as host_temporaries,
     precision as costs_precision,
 )
-from ._report._does_not_fit import device_advice as device_advice
+from ._report._does_not_fit import device_advice as device_advice, Held as Held
 from ._report._hardware import (
     H200_FITTED as H200_FITTED,
     H200_MEASURED as H200_MEASURED,
 )
-from ._report._hlo_program import (
-    loop_schedules as loop_schedules,
-    order as hlo_program_order,
-    Walker as Walker,
-)
-from ._report._memory_report import (
-    _check_host_kept as check_host_kept,
-    _where as memory_report_where,
-)
+from ._report._hlo_program import moved as hlo_moved, Walker as Walker
+from ._report._memory_report import _check_host_kept as check_host_kept
 from ._report._plot import categories as plot_categories
 from ._report._step_time import (
     ATTENTION_NOTE as ATTENTION_NOTE,
@@ -149,6 +142,7 @@ from ._report._targets import (
     platform as targets_platform,
     slice_mesh as slice_mesh,
     target_sizes as target_sizes,
+    where_of as memory_report_where,
 )
 from ._report._traffic import Transfer as Transfer
 from ._report._units import time_text as time_text

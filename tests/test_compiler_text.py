@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from eqx_offload import _compat, _compiler, _compiler_stablehlo, _diagnose
-from eqx_offload._report import _compiled_traffic
+from eqx_offload._report import _compiled_traffic, _costs
 from eqx_offload._report._traffic import Transfer
 
 from .fixtures import capture
@@ -204,7 +204,8 @@ def test_dot_and_convolution_attributes():
 
 def test_hlo_fixture_traffic():
     text = fixture("tpu_hlo.txt")
-    rows = _compiled_traffic.count(text, [("params", "stack"), ("batch", "x")], [], ())
+    inputs = [("params", "stack"), ("batch", "x")]
+    rows = _compiled_traffic.count(_costs.Program(text, "tpu"), inputs, [], ())
     # One layer of the host-resident stack to the device in each of the 3 trips.
     layer = 128 * 128 * 4
     assert rows == (

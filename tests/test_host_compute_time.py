@@ -186,7 +186,7 @@ def test_the_compiled_adamw_update_costs_28_bytes_a_parameter(target):
     assert t.exposed_host_compute_seconds == pytest.approx(t.host_compute_seconds)
     assert t.bound == "host compute"
     # One array of the update's shape, besides its parameters and results.
-    assert eoi.host_temporaries(text, platform) == 4 * n
+    assert eoi.host_temporaries(eoi.Program(text, platform)) == 4 * n
 
 
 def _structure(text: str) -> list[list[tuple]]:
@@ -340,4 +340,4 @@ def test_programs_without_host_compute_have_none():
     assert t.host_to_device_bytes > 0
     assert t.host_compute_seconds == t.host_compute_bytes == 0
     assert t.exposed_host_compute_seconds == 0 and t.bound != "host compute"
-    assert eoi.host_temporaries(text, "tpu") == 0
+    assert eoi.host_temporaries(eoi.Program(text, "tpu")) == 0

@@ -99,16 +99,14 @@ def test_while():
 
     closed = jax.make_jaxpr(f)(jnp.ones(()))
     eqn = _only(closed, _jaxpr.is_while)
-    loop = _jaxpr.while_layout(eqn)
-    assert (loop.cond_consts, loop.body_consts) == (1, 1)
-    assert len(eqn.invars) == 4
-    assert len(loop.cond.invars) == len(loop.body.invars) == 3
-    assert loop.cond.invars[0].aval.dtype == jnp.int32  # `limit`
-    assert loop.body.invars[0].aval.dtype == jnp.float32  # `step`
     subs = _jaxpr.sub_jaxprs(eqn)
     assert subs is not None
     cond, body = subs
-    assert cond.jaxpr is loop.cond and body.jaxpr is loop.body
+    assert len(eqn.invars) == 4  # one const each, then the carry
+    assert len(cond.jaxpr.invars) == len(body.jaxpr.invars) == 3
+    assert cond.jaxpr.invars[0].aval.dtype == jnp.int32  # `limit`
+    assert body.jaxpr.invars[0].aval.dtype == jnp.float32  # `step`
+    assert len(cond.jaxpr.outvars) == 1 and len(body.jaxpr.outvars) == 2
     assert cond.operands == {0: 0, 2: 1, 3: 2}
     assert body.operands == {1: 0, 2: 1, 3: 2}
 

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_offload as eo
 import eqx_offload.internal as eoi
-from eqx_offload.internal import device_advice, mesh_shardings
+from eqx_offload.internal import device_advice, Held, mesh_shardings
 
 from .helpers import (
     batches,
@@ -524,15 +524,9 @@ def test_does_not_fit_never_suggests_the_policy_in_use():
     # Whatever the figures say, the preset in use is never the advice.
     both_on_device = dict(params={"device": 2**30}, opt_state={"device": 2**30})
     for policy, named in [(eo.Policy.offload_all(), False), (eo.Policy.none(), True)]:
+        held = Held({}, residuals=(), **both_on_device)
         advice = device_advice(
-            target="tpu-v5e",
-            is_slice=False,
-            compiled="train_step",
-            policy=policy,
-            residuals=(),
-            capacity=2**34,
-            host_full=False,
-            **both_on_device,
+            held, "tpu-v5e", False, "train_step", policy, 2**34, False
         )
         assert ("all of these at once: `Policy.offload_all()`" in advice) == named
 

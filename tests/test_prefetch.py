@@ -289,10 +289,9 @@ def _gpu_loop_orders(width: int, depth: int, policy: eo.Policy) -> dict[str, str
     with compiles(GPU_OPTIONS) as texts:
         eo.memory_report(step, model, opt_state, tokens, tokens, target="gpu-h100")
     module = eoi.parse_hlo(texts[-1])
-    orders = {
-        name: eoi.hlo_program_order(events)
-        for name, events in eoi.loop_schedules(module).items()
-    }
+    from prefetch_schedule import loop_schedules, order
+
+    orders = {name: order(e) for name, e in loop_schedules(module).items()}
     return {k: o for k, o in orders.items() if "S" in o}
 
 

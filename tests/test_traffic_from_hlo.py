@@ -60,7 +60,7 @@ ENTRY %main.1 (p0: f32[3,8,128], p1: f32[3,128], p2: f32[16,128]) -> (f32[3,128]
 def test_counts_loops_and_follows_values_to_arguments():
     inputs = [("params", "blocks.weight"), ("params", "rows"), ("opt_state", "mu")]
     outputs = [("params", "rows"), ("opt_state", "mu")]
-    rows = eoi.compiled_traffic_count(HLO, inputs, outputs, traced=())
+    rows = eoi.compiled_traffic_count(eoi.Program(HLO, "tpu"), inputs, outputs, ())
     layer, row, whole = 8 * 128 * 4, 128 * 4, 16 * 128 * 4
     assert set(rows) == {
         # three asynchronous layer reads, followed through the loop to parameter 0

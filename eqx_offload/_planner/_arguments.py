@@ -115,8 +115,7 @@ def budgets(
         platform = jax.default_backend()
     else:
         d = capacity(target) if d is None else d
-        if h is None:
-            h = (hardware or Hardware.of(target)).host_memory_bytes
+        h = (hardware or Hardware.of(target)).host_memory_bytes if h is None else h
         platform = target_platform(target)
     left = margin_of(margin, d, platform)
     return (d - left, h), left

@@ -74,19 +74,17 @@ def workspace_margin(value: int | str | None, budget: int, platform: str | None)
     return margin
 
 
+# What `fixes` advises for each memory, in this order.
+_FIXES = {
+    "device": "a larger `device_budget`, a smaller batch or model, or micro-batches "
+    "(`microbatches=(1, 2, 4)`)",
+    "host": "a larger `host_budget`, Adam's first moment in bfloat16 "
+    "(`optax.adamw(..., mu_dtype=jnp.bfloat16)`), or a smaller model",
+}
+
+
 def fixes(exceeded: Sequence[str]) -> str:
     """What would let a step fit the budgets it exceeds (`"device"`, `"host"`),
     as `plan` and `fewest_chips` advise it: only what changes that memory (more
     offloading or micro-batches add nothing to the host's room)."""
-    out = []
-    if "device" in exceeded:
-        out.append(
-            "a larger `device_budget`, a smaller batch or model, or micro-batches "
-            "(`microbatches=(1, 2, 4)`)"
-        )
-    if "host" in exceeded:
-        out.append(
-            "a larger `host_budget`, Adam's first moment in bfloat16 "
-            "(`optax.adamw(..., mu_dtype=jnp.bfloat16)`), or a smaller model"
-        )
-    return "; for the host, ".join(out)
+    return "; for the host, ".join(_FIXES[m] for m in _FIXES if m in exceeded)

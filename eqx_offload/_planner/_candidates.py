@@ -261,22 +261,17 @@ class Candidate(NamedTuple):
         s = self.settings
         dtype = None if s.compute_dtype is None else np.dtype(s.compute_dtype)
         on_host = tuple(t for t, k in self.host_tables.items() if k != "device")
-        if self.residuals is None:
-            save: str | tuple[str, ...] = "all"
-            offload: tuple[str, ...] = ()
-        else:
-            save = tuple(n for n, c in self.residuals.items() if c == "save")
-            offload = tuple(n for n, c in self.residuals.items() if c == "offload")
+        by = _by_choice(self.residuals)
         params: dict[str, MemoryKind] = {p.pattern: k for p, k in self.params.items()}
         params |= {t: "pinned_host" for t in on_host}
+        state: dict[str, MemoryKind] = {p.pattern: k for p, k in self.opt_state.items()}
+        if s.compute_dtype is not None:  # the copies that exist (else an error)
+            state |= {f"copies:{f}": k for f, k in self.copies.items() if self._host(f)}
         return Policy(
-            save=save,
-            offload=offload,
+            save="all" if self.residuals is None else by["save"],
+            offload=by["offload"],
             params=params,
-            opt_state={
-                **{p.pattern: k for p, k in self.opt_state.items()},
-                **self._copies(),
-            },
+            opt_state=state,
             shard=None if s.axis is None else FSDP(s.axis),
             batch=None if s.axis is None else PartitionSpec(s.axis),
             compute_dtype=dtype,
@@ -287,23 +282,10 @@ class Candidate(NamedTuple):
             update_timing=s.update_timing,
         )
 
-    def _copies(self) -> dict[str, MemoryKind]:
-        """The `Policy(opt_state=...)` patterns that place the compute copies, one
-        `"copies:<field>"` for each field with copies: only those that exist (a
-        pattern naming no copies is an error)."""
-        if self.settings.compute_dtype is None:
-            return {}
-        return {f"copies:{f}": k for f, k in self.copies.items() if self._host(f)}
-
     @property
     def label(self) -> str:
         """A short description: what differs from `Policy.none()`."""
-        parts = [
-            *_placement_labels(self),
-            _residual_label(self.residuals),
-            self.settings.label,
-        ]
-        return "; ".join(p for p in parts if p)
+        return "; ".join(p for p in _labels(self) if p)
 
 
 def _parts_apart(
@@ -320,9 +302,10 @@ def _parts_apart(
     ]
 
 
-def _placement_labels(c: Candidate) -> list[str]:
-    """What a label says of the placements: fields and state on the host, parts
-    placed apart, streamed tables, compute copies kept on the device."""
+def _labels(c: Candidate) -> list[str]:
+    """What a label says (`""`: nothing): of the placements, the fields and state
+    on the host, parts placed apart, streamed tables, compute copies kept on the
+    device; then of the residuals, and of the settings."""
     host = [p.pattern for p, k in c.params.items() if k != "device" and p.child is None]
     state = _by_field([(p, k) for p, k in c.opt_state.items() if p.child is None])
     apart = [
@@ -340,6 +323,8 @@ def _placement_labels(c: Candidate) -> list[str]:
         ", ".join(apart),
         _listed("stream ", tables, " from host"),
         _listed("compute copies of ", kept, " on device"),
+        _residual_label(c.residuals),
+        c.settings.label,
     ]
 
 
@@ -359,7 +344,7 @@ def _residual_label(residuals: Mapping[str, Residual] | None) -> str:
     """The offloaded names, and the shorter of the names saved and recomputed."""
     if residuals is None:
         return "no remat"
-    by = {c: [n for n, x in residuals.items() if x == c] for c in _CHOICES}
+    by = _by_choice(residuals)
     offload, save, recompute = by["offload"], by["save"], by["recompute"]
     if save and recompute:  # the shorter list, saved if as short
         verb = "save" if len(save) <= len(recompute) else "recompute"
@@ -370,18 +355,21 @@ def _residual_label(residuals: Mapping[str, Residual] | None) -> str:
     return "; ".join([f"offload {', '.join(offload)}", rest] if offload else [rest])
 
 
+def _by_choice(residuals: Mapping[str, Residual] | None) -> dict[str, tuple[str, ...]]:
+    """The names of each choice (`"save"`, ...), in order; none for no remat."""
+    pairs = (residuals or {}).items()
+    return {c: tuple(n for n, x in pairs if x == c) for c in _CHOICES}
+
+
 def presets(base: Candidate, names: tuple[str, ...]) -> list[tuple[str, Candidate]]:
     """`Policy.remat()`, `Policy.offload_residuals()` and `Policy.offload_all()` as
     candidates in `base`'s settings (`base` is `Policy.none()`), with their labels.
     Each places what its preset places, compute copies included."""
     remat = base.remat(names)
-    inputs = tuple(n for n in names if n.endswith(".input"))
-    offloaded = remat._replace(
-        residuals=Placements(
-            (n, "offload" if n in inputs else c)
-            for n, c in (remat.residuals or {}).items()
-        )
+    inputs: Placements[str, Residual] = Placements(
+        (n, "offload" if n.endswith(".input") else "recompute") for n in names
     )
+    offloaded = remat._replace(residuals=inputs)
     everything = offloaded._replace(
         params=Placements.fromkeys(remat.params, "pinned_host"),
         opt_state=Placements.fromkeys(remat.opt_state, "pinned_host"),

@@ -75,11 +75,7 @@ def tied(options: Sequence[Option]) -> list[int]:
     (the relation "within the error of" is not transitive)."""
     if not options:
         return []
-    first = min(
-        range(len(options)),
-        key=lambda i: (options[i].seconds, -options[i].headroom),
-    )
-    fastest = options[first]
+    fastest = min(options, key=lambda o: (o.seconds, -o.headroom))
     return [
         i
         for i, o in enumerate(options)

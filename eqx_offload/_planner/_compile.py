@@ -31,10 +31,6 @@ from .._update import init_opt_state
 CHILD_SECONDS = 1800
 # Compiles (and checkpoint names) kept by the cache; the oldest go first.
 KEPT = 256
-_NO_CLOUDPICKLE = (
-    "`plan`: compiling `Policy(host_remat=True)` in a child process needs "
-    "cloudpickle. Install it: `pip install 'eqx_offload[tpu]'`."
-)
 
 
 _T = TypeVar("_T")
@@ -79,12 +75,7 @@ def report(task: Task, policy: Policy, microbatches: int) -> MemoryReport:
         microbatches=microbatches,
     )
     return memory_report(
-        step,
-        placed,
-        opt_state,
-        *task.batch,
-        target=task.target,
-        hardware=task.hardware,
+        step, placed, opt_state, *task.batch, target=task.target, hardware=task.hardware
     )
 
 
@@ -95,7 +86,10 @@ def report_in_child(task: Task, policy: Policy, microbatches: int) -> MemoryRepo
     try:
         import cloudpickle
     except ImportError:
-        raise ImportError(_NO_CLOUDPICKLE + see(122)) from None
+        raise ImportError(
+            "`plan`: compiling `Policy(host_remat=True)` in a child process needs "
+            "cloudpickle. Install it: `pip install 'eqx_offload[tpu]'`." + see(122)
+        ) from None
 
     sixty_four = jax.dtypes.canonicalize_dtype(float) == jax.numpy.float64
     payload = cloudpickle.dumps((task, policy, microbatches))
@@ -112,8 +106,7 @@ def report_in_child(task: Task, policy: Policy, microbatches: int) -> MemoryRepo
         except subprocess.TimeoutExpired:
             raise CompilerCrashed(-9, f"no answer in {CHILD_SECONDS} s") from None
         if done.returncode != 0 or not received.exists():
-            last = crash_line(done.stderr)[:300]
-            raise CompilerCrashed(done.returncode, last)
+            raise CompilerCrashed(done.returncode, crash_line(done.stderr)[:300])
         answer = pickle.loads(received.read_bytes())
     if isinstance(answer, Exception):
         raise answer
@@ -149,15 +142,9 @@ class Cache:
             except (ValueError, CompilerCrashed) as e:
                 return e
 
-        more = (
-            task.optimizer,
-            task.target,
-            task.mesh,
-            repr(task.hardware),
-            repr(policy),
-            microbatches,
-        )
-        return _keep(self.reports, _key(task, *more), compile_once)
+        step = (task.optimizer, task.target, task.mesh, repr(task.hardware))
+        key = _key(task, *step, repr(policy), microbatches)
+        return _keep(self.reports, key, compile_once)
 
     def checkpoint_names(self, task: Task) -> tuple[CheckpointName, ...]:
         """`checkpoint_names(loss_fn, model, *batch)`, traced once."""

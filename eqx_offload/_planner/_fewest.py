@@ -86,7 +86,7 @@ def fewest_chips(
     the best plan so far of the target it was planning (`e.plan.target`), which
     need not be the fewest.
     """
-    # Its options of `plan`, passed on as they are (the first statement: the
+    # Its arguments `plan` takes, passed on as they are (the first statement: the
     # locals are the arguments).
     options = {k: v for k, v in locals().items() if k not in _NOT_PLANS}
     start = time.perf_counter()
@@ -103,13 +103,7 @@ def fewest_chips(
         if target not in tried or (full and tried[target] is None):
             local = batch if not batch_per_device else _scaled(batch, counts[target])
             searched = search_plan(
-                loss_fn,
-                optimizer,
-                model,
-                local,
-                target=target,
-                first_fit=not full,
-                **options,
+                batch=local, target=target, first_fit=not full, **options
             )
             searches.append(searched)
             tried[target] = searched.found
@@ -136,8 +130,8 @@ def fewest_chips(
     )
 
 
-# `fewest_chips`' arguments that are not options of `plan`.
-_NOT_PLANS = ("loss_fn", "optimizer", "model", "batch", "chip", "batch_per_device")
+# `fewest_chips`' arguments that `plan` does not take as they are.
+_NOT_PLANS = ("batch", "chip", "batch_per_device")
 
 
 def _splitting(
@@ -210,8 +204,6 @@ def _none_fits(
         f"`fewest_chips(chip={chip!r})`: the step fits on none of the targets "
         f"tried ({lines}){over}. Give {_budget.fixes(exceeded)}, or more devices.",
         target=largest,
-        compiler_message="",
-        arguments={},
         sizes=sizes,
         host_sizes=host_sizes,
         exceeded=exceeded,

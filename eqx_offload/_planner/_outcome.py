@@ -1,7 +1,9 @@
 """What a search found: the choice among the compiled candidates that fit (within
 the estimates' error, `_choice`) and why it was made, the table of every candidate
-considered, or, where none fits, the error about the nearest miss."""
+considered, and the `Plan` of the choice; or, where none fits, the error about the
+nearest miss."""
 
+import time
 from typing import Literal, TYPE_CHECKING
 
 import jax
@@ -10,11 +12,12 @@ from .._errors import see
 from .._report import DoesNotFit, size_text, time_text
 from . import _budget, _choice, _rates
 from ._candidates import Candidate
+from ._plan_type import Plan
 from ._table import PlanRow, PlanTable
 
 
 if TYPE_CHECKING:  # types only (`_search` is one level below)
-    from ._search import Result, Search
+    from ._search import Search
 
 
 def choose(search: "Search") -> tuple[Candidate | None, list[Candidate]]:
@@ -37,8 +40,8 @@ def choose(search: "Search") -> tuple[Candidate | None, list[Candidate]]:
     return fitting[_choice.choose(options, enough)], tied
 
 
-def finish(search: "Search") -> "tuple[Result, PlanTable] | DoesNotFit":
-    """The chosen candidate's result and the table of every candidate; or,
+def finish(search: "Search") -> Plan | DoesNotFit:
+    """The `Plan` of the chosen candidate, with the table of every candidate; or,
     where none fits, the error about the nearest miss (`e.tried`: the table)."""
     chosen, tied = choose(search)
     # (`Policy.none()`'s, the first compiled)
@@ -47,18 +50,31 @@ def finish(search: "Search") -> "tuple[Result, PlanTable] | DoesNotFit":
     rows = [_row(search, c, c == chosen, none_flops, c in tied) for c in search.results]
     rows += [PlanRow(c.label, c.policy(), why) for c, why in search.pruned.items()]
     search.progress.close()
+    decision = "" if chosen is None else _decision(search, chosen, tied)
     table = PlanTable(
-        tuple(rows),
-        *search.budgets,
-        workspace_margin=search.margin,
-        decision="" if chosen is None else _decision(search, chosen, tied),
-        interrupted=search.interrupted,
+        tuple(rows), *search.budgets, search.margin, decision, search.interrupted
     )
     if chosen is None:
         error = _nothing_fits(search)
         error.tried = table
         return error
-    return search.results[chosen], table
+    result, task = search.results[chosen], search.task
+    assert result.report is not None
+    return Plan(
+        result.policy,
+        result.report,
+        table,
+        compiled=len(search.results),
+        reused=search.reused,
+        seconds=time.perf_counter() - search.start,
+        loss_fn=task.loss_fn,
+        optimizer=task.optimizer,
+        has_aux=task.has_aux,
+        microbatches=chosen.settings.microbatches,
+        target=task.target,
+        mesh=task.mesh,
+        interrupted=search.interrupted,
+    )
 
 
 def _decision(search: "Search", chosen: Candidate, tied: list[Candidate]) -> str:
@@ -162,8 +178,6 @@ def _nothing_fits(search: "Search") -> DoesNotFit:
     return DoesNotFit(
         message,
         target=search.task.target or jax.default_backend(),
-        compiler_message="",
-        arguments={},
         sizes=(int(need) if need != float("inf") else 0, device),
         host_sizes=(host_need, host),
         exceeded=exceeded,

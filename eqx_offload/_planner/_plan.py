@@ -9,36 +9,23 @@ checks in `_arguments`.
 
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import optax
 from jax.sharding import AbstractMesh, AxisType
 from jaxtyping import DTypeLike, PyTree
 
 from .._errors import see
-from .._report import (
-    device_count,
-    DoesNotFit,
-    Hardware,
-    platform as target_platform,
-)
+from .._report import device_count, DoesNotFit, Hardware, platform as target_platform
 from .._update import NotOnHost
 from . import _arguments, _choice, _outcome
-from ._candidates import Candidate, presets, Settings
+from ._candidates import Candidate, Knob, Part, presets, Settings
 from ._choice import Experimental
 from ._compile import Task
 from ._plan_type import Plan, PlanInterrupted
 from ._progress import Progress
-from ._search import IMPROVE_COMPILES, Result, Search
-from ._sizes import (
-    copies_of,
-    estimates,
-    param_bytes,
-    parts_of,
-    state_slots,
-    tables_of,
-)
-from ._table import PlanTable
+from ._search import IMPROVE_COMPILES, Search
+from ._sizes import copies_of, estimates, param_bytes, parts_of, state_slots, tables_of
 
 
 # Where nothing fits on a TPU, the best candidate is compiled once more with the
@@ -177,18 +164,13 @@ def plan(
         and an `experimental` stage it does not know.
     - `PlanInterrupted` on Ctrl-C (above).
     """
-    # Its keyword arguments, passed on as they are (the first statement: the
-    # locals are the arguments).
-    options = {k: v for k, v in locals().items() if k not in _TASK}
-    found = search_plan(loss_fn, optimizer, model, batch, **options).found
+    # Its arguments, passed on as they are (the first statement: the locals are
+    # the arguments).
+    found = search_plan(**locals()).found
     if isinstance(found, DoesNotFit):
         raise found
     assert found is not None
     return found
-
-
-# `plan`'s arguments that are not options of its search.
-_TASK = ("loss_fn", "optimizer", "model", "batch")
 
 
 class Searched(NamedTuple):
@@ -247,42 +229,27 @@ def search_plan(
         mesh = AbstractMesh((n,), (axis,), axis_types=(AxisType.Auto,))
     model = _arguments.abstract(model)
     task = Task(loss_fn, optimizer, model, batch, has_aux, target, mesh, hardware)
-    search = Search(
-        task, budgets, Progress(progress), first_fit=first_fit, margin=margin
-    )
+    search = Search(task, budgets, Progress(progress), first_fit, margin, start)
     try:
+        # The steps of the search (`plan`'s docstring), from `Policy.none()` in
+        # the first settings; then the experimental stages asked for.
         base, names = _start(search, settings)
-        _run(search, base, names, settings, stages)
+        with search.progress.stage(1):
+            search.evaluate(base, "no remat, all on device: Policy.none()")
+        if search.fits(base):
+            search.compile_each([(None, base.with_settings(s)) for s in settings[1:]])
+        else:
+            _moves(search, base, names, settings)
+        for stage in AGAIN:
+            if stage in stages:
+                _again(search, stage)
     except KeyboardInterrupt:
-        raise _interrupted(search, start) from None
+        raise _interrupted(search) from None
     finished = None if search.stopped else _outcome.finish(search)
-    if isinstance(finished, tuple):  # the chosen result and the table
-        finished = _found(search, *finished, start)
     return Searched(finished, len(search.results), search.reused)
 
 
-def _found(search: Search, result: Result, table: PlanTable, start: float) -> Plan:
-    """The `Plan` of what `search` chose."""
-    task = search.task
-    assert result.report is not None
-    return Plan(
-        result.policy,
-        result.report,
-        table,
-        compiled=len(search.results),
-        reused=search.reused,
-        seconds=time.perf_counter() - start,
-        loss_fn=task.loss_fn,
-        optimizer=task.optimizer,
-        has_aux=task.has_aux,
-        microbatches=result.candidate.settings.microbatches,
-        target=task.target,
-        mesh=task.mesh,
-        interrupted=search.interrupted,
-    )
-
-
-def _interrupted(search: Search, start: float) -> PlanInterrupted:
+def _interrupted(search: Search) -> PlanInterrupted:
     """What a search stopped by Ctrl-C found: the best plan of what it compiled
     (`None` if none fits), and the table of it (`None` if nothing compiled)."""
     search.interrupted = True
@@ -292,28 +259,7 @@ def _interrupted(search: Search, start: float) -> PlanInterrupted:
     finished = _outcome.finish(search)
     if isinstance(finished, DoesNotFit):
         return PlanInterrupted(None, finished.tried, len(search.results))
-    plan = _found(search, *finished, start)
-    return PlanInterrupted(plan, plan.table, len(search.results))
-
-
-def _run(
-    search: Search,
-    base: Candidate,
-    names: tuple[str, ...],
-    settings: list[Settings],
-    experimental: frozenset[str] = frozenset(),
-) -> None:
-    """The steps of the search (`plan`'s docstring), from `base`: `Policy.none()`
-    in the first settings; then the `experimental` stages asked for."""
-    with search.progress.stage(1):
-        search.evaluate(base, "no remat, all on device: Policy.none()")
-    if search.fits(base):
-        search.compile_each([(None, base.with_settings(s)) for s in settings[1:]])
-    else:
-        _moves(search, base, names, settings)
-    for stage in AGAIN:
-        if stage in experimental:
-            _again(search, stage)
+    return PlanInterrupted(finished, finished.table, len(search.results))
 
 
 def _moves(
@@ -361,8 +307,7 @@ def _again(search: Search, stage: Experimental) -> None:
     """
     ranked = search.fastest()
     if stage == "host_update" and not ranked:  # none fits: the nearest to fitting
-        nearest = search.best()
-        ranked = [] if nearest is None else [nearest]
+        ranked = [c for c in [search.best()] if c is not None]
     ranked = [c for c in ranked if _applies(c, stage)]
     if stage == "host_update":
         whole = [c for c in ranked if "device" not in c.opt_state.values()]
@@ -404,15 +349,18 @@ def _start(
     offered = [n for n in names if n.residual]
     slots = state_slots(optimizer, model)
     search.parts, finer = parts_of(optimizer, model, slots)
-    # Streamed tables stay whole on every device: offered on one device only.
-    tables = tables_of(model) if mesh is None else {}
-    # Compute copies of host parameters, under the compute dtypes offered.
-    copies = copies_of(model, tuple(s.compute_dtype for s in settings))
-    sizes = estimates(params, slots, tables, copies, offered) | finer
+    sizes: dict[Knob, dict[Any, int]] = {
+        "params": {Part(f): n for f, n in params.items()},
+        "opt_state": slots,
+        # Streamed tables stay whole on every device: offered on one device only.
+        "host_tables": tables_of(model) if mesh is None else {},
+        # Compute copies of host parameters, under the compute dtypes offered.
+        "copies": copies_of(model, tuple(s.compute_dtype for s in settings)),
+    }
     # FSDP splits the parameters, the state and the batch.
     split = 1 if mesh is None else mesh.size
-    search.estimates = {m: n // split for m, n in sizes.items()}
-    base = Candidate.start(
-        tuple(params), tuple(slots), settings[0], tuple(tables), tuple(copies)
-    )
+    moves = estimates(sizes, offered) | finer
+    search.estimates = {m: n // split for m, n in moves.items()}
+    tables, copies = tuple(sizes["host_tables"]), tuple(sizes["copies"])
+    base = Candidate.start(tuple(params), tuple(slots), settings[0], tables, copies)
     return base, tuple(n.name for n in offered)

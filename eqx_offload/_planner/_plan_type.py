@@ -103,9 +103,7 @@ class Plan:
                 f"{self.mesh.axis_names[0]!r})." + see(120)
             )
         here = jax.make_mesh(
-            self.mesh.axis_sizes,
-            self.mesh.axis_names,
-            axis_types=self.mesh.axis_types,
+            self.mesh.axis_sizes, self.mesh.axis_names, axis_types=self.mesh.axis_types
         )
         return place(model, self.policy, mesh=here)
 
@@ -124,15 +122,12 @@ class Plan:
     def __str__(self) -> str:
         chosen = next(r for r in self.table.rows if r.status == "chosen")
         on = "" if self.target is None else f" on {self.target}"
-        others = "".join(f"{t}: {why}\n" for t, why in self.tried)
+        head = "".join(f"{t}: {why}\n" for t, why in self.tried)
+        if self.interrupted:
+            head += "Interrupted: the best of the candidates compiled so far.\n"
         reused = f", {self.reused} of them earlier" if self.reused else ""
-        stopped = (
-            "Interrupted: the best of the candidates compiled so far.\n"
-            if self.interrupted
-            else ""
-        )
         return (
-            f"{others}{stopped}Plan{on}: {chosen.label} "
+            f"{head}Plan{on}: {chosen.label} "
             f"({self.compiled} compiled{reused} in {self.seconds:.1f} s)\n"
             f"{self.table}"
         )
@@ -152,13 +147,8 @@ class PlanInterrupted(KeyboardInterrupt):
 
     def __init__(self, plan: "Plan | None", tried: PlanTable | None, compiled: int):
         where = "" if plan is None or plan.target is None else f" for {plan.target}"
-        best = (
-            "the best so far is `e.plan`"
-            if plan is not None
-            else "none of them fits yet"
-            if compiled
-            else "nothing to show"
-        )
+        best = "none of them fits yet" if compiled else "nothing to show"
+        best = "the best so far is `e.plan`" if plan is not None else best
         super().__init__(
             f"`plan`{where} interrupted after {compiled} compiled candidates: {best}."
         )

@@ -7,6 +7,7 @@ candidates that fit is made within the estimates' error (`_choice`), by
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TypeVar
 
@@ -61,6 +62,7 @@ class Search:
     - `first_fit`: stop at the first candidate that fits (`stopped`).
     - `margin`: the device bytes left free under the device budget (the first of
         `budgets` is the budget less it).
+    - `start`: when the planning began (`time.perf_counter()`).
     - `interrupted`: stopped by Ctrl-C (`KeyboardInterrupt`).
     - `results`: each candidate compiled; `reused`: how many of them an earlier
         search compiled; `pruned`: those left out, with why.
@@ -71,15 +73,16 @@ class Search:
     task: Task
     budgets: tuple[int, int]
     progress: Progress = dataclasses.field(default_factory=lambda: Progress(False))
-    cache: Cache = dataclasses.field(default_factory=lambda: CACHE)
     first_fit: bool = False
+    margin: int = 0
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+    cache: Cache = dataclasses.field(default_factory=lambda: CACHE)
     results: dict[Candidate, Result] = dataclasses.field(default_factory=dict)
     reused: int = 0
     pruned: dict[Candidate, str] = dataclasses.field(default_factory=dict)
     estimates: dict[Move, int] = dataclasses.field(default_factory=dict)
     parts: dict[Part, tuple[Part, ...]] = dataclasses.field(default_factory=dict)
     stopped: bool = False
-    margin: int = 0
     interrupted: bool = False
 
     def evaluate(self, candidate: Candidate, label: str | None = None) -> Result:
@@ -163,8 +166,7 @@ class Search:
 
     def fits(self, candidate: Candidate) -> bool:
         r = self.results[candidate].report
-        device, host = self.budgets
-        return r is not None and r.device_bytes <= device and r.host_bytes <= host
+        return r is not None and self._overflow(r.device_bytes, r.host_bytes) == 0
 
     def seconds(self, candidate: Candidate) -> float:
         """The estimated step time: 0 on the CPU backend, which has none (the
@@ -189,8 +191,7 @@ class Search:
         the presets, single moves, combinations and local search; and with
         `others` settings offered besides, those and a local search again."""
         n = 3 + min(SINGLES, len(base.moves(names))) + COMBINATION_COMPILES
-        n += IMPROVE_COMPILES
-        return n + (others + IMPROVE_COMPILES if others else 0)
+        return n + IMPROVE_COMPILES + (others + IMPROVE_COMPILES if others else 0)
 
     def compile_each(self, candidates: Sequence[tuple[str | None, Candidate]]) -> None:
         """A stage that compiles each of `candidates`, with its label (`None`: its
@@ -208,10 +209,8 @@ class Search:
         moves = sorted(base.moves(names), key=lambda m: -self.estimates.get(m, 0))
         for move in moves[SINGLES:]:
             freed = size_text(self.estimates.get(move, 0))
-            self.pruned[base.apply(move, names)] = (
-                f"pruned: frees {freed} by estimate, less than the {SINGLES} moves "
-                "tried"
-            )
+            why = f"frees {freed} by estimate, less than the {SINGLES} moves tried"
+            self.pruned[base.apply(move, names)] = f"pruned: {why}"
         effects: list[tuple[Move, float, float, float]] = []
         with self.progress.stage(min(SINGLES, len(moves))):
             for move in self.until_stopped(moves[:SINGLES]):
@@ -262,8 +261,7 @@ class Search:
                 if device <= device_budget and host <= host_budget:
                     seconds = self.seconds(base) + sum(c[2] for c in chosen)
                     options.append((seconds, [c[0] for c in chosen]))
-        options.sort(key=lambda o: o[0])
-        return options
+        return sorted(options, key=lambda o: o[0])
 
     def improve(self, names: tuple[str, ...]) -> None:
         """A local search from the best candidate compiled so far: the fastest that
@@ -298,23 +296,20 @@ class Search:
         the budgets (the most first); of one over a budget, those estimated to
         bring it closer (the closest first)."""
         fits = self.fits(current)
-        before = self._overflow(report.device_bytes, report.host_bytes)
+        was = (report.device_bytes, report.host_bytes)
+        before = self._overflow(*was)
         options = []
         for move in current.flips(self.parts):
             device, host = self._after(current, move, report)
-            moved = max(
-                abs(device - report.device_bytes) / self.budgets[0],
-                abs(host - report.host_bytes) / max(self.budgets[1], 1),
-            )
-            if moved < SMALLEST:
+            sides = zip((device, host), was, self.budgets)
+            if max(abs(n - w) / max(b, 1) for n, w, b in sides) < SMALLEST:
                 continue  # a part too small to matter (a norm's scale)
             if fits and device > report.device_bytes:
                 if self._overflow(device, host) == 0:
                     options.append((report.device_bytes - device, move))
             elif not fits and self._overflow(device, host) < before:
                 options.append((self._overflow(device, host), move))
-        options.sort(key=lambda o: o[0])
-        return [move for _, move in options]
+        return [move for _, move in sorted(options, key=lambda o: o[0])]
 
     def fastest(self) -> list[Candidate]:
         """The compiled candidates that fit, the fastest by estimate first."""
@@ -348,10 +343,8 @@ class Search:
 
     def _overflow(self, device: int | float, host: int | float) -> float:
         """How far over the budgets, as fractions of them (0: fits)."""
-        device_budget, host_budget = self.budgets
-        return max(device - device_budget, 0) / device_budget + max(
-            host - host_budget, 0
-        ) / max(host_budget, 1)
+        over = zip((device, host), self.budgets)
+        return sum(max(n - budget, 0) / max(budget, 1) for n, budget in over)
 
     def _after(
         self, candidate: Candidate, move: Move, report: MemoryReport
@@ -363,12 +356,9 @@ class Search:
         if move.knob == "residual":
             assert isinstance(move.name, str)
             n = self.estimates.get(Move("residual", move.name, "offload"), 0)
-            side = {"save": (1, 0), "offload": (0, 1), "recompute": (0, 0)}
             now = (candidate.residuals or {})[move.name]
-            return (
-                device + (side[move.to][0] - side[now][0]) * n,
-                host + (side[move.to][1] - side[now][1]) * n,
-            )
+            device += n * ((move.to == "save") - (now == "save"))
+            return device, host + n * ((move.to == "offload") - (now == "offload"))
         n = self.estimates.get(move._replace(to="pinned_host"), 0)
         # Its parts already on that side, placed apart, do not move.
         placed = getattr(candidate, move.knob)
@@ -400,10 +390,7 @@ class Search:
         whose step the compiler found too big (no report, no time), the time is
         taken as unchanged, and the host bytes as the estimate's (a field's
         parameters or state): the combinations' compiles give the real figures."""
-        if (
-            self.results[single].report is not None
-            and self.results[base].report is not None
-        ):
+        if all(self.results[c].report is not None for c in (base, single)):
             added = self.seconds(single) - self.seconds(base)
             return added, self.host(single) - self.host(base)
         to_host = move.knob != "residual" or move.to == "offload"

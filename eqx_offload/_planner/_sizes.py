@@ -2,6 +2,7 @@
 that hold trainable leaves, the parts of the optimizer state, and the device bytes
 each single move of `plan` frees by estimate."""
 
+from collections import Counter
 from typing import Any
 
 import jax.numpy as jnp
@@ -21,11 +22,10 @@ from ._candidates import field_of, Knob, Move, Part
 def param_bytes(model: Any) -> dict[str, int]:
     """The top-level fields of `model` that hold trainable leaves, in order, with
     the bytes of those leaves."""
-    out: dict[str, int] = {}
+    out: Counter[str] = Counter()
     for leaf in _paths.leaves(model):
         if is_trainable(leaf.value):
-            field = field_of(leaf.path)
-            out[field] = out.get(field, 0) + _nbytes(leaf.value)
+            out[field_of(leaf.path)] += _nbytes(leaf.value)
     return out
 
 
@@ -36,32 +36,26 @@ def state_slots(optimizer: Any, model: Any) -> dict[Part, int]:
     that mirrors no parameter (step counts) stays on the device, uncounted."""
     owned = [(s, field_of(s.owner_path)) for s in _owned(optimizer, model)]
     unnamed = {field for s, field in owned if s.part is None}
-    out: dict[Part, int] = {}
+    out: Counter[Part] = Counter()
     for s, field in owned:
         slot = Part(field) if field in unnamed else Part(field, slot=s.part)
-        out[slot] = out.get(slot, 0) + _nbytes(s.leaf.value)
+        out[slot] += _nbytes(s.leaf.value)
     return out
 
 
-def estimates(
-    params: dict[str, int],
-    slots: dict[Part, int],
-    tables: dict[str, int],
-    copies: dict[str, int],
-    offered: list,
-) -> dict[Move, int]:
-    """The device bytes each single move frees, before compiling anything: a
-    field's parameters (`param_bytes`), a slot's optimizer state (`state_slots`),
-    a streamed table (`tables_of`), a field's compute copies (`copies_of`), a
-    checkpoint name's saved bytes (`checkpoint_names`)."""
-    out = {Move("params", Part(f), "pinned_host"): n for f, n in params.items()}
-    out |= {Move("opt_state", s, "pinned_host"): n for s, n in slots.items()}
-    out |= {Move("host_tables", t, "pinned_host"): n for t, n in tables.items()}
-    out |= {Move("copies", f, "pinned_host"): n for f, n in copies.items()}
-    for n in offered:
-        out[Move("residual", n.name, "offload")] = n.bytes
-        out[Move("residual", n.name, "recompute")] = n.bytes
-    return out
+def estimates(sizes: dict[Knob, dict[Any, int]], offered: list) -> dict[Move, int]:
+    """The device bytes each single move frees, before compiling anything: of
+    each knob, the bytes of what it moves (`sizes`: a field's parameters by its
+    `Part`, `param_bytes`; a slot's optimizer state, `state_slots`; a streamed
+    table, `tables_of`; a field's compute copies, `copies_of`), and a checkpoint
+    name's saved bytes (`checkpoint_names`), offloaded or recomputed."""
+    out: dict[Move, int] = {}
+    for knob, of in sizes.items():
+        out |= {Move(knob, name, "pinned_host"): n for name, n in of.items()}
+    choices = ("offload", "recompute")
+    return out | {
+        Move("residual", n.name, c): n.bytes for n in offered for c in choices
+    }
 
 
 def copies_of(model: Any, dtypes: tuple[str | None, ...]) -> dict[str, int]:
@@ -71,13 +65,12 @@ def copies_of(model: Any, dtypes: tuple[str | None, ...]) -> dict[str, int]:
     leaf in another dtype; none without a compute dtype offered."""
     out: dict[str, int] | None = None
     for dtype in [jnp.dtype(d) for d in dtypes if d is not None]:
-        sizes: dict[str, int] = {}
+        sizes: dict[str, int] = Counter()
         for leaf in _paths.leaves(model):
             x = leaf.value
             floating = is_trainable(x) and jnp.issubdtype(x.dtype, jnp.floating)
             if floating and x.dtype != dtype:
-                field = field_of(leaf.path)
-                sizes[field] = sizes.get(field, 0) + x.size * dtype.itemsize
+                sizes[field_of(leaf.path)] += x.size * dtype.itemsize
         if out is not None:  # under every dtype, the widest copies
             sizes = {f: max(n, sizes[f]) for f, n in out.items() if f in sizes}
         out = sizes
@@ -90,12 +83,11 @@ def parts_of(
     """The parts one level down (`Part("blocks", "mlp")`) of each top-level field
     with two or more, and of each of its state slots, which `plan` can place apart
     from the rest of the field; with the device bytes each frees by estimate."""
-    sizes: dict[Move, int] = {}
+    sizes: Counter[Move] = Counter()
     children: dict[Part, list[Part]] = {}
 
     def add(knob: Knob, part: Part, n: int) -> None:
-        move = Move(knob, part, "pinned_host")
-        sizes[move] = sizes.get(move, 0) + n
+        sizes[Move(knob, part, "pinned_host")] += n
         if part not in children.setdefault(part.whole, []):
             children[part.whole].append(part)
 

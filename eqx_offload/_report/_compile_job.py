@@ -21,7 +21,7 @@ from .._memory_kinds import is_arraylike, kind_of
 from .._train_step import TrainStep
 from .._transform import Offloaded
 from ._memory_table import PARTS
-from ._targets import abstract
+from ._targets import abstract, Where
 
 
 def nbytes(x: Any, per_chip: bool = False) -> int:
@@ -93,7 +93,7 @@ def policy_of(fn: Any) -> Any:
 
 
 def abstract_arguments(
-    fn: Any, args: tuple, kwargs: dict, where: Any, platform: str
+    fn: Any, args: tuple, kwargs: dict, where: Where, platform: str
 ) -> tuple[tuple, dict]:
     """The arguments as abstract values on the target's devices. On a slice, the
     batch a `train_step` with `Policy(batch=...)` lays out is not replicated."""

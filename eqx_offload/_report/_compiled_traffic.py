@@ -22,34 +22,34 @@ from typing import NamedTuple
 from .. import _compiler, _scopes
 from .._compiler import Computation, Instruction
 from . import _traffic
+from ._costs import Program
 from ._hlo_program import made, moved, Walker
 from ._traffic import Transfer
 
 
 def count(
-    text: str,
+    program: Program,
     inputs: Sequence[tuple[str, str]],
     outputs: Sequence[tuple[str, str]],
     traced: Sequence[Transfer],
 ) -> tuple[Transfer, ...]:
-    """The transfers of a compiled module (its HLO text), summed by direction,
+    """The transfers of a compiled module (`program`), summed by direction,
     phase, what and name. `inputs`: (what, name) of each of its parameters;
     `outputs`: of its first outputs (a step's new parameters and optimizer state),
     written back in the update; `traced`: the traced program's transfers, whose
     phase a transfer the compiler made (without a named scope) takes when it
     moves the same leaf."""
-    comps, entry = _compiler.parse_hlo(text)
-    walker = Walker(comps, entry)
+    comps, entry, walker = program.comps, program.entry, program.walker
     phases: dict[tuple, set[str]] = defaultdict(set)
     for t in traced:
         phases[t.direction, t.what, t.name].add(t.phase)
     results = _results(comps[entry]) if entry in comps else {}
-    program = _Program(walker, results, phases, inputs, outputs)
+    found = _Program(walker, results, phases, inputs, outputs)
     totals: dict[tuple, int] = defaultdict(int)
     for comp, times in walker.visits():
         for inst in comp.insts.values():
             for direction, nbytes, source, label in _moves(comp, inst):
-                key = program.key(comp, inst, direction, source, label)
+                key = found.key(comp, inst, direction, source, label)
                 totals[key] += nbytes * times
     return _traffic.rows(totals)
 
@@ -97,7 +97,8 @@ class _Program(NamedTuple):
 def _what(found: tuple[str, str] | None, scope: str, update: bool) -> tuple[str, str]:
     """What a move carries and its name (`_traffic.named`): the step argument it
     comes from (`found`), else what its named scope says."""
-    what, name = _traffic.named(found or ("", ""), _label(scope), update)
+    label = _traffic.label(scope, (_scopes.VOCAB_BLOCKS, _scopes.UPDATE))
+    what, name = _traffic.named(found or ("", ""), label, update)
     if what == "gradients" and not name and not update:
         # Computed in the forward or backward pass: a gradient, an offloaded
         # residual or an accumulator; the compiled program does not say which.
@@ -172,11 +173,3 @@ def _users_scope(comp: Computation, name: str, depth: int = 3) -> str:
                 if found:
                     return found
     return ""
-
-
-def _label(op_name: str) -> str:
-    """The innermost named scope of an instruction's `op_name` that is not one of
-    the library's own."""
-    ours = (_scopes.VOCAB_BLOCKS, _scopes.UPDATE)
-    scopes = [s for s in _compiler.named_scopes(op_name) if s not in ours]
-    return scopes[-1] if scopes else ""

@@ -310,19 +310,16 @@ class Program:
         return direction, sum(totals.values())
 
 
-def host_temporaries(text: str, platform: str) -> int:
-    """An estimate of the host memory a host computation of a compiled program's
-    text takes while it runs, besides its parameters and results (the compiler's
+def host_temporaries(program: Program) -> int:
+    """An estimate of the host memory a host computation of a compiled program
+    takes while it runs, besides its parameters and results (the compiler's
     memory analysis counts the buffers of the program that calls it, not those of
     the computation it runs on the host): one array of the largest shape it
     computes. A CPU compiler that fuses the elementwise work into loops writes out
     at most such a value shared by two loops (the clipped gradient Adam's two
     moments read); the unfused text would hold many. The largest over the host
-    computations, which run one at a time (0, unparsed, for a program without host
+    computations, which run one at a time (0 for a program without host
     compute)."""
-    if not _compiler.has_host_compute(text):
-        return 0
-    program = Program(text, platform)
     comps = program.comps.values()
     calls = [
         name for c in comps for inst in c.insts.values() for name in inst.host_calls

@@ -4,6 +4,7 @@
 what to change.
 """
 
+import functools
 from typing import Any, Literal, NamedTuple
 
 from .. import _compiler, _paths
@@ -11,10 +12,22 @@ from .._errors import see
 from .._policy import Policy
 from ._memory_report_type import ResidualRow
 from ._memory_table import DESCRIPTIONS, host_advice, UNNAMED
+from ._targets import Where
 from ._units import device_word, host_total, one_device, size_text
 
 
 Memory = Literal["device", "host"]
+
+
+class Held(NamedTuple):
+    """What a step holds, by memory kind: its arguments, parameters and optimizer
+    state (`None` unless a `train_step`/`filter_offload`), and what it saves for the
+    backward pass."""
+
+    arguments: dict[str, dict[str, int]]
+    params: dict[str, int] | None = None
+    opt_state: dict[str, int] | None = None
+    residuals: tuple[ResidualRow, ...] | None = None
 
 
 class DoesNotFit(ValueError):
@@ -63,8 +76,8 @@ class DoesNotFit(ValueError):
         message: str,
         *,
         target: str,
-        compiler_message: str,
-        arguments: dict[str, dict[str, int]],
+        compiler_message: str = "",
+        arguments: dict[str, dict[str, int]] | None = None,
         params: dict[str, int] | None = None,
         opt_state: dict[str, int] | None = None,
         residuals: tuple[ResidualRow, ...] | None = None,
@@ -79,7 +92,7 @@ class DoesNotFit(ValueError):
         self.required_bytes, self.available_bytes = found
         self.host_required_bytes, self.host_available_bytes = host_sizes
         self.exceeded = exceeded
-        self.arguments = arguments
+        self.arguments = {} if arguments is None else arguments
         self.params = params
         self.opt_state = opt_state
         self.residuals = residuals
@@ -87,38 +100,25 @@ class DoesNotFit(ValueError):
 
     def __reduce__(self) -> tuple:
         """Pickled whole, figures and all (`plan` receives it from a child process)."""
-        return _unpickled, (type(self), str(self)), self.__dict__
-
-
-def _unpickled(cls: type[DoesNotFit], message: str) -> DoesNotFit:
-    """A `DoesNotFit` with `message`; pickle restores its figures."""
-    error = cls.__new__(cls)
-    ValueError.__init__(error, message)
-    return error
+        made = functools.partial(type(self), target=self.target)
+        return made, (str(self),), self.__dict__
 
 
 def too_big(
     message: str,
-    *,
-    target: str,
-    is_slice: bool,
-    per_device: bool,
+    where: Where,
     compiled: str,
     policy: Policy | None,
-    params: dict[str, int] | None,
-    opt_state: dict[str, int] | None,
-    residuals: tuple[ResidualRow, ...] | None,
-    arguments: dict[str, dict[str, int]],
-    capacity: int | None,
+    held: Held,
     host_capacity: int | None,
     sizes: tuple[int, int] | None = None,
     host_bytes: int | None = None,
 ) -> DoesNotFit:
     """`memory_report`'s error for what it `compiled` (`"train_step"`: "a train
-    step"), too big for one device of `target` (`"one tpu-v5e chip"`, `"one GPU of
-    gpu-h100:8"` of a slice).
+    step"), too big for one device of what it compiles for (`where`: `"one tpu-v5e
+    chip"`, `"one GPU of gpu-h100:8"` of a slice).
 
-    The error says what the step holds. It says whether its host memory exceeds
+    The error says what the step holds (`held`). It says whether its host memory exceeds
     `host_capacity` too. That memory is `host_bytes`. Where the compile failed, it
     is the host-resident arguments (a floor). It advises what would shrink each
     memory it exceeds. It never advises the placement of `policy`, the policy in
@@ -126,37 +126,30 @@ def too_big(
     our own.
     """
     said = "" if sizes is not None else "the compiler says: "
+    target, is_slice = where.name, where.is_slice
     u = device_word(target)
     lines = [
         f"`memory_report`: {DESCRIPTIONS[compiled]} does not fit in the device "
         f"memory of {one_device(target, is_slice)}; {said}"
         f"{message.strip().rstrip('.')}.",
         "What it holds, by memory kind (device / host"
-        + (f", per {u}" if per_device else "")
+        + (f", per {u}" if where.mesh is not None else "")
         + "):",
     ]
-    lines += _holdings(params, opt_state, residuals, arguments, is_slice)
-    on_host = sum(host_total(by_kind) for by_kind in arguments.values())
+    lines += _holdings(held, is_slice)
+    on_host = sum(host_total(by_kind) for by_kind in held.arguments.values())
     host_need = on_host if host_bytes is None else host_bytes
     host_full = host_capacity is not None and host_need > host_capacity
     if host_capacity is not None and host_need:
         lines.append(_host_line(on_host, host_bytes, host_capacity, host_full, u))
     advice = device_advice(
-        target=target,
-        is_slice=is_slice,
-        compiled=compiled,
-        policy=policy,
-        params=params,
-        opt_state=opt_state,
-        residuals=residuals,
-        capacity=capacity,
-        host_full=host_full,
+        held, target, is_slice, compiled, policy, where.capacity, host_full
     )
     lines += ["To shrink the device memory:"] + [f"  - {a}" for a in advice]
     if host_full:
         assert host_capacity is not None
         advice = host_advice(
-            target, opt_state, residuals, host_capacity, device_room=False
+            target, held.opt_state, held.residuals, host_capacity, device_room=False
         )
         lines += ["To shrink the host memory:"] + [f"  - {a}" for a in advice]
     lines.append(
@@ -167,10 +160,7 @@ def too_big(
         "\n".join(lines),
         target=target,
         compiler_message=message,
-        arguments=arguments,
-        params=params,
-        opt_state=opt_state,
-        residuals=residuals,
+        **held._asdict(),
         sizes=sizes,
         host_sizes=(None if host_capacity is None else host_need, host_capacity),
         exceeded=("device", "host") if host_full else ("device",),
@@ -195,21 +185,15 @@ def _host_line(
     )
 
 
-def _holdings(
-    params: dict[str, int] | None,
-    opt_state: dict[str, int] | None,
-    residuals: tuple[ResidualRow, ...] | None,
-    arguments: dict[str, dict[str, int]],
-    is_slice: bool,
-) -> list[str]:
+def _holdings(held: Held, is_slice: bool) -> list[str]:
     """The rows of what a step holds: device / host bytes of each part."""
-    if params is not None and opt_state is not None:
-        rows = [("parameters", params), ("optimizer state", opt_state)]
+    if held.params is not None and held.opt_state is not None:
+        rows = [("parameters", held.params), ("optimizer state", held.opt_state)]
     else:
-        rows = [(f"argument {name}", by_kind) for name, by_kind in arguments.items()]
-    if residuals is not None:
+        rows = [(f"argument {name}", by) for name, by in held.arguments.items()]
+    if held.residuals is not None:
         saved: dict[str, int] = {}
-        for r in residuals:
+        for r in held.residuals:
             saved[r.memory_kind] = saved.get(r.memory_kind, 0) + r.bytes
         label = "saved for the backward pass"
         rows.append((label + (" (whole arrays)" if is_slice else ""), saved))
@@ -235,39 +219,36 @@ class _OnDevice(NamedTuple):
 
 
 def device_advice(
-    *,
+    held: Held,
     target: str,
     is_slice: bool,
     compiled: str,
     policy: Policy | None,
-    params: dict[str, int] | None,
-    opt_state: dict[str, int] | None,
-    residuals: tuple[ResidualRow, ...] | None,
     capacity: int | None,
     host_full: bool,
 ) -> list[str]:
     """What would shrink the device memory of a step too big for one device.
 
-    The device is one of `target`. The step runs under `policy` (`None` for a plain
-    function).
+    The step holds `held`. The device is one of `target`, of `capacity` bytes. The
+    step runs under `policy` (`None` for a plain function).
 
     Only the moves that change something: a part still on the device, a preset
     other than `policy`. No move to the host when its memory is full too
     (`host_full`).
     """
     saved: dict[str, int] = {}
-    for r in residuals or ():
+    for r in held.residuals or ():
         if r.memory_kind == "device":
             saved[r.name] = saved.get(r.name, 0) + r.bytes
-    held = _OnDevice(
-        params=(params or {}).get("device", 0),
-        opt_state=(opt_state or {}).get("device", 0),
+    on = _OnDevice(
+        params=(held.params or {}).get("device", 0),
+        opt_state=(held.opt_state or {}).get("device", 0),
         saved=saved,
         least=max(int((capacity or 2**30) * WORTH), 1),
     )
-    advice = [] if host_full else _to_the_host(held)
-    advice += _residual_advice(held, policy, host_full)
-    both = held.params >= held.least and held.opt_state >= held.least
+    advice = [] if host_full else _to_the_host(on)
+    advice += _residual_advice(on, policy, host_full)
+    both = on.params >= on.least and on.opt_state >= on.least
     if not host_full and both and not _placed_as(policy, "offload_all"):
         advice.append("all of these at once: `Policy.offload_all()`")
     if compiled == "function" and not host_full:

@@ -9,6 +9,7 @@ table per target, sourced below. Any figure can be replaced (`dataclasses.replac
 import dataclasses
 import math
 import os
+import pathlib
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -24,6 +25,7 @@ from ._hardware_table import (
     ROWS,
     TPU_ASSUMED,
 )
+from ._targets import parse
 
 
 # Matmul precisions, as the compiled program runs them (`_step_time.precision`):
@@ -149,7 +151,7 @@ class Hardware:
 
     def __post_init__(self) -> None:
         where = f"`Hardware(name={self.name!r})`"
-        _check_rates(where, self._rates())
+        _check_rates(where, self)
         unknown = set(self.matmul_flops) - set(PRECISIONS)
         if unknown or "bf16" not in self.matmul_flops:
             raise ValueError(
@@ -162,15 +164,6 @@ class Hardware:
         object.__setattr__(self, "matmul_flops", dict(self.matmul_flops))
         object.__setattr__(self, "error", {**_ASSUMED_ERROR, **self.error})
         object.__setattr__(self, "labels", dict(self.labels))
-
-    def _rates(self) -> dict[str, Any]:
-        """The figures that must be positive, by name."""
-        rates = {f: getattr(self, f) for f in _RATES if f != "matmul_flops"}
-        if self.both_ways_bytes_per_second is not None:
-            rates["both_ways_bytes_per_second"] = self.both_ways_bytes_per_second
-        rates.update({f"matmul_flops[{k!r}]": v for k, v in self.matmul_flops.items()})
-        rates.update({f"error[{k!r}]": v for k, v in self.error.items()})
-        return rates
 
     def label(self, field: str) -> Origin:
         """Where `field`'s figure comes from: `"measured"`, `"nominal"` or
@@ -230,8 +223,7 @@ class Hardware:
 
         where = f"`Hardware.from_measurements({str(path)!r})`"
         try:
-            with open(path) as f:
-                data = json.load(f)
+            data = json.loads(pathlib.Path(path).read_text())
         except (OSError, ValueError) as e:
             raise ValueError(
                 f"{where}: cannot read it ({e}). Give the file "
@@ -275,10 +267,7 @@ class Hardware:
     def of(cls, target: str) -> "Hardware":
         """The table's entry for one device of `target` (`"tpu-v5e"`,
         `"tpu-v5e:4x4"`, `"gpu-h100:8"`, ...)."""
-        from . import _targets  # (the target's grammar, and its errors)
-
-        chip, _ = _targets.parse(target)
-        return TABLE[chip]
+        return TABLE[parse(target)[0]]  # (the target's grammar, and its errors)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"matmul_flops": dict(self.matmul_flops)}
@@ -294,7 +283,13 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _check_rates(where: str, rates: dict[str, Any]) -> None:
+def _check_rates(where: str, hw: Hardware) -> None:
+    """The figures of `hw` that must be positive are."""
+    rates = {f: getattr(hw, f) for f in _RATES if f != "matmul_flops"}
+    if hw.both_ways_bytes_per_second is not None:
+        rates["both_ways_bytes_per_second"] = hw.both_ways_bytes_per_second
+    rates.update({f"matmul_flops[{k!r}]": v for k, v in hw.matmul_flops.items()})
+    rates.update({f"error[{k!r}]": v for k, v in hw.error.items()})
     for field, value in rates.items():
         if not _is_number(value) or not math.isfinite(value) or value <= 0:
             raise ValueError(

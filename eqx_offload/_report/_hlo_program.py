@@ -5,23 +5,16 @@ that move data between host memory (memory space 5) and device memory.
 `_compiled_traffic.py` attributes the moves; `_costs.py` prices them."""
 
 from collections.abc import Iterator
-from typing import Literal, NamedTuple
 
 from .. import _compiler
 from .._compiler import Computation, Instruction
 
 
+# Operations that can move data between host and device memory (`moved`).
+_MOVES = ("dynamic-slice", "slice", "copy", "dynamic-update-slice")
 # Operations whose result is (a piece of, a view of) their first operand (as is
 # every `*-done`'s).
-_PASS = {
-    "bitcast",
-    "copy",
-    "copy-start",
-    "dynamic-slice",
-    "slice",
-    "reshape",
-    "dynamic-update-slice",
-}
+_PASS = {*_MOVES, "bitcast", "copy-start", "reshape"}
 
 
 class Walker:
@@ -50,19 +43,27 @@ class Walker:
                     stack.append((callee, times * n))
 
     def _callees(self, comp: Computation, inst: Instruction) -> list[tuple[str, int]]:
-        if inst.opcode == "while":
-            body = inst.computation("body")
-            trips = self.trips(comp, inst)
-            return [(body, trips)] if body else []
+        found = self.control(comp, inst)
+        if found is not None:
+            return found
         if inst.opcode.endswith(("-done", "-update")):
             return []  # the computation an asynchronous start called
-        if inst.opcode == "conditional":
-            names = inst.branches
-            # One branch runs; which one the text does not say: the first (the
-            # platform choices the library makes are resolved by then).
-            return [(n, 1) for n in names[:1]]
         callee = inst.computation("calls")
         return [(callee, 1)] if callee else []
+
+    def control(
+        self, comp: Computation, inst: Instruction
+    ) -> list[tuple[str, int]] | None:
+        """The computations a loop or conditional `inst` runs, with how many times
+        each: a loop's body per trip; of a conditional, one branch. Which one the
+        text does not say: the first (the platform choices the library makes are
+        resolved by then). `None` for other instructions."""
+        if inst.opcode == "while":
+            body = inst.computation("body")
+            return [(body, self.trips(comp, inst))] if body else []
+        if inst.opcode == "conditional":
+            return [(n, 1) for n in inst.branches[:1]]
+        return None
 
     def trips(self, comp: Computation, inst: Instruction) -> int:
         """How many times the loop `inst` (of `comp`) runs: its known trip count,
@@ -148,9 +149,6 @@ def _start(comp: Computation, loop: Instruction, counter: Instruction) -> int:
     return (element.constant if element else None) or 0
 
 
-_MOVES = ("dynamic-slice", "slice", "copy", "dynamic-update-slice")
-
-
 def moved(comp: Computation, inst: Instruction) -> tuple[str, int, str] | None:
     """(direction, bytes, the operand moved) if `inst` moves data between host and
     device memory: synchronously, or the start of an asynchronous move."""
@@ -195,90 +193,3 @@ def made(inst: Instruction) -> str:
     if len(parts) < 2:
         return ""
     return parts[0] if inst.opcode == "copy-start" else parts[1]
-
-
-class Event(NamedTuple):
-    """One step of a loop body's schedule: the start or end of a move between host
-    and device memory, or a matmul."""
-
-    what: Literal["read", "write", "matmul"]  # read: host to device
-    phase: Literal["start", "done", ""]
-    start: str  # the name of the move's start instruction ("" for a matmul)
-    nbytes: int = 0
-
-
-def loop_schedules(module: _compiler.HloModule) -> dict[str, list[Event]]:
-    """Each `while` body of a scheduled program (one compiled for a TPU or GPU),
-    with its host-memory moves and matmuls in the order the compiler scheduled
-    them. A move is asynchronous (a `*-start` and its `*-done`; a GPU's is a
-    `fusion-start` of a wrapped slice); a synchronous one (a `fusion` of a slice)
-    is a start and a done in a row."""
-    comps = module.computations
-    bodies = {
-        inst.computation("body")
-        for comp in comps.values()
-        for inst in comp.insts.values()
-        if inst.opcode == "while"
-    }
-    out = {}
-    for name in sorted(b for b in bodies if b in comps):
-        comp = comps[name]
-        events: list[Event] = []
-        starts: dict[str, Event] = {}
-        for inst in comp.insts.values():
-            move = _async_move(comps, comp, inst)
-            if move is not None:
-                direction, nbytes = move
-                what = "read" if direction == "host_to_device" else "write"
-                event = Event(what, "start", inst.name, nbytes)
-                if inst.opcode.endswith("-start"):
-                    starts[inst.name] = event
-                    events.append(event)
-                else:
-                    events += [event, event._replace(phase="done")]
-            elif inst.opcode.endswith("-done") and inst.operands:
-                begun = starts.get(inst.operands[0])
-                if begun is not None:
-                    events.append(begun._replace(phase="done"))
-            elif _is_matmul(comps, inst):
-                events.append(Event("matmul", "", ""))
-        out[name] = events
-    return out
-
-
-def _async_move(
-    comps: dict[str, Computation], comp: Computation, inst: Instruction
-) -> tuple[str, int] | None:
-    found = moved(comp, inst)
-    if found is None and inst.opcode in ("fusion-start", "fusion"):
-        # A fusion of a slice (then, perhaps, a copy into another layout).
-        called = comps.get(inst.computation("calls") or "")
-        if called is not None:
-            for inner in called.insts.values():
-                found = moved(called, inner) if inner.opcode in _MOVES else None
-                if found is not None:
-                    break
-    return None if found is None else found[:2]
-
-
-def _is_matmul(comps: dict[str, Computation], inst: Instruction) -> bool:
-    """A `dot` or `convolution`, a cuBLAS call, or a fusion of one."""
-    if inst.opcode in ("dot", "convolution"):
-        return True
-    if inst.opcode == "custom-call":
-        return "cublas" in inst.attrs
-    if inst.opcode == "fusion":
-        called = comps.get(inst.computation("calls") or "")
-        if called is not None:
-            return any(
-                i.opcode in ("dot", "convolution") for i in called.insts.values()
-            )
-    return False
-
-
-def order(events: list[Event]) -> str:
-    """A schedule as letters: `S`/`D` a read's start and done, `s`/`d` a write's,
-    `g` a matmul."""
-    letters = {("read", "start"): "S", ("read", "done"): "D"}
-    letters |= {("write", "start"): "s", ("write", "done"): "d"}
-    return "".join(letters.get((e.what, e.phase), "g") for e in events)

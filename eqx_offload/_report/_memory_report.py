@@ -30,11 +30,12 @@ from ._compile_job import (
     policy_of,
     split_estimate,
 )
-from ._does_not_fit import DoesNotFit, too_big
+from ._does_not_fit import DoesNotFit, Held, too_big
 from ._hardware import Hardware
 from ._memory_report_type import DESCRIPTIONS, MemoryReport
 from ._memory_table import PARTS
 from ._saved_for_backward import differentiated, Saved, saved_for_backward
+from ._targets import Where, where_of
 from ._units import host_total, size_text
 
 
@@ -212,7 +213,7 @@ def memory_report(
         report.host_bytes_per_host                # one host (4 chips)
         ```
     """
-    where = _where(target, (args, kwargs))
+    where = where_of(target, (args, kwargs))
     on_target = where.mesh is not None
     platform = _targets.platform(where.name) if on_target else jax.default_backend()
     hardware = _step_time.hardware_for(target, platform, hardware)
@@ -242,12 +243,11 @@ def _host_capacity(traced: "_TracedJob") -> int | None:
     return hardware.host_memory_bytes if on_target and hardware else None
 
 
-def _held(traced: "_TracedJob") -> dict[str, Any]:
-    """What the step holds, by memory kind: its arguments, parameters and optimizer
-    state (per chip on a target), and what it saves for the backward pass."""
+def _held(traced: "_TracedJob") -> Held:
+    """What the step holds, by memory kind (per chip on a target)."""
     job = traced.job
     count = functools.partial(bytes_by_kind, per_chip=traced.where.mesh is not None)
-    return dict(
+    return Held(
         arguments={k: count(v) for k, v in job.arguments.items()},
         params=None if job.params is None else count(job.params),
         opt_state=None if job.opt_state is None else count(job.opt_state),
@@ -260,7 +260,7 @@ class _TracedJob(NamedTuple):
     compiled for."""
 
     fn: Any  # what `memory_report` was given
-    where: "_Where"
+    where: Where
     platform: str  # the compiler's
     hardware: Hardware | None  # the rates its step time is priced at
     job: CompileJob
@@ -331,7 +331,10 @@ def _build(traced: _TracedJob, compiled: Any, stats: Any) -> MemoryReport:
     else:
         device = {p: int(getattr(stats, f"{p}_size_in_bytes")) for p in PARTS}
         host = {p: int(getattr(stats, f"host_{p}_size_in_bytes")) for p in PARTS}
-    text = compiled.as_text() if platform in ("tpu", "gpu") else None
+    # (Parsed once, for the traffic, the step time and host compute's temporaries.)
+    program = None
+    if platform in ("tpu", "gpu"):
+        program = _costs.Program(compiled.as_text(), platform)
     return MemoryReport(
         target=where.name,
         capacity=where.capacity,
@@ -339,25 +342,25 @@ def _build(traced: _TracedJob, compiled: Any, stats: Any) -> MemoryReport:
         estimate=estimate,
         device=device,
         host=host,
-        **_held(traced),
+        **_held(traced)._asdict(),
         largest_unnamed=None if saved is None else saved.largest_unnamed,
         chips=where.chips,
         chips_per_host=where.chips_per_host,
         host_capacity=_host_capacity(traced),
         transfers=transfers,
         compiled_transfers=None
-        if text is None
-        else _compiled_traffic.count(text, inputs(job), outputs(job), transfers),
+        if program is None
+        else _compiled_traffic.count(program, inputs(job), outputs(job), transfers),
         time=None
-        if text is None or hardware is None
+        if program is None or hardware is None
         else _step_time.estimate(
-            text, hardware, platform, compile_options_of(traced.fn, platform)
+            program, hardware, platform, compile_options_of(traced.fn, platform)
         ),
-        host_compute_temp=_costs.host_temporaries(text or "", platform),
+        host_compute_temp=0 if program is None else _costs.host_temporaries(program),
     )
 
 
-def _check_host_kept(report: MemoryReport, where: "_Where") -> None:
+def _check_host_kept(report: MemoryReport, where: Where) -> None:
     """Refuses a GPU compile that counted host arguments as device memory.
 
     This is the trap `_compat.named_sharding` works around. It refuses, not misreports.
@@ -369,36 +372,6 @@ def _check_host_kept(report: MemoryReport, where: "_Where") -> None:
         )
 
 
-class _Where(NamedTuple):
-    """What `memory_report` compiles for."""
-
-    name: str  # the target, or this backend's name
-    mesh: Any  # the TPU mesh arguments are laid out on; None for this backend
-    source: Any  # the mesh the arguments name (a slice target), or None
-    chip_mesh: Any  # one chip of the target, to compile leaves alone on
-    capacity: int | None
-    chips: int | None
-    chips_per_host: int | None
-
-    @property
-    def is_slice(self) -> bool:
-        return self.chips is not None and self.chips > 1
-
-
-def _where(target: str | None, trees: Any) -> _Where:
-    if target is None:
-        return _Where(jax.default_backend(), None, None, None, None, None, None)
-    _, topology = _targets.parse(target)
-    capacity = _targets.capacity(target)
-    chip_mesh = _targets.chip_mesh(target)
-    if topology is None:
-        return _Where(target, chip_mesh, None, chip_mesh, capacity, 1, 1)
-    source = _mesh.tree_mesh(trees, abstract=True)
-    mesh = _targets.slice_mesh(target, source)
-    chips, per_host = mesh.size, _targets.chips_per_host(target)
-    return _Where(target, mesh, source, chip_mesh, capacity, chips, per_host)
-
-
 def _too_big(
     traced: _TracedJob,
     message: str,
@@ -408,17 +381,13 @@ def _too_big(
     """The error for a program too big for the device memory it is compiled for
     (`_does_not_fit.too_big`), with the compiler's `message`, and what is known
     of the program without compiling it."""
-    where = traced.where
     return too_big(
         message,
-        target=where.name,
-        is_slice=where.is_slice,
-        per_device=where.mesh is not None,
-        compiled=traced.job.compiled,
-        policy=policy_of(traced.fn),
-        **_held(traced),
-        capacity=where.capacity,
-        host_capacity=_host_capacity(traced),
-        sizes=sizes,
-        host_bytes=host_bytes,
+        traced.where,
+        traced.job.compiled,
+        policy_of(traced.fn),
+        _held(traced),
+        _host_capacity(traced),
+        sizes,
+        host_bytes,
     )

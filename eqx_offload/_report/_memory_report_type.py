@@ -210,11 +210,8 @@ class MemoryReport:
     def fits(self) -> bool | None:
         """Whether the step fits both memories of one chip. `False` if it exceeds either
         (`fits_device`, `fits_host`), `None` if one is not known."""
-        if self.fits_device is False or self.fits_host is False:
-            return False
-        if self.fits_device is None or self.fits_host is None:
-            return None
-        return True
+        both = (self.fits_device, self.fits_host)
+        return False if False in both else None if None in both else True
 
     @property
     def host_bytes(self) -> int:
@@ -298,17 +295,11 @@ class MemoryReport:
         return "\n".join(_memory_table.lines(self))
 
 
-# What `to_dict` adds to the fields.
-_DERIVED = (
-    "fits",
-    "fits_device",
-    "fits_host",
-    "device_bytes",
-    "host_bytes",
-    "host_bytes_per_host",
-    "host_to_device_bytes",
-    "device_to_host_bytes",
-)
+# What `to_dict` adds to the fields: the figures derived from them (its properties
+# but `kind`, which raises).
+_DERIVED = [
+    k for k, v in vars(MemoryReport).items() if isinstance(v, property) and k != "kind"
+]
 
 
 def _plain(value: Any) -> Any:

@@ -79,7 +79,7 @@ def _capacities(r: Any) -> list[str]:
     if r.capacity is not None or r.host_capacity is not None:
         label = f"capacity of one {device_word(r.target)}"
         lines.append(row(label, r.capacity, r.host_capacity))
-        lines.append(row("  verdict", _verdict(r.fits_device), _verdict(r.fits_host)))
+        lines.append(row("  verdict", _VERDICTS[r.fits_device], _VERDICTS[r.fits_host]))
     if r.fits_host is False:
         lines.append("  the host memory is exceeded; to shrink it:")
         room = r.fits_device is True  # (to keep some of it there)
@@ -133,8 +133,7 @@ def _residual_lines(r: Any) -> list[str]:
     return lines + _unnamed_hints({name for name in totals if name in UNNAMED})
 
 
-def _verdict(fits: bool | None) -> str:
-    return {None: "", True: "fits", False: "does NOT fit"}[fits]
+_VERDICTS = {None: "", True: "fits", False: "does NOT fit"}
 
 
 def host_advice(

@@ -14,6 +14,8 @@ from ._hardware import Hardware
 
 
 _On = Literal["link", "device", "host"]  # what a started instruction occupies
+# What the device waiting on each counts as.
+_WAITS = {"link": "exposed", "host": "host_bound", "device": "hbm_bound"}
 # The host link: each direction, and both together.
 _LINKS = ("host_to_device", "device_to_host", "both")
 
@@ -83,14 +85,10 @@ class _Run:
     def wait(self, until: float, on: _On, phase: str = "") -> None:
         """Moves the clock to `until`, counting the wait against what it is on."""
         if until > self.clock:
-            t = self.tally
+            field = _WAITS[on]
+            setattr(self.tally, field, getattr(self.tally, field) + until - self.clock)
             if on == "link":
-                t.exposed += until - self.clock
-                t.exposed_by_phase[phase] += until - self.clock
-            elif on == "host":
-                t.host_bound += until - self.clock
-            else:
-                t.hbm_bound += until - self.clock
+                self.tally.exposed_by_phase[phase] += until - self.clock
             self.clock = until
 
 
@@ -219,20 +217,12 @@ class Replay:
     def _called(
         self, comp: Computation, inst: Instruction
     ) -> list[tuple[str, int]] | None:
-        """The computations a loop, conditional or call runs, with how many times each.
-
-        A loop runs its body per trip; a conditional, its first branch. `None` for other
-        instructions.
-        """
-        op = inst.opcode
-        if op == "while":
-            body = inst.computation("body")
-            return [(body, self.program.walker.trips(comp, inst))] if body else []
-        if op == "conditional":
-            return [(name, 1) for name in inst.branches[:1]]
-        if op == "call" and inst.computation("to_apply"):
+        """The computations a loop, conditional (`Walker.control`) or call runs,
+        with how many times each. `None` for other instructions."""
+        found = self.program.walker.control(comp, inst)
+        if found is None and inst.opcode == "call" and inst.computation("to_apply"):
             return [(inst.computation("to_apply") or "", 1)]
-        return None
+        return found
 
     def _device_work(self, run: _Run, comp: Computation, inst: Instruction) -> None:
         """An instruction that computes takes the longer of its matmul FLOPs and

@@ -29,9 +29,7 @@ class Saved(NamedTuple):
 
 
 def _label(r: _residuals.Residual) -> str:
-    if r.name is not None:
-        return r.name
-    return UNNAMED[1] if r.per_iteration else UNNAMED[0]
+    return r.name if r.name is not None else UNNAMED[1 if r.per_iteration else 0]
 
 
 def saved_for_backward(fun: Callable, *args: Any, **kwargs: Any) -> Saved:

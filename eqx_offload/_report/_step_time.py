@@ -183,13 +183,10 @@ def lines(t: StepTime) -> list[str]:
     """The step-time section of a report's table."""
     by = ", ".join(f"{p} {flops_text(n)}" for p, n in t.flops_by_precision.items())
     error = f"±{t.error:.0%} ({t.hardware.label('error')} for a {t.kind} step)"
+    flops = flops_text(t.flops) + (f": {by}" if by else "")
     rows = [
         ("step time (estimate)", t.seconds, f"{t.bound}-bound, {error}"),
-        (
-            "  compute",
-            t.compute_seconds,
-            flops_text(t.flops) + (f": {by}" if by else ""),
-        ),
+        ("  compute", t.compute_seconds, flops),
         ("  HBM", t.hbm_seconds, size_text(int(t.hbm_bytes))),
     ]
     for way, to in (("host_to_device", "device"), ("device_to_host", "host")):
@@ -280,12 +277,8 @@ def estimate(
         device_to_host_bytes=d2h,
         exposed_transfer_seconds=float(tally.exposed),
         hardware=hardware,
-        exposed_seconds_by_phase={
-            p: float(tally.exposed_by_phase.get(p, 0.0)) for p in PHASES
-        },
-        transfer_seconds_by_phase={
-            p: float(tally.link_by_phase.get(p, 0.0)) for p in PHASES
-        },
+        exposed_seconds_by_phase={p: tally.exposed_by_phase[p] for p in PHASES},
+        transfer_seconds_by_phase={p: tally.link_by_phase[p] for p in PHASES},
         host_compute_seconds=float(tally.host),
         host_compute_bytes=int(tally.host_bytes),
         host_compute_flops=float(tally.host_flops),

@@ -8,14 +8,14 @@ import os
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from .. import _compat, _paths
+from .. import _compat, _mesh, _paths
 from .._errors import see
 from .._memory_kinds import abstract_sharding, kind_of
 
@@ -69,20 +69,15 @@ def parse(target: str) -> tuple[str, str | None]:
     `"tpu-v5e:4x4"`, `("tpu-v5e", None)` for one chip, `("gpu-h100", "4x8")` for
     four hosts of eight H100s, `("gpu-h100", "8")` for one."""
     found = _TARGET.fullmatch(target) if isinstance(target, str) else None
-    chip = None if found is None else found["chip"]
-    topology = None if found is None else found["topology"]
-    known = chip in TOPOLOGIES or chip in GPU_SPECS
-    if (
-        found is None
-        or not known
-        or (chip in TOPOLOGIES and topology is not None and "x" not in topology)
-        or (chip in GPU_SPECS and topology is not None and topology.count("x") > 1)
-    ):
+    chip, topology = found.group("chip", "topology") if found else (None, None)
+    # A TPU slice's topology has an "x"; a GPU target's at most one.
+    xs = -1 if topology is None else topology.count("x")
+    if not (chip in TOPOLOGIES and xs != 0 or chip in GPU_SPECS and xs <= 1):
         raise ValueError(
             f"`memory_report(target={target!r})`: unknown target; valid targets: "
             f"{_FORMS}." + see(51)
         )
-    return found["chip"], found["topology"]
+    return chip, topology
 
 
 # The targets `fewest_chips` tries for each chip, fewest devices first: one chip,
@@ -146,22 +141,16 @@ def capacity(target: str) -> int:
     return int(int(found[1]) * share)
 
 
-def _import_cuda_plugin() -> None:
-    # The CUDA 12 plugin (the `gpu-aot` extra) or, on a machine set up for CUDA 13,
-    # that one: both register the same "cuda" platform.
-    for version in (12, 13):
+def _import(names: tuple[str, ...], message: str) -> None:
+    """Imports the first of `names` there is; else the `ImportError` `message`."""
+    missing = None
+    for name in names:
         try:
-            importlib.import_module(f"jax_plugins.xla_cuda{version}")
+            importlib.import_module(name)
             return
         except ImportError as e:
             missing = e
-    raise ImportError(
-        "`memory_report(target='gpu-...')` needs JAX's CUDA plugin, which is not "
-        "installed. Install it (no GPU or CUDA needed): `pip install "
-        f"jax-cuda12-plugin=={jax.__version__} "
-        f"jax-cuda12-pjrt=={jax.__version__}`, or from a clone, the `gpu-aot` "
-        "extra: `pip install -e '.[gpu-aot]'`."
-    ) from missing
+    raise ImportError(message) from missing
 
 
 @functools.cache
@@ -184,17 +173,6 @@ def _gpu_devices(chip: str, hosts: int, per_host: int) -> tuple[Any, ...]:
     return tuple(desc.devices)
 
 
-def _import_libtpu() -> None:
-    try:
-        import libtpu  # noqa: F401  # pyright: ignore[reportMissingImports]
-    except ImportError as e:
-        raise ImportError(
-            "`memory_report(target=...)` needs libtpu, which is not installed. Install "
-            f"it: `pip install 'jax[tpu]=={jax.__version__}'`, or from a clone of "
-            "eqx_offload, its `tpu` extra: `pip install -e '.[tpu]'`." + see(52)
-        ) from e
-
-
 @functools.cache
 def _topology_devices(name: str) -> tuple[Any, ...]:
     if os.environ.get("JAX_PLATFORMS") == "cpu":
@@ -215,7 +193,16 @@ def devices(target: str) -> tuple[Any, ...]:
     hosts, or the first chip of the smallest TPU topology, or one GPU."""
     chip, topology = parse(target)
     if chip in GPU_SPECS:
-        _import_cuda_plugin()
+        # The CUDA 12 plugin (the `gpu-aot` extra) or, on a machine set up for CUDA
+        # 13, that one: both register the same "cuda" platform.
+        _import(
+            ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"),
+            "`memory_report(target='gpu-...')` needs JAX's CUDA plugin, which is not "
+            "installed. Install it (no GPU or CUDA needed): `pip install "
+            f"jax-cuda12-plugin=={jax.__version__} "
+            f"jax-cuda12-pjrt=={jax.__version__}`, or from a clone, the `gpu-aot` "
+            "extra: `pip install -e '.[gpu-aot]'`.",
+        )
         sizes = [int(n) for n in (topology or "1").split("x")]
         hosts, per_host = sizes if len(sizes) == 2 else (1, sizes[0])
         try:
@@ -225,7 +212,12 @@ def devices(target: str) -> tuple[Any, ...]:
                 f"`memory_report(target={target!r})`: the CUDA plugin does not "
                 f"compile for these GPUs ({e}). Use {chip!r} or '{chip}:8'."
             ) from e
-    _import_libtpu()
+    _import(
+        ("libtpu",),
+        "`memory_report(target=...)` needs libtpu, which is not installed. Install "
+        f"it: `pip install 'jax[tpu]=={jax.__version__}'`, or from a clone of "
+        "eqx_offload, its `tpu` extra: `pip install -e '.[tpu]'`." + see(52),
+    )
     if topology is None:
         return _topology_devices(TOPOLOGIES[chip])[:1]
     name = f"{chip.removeprefix('tpu-')}:{topology}"
@@ -313,3 +305,34 @@ def abstract(
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
     named = _compat.named_sharding(mesh, PartitionSpec(), kind_of(x))
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named)
+
+
+class Where(NamedTuple):
+    """What `memory_report` compiles for."""
+
+    name: str  # the target, or this backend's name
+    mesh: Any  # the TPU mesh arguments are laid out on; None for this backend
+    source: Any  # the mesh the arguments name (a slice target), or None
+    chip_mesh: Any  # one chip of the target, to compile leaves alone on
+    capacity: int | None
+    chips: int | None
+    chips_per_host: int | None
+
+    @property
+    def is_slice(self) -> bool:
+        return self.chips is not None and self.chips > 1
+
+
+def where_of(target: str | None, trees: Any) -> Where:
+    """What `memory_report(..., target=target)` compiles for; a slice's mesh is
+    that of the arguments `trees`."""
+    if target is None:
+        return Where(jax.default_backend(), None, None, None, None, None, None)
+    _, topology = parse(target)
+    first_chip, room = chip_mesh(target), capacity(target)
+    if topology is None:
+        return Where(target, first_chip, None, first_chip, room, 1, 1)
+    source = _mesh.tree_mesh(trees, abstract=True)
+    mesh = slice_mesh(target, source)
+    chips, per_host = mesh.size, chips_per_host(target)
+    return Where(target, mesh, source, first_chip, room, chips, per_host)

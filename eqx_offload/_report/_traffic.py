@@ -14,7 +14,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
-from .. import _jaxpr_traffic, _scopes
+from .. import _compiler, _jaxpr_traffic, _scopes
 from .._custom_types import Direction
 from ._units import header, row
 
@@ -38,7 +38,8 @@ def count(
     totals: dict[tuple, int] = defaultdict(int)
     for put, n in _jaxpr_traffic.puts(closed, inputs, platform).items():
         origin = (put.what, put.name)
-        what, name = named(origin, label(put.scope), put.update)
+        # (A name stack has no function or operation around it.)
+        what, name = named(origin, label(f"/{put.scope}/"), put.update)
         phase = "update" if put.update else "forward/backward"
         totals[put.direction, phase, what, name] += n
     return rows(totals)
@@ -62,16 +63,11 @@ def named(origin: tuple[str, str], label: str, update: bool) -> tuple[str, str]:
     return what, name
 
 
-def label(scope: str) -> str:
-    """The innermost named scope that is a leaf label (`grad.<path>`,
-    `opt_state.<path>` or a path), without JAX's transformation wrappers."""
-    for part in reversed(scope.split("/")):
-        part = part.strip()
-        while "(" in part and part.endswith(")"):
-            part = part[part.index("(") + 1 : -1]
-        if part and part not in (_scopes.UPDATE, "rematted_computation"):
-            return part
-    return ""
+def label(op_name: str, skip: tuple[str, ...] = (_scopes.UPDATE,)) -> str:
+    """The innermost named scope of an `op_name` (`_compiler.named_scopes`) that is
+    not one of `skip`: a leaf label (`grad.<path>`, `opt_state.<path>` or a path)."""
+    scopes = [s for s in _compiler.named_scopes(op_name) if s not in skip]
+    return scopes[-1] if scopes else ""
 
 
 def guess(label: str, update: bool) -> tuple[str, str]:

@@ -33,26 +33,27 @@ def header(label: str, *columns: str) -> list[str]:
     return [line, "-" * len(line)]
 
 
+# Units, largest first: a figure takes the first it is at least one of (else the last).
+_SIZES = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+_TIMES = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9))
+_FLOPS = (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("FLOP", 1))
+
+
+def _scaled(
+    n: float | int, units: tuple[tuple[str, float | int], ...], form: str
+) -> str:
+    unit, scale = next(((u, s) for u, s in units if n >= s), units[-1])
+    return f"{n / scale:{form}} {unit}"
+
+
 def size_text(n: int) -> str:
     sign, n = ("-" if n < 0 else ""), abs(n)
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{sign}{n / scale:.2f} {unit}"
-    return f"{sign}{n} B"
+    return sign + (_scaled(n, _SIZES, ".2f") if n >= 2**10 else f"{n} B")
 
 
 def time_text(seconds: float | int) -> str:
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if seconds >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return "0 s" if seconds == 0 else f"{seconds / 1e-9:.3g} ns"
-
-
-_FLOPS = (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6))
+    return "0 s" if seconds == 0 else _scaled(seconds, _TIMES, ".3g")
 
 
 def flops_text(n: float | int) -> str:
-    for unit, scale in _FLOPS:
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.3g} FLOP"
+    return _scaled(n, _FLOPS, ".3g")

@@ -25,8 +25,7 @@ from ._deferred import (
 from ._host import NotOnHost as NotOnHost
 from ._optim import (
     as_transformation as as_transformation,
-    check_model as check_model,
-    check_state as check_state,
+    check_step as check_step,
     init_opt_state as init_opt_state,
     is_trainable as is_trainable,
     param_kinds as param_kinds,
@@ -36,6 +35,7 @@ from ._optim import (
     streamed_leaves as streamed_leaves,
     trainable as trainable,
     update as update,
+    UpdateArgs as UpdateArgs,
     with_params as with_params,
 )
 from ._optimizer_update import optimizer_update as optimizer_update

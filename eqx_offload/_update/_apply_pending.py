@@ -2,13 +2,11 @@
 `Policy(update_timing="next_forward")` step held over, applied."""
 
 import equinox as eqx
-import jax
 import optax
 from jaxtyping import PyTree
 
-from .. import _mixed_precision, _pending
+from .. import _pending
 from .._errors import see
-from .._memory_kinds import is_arraylike, to_space
 from .._policy import check_policy, Policy
 from . import _deferred, _optim
 
@@ -74,19 +72,11 @@ def _apply(
     optimizer: optax.GradientTransformation,
     policy: Policy,
 ) -> tuple[PyTree, PyTree]:
-    where = "`apply_pending`"
     model = _pending.mark(model, ())  # (cleared: the update is applied)
-    model_kinds = _optim.check_model(model, policy, where)
-    params = _optim.trainable(model)
-    full = _optim.stepping(optimizer, params, policy)
-    opt_kinds = _optim.check_state(full, opt_state, model, policy)
-    state_kinds = [kind for _, kind in opt_kinds]
-    inner = _mixed_precision.for_policy(optimizer, params, policy)
-    new, opt_state = _deferred.apply_waiting(
-        inner, opt_state, params, _optim.param_kinds(params, model_kinds), state_kinds
+    inner, (model_kinds, opt_kinds) = _optim.check_step(
+        optimizer, opt_state, model, policy, "`apply_pending`"
     )
-    model = _optim.with_params(model, new)
-    leaves, treedef = jax.tree.flatten(opt_state)
-    kinds = iter(state_kinds)
-    leaves = [to_space(x, next(kinds), "") if is_arraylike(x) else x for x in leaves]
-    return model, jax.tree.unflatten(treedef, leaves)
+    params = _optim.trainable(model)
+    kinds = _optim.param_kinds(params, model_kinds), [k for _, k in opt_kinds]
+    new, opt_state = _deferred.apply_waiting(inner, opt_state, params, kinds)
+    return _optim.with_params(model, new), _optim.to_kinds(opt_state, opt_kinds)

@@ -23,7 +23,7 @@ import optax
 from jaxtyping import PyTree
 
 from .. import _jaxpr_dataflow as _dataflow, _paths, _pending, _tiling
-from .._memory_kinds import is_arraylike, to_space
+from .._memory_kinds import is_arraylike, is_masked, to_space
 from .._pending import (
     check_ready as check_ready,
     PendingUpdate as PendingUpdate,
@@ -36,25 +36,18 @@ def waits(params: PyTree) -> list[str | None]:
     """Per trainable array leaf: the path of the `Stacked` it is a layer leaf of,
     whose update may wait (None for the others)."""
     # (Not a leaf of a nested `Stacked`.)
-    return [x.stacked if x.layer_axes == 1 else None for x in _array_leaves(params)]
-
-
-def _array_leaves(params: PyTree) -> list[_paths.Leaf]:
-    return [leaf for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
+    leaves = [x for x in _paths.leaves(params) if is_arraylike(x.value)]
+    return [x.stacked if x.layer_axes == 1 else None for x in leaves]
 
 
 def held_paths(params: PyTree, state: PendingUpdate) -> set[str]:
     """The paths of the `Stacked`s whose update `state` holds over."""
-    grads = jtu.tree_leaves(state.grads, is_leaf=_is_masked)
+    grads = jtu.tree_leaves(state.grads, is_leaf=is_masked)
     return {
         path
         for path, g in zip(waits(params), grads, strict=True)
-        if path is not None and not _is_masked(g)
+        if path is not None and not is_masked(g)
     }
-
-
-def _is_masked(x: Any) -> bool:
-    return isinstance(x, optax.MaskedNode)
 
 
 def _prepare(
@@ -63,11 +56,9 @@ def _prepare(
     inner: PyTree,
     params: PyTree,
 ) -> _streaming.Prepared:
-    leaves = _array_leaves(params)
-    layers = [x.value.shape[0] if x.stacked is not None else None for x in leaves]
-    paths = [x.path for x in leaves]
+    layout = _streaming.layout(params)
     return _streaming.prepare(
-        optimizer, grads, inner, params, layers, paths, waits=waits(params)
+        optimizer, grads, inner, params, *layout, waits=waits(params)
     )
 
 
@@ -95,14 +86,9 @@ def with_pending(
             return tuple(tuple(held[key]) for key in _waiting_keys(prepared))
 
         abstract = jax.eval_shape(held_values, params, inner)
-        mask = masks[0]
-        leaves, treedef = jtu.tree_flatten(params)
-        grads = jtu.tree_unflatten(
-            treedef,
-            [
-                jnp.zeros_like(p) if m else optax.MaskedNode()
-                for p, m in zip(leaves, mask, strict=True)
-            ],
+        mask = iter(masks[0])
+        grads = jtu.tree_map(
+            lambda p: jnp.zeros_like(p) if next(mask) else optax.MaskedNode(), params
         )
         held = jtu.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
         return PendingUpdate(inner, grads, held, False)
@@ -117,12 +103,12 @@ def with_pending(
 
 
 def _split_kinds(
-    state: PendingUpdate, state_kinds: list[str]
-) -> tuple[list[str], list[str]]:
-    """The kinds of `state.inner`'s leaves, and of its gradients'."""
+    state: PendingUpdate, kinds: tuple[list[str], list[str]]
+) -> tuple[tuple[list[str], list[str]], list[str]]:
+    """From `kinds` (those of the parameters and of `state`'s leaves): the kinds of
+    the parameters and of `state.inner`'s leaves, and those of its gradients'."""
     n_inner = len(jtu.tree_leaves(state.inner))
-    n_grads = len(jtu.tree_leaves(state.grads))
-    return state_kinds[:n_inner], state_kinds[n_inner : n_inner + n_grads]
+    return (kinds[0], kinds[1][:n_inner]), kinds[1][n_inner:]
 
 
 def hold_update(
@@ -130,24 +116,20 @@ def hold_update(
     grads: PyTree,
     state: PendingUpdate,
     params: PyTree,
-    param_kinds: list[str],
-    state_kinds: list[str],
+    kinds: tuple[list[str], list[str]],
 ) -> tuple[PyTree, PendingUpdate]:
     """The end of a step: every leaf updated but the stacked layers', whose
-    gradients and held values are kept for the next step."""
-    inner_kinds, grad_kinds = _split_kinds(state, state_kinds)
+    gradients and held values are kept for the next step. `kinds`: the memory
+    kinds of the parameters and of `state`'s leaves."""
+    out_kinds, grad_kinds = _split_kinds(state, kinds)
     prepared = _prepare(optimizer, grads, state.inner, params)
-    new_params, inner, _, held = _streaming.execute(
-        prepared, (param_kinds, inner_kinds)
-    )
-    kinds = iter(grad_kinds)
+    new_params, inner, _, held = _streaming.execute(prepared, out_kinds)
+    found = iter(grad_kinds)
 
     def keep(old: Any, g: Any) -> Any:  # (`old` is masked where nothing waits)
-        return (
-            old if _is_masked(old) else to_space(_cast(g, old.dtype), next(kinds), "")
-        )
+        return old if is_masked(old) else to_space(_cast(g, old.dtype), next(found), "")
 
-    kept = jtu.tree_map(keep, state.grads, grads, is_leaf=_is_masked)
+    kept = jtu.tree_map(keep, state.grads, grads, is_leaf=is_masked)
     held_values = tuple(
         tuple(to_space(jnp.asarray(x), "device", "") for x in held[key])
         for key in _waiting_keys(prepared)
@@ -164,36 +146,35 @@ def _cast(g: Any, dtype: Any) -> Any:
     return to_space(g, "device", "").astype(dtype)
 
 
-def _grads_for(run_params: PyTree, state: PendingUpdate) -> PyTree:
-    """A gradient tree for `_prepare`: the waiting gradients, and each other
-    leaf's parameter in its place (never read: only waiting groups run)."""
-    return jtu.tree_map(
-        lambda g, p: p if _is_masked(g) else g,
-        state.grads,
-        run_params,
-        is_leaf=_is_masked,
+def _waiting(
+    optimizer: optax.GradientTransformation, state: PendingUpdate, params: PyTree
+) -> _streaming.Prepared:
+    """The update `state` holds, read for streaming: on the waiting gradients, and
+    each other leaf's parameter in its gradient's place (never read: only waiting
+    groups run)."""
+    grads = jtu.tree_map(
+        lambda g, p: p if is_masked(g) else g, state.grads, params, is_leaf=is_masked
     )
+    return _prepare(optimizer, grads, state.inner, params)
 
 
 def apply_waiting(
     optimizer: optax.GradientTransformation,
     state: PendingUpdate,
     params: PyTree,
-    param_kinds: list[str],
-    state_kinds: list[str],
+    kinds: tuple[list[str], list[str]],
 ) -> tuple[PyTree, PendingUpdate]:
     """The waiting update applied (in a streamed loop of its own): the new
-    parameters, and the state with nothing waiting."""
+    parameters, and the state with nothing waiting. `kinds`: the memory kinds of
+    the parameters and of `state`'s leaves."""
     if not state.ready:
         return params, state
-    inner_kinds, _ = _split_kinds(state, state_kinds)
-    prepared = _prepare(optimizer, _grads_for(params, state), state.inner, params)
+    prepared = _waiting(optimizer, state, params)
     held = dict(
         zip(_waiting_keys(prepared), [list(h) for h in state.held], strict=True)
     )
-    new_params, inner = _streaming.apply_held(
-        prepared, (param_kinds, inner_kinds), held
-    )
+    out_kinds = _split_kinds(state, kinds)[0]
+    new_params, inner = _streaming.apply_held(prepared, out_kinds, held)
     return new_params, dataclasses.replace(state, inner=inner, ready=False)
 
 
@@ -201,44 +182,38 @@ def layer_updates(
     optimizer: optax.GradientTransformation,
     state: PendingUpdate,
     params: PyTree,
-    param_kinds: list[str],
-    state_kinds: list[str],
+    kinds: tuple[list[str], list[str]],
 ) -> tuple[dict[str, _pending.Layers], Any]:
     """Per `Stacked` path, the waiting update as its forward scan applies it, and
     a function that takes the gradient of the step's `aux` (the new values) back
-    to the new parameters and inner state."""
-    inner_kinds, _ = _split_kinds(state, state_kinds)
-    grads = _grads_for(params, state)
-    prepared = _prepare(optimizer, grads, state.inner, params)
-    outputs = _streaming.output_list(prepared, (param_kinds, inner_kinds))
-    names = [leaf.path for leaf in _array_leaves(params)]
-    p_leaves, g_leaves = jtu.tree_leaves(params), jtu.tree_leaves(grads)
-    s_leaves = jtu.tree_leaves(state.inner)
+    to the new parameters and inner state. `kinds`: as for `apply_waiting`."""
+    p_kinds, s_kinds = _split_kinds(state, kinds)[0]
+    prepared = _waiting(optimizer, state, params)
+    outputs = _streaming.output_list(prepared, (p_kinds, s_kinds))
+    p_in, s_in = prepared.params, prepared.state
     layers: dict[str, _pending.Layers] = {}
     places: dict[str, tuple[list[int], list[int]]] = {}
     for key, held in zip(_waiting_keys(prepared), state.held, strict=True):
         path = key[1]
-        leaves, states, update = _stack_update(prepared, outputs, key)
-        aux = (
-            [p_leaves[t] for t in leaves],
-            [g_leaves[t] for t in leaves],
-            [s_leaves[j] for j in states],
-        )
-        paths = tuple(names[t] for t in leaves)
+        leaves, states, parts, update = _stack_update(prepared, outputs, key)
+        aux = tuple([x.value for x in part] for part in parts)
+        paths = tuple(x.label for x in parts[0])
         layers[path] = _pending.Layers(paths, update, aux, tuple(held))
         places[path] = (leaves, states)
 
     def back(new_aux: dict[str, Any]) -> tuple[PyTree, PyTree]:
         """The parameters and inner state with each `Stacked`'s new values."""
-        p_leaves, p_def = jtu.tree_flatten(params)
-        s_leaves, s_def = jtu.tree_flatten(state.inner)
+        p_leaves, s_leaves = [x.value for x in p_in], [x.value for x in s_in]
         for path, (leaves, states) in places.items():
             new_params, _, new_state = new_aux[path]
             for t, x in zip(leaves, new_params, strict=True):
-                p_leaves[t] = to_space(x, param_kinds[t], "")
+                p_leaves[t] = to_space(x, p_kinds[t], "")
             for j, x in zip(states, new_state, strict=True):
-                s_leaves[j] = to_space(x, inner_kinds[j], "")
-        return jtu.tree_unflatten(p_def, p_leaves), jtu.tree_unflatten(s_def, s_leaves)
+                s_leaves[j] = to_space(x, s_kinds[j], "")
+        return (
+            jtu.tree_unflatten(prepared.p_def, p_leaves),
+            jtu.tree_unflatten(prepared.s_def, s_leaves),
+        )
 
     return layers, back
 
@@ -247,49 +222,40 @@ def _stack_update(
     prepared: _streaming.Prepared,
     outputs: list[_streaming.Output],
     key: Any,
-) -> tuple[list[int], list[int], Any]:
+) -> tuple[list[int], list[int], list[list[_streaming.Input]], Any]:
     """For the waiting group `key` (one `Stacked`'s layers): the trainable leaves
-    and the state leaves its update reads and writes, and one layer's update."""
-    n_p = prepared.n_params
+    and the state leaves its update reads and writes (their indices, and their
+    inputs: the parameters, gradients and state), and one layer's update, by the
+    piece jaxpr.
+
+    That update takes one layer's slice of `aux = (params, grads, state)`, on the
+    device and without the layer axis, and the shared and global values it reads
+    (`held`), to the new slice. A state leaf the update reads but does not write
+    stays."""
+    n_p = len(prepared.params)
     positions = _streaming.waiting_outputs(outputs, key)
-    mine = [outputs[k] for k in positions]
     leaves = [k for k in positions if k < n_p]  # new parameters, then new state
-    written = {k - n_p for k in positions if k >= n_p}
+    written = {k - n_p for k in positions[len(leaves) :]}
     states = sorted(
         written | {j for j, x in enumerate(prepared.state) if x.group == key}
     )
     dataflow, piece = prepared.dataflow, prepared.dataflow.piece
-    held = [ref for _, ref in _streaming.shared_inputs(dataflow, mine)]
-    wanted = dataflow.piece_eqns([o.whole for o in mine])
-    ins = [
-        [piece.ins[inputs[i].position] for i in which]
+    wholes = [outputs[k].whole for k in positions]
+    held_refs = [ref for _, ref in dataflow.shared_inputs(wholes)]
+    wanted = dataflow.piece_eqns(wholes)
+    parts = [
+        [inputs[i] for i in which]
         for inputs, which in (
             (prepared.params, leaves),
             (prepared.grads, leaves),
             (prepared.state, states),
         )
     ]
-    outs = (
-        [piece.outs[t] for t in leaves],
-        [piece.outs[n_p + j] if j in written else None for j in states],
-    )
-    return leaves, states, _piece_update(piece, wanted, held, ins, outs)
-
-
-def _piece_update(
-    piece: _dataflow.FlatJaxpr,
-    wanted: list[int],
-    held_refs: list,
-    ins: list,
-    outs: tuple,
-) -> Any:
-    """One layer's update of the waiting leaves, by the piece jaxpr.
-
-    It takes one layer's slice of `aux = (params, grads, state)`, on the device
-    and without the layer axis, to the new slice. `held_refs` are the variables of
-    the shared and global values it reads, `ins` those of each part of `aux`, and
-    `outs` the outputs (variables or `Literal`s) of the new parameters and state:
-    None for a state leaf the update reads but does not write, which stays."""
+    ins = [[piece.ins[x.position] for x in part] for part in parts]
+    # The new parameters' and state's outputs (variables or `Literal`s); None for
+    # a state leaf the update does not write.
+    outs = [piece.outs[t] for t in leaves]
+    outs += [piece.outs[n_p + j] if j in written else None for j in states]
 
     def update(aux: Any, held: Any) -> Any:
         local = dict(piece.consts)
@@ -310,11 +276,10 @@ def _piece_update(
             return _tiling.lower(jnp.asarray(value), 1).astype(old.dtype)
 
         params, grads, state = aux
-        new_params = [out(r, p) for r, p in zip(outs[0], params, strict=True)]
-        new_state = [out(r, x) for r, x in zip(outs[1], state, strict=True)]
-        return new_params, grads, new_state
+        new = [out(r, x) for r, x in zip(outs, [*params, *state], strict=True)]
+        return new[: len(params)], grads, new[len(params) :]
 
-    return update
+    return leaves, states, parts, update
 
 
 def own_state(state: Any) -> Any:

@@ -2,6 +2,7 @@
 (`UpdateArgs`): whole on the device, streamed (`_streaming.py`) or on the host
 (`_host.py`), or chosen by platform."""
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -41,7 +42,7 @@ def param_kinds(
     params: PyTree, model_kinds: list[tuple[_paths.Leaf, str]]
 ) -> list[str]:
     """The memory kind of each array leaf of `params` (the trainable part of the
-    model), from the kinds of the model's leaves (`check_model`)."""
+    model), from the kinds of the model's leaves (`check_step`)."""
     kind_by_path = {leaf.path: kind for leaf, kind in model_kinds}
     return [
         kind_by_path[leaf.path]
@@ -54,7 +55,7 @@ class UpdateArgs(NamedTuple):
     """The arguments of one optimizer update.
 
     `model_kinds` and `opt_kinds` are the memory kinds of the leaves, from
-    `check_model` and `check_state`. `metrics` asks for the global norms."""
+    `check_step`. `metrics` asks for the global norms."""
 
     optimizer: optax.GradientTransformation
     grads: PyTree
@@ -66,28 +67,16 @@ class UpdateArgs(NamedTuple):
     metrics: bool = False
 
 
-def update(
-    optimizer: optax.GradientTransformation,
-    grads: PyTree,
-    opt_state: PyTree,
-    model: PyTree,
-    policy: Policy,
-    model_kinds: list[tuple[_paths.Leaf, str]],
-    opt_kinds: list[tuple[_paths.Leaf, str]],
-    metrics: bool = False,
-) -> tuple[PyTree, PyTree, dict[str, Any] | None]:
+def update(args: UpdateArgs) -> tuple[PyTree, PyTree, dict[str, Any] | None]:
     """One optimizer update: the new model and state, in their memory kinds.
 
-    With `metrics`, also the global norms of the gradients, the updates and the
-    new parameters (`_metrics.norms`); else None. `policy.update` chooses how
+    With `args.metrics`, also the global norms of the gradients, the updates and
+    the new parameters (`_metrics.norms`); else None. `policy.update` chooses how
     (`_UPDATES`): whole on the device, streamed (`_streaming.py`) or on the host
     (`_host.py`). `"auto"` chooses by platform when anything is on the host."""
-    args = UpdateArgs(
-        optimizer, grads, opt_state, model, policy, model_kinds, opt_kinds, metrics
-    )
-    if policy.update == "auto" and _any_on_host(args):
+    if args.policy.update == "auto" and _any_on_host(args):
         return _by_platform(args)
-    return _UPDATES.get(policy.update, _whole_update)(args)
+    return _UPDATES.get(args.policy.update, _whole_update)(args)
 
 
 def _any_on_host(args: UpdateArgs) -> bool:
@@ -96,32 +85,25 @@ def _any_on_host(args: UpdateArgs) -> bool:
     return any(is_host(x) for x in jtu.tree_leaves(trees) if eqx.is_array(x))
 
 
-def _host_update(args: UpdateArgs) -> tuple[PyTree, PyTree, dict[str, Any] | None]:
-    """`Policy(update="host")`: the update on the host's CPU (`_host.py`). It needs
-    optimizer state on the host to update there."""
-    if not any(kind == "pinned_host" for _, kind in args.opt_kinds):
+def _in_pieces(
+    args: UpdateArgs, host: bool
+) -> tuple[PyTree, PyTree, dict[str, Any] | None]:
+    """`Policy(update="host")`: the update on the host's CPU (`_host.update`). It
+    needs optimizer state on the host to update there.
+
+    `Policy(update="streamed")`: one layer or row block of each host-resident
+    leaf on the device at a time (`_streaming.update`); whole with nothing on the
+    host.
+
+    Each new leaf comes back in its memory kind; a refusal is explained."""
+    if host and not any(kind == "pinned_host" for _, kind in args.opt_kinds):
         raise ValueError(
             "`Policy(update='host')`: the policy keeps no optimizer state on the "
             "host. Put it there with `Policy(opt_state='pinned_host')`, or use "
             "`Policy(update='auto')`." + see(129)
         )
-    return _in_pieces(args, host=True)
-
-
-def _streamed_update(args: UpdateArgs) -> tuple[PyTree, PyTree, dict[str, Any] | None]:
-    """`Policy(update="streamed")`: one layer or row block of each host-resident
-    leaf on the device at a time (`_streaming.py`); whole with nothing on the
-    host."""
-    if not _any_on_host(args):
+    if not host and not _any_on_host(args):
         return _whole_update(args)
-    return _in_pieces(args, host=False)
-
-
-def _in_pieces(
-    args: UpdateArgs, host: bool
-) -> tuple[PyTree, PyTree, dict[str, Any] | None]:
-    """The update on the host's CPU (`_host.update`) or streamed
-    (`_streaming.update`), each new leaf in its memory kind; a refusal explained."""
     params = trainable(args.model)
     kinds = param_kinds(params, args.model_kinds), [k for _, k in args.opt_kinds]
     given = (args.optimizer, args.grads, args.opt_state, params)
@@ -129,11 +111,7 @@ def _in_pieces(
         if host:
             new_params, opt_state, norms = _host.update(*given, kinds, args.metrics)
         else:
-            leaves = _paths.leaves(params)
-            layers = [
-                x.value.shape[0] if x.stacked is not None else None for x in leaves
-            ]
-            paths = [leaf.path for leaf in leaves]
+            layers, paths = _streaming.layout(params)
             new_params, opt_state, norms = _streaming.update(
                 *given, layers, kinds, paths, args.metrics
             )
@@ -166,11 +144,7 @@ def _whole_update(args: UpdateArgs) -> tuple[PyTree, PyTree, dict[str, Any] | No
         grads = to_device(args.grads)
     # A gradient sent in the compute dtype (`_microbatch`), cast on the device.
     grads = jtu.tree_map(
-        lambda g, p: (
-            g.astype(p.dtype)
-            if g is not None and g.dtype.itemsize < p.dtype.itemsize
-            else g
-        ),
+        lambda g, p: g if g is None else _metrics.widened(g, p),
         grads,
         trainable(model),
         is_leaf=lambda x: x is None,
@@ -185,8 +159,8 @@ def _whole_update(args: UpdateArgs) -> tuple[PyTree, PyTree, dict[str, Any] | No
 
 _UPDATES = {
     "whole": _whole_update,
-    "streamed": _streamed_update,
-    "host": _host_update,
+    "streamed": functools.partial(_in_pieces, host=False),
+    "host": functools.partial(_in_pieces, host=True),
 }
 
 
@@ -197,10 +171,6 @@ def _by_platform(args: UpdateArgs) -> tuple[PyTree, PyTree, dict[str, Any] | Non
     others. The choice is made inside the traced program
     (`jax.lax.platform_dependent`): a step traced here and compiled for a TPU
     streams. Both give every leaf back in its memory kind."""
-    kinds = [kind for _, kind in args.model_kinds + args.opt_kinds]
-    leaves = jtu.tree_leaves((args.model, args.opt_state))
-    found = iter(kinds)
-    targets = [next(found) if is_arraylike(x) else None for x in leaves]
     # Only arrays pass through `platform_dependent`; the rest is closed over.
     trees = (args.grads, args.opt_state, args.model)
     arrays, static = eqx.partition(trees, is_arraylike)
@@ -211,28 +181,26 @@ def _by_platform(args: UpdateArgs) -> tuple[PyTree, PyTree, dict[str, Any] | Non
             new_model, new_state, norms = how(
                 args._replace(grads=grads, opt_state=opt_state, model=model)
             )
-            leaves, treedef = jtu.tree_flatten((new_model, new_state))
-            n_model = len(jtu.tree_leaves(new_model))
-            leaves = [
-                _back(x, kind, i < n_model)
-                for i, (x, kind) in enumerate(zip(leaves, targets, strict=True))
-            ]
-            new = eqx.filter(jtu.tree_unflatten(treedef, leaves), is_arraylike)
-            return new, norms
+            with jax.named_scope(_scopes.PARAMS):
+                new_model = to_kinds(new_model, args.model_kinds)
+            with jax.named_scope(_scopes.OPT_STATE):
+                new_state = to_kinds(new_state, args.opt_kinds)
+            return eqx.filter((new_model, new_state), is_arraylike), norms
 
         return run
 
     whole = {platform: branch(_whole_update) for platform in _tiling.WHOLE_ON}
-    streamed = branch(_streamed_update)
+    streamed = branch(_UPDATES["streamed"])
     new, norms = jax.lax.platform_dependent(arrays, **whole, default=streamed)
     rest = eqx.filter((args.model, args.opt_state), is_arraylike, inverse=True)
     new_model, new_state = eqx.combine(new, rest)
     return new_model, new_state, norms
 
 
-def _back(x: Any, kind: str | None, param: bool) -> Any:
-    """A new leaf in its memory kind (None: not an array, as it is)."""
-    if kind is None:
-        return x
-    with jax.named_scope(_scopes.PARAMS if param else _scopes.OPT_STATE):
-        return to_space(x, kind, "")
+def to_kinds(tree: PyTree, kinds: list[tuple[_paths.Leaf, str]]) -> PyTree:
+    """Every array leaf of `tree` in its memory kind (`kinds`, in order: from
+    `check_step`)."""
+    found = iter(kinds)
+    return jtu.tree_map(
+        lambda x: to_space(x, next(found)[1], "") if is_arraylike(x) else x, tree
+    )

@@ -53,10 +53,7 @@ def flat_update(
 
     def apply(*xs: Any) -> list:
         g, s, p = xs[:n_g], xs[n_g : n_g + n_s], xs[n_g + n_s :]
-        g = [
-            gi.astype(pi.dtype) if gi.dtype.itemsize < pi.dtype.itemsize else gi
-            for gi, pi in zip(g, p, strict=True)
-        ]
+        g = [widened(gi, pi) for gi, pi in zip(g, p, strict=True)]
         grads, p_tree = jtu.tree_unflatten(p_def, g), jtu.tree_unflatten(p_def, p)
         updates, state = optimizer.update(grads, jtu.tree_unflatten(s_def, s), p_tree)
         new = eqx.apply_updates(p_tree, updates)
@@ -67,6 +64,12 @@ def flat_update(
         return out
 
     return apply, (g_leaves, s_leaves, p_leaves), (p_def, s_def)
+
+
+def widened(g: Any, p: Any) -> Any:
+    """A gradient `g` sent in a narrower dtype than its parameter `p` (the compute
+    dtype, `_microbatch`), cast to the parameter's."""
+    return g.astype(p.dtype) if g.dtype.itemsize < p.dtype.itemsize else g
 
 
 def squares(x: Any) -> Any:

@@ -23,8 +23,10 @@ from . import _deferred, _streaming
 from ._dispatch import (
     is_trainable as is_trainable,
     param_kinds as param_kinds,
+    to_kinds as to_kinds,
     trainable as trainable,
     update as update,
+    UpdateArgs as UpdateArgs,
     with_params as with_params,
 )
 from ._state_kinds import state_leaf_kinds
@@ -195,9 +197,8 @@ def place_opt_state(
     optimizer = as_transformation(optimizer, "`place_opt_state(optimizer=...)`")
     check_policy(policy, "`place_opt_state(policy=...)`")
     params = trainable(model)
-    structure = _deferred.structure(opt_state)
     full = stepping(optimizer, params, policy)
-    check_matches(full, structure, params, "`place_opt_state`")
+    check_matches(full, _deferred.structure(opt_state), params, "`place_opt_state`")
     return place_state(
         optimizer, opt_state, model, policy, "`eqx_offload.place_opt_state`"
     )
@@ -229,39 +230,44 @@ def place_state(
             return device
         return p.sharding if tuple(s.leaf.value.shape) == tuple(p.shape) else device
 
-    flat, treedef = jtu.tree_flatten(opt_state)
     placed = iter(
         move(s.leaf.value, kind, "", sharding(s))
         for s, kind in _kinds(optimizer, opt_state, params, policy.opt_state, where)
     )
-    return jtu.tree_unflatten(
-        treedef, [next(placed) if is_arraylike(x) else x for x in flat]
-    )
+    return jtu.tree_map(lambda x: next(placed) if is_arraylike(x) else x, opt_state)
 
 
-def check_model(
-    model: PyTree, policy: Policy, where: str
-) -> list[tuple[_paths.Leaf, str]]:
-    """Each leaf of `model` with the memory kind the policy gives it; raises if a
-    leaf is elsewhere."""
-    kinds = resolve(model, policy.params, where)
-    fix = (
-        "should live in {kind!r}; place the model first with "
-        "`eqx_offload.place(model, policy)`."
-    )
-    link = see(94 if where == "`optimizer_update`" else 40)
-    return _check_placed(kinds, f"{where}: model leaf", "", fix, link)
-
-
-def check_state(
+def check_step(
     optimizer: optax.GradientTransformation,
     opt_state: PyTree,
     model: PyTree,
     policy: Policy,
-    where: str = "`train_step`",
-) -> list[tuple[_paths.Leaf, str]]:
-    """The kinds `opt_state` should be in; raises if a leaf is elsewhere."""
-    found = _kinds(optimizer, opt_state, trainable(model), policy.opt_state, where)
+    where: str,
+) -> tuple[optax.GradientTransformation, tuple[list, list]]:
+    """A step's checks of its model and optimizer state: raises if a leaf is not
+    where `policy` puts it, or if `opt_state` is not one of `optimizer` for `model`.
+
+    **Returns:** `optimizer` wrapped for the policy (`Policy(compute_dtype=...)`),
+    and each leaf of `model` and each array leaf of `opt_state` with the memory
+    kind the policy gives it."""
+    model_fix = (
+        "should live in {kind!r}; place the model first with "
+        "`eqx_offload.place(model, policy)`."
+    )
+    model_kinds = _check_placed(
+        resolve(model, policy.params, where),
+        f"{where}: model leaf",
+        "",
+        model_fix,
+        see(94 if where == "`optimizer_update`" else 40),
+    )
+    params = trainable(model)
+    wrapped = _mixed_precision.for_policy(optimizer, params, policy)
+    own = _deferred.own_state(opt_state)
+    _mixed_precision.check_state(wrapped is not optimizer, own, where)
+    full = stepping(optimizer, params, policy)
+    check_matches(full, _deferred.structure(opt_state), params, where)
+    found = _kinds(full, opt_state, params, policy.opt_state, where)
     fix = (
         "the policy puts it in {kind!r}. Move a trained state there with "
         "`eqx_offload.place_opt_state(optimizer, opt_state, model, policy)`; make a "
@@ -270,7 +276,8 @@ def check_state(
     )
     kinds = [(s.leaf, kind) for s, kind in found]
     what = f"{where}: optimizer state leaf"
-    return _check_placed(kinds, what, "opt_state.", fix, see(41))
+    opt_kinds = _check_placed(kinds, what, "opt_state.", fix, see(41))
+    return wrapped, (model_kinds, opt_kinds)
 
 
 def _check_placed(
@@ -301,9 +308,8 @@ def streamed_leaves(
     leaves = _paths.leaves(params)
     out = []
     rows: list[int | None] = []  # rows per piece in the update, None: whole
-    for i, leaf in enumerate(leaves):
+    for i, (leaf, layers) in enumerate(zip(leaves, _streaming.layout(params)[0])):
         x = leaf.value
-        layers = x.shape[0] if leaf.stacked is not None else None
         cut = _streaming.pieces(x, layers, i)
         rows.append(None if cut is None else cut[2])
         sliced = layers is not None and _tiling.slices_by_layer(x.shape)

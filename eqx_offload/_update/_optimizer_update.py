@@ -3,16 +3,14 @@ yourself."""
 
 import jax
 import jax.core
-import jax.tree_util as jtu
 import optax
 from jaxtyping import PyTree
 
-from .. import _mixed_precision, _scopes
+from .. import _scopes
 from .._errors import see
-from .._memory_kinds import is_arraylike, to_space
+from .._memory_kinds import is_arraylike
 from .._policy import check_policy, Policy
 from . import _optim
-from ._state_tree import check_matches
 
 
 def optimizer_update(
@@ -80,33 +78,18 @@ def optimizer_update(
             f"(`Policy(update_timing={policy.update_timing!r})`); only `train_step` "
             "can. Use `update_timing='now'` in a hand-written step." + see(138)
         )
-    arrays = [x for x in jtu.tree_leaves((model, opt_state)) if is_arraylike(x)]
+    arrays = [x for x in jax.tree.leaves((model, opt_state)) if is_arraylike(x)]
     if arrays and not any(isinstance(x, jax.core.Tracer) for x in arrays):
         raise ValueError(
             f"{where} is called outside a jitted function. Call it inside a "
             "jitted step (`eqx.filter_jit`)." + see(93)
         )
-    params = _optim.trainable(model)
-    wrapped = _mixed_precision.for_policy(optimizer, params, policy)
-    _mixed_precision.check_state(wrapped is not optimizer, opt_state, where)
-    check_matches(wrapped, opt_state, params, where)
-    model_kinds = _optim.check_model(model, policy, where)
-    opt_kinds = _optim.check_state(wrapped, opt_state, model, policy, where)
+    wrapped, kinds = _optim.check_step(optimizer, opt_state, model, policy, where)
+    args = (wrapped, grads, opt_state, model, policy, *kinds, metrics)
     with jax.named_scope(_scopes.UPDATE):
-        model, opt_state, norms = _optim.update(
-            wrapped, grads, opt_state, model, policy, model_kinds, opt_kinds, metrics
-        )
-        model = _back(model, [kind for _, kind in model_kinds], _scopes.PARAMS)
-        opt_state = _back(opt_state, [kind for _, kind in opt_kinds], _scopes.OPT_STATE)
+        model, opt_state, norms = _optim.update(_optim.UpdateArgs(*args))
+        with jax.named_scope(_scopes.PARAMS):
+            model = _optim.to_kinds(model, kinds[0])
+        with jax.named_scope(_scopes.OPT_STATE):
+            opt_state = _optim.to_kinds(opt_state, kinds[1])
     return model, opt_state, norms
-
-
-def _back(tree: PyTree, kinds: list[str], scope: str) -> PyTree:
-    """Every array leaf of `tree` in its memory kind (in order)."""
-    leaves, treedef = jtu.tree_flatten(tree)
-    found = iter(kinds)
-    with jax.named_scope(scope):
-        leaves = [
-            to_space(x, next(found), "") if is_arraylike(x) else x for x in leaves
-        ]
-    return jtu.tree_unflatten(treedef, leaves)

@@ -2,7 +2,6 @@
 parameter-shaped, and which parameter each of them belongs to."""
 
 import re
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -15,15 +14,12 @@ from .._errors import see
 from .._memory_kinds import is_arraylike, is_masked
 
 
-def map_state(
-    optimizer: optax.GradientTransformation | None,
-    opt_state: PyTree,
-    on_params: Callable[..., Any],
-    on_others: Callable[[Any], Any],
-    *params: PyTree,
-) -> PyTree:
-    """`on_params(state_leaf, *param_leaves)` on every parameter-shaped part of the
-    state (skipping `optax.masked`'s holes), `on_others(leaf)` on the rest.
+def _owners(
+    optimizer: optax.GradientTransformation | None, opt_state: PyTree, params: PyTree
+) -> list[int | None]:
+    """For each array leaf of `opt_state` (in `jax.tree.leaves` order), the index of
+    the parameter leaf (of `params`) whose parameter-shaped part of the state it is
+    in, or None (skipping `optax.masked`'s holes).
 
     The parameter-shaped parts are found with `optax.tree_utils.tree_map_params`,
     which calls `optimizer.init` on a placeholder. An `init` that looks inside its
@@ -31,38 +27,48 @@ def map_state(
     that computes on the parameters) fails on the placeholder; the parts are then
     the subtrees of the state with the parameters' structure, as they are without
     an `optimizer`."""
+    n = len(jtu.tree_leaves(params))
+    indices = jtu.tree_unflatten(
+        jtu.tree_structure(params), [_Index(i) for i in range(n)]
+    )
 
-    def params_leaf(s: Any, *p: Any) -> Any:
-        return s if is_masked(s) else on_params(s, *p)
+    def params_leaf(s: Any, i: _Index) -> Any:
+        return i if is_arraylike(s) and not is_masked(s) else s
 
-    if optimizer is not None:
-        try:
-            return optax.tree_utils.tree_map_params(
-                optimizer,
-                params_leaf,
-                opt_state,
-                *params,
-                transform_non_params=lambda v: jtu.tree_map(on_others, v),
-                is_leaf=is_masked,
-            )
-        # Broad on purpose: the user's `init`, run on a placeholder, may raise
-        # anything; the fallback below is the documented answer, not a guess.
-        except Exception:
-            pass
-    structure = jtu.tree_structure(params[0])
-    single = jtu.treedef_is_leaf(structure) and structure.num_leaves == 1
+    def others(tree: Any) -> Any:
+        return jtu.tree_map(lambda s: _Index(None) if is_arraylike(s) else s, tree)
 
-    def like_params(x: Any) -> bool:
-        if single:  # a lone array: only a state leaf of its shape mirrors it
-            return is_arraylike(x) and x.shape == params[0].shape
-        return jtu.tree_structure(x, is_leaf=is_masked) == structure
+    def mapped() -> PyTree:
+        if optimizer is not None:
+            try:
+                return optax.tree_utils.tree_map_params(
+                    optimizer,
+                    params_leaf,
+                    opt_state,
+                    indices,
+                    transform_non_params=others,
+                    is_leaf=is_masked,
+                )
+            # Broad on purpose: the user's `init`, run on a placeholder, may raise
+            # anything; the fallback below is the documented answer, not a guess.
+            except Exception:
+                pass
+        structure = jtu.tree_structure(indices)
+        single = jtu.treedef_is_leaf(structure) and structure.num_leaves == 1
 
-    def visit(x: Any) -> Any:
-        if like_params(x):
-            return jtu.tree_map(params_leaf, x, *params, is_leaf=is_masked)
-        return on_others(x)
+        def like_params(x: Any) -> bool:
+            if single:  # a lone array: only a state leaf of its shape mirrors it
+                return is_arraylike(x) and x.shape == params.shape
+            return jtu.tree_structure(x, is_leaf=is_masked) == structure
 
-    return jtu.tree_map(visit, opt_state, is_leaf=like_params)
+        def visit(x: Any) -> Any:
+            if like_params(x):
+                return jtu.tree_map(params_leaf, x, indices, is_leaf=is_masked)
+            return others(x)
+
+        return jtu.tree_map(visit, opt_state, is_leaf=like_params)
+
+    return [x.i for x in jtu.tree_leaves(mapped()) if isinstance(x, _Index)]
 
 
 def check_matches(
@@ -128,17 +134,7 @@ def state_leaves(
     """Every array leaf of `opt_state` (in `jax.tree.leaves` order) with the
     parameter it belongs to and the name of its part of the state."""
     param_leaves = _paths.leaves(params)
-    indices = jtu.tree_unflatten(
-        jtu.tree_structure(params), [_Index(i) for i in range(len(param_leaves))]
-    )
-    mapped = map_state(
-        optimizer,
-        opt_state,
-        lambda s, i: _Index(i.i) if is_arraylike(s) else s,
-        lambda s: _Index(None) if is_arraylike(s) else s,
-        indices,
-    )
-    owners = [x.i for x in jtu.tree_leaves(mapped) if isinstance(x, _Index)]
+    owners = _owners(optimizer, opt_state, params)
     leaves = [leaf for leaf in _paths.leaves(opt_state) if is_arraylike(leaf.value)]
     paths = [None if owner is None else param_leaves[owner].path for owner in owners]
     return [

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
 
-from .. import _jaxpr_dataflow as _dataflow, _scopes, _tiling
+from .. import _jaxpr_dataflow as _dataflow, _paths, _scopes, _tiling
 from .._jaxpr_dataflow import Flow, NotStreamable, ValueFlow
 from .._memory_kinds import is_host, to_space
 from . import _metrics
@@ -70,8 +70,17 @@ def update(
     prepared = prepare(optimizer, grads, opt_state, params, stacked, paths, metrics)
     new_params, new_state, extra, _ = execute(prepared, out_kinds)
     squares = [jnp.sum(x) for x in extra]
-    norms = _metrics.from_squares(squares, prepared.n_params) if metrics else None
+    norms = _metrics.from_squares(squares, len(prepared.params)) if metrics else None
     return new_params, new_state, norms
+
+
+def layout(params: Any) -> tuple[list[int | None], list[str]]:
+    """`update`'s `stacked` and `paths` for `params` (the trainable part of a
+    model): per leaf, the number of layers of its `Stacked` (or None), and its
+    path."""
+    leaves = _paths.leaves(params)
+    layers = [x.value.shape[0] if x.stacked is not None else None for x in leaves]
+    return layers, [x.path for x in leaves]
 
 
 @dataclasses.dataclass
@@ -88,18 +97,9 @@ class Prepared:
     s_def: Any
 
     @property
-    def inputs(self) -> list[Input]:
-        """Every input, in the update's order: gradients, state, parameters."""
-        return self.grads + self.state + self.params
-
-    @property
     def replaced(self) -> list[Input]:
         """The input each new leaf replaces: the parameters, then the state."""
         return self.params + self.state
-
-    @property
-    def n_params(self) -> int:
-        return len(self.params)
 
     def scan(self, key: Any, env: dict, outputs: list[Output]) -> list:
         """The value of each of `outputs`, computed piece by piece over the group
@@ -225,7 +225,7 @@ def execute(
     dataflow = prepared.dataflow
     env: dict[int, Any] = dict(dataflow.whole.consts)
     # Shared inputs (small leaves, counts) to the device, where they are computed on.
-    for x in prepared.inputs:
+    for x in prepared.grads + prepared.state + prepared.params:
         if x.group is None:
             with jax.named_scope(x.label):
                 value = x.value
@@ -245,13 +245,14 @@ def execute(
             continue
         mine = [outputs[k] for k in positions]
         if key[0] == "waits":
-            held[key] = [env[w] for w, _ in shared_inputs(dataflow, mine)]
+            shared = dataflow.shared_inputs([o.whole for o in mine])
+            held[key] = [env[w] for w, _ in shared]
             values = [_unchanged(out) for out in mine]
         else:
             values = prepared.scan(key, env, mine)
         for k, value in zip(positions, values):
             outs[k] = value
-    n_p, n = prepared.n_params, len(prepared.replaced)
+    n_p, n = len(prepared.params), len(prepared.replaced)
     new_params = jtu.tree_unflatten(prepared.p_def, outs[:n_p])
     new_state = jtu.tree_unflatten(prepared.s_def, outs[n_p:n])
     return new_params, new_state, outs[n:], held
@@ -331,14 +332,6 @@ def _in_group(dataflow: _dataflow.Dataflow, out: Output) -> Output:
     return out._replace(group=key, overwrite=overwrite)
 
 
-def shared_inputs(
-    dataflow: _dataflow.Dataflow, outputs: list[Output]
-) -> list[tuple[Any, Any]]:
-    """The shared and global values that computing `outputs` piece by piece
-    reads: pairs of ids (whole jaxpr, piece jaxpr), in a fixed order."""
-    return dataflow.shared_inputs([o.whole for o in outputs])
-
-
 def waiting_outputs(outputs: list[Output], key: Any) -> list[int]:
     """The positions (among the new parameters, then the new state) of the
     outputs the group `key` computes."""
@@ -361,8 +354,9 @@ def apply_held(
     for key, values in held.items():
         positions = waiting_outputs(outputs, key)
         mine = [outputs[k] for k in positions]
-        env = dict(zip([w for w, _ in shared_inputs(prepared.dataflow, mine)], values))
+        shared = prepared.dataflow.shared_inputs([o.whole for o in mine])
+        env = dict(zip([w for w, _ in shared], values))
         for k, value in zip(positions, prepared.scan(key, env, mine)):
             outs[k] = value
-    new_params = jtu.tree_unflatten(prepared.p_def, outs[: prepared.n_params])
-    return new_params, jtu.tree_unflatten(prepared.s_def, outs[prepared.n_params :])
+    new_params = jtu.tree_unflatten(prepared.p_def, outs[: len(prepared.params)])
+    return new_params, jtu.tree_unflatten(prepared.s_def, outs[len(prepared.params) :])
