@@ -13,15 +13,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One compilation cache for this run, starting empty, so that a program compiled by
 # one test (or a subprocess, or the other pytest-xdist worker: they inherit the
 # environment of the process that made it) is read back by the next one instead of
-# compiled again. Only programs that took a second or more to compile are kept:
-# writing every small one cost more than reading them back saved (the suite in 160
-# s against 164-169 s keeping all, measured on a 2-core machine; 161 s with no
-# cache). A directory given in the environment is used instead (and kept).
+# compiled again. Every program is kept, however small or quick to compile. A
+# directory given in the environment is used instead (and kept).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="eqx_offload_tests_jax_cache_")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # Ten frames of Python traceback in each operation's MLIR location, not JAX's
 # default hundred: under pytest a stack is mostly pytest's own frames, and every
