@@ -50,6 +50,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
+from unittest import mock
 
 import _common  # noqa: F401  (sets JAX_PLATFORMS before JAX is imported)
 import equinox as eqx
@@ -428,8 +429,8 @@ def main():
             )
             if c[1] != "dict" or c[4] == args.depths[0]  # no depth
         ]
-    if args.piece_bytes:
-        eoi.PIECE_BYTES = args.piece_bytes
+    if args.piece_bytes:  # the module's global, by its path (`eqx_offload.internal`)
+        mock.patch("eqx_offload._tiling.PIECE_BYTES", args.piece_bytes).start()
     rows, results = [], []
     for target, arch, dtype, width, depth, policy, k in cases:
         r = compile_case(

@@ -24,7 +24,7 @@ from . import (
 from ._checked_loss import checked_loss
 from ._errors import see
 from ._flatten import flatten, Static, unflatten
-from ._memory_kinds import is_arraylike, is_host, to_space
+from ._memory_kinds import is_arraylike, is_host, is_key, to_space
 from ._policy import Policy
 from ._policy_args import warn_once
 from ._transform import filter_offload
@@ -61,8 +61,7 @@ def _check_layout(model: PyTree, policy: Policy, shardings: tuple) -> None:
     pairs = [
         (leaf, sharding)
         for leaf, sharding in zip(_paths.leaves(model), shardings, strict=True)
-        if is_arraylike(leaf.value)
-        and not jax.dtypes.issubdtype(leaf.value.dtype, jax.dtypes.prng_key)
+        if is_arraylike(leaf.value) and not is_key(leaf.value)
     ]
     leaves = [leaf for leaf, _ in pairs]
     declared = _declared(leaves, policy.shard, shardings, policy.host_tables)

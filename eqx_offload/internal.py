@@ -154,7 +154,6 @@ from ._scan_body import to_device as to_device
 from ._scopes import COPIES as COPIES
 from ._state_dict import layer_axes as layer_axes
 from ._tiling import (
-    PIECE_BYTES as PIECE_BYTES,
     row_blocks as row_blocks,
     slices_by_layer as slices_by_layer,
     WHOLE_ON as WHOLE_ON,
