@@ -1,7 +1,9 @@
 """The gradient of a step taken in micro-batches, or in a compute dtype.
 
 The batch is split along its leading axis, and a `lax.scan` runs over the parts.
-Each parameter's gradient is accumulated where it lives (`_grad_taps.py`).
+Each parameter's gradient is accumulated where the loss reads it from
+(`_grad_taps.py`): a host-resident parameter's on the host, or on the device
+beside its compute copy when the policy keeps the copy there.
 
 Micro-batch `i` of `k` holds the examples `i, i + k, i + 2k, ...`. A batch laid
 out over a mesh is in contiguous blocks. Each device then keeps its share of every
@@ -150,6 +152,20 @@ def _by_place(
     return tapped, plain, to_device
 
 
+def _accumulator(leaf: _paths.Leaf, source: Any) -> Any:
+    """The accumulator of a host-resident leaf's gradient over micro-batches.
+
+    Where the loss reads the leaf from the device (its compute copy is kept
+    there), its gradient adds up on the device too, in the master's dtype: zeros
+    beside the copy. Nothing then crosses to the host per micro-batch. Else it
+    adds up on the host, starting as the master: the first micro-batch does not
+    read it.
+    """
+    if is_host(source):
+        return leaf.value
+    return jnp.zeros_like(source, dtype=leaf.value.dtype)
+
+
 def _loop(
     grad: Callable, accs: tuple, batch: tuple, k: int, unsplit: tuple, on_host: bool
 ) -> tuple:
@@ -217,8 +233,10 @@ def value_and_grad(
     gradient in the compute dtype; the update casts it.
 
     A host-resident parameter's gradient is accumulated where the loss uses it,
-    through a tap (`_grad_taps.py`): one layer at a time, read from and written
-    back to the host. A parameter on the device is differentiated as usual, and
+    through a tap (`_grad_taps.py`): one layer at a time. Where its compute copy
+    is on the device, the accumulator is too, in the master's dtype, and nothing
+    crosses the host link per micro-batch. Else it is read from and written back
+    to the host. A parameter on the device is differentiated as usual, and
     its gradient added to a device accumulator. So is, over several
     micro-batches, a host-resident leaf outside every `Stacked` whose minor
     dimensions are not whole TPU tiles (`_tiling.whole_tiles`), such as a
@@ -260,17 +278,19 @@ def value_and_grad(
 
     def grad(accs: list, arguments: tuple, read: Any) -> tuple:
         wrt = (accs, device_params)
-        out, (accs, new) = jax.value_and_grad(run, has_aux=True)(wrt, arguments, read)
+        out, (sums, new) = jax.value_and_grad(run, has_aux=True)(wrt, arguments, read)
         # A leaf the loss never reaches gets a zero gradient from JAX, on the
         # device: put it where its accumulator lives.
-        return out, ([to_space(a, "pinned_host", "") for a in accs], new)
+        kinds = ["pinned_host" if is_host(a) else "device" for a in accs]
+        return out, ([to_space(a, c, "") for a, c in zip(sums, kinds)], new)
 
+    copies = {leaf.path: leaf.value for leaf in model_leaves}
     if k == 1:
-        # Each host gradient is received by its compute copy. It crosses to the host
-        # once, in the compute dtype (exactly: it is computed in it), and the update
-        # casts it to its master's dtype where it runs. A host table's is not: it is
-        # written into its receiver block by block (`_grad_taps._add_by_blocks`).
-        copies = {leaf.path: leaf.value for leaf in model_leaves}
+        # Each host gradient is received by its compute copy, in the compute dtype
+        # (exactly: it is computed in it), where the copy lives (a host copy's
+        # crosses to the host once); the update casts it to its master's dtype where
+        # it runs. A host table's is not: it is written into its receiver block by
+        # block (`_grad_taps._add_by_blocks`).
         receivers = [
             leaf.value
             if _paths.under(leaf.path, host_tables)
@@ -279,7 +299,10 @@ def value_and_grad(
         ]
         (_, (value, aux)), grads = grad(receivers, batch, False)
     else:
-        accs = ([leaf.value for leaf, _ in tapped], device_params)
+        accs = (
+            [_accumulator(leaf, copies[leaf.path]) for leaf, _ in tapped],
+            device_params,
+        )
         (value, aux), grads = _loop(grad, accs, batch, k, unsplit, on_host)
     paths = [leaf.path for leaf, _ in tapped + plain]
     by_path = dict(zip(paths, grads[0] + grads[1], strict=True))

@@ -1,0 +1,71 @@
+"""Micro-batches with the compute copies on the device: the masters and moments on
+the host, the gradients added up on the device beside the copies, the update once a
+step. Nothing crosses the host link per micro-batch: a step's host traffic is the
+update's alone, whatever the micro-batch count, on a GPU and a TPU, with no host
+compute (compiled with `xla_disable_automatic_host_compute_offload`, so any fails
+the compile). Its numbers are `test_mixed_precision.py`'s (the same scheme by hand)."""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import eqx_offload as eo
+
+from .helpers import cross_entropy, table_lm
+
+
+# The placement a full fine-tune on one GPU takes (issue 54): bf16 compute copies on
+# the device, fp32 masters and AdamW moments on the host.
+COPIES_ON_DEVICE = eo.Policy.remat(
+    params="pinned_host",
+    opt_state={"**": "pinned_host", "copies:**": "device"},
+    compute_dtype=jnp.bfloat16,
+)
+HOST = eo.Policy(params="pinned_host")
+NO_HOST_COMPUTE = {"xla_disable_automatic_host_compute_offload": True}
+SEQ, PER_MICRO_BATCH = 16, 2
+
+
+@functools.cache
+def _report(target: str, k: int) -> eo.MemoryReport:
+    optimizer = optax.adamw(1e-3)
+    abstract = eqx.filter_eval_shape(table_lm, jax.random.key(0), 64, 128, 2)
+    model = eo.place(abstract, COPIES_ON_DEVICE)
+    opt_state = eo.init_opt_state(optimizer, model, COPIES_ON_DEVICE)
+    tokens = jax.ShapeDtypeStruct((PER_MICRO_BATCH * k, SEQ), jnp.int32)
+    step = eo.train_step(cross_entropy, optimizer, COPIES_ON_DEVICE, microbatches=k)
+    return eo.memory_report(step, model, opt_state, tokens, tokens, target=target)
+
+
+@pytest.fixture
+def no_host_compute(monkeypatch):
+    """Every step compiled here refuses host compute instead of adding it."""
+    monkeypatch.setattr(
+        "eqx_offload._compiler.compile_options", lambda *_, **__: NO_HOST_COMPUTE
+    )
+
+
+@pytest.mark.parametrize("target", ["gpu-h100", "tpu-v5e"])
+def test_host_traffic_does_not_grow_with_the_micro_batches(target, no_host_compute):
+    """k = 1, 4, 16: the bytes each way are the update's (fp32 masters and two
+    moments, read and written once), within 1%."""
+    reports = [_report(target, k) for k in (1, 4, 16)]
+    params = 64 * 128 * 2 + 2 * 128 * 128  # the tables and two layers
+    for report in reports:
+        for direction in ("host_to_device", "device_to_host"):
+            moved = report.transfer_bytes(direction, compiled=True)
+            assert moved == pytest.approx(3 * 4 * params, rel=0.01), direction
+        assert report.time is not None and report.time.host_compute_seconds == 0
+        assert report.time.compile_options == NO_HOST_COMPUTE
+
+
+def test_host_compute_fails_the_compile_here(no_host_compute):
+    """The guard above is live: computing on a host-resident array, which XLA
+    would otherwise turn into host compute, does not compile under it."""
+    x = eo.place(jax.ShapeDtypeStruct((128, 128), jnp.float32), HOST)
+    with pytest.raises(eo.DoesNotCompile, match="host compute offloading is disabled"):
+        eo.memory_report(lambda x: x * 2, x, target="gpu-h100")
