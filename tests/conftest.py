@@ -110,6 +110,7 @@ SLOWEST_FIRST = (
     "test_tpu_compile.py",  # 9 s
     "test_pending_update_outside_the_step.py",  # 8 s
     "test_saving.py",  # 8 s
+    "test_accumulation.py",  # 8 s
     "test_microbatch.py",  # 7 s
     "test_streamed_update.py",  # 7 s
     "test_vocab_streaming.py",  # 7 s
