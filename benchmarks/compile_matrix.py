@@ -169,6 +169,14 @@ POLICIES: dict[str, tuple[str, dict[str, Any]]] = {
     "offload_residuals": ("offload_residuals", {}),
     "offload_all": ("offload_all", {}),
     "host params": ("remat", {"params": {"blocks": "pinned_host"}}),
+    # bf16 compute copies on the device, masters and moments on the host (issue 54).
+    "copies on device": (
+        "remat",
+        {
+            "params": "pinned_host",
+            "opt_state": {"**": "pinned_host", "copies:**": "device"},
+        },
+    ),
     "host state": ("offload_residuals", {"opt_state": "pinned_host"}),
     "whole update": ("offload_all", {"update": "whole"}),
     "host state, whole update": (
@@ -343,6 +351,8 @@ SPOT = [
     ("gpu-h100", "dict", "bfloat16", 200, 1, "offload_all", 1),
     ("gpu-h100", "mlp", COMPUTE_BF16, 128, 2, "offload_all", 2),
     ("gpu-h100", "gpt", "float32", 96, 2, "offload_residuals", 4),
+    ("tpu-v5e", "llama", COMPUTE_BF16, 200, 2, "copies on device", 4),
+    ("gpu-h100", "gpt", COMPUTE_BF16, 97, 3, "copies on device", 4),
 ]
 
 # (target, arch, dtype, width, depth, policy, microbatches): what `--host-2048`
