@@ -160,42 +160,6 @@ def test_offload_all_rejects_l2_penalty_over_stacked_leaves(getkey):
         step(model, opt_state, *next(batches()))
 
 
-def test_traced_once_per_input_shape(getkey):
-    traces = []
-
-    def loss_fn(model, tokens, targets):
-        traces.append(tokens.shape)
-        return cross_entropy(model, tokens, targets)
-
-    policy = eo.Policy.offload_all()
-    optimizer = optax.sgd(1e-3)
-    model = eo.place(Model(key=getkey()), policy)
-    opt_state = eo.init_opt_state(optimizer, model, policy)
-    step = CountCompiles(eo.train_step(loss_fn, optimizer, policy))
-    data = batches()
-    for _ in range(3):
-        model, opt_state, _, _ = step(model, opt_state, *next(data))
-    assert traces == [(2, 8)]
-    data = batches(batch=3)
-    for _ in range(2):
-        model, opt_state, _, _ = step(model, opt_state, *next(data))
-    assert traces == [(2, 8), (3, 8)]
-    assert step.compiled_on == [0, 3]
-
-
-def test_donates_model_and_opt_state(getkey):
-    policy = eo.Policy.remat()
-    optimizer = optax.sgd(1e-2)
-    model = eo.place(Model(key=getkey()), policy)
-    opt_state = eo.init_opt_state(optimizer, model, policy)
-    step = eo.train_step(cross_entropy, optimizer, policy)
-    tokens, targets = next(batches())
-    new_model, _, _, _ = step(model, opt_state, tokens, targets)
-    assert model.head.weight.is_deleted()
-    assert not new_model.head.weight.is_deleted()
-    assert not tokens.is_deleted()
-
-
 def test_outputs_stay_where_the_policy_puts_them(getkey):
     policy = eo.Policy(
         params={"blocks": "pinned_host", "blocks.norm1": "device"},
@@ -215,20 +179,6 @@ def test_outputs_stay_where_the_policy_puts_them(getkey):
     assert memory_kind(opt_state[0].nu.blocks.layers.attn.query_proj.weight) == (
         "pinned_host"
     )
-
-
-def test_has_aux(getkey):
-    def loss_fn(model, tokens, targets):
-        loss = cross_entropy(model, tokens, targets)
-        return loss, {"twice": 2 * loss}
-
-    policy = eo.Policy.offload_residuals()
-    optimizer = optax.sgd(1e-2)
-    model = eo.place(Model(key=getkey()), policy)
-    opt_state = eo.init_opt_state(optimizer, model, policy)
-    step = eo.train_step(loss_fn, optimizer, policy, has_aux=True)
-    _, _, (loss, aux), _ = step(model, opt_state, *next(batches()))
-    assert aux["twice"] == 2 * loss  # exact: a doubling
 
 
 def test_unplaced_model_is_an_error(getkey):
@@ -264,7 +214,11 @@ def test_unpinned_host_is_refused_in_a_step(getkey):
         step(model, opt_state, *next(batches()))
 
 
-def test_non_trainable_leaves_pass_through(getkey):
+def test_non_trainable_leaves_pass_through_and_aux_comes_back(getkey):
+    """A non-trainable leaf (an int buffer) comes back as it was; with
+    `has_aux=True` the loss's aux comes back beside the loss. (One step for both:
+    each new step compiles.)"""
+
     class WithBuffer(eqx.Module):
         model: Model
         step_count: jax.Array
@@ -273,18 +227,29 @@ def test_non_trainable_leaves_pass_through(getkey):
             return self.model(tokens)
 
     def loss_fn(m, tokens, targets):
-        return cross_entropy(m, tokens, targets) + 0.0 * m.step_count
+        loss = cross_entropy(m, tokens, targets) + 0.0 * m.step_count
+        return loss, {"twice": 2 * loss}
 
     policy = eo.Policy.offload_residuals()
     optimizer = optax.sgd(1e-2)
     model = eo.place(WithBuffer(Model(key=getkey()), jnp.array(3)), policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
-    step = eo.train_step(loss_fn, optimizer, policy)
-    model, _, _, _ = step(model, opt_state, *next(batches()))
+    step = eo.train_step(loss_fn, optimizer, policy, has_aux=True)
+    model, _, (loss, aux), _ = step(model, opt_state, *next(batches()))
     assert int(model.step_count) == 3
+    assert aux["twice"] == 2 * loss  # exact: a doubling
 
 
-def test_model_sharded_over_a_mesh_compiles_once(getkey):
+def test_model_sharded_over_a_mesh_is_traced_once_per_input_shape(getkey):
+    """A model laid out over a mesh by hand: the step traces and compiles once per
+    input shape (once for three steps, once more for a new batch size), and its
+    outputs keep the inputs' shardings."""
+    traces = []
+
+    def loss_fn(model, tokens, targets):
+        traces.append(tokens.shape)
+        return cross_entropy(model, tokens, targets)
+
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     shard = jax.sharding.NamedSharding(mesh, jax.P(None, "x"))
     replicate = jax.sharding.NamedSharding(mesh, jax.P())
@@ -303,13 +268,18 @@ def test_model_sharded_over_a_mesh_compiles_once(getkey):
     opt_state = eo.init_opt_state(optimizer, model, policy)
     assert opt_state[0].count.sharding == replicate
     inputs = [x.sharding for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
-    step = CountCompiles(eo.train_step(cross_entropy, optimizer, policy))
+    step = CountCompiles(eo.train_step(loss_fn, optimizer, policy))
     data = batches()
     for _ in range(3):
         model, opt_state, _, _ = step(model, opt_state, *next(data))
-    assert step.compiled_on == [0]
+    assert step.compiled_on == [0] and traces == [(2, 8)]
     outputs = [x.sharding for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
     assert outputs == inputs
+    data = batches(batch=3)
+    for _ in range(2):
+        model, opt_state, _, _ = step(model, opt_state, *next(data))
+    assert traces == [(2, 8), (3, 8)]
+    assert step.compiled_on == [0, 3]
 
 
 def test_prng_keys_in_the_model_stay_on_the_device(getkey):
@@ -337,7 +307,11 @@ def test_prng_keys_in_the_model_stay_on_the_device(getkey):
         eo.place(HostKey(getkey()))
 
 
-def test_weak_typed_leaves_do_not_cause_a_recompile(getkey):
+def test_weak_typed_leaves_do_not_cause_a_recompile_and_inputs_are_donated(getkey):
+    """A weakly typed leaf (`jnp.array(1.0)`) compiles the step once for all its
+    steps; each step donates the model it was given (its buffers deleted), not
+    the batch. (One step for both: each new step compiles.)"""
+
     class Scaled(eqx.Module):
         model: Model
         scale: jax.Array
@@ -352,7 +326,12 @@ def test_weak_typed_leaves_do_not_cause_a_recompile(getkey):
     step = CountCompiles(eo.train_step(cross_entropy, optimizer, policy))
     data = batches()
     for _ in range(3):
-        model, opt_state, _, _ = step(model, opt_state, *next(data))
+        tokens, targets = next(data)
+        given = model
+        model, opt_state, _, _ = step(model, opt_state, tokens, targets)
+        assert given.model.head.weight.is_deleted()
+        assert not model.model.head.weight.is_deleted()
+        assert not tokens.is_deleted()
     assert step.compiled_on == [0]
 
 
