@@ -6,6 +6,10 @@ finds the fewest devices (`eo.fewest_chips`). `--experimental prefetch
 next_forward host_update` turns on `plan`'s experimental stages,
 `--workspace-margin 1GiB` sets the device memory left free, `--hardware FILE` prices
 the steps with a calibration file (`eo.Hardware.from_measurements`).
+`--tokens-per-update 262144` makes the batch that many tokens (the factory's
+batch's sequence length kept) and searches the micro-batch count
+(`plan(microbatches="search")`), as `--microbatches search` does for the
+factory's batch.
 
 Stopped by Ctrl-C or a SIGTERM (`timeout`), it prints the best plan of what it has
 compiled and its table, writes `--json` (with `"interrupted": true`), and exits
@@ -33,8 +37,12 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+import jax
+
+from ._errors import see
 from ._planner import fewest_chips, Plan, plan, PlanInterrupted, PlanTable
 from ._planner._choice import EXPERIMENTAL
+from ._planner._plan_type import batch_size
 from ._report import DoesNotFit, Hardware
 from ._train_step import TrainStep
 
@@ -74,8 +82,19 @@ _OPTIONS: dict[str, dict[str, Any]] = {
     "--batch-per-device": dict(
         action="store_true", help="with --chip: the batch is one device's share"
     ),
+    "--tokens-per-update": dict(
+        type=int,
+        metavar="N",
+        help="tokens per optimizer update: the batch becomes this many tokens over "
+        "the sequence length of the factory's first batch argument (an integer "
+        "[examples, sequence] array), and the micro-batch count is searched",
+    ),
     "--microbatches": dict(
-        type=int, nargs="+", help="counts to offer (by default the step's own)"
+        type=lambda text: text if text == "search" else int(text),
+        nargs="+",
+        metavar="K",
+        help="counts to offer, or 'search': the fewest that fit (by default the "
+        "step's own; 'search' with --tokens-per-update)",
     ),
     "--compute-dtypes": dict(
         nargs="+",
@@ -136,6 +155,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "`train_step(..., has_aux=True)`."
         )
     step, model, _, batch = _factory(args.factory)
+    if args.tokens_per_update is not None:
+        batch = _per_update(batch, args.tokens_per_update)
     if step.unsplit:
         raise SystemExit(
             f"eqx_offload plan: the step has `unsplit={step.unsplit}`, which the "
@@ -156,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         device_budget=args.device_budget,
         host_budget=args.host_budget,
         has_aux=step.has_aux,
-        microbatches=tuple(args.microbatches or (step.microbatches,)),
+        microbatches=_microbatches(args, step),
         compute_dtypes=tuple(None if d == "model" else d for d in args.compute_dtypes),
         progress=True,
         experimental=tuple(args.experimental),
@@ -171,6 +192,36 @@ def main(argv: Sequence[str] | None = None) -> None:
     except PlanInterrupted as e:
         _interrupted(e, args.json, signals[0] if signals else signal.SIGINT)
     _show(args.json, result, result.table)
+
+
+def _per_update(batch: tuple, tokens: int) -> tuple:
+    """The factory's batch with `tokens` per update: each array's leading size
+    `tokens / sequence`, the sequence the second axis of the first argument."""
+    _, sequence = batch_size(batch)
+    if sequence is None:
+        raise SystemExit(
+            "eqx_offload plan: --tokens-per-update needs an integer [examples, "
+            "sequence] first batch argument." + see(149)
+        )
+    if tokens <= 0 or tokens % sequence:
+        raise SystemExit(
+            f"eqx_offload plan: --tokens-per-update {tokens} is not a multiple of the "
+            f"sequence length, {sequence}." + see(149)
+        )
+
+    def resized(x: Any) -> Any:
+        shape = (tokens // sequence, *x.shape[1:])
+        return jax.ShapeDtypeStruct(shape, x.dtype) if getattr(x, "ndim", 0) else x
+
+    return jax.tree.map(resized, batch)
+
+
+def _microbatches(args: argparse.Namespace, step: TrainStep) -> Any:
+    """The micro-batch counts offered: those given, or `"search"`; by default the
+    step's own, `"search"` with --tokens-per-update."""
+    default = "search" if args.tokens_per_update else step.microbatches
+    offered = args.microbatches or [default]
+    return "search" if offered == ["search"] else tuple(offered)
 
 
 def _plan(path: Path | None, search: Callable[[], Plan]) -> Plan:
@@ -229,6 +280,11 @@ def _show(
     if plan is not None:
         print(plan)
         print(f"\npolicy: {plan.policy}")
+        more |= {
+            "microbatches": plan.microbatches,
+            "examples_per_update": plan.examples,
+            "tokens_per_update": plan.tokens_per_update,
+        }
     elif table is not None:
         print(table)
     if path is not None:

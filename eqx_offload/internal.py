@@ -51,6 +51,7 @@ from ._jaxpr import (
     scan_layout as scan_layout,
     sub_jaxprs as sub_jaxprs,
 )
+from ._jaxpr_flops import matmul_flops as matmul_flops
 from ._memory_kinds import (
     abstract as abstract_tree,
     is_arraylike as is_arraylike,
@@ -75,6 +76,7 @@ from ._pending import owed as pending_owed, Record as Record, take as pending_ta
 from ._planner._arguments import (
     budgets as planner_budgets,
     capacity as planner_capacity,
+    searched as searched_counts,
 )
 from ._planner._budget import parse_bytes as parse_bytes
 from ._planner._candidates import (
@@ -138,6 +140,7 @@ from ._report._targets import (
     device_count as device_count,
     devices as targets_devices,
     HBM_BYTES as HBM_BYTES,
+    host_memory as host_memory,
     parse as targets_parse,
     platform as targets_platform,
     slice_mesh as slice_mesh,

@@ -132,6 +132,8 @@ SLOWEST_FIRST = (
     "test_cross_entropy.py",  # 3 s
     "test_state_dict.py",  # 3 s
     "test_report_traffic.py",  # 2 s
+    "test_plan_microbatches.py",  # 4 s
+    "test_mfu.py",  # 2 s
     "test_typechecked.py",  # 1 s
     "test_meshes_by_hand.py",  # 1 s
     "test_structure.py",  # 1 s

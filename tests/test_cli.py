@@ -48,6 +48,52 @@ def small_factory():
     return step, model, opt_state, (jax.ShapeDtypeStruct((8, 32), jnp.float32),)
 
 
+def _tokens_loss(model, tokens):
+    return jnp.mean(jax.vmap(model)(tokens.astype(jnp.float32)) ** 2)
+
+
+def tokens_factory():
+    """`small_factory`'s model over a batch of 8 sequences of 32 token ids."""
+    step, model, opt_state, _ = small_factory()
+    step = eo.train_step(_tokens_loss, step.optimizer, step.policy)
+    return step, model, opt_state, (jax.ShapeDtypeStruct((8, 32), jnp.int32),)
+
+
+def test_tokens_per_update_sets_the_batch_and_searches_micro_batches(
+    tmp_path, monkeypatch, capsys
+):
+    """`--tokens-per-update 2048` makes the factory's batch of 32-token sequences
+    64 of them, and searches the micro-batch count (`plan(microbatches="search")`):
+    within 1 GiB, the fewest is one. A count that is not a multiple of the
+    sequence, and a batch of no token ids, are refused naming the flag."""
+    monkeypatch.chdir(ROOT)
+    searched = []
+    monkeypatch.setattr(
+        __main__,
+        "plan",
+        lambda *a, **k: searched.append((a[3:], k["microbatches"])) or eo.plan(*a, **k),
+    )
+    out = tmp_path / "plan.json"
+    budgets = ["--device-budget", "1GiB", "--host-budget", "1GiB", "--json", str(out)]
+    main(
+        ["plan", "tests.test_cli:tokens_factory", "--tokens-per-update", "2048"]
+        + budgets
+    )
+    ((batch, microbatches),) = searched
+    assert batch == (jax.ShapeDtypeStruct((64, 32), jnp.int32),)
+    assert microbatches == "search"
+    printed = capsys.readouterr().out
+    assert "Per update: 64 examples (2,048 tokens), in 1 micro-batch of 64" in printed
+    written = json.loads(out.read_text())
+    assert (written["tokens_per_update"], written["microbatches"]) == (2048, 1)
+    message = _refused("tests.test_cli:tokens_factory", "--tokens-per-update", "100")
+    assert "--tokens-per-update 100 is not a multiple of the sequence length, 32" in (
+        message
+    )
+    message = _refused("tests.test_cli:small_factory", "--tokens-per-update", "64")
+    assert "--tokens-per-update needs an integer [examples, sequence]" in message
+
+
 def test_plan_prints_the_table(tmp_path, monkeypatch, capsys):
     """The command's `main` in this process."""
     out = tmp_path / "plan.json"

@@ -2,7 +2,9 @@
 the workspace margin), the settings offered (micro-batch counts, compute dtypes,
 the FSDP axis), and the model and batch made abstract."""
 
+import math
 from collections.abc import Sequence
+from typing import cast, Literal
 
 import jax
 import jax.tree_util as jtu
@@ -18,6 +20,7 @@ from .._report import (
     Hardware,
     platform as target_platform,
 )
+from .._report._targets import host_memory
 from ._budget import parse_bytes, workspace_margin as margin_of
 from ._candidates import Settings
 
@@ -25,19 +28,25 @@ from ._candidates import Settings
 def settings(
     target: str | None,
     axis: str,
-    microbatches: Sequence[int],
+    microbatches: Sequence[int] | Literal["search"],
     compute_dtypes: Sequence[DTypeLike | None],
     batch: tuple,
-) -> list[Settings]:
+) -> tuple[list[Settings], tuple[int, ...]]:
     """Every combination of the micro-batch counts and compute dtypes offered, the
-    first ones first; FSDP over `axis` on a target of several devices."""
+    first ones first; FSDP over `axis` on a target of several devices. And with
+    `microbatches="search"`, the counts searched (`searched`; else none), the
+    settings then in one micro-batch, where the search starts."""
     if not isinstance(axis, str) or not axis:
         raise ValueError(
             f"`plan(axis={axis!r})` is not a mesh axis name. Give one, such as "
             "'fsdp'." + see(118)
         )
     devices = 1 if target is None else device_count(target)
-    counts = _counts(microbatches, batch, devices)
+    search = microbatches == "search"
+    # (Another string is refused there, as no sequence of counts.)
+    counts = _counts(
+        (1,) if search else cast(Sequence[int], microbatches), batch, devices
+    )
     dtypes = tuple(compute_dtypes)
     if not dtypes:
         raise ValueError(
@@ -46,7 +55,19 @@ def settings(
         )
     names = tuple(None if d is None else _dtype_name(d, dtypes) for d in dtypes)
     sharded = axis if devices > 1 else None
-    return [Settings(sharded, k, d) for k in counts for d in names]
+    found = searched(batch, devices) if search else ()
+    return [Settings(sharded, k, d) for k in counts for d in names], found
+
+
+def searched(batch: tuple, devices: int) -> tuple[int, ...]:
+    """The micro-batch counts `plan(microbatches="search")` chooses from: those that
+    split every leading size of the batch over `devices`, ascending (the largest
+    micro-batch first); only 1 for a batch with a scalar argument."""
+    leaves = [x for x in jtu.tree_leaves(batch) if hasattr(x, "ndim")]
+    if not leaves or any(x.ndim == 0 for x in leaves):
+        return (1,)
+    n = math.gcd(*(x.shape[0] for x in leaves))
+    return tuple(k for k in range(1, n + 1) if n % (k * devices) == 0)
 
 
 def _counts(microbatches: Sequence[int], batch: tuple, devices: int) -> tuple[int, ...]:
@@ -55,7 +76,7 @@ def _counts(microbatches: Sequence[int], batch: tuple, devices: int) -> tuple[in
     if not counts or not all(_is_count(k) for k in counts):
         raise ValueError(
             f"`plan(microbatches={microbatches!r})` needs positive micro-batch "
-            "counts. Offer e.g. `(1, 2, 4)`." + see(118)
+            'counts. Offer e.g. `(1, 2, 4)`, or `"search"`.' + see(118)
         )
     leaves = [x for x in jtu.tree_leaves(batch) if hasattr(x, "ndim")]
     leading = {x.shape[0] for x in leaves if x.ndim}
@@ -101,8 +122,9 @@ def budgets(
     hardware: Hardware | None = None,
 ) -> tuple[tuple[int, int], int]:
     """The device budget less the workspace margin, and the host budget (the
-    budgets given, or the target's capacity and host RAM per device); and the
-    margin (`_budget.workspace_margin`)."""
+    budgets given, or the target's capacity and host memory per device: RAM, or a
+    GPU's share of JAX's pinned host cap, `_targets.host_memory`); and the margin
+    (`_budget.workspace_margin`)."""
     d = None if device is None else parse_bytes(device, "device_budget")
     h = None if host is None else parse_bytes(host, "host_budget")
     if target is None:
@@ -115,7 +137,8 @@ def budgets(
         platform = jax.default_backend()
     else:
         d = capacity(target) if d is None else d
-        h = (hardware or Hardware.of(target)).host_memory_bytes if h is None else h
+        ram = (hardware or Hardware.of(target)).host_memory_bytes
+        h = host_memory(target, ram)[0] if h is None else h  # (a GPU's pinned cap)
         platform = target_platform(target)
     left = margin_of(margin, d, platform)
     return (d - left, h), left

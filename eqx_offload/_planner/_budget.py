@@ -76,15 +76,17 @@ def workspace_margin(value: int | str | None, budget: int, platform: str | None)
 
 # What `fixes` advises for each memory, in this order.
 _FIXES = {
-    "device": "a larger `device_budget`, a smaller batch or model, or micro-batches "
-    "(`microbatches=(1, 2, 4)`)",
+    "device": "a larger `device_budget`, a smaller batch or model",
     "host": "a larger `host_budget`, Adam's first moment in bfloat16 "
     "(`optax.adamw(..., mu_dtype=jnp.bfloat16)`), or a smaller model",
 }
+_MICROBATCHES = ', or micro-batches (`microbatches="search"`)'
 
 
-def fixes(exceeded: Sequence[str]) -> str:
+def fixes(exceeded: Sequence[str], searched: bool = False) -> str:
     """What would let a step fit the budgets it exceeds (`"device"`, `"host"`),
     as `plan` and `fewest_chips` advise it: only what changes that memory (more
-    offloading or micro-batches add nothing to the host's room)."""
-    return "; for the host, ".join(_FIXES[m] for m in _FIXES if m in exceeded)
+    offloading or micro-batches add nothing to the host's room; micro-batches
+    not where they were `searched`)."""
+    more = {"device": "" if searched else _MICROBATCHES, "host": ""}
+    return "; for the host, ".join(_FIXES[m] + more[m] for m in _FIXES if m in exceeded)

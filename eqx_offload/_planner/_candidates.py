@@ -361,10 +361,16 @@ def _by_choice(residuals: Mapping[str, Residual] | None) -> dict[str, tuple[str,
     return {c: tuple(n for n, x in pairs if x == c) for c in _CHOICES}
 
 
-def presets(base: Candidate, names: tuple[str, ...]) -> list[tuple[str, Candidate]]:
+def presets(
+    base: Candidate, names: tuple[str, ...], offered: Iterable[Settings] = ()
+) -> list[tuple[str, Candidate]]:
     """`Policy.remat()`, `Policy.offload_residuals()` and `Policy.offload_all()` as
     candidates in `base`'s settings (`base` is `Policy.none()`), with their labels.
-    Each places what its preset places, compute copies included."""
+    Each places what its preset places, compute copies included. Then, in each of
+    the `offered` settings with a compute dtype (and `base`'s micro-batches), the
+    masters and their optimizer state on the host and the compute copies on the
+    device, every name recomputed: the placement for a large batch per update,
+    which the local search seldom reaches one knob at a time."""
     remat = base.remat(names)
     inputs: Placements[str, Residual] = Placements(
         (n, "offload" if n.endswith(".input") else "recompute") for n in names
@@ -375,11 +381,25 @@ def presets(base: Candidate, names: tuple[str, ...]) -> list[tuple[str, Candidat
         opt_state=Placements.fromkeys(remat.opt_state, "pinned_host"),
         copies=Placements.fromkeys(remat.copies, "pinned_host"),
     )
+    kept = everything._replace(
+        residuals=remat.residuals, copies=Placements.fromkeys(remat.copies, "device")
+    )
+    k = base.settings.microbatches
     return [
         ("recompute all: Policy.remat()", remat),
         ("offload layer inputs: Policy.offload_residuals()", offloaded),
         ("all on host: Policy.offload_all()", everything),
+    ] + [
+        (_COPIES_KEPT, kept.with_settings(s._replace(microbatches=k)))
+        for s in offered
+        if s.compute_dtype is not None and kept.copies
     ]
+
+
+_COPIES_KEPT = (
+    "compute copies on device, the rest on host: Policy.remat(params='pinned_host', "
+    "opt_state={'**': 'pinned_host', 'copies:**': 'device'})"
+)
 
 
 def field_of(path: str) -> str:

@@ -33,7 +33,7 @@ def fewest_chips(
     batch_per_device: bool = False,
     has_aux: bool = False,
     axis: str = "fsdp",
-    microbatches: Sequence[int] = (1,),
+    microbatches: Sequence[int] | Literal["search"] = (1,),
     compute_dtypes: Sequence[DTypeLike | None] = (None,),
     progress: bool = False,
     experimental: Sequence[Experimental] = (),
@@ -94,7 +94,7 @@ def fewest_chips(
     counts = {t: device_count(t) for t in targets}
     skipped: list[tuple[str, str]] = []
     if not batch_per_device:
-        most = max(microbatches, default=1)
+        most = 1 if isinstance(microbatches, str) else max(microbatches, default=1)
         targets, skipped = _splitting(targets, counts, batch, most)
     tried: dict[str, Plan | DoesNotFit | None] = {}  # None: fits (not planned)
     searches: list[Searched] = []

@@ -12,7 +12,7 @@ from .._errors import see
 from .._report import DoesNotFit, size_text, time_text
 from . import _budget, _choice, _rates
 from ._candidates import Candidate
-from ._plan_type import Plan
+from ._plan_type import batch_size, Plan
 from ._table import PlanRow, PlanTable
 
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # types only (`_search` is one level below)
 def choose(search: "Search") -> tuple[Candidate | None, list[Candidate]]:
     """The candidate `plan` chooses (`_choice.choose`), and those tied with the
     fastest (`_choice.tied`); `None` and none if nothing fits."""
-    fitting = list(filter(search.fits, search.results))
+    fitting = list(filter(search.fits, search.choices()))
     if not fitting:
         return None, []
     options = [
@@ -47,7 +47,11 @@ def finish(search: "Search") -> Plan | DoesNotFit:
     # (`Policy.none()`'s, the first compiled)
     none = search.results[next(iter(search.results))].report
     none_flops = None if none is None or none.time is None else none.time.flops
-    rows = [_row(search, c, c == chosen, none_flops, c in tied) for c in search.results]
+    kept = set(search.choices())
+    rows = [
+        _row(search, c, (c == chosen, c in kept, c in tied), none_flops)
+        for c in search.results
+    ]
     rows += [PlanRow(c.label, c.policy(), why) for c, why in search.pruned.items()]
     search.progress.close()
     decision = "" if chosen is None else _decision(search, chosen, tied)
@@ -74,6 +78,8 @@ def finish(search: "Search") -> Plan | DoesNotFit:
         target=task.target,
         mesh=task.mesh,
         interrupted=search.interrupted,
+        examples=batch_size(task.batch)[0],
+        sequence=batch_size(task.batch)[1],
     )
 
 
@@ -109,14 +115,16 @@ def _decision(search: "Search", chosen: Candidate, tied: list[Candidate]) -> str
 def _row(
     search: "Search",
     c: Candidate,
-    chosen: bool,
+    marks: tuple[bool, bool, bool],
     none_flops: float | None,
-    tied: bool = False,
 ) -> PlanRow:
-    """The table's row of a compiled candidate."""
-    r = search.results[c]
+    """The table's row of a compiled candidate. Its `marks`: chosen; kept (one
+    the plan may be, not a micro-batch count compiled to find a placement's
+    fewest); tied."""
+    (chosen, kept, tied), r = marks, search.results[c]
     rep = r.report
-    status = "chosen" if chosen else (r.error or "compiled")
+    compiled = "compiled" if kept else "micro-batch probe"
+    status = "chosen" if chosen else (r.error or compiled)
     if rep is None:
         return PlanRow(r.label, r.policy, status, device_bytes=r.required)
     t = rep.time
@@ -137,6 +145,9 @@ def _row(
         kind=None if t is None else t.kind,
         rates=() if t is None else _rates.used(t),
         tied=tied if search.fits(c) and t is not None else None,
+        microbatches=c.settings.microbatches,
+        compute_bound_seconds=getattr(t, "compute_bound_seconds", None),
+        mfu=getattr(t, "mfu", None),
     )
 
 
@@ -147,13 +158,13 @@ def _nothing_fits(search: "Search") -> DoesNotFit:
     device, host = search.budgets
     on_device = [
         c
-        for c, r in search.results.items()
-        if r.report is not None and r.report.device_bytes <= device
+        for c in search.choices()
+        if (r := search.results[c].report) is not None and r.device_bytes <= device
     ]
     if on_device:
         nearest = min(on_device, key=search.host)
     else:
-        nearest = min(search.results, key=search.device)
+        nearest = min(search.choices(), key=search.device)
     r = search.results[nearest]
     need = search.device(nearest)
     host_need = None if r.report is None else r.report.host_bytes
@@ -169,10 +180,11 @@ def _nothing_fits(search: "Search") -> DoesNotFit:
         what = f"the smallest device footprint found is {shown} ({r.label})"
         what += f"; its host footprint is {size_text(host_need)}" if host_need else ""
     budgets = "budgets" if len(exceeded) > 1 else "budget"
+    fix = _budget.fixes(exceeded, searched=bool(search.counts))
     message = (
         f"`plan`: no candidate fits the budgets ({size_text(device)} of device "
         f"memory, {size_text(host)} of host memory per device): {what}, over the "
-        f"{' and '.join(exceeded)} {budgets}. Give {_budget.fixes(exceeded)}, or "
+        f"{' and '.join(exceeded)} {budgets}. Give {fix}, or "
         "more devices." + see(115)
     )
     return DoesNotFit(

@@ -9,7 +9,7 @@ checks in `_arguments`.
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import optax
 from jax.sharding import AbstractMesh, AxisType
@@ -47,7 +47,7 @@ def plan(
     target: str | None = None,
     has_aux: bool = False,
     axis: str = "fsdp",
-    microbatches: Sequence[int] = (1,),
+    microbatches: Sequence[int] | Literal["search"] = (1,),
     compute_dtypes: Sequence[DTypeLike | None] = (None,),
     progress: bool = False,
     experimental: Sequence[Experimental] = (),
@@ -84,7 +84,13 @@ def plan(
         the numerics, so by default only `1` and `None` are tried. Opt in with
         e.g. `microbatches=(1, 2, 4)`, `compute_dtypes=(None, jnp.bfloat16)`.
         Under a compute dtype, a field's compute copies go where its parameters
-        go. The local search may keep them on the device.
+        go. The local search may keep them on the device, and one candidate keeps
+        all of them there, with everything else on the host.
+        `microbatches="search"`: `batch` is the batch per update, and each
+        placement the search compiles takes the fewest micro-batches that fit
+        the device budget, of the counts that divide the batch. That count is
+        found by compiling (the placement's own count, then bisected), not by
+        estimate.
     - `progress`: a progress bar over the compiles (tqdm, if installed). Its
         total is the candidates compiled, plus the most the search still plans to
         compile.
@@ -121,14 +127,15 @@ def plan(
     - a local search, one knob at a time, from the best so far.
 
     Then it tries each other micro-batch count and compute dtype offered, on the
-    best candidate, and the local search again. For a TPU target where nothing fits
-    yet, it tries the best candidate with the compiler's own remat to host. That is
-    `Policy(host_remat=True)`, in a child process. The local search then runs
-    again. Then the experimental stages asked for: the fastest candidates with
-    their update on the host, reading their layers ahead, or updating in the next
-    forward pass. Each step is compiled once in a process. `plan` again reuses what
-    an earlier one compiled for the same `loss_fn` and `optimizer` objects, shapes,
-    policy, target and hardware.
+    best candidate, and the local search again. (Searching the micro-batch counts,
+    each candidate is compiled in the fewest that fit.) For a TPU target where
+    nothing fits yet, it tries the best candidate with the compiler's own remat to
+    host. That is `Policy(host_remat=True)`, in a child process. The local search
+    then runs again. Then the experimental stages asked for: the fastest
+    candidates with their update on the host, reading their layers ahead, or
+    updating in the next forward pass. Each step is compiled once in a process.
+    `plan` again reuses what an earlier one compiled for the same `loss_fn` and
+    `optimizer` objects, shapes, policy, target and hardware.
 
     **The choice.** An estimate is expected within `seconds × (1 ± error)` of the
     measured step, where `error` is what the model has shown for that kind of step
@@ -194,7 +201,7 @@ def search_plan(
     target: str | None = None,
     has_aux: bool = False,
     axis: str = "fsdp",
-    microbatches: Sequence[int] = (1,),
+    microbatches: Sequence[int] | Literal["search"] = (1,),
     compute_dtypes: Sequence[DTypeLike | None] = (None,),
     progress: bool = False,
     first_fit: bool = False,
@@ -221,7 +228,9 @@ def search_plan(
         device_budget, host_budget, target, workspace_margin, hardware
     )
     batch = tuple(_arguments.abstract(b) for b in batch)
-    settings = _arguments.settings(target, axis, microbatches, compute_dtypes, batch)
+    settings, counts = _arguments.settings(
+        target, axis, microbatches, compute_dtypes, batch
+    )
     mesh = None
     if settings[0].axis is not None:
         assert target is not None
@@ -230,14 +239,16 @@ def search_plan(
     model = _arguments.abstract(model)
     task = Task(loss_fn, optimizer, model, batch, has_aux, target, mesh, hardware)
     search = Search(task, budgets, Progress(progress), first_fit, margin, start)
+    search.counts = counts
     try:
         # The steps of the search (`plan`'s docstring), from `Policy.none()` in
         # the first settings; then the experimental stages asked for.
         base, names = _start(search, settings)
         with search.progress.stage(1):
-            search.evaluate(base, "no remat, all on device: Policy.none()")
+            label = "no remat, all on device: Policy.none()"
+            base = search.evaluate(base, label).candidate
         if search.fits(base):
-            search.compile_each([(None, base.with_settings(s)) for s in settings[1:]])
+            search.compile_each(_in(search, base, settings[1:]))
         else:
             _moves(search, base, names, settings)
         for stage in AGAIN:
@@ -268,14 +279,14 @@ def _moves(
     """Where `Policy.none()` does not fit: the presets, single moves and their
     combinations, the local search, the other settings; on a TPU where nothing
     fits yet, the compiler's own remat to host."""
-    search.progress.expect(search.most(base, names, len(settings) - 1))
-    search.compile_each(presets(base, names))
+    search.progress.expect(search.most(base, names, settings))
+    search.compile_each(presets(base, names, settings))
     search.combine(base, names)
     search.improve(names)
     if settings[1:]:
         best = search.best()
         if best is not None:
-            search.compile_each([(None, best.with_settings(s)) for s in settings[1:]])
+            search.compile_each(_in(search, best, settings[1:]))
             search.improve(names)
     best = search.best()
     target = search.task.target
@@ -286,6 +297,21 @@ def _moves(
         remat = best.settings._replace(host_remat=True)
         search.compile_each([(None, best.with_settings(remat))])
         search.improve(names)
+
+
+def _in(
+    search: Search, candidate: Candidate, settings: list[Settings]
+) -> list[tuple[None, Candidate]]:
+    """`candidate` in each of `settings`, for `compile_each`; where the search
+    chooses the micro-batch counts, from the candidate's own."""
+    k = candidate.settings.microbatches
+    return [
+        (
+            None,
+            candidate.with_settings(s._replace(microbatches=k) if search.counts else s),
+        )
+        for s in settings
+    ]
 
 
 def _again(search: Search, stage: Experimental) -> None:

@@ -5,6 +5,7 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
 from jax.sharding import AbstractMesh, Mesh
@@ -25,7 +26,11 @@ class Plan:
 
     - `policy`: the chosen `Policy`.
     - `microbatches`: the chosen micro-batch count. It is 1 unless
-        `plan(microbatches=...)` offered others.
+        `plan(microbatches=...)` offered others, or searched them (`"search"`).
+    - `examples`: the examples per update (the batch's leading size; `None` for a
+        batch of scalars). `sequence`: the tokens per example, where the first
+        batch argument is an integer `[examples, tokens]` array; else `None`.
+        `tokens_per_update`, `tokens_per_microbatch`: their products.
     - `report`: its compiled `MemoryReport`, with its step time in `report.time`.
     - `target`: the target planned for.
     - `mesh`: for a slice (or several GPUs), an `AbstractMesh` of one axis over
@@ -65,10 +70,37 @@ class Plan:
     tried: tuple[tuple[str, str], ...] = ()
     reused: int = 0
     interrupted: bool = False
+    examples: int | None = None
+    sequence: int | None = None
 
     @property
     def workspace_margin(self) -> int:
         return self.table.workspace_margin
+
+    @property
+    def tokens_per_update(self) -> int | None:
+        return None if self.sequence is None else (self.examples or 0) * self.sequence
+
+    @property
+    def tokens_per_microbatch(self) -> int | None:
+        tokens = self.tokens_per_update
+        return None if tokens is None else tokens // self.microbatches
+
+    def _batch_text(self) -> str:
+        """`"Per update: 64 examples (262,144 tokens), in 4 micro-batches of 16
+        examples (65,536 tokens)."`"""
+        if self.examples is None:
+            return ""
+
+        def amount(n: int) -> str:
+            tokens = "" if self.sequence is None else f" ({n * self.sequence:,} tokens)"
+            return f"{n:,} example{'s' * (n != 1)}{tokens}"
+
+        k = self.microbatches
+        return (
+            f"Per update: {amount(self.examples)}, in {k} micro-batch"
+            f"{'es' * (k != 1)} of {amount(self.examples // k)}.\n"
+        )
 
     def train_step(self) -> TrainStep:
         """The chosen step, an `eo.TrainStep`.
@@ -129,7 +161,7 @@ class Plan:
         return (
             f"{head}Plan{on}: {chosen.label} "
             f"({self.compiled} compiled{reused} in {self.seconds:.1f} s)\n"
-            f"{self.table}"
+            f"{self._batch_text()}{self.table}"
         )
 
 
@@ -154,3 +186,16 @@ class PlanInterrupted(KeyboardInterrupt):
         )
         self.plan = plan
         self.tried = tried
+
+
+def batch_size(batch: tuple) -> tuple[int | None, int | None]:
+    """A batch's examples (its first array's leading size) and, where its first
+    argument is an integer `[examples, tokens]` array, the tokens per example."""
+    arrays = [x for x in jtu.tree_leaves(batch) if getattr(x, "ndim", 0) > 0]
+    if not arrays:
+        return None, None
+    first = batch[0] if batch else None
+    if isinstance(first, jax.ShapeDtypeStruct | jax.Array) and first.ndim == 2:
+        if jnp.issubdtype(first.dtype, jnp.integer):
+            return arrays[0].shape[0], first.shape[1]
+    return arrays[0].shape[0], None

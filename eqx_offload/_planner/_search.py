@@ -15,7 +15,7 @@ from .._checkpoint_name_log import UnusedName
 from .._diagnose import DoesNotCompile
 from .._policy import Policy
 from .._report import DoesNotFit, MemoryReport, size_text, time_text
-from ._candidates import Candidate, Move, Part
+from ._candidates import Candidate, Move, Part, Settings
 from ._compile import CACHE, Cache, CompilerCrashed, Task
 from ._progress import Progress
 
@@ -68,6 +68,10 @@ class Search:
         search compiled; `pruned`: those left out, with why.
     - `estimates`: the device bytes a move frees, before compiling; `parts`: the
         parts of a field (or of its state slot) that can be placed apart.
+    - `counts`: the micro-batch counts searched (`plan(microbatches="search")`),
+        ascending; none when the counts offered are each compiled as given.
+        `sized`: each candidate evaluated, its count the hint, -> the same
+        placement with the fewest micro-batches that fit (`_fewest`).
     """
 
     task: Task
@@ -82,12 +86,56 @@ class Search:
     pruned: dict[Candidate, str] = dataclasses.field(default_factory=dict)
     estimates: dict[Move, int] = dataclasses.field(default_factory=dict)
     parts: dict[Part, tuple[Part, ...]] = dataclasses.field(default_factory=dict)
+    counts: tuple[int, ...] = ()
+    sized: dict[Candidate, Candidate] = dataclasses.field(default_factory=dict)
     stopped: bool = False
     interrupted: bool = False
 
     def evaluate(self, candidate: Candidate, label: str | None = None) -> Result:
-        """Compiles `candidate`, once. With `first_fit`, one that fits stops the
+        """Compiles `candidate`, once; searching the micro-batch counts (`counts`),
+        its placement with the fewest that fit (`_fewest`). The result's
+        `candidate` is the one chosen. With `first_fit`, one that fits stops the
         search."""
+        if not self.counts:
+            return self._evaluate(candidate, label)
+        if candidate not in self.sized:
+            fewest = self._fewest(candidate, label)
+            self.sized[candidate] = self.sized.setdefault(fewest, fewest)
+        return self.results[self.sized[candidate]]
+
+    def known(self, candidate: Candidate) -> bool:
+        """Whether `candidate` was evaluated (or compiled in another's search)."""
+        return candidate in self.results or candidate in self.sized
+
+    def _fewest(self, candidate: Candidate, label: str | None) -> Candidate:
+        """`candidate`'s placement with the fewest micro-batches (of `counts`) that
+        fit the device budget, by compiling: its own count first, then, where
+        that fits, the next fewer, and then bisected (device memory falls as the
+        count grows). Where none fits, the most; where a compile fails for
+        another reason than memory, that one."""
+        counts = self.counts
+        low, high = -1, len(counts)  # over the device budget at `low`, within at `high`
+        i = counts.index(candidate.settings.microbatches)
+        while high - low > 1:
+            at = candidate.with_settings(
+                candidate.settings._replace(microbatches=counts[i])
+            )
+            result = self._evaluate(at, label)
+            if result.report is None and result.required is None:
+                return at  # does not compile: no count helps
+            within = result.report is not None and (
+                result.report.device_bytes <= self.budgets[0]
+            )
+            first = (low, high) == (-1, len(counts))
+            low, high = (low, i) if within else (i, high)
+            i = high - 1 if first and within else (low + high) // 2
+            if self.stopped:
+                break
+        kept = counts[high] if high < len(counts) else counts[low]
+        return candidate.with_settings(candidate.settings._replace(microbatches=kept))
+
+    def _evaluate(self, candidate: Candidate, label: str | None = None) -> Result:
+        """Compiles `candidate` (in its own micro-batch count), once."""
         if candidate in self.results:
             return self.results[candidate]
         if label is not None and candidate.settings.label:
@@ -186,12 +234,18 @@ class Search:
         r = self.results[candidate]
         return 0.0 if r.report is None else float(r.report.host_bytes)
 
-    def most(self, base: Candidate, names: tuple[str, ...], others: int) -> int:
+    def most(
+        self, base: Candidate, names: tuple[str, ...], settings: Sequence[Settings]
+    ) -> int:
         """The most compiles the search from `base` (which does not fit) makes:
-        the presets, single moves, combinations and local search; and with
-        `others` settings offered besides, those and a local search again."""
-        n = 3 + min(SINGLES, len(base.moves(names))) + COMBINATION_COMPILES
-        return n + IMPROVE_COMPILES + (others + IMPROVE_COMPILES if others else 0)
+        the presets, single moves, combinations and local search; and with other
+        `settings` offered besides, those and a local search again. Searching the
+        micro-batch counts, twice that (a placement's count and the one below)."""
+        presets = 3 + sum(s.compute_dtype is not None for s in settings)
+        n = presets + min(SINGLES, len(base.moves(names))) + COMBINATION_COMPILES
+        others = len(settings) - 1
+        n += IMPROVE_COMPILES + (others + IMPROVE_COMPILES if others else 0)
+        return n * (2 if len(self.counts) > 1 else 1)
 
     def compile_each(self, candidates: Sequence[tuple[str | None, Candidate]]) -> None:
         """A stage that compiles each of `candidates`, with its label (`None`: its
@@ -227,12 +281,11 @@ class Search:
                 candidate = base
                 for move in chosen:
                     candidate = candidate.apply(move, names)
-                if candidate in self.results:
+                if self.known(candidate):
                     continue
                 if fitted < COMBINATIONS and compiled < COMBINATION_COMPILES:
-                    self.evaluate(candidate)
                     compiled += 1
-                    fitted += self.fits(candidate)
+                    fitted += self.fits(self.evaluate(candidate).candidate)
                     continue
                 why = (
                     f"in {time_text(seconds)}: slower than the combinations compiled"
@@ -281,9 +334,9 @@ class Search:
                 following = None
                 for move in self.until_stopped(self._flips(current, report)):
                     candidate = current.apply(move, names)
-                    if candidate in self.results or compiled >= IMPROVE_COMPILES:
+                    if self.known(candidate) or compiled >= IMPROVE_COMPILES:
                         continue
-                    self.evaluate(candidate)
+                    candidate = self.evaluate(candidate).candidate
                     compiled += 1
                     if self.order(candidate) < self.order(current):
                         following = candidate
@@ -311,15 +364,23 @@ class Search:
                 options.append((self._overflow(device, host), move))
         return [move for _, move in sorted(options, key=lambda o: o[0])]
 
+    def choices(self) -> list[Candidate]:
+        """The compiled candidates the plan may be: searching the micro-batch
+        counts, each placement in the fewest that fit (`sized`), not the other
+        counts compiled to find them (all, before the first search of them ends:
+        Ctrl-C)."""
+        kept = set(self.sized.values()) if self.sized else self.results
+        return [c for c in self.results if c in kept]
+
     def fastest(self) -> list[Candidate]:
         """The compiled candidates that fit, the fastest by estimate first."""
-        return sorted(filter(self.fits, self.results), key=self.rank)
+        return sorted(filter(self.fits, self.choices()), key=self.rank)
 
     def best(self) -> Candidate | None:
         """The fastest candidate that fits by estimate (where the search goes on
         from), else the one over its budgets by the least (`order`); `None` if
         none compiled."""
-        compiled = [c for c, r in self.results.items() if r.report is not None]
+        compiled = [c for c in self.choices() if self.results[c].report is not None]
         return min(compiled, key=self.order, default=None)
 
     def order(self, candidate: Candidate) -> tuple[bool, float, float]:

@@ -41,6 +41,10 @@ class PlanRow(NamedTuple):
         trusted of them).
     - `tied`: it fits and its estimate is within the error of the fastest's
         (`plan`'s choice is among these). `None` if it does not fit.
+    - `microbatches`: the micro-batches of its step.
+    - `compute_bound_seconds`, `mfu`: the same estimate with host transfers and
+        host compute priced at zero, and the model FLOPs utilisation of the step
+        (`MemoryReport.time`); `None` where not known.
     """
 
     label: str
@@ -57,6 +61,9 @@ class PlanRow(NamedTuple):
     kind: str | None = None
     rates: tuple[tuple[str, str], ...] = ()
     tied: bool | None = None
+    microbatches: int = 1
+    compute_bound_seconds: float | None = None
+    mfu: float | None = None
 
     @property
     def range(self) -> tuple[float, float] | None:
@@ -126,19 +133,20 @@ class PlanTable:
 
         header = (
             f"{'candidate':<46}{'device':>11}{'host':>11}{'step':>10}{'±':>6}"
-            f"{'moved':>11}  {column('rates')}status"
+            f"{'compute':>10}{'MFU':>6}{'moved':>11}  {column('rates')}status"
         )
         lines = [budgets, header, "-" * (len(header) + 10)]
         for r, rate in zip(self.rows, rates):
             label, *more = _wrap(r.label)
-            step = "" if r.seconds is None else time_text(r.seconds)
             error = "" if r.error is None or r.seconds is None else f"{r.error:.0%}"
             fits = "" if r.fits is None else (" fits" if r.fits else " too big")
             tied = ", tied" if r.tied and r.status != "chosen" else ""
+            bound = _time(r.compute_bound_seconds if r.seconds else None)
+            mfu = "" if r.mfu is None else f"{r.mfu:.0%}"
             lines.append(
                 f"{label:<46}{_size(r.device_bytes):>11}{_size(r.host_bytes):>11}"
-                f"{step:>10}{error:>6}{_size(r.transfer_bytes):>11}  "
-                f"{column(rate)}{r.status}{fits}{tied}"
+                f"{_time(r.seconds):>10}{error:>6}{bound:>10}{mfu:>6}"
+                f"{_size(r.transfer_bytes):>11}  {column(rate)}{r.status}{fits}{tied}"
             )
             lines += more
         if self.decision:
@@ -147,7 +155,9 @@ class PlanTable:
             lines += [
                 "",
                 "±: how far a step time can be off (what the model has shown for "
-                "its kind of step). tied: within that of the fastest; of those, "
+                "its kind of step). compute: the step's compute-bound time (host "
+                "transfers and host compute free); MFU: its model FLOPs "
+                "utilisation. tied: within that of the fastest; of those, "
                 "the plan is one without experimental stages, then the one that "
                 "leaves the most device memory free (up to a tenth of the "
                 "budget), then the fastest.",
@@ -157,6 +167,10 @@ class PlanTable:
 
 def _size(n: int | None) -> str:
     return "" if n is None else size_text(n)
+
+
+def _time(seconds: float | None) -> str:
+    return "" if seconds is None else time_text(seconds)
 
 
 def _wrap(label: str) -> list[str]:

@@ -5,14 +5,18 @@ what to change.
 """
 
 import functools
+import math
 from typing import Any, Literal, NamedTuple
+
+import jax.tree_util as jtu
 
 from .. import _compiler, _paths
 from .._errors import see
+from .._mixed_precision import ComputeCopyState
 from .._policy import Policy
 from ._memory_report_type import ResidualRow
 from ._memory_table import DESCRIPTIONS, host_advice, UNNAMED
-from ._targets import Where
+from ._targets import PINNED_CAP, Where
 from ._units import device_word, host_total, one_device, size_text
 
 
@@ -22,12 +26,42 @@ Memory = Literal["device", "host"]
 class Held(NamedTuple):
     """What a step holds, by memory kind: its arguments, parameters and optimizer
     state (`None` unless a `train_step`/`filter_offload`), and what it saves for the
-    backward pass."""
+    backward pass. Under `Policy(compute_dtype=...)`, the compute copies
+    (`copies`), apart from the optimizer's own state (`opt_state`: `split_copies`).
+    Of a `train_step`, `microbatches`: its micro-batches, and the most its batch
+    allows (`microbatches_of`)."""
 
     arguments: dict[str, dict[str, int]]
     params: dict[str, int] | None = None
     opt_state: dict[str, int] | None = None
     residuals: tuple[ResidualRow, ...] | None = None
+    copies: dict[str, int] | None = None
+    microbatches: tuple[int, int] | None = None
+
+
+def split_copies(opt_state: Any) -> tuple[Any, Any]:
+    """The optimizer state without its compute copies (`ComputeCopyState`), and
+    the copies (`None` where there are none)."""
+
+    def is_copied(x: Any) -> bool:
+        return isinstance(x, ComputeCopyState)
+
+    found = [x for x in jtu.tree_leaves(opt_state, is_leaf=is_copied) if is_copied(x)]
+    if not found:
+        return opt_state, None
+    inner = jtu.tree_map(
+        lambda x: x.inner if is_copied(x) else x, opt_state, is_leaf=is_copied
+    )
+    return inner, [x.copies for x in found]
+
+
+def microbatches_of(step: Any, batch: Any, devices: int) -> tuple[int, int] | None:
+    """A train step's micro-batches and the most its batch allows over `devices`
+    (the leading sizes' common divisor, over the devices); `None` for another
+    function or a scalar batch."""
+    sizes = [x.shape[0] for x in jtu.tree_leaves(batch) if getattr(x, "ndim", 0)]
+    k = getattr(step, "microbatches", None)
+    return None if k is None or not sizes else (k, math.gcd(*sizes) // devices)
 
 
 class DoesNotFit(ValueError):
@@ -50,6 +84,10 @@ class DoesNotFit(ValueError):
         (`MemoryReport.host_capacity`). `None` where not known.
     - `params`, `opt_state`: bytes of parameters and optimizer state by memory kind.
         Known for `train_step` and `filter_offload` objects, else `None`.
+    - `copies`: under `Policy(compute_dtype=...)`, bytes of the compute copies by
+        memory kind (not counted in `opt_state`); else `None`.
+    - `microbatches`: of a train step, its micro-batches and the most its batch
+        allows; else `None`.
     - `residuals`: bytes saved for the backward pass by checkpoint name and memory
         kind, as traced. `None` when not a `train_step`/`filter_offload`.
     - `arguments`: bytes of each argument by memory kind.
@@ -66,6 +104,8 @@ class DoesNotFit(ValueError):
     host_available_bytes: int | None
     params: dict[str, int] | None
     opt_state: dict[str, int] | None
+    copies: dict[str, int] | None
+    microbatches: tuple[int, int] | None
     residuals: tuple[ResidualRow, ...] | None
     arguments: dict[str, dict[str, int]]
     compiler_message: str
@@ -81,6 +121,8 @@ class DoesNotFit(ValueError):
         params: dict[str, int] | None = None,
         opt_state: dict[str, int] | None = None,
         residuals: tuple[ResidualRow, ...] | None = None,
+        copies: dict[str, int] | None = None,
+        microbatches: tuple[int, int] | None = None,
         sizes: tuple[int | None, int | None] | None = None,
         host_sizes: tuple[int | None, int | None] = (None, None),
         exceeded: tuple[Memory, ...] = ("device",),
@@ -96,6 +138,8 @@ class DoesNotFit(ValueError):
         self.params = params
         self.opt_state = opt_state
         self.residuals = residuals
+        self.copies = copies
+        self.microbatches = microbatches
         self.tried = None
 
     def __reduce__(self) -> tuple:
@@ -110,7 +154,7 @@ def too_big(
     compiled: str,
     policy: Policy | None,
     held: Held,
-    host_capacity: int | None,
+    host: tuple[int | None, str | None],
     sizes: tuple[int, int] | None = None,
     host_bytes: int | None = None,
 ) -> DoesNotFit:
@@ -118,13 +162,15 @@ def too_big(
     step"), too big for one device of what it compiles for (`where`: `"one tpu-v5e
     chip"`, `"one GPU of gpu-h100:8"` of a slice).
 
-    The error says what the step holds (`held`). It says whether its host memory exceeds
-    `host_capacity` too. That memory is `host_bytes`. Where the compile failed, it
-    is the host-resident arguments (a floor). It advises what would shrink each
-    memory it exceeds. It never advises the placement of `policy`, the policy in
-    use. `message` is the compiler's. With `sizes` (required, available), it is
-    our own.
+    The error says what the step holds (`held`). It says whether its host memory,
+    `host_bytes`, exceeds `host` too: the host memory behind one device and what
+    bounds it (`_targets.host_memory`), or `(None, None)`. Where the compile failed,
+    `host_bytes` is the host-resident arguments (a floor). It advises what would
+    shrink each memory it exceeds. It never advises the placement of `policy`, the
+    policy in use. `message` is the compiler's. With `sizes` (required,
+    available), it is our own.
     """
+    host_capacity, limit = host
     said = "" if sizes is not None else "the compiler says: "
     target, is_slice = where.name, where.is_slice
     u = device_word(target)
@@ -132,16 +178,15 @@ def too_big(
         f"`memory_report`: {DESCRIPTIONS[compiled]} does not fit in the device "
         f"memory of {one_device(target, is_slice)}; {said}"
         f"{message.strip().rstrip('.')}.",
-        "What it holds, by memory kind (device / host"
-        + (f", per {u}" if where.mesh is not None else "")
-        + "):",
     ]
-    lines += _holdings(held, is_slice)
+    lines += _holdings(held, where, (sizes or _compiler.oom_sizes(message))[0])
     on_host = sum(host_total(by_kind) for by_kind in held.arguments.values())
     host_need = on_host if host_bytes is None else host_bytes
     host_full = host_capacity is not None and host_need > host_capacity
     if host_capacity is not None and host_need:
-        lines.append(_host_line(on_host, host_bytes, host_capacity, host_full, u))
+        lines.append(
+            _host_line(on_host, host_bytes, host_capacity, host_full, u, limit)
+        )
     advice = device_advice(
         held, target, is_slice, compiled, policy, where.capacity, host_full
     )
@@ -168,10 +213,16 @@ def too_big(
 
 
 def _host_line(
-    on_host: int, host_bytes: int | None, host_capacity: int, host_full: bool, u: str
+    on_host: int,
+    host_bytes: int | None,
+    host_capacity: int,
+    host_full: bool,
+    u: str,
+    limit: str | None,
 ) -> str:
     """The host memory a step needs (its footprint `host_bytes`, else its
-    host-resident arguments `on_host`) against what one device has."""
+    host-resident arguments `on_host`) against what one device has, and what
+    bounds that (`limit`: JAX's pinned host cap, which can be raised, or RAM)."""
     needs = (
         f"its host-resident arguments alone take {size_text(on_host)}"
         if host_bytes is None
@@ -180,28 +231,43 @@ def _host_line(
     return (
         f"Host memory: {needs} per {u}, {'over' if host_full else 'within'} "
         f"the {size_text(host_capacity)} behind one {u} "
-        "(`Hardware.host_memory_bytes`)"
+        + (
+            f"(JAX's pinned host cap: raise it with {PINNED_CAP}=<GiB> set before "
+            "JAX starts)"
+            if limit == "pinned host cap"
+            else "(`Hardware.host_memory_bytes`)"
+        )
         + (": both memories are exceeded." if host_full else ".")
     )
 
 
-def _holdings(held: Held, is_slice: bool) -> list[str]:
-    """The rows of what a step holds: device / host bytes of each part."""
+def _holdings(held: Held, where: Where, required: int | None) -> list[str]:
+    """The rows of what a step holds: device / host bytes of each part; and of
+    the `required` device bytes, the rest."""
+    per = "" if where.mesh is None else f", per {device_word(where.name)}"
+    is_slice = where.is_slice
     if held.params is not None and held.opt_state is not None:
         rows = [("parameters", held.params), ("optimizer state", held.opt_state)]
     else:
         rows = [(f"argument {name}", by) for name, by in held.arguments.items()]
+    if held.copies is not None:
+        rows.append(("compute copies", held.copies))
     if held.residuals is not None:
         saved: dict[str, int] = {}
         for r in held.residuals:
             saved[r.memory_kind] = saved.get(r.memory_kind, 0) + r.bytes
         label = "saved for the backward pass"
         rows.append((label + (" (whole arrays)" if is_slice else ""), saved))
-    return [
+    lines = [f"What it holds, by memory kind (device / host{per}):"] + [
         f"  {label}: {size_text(by_kind.get('device', 0))} / "
         f"{size_text(host_total(by_kind))}"
         for label, by_kind in rows
     ]
+    rest = (required or 0) - sum(by_kind.get("device", 0) for _, by_kind in rows)
+    return lines + [
+        "  the rest (the batch, gradients and their accumulators, temporaries): "
+        f"{size_text(rest)} on the device"
+    ] * (rest > 0)
 
 
 # A part of the step is worth moving (or naming) when it holds at least this share
@@ -213,7 +279,8 @@ class _OnDevice(NamedTuple):
     """What a step too big for the device holds there: the bytes worth advice."""
 
     params: int
-    opt_state: int
+    opt_state: int  # without the compute copies
+    copies: int
     saved: dict[str, int]  # residuals, by checkpoint name
     least: int  # the fewest bytes worth moving
 
@@ -234,15 +301,14 @@ def device_advice(
 
     Only the moves that change something: a part still on the device, a preset
     other than `policy`. No move to the host when its memory is full too
-    (`host_full`).
+    (`host_full`). Micro-batches only to a step in one whose batch splits.
     """
     saved: dict[str, int] = {}
     for r in held.residuals or ():
         if r.memory_kind == "device":
             saved[r.name] = saved.get(r.name, 0) + r.bytes
     on = _OnDevice(
-        params=(held.params or {}).get("device", 0),
-        opt_state=(held.opt_state or {}).get("device", 0),
+        *[(by or {}).get("device", 0) for by in held[1:3] + (held.copies,)],
         saved=saved,
         least=max(int((capacity or 2**30) * WORTH), 1),
     )
@@ -255,14 +321,20 @@ def device_advice(
         advice.append(
             "arguments in `pinned_host`, moved to the device by the function itself"
         )
-    return advice + _smaller_or_more(target, is_slice, compiled)
+    return advice + _smaller_or_more(target, is_slice, compiled, held.microbatches)
 
 
-def _smaller_or_more(target: str, is_slice: bool, compiled: str) -> list[str]:
-    """The advice every step too big gets: a smaller batch, more devices."""
+def _smaller_or_more(
+    target: str, is_slice: bool, compiled: str, microbatches: tuple[int, int] | None
+) -> list[str]:
+    """The advice every step too big gets: a smaller batch (or micro-batches, to
+    a train step in one whose batch splits: `microbatches`, its count and the
+    most), more devices."""
     batch = "a smaller batch"
-    if compiled == "train_step":
-        batch += ", or micro-batches (`eo.train_step(..., microbatches=4)`)"
+    k, most = microbatches or (1, 4)
+    if compiled == "train_step" and k == 1 and most > 1:
+        split = next(d for d in range(2, most + 1) if most % d == 0)
+        batch += f", or micro-batches (`eo.train_step(..., microbatches={split})`)"
     u = device_word(target)
     more = (
         f"more {u}s" if is_slice else f"more {u}s (a slice), or a {u} with more memory"
@@ -271,14 +343,20 @@ def _smaller_or_more(target: str, is_slice: bool, compiled: str) -> list[str]:
 
 
 def _to_the_host(held: _OnDevice) -> list[str]:
-    """Parameters and optimizer state moved to the host, where worth it."""
+    """Parameters, optimizer state and compute copies moved to the host, where
+    worth it."""
     parts = (("parameters", "params"), ("optimizer state", "opt_state"))
+    copies = (
+        f"compute copies {size_text(held.copies)} on the device: put `copies:**` "
+        "on the host (`Policy(opt_state={..., 'copies:**': 'pinned_host'})`), from "
+        "where each micro-batch reads them"
+    )
     return [
         f"{what} on the host ({size_text(getattr(held, field))} on the device): "
         f"`Policy({field}='pinned_host')`"
         for what, field in parts
         if getattr(held, field) >= held.least
-    ]
+    ] + [copies] * (held.copies >= held.least)
 
 
 def _residual_advice(held: _OnDevice, policy: Any, host_full: bool) -> list[str]:
@@ -306,9 +384,9 @@ def _residual_advice(held: _OnDevice, policy: Any, host_full: bool) -> list[str]
     other = held.saved.get(UNNAMED[0], 0)
     if other >= held.least:
         advice.append(
-            f"what is saved outside every `Stacked` ({size_text(other)}): for "
-            "logits `eo.chunked_cross_entropy`, else `eqx.filter_checkpoint` around "
-            "that code"
+            f"what is saved outside every `Stacked` ({size_text(other)}): "
+            "`eo.chunked_cross_entropy` for logits not yet chunked, else "
+            "`eqx.filter_checkpoint` around that code"
         )
     return advice
 

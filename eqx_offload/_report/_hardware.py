@@ -92,9 +92,10 @@ class Hardware:
     - `host_to_device_bytes_per_second`, `device_to_host_bytes_per_second`: the
         host link of one device, each way.
     - `host_memory_bytes`: host RAM per device: the host's RAM over the devices it
-        serves. It is the `MemoryReport.host_capacity`. `fits_host` compares a
-        report's `host_bytes` (per device) with it. It is also `eo.plan`'s default
-        `host_budget`.
+        serves. It is the `MemoryReport.host_capacity` (on a GPU, unless JAX's cap
+        on pinned host memory is lower: `MemoryReport.host_limit`). `fits_host`
+        compares a report's `host_bytes` (per device) with it. It is also
+        `eo.plan`'s default `host_budget`, with the same cap.
     - `sources`: where the figures come from.
     - `host_memory_bytes_per_second`, `host_flops`: the host's memory bandwidth
         and its CPUs' float32 FLOP/s. Both are per device: the host's over the

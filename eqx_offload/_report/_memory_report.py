@@ -3,6 +3,7 @@
 It compiles for this backend, a TPU chip, a whole TPU slice, or NVIDIA GPUs.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -11,7 +12,7 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from .. import _compat, _compiler, _mesh, _pending, _train_step
+from .. import _compat, _compiler, _jaxpr_flops, _mesh, _pending, _train_step
 from .._checkpoint_names import one_microbatch
 from .._diagnose import DoesNotCompile, out_of_memory
 from .._errors import see
@@ -30,12 +31,18 @@ from ._compile_job import (
     policy_of,
     split_estimate,
 )
-from ._does_not_fit import DoesNotFit, Held, too_big
+from ._does_not_fit import (
+    DoesNotFit,
+    Held,
+    microbatches_of,
+    split_copies,
+    too_big,
+)
 from ._hardware import Hardware
 from ._memory_report_type import DESCRIPTIONS, MemoryReport
 from ._memory_table import PARTS
 from ._saved_for_backward import differentiated, Saved, saved_for_backward
-from ._targets import Where, where_of
+from ._targets import HostLimit, Where, where_of
 from ._units import host_total, size_text
 
 
@@ -161,7 +168,8 @@ def memory_report(
             That share is `XLA_PYTHON_CLIENT_MEM_FRACTION`, default 0.75.
 
     - `hardware`: the rates the step time (`report.time`) is priced at. It also
-        gives the host memory behind one device (`report.host_capacity`).
+        gives the host memory behind one device (`report.host_capacity`; on a GPU
+        at most its share of JAX's pinned host cap, `report.host_limit`).
         `report.fits_host` compares `host_bytes` with that. The default is
         `eo.Hardware.of(target)`, or the backend's entry on a TPU or H100/H200.
         Pass one to change a figure, as in
@@ -219,7 +227,7 @@ def memory_report(
     hardware = _step_time.hardware_for(target, platform, hardware)
     args, kwargs = abstract_arguments(fn, args, kwargs, where, platform)
     traced = _TracedJob(
-        fn, where, platform, hardware, *_trace(fn, args, kwargs, platform)
+        fn, where, platform, hardware, *_trace(fn, args, kwargs, where, platform)
     )
     report = _build(traced, *_compile(traced))
     if platform == "gpu":
@@ -237,22 +245,43 @@ def memory_report(
     return report
 
 
-def _host_capacity(traced: "_TracedJob") -> int | None:
-    """Like `capacity`, known for a target only: on this backend, its own RAM."""
-    hardware, on_target = traced.hardware, traced.where.mesh is not None
-    return hardware.host_memory_bytes if on_target and hardware else None
+def _host_capacity(traced: "_TracedJob") -> tuple[int | None, HostLimit | None]:
+    """Like `capacity`, known for a target only (on this backend, its own RAM), and
+    what bounds it (`_targets.host_memory`)."""
+    hardware, where = traced.hardware, traced.where
+    if where.mesh is None or hardware is None:
+        return None, None
+    return _targets.host_memory(where.name, hardware.host_memory_bytes)
 
 
 def _held(traced: "_TracedJob") -> Held:
-    """What the step holds, by memory kind (per chip on a target)."""
-    job = traced.job
-    count = functools.partial(bytes_by_kind, per_chip=traced.where.mesh is not None)
+    """What the step holds, by memory kind (per chip on a target): the compute
+    copies apart from the rest of the optimizer state; of a train step, its
+    micro-batches and the most its batch allows."""
+    job, mesh = traced.job, traced.where.mesh
+    count = functools.partial(bytes_by_kind, per_chip=mesh is not None)
+    state, copies = split_copies(job.opt_state)
+    batch = job.arguments.get("batch")
     return Held(
         arguments={k: count(v) for k, v in job.arguments.items()},
         params=None if job.params is None else count(job.params),
-        opt_state=None if job.opt_state is None else count(job.opt_state),
+        opt_state=None if state is None else count(state),
         residuals=None if traced.saved is None else traced.saved.rows,
+        copies=None if copies is None else count(copies),
+        microbatches=microbatches_of(
+            traced.fn, batch, 1 if mesh is None else mesh.size
+        ),
     )
+
+
+def _with_copies(
+    state: dict[str, int] | None, copies: dict[str, int] | None
+) -> dict[str, int] | None:
+    """The optimizer state's bytes by memory kind, its compute copies included."""
+    if copies is None:
+        return state
+    kinds = {**(state or {}), **copies}
+    return {k: (state or {}).get(k, 0) + copies.get(k, 0) for k in kinds}
 
 
 class _TracedJob(NamedTuple):
@@ -267,10 +296,12 @@ class _TracedJob(NamedTuple):
     lowered: Any  # a `jax.stages.Lowered`
     saved: Saved | None  # what it saves for the backward pass
     transfers: Any  # `_traffic.count`'s
+    model_flops: float | None  # per device (`StepTime.model_flops`)
 
 
-def _trace(fn: Any, args: tuple, kwargs: dict, platform: str) -> tuple:
-    """(`CompileJob`, lowered, saved, transfers) of `fn(*args, **kwargs)`."""
+def _trace(fn: Any, args: tuple, kwargs: dict, where: Where, platform: str) -> tuple:
+    """(`CompileJob`, lowered, saved, transfers, model FLOPs) of `fn(*args,
+    **kwargs)`."""
     with _mesh.context(args, kwargs):
         if isinstance(fn, TrainStep):
             job = _train_step_job(fn, args, kwargs)
@@ -280,7 +311,32 @@ def _trace(fn: Any, args: tuple, kwargs: dict, platform: str) -> tuple:
         lowered = traced.lower()
         saved = None if job.residuals is None else job.residuals()
         transfers = _traffic.count(traced.jaxpr, inputs(job), platform)
-    return job, lowered, saved, transfers
+        flops = _model_flops(fn, args, where.chips or 1)
+    return job, lowered, saved, transfers, flops
+
+
+def _model_flops(fn: Any, args: tuple, devices: int) -> float | None:
+    """A train step's model FLOPs per device (`StepTime.model_flops`): 3 × its
+    loss's forward matmul FLOPs on one micro-batch, × the micro-batches, over
+    `devices`. The loss is traced plainly, on its arguments' shapes (no memory
+    kinds, no policy). `None` for anything else."""
+    if not isinstance(fn, TrainStep):
+        return None
+    model, _, *batch = args
+    plain = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if is_arraylike(x) else x,
+        (model, one_microbatch(fn, batch)),
+    )
+    try:
+        closed, *_ = eqx.filter_make_jaxpr(fn.loss_fn)(plain[0], *plain[1])
+    except (TypeError, ValueError, NameError, RuntimeError):
+        # The step traced this loss already (under its policy), so what fails
+        # here needs the step around it (a streamed table: ValueError; a mesh
+        # axis: NameError; a tracer's or sharding's check: TypeError,
+        # RuntimeError). Then the report has no MFU, rather than no report.
+        return None
+    forward = _jaxpr_flops.matmul_flops(closed)
+    return 3 * forward * fn.microbatches / devices
 
 
 def compile_options_of(fn: Any, platform: str) -> dict[str, Any] | None:
@@ -321,6 +377,11 @@ def _compile(traced: _TracedJob) -> tuple[Any, Any]:
     return compiled, stats
 
 
+# What a report keeps of what a step holds (`Held`'s other fields are for the advice
+# of `DoesNotFit`).
+_HELD = ("arguments", "params", "residuals")
+
+
 def _build(traced: _TracedJob, compiled: Any, stats: Any) -> MemoryReport:
     """The report of a compiled program."""
     job, saved, transfers = traced.job, traced.saved, traced.transfers
@@ -335,6 +396,9 @@ def _build(traced: _TracedJob, compiled: Any, stats: Any) -> MemoryReport:
     program = None
     if platform in ("tpu", "gpu"):
         program = _costs.Program(compiled.as_text(), platform)
+    host_capacity, host_limit = _host_capacity(traced)
+    held = _held(traced)
+    options = compile_options_of(traced.fn, platform)
     return MemoryReport(
         target=where.name,
         capacity=where.capacity,
@@ -342,19 +406,22 @@ def _build(traced: _TracedJob, compiled: Any, stats: Any) -> MemoryReport:
         estimate=estimate,
         device=device,
         host=host,
-        **_held(traced)._asdict(),
+        **{k: v for k, v in held._asdict().items() if k in _HELD},
+        opt_state=_with_copies(held.opt_state, held.copies),
         largest_unnamed=None if saved is None else saved.largest_unnamed,
         chips=where.chips,
         chips_per_host=where.chips_per_host,
-        host_capacity=_host_capacity(traced),
+        host_capacity=host_capacity,
+        host_limit=host_limit,
         transfers=transfers,
         compiled_transfers=None
         if program is None
         else _compiled_traffic.count(program, inputs(job), outputs(job), transfers),
         time=None
         if program is None or hardware is None
-        else _step_time.estimate(
-            program, hardware, platform, compile_options_of(traced.fn, platform)
+        else dataclasses.replace(
+            _step_time.estimate(program, hardware, platform, options),
+            model_flops=traced.model_flops,
         ),
         host_compute_temp=0 if program is None else _costs.host_temporaries(program),
     )

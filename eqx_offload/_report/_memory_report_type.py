@@ -13,6 +13,7 @@ from .._errors import see
 from . import _memory_table, _plot
 from ._memory_table import DESCRIPTIONS as DESCRIPTIONS, UNNAMED as UNNAMED
 from ._step_time import StepTime
+from ._targets import HostLimit
 from ._traffic import Transfer
 
 
@@ -84,6 +85,11 @@ class MemoryReport:
         `host_bytes` fits in it (`Hardware.host_memory_bytes`: 48 GB for a v5e chip).
         `None` on this backend. Every chip of a host runs the same program: this is the
         host's verdict too.
+    - `host_limit`: what bounds `host_capacity`: `"RAM"`, the host's RAM per device,
+        or on a GPU `"pinned host cap"`, where JAX's cap on pinned host memory is
+        lower. That cap is `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` GiB per process (64 by
+        default, 16 with `XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE`), shared by the
+        `chips_per_host` GPUs one process drives. `None` on this backend.
     - `fits`: both: `False` if either is exceeded, `None` if one is unknown.
     - `arguments`: bytes of each argument by memory kind (per chip on a TPU).
     - `estimate`: `True` on the CPU backend, whose compiler has one memory. The split
@@ -121,6 +127,7 @@ class MemoryReport:
     compiled_transfers: tuple[Transfer, ...] | None = None
     time: StepTime | None = None
     host_compute_temp: int = 0  # host computations' own temporaries, estimated
+    host_limit: HostLimit | None = None  # what bounds `host_capacity`
 
     @property
     def kind(self) -> NoReturn:

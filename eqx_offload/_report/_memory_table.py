@@ -10,6 +10,7 @@ from collections import defaultdict
 from typing import Any
 
 from . import _step_time, _traffic
+from ._targets import PINNED_CAP
 from ._units import device_word, header, host_total, row, size_text
 
 
@@ -78,8 +79,13 @@ def _capacities(r: Any) -> list[str]:
     lines = []
     if r.capacity is not None or r.host_capacity is not None:
         label = f"capacity of one {device_word(r.target)}"
-        lines.append(row(label, r.capacity, r.host_capacity))
+        pinned = r.host_limit == "pinned host cap"
+        note = "  host: JAX's pinned host cap" if pinned else ""
+        lines.append(row(label, r.capacity, r.host_capacity) + note)
         lines.append(row("  verdict", _VERDICTS[r.fits_device], _VERDICTS[r.fits_host]))
+    if r.fits_host is False and r.host_limit == "pinned host cap":
+        gib = -(-r.host_bytes_per_host // 2**30)  # (a process's, rounded up)
+        lines.append(f"  raise the cap: set {PINNED_CAP}={gib} before JAX starts")
     if r.fits_host is False:
         lines.append("  the host memory is exceeded; to shrink it:")
         room = r.fits_device is True  # (to keep some of it there)

@@ -127,6 +127,21 @@ class StepTime:
         (`Policy(host_remat=True)` sets one; `{}` for none).
     - `notes`: what the estimate leaves out for this program (on a GPU, the fused
         attention kernels a compile without a GPU does not have).
+    - `compute_bound_seconds`: the same replay with host transfers and host compute
+        priced at zero: the step if nothing waited for the host. (0 in results saved
+        before it existed.)
+    - `model_flops`: the FLOPs the model needs per step, per device: 3 × the matmul
+        FLOPs of the loss's forward pass on the batch of one update (forward 1,
+        backward 2), over the devices. It counts attention's matmuls (a causal mask
+        halves nothing, as in PaLM's and MaxText's MFU), and no recomputation.
+        `None` where the report does not know the loss (a function, not an
+        `eo.TrainStep`), or the loss could not be traced outside the step.
+    - `mfu` (a property): model FLOPs utilisation, `model_flops / (seconds ×
+        peak_flops)`; `None` without `model_flops`. `peak_flops` is
+        `hardware.matmul_flops` at the step's compute `precision`: the precision with
+        the most FLOPs in `flops_by_precision` (`"bf16"` for a step without
+        matmuls). The compute-bound step's MFU is `mfu × seconds /
+        compute_bound_seconds`.
     """
 
     seconds: float
@@ -154,6 +169,26 @@ class StepTime:
     error: float = 0.0
     compile_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    compute_bound_seconds: float = 0.0
+    model_flops: float | None = None
+
+    @property
+    def precision(self) -> str:
+        """The step's compute precision: the one with the most of its FLOPs."""
+        by = self.flops_by_precision
+        return max(by, key=by.__getitem__, default="bf16")
+
+    @property
+    def peak_flops(self) -> float:
+        """The matmul FLOP/s of `hardware` at the step's compute `precision`."""
+        return self.hardware.flops_per_second(self.precision)[1]
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilisation: `model_flops / (seconds × peak_flops)`."""
+        if self.model_flops is None or self.seconds <= 0:
+            return None
+        return self.model_flops / (self.seconds * self.peak_flops)
 
     @property
     def range(self) -> tuple[float, float]:
@@ -161,8 +196,11 @@ class StepTime:
         return self.seconds * (1 - self.error), self.seconds * (1 + self.error)
 
     def to_dict(self) -> dict[str, Any]:
+        """Its fields as JSON-serialisable data, with `mfu` (`from_dict` reads them
+        back and computes `mfu` again)."""
         out = dataclasses.asdict(self)  # (copies the dicts, `hardware` too)
-        return out | {"hardware": self.hardware.to_dict(), "notes": list(self.notes)}
+        hardware, notes = self.hardware.to_dict(), list(self.notes)
+        return out | {"hardware": hardware, "notes": notes, "mfu": self.mfu}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "StepTime":
@@ -201,9 +239,16 @@ def lines(t: StepTime) -> list[str]:
         work = f"{size_text(t.host_compute_bytes)}, {flops_text(t.host_compute_flops)}"
         rows.append(("  host compute", t.host_compute_seconds, work))
         rows.append(("  host compute not hidden", t.exposed_host_compute_seconds, ""))
+    if t.compute_bound_seconds:  # (0 in results saved before it existed)
+        ratio = f"step / compute-bound {t.seconds / t.compute_bound_seconds:.2f}x"
+        rows.append(("compute-bound step (estimate)", t.compute_bound_seconds, ratio))
     out = header(f"time per step, {t.hardware.name}", "seconds")
     for label, seconds, note in rows:
         out.append(f"{row(label, time_text(seconds))}  {note}".rstrip())
+    if t.mfu is not None:
+        peak = f"{t.precision} peak, {flops_text(t.peak_flops)}/s"
+        note = f"{flops_text(t.model_flops or 0)} of model FLOPs at {peak}"
+        out.append(f"{row('MFU (estimate)', f'{t.mfu:.1%}')}  {note}")
     out.append(f"rates: {t.hardware.rates_text()}")
     if t.compile_options:
         given = ", ".join(f"{k}={v}" for k, v in t.compile_options.items())
@@ -247,9 +292,11 @@ def estimate(
 ) -> StepTime:
     """The step time of a compiled program (`compiled.as_text()`, or that text
     parsed: a `Program`, to price one program at several rates), compiled for
-    `platform` ("tpu" or "gpu") with `compile_options`, on `hardware`."""
+    `platform` ("tpu" or "gpu") with `compile_options`, on `hardware`; without
+    `model_flops` (`memory_report` knows the loss)."""
     program = text if isinstance(text, Program) else Program(text, platform)
     tally = Replay(program, hardware).run(program.entry)
+    host_free = Replay(program, _host_free(hardware)).run(program.entry)
     h2d = tally.link_bytes.get("host_to_device", 0)
     d2h = tally.link_bytes.get("device_to_host", 0)
     kind: Kind = (
@@ -287,4 +334,13 @@ def estimate(
         error=float(hardware.error[kind]),
         compile_options=dict(compile_options or {}),
         notes=notes,
+        compute_bound_seconds=float(host_free.seconds),
     )
+
+
+def _host_free(hw: Hardware) -> Hardware:
+    """`hw` with the host link and the host's CPU free (at rates that make their
+    time nothing worth counting): the compute-bound step."""
+    ways = ("host_to_device", "device_to_host", "both_ways", "host_memory")
+    free = {f"{way}_bytes_per_second": 1e300 for way in ways}
+    return dataclasses.replace(hw, **free, host_flops=1e300)

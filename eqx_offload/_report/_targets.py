@@ -8,7 +8,7 @@ import os
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import numpy as np
@@ -139,6 +139,31 @@ def capacity(target: str) -> int:
             "not in (0, 1]. Set a fraction, or unset it."
         )
     return int(int(found[1]) * share)
+
+
+# JAX's GPU client takes pinned host memory (`pinned_host` arrays, and what a program
+# keeps there) from one pool per process, capped at `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`
+# GiB: 64, or 16 with `XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE` (XLA's
+# `GetGpuHostAllocator`, `se_gpu_pjrt_client.cc`).
+PINNED_CAP = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+HostLimit = Literal["RAM", "pinned host cap"]
+
+
+def host_memory(target: str, ram: int) -> tuple[int, HostLimit]:
+    """The host memory behind one device of `target`, and what bounds it: `ram`,
+    the host's RAM per device; or for a GPU, where it is smaller, its share of JAX's
+    pinned host memory cap (`PINNED_CAP`), one process driving a host's GPUs."""
+    if platform(target) != "gpu":
+        return ram, "RAM"
+    preallocated = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE", "").lower()
+    given = os.environ.get(PINNED_CAP, "16" if preallocated in ("1", "true") else "64")
+    if not given.isdigit():
+        raise ValueError(
+            f"`memory_report`: `{PINNED_CAP}` is {given!r}, not a whole number of "
+            "GiB. Set one, or unset it."
+        )
+    share = int(given) * 2**30 // chips_per_host(target)
+    return (share, "pinned host cap") if share < ram else (ram, "RAM")
 
 
 def _import(names: tuple[str, ...], message: str) -> None:
