@@ -62,7 +62,20 @@ with the host update and the flag of part 5; `offload_all` reading layers ahead
 at 16 (`xla_gpu_experimental_parallel_async_compute_limit`, through `XLA_FLAGS`);
 and `offload_all` applying the stacked layers' update in the next step's forward
 scan (`Policy(update_timing="next_forward")`), at both limits. `--configs`
-chooses some of them, for parts 1 and 2 alike. `--smoke` runs the same on a tiny
+chooses some of them, for parts 1 and 2 alike; it also takes the configurations
+at the batch people train (`at_scale.py`), not in the default set:
+`"copies on device, k=4"` and `"copies on device, k=16"`, the masters and Adam
+moments in pinned host memory, the bf16 compute copies and the gradient
+accumulators on the device, the batch in 4 or 16 micro-batches. Their size is
+`--sizes Llama-3-8B` (a Llama-3-8B-shaped decoder, 16 sequences of 4096 tokens;
+its process raises JAX's pinned host cap, `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`, and
+has 20 minutes; no host-update part), on an H200 (an H100 has not the memory):
+
+    python benchmarks/gpu_check.py --sizes Llama-3-8B --steps 3 --budget 3000 \
+        --configs "copies on device, k=4" "copies on device, k=16" --json out.json
+
+Their numerics are not compared here (bf16 compute; `tests/test_accumulation.py`
+checks k micro-batches against one batch). `--smoke` runs the same on a tiny
 model with 3 timed steps, for CI on a CPU. A run of parts 2 and 4 starts only within
 `--budget` seconds of the start (450 by default, for the whole to stay under 8
 minutes); later ones are recorded as skipped.
@@ -165,11 +178,23 @@ OVERLAP_CONFIGS: tuple[str, ...] = (
     "offload_all, streamed update, prefetch",
     "offload_all, streamed update, pipelined host offloading",
 )
+# Issue 54's placement at the batch people train (`at_scale.py`): masters and Adam
+# moments on the host, bf16 compute copies and gradient accumulators on the device,
+# k micro-batches; not in the default run (an 8B step takes tens of seconds).
+AT_SCALE_CONFIGS: tuple[str, ...] = (
+    "copies on device, k=4",
+    "copies on device, k=16",
+)
 # name -> (vocab, dim, layers, batch, seq)
 SIZES = {
     "GPT 0.2B": (32768, 1024, 12, 8, 1024),
     "GPT 0.9B": (32768, 2048, 24, 8, 1024),
 }
+# (the same, and the decoder shape of `models/shapes.py` they resize), run only when
+# named (`--sizes Llama-3-8B`): 16 sequences of 4096 tokens, 64K tokens an update.
+AT_SCALE_SIZES = {"Llama-3-8B": (128256, 4096, 32, 16, 4096, "LLAMA_3_8B")}
+# A size's host memory, pinned: over JAX's 64 GB default on a GPU for the 8B model.
+HOST_LIMIT = {"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "120"}
 SMOKE_SIZES = {"smoke": (256, 32, 2, 2, 16)}
 PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt")
 PACKAGES += ("jax-cuda13-plugin", "jax-cuda13-pjrt", "equinox", "optax", "jaxtyping")
@@ -180,8 +205,16 @@ PACKAGES += ("numpy",)
 
 
 def _policy(config: str):
+    import jax.numpy as jnp
+
     import eqx_offload as eo
 
+    if config in AT_SCALE_CONFIGS:
+        return eo.Policy.remat(
+            params="pinned_host",
+            opt_state={"**": "pinned_host", "copies:**": "device"},
+            compute_dtype=jnp.bfloat16,
+        )
     if config.startswith("offload_all"):
         parts = config.removeprefix("offload_all, ").split(", ")
         update = parts[0].removesuffix(" update")
@@ -193,12 +226,42 @@ def _policy(config: str):
     return getattr(eo.Policy, config)()
 
 
-def _model(vocab: int, dim: int, layers: int):
+def _model(vocab: int, dim: int, layers: int, *shape: str):
+    """The abstract model of a size: the GPT-style model, or the decoder `shape`
+    names (`models/shapes.py`) at this vocabulary, width and depth."""
     import equinox as eqx
     import jax
+    from models import decoder, shapes
     from models.gpt import GPT
 
+    if shape:
+        resized = getattr(shapes, shape[0])._replace(
+            vocab=vocab, dim=dim, layers=layers
+        )
+        return eqx.filter_eval_shape(decoder.Decoder, resized, key=jax.random.key(0))
     return eqx.filter_eval_shape(GPT, vocab, dim, layers, key=jax.random.key(0))
+
+
+def _step(config: str, size: tuple) -> tuple[Any, Any, Any, Any]:
+    """The step of `config` at `size`, its abstract model and optimizer state (in
+    their memory kinds) and the tokens' shape."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from models.decoder import chunked_loss
+    from models.gpt import loss_fn
+
+    import eqx_offload as eo
+
+    vocab, dim, layers, batch, seq, *shape = size
+    policy = _policy(config)
+    optimizer = optax.adamw(1e-4)
+    model = eo.place(_model(vocab, dim, layers, *shape), policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    k = int(config.split("k=")[1]) if config in AT_SCALE_CONFIGS else 1
+    loss = chunked_loss if shape else loss_fn
+    step = eo.train_step(loss, optimizer, policy, microbatches=k)
+    return step, model, opt_state, jax.ShapeDtypeStruct((batch, seq), jnp.int32)
 
 
 def _materialise(abstract: Any, seed: int | None) -> Any:
@@ -255,22 +318,15 @@ def _link(report: Any, measured: dict[str, Any]) -> Any:
     )
 
 
-def _setup(config: str, size: tuple[int, ...]) -> tuple[Any, Any, Any, Any]:
+def _setup(config: str, size: tuple) -> tuple[Any, Any, Any, Any]:
     """The step of `config` and its model, optimizer state and tokens at `size`."""
     import jax
-    import optax
-    from models.gpt import loss_fn
 
-    import eqx_offload as eo
-
-    vocab, dim, layers, batch, seq = size
-    policy = _policy(config)
-    optimizer = optax.adamw(1e-4)
-    abstract = eo.place(_model(vocab, dim, layers), policy)
+    step, abstract, state, tokens = _step(config, size)
     model = _materialise(abstract, seed=0)
-    opt_state = _materialise(eo.init_opt_state(optimizer, abstract, policy), seed=None)
-    tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, vocab)
-    return eo.train_step(loss_fn, optimizer, policy), model, opt_state, tokens
+    opt_state = _materialise(state, seed=None)
+    tokens = jax.random.randint(jax.random.key(1), tokens.shape, 0, size[0])
+    return step, model, opt_state, tokens
 
 
 def measure(
@@ -341,27 +397,19 @@ def measure(
 
 
 def deviceless(
-    configs: list[str], sizes: dict[str, tuple[int, ...]], programs: str = ""
+    configs: list[str], sizes: dict[str, tuple], programs: str = ""
 ) -> list[dict]:
     """The `gpu-h200` reports of every configuration and size, compiled without a
     GPU (run with `JAX_PLATFORMS=cpu` and JAX's CUDA plugin); each step's compiled
     program saved under `programs` (gzip text), if given."""
     import jax
-    import jax.numpy as jnp
-    import optax
-    from models.gpt import loss_fn
 
     import eqx_offload as eo
 
     rows = []
-    for name, (vocab, dim, layers, batch, seq) in sizes.items():
+    for name, size in sizes.items():
         for config in configs:
-            policy = _policy(config)
-            optimizer = optax.adamw(1e-4)
-            model = eo.place(_model(vocab, dim, layers), policy)
-            opt_state = eo.init_opt_state(optimizer, model, policy)
-            tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-            step = eo.train_step(loss_fn, optimizer, policy)
+            step, model, opt_state, tokens = _step(config, tuple(size))
             with compiles() as texts:
                 r = eo.memory_report(
                     step, model, opt_state, tokens, tokens, target="gpu-h200"
@@ -423,8 +471,10 @@ def _numerics(configs: list[str]) -> dict[str, Any]:
 
     out: dict[str, Any] = {"presets": {}}
     for config in configs:
-        if config in FLAGGED:
-            continue  # the same policy as another configuration's
+        if config in FLAGGED or config in AT_SCALE_CONFIGS:
+            # The same policy as another configuration's; bf16 compute at scale
+            # (tests/test_accumulation.py checks k micro-batches against one batch).
+            continue
         row: dict[str, Any] = {}
         try:
             policy = _policy(config)
@@ -995,7 +1045,7 @@ def _flag_env(config: str) -> dict[str, str]:
 
 
 def deviceless_rows(
-    sizes: dict[str, tuple[int, ...]],
+    sizes: dict[str, tuple],
     configs: list[str],
     timeout: float,
     json_path: Path | None = None,
@@ -1114,7 +1164,7 @@ def main() -> None:
         "clamped slices, both directions at once; the 0.2B step with prefetching and "
         f"with {FLAG}; one profiled 0.9B step (--json, overlap.json by default)",
     )
-    choices = list(dict.fromkeys(CONFIGS + OVERLAP_CONFIGS))
+    choices = list(dict.fromkeys(CONFIGS + OVERLAP_CONFIGS + AT_SCALE_CONFIGS))
     p.add_argument(
         "--configs",
         nargs="+",
@@ -1127,7 +1177,12 @@ def main() -> None:
     )
     p.add_argument("--steps", type=int, default=None, help="timed steps (10)")
     p.add_argument(
-        "--sizes", nargs="+", choices=list(SIZES), default=list(SIZES), help="models"
+        "--sizes",
+        nargs="+",
+        choices=[*SIZES, *AT_SCALE_SIZES],
+        default=list(SIZES),
+        help="models (Llama-3-8B: with the 'copies on device' configurations, on a "
+        "GPU with 80 GiB free and 128 GiB of host RAM: an H200, not an H100)",
     )
     p.add_argument(
         "--budget",
@@ -1145,7 +1200,8 @@ def main() -> None:
         return link_main(args)
     args.configs = args.configs or [*CONFIGS]
     args.budget = 450.0 if args.budget is None else args.budget
-    sizes = SMOKE_SIZES if args.smoke else {k: SIZES[k] for k in args.sizes}
+    known_sizes: dict[str, tuple] = {**SIZES, **AT_SCALE_SIZES}
+    sizes = SMOKE_SIZES if args.smoke else {k: known_sizes[k] for k in args.sizes}
     cpu = {"JAX_PLATFORMS": "cpu"}
     if args.deviceless:
         part = deviceless_rows(sizes, args.configs, 1200, DEVICELESS)
@@ -1188,6 +1244,8 @@ def main() -> None:
             found: dict[str, Any] = {
                 "error": f"skipped: past the {args.budget:.0f} s budget"
             }
+        elif name in AT_SCALE_SIZES:
+            found = {"error": "skipped: the GPT sizes' part"}
         else:
             # (median of 5 on a GPU: a 0.9B update on the host takes seconds)
             steps = str(min(args.steps, 5))
@@ -1208,7 +1266,9 @@ def main() -> None:
             if args.json:  # the program timed, beside the results
                 file = f"{probes.slug(name)}-{probes.slug(config)}.hlo.gz"
                 argv.append(str(probes.programs_folder(args.json) / file))
-            part = run_child(argv, 300, _flag_env(config))
+            big = name in AT_SCALE_SIZES  # (minutes to make, compile and time)
+            env = _flag_env(config) | (HOST_LIMIT if big else {})
+            part = run_child(argv, 1200 if big else 300, env)
             row["seconds"] = part["seconds"]
             row.update(part.get("result", {"error": part.get("error")}))
             if args.json and row.get("program"):

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import equinox as eqx
+import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import pytest
 
@@ -182,3 +183,27 @@ def test_plan_example_plans_and_trains_as_the_plain_step(run_example):
     assert_close(losses[0], plain_loss)
     assert excess(losses[1], plain_loss) > 10
     assert "parameters live in ['device']" in out
+
+
+def test_finetune_8b_dry_run_plans_and_prints(run_example):
+    """`examples/finetune_8b.py --dry-run` at a tiny width, planned for this CPU
+    backend (one compile: the plain step fits the budget): the parameters of its
+    Llama shape (counted by hand), the plan in bf16 with the micro-batches given,
+    the memory report, and no training."""
+    dim, layers, vocab, seq = 32, 1, 64, 32
+    out, plan = run_example(
+        "finetune_8b.py",
+        *("--dim", str(dim), "--layers", str(layers), "--vocab", str(vocab)),
+        *("--seq", str(seq), "--tokens-per-update", str(4 * seq)),
+        *("--microbatches", "2", "--target", "none", "--dry-run"),
+        *("--device-budget", "1GiB", "--host-budget", "1GiB"),
+    )
+    heads, mlp = 1, int(3.5 * dim)  # (heads of 128, at least one)
+    kv = max(heads // 4, 1) * dim // heads
+    block = 2 * dim * dim + 2 * dim * kv + 3 * dim * mlp + 2 * dim
+    count = 2 * vocab * dim + dim + layers * block
+    assert f"{count:,} parameters; 4 sequences of {seq} tokens an update" in out
+    assert plan.policy.compute_dtype == jnp.bfloat16
+    assert "2 micro-batches, bfloat16 compute" in out
+    assert "Memory report for a train step" in out
+    assert out.rstrip().endswith("not training: --dry-run")

@@ -41,8 +41,9 @@ class RMSNorm(eqx.Module):
         self.weight = jnp.ones(dim)
 
     def __call__(self, x: Float[Array, "seq dim"]) -> Float[Array, "seq dim"]:
-        scale = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5)
-        return x * scale * self.weight
+        x32 = x.astype(jnp.float32)  # (the statistics in fp32, the result in x's dtype)
+        scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-5)
+        return (x32 * scale * self.weight).astype(x.dtype)
 
 
 class LayerNorm(eqx.Module):
@@ -53,18 +54,23 @@ class LayerNorm(eqx.Module):
         self.weight, self.bias = jnp.ones(dim), jnp.zeros(dim)
 
     def __call__(self, x: Float[Array, "seq dim"]) -> Float[Array, "seq dim"]:
-        mean = jnp.mean(x, axis=-1, keepdims=True)
-        var = jnp.mean((x - mean) ** 2, axis=-1, keepdims=True)
-        return (x - mean) * jax.lax.rsqrt(var + 1e-5) * self.weight + self.bias
+        x32 = x.astype(jnp.float32)  # (as RMSNorm)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean((x32 - mean) ** 2, axis=-1, keepdims=True)
+        out = (x32 - mean) * jax.lax.rsqrt(var + 1e-5) * self.weight + self.bias
+        return out.astype(x.dtype)
 
 
 def rope(x: Float[Array, "seq heads hd"], base: float) -> Float[Array, "seq heads hd"]:
+    """Rotary positions: the tables and the rotation in fp32, the result in x's
+    dtype (bf16 compute stays bf16)."""
     seq, _, hd = x.shape
-    freqs = base ** (-jnp.arange(0, hd, 2) / hd)
-    angles = jnp.arange(seq)[:, None] * freqs[None, :]
+    freqs = base ** (-jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None, :]
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
-    x1, x2 = x[..., ::2], x[..., 1::2]
-    return jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).reshape(x.shape)
+    x1, x2 = x[..., ::2].astype(jnp.float32), x[..., 1::2].astype(jnp.float32)
+    out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+    return out.reshape(x.shape).astype(x.dtype)
 
 
 def attention(
@@ -218,11 +224,13 @@ def plain_loss(model: Decoder, tokens, targets):
 
 
 def chunked_loss(model: Decoder, tokens, targets):
-    """`eo.chunked_cross_entropy` over the tied table (`eo.embed` returns it, read
-    by blocks of rows where `Policy(host_tables=("embed",))` leaves it on the host)."""
+    """`eo.chunked_cross_entropy` over the head, or the tied table (`eo.embed`
+    returns it, read by blocks of rows where `Policy(host_tables=("embed",))` leaves
+    it on the host)."""
     h, table = eo.embed(model.embed, tokens)
     hidden = jax.vmap(model.trunk)(h)
-    return eo.chunked_cross_entropy(hidden, table, targets, chunk=1024)
+    head = table if model.head is None else model.head
+    return eo.chunked_cross_entropy(hidden, head, targets, chunk=1024)
 
 
 def trunk_only(model: Decoder, tokens, targets):

@@ -1,5 +1,6 @@
 """The public model shapes the benchmarks compile (`decoder.Shape`), and the batch
-they train on: 8 sequences of 1024 tokens."""
+most of them train on: 8 sequences of 1024 tokens (`at_scale.py`: 4096-token
+sequences, many per update)."""
 
 from models.decoder import Shape
 
@@ -14,6 +15,19 @@ LLAMA_3_2_1B = Shape(
     head_dim=64,
     mlp=8192,
     tied=True,
+)
+# Llama 3 8B: the same blocks, wider, an untied head (`at_scale.py`, `gpu_check.py`;
+# `examples/finetune_8b.py` writes the same shape out itself).
+LLAMA_3_8B = Shape(
+    vocab=128256,
+    dim=4096,
+    layers=32,
+    heads=32,
+    kv_heads=8,
+    head_dim=128,
+    mlp=14336,
+    tied=False,
+    rope_base=500000.0,
 )
 # On one GPU (`gpu_models.py`, `fewest.py`, `host_update.py`).
 GPU_MODELS = {
