@@ -522,9 +522,9 @@ def test_does_not_fit_never_suggests_the_policy_in_use():
     assert 18 * 2**30 <= e.value.host_required_bytes < 18 * 2**30 + 2**20
     assert "its host-resident arguments alone take 18.00 GiB per chip, within" in text
     # Whatever the figures say, the preset in use is never the advice.
-    both_on_device = dict(params={"device": 2**30}, opt_state={"device": 2**30})
+    on_device = {"device": 2**30}
     for policy, named in [(eo.Policy.offload_all(), False), (eo.Policy.none(), True)]:
-        held = Held({}, residuals=(), **both_on_device)
+        held = Held({}, params=on_device, opt_state=on_device, residuals=())
         advice = device_advice(
             held, "tpu-v5e", False, "train_step", policy, 2**34, False
         )
