@@ -132,8 +132,7 @@ _OPTIONS: dict[str, dict[str, Any]] = {
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m eqx_offload")
-    commands = p.add_subparsers(dest="command", required=True)
-    sub = commands.add_parser(
+    sub = p.add_subparsers(dest="command", required=True).add_parser(
         "plan", help="the fastest placement of a training step within budgets"
     )
     sub.add_argument(
@@ -250,15 +249,11 @@ def _sigterm_interrupts(received: list[int]) -> Iterator[None]:
         received.append(signum)
         raise KeyboardInterrupt
 
-    try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:  # not the main thread
+    with contextlib.ExitStack() as stack:
+        with contextlib.suppress(ValueError):  # not the main thread
+            previous = signal.signal(signal.SIGTERM, interrupt)
+            stack.callback(signal.signal, signal.SIGTERM, previous)
         yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _interrupted(e: PlanInterrupted, path: Path | None, signum: int) -> NoReturn:

@@ -32,10 +32,8 @@ def matmul_flops(closed_jaxpr: Any) -> float:
         function (its primal function: the rules are not jaxprs).
     - A `shard_map` body counts one shard's FLOPs.
     """
-    return sum(
-        (_flops(eqn) for eqn in getattr(closed_jaxpr, "jaxpr", closed_jaxpr).eqns),
-        0.0,
-    )
+    jaxpr = getattr(closed_jaxpr, "jaxpr", closed_jaxpr)
+    return sum((_flops(eqn) for eqn in jaxpr.eqns), 0.0)
 
 
 def _flops(eqn: Any) -> float:

@@ -8,6 +8,7 @@ from typing import cast, Literal
 
 import jax
 import jax.tree_util as jtu
+from jax.sharding import AbstractMesh, AxisType
 from jaxtyping import DTypeLike, PyTree
 
 from .._errors import see
@@ -31,11 +32,12 @@ def settings(
     microbatches: Sequence[int] | Literal["search"],
     compute_dtypes: Sequence[DTypeLike | None],
     batch: tuple,
-) -> tuple[list[Settings], tuple[int, ...]]:
+) -> tuple[list[Settings], tuple[int, ...], AbstractMesh | None]:
     """Every combination of the micro-batch counts and compute dtypes offered, the
     first ones first; FSDP over `axis` on a target of several devices. And with
     `microbatches="search"`, the counts searched (`searched`; else none), the
-    settings then in one micro-batch, where the search starts."""
+    settings then in one micro-batch, where the search starts. And the mesh of a
+    target of several devices: one axis, `axis`, over all of them."""
     if not isinstance(axis, str) or not axis:
         raise ValueError(
             f"`plan(axis={axis!r})` is not a mesh axis name. Give one, such as "
@@ -56,7 +58,9 @@ def settings(
     names = tuple(None if d is None else _dtype_name(d, dtypes) for d in dtypes)
     sharded = axis if devices > 1 else None
     found = searched(batch, devices) if search else ()
-    return [Settings(sharded, k, d) for k in counts for d in names], found
+    mesh = AbstractMesh((devices,), (axis,), axis_types=(AxisType.Auto,))
+    offered = [Settings(sharded, k, d) for k in counts for d in names]
+    return offered, found, mesh if sharded else None
 
 
 def searched(batch: tuple, devices: int) -> tuple[int, ...]:

@@ -21,14 +21,12 @@ def parse_bytes(value: int | str, argument: str) -> int:
     `"1.5TiB"`); anything else is a `ValueError` naming `argument`."""
     if isinstance(value, bool):
         value = -1
-    if isinstance(value, int):
-        if value > 0:
-            return value
-    elif isinstance(value, str):
+    if isinstance(value, int) and value > 0:
+        return value
+    if isinstance(value, str):
         found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*", value, re.I)
         if found is not None:
-            n = float(found[1]) * _UNITS[(found[2] or "").upper()]
-            if n >= 1:
+            if (n := float(found[1]) * _UNITS[(found[2] or "").upper()]) >= 1:
                 return int(n)
     raise ValueError(
         f"`plan({argument}={value!r})` is not a size. Give positive bytes: an int, "
@@ -60,9 +58,7 @@ def workspace_margin(value: int | str | None, budget: int, platform: str | None)
     `GPU_MARGIN` (or `MARGIN_SHARE` of a smaller budget) on a GPU and none
     elsewhere. A margin of the whole budget or more is a `ValueError`."""
     if value is None:
-        if platform != "gpu":
-            return 0
-        return min(GPU_MARGIN, int(budget * MARGIN_SHARE))
+        return 0 if platform != "gpu" else min(GPU_MARGIN, int(budget * MARGIN_SHARE))
     zero = value == 0 and not isinstance(value, bool)
     margin = 0 if zero else parse_bytes(value, "workspace_margin")
     if margin >= budget:

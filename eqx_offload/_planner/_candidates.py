@@ -7,7 +7,7 @@ dtype. `Candidate.policy` is the `Policy` that trains that way. A `Move` turns o
 knob; `presets` are `Policy`'s presets as candidates."""
 
 from collections.abc import Iterable, Mapping
-from typing import cast, Literal, NamedTuple, TypeVar
+from typing import Any, cast, Literal, NamedTuple, TypeVar
 
 import numpy as np
 from jax.sharding import PartitionSpec
@@ -128,9 +128,7 @@ class Settings(NamedTuple):
             f"{self.compute_dtype} compute" if self.compute_dtype is not None else "",
             "compiler remat to host" if self.host_remat else "",
             "layers read ahead" if self.prefetch else "",
-            "update in the next forward"
-            if self.update_timing == "next_forward"
-            else "",
+            "update in the next forward" if self.update_timing != "now" else "",
         ]
         return ", ".join(p for p in parts if p)
 
@@ -181,8 +179,12 @@ class Candidate(NamedTuple):
         """Every name recomputed, the placements unchanged."""
         return self._replace(residuals=Placements.fromkeys(names, "recompute"))
 
-    def with_settings(self, settings: Settings) -> "Candidate":
-        """This placement in other settings."""
+    def with_settings(
+        self, settings: Settings | None = None, /, **changes: Any
+    ) -> "Candidate":
+        """This placement in other settings (`settings`, or its own), with `changes`
+        (`Settings` fields)."""
+        settings = (self.settings if settings is None else settings)._replace(**changes)
         return self._replace(settings=settings)._normal()
 
     def _host(self, field: str) -> bool:
@@ -208,9 +210,7 @@ class Candidate(NamedTuple):
         saves every other name."""
         if move.knob == "residual":
             assert isinstance(move.name, str)
-            residuals = self.residuals
-            if residuals is None:
-                residuals = Placements.fromkeys(names, "save")
+            residuals = self.residuals or Placements.fromkeys(names, "save")
             moved = residuals.set(move.name, cast(Residual, move.to))
             return self._replace(residuals=moved)
         moved = getattr(self, move.knob).set(move.name, move.to)
@@ -384,13 +384,12 @@ def presets(
     kept = everything._replace(
         residuals=remat.residuals, copies=Placements.fromkeys(remat.copies, "device")
     )
-    k = base.settings.microbatches
     return [
         ("recompute all: Policy.remat()", remat),
         ("offload layer inputs: Policy.offload_residuals()", offloaded),
         ("all on host: Policy.offload_all()", everything),
     ] + [
-        (_COPIES_KEPT, kept.with_settings(s._replace(microbatches=k)))
+        (_COPIES_KEPT, kept.with_settings(s, microbatches=base.settings.microbatches))
         for s in offered
         if s.compute_dtype is not None and kept.copies
     ]
@@ -411,13 +410,10 @@ def field_of(path: str) -> str:
 def _by_field(slots: list[tuple[Part, MemoryKind]]) -> list[str]:
     """The host-resident state by field: `"blocks"` where all of its state is on
     the host, `"blocks (nu)"` where some of its slots are."""
-    fields: dict[str, list[tuple[str | None, MemoryKind]]] = {}
-    for part, kind in slots:
-        fields.setdefault(part.field, []).append((part.slot, kind))
     out = []
-    for field, kinds in fields.items():
-        host = [str(slot) for slot, kind in kinds if kind != "device"]
-        if host:
+    for field in dict.fromkeys(part.field for part, _ in slots):
+        kinds = [(part.slot, kind) for part, kind in slots if part.field == field]
+        if host := [str(slot) for slot, kind in kinds if kind != "device"]:
             whole = len(host) == len(kinds)
             out.append(field if whole else f"{field} ({', '.join(host)})")
     return out

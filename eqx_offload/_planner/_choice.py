@@ -30,8 +30,7 @@ def experimental_names(
     argument and the names allowed."""
     one = isinstance(value, str) or not isinstance(value, Iterable)
     names = (value,) if one else tuple(value)
-    bad = [n for n in names if n not in EXPERIMENTAL]
-    if bad:
+    if bad := [n for n in names if n not in EXPERIMENTAL]:
         raise ValueError(
             f"`plan(experimental={value!r})`: {', '.join(map(repr, bad))} is not an "
             f"experimental stage. Give some of {', '.join(map(repr, EXPERIMENTAL))} "

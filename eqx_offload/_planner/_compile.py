@@ -4,6 +4,7 @@ and what a process keeps of its compiles (`Cache`), so that none is repeated."""
 
 import collections
 import dataclasses
+import functools
 import pickle
 import subprocess
 import sys
@@ -148,12 +149,10 @@ class Cache:
 
     def checkpoint_names(self, task: Task) -> tuple[CheckpointName, ...]:
         """`checkpoint_names(loss_fn, model, *batch)`, traced once."""
-        names, _ = _keep(
-            self.names,
-            _key(task),
-            lambda: checkpoint_names(task.loss_fn, task.model, *task.batch),
+        trace = functools.partial(
+            checkpoint_names, task.loss_fn, task.model, *task.batch
         )
-        return names
+        return _keep(self.names, _key(task), trace)[0]
 
 
 # The cache of this process's searches (`plan` again with other budgets,

@@ -174,9 +174,8 @@ def _why(result: "Plan | DoesNotFit | None") -> str:
     if result.exceeded == ("host",):
         footprint = "" if not host else f": smallest host footprint {size_text(host)}"
         return f"does not fit{footprint} (over the host budget)"
-    why = "does not fit" + (
-        "" if not need else f": smallest device footprint {size_text(need)}"
-    )
+    footprint = "" if not need else f": smallest device footprint {size_text(need)}"
+    why = f"does not fit{footprint}"
     if "host" in result.exceeded:
         footprint = "" if not host else f", host footprint {size_text(host)}"
         why += f" (over the host budget{footprint})"

@@ -48,10 +48,40 @@ def finish(search: "Search") -> Plan | DoesNotFit:
     none = search.results[next(iter(search.results))].report
     none_flops = None if none is None or none.time is None else none.time.flops
     kept = set(search.choices())
-    rows = [
-        _row(search, c, (c == chosen, c in kept, c in tied), none_flops)
-        for c in search.results
-    ]
+
+    def row(c: Candidate) -> PlanRow:
+        """The table's row of a compiled candidate: chosen; kept (one the plan
+        may be, not a micro-batch count compiled to find a placement's fewest);
+        tied."""
+        r = search.results[c]
+        compiled = "compiled" if c in kept else "micro-batch probe"
+        status = "chosen" if c == chosen else (r.error or compiled)
+        if r.report is None:
+            return PlanRow(r.label, r.policy, status, device_bytes=r.required)
+        rep, t = r.report, r.report.time
+        return PlanRow(
+            r.label,
+            r.policy,
+            status,
+            device_bytes=rep.device_bytes,
+            host_bytes=rep.host_bytes,
+            fits=search.fits(c),
+            seconds=None if t is None else t.seconds,
+            bound=None if t is None else t.bound,
+            transfer_bytes=rep.host_to_device_bytes + rep.device_to_host_bytes,
+            recomputed_flops=None
+            if t is None or none_flops is None
+            else max(t.flops - none_flops, 0.0),
+            error=None if t is None else t.error,
+            kind=None if t is None else t.kind,
+            rates=() if t is None else _rates.used(t),
+            tied=c in tied if search.fits(c) and t is not None else None,
+            microbatches=c.settings.microbatches,
+            compute_bound_seconds=getattr(t, "compute_bound_seconds", None),
+            mfu=getattr(t, "mfu", None),
+        )
+
+    rows = [row(c) for c in search.results]
     rows += [PlanRow(c.label, c.policy(), why) for c, why in search.pruned.items()]
     search.progress.close()
     decision = "" if chosen is None else _decision(search, chosen, tied)
@@ -91,8 +121,7 @@ def _decision(search: "Search", chosen: Candidate, tied: list[Candidate]) -> str
         return ""
     error = max(search.error(fastest), search.error(chosen))
     slower = search.seconds(chosen) / search.seconds(fastest) - 1
-    budget = search.budgets[0]
-    free = [budget - search.device(c) for c in (chosen, fastest)]
+    free = [search.budgets[0] - search.device(c) for c in (chosen, fastest)]
     if fastest.settings.experimental and not chosen.settings.experimental:
         why = f"it uses no experimental stage ({fastest.settings.label} does)"
     else:
@@ -109,45 +138,6 @@ def _decision(search: "Search", chosen: Candidate, tied: list[Candidate]) -> str
         f"slower than the fastest ({search.results[fastest].label}: "
         f"{time_text(search.seconds(fastest))}), within their ±{error:.0%} error "
         f"({origin}); of the {len(tied)} candidates that close, {why}."
-    )
-
-
-def _row(
-    search: "Search",
-    c: Candidate,
-    marks: tuple[bool, bool, bool],
-    none_flops: float | None,
-) -> PlanRow:
-    """The table's row of a compiled candidate. Its `marks`: chosen; kept (one
-    the plan may be, not a micro-batch count compiled to find a placement's
-    fewest); tied."""
-    (chosen, kept, tied), r = marks, search.results[c]
-    rep = r.report
-    compiled = "compiled" if kept else "micro-batch probe"
-    status = "chosen" if chosen else (r.error or compiled)
-    if rep is None:
-        return PlanRow(r.label, r.policy, status, device_bytes=r.required)
-    t = rep.time
-    return PlanRow(
-        r.label,
-        r.policy,
-        status,
-        device_bytes=rep.device_bytes,
-        host_bytes=rep.host_bytes,
-        fits=search.fits(c),
-        seconds=None if t is None else t.seconds,
-        bound=None if t is None else t.bound,
-        transfer_bytes=rep.host_to_device_bytes + rep.device_to_host_bytes,
-        recomputed_flops=None
-        if t is None or none_flops is None
-        else max(t.flops - none_flops, 0.0),
-        error=None if t is None else t.error,
-        kind=None if t is None else t.kind,
-        rates=() if t is None else _rates.used(t),
-        tied=tied if search.fits(c) and t is not None else None,
-        microbatches=c.settings.microbatches,
-        compute_bound_seconds=getattr(t, "compute_bound_seconds", None),
-        mfu=getattr(t, "mfu", None),
     )
 
 

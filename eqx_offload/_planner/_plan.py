@@ -12,11 +12,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import optax
-from jax.sharding import AbstractMesh, AxisType
 from jaxtyping import DTypeLike, PyTree
 
 from .._errors import see
-from .._report import device_count, DoesNotFit, Hardware, platform as target_platform
+from .._report import DoesNotFit, Hardware, platform as target_platform
 from .._update import NotOnHost
 from . import _arguments, _choice, _outcome
 from ._candidates import Candidate, Knob, Part, presets, Settings
@@ -228,14 +227,9 @@ def search_plan(
         device_budget, host_budget, target, workspace_margin, hardware
     )
     batch = tuple(_arguments.abstract(b) for b in batch)
-    settings, counts = _arguments.settings(
+    settings, counts, mesh = _arguments.settings(
         target, axis, microbatches, compute_dtypes, batch
     )
-    mesh = None
-    if settings[0].axis is not None:
-        assert target is not None
-        n = device_count(target)
-        mesh = AbstractMesh((n,), (axis,), axis_types=(AxisType.Auto,))
     model = _arguments.abstract(model)
     task = Task(loss_fn, optimizer, model, batch, has_aux, target, mesh, hardware)
     search = Search(task, budgets, Progress(progress), first_fit, margin, start)
@@ -283,19 +277,17 @@ def _moves(
     search.compile_each(presets(base, names, settings))
     search.combine(base, names)
     search.improve(names)
-    if settings[1:]:
-        best = search.best()
-        if best is not None:
-            search.compile_each(_in(search, best, settings[1:]))
-            search.improve(names)
     best = search.best()
+    if settings[1:] and best is not None:
+        search.compile_each(_in(search, best, settings[1:]))
+        search.improve(names)
+        best = search.best()
     target = search.task.target
     on_tpu = target is not None and target_platform(target) == "tpu"
     if HOST_REMAT and on_tpu and best is not None and not search.fits(best):
         # Compiled in a child process: it can abort the process.
         search.progress.expect(1 + IMPROVE_COMPILES)
-        remat = best.settings._replace(host_remat=True)
-        search.compile_each([(None, best.with_settings(remat))])
+        search.compile_each([(None, best.with_settings(host_remat=True))])
         search.improve(names)
 
 
@@ -305,13 +297,8 @@ def _in(
     """`candidate` in each of `settings`, for `compile_each`; where the search
     chooses the micro-batch counts, from the candidate's own."""
     k = candidate.settings.microbatches
-    return [
-        (
-            None,
-            candidate.with_settings(s._replace(microbatches=k) if search.counts else s),
-        )
-        for s in settings
-    ]
+    kept = [s._replace(microbatches=k) if search.counts else s for s in settings]
+    return [(None, candidate.with_settings(s)) for s in kept]
 
 
 def _again(search: Search, stage: Experimental) -> None:
@@ -339,7 +326,7 @@ def _again(search: Search, stage: Experimental) -> None:
         whole = [c for c in ranked if "device" not in c.opt_state.values()]
         ranked = list(dict.fromkeys(whole[:1] + ranked))
     field, value = _choice.SETS[stage]
-    tried = [c.with_settings(c.settings._replace(**{field: value})) for c in ranked]
+    tried = [c.with_settings(**{field: value}) for c in ranked]
     with search.progress.stage(len(tried[: AGAIN[stage]])):
         for candidate in search.until_stopped(tried[: AGAIN[stage]]):
             try:
@@ -371,8 +358,8 @@ def _start(
     (`Policy.none()` in the first settings), and the checkpoint names offered."""
     model, optimizer, mesh = search.task.model, search.task.optimizer, search.task.mesh
     params = param_bytes(model)
-    names = search.cache.checkpoint_names(search.task)  # (traced once a process)
-    offered = [n for n in names if n.residual]
+    # (The checkpoint names are traced once a process.)
+    offered = [n for n in search.cache.checkpoint_names(search.task) if n.residual]
     slots = state_slots(optimizer, model)
     search.parts, finer = parts_of(optimizer, model, slots)
     sizes: dict[Knob, dict[Any, int]] = {

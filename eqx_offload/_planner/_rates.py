@@ -3,24 +3,8 @@ rates it used, each measured, nominal or assumed (`Hardware.label`), and those i
 words. (Its kind of step and how far it can be off are `StepTime.kind` and
 `StepTime.error`.)"""
 
-from .._report._hardware import ORIGINS
+from .._report._hardware import GROUPS, ORIGINS
 from .._report._step_time import StepTime
-
-
-# The rates a step uses, and the `Hardware` fields each rests on. Every step uses
-# the first two; a step that moves bytes over the host link uses "link"; one that
-# computes on the host, "host memory".
-_GROUPS: dict[str, tuple[str, ...]] = {
-    "compute": ("matmul_flops", "compute_efficiency"),
-    "HBM": ("hbm_bytes_per_second",),
-    "link": (
-        "host_to_device_bytes_per_second",
-        "device_to_host_bytes_per_second",
-        "both_ways_bytes_per_second",
-        "transfer_overlap",
-    ),
-    "host memory": ("host_memory_bytes_per_second", "host_flops"),
-}
 
 
 def used(time: StepTime) -> tuple[tuple[str, str], ...]:
@@ -34,8 +18,7 @@ def used(time: StepTime) -> tuple[tuple[str, str], ...]:
     if time.host_compute_seconds > 0:
         groups.append("host memory")
     return tuple(
-        (g, max(map(time.hardware.label, _GROUPS[g]), key=ORIGINS.index))
-        for g in groups
+        (g, max(map(time.hardware.label, GROUPS[g]), key=ORIGINS.index)) for g in groups
     )
 
 

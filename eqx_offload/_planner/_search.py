@@ -50,6 +50,8 @@ class Result:
 
 # One combination of single moves estimated to fit, and its step time.
 _Option = tuple[float, list[Move]]
+# A single move compiled: the device bytes it frees, the time and host bytes it adds.
+_Effect = tuple[Move, float, float, float]
 
 
 @dataclasses.dataclass
@@ -117,22 +119,19 @@ class Search:
         low, high = -1, len(counts)  # over the device budget at `low`, within at `high`
         i = counts.index(candidate.settings.microbatches)
         while high - low > 1:
-            at = candidate.with_settings(
-                candidate.settings._replace(microbatches=counts[i])
-            )
+            at = candidate.with_settings(microbatches=counts[i])
             result = self._evaluate(at, label)
             if result.report is None and result.required is None:
                 return at  # does not compile: no count helps
-            within = result.report is not None and (
-                result.report.device_bytes <= self.budgets[0]
-            )
+            r = result.report
+            within = r is not None and r.device_bytes <= self.budgets[0]
             first = (low, high) == (-1, len(counts))
             low, high = (low, i) if within else (i, high)
             i = high - 1 if first and within else (low + high) // 2
             if self.stopped:
                 break
         kept = counts[high] if high < len(counts) else counts[low]
-        return candidate.with_settings(candidate.settings._replace(microbatches=kept))
+        return candidate.with_settings(microbatches=kept)
 
     def _evaluate(self, candidate: Candidate, label: str | None = None) -> Result:
         """Compiles `candidate` (in its own micro-batch count), once."""
@@ -265,7 +264,7 @@ class Search:
             freed = size_text(self.estimates.get(move, 0))
             why = f"frees {freed} by estimate, less than the {SINGLES} moves tried"
             self.pruned[base.apply(move, names)] = f"pruned: {why}"
-        effects: list[tuple[Move, float, float, float]] = []
+        effects: list[_Effect] = []
         with self.progress.stage(min(SINGLES, len(moves))):
             for move in self.until_stopped(moves[:SINGLES]):
                 single = base.apply(move, names)
@@ -295,14 +294,11 @@ class Search:
                 )
                 self.pruned[candidate] = f"pruned: estimated to fit, {why}"
 
-    def _options(
-        self, base: Candidate, effects: list[tuple[Move, float, float, float]]
-    ) -> list[_Option]:
+    def _options(self, base: Candidate, effects: list[_Effect]) -> list[_Option]:
         """The combinations of two or more single moves (`effects`: each with the
         device bytes it frees, the time and host bytes it adds) estimated to fit.
         Fastest first; where `base` has no step time (too big to compile), in the
         order listed: the moves freeing the most device memory first."""
-        device_budget, host_budget = self.budgets
         options = []
         for n in range(2, len(effects) + 1):
             for chosen in itertools.combinations(effects, n):
@@ -311,7 +307,7 @@ class Search:
                     continue  # one name offloaded and recomputed
                 device = self.device(base) - sum(c[1] for c in chosen)
                 host = self.host(base) + sum(c[3] for c in chosen)
-                if device <= device_budget and host <= host_budget:
+                if self._overflow(device, host) == 0:
                     seconds = self.seconds(base) + sum(c[2] for c in chosen)
                     options.append((seconds, [c[0] for c in chosen]))
         return sorted(options, key=lambda o: o[0])
@@ -386,8 +382,7 @@ class Search:
     def order(self, candidate: Candidate) -> tuple[bool, float, float]:
         """Better first: those that fit, by `rank`; then the others, over their
         budgets by the least first (not compiled: last)."""
-        report = self.results[candidate].report
-        if report is None:
+        if (report := self.results[candidate].report) is None:
             return True, float("inf"), 0.0
         if self.fits(candidate):
             return (False, *self.rank(candidate))

@@ -84,20 +84,17 @@ def parts_of(
     with two or more, and of each of its state slots, which `plan` can place apart
     from the rest of the field; with the device bytes each frees by estimate."""
     sizes: Counter[Move] = Counter()
-    children: dict[Part, list[Part]] = {}
+    children: dict[Part, dict[Part, None]] = {}  # (ordered sets)
 
     def add(knob: Knob, part: Part, n: int) -> None:
         sizes[Move(knob, part, "pinned_host")] += n
-        if part not in children.setdefault(part.whole, []):
-            children[part.whole].append(part)
+        children.setdefault(part.whole, {})[part] = None
 
     for leaf in _paths.leaves(model):
-        part = _part(leaf.path)
-        if is_trainable(leaf.value) and part is not None:
+        if is_trainable(leaf.value) and (part := _part(leaf.path)) is not None:
             add("params", part, _nbytes(leaf.value))
     for s in _owned(optimizer, model):
-        part = _part(s.owner_path)
-        if part is not None:
+        if (part := _part(s.owner_path)) is not None:
             # A part of one state slot, or of all of the field's state.
             slot = None if part.whole in slots else s.part
             add("opt_state", part._replace(slot=slot), _nbytes(s.leaf.value))

@@ -111,8 +111,8 @@ class PlanTable:
     interrupted: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        fields = dataclasses.fields(self)[1:]  # all but the rows, then them
-        return {f.name: getattr(self, f.name) for f in fields} | {
+        # All but the rows, then them.
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[1:]} | {
             "rows": [r.to_dict() for r in self.rows]
         }
 

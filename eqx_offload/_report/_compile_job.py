@@ -107,10 +107,7 @@ def abstract_arguments(
 
         return jtu.tree_map(lambda x: leaf(x) if is_arraylike(x) else x, tree)
 
-    lays_out_batch = (
-        isinstance(fn, TrainStep) and fn.policy.batch is not None and where.is_slice
-    )
-    if lays_out_batch:
+    if isinstance(fn, TrainStep) and fn.policy.batch is not None and where.is_slice:
         args = to_abstract(args[:2]) + to_abstract(args[2:], replicate=False)
     else:
         args = to_abstract(args)

@@ -17,13 +17,12 @@ The text is read in `_compiler.py`; this module reads the transfers off it.
 
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import NamedTuple
 
 from .. import _compiler, _scopes
 from .._compiler import Computation, Instruction
 from . import _traffic
 from ._costs import Program
-from ._hlo_program import made, moved, Walker
+from ._hlo_program import made, moved
 from ._traffic import Transfer
 
 
@@ -44,33 +43,9 @@ def count(
     for t in traced:
         phases[t.direction, t.what, t.name].add(t.phase)
     results = _results(comps[entry]) if entry in comps else {}
-    found = _Program(walker, results, phases, inputs, outputs)
-    totals: dict[tuple, int] = defaultdict(int)
-    for comp, times in walker.visits():
-        for inst in comp.insts.values():
-            for direction, nbytes, source, label in _moves(comp, inst):
-                key = found.key(comp, inst, direction, source, label)
-                totals[key] += nbytes * times
-    return _traffic.rows(totals)
-
-
-class _Program(NamedTuple):
-    """A compiled module as `count` reads it: its walker, the entry's results, and
-    the phases each traced transfer moves in."""
-
-    walker: Walker
-    results: dict
-    phases: dict[tuple, set[str]]
-    inputs: Sequence[tuple[str, str]]
-    outputs: Sequence[tuple[str, str]]
 
     def key(
-        self,
-        comp: Computation,
-        inst: Instruction,
-        direction: str,
-        source: str,
-        label: str,
+        comp: Computation, inst: Instruction, direction: str, source: str, label: str
     ) -> tuple[str, str, str, str]:
         """(direction, phase, what, name) of one move of `inst`."""
         scope = label or inst.op_name or _users_scope(comp, inst.name)
@@ -79,19 +54,24 @@ class _Program(NamedTuple):
             # (named after the computation that uses it).
             scope = _HOST_CALL_SCOPES[direction]
         update = _scopes.UPDATE in scope
-        number = self.walker.origin(comp, source)
-        inputs, outputs = self.inputs, self.outputs
+        number = walker.origin(comp, source)
         found = inputs[number] if number is not None and number < len(inputs) else None
-        entry = comp.name == self.walker.entry
-        output = _output(comp, inst, self.results) if entry else None
+        output = _output(comp, inst, results) if comp.name == entry else None
         if output is not None and output < len(outputs):
             (what, name), update = outputs[output], True
         else:
             what, name = _what(found, scope, update)
         phase = "update" if update else "forward/backward"
-        if not scope and len(self.phases[direction, what, name]) == 1:
-            (phase,) = self.phases[direction, what, name]
+        if not scope and len(phases[direction, what, name]) == 1:
+            (phase,) = phases[direction, what, name]
         return direction, phase, what, name
+
+    totals: dict[tuple, int] = defaultdict(int)
+    for comp, times in walker.visits():
+        for inst in comp.insts.values():
+            for direction, nbytes, source, label in _moves(comp, inst):
+                totals[key(comp, inst, direction, source, label)] += nbytes * times
+    return _traffic.rows(totals)
 
 
 def _what(found: tuple[str, str] | None, scope: str, update: bool) -> tuple[str, str]:
@@ -165,11 +145,9 @@ def _users_scope(comp: Computation, name: str, depth: int = 3) -> str:
     asynchronous start's done), for an instruction the compiler made."""
     for inst in comp.insts.values():
         if name in inst.operands:
-            found = inst.op_name
-            if found:
-                return found
+            if inst.op_name:
+                return inst.op_name
             if depth and (inst.opcode.endswith("-done") or inst.opcode == "bitcast"):
-                found = _users_scope(comp, inst.name, depth - 1)
-                if found:
+                if found := _users_scope(comp, inst.name, depth - 1):
                     return found
     return ""

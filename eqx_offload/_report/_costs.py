@@ -34,19 +34,18 @@ _SLICES = {"dynamic-slice", "slice", "gather"}
 # compiler that fuses elementwise loops computes them as it reads (a broadcast of
 # a constant is never written out). Every other instruction of host compute costs
 # one FLOP per element it computes (a reduction, per element it reads).
-_NO_ARITHMETIC = FREE | {
+_NO_ARITHMETIC = {
+    *FREE,
+    *_SLICES,
     "broadcast",
     "reshape",
     "transpose",
     "copy",
-    "slice",
-    "dynamic-slice",
     "dynamic-update-slice",
     "pad",
     "concatenate",
     "iota",
     "reverse",
-    "gather",
     "bitcast-convert",
 }
 
@@ -138,8 +137,7 @@ class Program:
         """An instruction's matmul FLOPs by precision, those of the computation it
         calls (a fusion's) included."""
         out: dict[str, float] = defaultdict(float)
-        found = self.dot_flops(comp, inst)
-        if found is not None:
+        if (found := self.dot_flops(comp, inst)) is not None:
             out[found[0]] += found[1]
         callee = inst.computation("calls")
         for p, n in self._fused_flops(callee) if callee is not None else ():
@@ -151,8 +149,7 @@ class Program:
         if name in self._flops:
             return self._flops[name]
         self._flops[name] = ()
-        comp = self.comps.get(name)
-        if comp is None:
+        if (comp := self.comps.get(name)) is None:
             return ()
         out: dict[str, float] = defaultdict(float)
         for inst in comp.insts.values():
@@ -187,8 +184,7 @@ class Program:
         """Of a fusion: the operands it only slices, the one it updates in place,
         and its result (of an update in place, the update)."""
         callee = inst.computation("calls") if inst.opcode == "fusion" else None
-        fused = self.comps.get(callee or "")
-        if fused is None:
+        if (fused := self.comps.get(callee or "")) is None:
             return {}, None, result
         sliced, in_place = self._access(fused.name)
         root = fused.insts.get(fused.root)
@@ -256,8 +252,7 @@ class Program:
 
     def _host_region(self, name: str) -> tuple[int, float]:
         """(host-memory bytes, FLOPs) of one run of a host computation."""
-        comp = self.comps.get(name)
-        if comp is None:
+        if (comp := self.comps.get(name)) is None:
             return 0, 0.0
         nbytes = sum(_bytes(comp.insts[p].shape) for p in comp.params.values())
         root = comp.insts.get(comp.root)
@@ -269,16 +264,14 @@ class Program:
 
     def _host_flops(self, name: str) -> float:
         """The FLOPs of a computation run on the host (see `_NO_ARITHMETIC`)."""
-        comp = self.comps.get(name)
-        if comp is None:
+        if (comp := self.comps.get(name)) is None:
             return 0.0
         return sum(_flops(self, comp, inst) for inst in comp.insts.values())
 
     def intermediate(self, name: str) -> int:
         """The bytes of the largest array host computation `name` computes that is
         not a result (`host_temporaries`)."""
-        comp = self.comps.get(name)
-        if comp is None:
+        if (comp := self.comps.get(name)) is None:
             return 0
         root = comp.insts.get(comp.root)
         results = set(root.operands if root and root.opcode == "tuple" else [])
@@ -293,21 +286,18 @@ class Program:
     def transfer(self, comp: Computation, inst: Instruction) -> tuple[str, int] | None:
         """(direction, bytes) if `inst` moves data between host and device, or
         starts an asynchronous computation that does."""
-        found = moved(comp, inst)
-        if found is not None:
+        if (found := moved(comp, inst)) is not None:
             return found[0], found[1]
         inner = self.comps.get(inst.computation("calls") or "")
         if not inst.opcode.endswith("-start") or inner is None:
             return None
         totals: dict[str, int] = defaultdict(int)
         for i in inner.insts.values():
-            m = moved(inner, i)
-            if m is not None:
+            if (m := moved(inner, i)) is not None:
                 totals[m[0]] += m[1]
         if not totals:
             return None
-        direction = max(totals, key=lambda d: totals[d])
-        return direction, sum(totals.values())
+        return max(totals, key=lambda d: totals[d]), sum(totals.values())
 
 
 def host_temporaries(program: Program) -> int:
@@ -320,10 +310,8 @@ def host_temporaries(program: Program) -> int:
     moments read); the unfused text would hold many. The largest over the host
     computations, which run one at a time (0 for a program without host
     compute)."""
-    comps = program.comps.values()
-    calls = [
-        name for c in comps for inst in c.insts.values() for name in inst.host_calls
-    ]
+    insts = [inst for c in program.comps.values() for inst in c.insts.values()]
+    calls = [name for inst in insts for name in inst.host_calls]
     return max(map(program.intermediate, calls), default=0)
 
 
@@ -332,11 +320,9 @@ def _flops(program: Program, comp: Computation, inst: Instruction) -> float:
     op = inst.opcode
     if op in _NO_ARITHMETIC or op.endswith("-done"):
         return 0.0
-    callee = inst.computation("calls")
-    if callee is not None:
+    if (callee := inst.computation("calls")) is not None:
         return program._host_flops(callee)
-    found = program.dot_flops(comp, inst)
-    if found is not None:
+    if (found := program.dot_flops(comp, inst)) is not None:
         return found[1]
     if op == "reduce" and inst.operands:
         inputs = _reduced(inst)

@@ -96,20 +96,7 @@ class DoesNotFit(ValueError):
         `PlanTable` (`print(e.tried)`). `None` otherwise.
     """
 
-    target: str
-    exceeded: tuple[Memory, ...]
-    required_bytes: int | None
-    available_bytes: int | None
-    host_required_bytes: int | None
-    host_available_bytes: int | None
-    params: dict[str, int] | None
-    opt_state: dict[str, int] | None
-    copies: dict[str, int] | None
-    microbatches: tuple[int, int] | None
-    residuals: tuple[ResidualRow, ...] | None
-    arguments: dict[str, dict[str, int]]
-    compiler_message: str
-    tried: Any
+    tried: Any  # (assigned `None` below; a `PlanTable` where `plan` raises it)
 
     def __init__(
         self,
@@ -173,7 +160,6 @@ def too_big(
     host_capacity, limit = host
     said = "" if sizes is not None else "the compiler says: "
     target, is_slice = where.name, where.is_slice
-    u = device_word(target)
     lines = [
         f"`memory_report`: {DESCRIPTIONS[compiled]} does not fit in the device "
         f"memory of {one_device(target, is_slice)}; {said}"
@@ -183,10 +169,31 @@ def too_big(
     on_host = sum(host_total(by_kind) for by_kind in held.arguments.values())
     host_need = on_host if host_bytes is None else host_bytes
     host_full = host_capacity is not None and host_need > host_capacity
-    if host_capacity is not None and host_need:
-        lines.append(
-            _host_line(on_host, host_bytes, host_capacity, host_full, u, limit)
+
+    def host_line(capacity: int) -> str:
+        """What the step needs there (its footprint, else its host-resident
+        arguments) against the `capacity` one device has, and what bounds that
+        (JAX's pinned host cap, which can be raised, or RAM)."""
+        needs = (
+            f"its host-resident arguments alone take {size_text(on_host)}"
+            if host_bytes is None
+            else f"its host footprint is {size_text(host_bytes)}"
         )
+        bound = (
+            f"(JAX's pinned host cap: raise it with {PINNED_CAP}=<GiB> set before "
+            "JAX starts)"
+            if limit == "pinned host cap"
+            else "(`Hardware.host_memory_bytes`)"
+        )
+        u = device_word(target)
+        return (
+            f"Host memory: {needs} per {u}, {'over' if host_full else 'within'} "
+            f"the {size_text(capacity)} behind one {u} {bound}"
+            + (": both memories are exceeded." if host_full else ".")
+        )
+
+    if host_capacity is not None and host_need:
+        lines.append(host_line(host_capacity))
     advice = device_advice(
         held, target, is_slice, compiled, policy, where.capacity, host_full
     )
@@ -212,40 +219,10 @@ def too_big(
     )
 
 
-def _host_line(
-    on_host: int,
-    host_bytes: int | None,
-    host_capacity: int,
-    host_full: bool,
-    u: str,
-    limit: str | None,
-) -> str:
-    """The host memory a step needs (its footprint `host_bytes`, else its
-    host-resident arguments `on_host`) against what one device has, and what
-    bounds that (`limit`: JAX's pinned host cap, which can be raised, or RAM)."""
-    needs = (
-        f"its host-resident arguments alone take {size_text(on_host)}"
-        if host_bytes is None
-        else f"its host footprint is {size_text(host_bytes)}"
-    )
-    return (
-        f"Host memory: {needs} per {u}, {'over' if host_full else 'within'} "
-        f"the {size_text(host_capacity)} behind one {u} "
-        + (
-            f"(JAX's pinned host cap: raise it with {PINNED_CAP}=<GiB> set before "
-            "JAX starts)"
-            if limit == "pinned host cap"
-            else "(`Hardware.host_memory_bytes`)"
-        )
-        + (": both memories are exceeded." if host_full else ".")
-    )
-
-
 def _holdings(held: Held, where: Where, required: int | None) -> list[str]:
     """The rows of what a step holds: device / host bytes of each part; and of
     the `required` device bytes, the rest."""
     per = "" if where.mesh is None else f", per {device_word(where.name)}"
-    is_slice = where.is_slice
     if held.params is not None and held.opt_state is not None:
         rows = [("parameters", held.params), ("optimizer state", held.opt_state)]
     else:
@@ -257,7 +234,7 @@ def _holdings(held: Held, where: Where, required: int | None) -> list[str]:
         for r in held.residuals:
             saved[r.memory_kind] = saved.get(r.memory_kind, 0) + r.bytes
         label = "saved for the backward pass"
-        rows.append((label + (" (whole arrays)" if is_slice else ""), saved))
+        rows.append((label + (" (whole arrays)" if where.is_slice else ""), saved))
     lines = [f"What it holds, by memory kind (device / host{per}):"] + [
         f"  {label}: {size_text(by_kind.get('device', 0))} / "
         f"{size_text(host_total(by_kind))}"
@@ -336,9 +313,7 @@ def _smaller_or_more(
         split = next(d for d in range(2, most + 1) if most % d == 0)
         batch += f", or micro-batches (`eo.train_step(..., microbatches={split})`)"
     u = device_word(target)
-    more = (
-        f"more {u}s" if is_slice else f"more {u}s (a slice), or a {u} with more memory"
-    )
+    more = f"more {u}s" + ("" if is_slice else f" (a slice), or a {u} with more memory")
     return [batch, more]
 
 
@@ -363,13 +338,9 @@ def _residual_advice(held: _OnDevice, policy: Any, host_full: bool) -> list[str]
     """Residuals recomputed, named or offloaded, where worth it."""
     advice = []
     stacked = held.saved.get(UNNAMED[1], 0)
-    recomputes = policy is not None and policy.save == "all"
-    if recomputes and stacked >= held.least:
-        offload = (
-            ""
-            if host_full
-            else ", and offload each layer's input (`offload=('**.input',)`)"
-        )
+    if policy is not None and policy.save == "all" and stacked >= held.least:
+        offload = ", and offload each layer's input (`offload=('**.input',)`)"
+        offload = "" if host_full else offload
         advice.append(
             f"recompute each layer in the backward pass ({size_text(stacked)} saved "
             f"in the layers): `Policy(save=())`{offload}"
@@ -381,8 +352,7 @@ def _residual_advice(held: _OnDevice, policy: Any, host_full: bool) -> list[str]
             "it by name"
         )
     advice += _named_advice(held, policy, host_full)
-    other = held.saved.get(UNNAMED[0], 0)
-    if other >= held.least:
+    if (other := held.saved.get(UNNAMED[0], 0)) >= held.least:
         advice.append(
             f"what is saved outside every `Stacked` ({size_text(other)}): "
             "`eo.chunked_cross_entropy` for logits not yet chunked, else "

@@ -52,17 +52,26 @@ Origin = Literal["measured", "nominal", "assumed"]
 ORIGINS: tuple[Origin, ...] = ("measured", "nominal", "assumed")
 CALIBRATION = "eqx_offload calibration"
 
-_LINK = (
-    "host_to_device_bytes_per_second",
-    "device_to_host_bytes_per_second",
-    "both_ways_bytes_per_second",
-    "transfer_overlap",
-)
+# The rates a step uses, and the fields each rests on (`rates_text`, and the rates
+# `plan`'s table shows, `_planner/_rates.py`). Every step uses the first two; a step
+# that moves bytes over the host link uses "link"; one that computes on the host,
+# "host memory".
+GROUPS: dict[str, tuple[str, ...]] = {
+    "compute": ("matmul_flops", "compute_efficiency"),
+    "HBM": ("hbm_bytes_per_second",),
+    "link": (
+        "host_to_device_bytes_per_second",
+        "device_to_host_bytes_per_second",
+        "both_ways_bytes_per_second",
+        "transfer_overlap",
+    ),
+    "host memory": ("host_memory_bytes_per_second", "host_flops"),
+}
+_LINK = GROUPS["link"]
 _RATES = (
     "matmul_flops",
     "hbm_bytes_per_second",
-    "host_to_device_bytes_per_second",
-    "device_to_host_bytes_per_second",
+    *_LINK[:2],
     "host_memory_bytes",
     "host_memory_bytes_per_second",
     "host_flops",
@@ -161,7 +170,7 @@ class Hardware:
             )
         _check_share(where, "transfer_overlap", self.transfer_overlap, 0.0)
         _check_share(where, "compute_efficiency", self.compute_efficiency, 1e-9)
-        _check_keys(where, self.error, self.labels)
+        _check_keys(where, self)
         object.__setattr__(self, "matmul_flops", dict(self.matmul_flops))
         object.__setattr__(self, "error", {**_ASSUMED_ERROR, **self.error})
         object.__setattr__(self, "labels", dict(self.labels))
@@ -176,8 +185,7 @@ class Hardware:
                 f"`Hardware.label({field!r})`: not a labelled field. Use one of "
                 f"{', '.join(LABELLED)}."
             )
-        text = self.labels.get(field)
-        if text is None:
+        if (text := self.labels.get(field)) is None:
             return "nominal" if field in _RATES else "assumed"
         origin = text.split(":")[0]
         assert origin in ORIGINS
@@ -186,8 +194,7 @@ class Hardware:
     def measured(self, source: str, **figures: Any) -> "Hardware":
         """This hardware with `figures` replaced and labelled measured by `source`
         (the run that measured them, e.g. `"my H100, 2026-11-29"`)."""
-        unknown = set(figures) - set(LABELLED)
-        if unknown:
+        if unknown := set(figures) - set(LABELLED):
             raise ValueError(
                 f"`Hardware.measured(...)`: {sorted(unknown)} are not figures of a "
                 f"`Hardware`. Use {', '.join(LABELLED)}."
@@ -199,7 +206,7 @@ class Hardware:
         """Which of the link's and the compute's figures are measured, in words
         ("link measured, compute nominal")."""
         link = {self.label(f) for f in _LINK}
-        compute = {self.label(f) for f in ("matmul_flops", "compute_efficiency")}
+        compute = {self.label(f) for f in GROUPS["compute"]}
         host = self.label("host_memory_bytes_per_second")
 
         def word(origins: set[str]) -> str:
@@ -236,8 +243,7 @@ class Hardware:
                 f"{CALIBRATION!r}). Give the file `python benchmarks/gpu_check.py "
                 "--calibrate --json PATH` wrote."
             )
-        target = data.get("target")
-        if target not in TABLE:
+        if (target := data.get("target")) not in TABLE:
             raise ValueError(
                 f"{where}: it measured {data.get('device')!r} (`target` "
                 f"{target!r}), which has no row in `eo.Hardware`'s table "
@@ -308,17 +314,16 @@ def _check_share(where: str, field: str, value: Any, least: float) -> None:
         )
 
 
-def _check_keys(
-    where: str, error: Mapping[str, Any], labels: Mapping[str, Any]
-) -> None:
-    kinds = set(error) - set(KINDS)
-    if kinds:
+def _check_keys(where: str, hw: Hardware) -> None:
+    """The keys of `hw.error` are kinds of step, those of `hw.labels` fields, and
+    each label starts with its origin."""
+    if kinds := set(hw.error) - set(KINDS):
         raise ValueError(
             f"{where}: `error` has {sorted(kinds)}. Key it by the kind of step: "
             f"{list(KINDS)}." + see(111)
         )
-    unknown = set(labels) - set(LABELLED)
-    if unknown or not all(str(t).split(":")[0] in ORIGINS for t in labels.values()):
+    unknown = set(hw.labels) - set(LABELLED)
+    if unknown or not all(str(t).split(":")[0] in ORIGINS for t in hw.labels.values()):
         raise ValueError(
             f"{where}: `labels` are by field ({', '.join(LABELLED)}) and each starts "
             "with 'measured:', 'nominal:' or 'assumed:'." + see(111)

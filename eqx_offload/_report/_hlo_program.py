@@ -33,8 +33,7 @@ class Walker:
         stack = [(self.entry, 1)]
         while stack:
             name, times = stack.pop()
-            comp = self.comps.get(name)
-            if comp is None:
+            if (comp := self.comps.get(name)) is None:
                 continue
             yield comp, times
             for inst in comp.insts.values():
@@ -43,8 +42,7 @@ class Walker:
                     stack.append((callee, times * n))
 
     def _callees(self, comp: Computation, inst: Instruction) -> list[tuple[str, int]]:
-        found = self.control(comp, inst)
-        if found is not None:
+        if (found := self.control(comp, inst)) is not None:
             return found
         if inst.opcode.endswith(("-done", "-update")):
             return []  # the computation an asynchronous start called
@@ -88,27 +86,23 @@ class Walker:
         """The number of the entry parameter that value `name` of `comp` (tuple
         element `index`) is, or a piece of; None if it is computed."""
         for _ in range(200):
-            inst = comp.insts.get(name)
-            if inst is None:
+            if (inst := comp.insts.get(name)) is None:
                 return None
             if inst.opcode == "parameter":
                 if comp.name == self.entry:
                     return inst.parameter_number
-                found = self._argument(comp, name)
-                if found is None:
+                if (found := self._argument(comp, name)) is None:
                     return None
                 comp, name = found
                 continue
-            back = _operand(inst, index)
-            if back is None:
+            if (back := _operand(inst, index)) is None:
                 return None
             name, index = back
         return None
 
     def _argument(self, comp: Computation, name: str) -> tuple[Computation, str] | None:
         """What the caller of `comp` passes as its parameter `name`."""
-        caller = self.callers.get(comp.name)
-        if caller is None:
+        if (caller := self.callers.get(comp.name)) is None:
             return None
         caller_comp, call = self.comps[caller[0]], caller[1]
         if call.opcode == "while":
@@ -164,8 +158,7 @@ def moved(comp: Computation, inst: Instruction) -> tuple[str, int, str] | None:
         return None
     source = inst.operands[0]
     if op == "dynamic-update-slice":
-        written = _written(operands)
-        if out[0].host and written is not None:
+        if out[0].host and (written := _written(operands)) is not None:
             return "device_to_host", written, source
         return None
     if first[0].host and not out[0].host:

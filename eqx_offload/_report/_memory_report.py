@@ -76,9 +76,7 @@ def _train_step_job(step: TrainStep, args: tuple, kwargs: dict) -> CompileJob:
         model,
         opt_state,
         residuals,
-        lambda what, message, mesh: _train_step.rejected(
-            step, what, message, mesh, model, opt_state
-        ),
+        functools.partial(_train_step.rejected, step, model=model, opt_state=opt_state),
     )
 
 
@@ -258,19 +256,16 @@ def _held(traced: "_TracedJob") -> Held:
     """What the step holds, by memory kind (per chip on a target): the compute
     copies apart from the rest of the optimizer state; of a train step, its
     micro-batches and the most its batch allows."""
-    job, mesh = traced.job, traced.where.mesh
-    count = functools.partial(bytes_by_kind, per_chip=mesh is not None)
+    job, chips = traced.job, traced.where.chips or 1
+    count = functools.partial(bytes_by_kind, per_chip=traced.where.mesh is not None)
     state, copies = split_copies(job.opt_state)
-    batch = job.arguments.get("batch")
     return Held(
         arguments={k: count(v) for k, v in job.arguments.items()},
         params=None if job.params is None else count(job.params),
         opt_state=None if state is None else count(state),
         residuals=None if traced.saved is None else traced.saved.rows,
         copies=None if copies is None else count(copies),
-        microbatches=microbatches_of(
-            traced.fn, batch, 1 if mesh is None else mesh.size
-        ),
+        microbatches=microbatches_of(traced.fn, job.arguments.get("batch"), chips),
     )
 
 
@@ -303,10 +298,8 @@ def _trace(fn: Any, args: tuple, kwargs: dict, where: Where, platform: str) -> t
     """(`CompileJob`, lowered, saved, transfers, model FLOPs) of `fn(*args,
     **kwargs)`."""
     with _mesh.context(args, kwargs):
-        if isinstance(fn, TrainStep):
-            job = _train_step_job(fn, args, kwargs)
-        else:
-            job = _function_job(fn, args, kwargs)
+        make = _train_step_job if isinstance(fn, TrainStep) else _function_job
+        job = make(fn, args, kwargs)
         traced = job.trace()
         lowered = traced.lower()
         saved = None if job.residuals is None else job.residuals()
@@ -335,8 +328,7 @@ def _model_flops(fn: Any, args: tuple, devices: int) -> float | None:
         # axis: NameError; a tracer's or sharding's check: TypeError,
         # RuntimeError). Then the report has no MFU, rather than no report.
         return None
-    forward = _jaxpr_flops.matmul_flops(closed)
-    return 3 * forward * fn.microbatches / devices
+    return 3 * _jaxpr_flops.matmul_flops(closed) * fn.microbatches / devices
 
 
 def compile_options_of(fn: Any, platform: str) -> dict[str, Any] | None:
@@ -393,9 +385,8 @@ def _build(traced: _TracedJob, compiled: Any, stats: Any) -> MemoryReport:
         device = {p: int(getattr(stats, f"{p}_size_in_bytes")) for p in PARTS}
         host = {p: int(getattr(stats, f"host_{p}_size_in_bytes")) for p in PARTS}
     # (Parsed once, for the traffic, the step time and host compute's temporaries.)
-    program = None
-    if platform in ("tpu", "gpu"):
-        program = _costs.Program(compiled.as_text(), platform)
+    accelerator = platform in ("tpu", "gpu")
+    program = _costs.Program(compiled.as_text(), platform) if accelerator else None
     host_capacity, host_limit = _host_capacity(traced)
     held = _held(traced)
     options = compile_options_of(traced.fn, platform)

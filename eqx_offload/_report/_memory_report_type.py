@@ -245,8 +245,7 @@ class MemoryReport:
         (`device_bytes`, `fits`, ...) are computed again."""
         if "compiled" not in data and "kind" in data:  # saved before the rename
             data = {**data, "compiled": data["kind"]}
-        missing = {"target", "compiled", "estimate", "device", "host"} - set(data)
-        if missing:
+        if missing := {"target", "compiled", "estimate", "device", "host"} - set(data):
             raise ValueError(
                 f"`MemoryReport.from_dict(data)`: `data` lacks "
                 f"{', '.join(sorted(missing))}. Pass what `to_dict()` returns."

@@ -30,8 +30,7 @@ def lines(r: Any) -> list[str]:
     traffic = ((r.transfers, "as traced"), (r.compiled_transfers, "as compiled"))
     for rows, how in traffic:
         lines += _traffic.table_lines(rows, how) if rows else []
-    moved = r.compiled_transfers or r.transfers
-    if r.compiled == "train_step" and moved:
+    if r.compiled == "train_step" and (moved := r.compiled_transfers or r.transfers):
         h2d, d2h = (sum(t.bytes for t in moved if t.direction == d) for d in _WAYS)
         lines.append(row("  total", h2d, d2h))
     if r.time is not None:
@@ -191,9 +190,7 @@ def _larger(chip: str) -> str:
 def _unnamed_lines(largest: tuple[Any, ...], group: str) -> list[str]:
     """Under an unnamed group's row: the lines of code that save the most in it."""
     lines = []
-    for r in largest:
-        if r.group != group:
-            continue
+    for r in [u for u in largest if u.group == group]:
         value = f"{r.dtype}[{','.join(map(str, r.shape))}]"
         what = f"    {value}" if r.count == 1 else f"    {r.count} values, {value}"
         device, host = (r.bytes, 0) if r.memory_kind == "device" else (0, r.bytes)

@@ -40,15 +40,13 @@ def categories(report: Any, memory: str) -> dict[str, int]:
     parts = report.device if memory == "device" else report.host
 
     def of(by_kind: dict[str, int] | None) -> int:
-        if by_kind is None:
-            return 0
+        by_kind = by_kind or {}
         return by_kind.get("device", 0) if memory == "device" else host_total(by_kind)
 
-    params, opt_state = of(report.params), of(report.opt_state)
     argument = parts["argument"]
     # The compiler pads arrays to its tiles: clamp so that no part is negative.
-    params = min(params, argument)
-    opt_state = min(opt_state, argument - params)
+    params = min(of(report.params), argument)
+    opt_state = min(of(report.opt_state), argument - params)
     out = {
         "parameters": params,
         "optimizer state": opt_state,
@@ -162,11 +160,8 @@ def _used(names: list[str], split: list[dict[str, dict[str, int]]]) -> list[str]
 
 def _colours(names: list[str], cmap: Any) -> dict[str, Any]:
     """Each category's colour; a checkpoint name's the same shade in every figure."""
-    colours: dict[str, Any] = dict(_COLOURS)
-    for n in names:
-        if n not in colours:
-            colours[n] = cmap(0.4 + 0.5 * (zlib.crc32(n.encode()) % 1000) / 999)
-    return colours
+    shade = {n: 0.4 + 0.5 * (zlib.crc32(n.encode()) % 1000) / 999 for n in names}
+    return {n: cmap(s) for n, s in shade.items() if n not in _COLOURS} | _COLOURS
 
 
 def _bars(
@@ -177,8 +172,7 @@ def _bars(
         for j, memory in enumerate(_MEMORIES):
             bottom = 0.0
             for name in names:
-                height = s[memory].get(name, 0) / scale
-                if height > 0:
+                if (height := s[memory].get(name, 0) / scale) > 0:
                     ax.bar(3 * i + j, height, bottom=bottom, color=colours[name])
                     bottom += height
     positions = [3 * i + j for i in range(len(split)) for j in range(len(_MEMORIES))]

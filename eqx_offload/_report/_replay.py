@@ -129,12 +129,10 @@ class Replay:
             if start in run.pending:
                 run.wait(*run.pending.pop(start))
             return
-        moving = self.program.transfer(comp, inst)
-        if moving is not None:
-            self._transfer(run, comp, inst, *moving)
+        if (moving := self.program.transfer(comp, inst)) is not None:
+            self._transfer(run, comp, inst, moving)
             return
-        work = self.program.host_work(comp, inst)
-        if work is not None:
+        if (work := self.program.host_work(comp, inst)) is not None:
             self._host_work(run, inst, work)
             return
         called = self._called(comp, inst)
@@ -155,25 +153,20 @@ class Replay:
         """Before a called computation: its first transfer in a direction waits
         for what the caller still has in flight there (each computation is
         replayed once, on a free link)."""
-        late = [
+        if late := [
             (run.link_free[key] - run.clock - at, key)
             for key, at in inner.first_link.items()
             if run.link_free[key] > run.clock + at
-        ]
-        if late:
+        ]:
             delay, key = max(late)
             run.wait(run.clock + delay, "link", run.link_phase.get(key, ""))
 
     def _transfer(
-        self,
-        run: _Run,
-        comp: Computation,
-        inst: Instruction,
-        direction: str,
-        nbytes: int,
+        self, run: _Run, comp: Computation, inst: Instruction, moving: tuple[str, int]
     ) -> None:
-        """A transfer occupies the link in its direction from when it is issued."""
-        t = run.tally
+        """A transfer (`moving`: its direction and bytes) occupies the link in its
+        direction from when it is issued."""
+        (direction, nbytes), t = moving, run.tally
         t.link_bytes[direction] += nbytes
         begin = max(run.clock, run.link_free[direction])
         finish = begin + nbytes / self.rate[direction]
@@ -241,8 +234,7 @@ class Replay:
         t.hbm_bytes += nbytes
         took = max(compute, memory)
         if inst.opcode.endswith("-start"):
-            begin = max(run.clock, run.other_free)
-            run.other_free = begin + took
+            run.other_free = max(run.clock, run.other_free) + took
             run.pending[inst.name] = (run.other_free, "device", "")
             return
         if compute >= memory:

@@ -232,8 +232,7 @@ def lines(t: StepTime) -> list[str]:
         rows.append((f"  host link to {to}", seconds, size_text(nbytes)))
     rows.append(("  transfers not hidden", t.exposed_transfer_seconds, ""))
     for phase in PHASES:
-        seconds = t.exposed_seconds_by_phase.get(phase, 0.0)
-        if seconds:
+        if seconds := t.exposed_seconds_by_phase.get(phase, 0.0):
             rows.append((f"    {_PHASE_LABELS[phase]}", seconds, ""))
     if t.host_compute_seconds or t.host_compute_bytes:  # (only with host compute)
         work = f"{size_text(t.host_compute_bytes)}, {flops_text(t.host_compute_flops)}"
@@ -243,8 +242,7 @@ def lines(t: StepTime) -> list[str]:
         ratio = f"step / compute-bound {t.seconds / t.compute_bound_seconds:.2f}x"
         rows.append(("compute-bound step (estimate)", t.compute_bound_seconds, ratio))
     out = header(f"time per step, {t.hardware.name}", "seconds")
-    for label, seconds, note in rows:
-        out.append(f"{row(label, time_text(seconds))}  {note}".rstrip())
+    out += [f"{row(label, time_text(s))}  {note}".rstrip() for label, s, note in rows]
     if t.mfu is not None:
         peak = f"{t.precision} peak, {flops_text(t.peak_flops)}/s"
         note = f"{flops_text(t.model_flops or 0)} of model FLOPs at {peak}"
@@ -272,14 +270,13 @@ def hardware_for(
             f"{type(hardware).__name__}. Use e.g. `eo.Hardware.of('tpu-v5e')`."
             + see(110)
         )
-    if platform not in ("tpu", "gpu"):
-        if hardware is not None:
-            raise ValueError(
-                f"`memory_report(hardware=...)`: a {platform} program has no TPU or "
-                "GPU time. Pass a `target=` too." + see(109)
-            )
-        return None
-    if hardware is not None:
+    timed = platform in ("tpu", "gpu")
+    if not timed and hardware is not None:
+        raise ValueError(
+            f"`memory_report(hardware=...)`: a {platform} program has no TPU or GPU "
+            "time. Pass a `target=` too." + see(109)
+        )
+    if hardware is not None or not timed:
         return hardware
     return _hardware.of_this_backend() if target is None else Hardware.of(target)
 

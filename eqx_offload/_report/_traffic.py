@@ -37,9 +37,8 @@ def count(
     by direction, phase, what and name."""
     totals: dict[tuple, int] = defaultdict(int)
     for put, n in _jaxpr_traffic.puts(closed, inputs, platform).items():
-        origin = (put.what, put.name)
         # (A name stack has no function or operation around it.)
-        what, name = named(origin, label(f"/{put.scope}/"), put.update)
+        what, name = named((put.what, put.name), label(f"/{put.scope}/"), put.update)
         phase = "update" if put.update else "forward/backward"
         totals[put.direction, phase, what, name] += n
     return rows(totals)
