@@ -22,6 +22,7 @@ from ._loading import (
     RestoredWithExtra as RestoredWithExtra,
 )
 from ._mixed_precision import ComputeCopyState as ComputeCopyState
+from ._pending import PendingUpdate as PendingUpdate
 from ._placement import field as field, place as place
 from ._planner import (
     fewest_chips as fewest_chips,
@@ -63,7 +64,6 @@ from ._update import (
     apply_pending as apply_pending,
     init_opt_state as init_opt_state,
     optimizer_update as optimizer_update,
-    PendingUpdate as PendingUpdate,
     place_opt_state as place_opt_state,
 )
 from ._verify import verify as verify

@@ -31,11 +31,6 @@ class Occurrence(NamedTuple):
 _ATTRIBUTE = "eqx_offload_occurrence"
 
 
-def attach(checkpoint_policy: Any, occurrence: Occurrence) -> Any:
-    _compat.tag_checkpoint_policy(checkpoint_policy, _ATTRIBUTE, occurrence)
-    return checkpoint_policy
-
-
 @dataclasses.dataclass
 class NameLog:
     """The `Occurrence`s of one traced function."""
@@ -151,7 +146,10 @@ def collecting() -> Iterator[NameLog]:
         _log.reset(token)
 
 
-def record(occurrence: Occurrence) -> None:
+def record(checkpoint_policy: Any, occurrence: Occurrence) -> None:
+    """Attaches `occurrence` to the checkpoint policy built with it, and records it
+    in the log being collected, if any."""
+    _compat.tag_checkpoint_policy(checkpoint_policy, _ATTRIBUTE, occurrence)
     log = _log.get()
     if log is not None:
         log.occurrences.append(occurrence)

@@ -106,10 +106,8 @@ def checkpoint_names(
         ) from None
     # Whether a value is saved depends on what else is (two names of one value,
     # say), so each name is traced as a policy saving it alone would trace it.
-    return tuple(
-        _alone(fn, base, name, args, kwargs)
-        for name in _checkpoint_name_log.NameLog.of(closed).names
-    )
+    names = _checkpoint_name_log.NameLog.of(closed).names
+    return tuple(_alone(fn, base, name, args, kwargs) for name in names)
 
 
 def _as_the_step_calls_it(step: TrainStep, args: tuple, kwargs: dict) -> tuple:

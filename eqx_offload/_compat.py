@@ -241,8 +241,7 @@ def on_host(
     host, device = jax.memory.Space.Host, jax.memory.Space.Device
 
     def spaces(n: int) -> list:
-        marks = to_device or (False,) * n
-        return [device if mark else host for mark in marks]
+        return [device if mark else host for mark in to_device or (False,) * n]
 
     def typed(*args: Any) -> list:
         # JAX 0.10 types the arrays made afresh inside (`zeros_like`, a broadcast

@@ -13,7 +13,7 @@ changes the text fails there. The private Python parts of JAX and Equinox are in
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, NamedTuple
 
 import jax.numpy as jnp
@@ -98,12 +98,9 @@ def crash_line(stderr: str) -> str:
 # HLO's element types, as `jnp.dtype` names.
 _HLO_TYPES = {"pred": "bool", "bf16": "bfloat16"} | {
     f"{short}{bits}": f"{name}{bits}"
-    for short, name, sizes in (
-        ("s", "int", (8, 16, 32, 64)),
-        ("u", "uint", (8, 16, 32, 64)),
-        ("f", "float", (16, 32, 64)),
-    )
-    for bits in sizes
+    for short, name in (("s", "int"), ("u", "uint"), ("f", "float"))
+    for bits in (8, 16, 32, 64)
+    if (short, bits) != ("f", 8)  # (8-bit floats are `f8e4m3fn`, ...)
 }
 _HLO_SHAPE = re.compile(r"\b(" + "|".join(_HLO_TYPES) + r")\[([0-9,]*)\](\{[^}]*\})?")
 _EXPECTED = re.compile(r"shape equal to \((.*?)\), actual shape is \((.*?)\):", re.S)
@@ -191,10 +188,10 @@ class Instruction(NamedTuple):
     operands: list[str]
     attrs: str
 
-    def _attr(self, pattern: str) -> str | None:
-        """The first group of `pattern` in its attributes, or `None`."""
+    def _attr(self, pattern: str, convert: Callable[[str], Any] = str) -> Any:
+        """The first group of `pattern` in its attributes (`convert`ed), or `None`."""
         found = re.search(pattern, self.attrs)
-        return found[1] if found else None
+        return convert(found[1]) if found else None
 
     def computation(self, key: str) -> str | None:
         """The computation an attribute names (`body`, `condition`, `calls`, ...)."""
@@ -214,8 +211,7 @@ class Instruction(NamedTuple):
     @property
     def known_trip_count(self) -> int | None:
         """A `while` loop's trip count, where the compiler knows it."""
-        found = self._attr(r'"known_trip_count":\{"n":"(\d+)"')
-        return None if found is None else int(found)
+        return self._attr(r'"known_trip_count":\{"n":"(\d+)"', int)
 
     @property
     def direction(self) -> str | None:
@@ -225,8 +221,7 @@ class Instruction(NamedTuple):
     @property
     def index(self) -> int | None:
         """A `get-tuple-element`'s index."""
-        found = self._attr(r"index=(\d+)")
-        return None if found is None else int(found)
+        return self._attr(r"index=(\d+)", int)
 
     @property
     def dim_labels(self) -> str | None:
@@ -442,8 +437,7 @@ def parse_hlo(text: str) -> HloModule:
         header = re.match(r"^(ENTRY )?%(\S+) \(.*\{\s*$", line)
         if header:
             current = Computation(header[2], {}, {}, "")
-            if header[1]:
-                entry = header[2]
+            entry = header[2] if header[1] else entry
             continue
         if line.startswith("}") and current is not None:
             comps[current.name] = current

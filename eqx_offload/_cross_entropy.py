@@ -183,11 +183,8 @@ def _streamed_forward(h: Any, table: Any, t: Any, w: Any) -> tuple[Any, Any]:
         return new_top, sums, jnp.where(hit, picked[:, 0], correct)
 
     n = h.shape[0]
-    start = (
-        jnp.full((n,), -jnp.inf, jnp.float32),
-        jnp.zeros((n,), jnp.float32),
-        jnp.zeros((n,), jnp.float32),
-    )
+    zeros = [jnp.zeros((n,), jnp.float32) for _ in range(2)]
+    start = (jnp.full((n,), -jnp.inf, jnp.float32), *zeros)
     top, sums, correct = _vocab_blocks.loop(body, start, table, rows)
     lse = top + jnp.log(sums)
     return jnp.sum(w * (lse - correct)), (h, table, t, w, lse)

@@ -188,8 +188,7 @@ def examples(batch: tuple, unsplit: tuple[int, ...] = ()) -> int | None:
 def _traces(loss_fn: Callable, model: Any, batch: tuple) -> bool:
     """Whether `loss_fn` traces on (abstract, device-resident) `model` and `batch`."""
     try:
-        device = abstract((model, *batch), keep_sharding=False)
-        eqx.filter_eval_shape(loss_fn, *device)
+        eqx.filter_eval_shape(loss_fn, *abstract((model, *batch), keep_sharding=False))
     except Exception:  # whatever the loss raises: it does not trace
         return False
     return True

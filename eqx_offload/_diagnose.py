@@ -91,8 +91,7 @@ def _probe(leaf: Streamed, mesh: Mesh) -> str | None:
 
             return jnp.sum(jax.lax.scan(jax.checkpoint(body), x, w)[0])
 
-        g = jax.device_put(jax.grad(loss)(w), Host)
-        return update(w, g)
+        return update(w, jax.device_put(jax.grad(loss)(w), Host))
 
     def state(w: Any) -> Any:
         return update(w, jax.device_put(jnp.ones(leaf.shape, leaf.dtype), Host))
@@ -160,11 +159,7 @@ def leaves_in_message(message: str, leaves: Sequence[Streamed]) -> list[str]:
         layer = leaf.shape[1:] if leaf.rows == 1 and len(leaf.shape) >= 3 else None
         return bool({leaf.shape, piece, layer} & shapes)
 
-    found = [
-        leaf.path
-        for leaf in leaves
-        if leaf.path and (leaf.path in names or quoted(leaf))
-    ]
+    found = [x.path for x in leaves if x.path and (x.path in names or quoted(x))]
     return list(dict.fromkeys(found))
 
 

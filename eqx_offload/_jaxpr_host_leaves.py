@@ -49,9 +49,7 @@ def check(
     `jaxpr` is traced on the array leaves of the arguments, at `positions` among
     their flattened leaves."""
     info = [
-        (argument, leaf)
-        for argument in arguments(args, kwargs)
-        for leaf in _paths.leaves(argument.value)
+        (a, leaf) for a in arguments(args, kwargs) for leaf in _paths.leaves(a.value)
     ]
     watched = {}
     for var, i in zip(jaxpr.invars, positions):
@@ -181,11 +179,9 @@ def _misuse_error(w: _Watched, primitive: str) -> ValueError:
             "`eo.chunked_cross_entropy` read it, or drop it from `host_tables`."
             + see(99)
         )
-    keep = (
-        "Policy(params='device')"
-        if not w.leaf.stacked
-        else f"Policy(params={{{w.leaf.stacked!r}: 'device'}})"
-    )
+    keep = "Policy(params='device')"
+    if w.leaf.stacked:
+        keep = f"Policy(params={{{w.leaf.stacked!r}: 'device'}})"
     return ValueError(
         f"`filter_offload`: leaf {path!r} of {argument} is a host-resident layer of "
         f"the `Stacked` at {w.leaf.stacked!r}, computed on outside its scan (by "

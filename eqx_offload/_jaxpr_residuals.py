@@ -107,9 +107,8 @@ class _WalkBack:
 
     def _computed(self, eqn: Any, index: int) -> Origin:
         """`v` computed by `eqn`: a named value (perhaps offloaded), or the user's."""
-        named = eqn
-        if _jaxpr.is_device_put(eqn):  # the offload of a named value?
-            named = self._producer(eqn.invars[index])
+        # The offload of a named value?
+        named = self._producer(eqn.invars[index]) if _jaxpr.is_device_put(eqn) else eqn
         if named is not None and _jaxpr.is_checkpoint_name(named):
             return self._found("named", _jaxpr.checkpoint_name_of(named))
         # An equation inside a `jit` keeps only the frames below that call: the

@@ -276,8 +276,7 @@ def gather_fsdp(tree: Any, prefix: str, rules: Rules | None) -> Any:
         # memory, before the loop.
         return jax.sharding.reshard(jax.lax.optimization_barrier(x), want)
 
-    leaves = _paths.leaves(tree)
-    out = [gather(_paths.join(prefix, leaf.path), leaf.value) for leaf in leaves]
+    out = [gather(_paths.join(prefix, x.path), x.value) for x in _paths.leaves(tree)]
     return jtu.tree_unflatten(jtu.tree_structure(tree), out)
 
 

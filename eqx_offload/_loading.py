@@ -145,7 +145,7 @@ def load(
     model = place(_pending.mark(abstract(like[0]), ()), policy)
     # A checkpoint holds no pending update (`save` refuses one): the state comes
     # back with none waiting, whatever `like`'s state says (a static field).
-    state = _update.structure(abstract(like[1]))
+    state = _pending.structure(abstract(like[1]))
     where = "`eqx_offload.load`"
     opt_state = _update.place_state(optimizer, state, model, policy, where)
     extras = {} if extra is None else {"extra": abstract(extra)}
@@ -209,10 +209,7 @@ def _restore(directory: str, step: int, targets: dict[str, PyTree]) -> list[PyTr
         arrays = manager.restore(step, args=ocp.args.Composite(**args)) if args else {}
     finally:
         manager.close()
-    return [
-        _rebuild(name, target, flats[name], meta, arrays)
-        for name, target in targets.items()
-    ]
+    return [_rebuild(n, t, flats[n], meta, arrays) for n, t in targets.items()]
 
 
 def _rebuild(

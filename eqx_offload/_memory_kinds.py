@@ -99,3 +99,10 @@ def to_space(x: Any, kind: str, path: str) -> Any:
         f"Leaf {path!r} is to live in {kind!r}, which a step cannot return. Use "
         "'pinned_host' instead." + see(44)
     )
+
+
+def to_device(tree: Any) -> Any:
+    """Every array leaf of `tree` on the device: those in host memory moved there."""
+    return jax.tree.map(
+        lambda x: to_space(x, "device", "") if eqx.is_array(x) else x, tree
+    )

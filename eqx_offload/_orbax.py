@@ -49,8 +49,7 @@ def manager(
 
 def flatten(tree: Any) -> list[tuple[str, Any]]:
     """Leaves of `tree` (`None` is no leaf) with their dotted paths."""
-    flat, _ = jtu.tree_flatten_with_path(tree)
-    return [(_paths.join("", keys), x) for keys, x in flat]
+    return [(_paths.join("", keys), x) for keys, x in jtu.tree_leaves_with_path(tree)]
 
 
 def name(leaf_path: str) -> str:

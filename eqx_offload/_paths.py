@@ -103,8 +103,7 @@ def _visit(
             isinstance(x, AbstractLayerStack) or (is_leaf is not None and is_leaf(x))
         )
 
-    flat, _ = jtu.tree_flatten_with_path(node, is_leaf=stops)
-    for keys, value in flat:
+    for keys, value in jtu.tree_leaves_with_path(node, is_leaf=stops):
         path = join(prefix, keys)
         key = segments + tuple(key_segment(k) for k in keys)
         leaf_meta = _field_metadata(node, keys, meta)

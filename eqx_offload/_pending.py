@@ -95,10 +95,9 @@ def _is_stack(x: Any) -> bool:
 def marked(model: Any) -> list[str]:
     """The paths of the `Stacked`s of `model` marked as one update behind: those
     whose update the step that returned them left pending."""
-    stacks = jtu.tree_flatten_with_path(model, is_leaf=_is_stack)[0]
     return [
         _paths.join("", keys)
-        for keys, x in stacks
+        for keys, x in jtu.tree_leaves_with_path(model, is_leaf=_is_stack)
         if _is_stack(x) and getattr(x, "pending", False)
     ]
 

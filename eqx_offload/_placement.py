@@ -151,9 +151,8 @@ def _lay_out(tree: Any, kinds: list, policy: Policy, mesh: Any) -> tuple[Any, An
     where = "`eqx_offload.place`"
     if policy.shard is None:
         return None, mesh
-    mesh = _layout.current_mesh() if mesh is None else mesh
-    if mesh is None:
-        mesh = _mesh.tree_mesh(tree, abstract=True)
+    if mesh is None:  # (a mesh, concrete or abstract, is never falsy)
+        mesh = _layout.current_mesh() or _mesh.tree_mesh(tree, abstract=True)
     if mesh is None:
         raise ValueError(
             f"{where}: `Policy(shard=...)` names mesh axes, but there is no mesh. "

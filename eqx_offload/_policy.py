@@ -385,8 +385,7 @@ def replace(policy: Policy, **changes: Any) -> Policy:
 
 def checkpoint_patterns(policy: Policy) -> tuple[str, ...]:
     """Every pattern in `policy.save` and `policy.offload`."""
-    save = () if policy.save == "all" else policy.save
-    return save + policy.offload
+    return (() if policy.save == "all" else policy.save) + policy.offload
 
 
 def split_names(policy: Policy, names: Sequence[str]) -> tuple[list[str], list[str]]:

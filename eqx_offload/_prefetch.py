@@ -333,12 +333,10 @@ def _bwd(residuals: Any, grads: Any, perturbed: Any, args: Any, how: How) -> Any
         return (ct_c, previous, earlier, g_consts), (ct_piece, _only(ct_x, p_xs))
 
     g_consts = [jnp.zeros_like(c) for c in consts]
+    init = (ct_carry, last, fetch(n - 1), g_consts)
+    per_layer = (jnp.arange(n), xs, on_device, ct_ys)
     (ct_c, _, _, g_consts), (ct_stacked, ct_xs) = jax.lax.scan(
-        body,
-        (ct_carry, last, fetch(n - 1), g_consts),
-        (jnp.arange(n), xs, on_device, ct_ys),
-        length=n,
-        reverse=True,
+        body, init, per_layer, length=n, reverse=True
     )
     # The new values of a pending update's `aux`, as its cotangent (`Pending`).
     new_aux = None if owed is None else (owed[0], None)

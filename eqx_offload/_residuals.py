@@ -114,8 +114,5 @@ def _name(frame: Any) -> str:
 def checkpoint_names(closed: Any) -> list[str]:
     """Every `checkpoint_name` in a (closed) jaxpr, nested jaxprs included, in order
     of first occurrence."""
-    seen: dict[str, None] = {}
-    for eqn in _jaxpr.equations(closed):
-        if _jaxpr.is_checkpoint_name(eqn):
-            seen.setdefault(_jaxpr.checkpoint_name_of(eqn), None)
-    return list(seen)
+    eqns = [e for e in _jaxpr.equations(closed) if _jaxpr.is_checkpoint_name(e)]
+    return list(dict.fromkeys(map(_jaxpr.checkpoint_name_of, eqns)))

@@ -237,12 +237,7 @@ def _save_args(
     """
     trees = {"model": model, "opt_state": opt_state, "extra": extra}
     _orbax.check_global_save(trees)
-    meta: dict[str, Any] = {
-        "format": _orbax.FORMAT,
-        "step": step,
-        "leaves": {},
-        "values": {},
-    }
+    meta: dict[str, Any] = dict(format=_orbax.FORMAT, step=step, leaves={}, values={})
     args = {}
     for name, tree in trees.items():
         leaves, values, arrays = [], {}, {}
@@ -300,7 +295,5 @@ def _snapshot(x: Any) -> Any:
     if isinstance(x, jax.Array):
         host = x.sharding.memory_kind in ("pinned_host", "unpinned_host")
         cpu = all(d.platform == "cpu" for d in x.sharding.device_set)
-        if host or cpu:
-            return jax.device_put(x, x.sharding, may_alias=False)
-        return x
+        return jax.device_put(x, x.sharding, may_alias=False) if host or cpu else x
     return np.array(x, copy=True)  # NumPy: the caller may change it in place

@@ -92,9 +92,8 @@ class ScanConfig(AbstractScan):
 
     def check_slice(self, layers: Any, how: str) -> None:
         """Slicing host-resident layers inside a step is a computation on the host."""
-        host = array_paths(layers, self.path, host=True)
+        path, host = self.path, array_paths(layers, self.path, host=True)
         if host:
-            path = self.path
             raise ValueError(
                 f"{how}: the layers of the `Stacked` at {path!r} are host-resident "
                 f"({_paths.quoted(host, 3)}), and slicing them inside a step is a "
@@ -279,8 +278,7 @@ def _remat_policy(
         offload_dst=policy.offload_dst,
     )
     occurrence = _checkpoint_name_log.Occurrence(config.path, names, residual_names)
-    _checkpoint_name_log.attach(checkpoint_policy, occurrence)
-    _checkpoint_name_log.record(occurrence)
+    _checkpoint_name_log.record(checkpoint_policy, occurrence)
     return checkpoint_policy, offload
 
 

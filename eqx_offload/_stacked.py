@@ -13,7 +13,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from . import _checkpoint_name_log, _layout, _paths, _pending, _tiling
 from ._errors import see
-from ._memory_kinds import is_arraylike, is_host
+from ._memory_kinds import is_arraylike, is_host, to_device
 from ._warn import warn_at_caller
 
 
@@ -140,8 +140,7 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
             raise ValueError(
                 f"`Stacked.from_fn(n=...)` must be a positive int, got {n!r}." + see(4)
             )
-        keys = jax.random.split(key, n)
-        return cls(eqx.filter_vmap(make_layer)(keys))
+        return cls(eqx.filter_vmap(make_layer)(jax.random.split(key, n)))
 
     @classmethod
     def from_layers(cls, layers: Sequence[_Layer]) -> "Stacked[_Layer]":
@@ -220,8 +219,7 @@ class Stacked(_paths.AbstractLayerStack, Generic[_Layer]):
             raise IndexError(f"{how}: layer index out of range for {n} layers.")
         if self._scan is not None:
             self._scan.check_bypass(self.layers, how)
-        index = index % n
-        return map_arrays(lambda x: x[index], self.layers)
+        return map_arrays(lambda x: x[index % n], self.layers)
 
     def __call__(
         self, x: PyTree, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any
@@ -365,8 +363,7 @@ def _slice_text(index: slice) -> str:
 def _check_same_layer(layer0: Any, layer: Any, i: int) -> None:
     """Raises naming the first leaf where `layer` (number `i`) differs from layer 0."""
     where = "`Stacked.from_layers`"
-    pairs = itertools.zip_longest(_paths.leaves(layer0), _paths.leaves(layer))
-    for a, b in pairs:
+    for a, b in itertools.zip_longest(_paths.leaves(layer0), _paths.leaves(layer)):
         if a is None or b is None:
             extra = next(leaf for leaf in (a, b) if leaf is not None)
             raise ValueError(
@@ -429,14 +426,6 @@ def whole_to_device(x: Any) -> Any:
     if eqx.is_array(x) and is_host(x) and not _tiling.slices_by_layer(x.shape):
         return jax.device_put(x, jax.memory.Space.Device)
     return x
-
-
-def to_device(layer_arrays: Any) -> Any:
-    """Moves a layer slice's host-resident arrays to the device, inside the scan."""
-    return jtu.tree_map(
-        lambda x: jax.device_put(x, jax.memory.Space.Device) if is_host(x) else x,
-        layer_arrays,
-    )
 
 
 def keep_carry_sharding(new: Any, old: Any) -> Any:

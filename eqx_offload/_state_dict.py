@@ -26,13 +26,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax.sharding import (
-    AbstractMesh,
-    Mesh,
-    NamedSharding,
-    PartitionSpec,
-    SingleDeviceSharding,
-)
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxtyping import Array, PyTree
 
 from . import _layout, _paths, _tiling
@@ -149,10 +143,7 @@ def state_dict_keys(model: PyTree) -> dict[str, LeafIndex]:
         ```
     """
     entries = _entries(model, "`eqx_offload.state_dict_keys`")
-    return {
-        key: LeafIndex(entry.path, index)
-        for key, entry, index in _per_layer_order(entries)
-    }
+    return {k: LeafIndex(e.path, i) for k, e, i in _per_layer_order(entries)}
 
 
 def state_dict_key(model: PyTree, path: str, index: tuple[int, ...] = ()) -> str:
@@ -206,11 +197,10 @@ def _split_layers(x: Any, depth: int) -> list[Any]:
     """
     whole = is_host(x) and not (depth == 1 and _tiling.slices_by_layer(x.shape))
     y = to_space(x, "device", "") if whole else x
-    out = []
-    for index in _indices(x.shape, depth):
-        piece = y[index]
-        out.append(to_space(piece, "pinned_host", "") if whole else piece)
-    return out
+    return [
+        to_space(y[index], "pinned_host", "") if whole else y[index]
+        for index in _indices(x.shape, depth)
+    ]
 
 
 def state_dict(model: PyTree) -> dict[str, Array]:
@@ -294,8 +284,7 @@ def _join_layers(layout: _Layout, old: Any, pieces: list[Any]) -> Any:
             full = to_space(full, "pinned_host", "") if on_host else full
         else:
             full = old if on_host else to_space(old, "device", "")
-        indices = _indices(layout.shape, layout.depth)
-        for index, piece in zip(indices, pieces):
+        for index, piece in zip(_indices(layout.shape, layout.depth), pieces):
             if piece is None:
                 continue
             if on_host:
@@ -313,8 +302,7 @@ def _piece_sharding(sharding: Any, depth: int, kind: str) -> Any:
     if isinstance(sharding, NamedSharding):
         spec = PartitionSpec(*tuple(sharding.spec)[depth:])
         return NamedSharding(sharding.mesh, spec, memory_kind=kind)
-    device = next(iter(sharding.device_set))
-    return SingleDeviceSharding(device, memory_kind=kind)
+    return SingleDeviceSharding(next(iter(sharding.device_set)), memory_kind=kind)
 
 
 def _target_sharding(x: Any, path: str) -> Any:
@@ -327,7 +315,7 @@ def _target_sharding(x: Any, path: str) -> Any:
     if sharding is None:
         return SingleDeviceSharding(jax.devices()[0], memory_kind="device")
     abstract = getattr(sharding, "mesh", None)  # (of a `NamedSharding`)
-    if not isinstance(abstract, AbstractMesh):
+    if not isinstance(abstract, jax.sharding.AbstractMesh):
         return sharding
     mesh = jax.sharding.get_mesh()
     same = lambda m: (m.axis_names, m.axis_sizes, m.axis_types)  # noqa: E731
@@ -473,7 +461,6 @@ def _load_leaf(x: Any, entry: _paths.Leaf, state_dict: Mapping[str, Any]) -> Any
         pieces = [None if p is None else jax.device_put(p, target) for p in pieces]
     spec = getattr(sharding, "spec", PartitionSpec())
     layout = _Layout(tuple(x.shape), x.dtype, depth, kind, spec)
-    old = x if eqx.is_array(x) else None
     with jax.set_mesh(_join_mesh(sharding)):
-        new = _join_layers(layout, old, pieces)
+        new = _join_layers(layout, x if eqx.is_array(x) else None, pieces)
     return jax.device_put(new, sharding)

@@ -11,17 +11,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
-from . import (
-    _compat,
-    _layout,
-    _microbatch,
-    _mixed_precision,
-    _paths,
-    _pending,
-    _scopes,
-    _update,
-)
+from . import _layout, _microbatch, _mixed_precision, _paths, _pending, _scopes, _update
 from ._checked_loss import checked_loss
+from ._compat import current_trace
 from ._errors import see
 from ._flatten import flatten, Static, unflatten
 from ._memory_kinds import is_arraylike, is_host, is_key, to_space
@@ -170,7 +162,7 @@ def _pending_step(
     step: Any,
     optimizer: optax.GradientTransformation,
     model: PyTree,
-    opt_state: "_update.PendingUpdate",
+    opt_state: _pending.PendingUpdate,
     batch: tuple,
     statics: Statics,
     kinds: tuple[list, list],
@@ -239,9 +231,8 @@ def _applying(
     and the model and state with the update applied; or None where a `Stacked`
     did not apply its update exactly once (the caller applies it before the
     loss instead)."""
-    owed, back = _update.layer_updates(
-        optimizer, opt_state, _update.trainable(model), kinds
-    )
+    params = _update.trainable(model)
+    owed, back = _update.layer_updates(optimizer, opt_state, params, kinds)
     loss = filter_offload(
         checked_loss(step.loss_fn, step.has_aux, "`train_step`"), step.policy
     )
@@ -250,7 +241,7 @@ def _applying(
     def outer(both: tuple[PyTree, dict], *batch: Any) -> Any:
         model, aux = both
         layers = {path: owed[path]._replace(aux=aux[path]) for path in owed}
-        with _pending.owed(layers, _compat.current_trace()) as record:
+        with _pending.owed(layers, current_trace()) as record:
             records.append(record)
             return loss(model, *batch)
 
@@ -264,5 +255,4 @@ def _applying(
         return None
     new_params, inner = back(new_aux)
     model = _update.with_params(model, new_params)
-    opt_state = dataclasses.replace(opt_state, inner=inner, ready=False)
-    return value, grads, model, opt_state
+    return value, grads, model, dataclasses.replace(opt_state, inner=inner, ready=False)

@@ -31,10 +31,9 @@ def _mesh_shardings(dynamic: list) -> tuple:
     Those are the shardings of leaves laid out over several devices (else None). (A
     static argument of the jitted step.)
     """
-    shardings = [getattr(x, "sharding", None) for x in dynamic]
     return tuple(
         s if isinstance(s, NamedSharding) and len(s.device_set) > 1 else None
-        for s in shardings
+        for s in (getattr(x, "sharding", None) for x in dynamic)
     )
 
 
@@ -184,11 +183,10 @@ class TrainStep(eqx.Module):
             if jax.default_backend() != "tpu" or _diagnose.out_of_memory(e):
                 raise
             mesh = Mesh(np.array(jax.devices()[:1]), ("chip",))
-            what = "`train_step`"
-            raise rejected(self, what, str(e), mesh, model, opt_state) from e
+            raise rejected(self, "`train_step`", str(e), mesh, model, opt_state) from e
         model = unflatten(model_dynamic, statics.model)
         opt_state = unflatten(opt_dynamic, statics.opt_state)
-        if isinstance(opt_state, _update.PendingUpdate):  # (static fields)
+        if isinstance(opt_state, _pending.PendingUpdate):  # (static fields)
             opt_state = _pending.ready_as(opt_state, True)
             held = held_paths(_update.trainable(model), opt_state)
             model = _pending.mark(model, held)
@@ -224,12 +222,9 @@ def flat_arguments(
         _microbatch.check(batch, step.microbatches, step.unsplit, "`train_step`")
     opt_dynamic, opt_static = flatten(opt_state)
     batch_dynamic, batch_static = flatten(batch)
+    opt_shardings = _mesh_shardings(opt_dynamic)
     statics = Statics(
-        model_static,
-        opt_static,
-        batch_static,
-        model_shardings,
-        _mesh_shardings(opt_dynamic),
+        model_static, opt_static, batch_static, model_shardings, opt_shardings
     )
     return (model_dynamic, opt_dynamic, batch_dynamic), statics
 
@@ -260,10 +255,8 @@ def rejected(
     way out.
     """
     leaves = _update.streamed_leaves(step.optimizer, model, opt_state)
-    policy = step.policy
-    return DoesNotCompile(
-        _diagnose.explain(what, message, leaves, mesh, policy.params, policy.opt_state)
-    )
+    kinds = step.policy.params, step.policy.opt_state
+    return DoesNotCompile(_diagnose.explain(what, message, leaves, mesh, *kinds))
 
 
 def train_step(

@@ -74,15 +74,12 @@ def _configure_all(
         return x
 
     def prepare(argument: Argument) -> Any:
-        flat, treedef = jtu.tree_flatten_with_path(argument.value, is_leaf=_is_stacked)
-        out = []
-        for keys, x in flat:
+        def leaf(keys: Any, x: Any) -> Any:
             if isinstance(x, Stacked):
-                x = stacked(x, _paths.join("", keys), argument)
-            elif eqx.is_array(x):
-                x = array(x, _paths.join("", keys), argument)
-            out.append(x)
-        return jtu.tree_unflatten(treedef, out)
+                return stacked(x, _paths.join("", keys), argument)
+            return array(x, _paths.join("", keys), argument) if eqx.is_array(x) else x
+
+        return jtu.tree_map_with_path(leaf, argument.value, is_leaf=_is_stacked)
 
     # Validated in flattening order.
     done = {a.key: prepare(a) for a in arguments(args, kwargs)}
@@ -243,9 +240,7 @@ class Offloaded(eqx.Module):
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         # A decorated method: bound to its instance, as `eqx.filter_jit` binds.
-        if instance is None:
-            return self
-        return jtu.Partial(self, instance)
+        return self if instance is None else jtu.Partial(self, instance)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.policy.loss_axes == "auto" and _layout.explicit_axes():
@@ -264,10 +259,8 @@ class Offloaded(eqx.Module):
         _warn_layer_lists(args, kwargs, tables)
         args, kwargs = _configure_all(args, kwargs, self.policy, tables)
         host_stacked = bool(tables) or any(
-            leaf.stacked is not None
-            and eqx.is_array(leaf.value)
-            and is_host(leaf.value)
-            for leaf in _paths.leaves((args, kwargs))
+            x.stacked is not None and eqx.is_array(x.value) and is_host(x.value)
+            for x in _paths.leaves((args, kwargs))
         )
         with _checkpoint_name_log.collecting() as log:
             if host_stacked:
@@ -289,8 +282,7 @@ class Offloaded(eqx.Module):
             except _checkpoint_name_log.UnusedName:
                 # Scans served from an inner `jax.jit`'s cache were not traced now,
                 # so they recorded nothing; the jaxpr has them all.
-                names = _names(self.fun, args, kwargs)
-                _checkpoint_name_log.check(self.policy, names)
+                _checkpoint_name_log.check(self.policy, _names(self.fun, args, kwargs))
         return out
 
 
@@ -300,8 +292,7 @@ def _offered(wrapper: Offloaded, args: tuple, kwargs: dict) -> tuple[str, ...]:
     They are traced (never run) under a policy that saves every name. Empty if that
     trace fails (e.g. there is no `Stacked`).
     """
-    everything = replace(wrapper.policy, save=("**",), offload=())
-    probe = Offloaded(wrapper.fun, everything)
+    probe = Offloaded(wrapper.fun, replace(wrapper.policy, save=("**",), offload=()))
     try:
         # `run`, not the probe itself: its own error must not ask for a hint.
         names = _names(lambda *a, **k: probe.run(a, k), args, kwargs)

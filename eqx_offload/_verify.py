@@ -17,19 +17,13 @@ from jaxtyping import PyTree
 from . import _compat, _cutting, _layout, _mesh, _microbatch, _mixed_precision
 from ._errors import see
 from ._memory_kinds import kind_of
+from ._pending import check_ready
 from ._placement import place_batch
 from ._policy import Policy, replace
 from ._traced_step import value_and_grad
 from ._train_step import TrainStep
 from ._transform import call_on_auto_axes
-from ._update import (
-    apply_pending,
-    check_ready,
-    is_trainable,
-    own_state,
-    stepping,
-    trainable,
-)
+from ._update import apply_pending, is_trainable, own_state, stepping, trainable
 from ._verify_compare import array_leaves, check_kinds, compare, update_pairs
 from ._verify_report import raise_if_failed, VerifyReport
 
@@ -248,8 +242,7 @@ def _run_step(
     `apply_pending` applies the second's.
     """
     # Under `update_timing="now"` (the whole update's), its own optimizer state.
-    pending = policy.update_timing != "now"
-    own = (lambda x: x) if pending else own_state
+    own = (lambda x: x) if policy.update_timing != "now" else own_state
     run = dataclasses.replace(step, policy=policy, metrics=False)
     new_model = _cutting.copy_into(cut.model, model)
     new_state = _cutting.copy_into(own(cut.opt_state), own(opt_state))
@@ -257,19 +250,13 @@ def _run_step(
     for _ in range(1 if step.policy.update_timing == "now" else 2):
         new_model, new_state, value, _ = run(new_model, new_state, *cut.batch)
         values.append(value)
-    if pending:
-        new_model, new_state = apply_pending(
-            new_model, new_state, step.optimizer, policy
-        )
+    # (With nothing pending, `apply_pending` gives back what it is given.)
+    new_model, new_state = apply_pending(new_model, new_state, step.optimizer, policy)
     return new_model, own_state(new_state), values
 
 
 def _step_checks(
-    step: TrainStep,
-    cut: _Slice,
-    model: PyTree,
-    opt_state: PyTree,
-    ref_loss: Any,
+    step: TrainStep, cut: _Slice, model: PyTree, opt_state: PyTree, ref_loss: Any
 ) -> tuple[list, list | None]:
     """The step itself, on a slice whose gradients are right.
 
@@ -419,18 +406,16 @@ def verify(
     if policy.compute_dtype is not None:
         _mixed_precision.check_keep_dtype(params, policy, "`verify`")
         dtypes = tuple(_mixed_precision.compute_dtypes(params, policy))
-        arrays = [leaf.path for leaf in array_leaves(params)]
-        by_leaf = dict(zip(arrays, dtypes, strict=True))
+        by_leaf = dict(zip([x.path for x in array_leaves(params)], dtypes, strict=True))
     arguments = (model, opt_state, batch)
     cut = _cut(step, arguments, layers, examples)
     ref_loss, losses, gradients = _gradient_pairs(step, dtypes, cut, arguments)
-    computed = policy.compute_dtype
-    loss_check = compare(losses, rtol, atol, computed)
+    loss_check = compare(losses, rtol, atol, policy.compute_dtype)
     gradient_check = compare(gradients, rtol, atol, by_leaf)
     update = None
     if loss_check.passed and gradient_check.passed:
         more, pairs = _step_checks(step, cut, model, opt_state, ref_loss)
-        loss_check = compare(losses + more, rtol, atol, computed)
+        loss_check = compare(losses + more, rtol, atol, policy.compute_dtype)
         update = None if pairs is None else compare(pairs, rtol, atol)
 
     report = VerifyReport(

@@ -71,8 +71,8 @@ def compare(
     it is that dtype's. `computed` is one dtype for every leaf, or a dict of them by
     leaf.
     """
-    worst: Difference | None = None
-    for leaf, ours, ref, scale_of, slack in pairs:
+
+    def one(leaf: str, ours: Any, ref: Any, scale_of: Any, slack: float) -> Difference:
         dtype = computed.get(leaf) if isinstance(computed, dict) else computed
         r, a = tolerance(ref.dtype, rtol, atol, dtype)
         ours, ref = as_float(ours), as_float(ref)
@@ -83,11 +83,9 @@ def compare(
         gap = np.where(np.isnan(gap), np.inf, gap)
         difference = float(np.max(gap, initial=0.0))
         scale = float(np.nanmax(np.abs(as_float(scale_of)), initial=0.0))
-        found = Difference(leaf, difference, scale, a + r * scale + slack)
-        if worst is None or ratio(found) > ratio(worst):
-            worst = found
-    assert worst is not None
-    return worst
+        return Difference(leaf, difference, scale, a + r * scale + slack)
+
+    return max((one(*pair) for pair in pairs), key=ratio)  # (the first of the worst)
 
 
 def ratio(d: Difference) -> float:
@@ -108,12 +106,8 @@ def update_pairs(old: PyTree, streamed: tuple, whole: tuple) -> list:
     """
     (streamed_model, streamed_state), (whole_model, whole_state) = streamed, whole
     pairs = []
-    for s, w, o in zip(
-        array_leaves(streamed_model),
-        array_leaves(whole_model),
-        array_leaves(old),
-        strict=True,
-    ):
+    trees = (streamed_model, whole_model, old)
+    for s, w, o in zip(*map(array_leaves, trees), strict=True):
         if is_trainable(o.value):
             # Relative to the change, which is what the update computes, give or
             # take one rounding of the new parameter (a change below it rounds

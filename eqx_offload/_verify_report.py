@@ -133,13 +133,9 @@ class VerifyReport:
             difference, tolerance = f"{check.difference:.3g}", f"{check.tolerance:.3g}"
             rows.append((name, check.leaf, difference, tolerance, verdict))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        where = _slice_text(self)
-        lines = [
-            f"eqx_offload.verify: {where}",
-            *(
-                "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4]
-                for row in rows
-            ),
+        lines = [f"eqx_offload.verify: {_slice_text(self)}"] + [
+            "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4]
+            for row in rows
         ]
         return "\n".join(line.rstrip() for line in lines)
 

@@ -69,8 +69,7 @@ def rows_per_block(table: Any, tokens: int) -> int:
     """
     vocab, dim = table.shape
     limit = min(BLOCK_BYTES, LOGIT_BYTES * dim * table.dtype.itemsize // (4 * tokens))
-    blocks = _tiling.row_blocks(table.shape, table.dtype, max(limit, 1))
-    return vocab // blocks
+    return vocab // _tiling.row_blocks(table.shape, table.dtype, max(limit, 1))
 
 
 def read(table: Any, index: Any, rows: int) -> Any:

@@ -15,28 +15,27 @@ device at a time.
 from ._apply_pending import apply_pending as apply_pending
 from ._deferred import (
     apply_waiting as apply_waiting,
-    check_ready as check_ready,
     hold_update as hold_update,
     layer_updates as layer_updates,
     own_state as own_state,
-    PendingUpdate as PendingUpdate,
-    structure as structure,
+)
+from ._dispatch import (
+    is_trainable as is_trainable,
+    param_kinds as param_kinds,
+    trainable as trainable,
+    update as update,
+    UpdateArgs as UpdateArgs,
+    with_params as with_params,
 )
 from ._host import NotOnHost as NotOnHost
 from ._optim import (
     as_transformation as as_transformation,
     check_step as check_step,
     init_opt_state as init_opt_state,
-    is_trainable as is_trainable,
-    param_kinds as param_kinds,
     place_opt_state as place_opt_state,
     place_state as place_state,
     stepping as stepping,
     streamed_leaves as streamed_leaves,
-    trainable as trainable,
-    update as update,
-    UpdateArgs as UpdateArgs,
-    with_params as with_params,
 )
 from ._optimizer_update import optimizer_update as optimizer_update
 from ._state_tree import check_matches as check_matches, state_leaves as state_leaves

@@ -8,7 +8,7 @@ from jaxtyping import PyTree
 from .. import _pending
 from .._errors import see
 from .._policy import check_policy, Policy
-from . import _deferred, _optim
+from . import _deferred, _dispatch, _optim
 
 
 def apply_pending(
@@ -49,7 +49,7 @@ def apply_pending(
     """
     optimizer = _optim.as_transformation(optimizer, "`apply_pending(optimizer=...)`")
     check_policy(policy, "`apply_pending(policy=...)`")
-    pending = isinstance(opt_state, _deferred.PendingUpdate)
+    pending = isinstance(opt_state, _pending.PendingUpdate)
     if pending == (policy.update_timing == "now"):  # (a state of another policy)
         mismatch = (
             "holds a pending update, but `policy` has `update_timing='now'`. Pass "
@@ -68,7 +68,7 @@ def apply_pending(
 @eqx.filter_jit(donate="all")
 def _apply(
     model: PyTree,
-    opt_state: _deferred.PendingUpdate,
+    opt_state: _pending.PendingUpdate,
     optimizer: optax.GradientTransformation,
     policy: Policy,
 ) -> tuple[PyTree, PyTree]:
@@ -76,7 +76,7 @@ def _apply(
     inner, (model_kinds, opt_kinds) = _optim.check_step(
         optimizer, opt_state, model, policy, "`apply_pending`"
     )
-    params = _optim.trainable(model)
-    kinds = _optim.param_kinds(params, model_kinds), [k for _, k in opt_kinds]
+    params = _dispatch.trainable(model)
+    kinds = _dispatch.param_kinds(params, model_kinds), [k for _, k in opt_kinds]
     new, opt_state = _deferred.apply_waiting(inner, opt_state, params, kinds)
-    return _optim.with_params(model, new), _optim.to_kinds(opt_state, opt_kinds)
+    return _dispatch.with_params(model, new), _dispatch.to_kinds(opt_state, opt_kinds)

@@ -24,11 +24,7 @@ from jaxtyping import PyTree
 
 from .. import _jaxpr_dataflow as _dataflow, _paths, _pending, _tiling
 from .._memory_kinds import is_arraylike, is_masked, to_space
-from .._pending import (
-    check_ready as check_ready,
-    PendingUpdate as PendingUpdate,
-    structure as structure,
-)
+from .._pending import PendingUpdate
 from . import _streaming
 
 
@@ -56,9 +52,8 @@ def _prepare(
     inner: PyTree,
     params: PyTree,
 ) -> _streaming.Prepared:
-    layout = _streaming.layout(params)
     return _streaming.prepare(
-        optimizer, grads, inner, params, *layout, waits=waits(params)
+        optimizer, grads, inner, params, *_streaming.layout(params), waits=waits(params)
     )
 
 
@@ -141,9 +136,7 @@ def _cast(g: Any, dtype: Any) -> Any:
     """`g` in `dtype`, cast on the device (a cast of a host-resident array would be
     computed on the host's CPU): a gradient sent in the compute dtype, kept in its
     parameter's."""
-    if g.dtype == dtype:
-        return g
-    return to_space(g, "device", "").astype(dtype)
+    return g if g.dtype == dtype else to_space(g, "device", "").astype(dtype)
 
 
 def _waiting(
@@ -170,9 +163,7 @@ def apply_waiting(
     if not state.ready:
         return params, state
     prepared = _waiting(optimizer, state, params)
-    held = dict(
-        zip(_waiting_keys(prepared), [list(h) for h in state.held], strict=True)
-    )
+    held = dict(zip(_waiting_keys(prepared), map(list, state.held), strict=True))
     out_kinds = _split_kinds(state, kinds)[0]
     new_params, inner = _streaming.apply_held(prepared, out_kinds, held)
     return new_params, dataclasses.replace(state, inner=inner, ready=False)
@@ -219,9 +210,7 @@ def layer_updates(
 
 
 def _stack_update(
-    prepared: _streaming.Prepared,
-    outputs: list[_streaming.Output],
-    key: Any,
+    prepared: _streaming.Prepared, outputs: list[_streaming.Output], key: Any
 ) -> tuple[list[int], list[int], list[list[_streaming.Input]], Any]:
     """For the waiting group `key` (one `Stacked`'s layers): the trainable leaves
     and the state leaves its update reads and writes (their indices, and their
@@ -236,21 +225,14 @@ def _stack_update(
     positions = _streaming.waiting_outputs(outputs, key)
     leaves = [k for k in positions if k < n_p]  # new parameters, then new state
     written = {k - n_p for k in positions[len(leaves) :]}
-    states = sorted(
-        written | {j for j, x in enumerate(prepared.state) if x.group == key}
-    )
+    in_group = {j for j, x in enumerate(prepared.state) if x.group == key}
+    states = sorted(written | in_group)
     dataflow, piece = prepared.dataflow, prepared.dataflow.piece
     wholes = [outputs[k].whole for k in positions]
     held_refs = [ref for _, ref in dataflow.shared_inputs(wholes)]
     wanted = dataflow.piece_eqns(wholes)
-    parts = [
-        [inputs[i] for i in which]
-        for inputs, which in (
-            (prepared.params, leaves),
-            (prepared.grads, leaves),
-            (prepared.state, states),
-        )
-    ]
+    read = (prepared.params, leaves), (prepared.grads, leaves), (prepared.state, states)
+    parts = [[inputs[i] for i in which] for inputs, which in read]
     ins = [[piece.ins[x.position] for x in part] for part in parts]
     # The new parameters' and state's outputs (variables or `Literal`s); None for
     # a state leaf the update does not write.

@@ -14,7 +14,7 @@ from jaxtyping import PyTree
 
 from .. import _paths, _pending, _scopes, _tiling
 from .._errors import see
-from .._memory_kinds import is_arraylike, is_host, to_space
+from .._memory_kinds import is_arraylike, is_host, to_device, to_space
 from .._policy import Policy
 from . import _host, _metrics, _streaming
 
@@ -45,9 +45,7 @@ def param_kinds(
     model), from the kinds of the model's leaves (`check_step`)."""
     kind_by_path = {leaf.path: kind for leaf, kind in model_kinds}
     return [
-        kind_by_path[leaf.path]
-        for leaf in _paths.leaves(params)
-        if is_arraylike(leaf.value)
+        kind_by_path[x.path] for x in _paths.leaves(params) if is_arraylike(x.value)
     ]
 
 
@@ -134,24 +132,15 @@ def _whole_update(args: UpdateArgs) -> tuple[PyTree, PyTree, dict[str, Any] | No
     """`Policy(update="whole")`: gradients, state and parameters brought to the
     device and updated there all at once."""
 
-    def to_device(tree: PyTree) -> PyTree:
-        return jtu.tree_map(
-            lambda x: to_space(x, "device", "") if eqx.is_array(x) else x, tree
-        )
-
     model = to_device(args.model)
     with jax.named_scope(_scopes.GRAD):  # named for `memory_report`'s traffic
         grads = to_device(args.grads)
     # A gradient sent in the compute dtype (`_microbatch`), cast on the device.
     grads = jtu.tree_map(
-        lambda g, p: g if g is None else _metrics.widened(g, p),
-        grads,
-        trainable(model),
-        is_leaf=lambda x: x is None,
+        _metrics.widened, grads, trainable(model), is_leaf=lambda x: x is None
     )
-    updates, opt_state = args.optimizer.update(
-        grads, to_device(args.opt_state), trainable(model)
-    )
+    state = to_device(args.opt_state)
+    updates, opt_state = args.optimizer.update(grads, state, trainable(model))
     model = eqx.apply_updates(model, updates)
     norms = _metrics.norms(grads, updates, trainable(model)) if args.metrics else None
     return model, opt_state, norms
@@ -178,9 +167,8 @@ def _by_platform(args: UpdateArgs) -> tuple[PyTree, PyTree, dict[str, Any] | Non
     def branch(how: Callable[[UpdateArgs], tuple]) -> Callable[[PyTree], PyTree]:
         def run(arrays: PyTree) -> PyTree:
             grads, opt_state, model = eqx.combine(arrays, static)
-            new_model, new_state, norms = how(
-                args._replace(grads=grads, opt_state=opt_state, model=model)
-            )
+            moved = args._replace(grads=grads, opt_state=opt_state, model=model)
+            new_model, new_state, norms = how(moved)
             with jax.named_scope(_scopes.PARAMS):
                 new_model = to_kinds(new_model, args.model_kinds)
             with jax.named_scope(_scopes.OPT_STATE):

@@ -63,14 +63,12 @@ def update(
 
     `NotOnHost` naming the optax code that cannot run on the host.
     """
-    squares = _metrics.squares if metrics else None
     apply, leaves, (p_def, s_def) = _metrics.flat_update(
-        optimizer, (grads, opt_state, params), squares
+        optimizer, (grads, opt_state, params), _metrics.squares if metrics else None
     )
     inputs = leaves[0] + leaves[1] + leaves[2]
-    closed = jax.make_jaxpr(apply)(
-        *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
-    )
+    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
+    closed = jax.make_jaxpr(apply)(*avals)
     check_runnable(closed)
     jaxpr = _dataflow.flatten(closed)
     kinds = out_kinds[0] + out_kinds[1]

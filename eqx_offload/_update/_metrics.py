@@ -20,8 +20,7 @@ def norms(grads: Any, updates: Any, params: Any) -> dict[str, Any]:
     parameters, over all their array leaves, in float32."""
 
     def norm(tree: Any) -> Any:
-        leaves = [x.astype(jnp.float32) for x in jtu.tree_leaves(tree)]
-        return optax.tree.norm(leaves)
+        return optax.tree.norm([x.astype(jnp.float32) for x in jtu.tree_leaves(tree)])
 
     return dict(zip(METRICS, (norm(grads), norm(updates), norm(params))))
 
@@ -68,8 +67,8 @@ def flat_update(
 
 def widened(g: Any, p: Any) -> Any:
     """A gradient `g` sent in a narrower dtype than its parameter `p` (the compute
-    dtype, `_microbatch`), cast to the parameter's."""
-    return g.astype(p.dtype) if g.dtype.itemsize < p.dtype.itemsize else g
+    dtype, `_microbatch`), cast to the parameter's; no gradient (`None`) stays."""
+    return g if g is None or g.dtype.itemsize >= p.dtype.itemsize else g.astype(p.dtype)
 
 
 def squares(x: Any) -> Any:

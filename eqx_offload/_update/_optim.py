@@ -8,27 +8,14 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxtyping import PyTree
 
-from .. import _diagnose, _mesh, _mixed_precision, _paths, _tiling
+from .. import _mesh, _mixed_precision, _paths, _pending, _tiling
+from .._diagnose import Streamed
 from .._errors import see
-from .._memory_kinds import (
-    backend_kinds,
-    is_arraylike,
-    kind_of,
-    ParamsSpec,
-    to_space,
-)
+from .._memory_kinds import backend_kinds, is_arraylike, kind_of, ParamsSpec, to_space
 from .._placement import move, resolve
 from .._policy import check_policy, Policy
 from . import _deferred, _streaming
-from ._dispatch import (
-    is_trainable as is_trainable,
-    param_kinds as param_kinds,
-    to_kinds as to_kinds,
-    trainable as trainable,
-    update as update,
-    UpdateArgs as UpdateArgs,
-    with_params as with_params,
-)
+from ._dispatch import trainable
 from ._state_kinds import state_leaf_kinds
 from ._state_tree import check_matches, state_leaves, state_owners, StateLeaf
 
@@ -198,7 +185,7 @@ def place_opt_state(
     check_policy(policy, "`place_opt_state(policy=...)`")
     params = trainable(model)
     full = stepping(optimizer, params, policy)
-    check_matches(full, _deferred.structure(opt_state), params, "`place_opt_state`")
+    check_matches(full, _pending.structure(opt_state), params, "`place_opt_state`")
     return place_state(
         optimizer, opt_state, model, policy, "`eqx_offload.place_opt_state`"
     )
@@ -266,7 +253,7 @@ def check_step(
     own = _deferred.own_state(opt_state)
     _mixed_precision.check_state(wrapped is not optimizer, own, where)
     full = stepping(optimizer, params, policy)
-    check_matches(full, _deferred.structure(opt_state), params, where)
+    check_matches(full, _pending.structure(opt_state), params, where)
     found = _kinds(full, opt_state, params, policy.opt_state, where)
     fix = (
         "the policy puts it in {kind!r}. Move a trained state there with "
@@ -300,7 +287,7 @@ def _check_placed(
 
 def streamed_leaves(
     optimizer: optax.GradientTransformation, model: PyTree, opt_state: PyTree
-) -> list[_diagnose.Streamed]:
+) -> list[Streamed]:
     """The host-resident parameters and optimizer state a train step slices: the
     layers of a `Stacked` (in the forward pass and the update), the row blocks of a
     large leaf (in the update)."""
@@ -315,14 +302,10 @@ def streamed_leaves(
         sliced = layers is not None and _tiling.slices_by_layer(x.shape)
         n = 1 if sliced else rows[-1]
         if kind_of(x) == "pinned_host" and n is not None:
-            out.append(
-                _diagnose.Streamed(leaf.path, tuple(x.shape), x.dtype, n, sliced)
-            )
+            out.append(Streamed(leaf.path, tuple(x.shape), x.dtype, n, sliced))
     states = [s for s in jtu.tree_leaves(opt_state) if is_arraylike(s)]
-    owners = state_owners(optimizer, opt_state, params)
-    for s, owner in zip(states, owners):
+    for s, owner in zip(states, state_owners(optimizer, opt_state, params)):
         n = None if owner is None else rows[owner]
         if owner is not None and n is not None and kind_of(s) == "pinned_host":
-            path = leaves[owner].path
-            out.append(_diagnose.Streamed(path, tuple(s.shape), s.dtype, n, False))
+            out.append(Streamed(leaves[owner].path, tuple(s.shape), s.dtype, n, False))
     return list(dict.fromkeys(out))

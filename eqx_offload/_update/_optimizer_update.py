@@ -10,7 +10,7 @@ from .. import _scopes
 from .._errors import see
 from .._memory_kinds import is_arraylike
 from .._policy import check_policy, Policy
-from . import _optim
+from . import _dispatch, _optim
 
 
 def optimizer_update(
@@ -87,9 +87,9 @@ def optimizer_update(
     wrapped, kinds = _optim.check_step(optimizer, opt_state, model, policy, where)
     args = (wrapped, grads, opt_state, model, policy, *kinds, metrics)
     with jax.named_scope(_scopes.UPDATE):
-        model, opt_state, norms = _optim.update(_optim.UpdateArgs(*args))
+        model, opt_state, norms = _dispatch.update(_dispatch.UpdateArgs(*args))
         with jax.named_scope(_scopes.PARAMS):
-            model = _optim.to_kinds(model, kinds[0])
+            model = _dispatch.to_kinds(model, kinds[0])
         with jax.named_scope(_scopes.OPT_STATE):
-            opt_state = _optim.to_kinds(opt_state, kinds[1])
+            opt_state = _dispatch.to_kinds(opt_state, kinds[1])
     return model, opt_state, norms

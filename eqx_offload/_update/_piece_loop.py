@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _jaxpr_dataflow as _dataflow, _tiling
-from .._memory_kinds import is_host, to_space
+from .._memory_kinds import to_space
 
 
 class Input(NamedTuple):
@@ -155,8 +155,7 @@ class _Loop:
         """Piece `index` of `full` (input `x`'s leaf), on the device."""
         rows = self.group.rows
         with jax.named_scope(x.label):
-            value = _tiling.read(full, index, rows)
-            value = to_space(value, "device", "") if is_host(value) else value
+            value = to_space(_tiling.read(full, index, rows), "device", "")
             return _tiling.lift(value, rows)
 
     def current(self, fulls: list, index: Any) -> list:
@@ -272,9 +271,8 @@ class _Loop:
         # The last piece after the loop: it has no next piece to read.
         first = (start, self.current(fulls, 0), fulls)
         (_, now, fulls), ys = jax.lax.scan(ahead_body, first, length=pieces - 1)
-        fulls, last = self.store(
-            pieces - 1, self.compute(pieces - 1, others, now), fulls
-        )
+        values = self.compute(pieces - 1, others, now)
+        fulls, last = self.store(pieces - 1, values, fulls)
         return fulls, [jnp.concatenate([y, z[None]]) for y, z in zip(ys, last)]
 
     def collect(self, fulls: list, ys: Iterator) -> list:

@@ -27,10 +27,8 @@ def _owners(
     that computes on the parameters) fails on the placeholder; the parts are then
     the subtrees of the state with the parameters' structure, as they are without
     an `optimizer`."""
-    n = len(jtu.tree_leaves(params))
-    indices = jtu.tree_unflatten(
-        jtu.tree_structure(params), [_Index(i) for i in range(n)]
-    )
+    leaves, treedef = jtu.tree_flatten(params)
+    indices = jtu.tree_unflatten(treedef, [_Index(i) for i in range(len(leaves))])
 
     def params_leaf(s: Any, i: _Index) -> Any:
         return i if is_arraylike(s) and not is_masked(s) else s
@@ -53,13 +51,12 @@ def _owners(
             # anything; the fallback below is the documented answer, not a guess.
             except Exception:
                 pass
-        structure = jtu.tree_structure(indices)
-        single = jtu.treedef_is_leaf(structure) and structure.num_leaves == 1
+        single = jtu.treedef_is_leaf(treedef) and treedef.num_leaves == 1
 
         def like_params(x: Any) -> bool:
             if single:  # a lone array: only a state leaf of its shape mirrors it
                 return is_arraylike(x) and x.shape == params.shape
-            return jtu.tree_structure(x, is_leaf=is_masked) == structure
+            return jtu.tree_structure(x, is_leaf=is_masked) == treedef
 
         def visit(x: Any) -> Any:
             if like_params(x):
@@ -86,8 +83,7 @@ def check_matches(
         "Build the state for this model with `eqx_offload.init_opt_state(optimizer, "
         "model, policy)`, or restore it from a checkpoint of this model."
     )
-    got_leaves = _paths.leaves(opt_state)
-    want_leaves = _paths.leaves(expected)
+    got_leaves, want_leaves = _paths.leaves(opt_state), _paths.leaves(expected)
     if jtu.tree_structure(opt_state) != jtu.tree_structure(expected):
         got = {leaf.path for leaf in got_leaves}
         want = {leaf.path for leaf in want_leaves}

@@ -23,7 +23,6 @@ import dataclasses
 import math
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -31,7 +30,7 @@ import optax
 
 from .. import _jaxpr_dataflow as _dataflow, _paths, _scopes, _tiling
 from .._jaxpr_dataflow import Flow, NotStreamable, ValueFlow
-from .._memory_kinds import is_host, to_space
+from .._memory_kinds import is_host, to_device, to_space
 from . import _metrics
 from ._piece_loop import Group, Input, Output, scan_pieces
 from ._state_tree import state_owners
@@ -104,8 +103,7 @@ class Prepared:
     def scan(self, key: Any, env: dict, outputs: list[Output]) -> list:
         """The value of each of `outputs`, computed piece by piece over the group
         `key` (`_piece_loop.scan_pieces`)."""
-        group = self.groups[key]
-        return scan_pieces(self.dataflow, group, env, outputs, READ_IN_STEP)
+        return scan_pieces(self.dataflow, self.groups[key], env, outputs, READ_IN_STEP)
 
 
 def prepare(
@@ -123,11 +121,9 @@ def prepare(
     the next step (`_deferred.py`): its pieces form a group of their own."""
     # The update's dataflow: traced on whole leaves and on one piece of each. Each
     # leaf's squares per row are piecewise, computed in the update's loops.
-    squares = _metrics.row_squares if metrics else None
-    apply, leaves, (p_def, s_def) = _metrics.flat_update(
-        optimizer, (grads, opt_state, params), squares
+    apply, (g_leaves, s_leaves, p_leaves), (p_def, s_def) = _metrics.flat_update(
+        optimizer, (grads, opt_state, params), _metrics.row_squares if metrics else None
     )
-    g_leaves, s_leaves, p_leaves = leaves
     owner = state_owners(optimizer, opt_state, params)
     waiting = [None] * len(p_leaves) if waits is None else waits
     groups: dict[Any, Group] = {}
@@ -228,9 +224,7 @@ def execute(
     for x in prepared.grads + prepared.state + prepared.params:
         if x.group is None:
             with jax.named_scope(x.label):
-                value = x.value
-                value = to_space(value, "device", "") if eqx.is_array(value) else value
-                env[dataflow.whole.ins[x.position]] = value
+                env[dataflow.whole.ins[x.position]] = to_device(x.value)
     _run_globals(prepared, env)
     dataflow.run_shared(env, None)
 
@@ -339,9 +333,7 @@ def waiting_outputs(outputs: list[Output], key: Any) -> list[int]:
 
 
 def apply_held(
-    prepared: Prepared,
-    out_kinds: tuple[list[str], list[str]],
-    held: dict[Any, list],
+    prepared: Prepared, out_kinds: tuple[list[str], list[str]], held: dict[Any, list]
 ) -> tuple[Any, Any]:
     """The update of the groups in `held` (by key, the values `execute` held for
     them), every other leaf as it is in `prepared`'s inputs."""
