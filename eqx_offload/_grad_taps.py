@@ -170,3 +170,33 @@ def _add_by_blocks(g: Any, acc: Any, flag: Any, blocks: int) -> Any:
 
 _tap = jax.custom_vjp(_forward, nondiff_argnums=(0,))
 _tap.defvjp(_forward_rule, _backward_rule)
+
+
+def seed(value: Any, sums: list, reads: list) -> Any:
+    """`value`, unchanged. In the backward pass, each of `sums` gets its own value
+    as its cotangent where its `read` is true (zeros where it is `False`).
+
+    `sums` are accumulators a scan carries, read one layer at a time through taps
+    with `read=False` (`_scan_body._plain_scan`): their gradients then add into
+    the value seeded here, in place, one layer's slice at a time."""
+    flags = [jnp.asarray(r) for r in reads]
+    return _seed(value, sums, flags)
+
+
+@jax.custom_vjp
+def _seed(value: Any, sums: list, flags: list) -> Any:
+    del sums, flags
+    return value
+
+
+def _seed_forward(value: Any, sums: list, flags: list) -> tuple[Any, Any]:
+    return value, (sums, flags)
+
+
+def _seed_backward(residual: Any, g: Any) -> tuple[Any, list, list]:
+    sums, flags = residual
+    cts = [jnp.where(f, s, jnp.zeros_like(s)) for s, f in zip(sums, flags)]
+    return g, cts, [None] * len(flags)
+
+
+_seed.defvjp(_seed_forward, _seed_backward)

@@ -1,6 +1,8 @@
 """The scan body of a `Stacked` configured by `filter_offload`.
 
 - Host slices move to the device one layer at a time, through their gradient taps.
+  A tap's accumulator on the device rides in the scan's carry, so each layer's
+  gradient is added into it in place (`_carrying_sums`).
 - The carry and named submodules' outputs are named.
 - `jax.checkpoint` applies with the policy's names, at one site.
 - The layers run in a plain `jax.lax.scan` or in the prefetching scan
@@ -16,6 +18,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name
 
@@ -32,6 +35,7 @@ from . import (
     _scopes,
 )
 from ._errors import see
+from ._memory_kinds import is_host
 from ._policy import checkpoint_patterns, Policy, split_names
 from ._stacked import (
     AbstractScan,
@@ -86,6 +90,9 @@ class ScanConfig(AbstractScan):
                     remat(layer_fn), read, length, taps is None, pending
                 )
                 out = _prefetch.scan(how, carry, layers, xs, arrays)
+            carrying = _carrying_sums(self, f, static, taps, remat)
+            if out is None and carrying is not None:
+                out = carrying(carry, layers, xs, length)
             if out is None:  # (forward mode: `_prefetch.scan` cannot)
                 out = jax.lax.scan(remat(body), carry, (layers, xs), length=length)
             return out
@@ -197,6 +204,44 @@ def configure(stacked: Stacked, path: str, policy: Policy) -> Stacked:
     """The configured view of `stacked` (still a `Stacked`): the same layers, with the
     static configuration that makes `scan` name, checkpoint and offload."""
     return dataclasses.replace(stacked, _scan=ScanConfig(path, policy))
+
+
+def _carrying_sums(
+    config: ScanConfig, f: Callable, static: Any, taps: list | None, remat: Callable
+) -> Callable | None:
+    """The scan of the layers where a tap's accumulator is on the device, else None.
+
+    Such an accumulator rides in the carry: each layer reads its slice, and its
+    gradient is added into it in place (`_grad_taps.seed`). Scanned over instead,
+    it would be read while a second buffer of its size took the sums."""
+    if not any(t is not None and not is_host(t.acc) for t in taps or ()):
+        return None
+    assert taps is not None
+    carried = [t is not None and not is_host(t.acc) for t in taps]
+    inner = [t._replace(read=False) if c else t for t, c in zip(taps, carried)]
+    read, layer_fn = _body_parts(config, f, static, inner)
+
+    def body(state: Any, inputs: Any) -> Any:
+        (c, sums), ((arrays, slices), i, x) = state, inputs
+        slices = [
+            jax.lax.dynamic_index_in_dim(h, i, keepdims=False) if h is not None else a
+            for a, h in zip(slices, sums, strict=True)
+        ]
+        c, y = layer_fn(c, read((arrays, slices)), x)
+        return (c, sums), y
+
+    def scan(carry: Any, layers: tuple, xs: Any, length: int) -> tuple[Any, Any]:
+        dynamic, accs = layers
+        sums = [a if c else None for a, c in zip(accs, carried, strict=True)]
+        scanned = [None if c else a for a, c in zip(accs, carried, strict=True)]
+        per_layer = ((dynamic, scanned), jnp.arange(length), xs)
+        (c, sums), ys = jax.lax.scan(
+            remat(body), (carry, sums), per_layer, length=length
+        )
+        reads = [t.read for t, c in zip(taps, carried) if c]
+        return _grad_taps.seed(c, [x for x in sums if x is not None], reads), ys
+
+    return scan
 
 
 def _layer_taps(path: str, layers: Any) -> list[_grad_taps.Tap | None] | None:

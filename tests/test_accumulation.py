@@ -28,12 +28,15 @@ COPIES_ON_DEVICE = eo.Policy.remat(
 HOST = eo.Policy(params="pinned_host")
 NO_HOST_COMPUTE = {"xla_disable_automatic_host_compute_offload": True}
 SEQ, PER_MICRO_BATCH = 16, 2
+VOCAB, DIM, DEPTH = 64, 256, 4
+STACKED = DEPTH * DIM * DIM  # the layers' parameters
+PARAMS = 2 * VOCAB * DIM + STACKED  # and the tables
 
 
 @functools.cache
 def _report(target: str, k: int) -> eo.MemoryReport:
     optimizer = optax.adamw(1e-3)
-    abstract = eqx.filter_eval_shape(table_lm, jax.random.key(0), 64, 128, 2)
+    abstract = eqx.filter_eval_shape(table_lm, jax.random.key(0), VOCAB, DIM, DEPTH)
     model = eo.place(abstract, COPIES_ON_DEVICE)
     opt_state = eo.init_opt_state(optimizer, model, COPIES_ON_DEVICE)
     tokens = jax.ShapeDtypeStruct((PER_MICRO_BATCH * k, SEQ), jnp.int32)
@@ -54,11 +57,10 @@ def test_host_traffic_does_not_grow_with_the_micro_batches(target, no_host_compu
     """k = 1, 4, 16: the bytes each way are the update's (fp32 masters and two
     moments, read and written once), within 1%."""
     reports = [_report(target, k) for k in (1, 4, 16)]
-    params = 64 * 128 * 2 + 2 * 128 * 128  # the tables and two layers
     for report in reports:
         for direction in ("host_to_device", "device_to_host"):
             moved = report.transfer_bytes(direction, compiled=True)
-            assert moved == pytest.approx(3 * 4 * params, rel=0.01), direction
+            assert moved == pytest.approx(3 * 4 * PARAMS, rel=0.01), direction
         assert report.time is not None and report.time.host_compute_seconds == 0
         assert report.time.compile_options == NO_HOST_COMPUTE
 
@@ -69,3 +71,13 @@ def test_host_compute_fails_the_compile_here(no_host_compute):
     x = eo.place(jax.ShapeDtypeStruct((128, 128), jnp.float32), HOST)
     with pytest.raises(eo.DoesNotCompile, match="host compute offloading is disabled"):
         eo.memory_report(lambda x: x * 2, x, target="gpu-h100")
+
+
+def test_the_layers_gradients_add_up_in_one_buffer():
+    """On a GPU, k = 4 micro-batches of the same size as k = 1 hold one fp32
+    accumulator of the layers (4 bytes a parameter) where k = 1 holds their bf16
+    gradient (2): about 2 bytes a parameter more, not the 6 of an accumulator read
+    while a second one takes the sums (as a scanned input, before it rode in the
+    scan's carry)."""
+    one, four = _report("gpu-h100", 1), _report("gpu-h100", 4)
+    assert 0 < four.device_bytes - one.device_bytes < 3 * STACKED
