@@ -98,8 +98,7 @@ def retype_in_host_memory(x: jax.Array) -> jax.Array:
 
         host = jax.memory.Space.Host
         aval = core.ShapedArray(x.shape, x.dtype, memory_space=host)
-        buffers = getattr(x, "_arrays")
-        out = array.ArrayImpl(aval, x.sharding, buffers, committed=True)
+        out = array.ArrayImpl(aval, x.sharding, getattr(x, "_arrays"), committed=True)
     except (ImportError, AttributeError, TypeError) as e:
         raise NotImplementedError(f"{type(e).__name__}: {e}") from e
     if jax.typeof(out).memory_space != host:

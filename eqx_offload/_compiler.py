@@ -91,8 +91,7 @@ def crash_line(stderr: str) -> str:
     """What a compiler that ended its process said last: its failed check (libtpu's
     "Check failed: ..." line), else the last line written to stderr."""
     lines = [line for line in stderr.splitlines() if line.strip()]
-    failed = [line for line in lines if "Check failed" in line]
-    return (failed or lines or [""])[-1]
+    return ([line for line in lines if "Check failed" in line] or lines or [""])[-1]
 
 
 # HLO's element types, as `jnp.dtype` names.

@@ -266,8 +266,7 @@ class Dataflow:
         if _check(e, p, name, bool(pieces)):  # a reduction over the pieces
             if group is None or any(reshaped):
                 raise NotStreamable(f"`{name}` reduces a constant over the pieces")
-            combine = _REDUCTIONS[e.primitive]
-            self.roots[n] = Root(group, combine, e.outs[0], p.outs[0])
+            self.roots[n] = Root(group, _REDUCTIONS[e.primitive], e.outs[0], p.outs[0])
             self.flows[e.outs[0]] = ValueFlow(Flow.GLOBAL, None, level + 1)
             return
         if not all(reshaped):

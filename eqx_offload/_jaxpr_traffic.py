@@ -157,8 +157,7 @@ def _other(origins: dict, eqn: Any, ins: list, walk: _Counting) -> None:
         _walk(sub.jaxpr, inner, walk)
         _pass_out(sub.jaxpr, inner, eqn, origins)
     elif _jaxpr.keeps_first_operand(eqn) and ins and ins[0] != _UNKNOWN:
-        for out in eqn.outvars:
-            origins[out] = ins[0]
+        origins.update(dict.fromkeys(eqn.outvars, ins[0]))
 
 
 # Each equation goes to the first handler whose test it passes, else to `_other`.

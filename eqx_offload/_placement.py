@@ -172,8 +172,7 @@ def _lay_out(tree: Any, kinds: list, policy: Policy, mesh: Any) -> tuple[Any, An
     leaves = [leaf for leaf, _ in kinds if not is_key(leaf.value)]
     found = _layout.specs(leaves, policy.shard, mesh, host_tables=policy.host_tables)
     by_leaf = iter(found)
-    specs = [None if is_key(leaf.value) else next(by_leaf) for leaf, _ in kinds]
-    return specs, mesh
+    return [None if is_key(leaf.value) else next(by_leaf) for leaf, _ in kinds], mesh
 
 
 def place_batch(

@@ -197,8 +197,7 @@ def call_on_auto_axes(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     out_static = []
 
     def inner(*flat: Any) -> list:
-        dynamic = jtu.tree_unflatten(treedef, flat)
-        fn, args, kwargs, taps = eqx.combine(dynamic, static)
+        fn, args, kwargs, taps = eqx.combine(jtu.tree_unflatten(treedef, flat), static)
         with _grad_taps.taps(taps):
             out = fn(*args, **kwargs)
         out_dynamic, rest = eqx.partition(out, eqx.is_array)

@@ -14,14 +14,14 @@ from jaxtyping import DTypeLike, PyTree
 from .._errors import see
 from .._memory_kinds import is_arraylike
 from .._policy import Policy
-from .._report import (
+from .._report import Hardware
+from .._report._targets import (
     abstract as abstract_leaf,
     capacity,
     device_count,
-    Hardware,
+    host_memory,
     platform as target_platform,
 )
-from .._report._targets import host_memory
 from ._budget import parse_bytes, workspace_margin as margin_of
 from ._candidates import Settings
 

@@ -15,7 +15,8 @@ import optax
 from jaxtyping import DTypeLike, PyTree
 
 from .._memory_kinds import is_arraylike
-from .._report import device_count, DoesNotFit, Hardware, size_text, target_sizes
+from .._report import DoesNotFit, Hardware, size_text
+from .._report._targets import device_count, target_sizes
 from . import _budget
 from ._choice import Experimental
 from ._plan import search_plan, Searched

@@ -15,7 +15,8 @@ import optax
 from jaxtyping import DTypeLike, PyTree
 
 from .._errors import see
-from .._report import DoesNotFit, Hardware, platform as target_platform
+from .._report import DoesNotFit, Hardware
+from .._report._targets import platform as target_platform
 from .._update import NotOnHost
 from . import _arguments, _choice, _outcome
 from ._candidates import Candidate, Knob, Part, presets, Settings

@@ -19,12 +19,5 @@ from ._memory_report_type import (
 )
 from ._saved_for_backward import saved_for_backward as saved_for_backward
 from ._step_time import StepTime as StepTime
-from ._targets import (
-    abstract as abstract,
-    capacity as capacity,
-    device_count as device_count,
-    platform as platform,
-    target_sizes as target_sizes,
-)
 from ._traffic import Transfer as Transfer
 from ._units import size_text as size_text, time_text as time_text

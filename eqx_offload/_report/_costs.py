@@ -125,8 +125,7 @@ class Program:
         product per batch element and head), fused ones included."""
         for comp in self.comps.values():
             for inst in comp.insts.values():
-                gemm = _gemm_config(inst) or {}
-                numbers = gemm.get("dot_dimension_numbers", {})
+                numbers = (_gemm_config(inst) or {}).get("dot_dimension_numbers", {})
                 if numbers.get("lhs_batch_dimensions") or (
                     inst.opcode == "dot" and inst.dims("lhs_batch_dims")
                 ):

@@ -9,15 +9,19 @@ _GB = 1e9
 _T = 1e12
 
 
-def _row(matmul_flops: dict[str, float], link: float, **fields: Any) -> dict[str, Any]:
+def _row(
+    matmul_flops: dict, link: float, spec: str, via: str, host: str, **fields: Any
+) -> dict[str, Any]:
     """A row's fields, as `Hardware(...)` takes them: matmul FLOP/s by precision,
-    the host link (the same each way), and `fields` (HBM bandwidth, host memory and
-    FLOP/s per device, sources)."""
+    the host link (the same each way), `fields` (HBM bandwidth, host memory and
+    FLOP/s per device), and the sources: the chip's specifications (`spec`), the
+    host link's (`via`), `_PRECISION`, and the host's estimate (`_HOST` of `host`)."""
     return dict(
         matmul_flops=matmul_flops,
         host_to_device_bytes_per_second=link,
         device_to_host_bytes_per_second=link,
         **fields,
+        sources=(spec, via, _PRECISION, _HOST.format(host)),
     )
 
 
@@ -73,19 +77,14 @@ _ROWS: dict[str, dict[str, Any]] = {
         link=15 * _GB,
         host_memory_bytes=48 * 10**9,
         host_flops=1.1 * _T,
-        sources=(
-            _TPU_SPECS.format("v5e") + ": 197 TFLOP/s bf16, 393 TOP/s int8, 16 GB "
-            "of HBM at 819 GB/s; VM ct5lp-hightpu-4t: 4 chips, 192 GB of memory "
-            "(48 GB a chip)",
-            _SCALING_BOOK + " (v5e: the general figure; PCIe generation not published)",
-            _PRECISION,
-            _HOST.format(
-                "v5e: 8 chips a host, VM ct5lp-hightpu-8t 224 vCPUs on 2 NUMA nodes "
-                "(the v5e page); CPU not published: taken as two sockets of eight "
-                "DDR4-3200 channels (410 GB/s, 51 GB/s a chip) and 112 cores at 2.5 "
-                "GHz with AVX2 FMA (9 TFLOP/s, 1.1 a chip)"
-            ),
-        ),
+        spec=_TPU_SPECS.format("v5e") + ": 197 TFLOP/s bf16, 393 TOP/s int8, 16 GB "
+        "of HBM at 819 GB/s; VM ct5lp-hightpu-4t: 4 chips, 192 GB of memory "
+        "(48 GB a chip)",
+        via=_SCALING_BOOK + " (v5e: the general figure; PCIe generation not published)",
+        host="v5e: 8 chips a host, VM ct5lp-hightpu-8t 224 vCPUs on 2 NUMA nodes "
+        "(the v5e page); CPU not published: taken as two sockets of eight "
+        "DDR4-3200 channels (410 GB/s, 51 GB/s a chip) and 112 cores at 2.5 "
+        "GHz with AVX2 FMA (9 TFLOP/s, 1.1 a chip)",
     ),
     "tpu-v6e": _row(
         _tpu(918 * _T, 1836 * _T),
@@ -93,19 +92,14 @@ _ROWS: dict[str, dict[str, Any]] = {
         link=32 * _GB,
         host_memory_bytes=180 * 10**9,
         host_flops=1.6 * _T,
-        sources=(
-            _TPU_SPECS.format("v6e") + ": 918 TFLOP/s bf16, 1836 TOP/s int8, 32 GB "
-            "of HBM at 1640 GB/s, PCIe Gen5 to the host; VM ct6e-standard-4t: 4 "
-            "chips, 720 GB of memory (180 GB a chip)",
-            _SCALING_BOOK,
-            _PRECISION,
-            _HOST.format(
-                "v6e: 8 chips a host (the v6e page); CPU and memory channels not "
-                "published: taken as an 8-GPU node's host, two sockets of eight "
-                "DDR5-4800 channels (614 GB/s, 77 GB/s a chip) and 104 cores at 2 "
-                "GHz with AVX-512 FMA (13 TFLOP/s, 1.6 a chip)"
-            ),
-        ),
+        spec=_TPU_SPECS.format("v6e") + ": 918 TFLOP/s bf16, 1836 TOP/s int8, 32 GB "
+        "of HBM at 1640 GB/s, PCIe Gen5 to the host; VM ct6e-standard-4t: 4 "
+        "chips, 720 GB of memory (180 GB a chip)",
+        via=_SCALING_BOOK,
+        host="v6e: 8 chips a host (the v6e page); CPU and memory channels not "
+        "published: taken as an 8-GPU node's host, two sockets of eight "
+        "DDR5-4800 channels (614 GB/s, 77 GB/s a chip) and 104 cores at 2 "
+        "GHz with AVX-512 FMA (13 TFLOP/s, 1.6 a chip)",
     ),
     "tpu-v5p": _row(
         _tpu(459 * _T, 918 * _T),
@@ -113,19 +107,14 @@ _ROWS: dict[str, dict[str, Any]] = {
         link=15 * _GB,
         host_memory_bytes=112 * 10**9,
         host_flops=3.3 * _T,
-        sources=(
-            _TPU_SPECS.format("v5p-training") + ": 459 TFLOP/s bf16, 95 GB of HBM "
-            "at 2765 GB/s, a 4-chip VM with 448 GB of RAM (112 GB a chip); int8 "
-            "918 TOP/s from the scaling book",
-            _SCALING_BOOK + " (v5p: the general figure; PCIe generation not published)",
-            _PRECISION,
-            _HOST.format(
-                "v5p: 4 chips a host, 208 vCPUs on 2 NUMA nodes (the v5p-training "
-                "page); CPU not published: taken as two sockets of eight DDR5-4800 "
-                "channels (614 GB/s, 154 GB/s a chip) and 104 cores at 2 GHz with "
-                "AVX-512 FMA (13 TFLOP/s, 3.3 a chip)"
-            ),
-        ),
+        spec=_TPU_SPECS.format("v5p-training") + ": 459 TFLOP/s bf16, 95 GB of HBM "
+        "at 2765 GB/s, a 4-chip VM with 448 GB of RAM (112 GB a chip); int8 "
+        "918 TOP/s from the scaling book",
+        via=_SCALING_BOOK + " (v5p: the general figure; PCIe generation not published)",
+        host="v5p: 4 chips a host, 208 vCPUs on 2 NUMA nodes (the v5p-training "
+        "page); CPU not published: taken as two sockets of eight DDR5-4800 "
+        "channels (614 GB/s, 154 GB/s a chip) and 104 cores at 2 GHz with "
+        "AVX-512 FMA (13 TFLOP/s, 3.3 a chip)",
     ),
     # A `tpu-v4` device is one TensorCore, half a chip (`_targets.HBM_BYTES`).
     "tpu-v4": _row(
@@ -134,19 +123,14 @@ _ROWS: dict[str, dict[str, Any]] = {
         link=8 * _GB,
         host_memory_bytes=407 * 10**9 // 8,
         host_flops=1.2 * _T,
-        sources=(
-            _TPU_SPECS.format("v4") + ": 275 TFLOP/s (bf16 or int8), 32 GiB of HBM "
-            "at 1200 GB/s per chip; VM ct4p-hightpu-4t: 4 chips, 407 GB of memory; "
-            "all halved for one of a chip's two TensorCores",
-            _SCALING_BOOK + " (v4: 16 GB/s a chip, halved)",
-            _PRECISION,
-            _HOST.format(
-                "v4: 4 chips (8 TensorCores) a host; CPU not published: taken as "
-                "two sockets of eight DDR4-3200 channels (410 GB/s, 51 GB/s a "
-                "TensorCore) and 120 cores at 2.5 GHz with AVX2 FMA (9.6 TFLOP/s, "
-                "1.2 a TensorCore)"
-            ),
-        ),
+        spec=_TPU_SPECS.format("v4") + ": 275 TFLOP/s (bf16 or int8), 32 GiB of HBM "
+        "at 1200 GB/s per chip; VM ct4p-hightpu-4t: 4 chips, 407 GB of memory; "
+        "all halved for one of a chip's two TensorCores",
+        via=_SCALING_BOOK + " (v4: 16 GB/s a chip, halved)",
+        host="v4: 4 chips (8 TensorCores) a host; CPU not published: taken as "
+        "two sockets of eight DDR4-3200 channels (410 GB/s, 51 GB/s a "
+        "TensorCore) and 120 cores at 2.5 GHz with AVX2 FMA (9.6 TFLOP/s, "
+        "1.2 a TensorCore)",
     ),
     "gpu-h100": _row(
         _HOPPER,
@@ -154,17 +138,12 @@ _ROWS: dict[str, dict[str, Any]] = {
         link=64 * _GB,
         host_memory_bytes=234 * 10**9,
         host_flops=1.6 * _T,
-        sources=(
-            _NVIDIA.format("h100") + "; 80 GB of HBM3 at 3.35 TB/s",
-            "https://cloud.google.com/compute/docs/gpus: a3-highgpu-8g, 8 H100s "
-            "with 1,872 GB of memory (234 GB a GPU), 208 vCPUs",
-            _PRECISION,
-            _HOST.format(
-                "an 8-H100 node: two sockets of eight DDR5-4800 channels (614 GB/s, "
-                "77 GB/s a GPU) and 104 cores (a3-highgpu-8g's 208 vCPUs) at 2 GHz "
-                "with AVX-512 FMA (13 TFLOP/s, 1.6 a GPU)"
-            ),
-        ),
+        spec=_NVIDIA.format("h100") + "; 80 GB of HBM3 at 3.35 TB/s",
+        via="https://cloud.google.com/compute/docs/gpus: a3-highgpu-8g, 8 H100s "
+        "with 1,872 GB of memory (234 GB a GPU), 208 vCPUs",
+        host="an 8-H100 node: two sockets of eight DDR5-4800 channels (614 GB/s, "
+        "77 GB/s a GPU) and 104 cores (a3-highgpu-8g's 208 vCPUs) at 2 GHz "
+        "with AVX-512 FMA (13 TFLOP/s, 1.6 a GPU)",
     ),
     "gpu-h200": _row(
         _HOPPER,
@@ -172,17 +151,12 @@ _ROWS: dict[str, dict[str, Any]] = {
         link=64 * _GB,
         host_memory_bytes=256 * 10**9,
         host_flops=1.6 * _T,
-        sources=(
-            _NVIDIA.format("h200") + "; 141 GB of HBM3e at 4.8 TB/s",
-            "NVIDIA's MLPerf Training system description of an 8-H200 node: 2 TB "
-            "of memory (32 x 64 GB; 256 GB a GPU)",
-            _PRECISION,
-            _HOST.format(
-                "an 8-H200 node, as the H100's: two sockets of eight DDR5-4800 "
-                "channels (614 GB/s, 77 GB/s a GPU) and 104 cores at 2 GHz with "
-                "AVX-512 FMA (13 TFLOP/s, 1.6 a GPU)"
-            ),
-        ),
+        spec=_NVIDIA.format("h200") + "; 141 GB of HBM3e at 4.8 TB/s",
+        via="NVIDIA's MLPerf Training system description of an 8-H200 node: 2 TB "
+        "of memory (32 x 64 GB; 256 GB a GPU)",
+        host="an 8-H200 node, as the H100's: two sockets of eight DDR5-4800 "
+        "channels (614 GB/s, 77 GB/s a GPU) and 104 cores at 2 GHz with "
+        "AVX-512 FMA (13 TFLOP/s, 1.6 a GPU)",
     ),
 }
 

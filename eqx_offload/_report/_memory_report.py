@@ -31,13 +31,7 @@ from ._compile_job import (
     policy_of,
     split_estimate,
 )
-from ._does_not_fit import (
-    DoesNotFit,
-    Held,
-    microbatches_of,
-    split_copies,
-    too_big,
-)
+from ._does_not_fit import DoesNotFit, Held, microbatches_of, split_copies, too_big
 from ._hardware import Hardware
 from ._memory_report_type import DESCRIPTIONS, MemoryReport
 from ._memory_table import PARTS

@@ -135,7 +135,8 @@ def _residual_lines(r: Any) -> list[str]:
         lines += _unnamed_lines(r.largest_unnamed or (), name)
     if not totals:
         lines.append("  (nothing)")
-    return lines + _unnamed_hints({name for name in totals if name in UNNAMED})
+    hints = [line for group in UNNAMED if group in totals for line in _HINTS[group]]
+    return lines + hints
 
 
 _VERDICTS = {None: "", True: "fits", False: "does NOT fit"}
@@ -220,7 +221,3 @@ _HINTS = {
         "    it by name (`Policy(offload=('blocks.h',))`), or recompute it",
     ],
 }
-
-
-def _unnamed_hints(groups: set[str]) -> list[str]:
-    return [line for group in UNNAMED if group in groups for line in _HINTS[group]]
