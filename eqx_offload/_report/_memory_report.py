@@ -298,7 +298,9 @@ def _trace(fn: Any, args: tuple, kwargs: dict, where: Where, platform: str) -> t
         lowered = traced.lower()
         saved = None if job.residuals is None else job.residuals()
         transfers = _traffic.count(traced.jaxpr, inputs(job), platform)
-        flops = _model_flops(fn, args, where.chips or 1)
+        # (Only a TPU or GPU step has a time to put them against.)
+        gpu_or_tpu = platform in ("tpu", "gpu")
+        flops = _model_flops(fn, args, where.chips or 1) if gpu_or_tpu else None
     return job, lowered, saved, transfers, flops
 
 
