@@ -21,10 +21,11 @@ picks the fastest that fits (`--microbatches`: the counts to choose from; by
 default it searches them). The placement an 8B model wants at this batch keeps
 the masters and Adam moments (12 bytes a parameter) in pinned host memory and the
 bf16 compute copies and the gradient accumulators on the GPU, so that only the
-update crosses the link, once per step. It fits an H200; on an H100 it needs 74.98
-GiB of 59.33 (docs/benchmarks/at-scale.md says what holds them), and `plan` finds
-another: with 64 micro-batches, 17 compiles in about 3 minutes here, a step of
-162 s where the compute-bound step is 76 s (estimated, calibrated model, gpu-h100).
+update crosses the link, once per step. On an H100 with 64 micro-batches, `plan`
+picks it: 54.25 GiB on the device and 89.75 GiB on the host, a step of 73.8 s
+where the compute-bound step is 70.1 s, MFU 18% (estimated, gpu-h100's rates; 29
+compiles in 77 s here, measured on a 2-core CPU; docs/benchmarks/at-scale.md has
+the step at each batch).
 
 Host memory: the 8B model's masters and moments alone are 90 GiB of pinned host
 memory, over the 64 GiB JAX's GPU client pins by default, which is also the host
