@@ -90,9 +90,10 @@ class ScanConfig(AbstractScan):
                     remat(layer_fn), read, length, taps is None, pending
                 )
                 out = _prefetch.scan(how, carry, layers, xs, arrays)
-            carrying = _carrying_sums(self, f, static, taps, remat)
-            if out is None and carrying is not None:
-                out = carrying(carry, layers, xs, length)
+            # (Only where the prefetching scan did not run the layers.)
+            if out is None:
+                sums = _carrying_sums(self, f, static, taps, remat)
+                out = None if sums is None else sums(carry, layers, xs, length)
             if out is None:  # (forward mode: `_prefetch.scan` cannot)
                 out = jax.lax.scan(remat(body), carry, (layers, xs), length=length)
             return out
@@ -214,10 +215,10 @@ def _carrying_sums(
     Such an accumulator rides in the carry: each layer reads its slice, and its
     gradient is added into it in place (`_grad_taps.seed`). Scanned over instead,
     it would be read while a second buffer of its size took the sums."""
-    if not any(t is not None and not is_host(t.acc) for t in taps or ()):
+    carried = [t is not None and not is_host(t.acc) for t in taps or ()]
+    if not any(carried):
         return None
     assert taps is not None
-    carried = [t is not None and not is_host(t.acc) for t in taps]
     inner = [t._replace(read=False) if c else t for t, c in zip(taps, carried)]
     read, layer_fn = _body_parts(config, f, static, inner)
 

@@ -16,19 +16,6 @@ LLAMA_3_2_1B = Shape(
     mlp=8192,
     tied=True,
 )
-# Llama 3 8B: the same blocks, wider, an untied head (`at_scale.py`, `gpu_check.py`;
-# `examples/finetune_8b.py` writes the same shape out itself).
-LLAMA_3_8B = Shape(
-    vocab=128256,
-    dim=4096,
-    layers=32,
-    heads=32,
-    kv_heads=8,
-    head_dim=128,
-    mlp=14336,
-    tied=False,
-    rope_base=500000.0,
-)
 # On one GPU (`gpu_models.py`, `fewest.py`, `host_update.py`).
 GPU_MODELS = {
     "GPT-2 XL": Shape(
@@ -56,3 +43,7 @@ GPU_MODELS = {
     ),
 }
 BATCH, SEQ = 8, 1024
+# Llama 3 8B: the Mistral-7B shape's blocks, a vocabulary of 128256 and RoPE base
+# 500000 (`at_scale.py`, `gpu_check.py`; `examples/finetune_8b.py` writes the same
+# shape out itself).
+LLAMA_3_8B = GPU_MODELS["Mistral-7B-shaped"]._replace(vocab=128256, rope_base=500000.0)

@@ -263,16 +263,6 @@ def _held(traced: "_TracedJob") -> Held:
     )
 
 
-def _with_copies(
-    state: dict[str, int] | None, copies: dict[str, int] | None
-) -> dict[str, int] | None:
-    """The optimizer state's bytes by memory kind, its compute copies included."""
-    if copies is None:
-        return state
-    kinds = {**(state or {}), **copies}
-    return {k: (state or {}).get(k, 0) + copies.get(k, 0) for k in kinds}
-
-
 class _TracedJob(NamedTuple):
     """A compile job traced and lowered, with what its trace says, and what it is
     compiled for."""
@@ -385,6 +375,7 @@ def _build(traced: _TracedJob, compiled: Any, stats: Any) -> MemoryReport:
     program = _costs.Program(compiled.as_text(), platform) if accelerator else None
     host_capacity, host_limit = _host_capacity(traced)
     held = _held(traced)
+    count = functools.partial(bytes_by_kind, per_chip=where.mesh is not None)
     options = compile_options_of(traced.fn, platform)
     return MemoryReport(
         target=where.name,
@@ -394,7 +385,9 @@ def _build(traced: _TracedJob, compiled: Any, stats: Any) -> MemoryReport:
         device=device,
         host=host,
         **{k: v for k, v in held._asdict().items() if k in _HELD},
-        opt_state=_with_copies(held.opt_state, held.copies),
+        # (The report's optimizer state holds its compute copies; `held` splits
+        # them off for `DoesNotFit`'s advice.)
+        opt_state=None if job.opt_state is None else count(job.opt_state),
         largest_unnamed=None if saved is None else saved.largest_unnamed,
         chips=where.chips,
         chips_per_host=where.chips_per_host,
