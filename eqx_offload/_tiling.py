@@ -83,8 +83,7 @@ def row_blocks(shape: tuple[int, ...], dtype: Any, max_bytes: int) -> int:
     """
     if len(shape) < 2 or (len(shape) == 2 and shape[1] % LANES):
         return 1
-    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-    needed = max(1, math.ceil(nbytes / max_bytes))
+    needed = math.ceil(math.prod(shape) * np.dtype(dtype).itemsize / max_bytes)
     rows = shape[0]
     tile = SUBLANES * packing(dtype) if len(shape) == 2 else 1
     fits = [d for d in range(2, rows + 1) if rows % d == 0 and (rows // d) % tile == 0]
@@ -92,31 +91,46 @@ def row_blocks(shape: tuple[int, ...], dtype: Any, max_bytes: int) -> int:
     return next((d for d in fits if d >= needed), fits[-1] if fits else 1)
 
 
-def read(full: Any, index: Any, rows: int) -> Any:
+def parts(x: Any, shards: int) -> Any:
+    """`x` with its rows in `shards` equal parts along a new axis 0 (`x` for 1).
+
+    A leaf whose rows are split over `shards` chips is read and written a block
+    of rows of each part at a time, along axis 1, so that each chip moves only its
+    own rows. (A block along a split axis 0 is gathered from every chip, on the
+    host.) On each chip the reshape has a majormost axis of 1, which the TPU
+    compiler streams."""
+    return x if shards == 1 else x.reshape(shards, -1, *x.shape[1:])
+
+
+def read(full: Any, index: Any, rows: int, shards: int = 1) -> Any:
     """Piece `index` of `full`, `rows` rows along axis 0, still in `full`'s memory.
 
     One row (a layer) is read without its axis, with `dynamic_index_in_dim`. Read
     as a `(1, ...)` slice from the host, the TPU compiler keeps more pieces on the
     device: two more layers per Adam update loop in `benchmarks/optimizer.py`. Add
-    the axis back on the device with `lift`.
+    the axis back on the device with `lift`. Over `shards` (`parts`), a piece is
+    `rows // shards` rows of each part, parts first.
     """
     if rows == 1:
         return jax.lax.dynamic_index_in_dim(full, index, keepdims=False)
-    return jax.lax.dynamic_slice_in_dim(full, index * rows, rows)
+    part, axis = rows // shards, int(shards > 1)
+    return jax.lax.dynamic_slice_in_dim(parts(full, shards), index * part, part, axis)
 
 
-def lift(piece: Any, rows: int) -> Any:
+def lift(piece: Any, rows: int, shards: int = 1) -> Any:
     """A piece from `read`, moved to the device, with its row axis."""
-    return piece[None] if rows == 1 else piece
+    return piece[None] if rows == 1 else jax.lax.collapse(piece, 0, 1 + (shards > 1))
 
 
-def lower(piece: Any, rows: int) -> Any:
+def lower(piece: Any, rows: int, shards: int = 1) -> Any:
     """A piece with its row axis, as `write` takes it (still on the device)."""
-    return piece[0] if rows == 1 else piece
+    return piece[0] if rows == 1 else parts(piece, shards)
 
 
-def write(full: Any, piece: Any, index: Any, rows: int) -> Any:
+def write(full: Any, piece: Any, index: Any, rows: int, shards: int = 1) -> Any:
     """`full` with piece `index` replaced by `piece`, from `lower`, in its memory."""
     if rows == 1:
         return jax.lax.dynamic_update_index_in_dim(full, piece, index, 0)
-    return jax.lax.dynamic_update_slice_in_dim(full, piece, index * rows, 0)
+    blocks, part, axis = parts(full, shards), rows // shards, int(shards > 1)
+    new = jax.lax.dynamic_update_slice_in_dim(blocks, piece, index * part, axis)
+    return new.reshape(full.shape)

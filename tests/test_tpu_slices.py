@@ -16,7 +16,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 import eqx_offload as eo
 import eqx_offload.internal as eoi
 
-from .helpers import MLPBlock, StackedNet
+from .helpers import cross_entropy, MLPBlock, StackedNet, table_lm
 
 
 pytest.importorskip("libtpu")
@@ -311,3 +311,40 @@ def test_host_outputs_are_not_copied_on_the_host():
     assert report.host["argument"] == 3 * shard  # weights and two moments
     # The weight gradient, accumulated in host memory, and the offloaded carries.
     assert report.host["temp"] <= 1.25 * shard
+
+
+def test_an_fsdp_table_moves_only_each_chips_rows_in_the_update(monkeypatch):
+    """A table split by rows over the chips and streamed in the update in blocks
+    of rows (`_tiling.PIECE_BYTES` patched down: 2 blocks a chip) moves each chip's
+    own rows: 12 bytes a parameter each way (fp32 master and AdamW's two moments)
+    over 4 chips, and no host compute (which fails this compile). A block along
+    the split axis was gathered from every chip, on the host: the whole table on
+    every chip, and host compute."""
+    monkeypatch.setattr("eqx_offload._tiling.PIECE_BYTES", 16 * 1024)
+    no_host_compute = {"xla_disable_automatic_host_compute_offload": True}
+    monkeypatch.setattr(
+        "eqx_offload._compiler.compile_options", lambda *_, **__: no_host_compute
+    )
+    vocab, dim, depth = 256, 128, 2  # tables of 128 KiB, 32 KiB a chip
+    mesh = AbstractMesh((4,), ("fsdp",), axis_types=(AxisType.Auto,))
+    policy = eo.Policy.remat(
+        params="pinned_host",
+        opt_state={"**": "pinned_host", "copies:**": "device"},
+        compute_dtype=jnp.bfloat16,
+        shard=eo.FSDP("fsdp"),
+        batch="fsdp",
+    )
+    abstract = eqx.filter_eval_shape(table_lm, jax.random.key(0), vocab, dim, depth)
+    model = eo.place(abstract, policy, mesh=mesh)
+    optimizer = optax.adamw(1e-3)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(cross_entropy, optimizer, policy)
+    tokens = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+    report = eo.memory_report(
+        step, model, opt_state, tokens, tokens, target="tpu-v5e:2x2"
+    )
+    params = 2 * vocab * dim + depth * dim * dim
+    for direction in ("host_to_device", "device_to_host"):
+        moved = report.transfer_bytes(direction, compiled=True)
+        assert moved == pytest.approx(3 * F32 * params / 4, rel=0.01), direction
+    assert report.time is not None and report.time.host_compute_seconds == 0

@@ -109,9 +109,9 @@ def _in_pieces(
         if host:
             new_params, opt_state, norms = _host.update(*given, kinds, args.metrics)
         else:
-            layers, paths = _streaming.layout(params)
+            layers, paths, shards = _streaming.layout(params, args.policy)
             new_params, opt_state, norms = _streaming.update(
-                *given, layers, kinds, paths, args.metrics
+                *given, layers, kinds, paths, args.metrics, shards
             )
     except _host.NotOnHost as e:
         raise ValueError(

@@ -54,11 +54,13 @@ class Input(NamedTuple):
 
 @dataclasses.dataclass
 class Group:
-    """Leaves streamed together: `pieces` slices of `rows` rows along axis 0."""
+    """Leaves streamed together: `pieces` slices of `rows` rows along axis 0, each
+    as many rows of each of `shards` parts (`_tiling.parts`)."""
 
     key: Any
     pieces: int
     rows: int
+    shards: int = 1
     inputs: list[Input] = dataclasses.field(default_factory=list)
 
 
@@ -143,20 +145,17 @@ class _Loop:
         used = _dataflow.reads(piece, wanted, [o.piece for o in outputs])
         overwritten = {o.overwrite for o in outputs}
         carried = [x for x in group.inputs if x.position in overwritten]
-        streamed = [
-            x
-            for x in group.inputs
-            if x.position not in overwritten and piece.ins[x.position] in used
-        ]
+        needed = [x for x in group.inputs if piece.ins[x.position] in used]
+        streamed = [x for x in needed if x.position not in overwritten]
         slot = _slots(outputs, carried)
         return cls(piece, group, outputs, known, wanted, used, carried, streamed, slot)
 
     def read(self, full: Any, index: Any, x: Input) -> Any:
         """Piece `index` of `full` (input `x`'s leaf), on the device."""
-        rows = self.group.rows
+        cut = self.group.rows, self.group.shards
         with jax.named_scope(x.label):
-            value = to_space(_tiling.read(full, index, rows), "device", "")
-            return _tiling.lift(value, rows)
+            value = to_space(_tiling.read(full, index, *cut), "device", "")
+            return _tiling.lift(value, *cut)
 
     def current(self, fulls: list, index: Any) -> list:
         """Piece `index` of each overwritten input. A leaf whose new value does
@@ -225,20 +224,20 @@ class _Loop:
     ) -> None:
         """Output `k`'s piece `value`: added to its sum, written into its input
         (in `fulls`), or appended to `ys` for the scan to stack."""
-        rows = self.group.rows
+        cut = self.group.rows, self.group.shards
         if out.summed:
             fulls[self.slot[k]] = fulls[self.slot[k]] + jnp.sum(value)
         elif out.overwrite is None:  # stacked by the scan
             if out.kind is not None:  # a new leaf's piece (of a layer: the leaf)
-                value = to_space(_tiling.lower(value, rows), out.kind, "")
+                value = to_space(_tiling.lower(value, *cut), out.kind, "")
             ys.append(value)
         else:
             c = self.slot[k]
             # The transfer under the leaf's scope, which names it in reports.
             with jax.named_scope(out.label):
-                new = _tiling.lower(value, rows)
+                new = _tiling.lower(value, *cut)
                 new = new if out.kind is None else to_space(new, out.kind, "")
-                fulls[c] = _tiling.write(fulls[c], new, index, rows)
+                fulls[c] = _tiling.write(fulls[c], new, index, *cut)
 
     def run(self, fulls: list, others: list, read_ahead: bool) -> tuple[list, list]:
         """The loop: the new carry, and the outputs the scan stacks. Its index is
@@ -278,15 +277,15 @@ class _Loop:
     def collect(self, fulls: list, ys: Iterator) -> list:
         """The value of each output from what the loop gave back: its overwritten
         input or its sum (in the carry), or its stacked pieces."""
-        rows = self.group.rows
+        split = int(self.group.shards > 1)  # pieces of each part (`_tiling.parts`)
         values = []
         for k, out in enumerate(self.outputs):
             if k in self.slot:  # summed, or overwritten
                 values.append(fulls[self.slot[k]])
             else:
                 y = next(ys)
-                if out.kind is not None and rows > 1:  # pieces of rows: one leaf
-                    y = y.reshape((y.shape[0] * rows,) + y.shape[2:])
+                if out.kind is not None and self.group.rows > 1:  # pieces: one leaf
+                    y = jax.lax.collapse(jnp.moveaxis(y, 0, split), 0, 2 + split)
                 values.append(y)
         return values
 
@@ -297,7 +296,5 @@ def _slots(outputs: list[Output], carried: list[Input]) -> dict[int, int]:
     carry = [x.position for x in carried]
     summed = [k for k, o in enumerate(outputs) if o.summed]
     slot = {k: len(carried) + i for i, k in enumerate(summed)}
-    for k, o in enumerate(outputs):
-        if o.overwrite is not None:
-            slot[k] = carry.index(o.overwrite)
-    return slot
+    written = {k: o.overwrite for k, o in enumerate(outputs) if o.overwrite is not None}
+    return slot | {k: carry.index(p) for k, p in written.items()}

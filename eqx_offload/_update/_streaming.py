@@ -14,6 +14,8 @@ A piece is a slice of the leaf along axis 0. It is read and written with
 host-offload passes stream such slices. They reject a reshape of a host array into
 `(pieces, rows, ...)` ("Only handling bitcasts with majormost dimension of size 1").
 Which leaves can be cut at all is `_tiling.py`'s rule. The others are updated whole.
+A leaf whose rows `Policy(shard=...)` splits over chips is cut by part: a piece is
+a block of rows of each chip's part (`_tiling.parts`), so each chip moves its own.
 Each piece's slicing and transfers run under `jax.named_scope(<leaf path>)`. So a
 compiler message about one of them names its leaf. The loop over one group's pieces
 is `_piece_loop.py`.
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
 
-from .. import _jaxpr_dataflow as _dataflow, _paths, _scopes, _tiling
+from .. import _jaxpr_dataflow as _dataflow, _layout, _paths, _scopes, _tiling
 from .._jaxpr_dataflow import Flow, NotStreamable, ValueFlow
 from .._memory_kinds import is_host, to_device, to_space
 from . import _metrics
@@ -50,6 +52,7 @@ def update(
     out_kinds: tuple[list[str], list[str]],
     paths: list[str],
     metrics: bool = False,
+    shards: list[int] | None = None,
 ) -> tuple[Any, Any, dict[str, Any] | None]:
     """`optax.apply_updates(params, optimizer.update(grads, opt_state, params))`.
 
@@ -62,24 +65,38 @@ def update(
     - `paths`: the path of each trainable leaf, for named scopes.
     - `metrics`: also the global norms of the gradients, updates and new parameters.
         They are streamed reductions, like any global value of the update.
+    - `shards[i]`: in how many parts trainable leaf `i`'s rows are split over the
+        mesh (`layout`); None: none is.
 
     **Returns:** the new parameters and optimizer state, in their memory kinds,
     and the metrics (on the device) or None.
     """
-    prepared = prepare(optimizer, grads, opt_state, params, stacked, paths, metrics)
+    given = (optimizer, grads, opt_state, params)
+    prepared = prepare(*given, stacked, paths, shards, metrics)
     new_params, new_state, extra, _ = execute(prepared, out_kinds)
     squares = [jnp.sum(x) for x in extra]
     norms = _metrics.from_squares(squares, len(prepared.params)) if metrics else None
     return new_params, new_state, norms
 
 
-def layout(params: Any) -> tuple[list[int | None], list[str]]:
-    """`update`'s `stacked` and `paths` for `params` (the trainable part of a
-    model): per leaf, the number of layers of its `Stacked` (or None), and its
-    path."""
+def layout(params: Any, policy: Any = None) -> tuple[list, list[str], list[int]]:
+    """`update`'s `stacked`, `paths` and `shards` for `params` (the trainable part
+    of a model): per leaf, the number of layers of its `Stacked` (or None), its
+    path, and in how many parts `policy.shard` splits its rows over the mesh it is
+    traced on (1 without a `policy`)."""
     leaves = _paths.leaves(params)
     layers = [x.value.shape[0] if x.stacked is not None else None for x in leaves]
-    return layers, [x.path for x in leaves]
+    return layers, [x.path for x in leaves], [_row_parts(x, policy) for x in leaves]
+
+
+def _row_parts(leaf: _paths.Leaf, policy: Any) -> int:
+    """In how many parts `policy.shard` splits `leaf`'s rows (axis 0) over the
+    mesh it is traced on: 1 where it does not (never a `Stacked`'s layer axis)."""
+    mesh = policy and policy.shard and jax.typeof(leaf.value).sharding.mesh
+    found = mesh and not mesh.empty and _layout.rule_of(leaf.path, policy.shard)
+    spec = found and _layout.specs([leaf], (found,), mesh, False, policy.host_tables)[0]
+    axes = _layout.axis_names(spec[0] if spec else None)
+    return math.prod(dict(mesh.shape)[a] for a in axes)
 
 
 @dataclasses.dataclass
@@ -113,6 +130,7 @@ def prepare(
     params: Any,
     stacked: list[int | None],
     paths: list[str],
+    shards: list[int] | None = None,
     metrics: bool = False,
     waits: list[str | None] | None = None,
 ) -> Prepared:
@@ -128,7 +146,8 @@ def prepare(
     waiting = [None] * len(p_leaves) if waits is None else waits
     groups: dict[Any, Group] = {}
     leaf_groups = [
-        _group(p, stacked[i], i, waiting[i], groups) for i, p in enumerate(p_leaves)
+        _group(p, (stacked[i], i, shards[i] if shards else 1), waiting[i], groups)
+        for i, p in enumerate(p_leaves)
     ]
     inputs: list[Input] = []
 
@@ -177,34 +196,35 @@ def prepare(
     return Prepared(dataflow, g_in, s_in, p_in, groups, p_def, s_def)
 
 
-def _group(
-    leaf: Any, layers: int | None, index: int, waits: str | None, groups: dict
-) -> Group | None:
-    """The group of pieces trainable leaf `index` is streamed in, or None: the
-    one of its key in `groups`, else a new one added there. `waits`: the
-    `Stacked` whose update of it waits."""
-    cut = pieces(leaf, layers, index)
+def _group(leaf: Any, where: tuple, waits: str | None, groups: dict) -> Group | None:
+    """The group of pieces a trainable leaf is streamed in, or None: the one of
+    its key in `groups`, else a new one added there. `where`: `pieces`'s
+    arguments after the leaf. `waits`: the `Stacked` whose update of it waits."""
+    cut = pieces(leaf, *where)
     if cut is None:
         return None
     key, count, rows = cut
     if waits is not None and key[0] == "stacked":
         key = ("waits", waits, count)
-    return groups.setdefault(key, Group(key, count, rows))
+    return groups.setdefault(key, Group(key, count, rows, where[2]))
 
 
-def pieces(leaf: Any, layers: int | None, index: int) -> tuple[Any, int, int] | None:
+def pieces(leaf: Any, layers: int | None, index: int, shards: int = 1) -> tuple | None:
     """How a trainable leaf is streamed: `(group key, pieces, rows per piece)`, or
     None if it is updated whole. One piece per layer of its `Stacked`, or blocks of
-    rows of at most `_tiling.PIECE_BYTES` for a large leaf, where `_tiling` says the TPU
-    compiler can cut it that way."""
+    rows of at most `_tiling.PIECE_BYTES` (on a chip) for a large leaf, where
+    `_tiling` says the TPU compiler can cut it that way. Rows split in `shards`
+    parts over a mesh are cut by part (`_tiling.parts`): a piece is a block of each
+    part."""
     shape = tuple(leaf.shape)
     if layers is not None:
         if layers > 1 and _tiling.slices_by_layer(shape):
             return ("stacked", layers), layers, 1
         return None
-    if math.prod(shape) * leaf.dtype.itemsize < 2 * _tiling.PIECE_BYTES:
+    if math.prod(shape) // shards * leaf.dtype.itemsize < 2 * _tiling.PIECE_BYTES:
         return None
-    count = _tiling.row_blocks(shape, leaf.dtype, _tiling.PIECE_BYTES)
+    part = (shape[0] // shards, *shape[1:])
+    count = _tiling.row_blocks(part, leaf.dtype, _tiling.PIECE_BYTES)
     return (("leaf", index), count, shape[0] // count) if count > 1 else None
 
 
