@@ -180,12 +180,12 @@ def _streamed_forward(h: Any, table: Any, t: Any, w: Any) -> tuple[Any, Any]:
         local = t - start
         hit = (local >= 0) & (local < rows)
         picked = jnp.take_along_axis(logits, jnp.clip(local, 0, rows - 1)[:, None], 1)
-        return new_top, sums, jnp.where(hit, picked[:, 0], correct)
+        return (new_top, sums, jnp.where(hit, picked[:, 0], correct)), None
 
     n = h.shape[0]
     zeros = [jnp.zeros((n,), jnp.float32) for _ in range(2)]
     start = (jnp.full((n,), -jnp.inf, jnp.float32), *zeros)
-    top, sums, correct = _vocab_blocks.loop(body, start, table, rows)
+    (top, sums, correct), _ = _vocab_blocks.loop(body, start, table, rows)
     lse = top + jnp.log(sums)
     return jnp.sum(w * (lse - correct)), (h, table, t, w, lse)
 
@@ -196,20 +196,17 @@ def _streamed_backward(residuals: tuple, g: Any) -> tuple:
     scale = (g * w)[:, None]
     h32 = h.astype(jnp.float32)
 
-    def body(carry: tuple, index: Any, start: Any) -> tuple:
-        dh, dtable = carry
+    def body(dh: Any, index: Any, start: Any) -> tuple:
         block = _vocab_blocks.read(table, index, rows)
         probs = jnp.exp(_logits(h, block) - lse[:, None])
         onehot = (t - start)[:, None] == jnp.arange(rows)[None, :]
         dlogits = (probs - onehot) * scale
         dh = dh + jnp.einsum("tv,vd->td", dlogits, block.astype(jnp.float32))
-        dblock = jnp.einsum("tv,td->vd", dlogits, h32).astype(table.dtype)
-        return dh, _vocab_blocks.write(dtable, dblock, index, rows)
+        return dh, jnp.einsum("tv,td->vd", dlogits, h32).astype(table.dtype)
 
-    # Every block of the gradient is written, so the table's buffer serves.
     zero = jnp.zeros(h.shape, jnp.float32)
     with jax.named_scope(_scopes.VOCAB_BLOCKS):
-        dh, dtable = _vocab_blocks.loop(body, (zero, table), table, rows)
+        dh, dtable = _vocab_blocks.loop(body, zero, table, rows)
     return dh.astype(h.dtype), dtable, None, None
 
 

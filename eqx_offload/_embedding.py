@@ -82,10 +82,10 @@ def _lookup(table: Any, tokens: Any) -> Any:
         local = flat - start
         hit = (local >= 0) & (local < rows)
         found = jnp.take(block, jnp.clip(local, 0, rows - 1), axis=0)
-        return jnp.where(hit[:, None], found, out)
+        return jnp.where(hit[:, None], found, out), None
 
     zero = jnp.zeros((flat.size, table.shape[1]), table.dtype)
-    out = _vocab_blocks.loop(body, zero, table, rows)
+    out, _ = _vocab_blocks.loop(body, zero, table, rows)
     return out.reshape(*tokens.shape, table.shape[1])
 
 
@@ -102,27 +102,26 @@ def _forward(table: Any, tokens: Any) -> tuple[tuple[Any, Any], tuple]:
 def _backward(residuals: tuple, cotangents: tuple) -> tuple[Any, None]:
     table, tokens = residuals
     d_out, d_table = cotangents
-    flat = tokens.reshape(-1)
-    rows = _vocab_blocks.rows_per_block(table, flat.size)
-    # No tied projection: every block is written, so the table's buffer serves.
-    first = isinstance(d_table, SymbolicZero)
-    buffer = table if first else d_table
+    first = isinstance(d_table, SymbolicZero)  # no tied projection
     if isinstance(d_out, SymbolicZero):
         return (None if first else d_table), None
+    flat = tokens.reshape(-1)
+    rows = _vocab_blocks.rows_per_block(table, flat.size)
     d_flat = d_out.reshape(flat.size, -1).astype(table.dtype)
+    zeros = jnp.zeros((rows, table.shape[1]), table.dtype)
 
-    def body(buffer: Any, index: Any, start: Any) -> Any:
+    def body(buffer: Any, index: Any, start: Any) -> tuple[Any, Any]:
         local = flat - start
         local = jnp.where((local >= 0) & (local < rows), local, rows)  # dropped
-        if first:
-            block = jnp.zeros((rows, table.shape[1]), table.dtype)
-        else:
-            block = _vocab_blocks.read(buffer, index, rows)
+        if first:  # a new gradient: its blocks are scanned out
+            return None, zeros.at[local].add(d_flat, mode="drop")
+        block = _vocab_blocks.read(buffer, index, rows)
         block = block.at[local].add(d_flat, mode="drop")
-        return _vocab_blocks.write(buffer, block, index, rows)
+        return _vocab_blocks.write(buffer, block, index, rows), None
 
-    with jax.named_scope(_scopes.VOCAB_BLOCKS):
-        return _vocab_blocks.loop(body, buffer, table, rows), None
+    start = None if first else d_table
+    with jax.named_scope(_scopes.VOCAB_BLOCKS):  # (last carry, scanned-out blocks)
+        return _vocab_blocks.loop(body, start, table, rows)[1 if first else 0], None
 
 
 _streamed.defvjp(_forward, _backward, symbolic_zeros=True)

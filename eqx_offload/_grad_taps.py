@@ -148,24 +148,28 @@ def _add_whole(g: Any, acc: Any, flag: Any) -> Any:
 
 
 def _add_by_blocks(g: Any, acc: Any, flag: Any, blocks: int) -> Any:
-    """`g` cast to `acc`'s dtype, plus `acc` where `flag` (never if `False`), written
-    into the host-resident `acc` one block of rows on the device at a time.
+    """`g` cast to `acc`'s dtype, plus `acc` where `flag`, written into the
+    host-resident `acc` one block of rows on the device at a time.
 
     `g` is on the device (a large leaf outside any `Stacked`: an embedding), or on
-    the host (a table streamed by `Policy(host_tables=...)`).
+    the host (a table streamed by `Policy(host_tables=...)`). Where `flag` is
+    `False` (never read), `acc` may be the master itself, which the step still
+    needs: written into, it would be copied on the host first (host compute). Its
+    blocks are then scanned out into a buffer the compiler allocates in host memory.
     """
-    rows = acc.shape[0] // blocks
+    rows, fresh = acc.shape[0] // blocks, flag is False
 
-    def body(acc: Any, index: Any) -> tuple[Any, None]:
+    def body(carry: Any, index: Any) -> tuple[Any, Any]:
         piece = jax.lax.dynamic_slice_in_dim(g, index * rows, rows)
         piece = to_space(piece, "device", "").astype(acc.dtype)
-        if flag is not False:
-            old = to_space(_tiling.read(acc, index, rows), "device", "")
-            piece = piece + jnp.where(flag, old, 0)
-        piece = to_space(piece, "pinned_host", "")
-        return _tiling.write(acc, piece, index, rows), None
+        if fresh:
+            return None, to_space(piece, "pinned_host", "")
+        old = to_space(_tiling.read(carry, index, rows), "device", "")
+        piece = to_space(piece + jnp.where(flag, old, 0), "pinned_host", "")
+        return _tiling.write(carry, piece, index, rows), None
 
-    return jax.lax.scan(body, acc, jnp.arange(blocks))[0]
+    out, pieces = jax.lax.scan(body, None if fresh else acc, jnp.arange(blocks))
+    return pieces.reshape(acc.shape) if fresh else out
 
 
 _tap = jax.custom_vjp(_forward, nondiff_argnums=(0,))

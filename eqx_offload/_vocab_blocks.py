@@ -5,12 +5,12 @@ It is read, and its gradient written, one block of rows at a time. This is how
 
 Host memory cannot be computed on (a sum, a gather). So every operation on such a
 table is a loop over its blocks. Block `i` is read onto the device and used. In the
-backward pass, block `i` of the gradient is written back into a host buffer with
-`dynamic_update_slice`, in place. Two loops that write gradients for the same
-table cannot add host arrays either: a tied embedding's lookup and output
+backward pass, block `i` of the gradient goes back to the host: scanned out, into
+a buffer the compiler allocates there (`loop`). Two loops that write gradients for
+the same table cannot add host arrays either: a tied embedding's lookup and output
 projection. So the lookup returns the table, and the head uses the returned one.
 The lookup's backward pass then adds its rows into the head's gradient, block by
-block.
+block, in place (`write`).
 """
 
 from typing import Any
@@ -82,14 +82,22 @@ def write(table: Any, block: Any, index: Any, rows: int) -> Any:
     return _tiling.write(table, to_space(block, "pinned_host", ""), index, rows)
 
 
-def loop(body: Any, carry: Any, table: Any, rows: int) -> Any:
+def loop(body: Any, carry: Any, table: Any, rows: int) -> tuple[Any, Any]:
     """`body(carry, index, start)` for every block of `table`, in order.
 
-    It runs under the scope the transform recognises.
+    `body` gives `(carry, block)`. It runs under the scope the transform
+    recognises. Returns the last carry and the blocks (a gradient) as one host
+    table of `table`'s shape, or `None` where `block` is `None`. Scanned out, the
+    blocks go into a buffer the compiler allocates in host memory. Written into a
+    buffer made from `table` itself, which the step still needs, they would make
+    the compiler copy `table` on the host first: host compute the policy did not
+    ask for.
     """
     blocks = jnp.arange(table.shape[0] // rows)
 
-    def step(carry: Any, xs: tuple) -> tuple[Any, None]:
-        return body(carry, *xs), None
+    def step(carry: Any, xs: tuple) -> tuple[Any, Any]:
+        carry, block = body(carry, *xs)
+        return carry, None if block is None else to_space(block, "pinned_host", "")
 
-    return jax.lax.scan(step, carry, (blocks, blocks * rows))[0]
+    carry, out = jax.lax.scan(step, carry, (blocks, blocks * rows))
+    return carry, None if out is None else out.reshape(table.shape)

@@ -256,31 +256,45 @@ def test_a_module_pattern_names_its_table_with_micro_batches_too(microbatches):
         step(model, opt_state, tokens, tokens)
 
 
-def test_compiles_for_tpu_and_streams_the_table():
+NO_HOST_COMPUTE = {"xla_disable_automatic_host_compute_offload": True}
+
+
+@pytest.mark.parametrize("tie, dtype", [(True, None), (False, jnp.bfloat16)])
+def test_compiles_for_tpu_and_streams_the_table(tie, dtype, monkeypatch):
     """`tpu-v5e`, at an odd size (vocab 65552 = 16 x 4097, width 384: 17 blocks of
-    3856 rows): the tied streamed loss compiles, the table moves to the device
-    block by block, for the lookup, the logits, and the logits again in the
-    backward pass, and the step never holds the whole table (96 MiB) on the
-    device. (A table below `_tiling.PIECE_BYTES`, 32 MiB, is updated whole on the
+    3856 rows): the streamed loss compiles, tied or not, with a compute dtype or
+    not, with no host compute (compiled with
+    `xla_disable_automatic_host_compute_offload`, so any fails the compile: the
+    gradient's blocks once went into the table's own buffer, which the compiler
+    copied on the host first), the tables (or their compute copies) move to the
+    device block by block, for the lookup, the logits, and the logits again in the
+    backward pass, and the step never holds a whole table (96 MiB) on the device.
+    (A table below `_tiling.PIECE_BYTES`, 32 MiB, is updated whole on the
     device.)"""
+    monkeypatch.setattr(
+        "eqx_offload._compiler.compile_options", lambda *_, **__: NO_HOST_COMPUTE
+    )
     vocab, dim = 65552, 384
     optimizer = optax.sgd(1e-3)
     tokens = jax.ShapeDtypeStruct((3, 8), jnp.int32)
-    policy = eo.Policy.offload_all(host_tables=("embed",))
+    stream = ("embed",) if tie else ("embed", "head")
+    policy = eo.Policy.offload_all(host_tables=stream, compute_dtype=dtype)
     abstract = eqx.filter_eval_shape(_lm, jax.random.key(0), vocab, dim)
     model = eo.place(abstract, policy)
     opt_state = eo.init_opt_state(optimizer, model, policy)
-    step = eo.train_step(tied, optimizer, policy)
+    step = eo.train_step(tied if tie else untied, optimizer, policy)
     report = eo.memory_report(step, model, opt_state, tokens, tokens, target="tpu-v5e")
     table = vocab * dim * 4
     for rows in (report.transfers, report.compiled_transfers):
         moved = sum(
             t.bytes
             for t in rows or ()
-            if t.name == "embed" and t.phase == "forward/backward"
+            if t.name in stream and t.phase == "forward/backward"
         )
-        assert moved == 3 * table  # as traced, and as compiled
+        assert moved == 3 * table // (2 if dtype else 1)  # as traced, and compiled
     assert report.device_bytes < table
+    assert report.time is not None and report.time.host_compute_seconds == 0
+    assert report.time.compile_options == NO_HOST_COMPUTE
 
 
 @pytest.mark.parametrize(
