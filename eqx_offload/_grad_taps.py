@@ -40,6 +40,7 @@ class Tap(NamedTuple):
     acc: Any  # receives the gradient (its cotangent); the leaf's shape
     dtype: Any  # what the loss computes with
     read: Any  # False, or a traced bool: add the gradient to `acc`'s value
+    shards: int = 1  # in how many parts the mesh splits its rows (`_layout.row_parts`)
 
 
 _CURRENT: contextvars.ContextVar[dict[str, Tap] | None] = contextvars.ContextVar(
@@ -75,7 +76,9 @@ def lookup(path: str) -> Tap | None:
     return None if table is None else table.get(path)
 
 
-def tap(value: Any, acc: Any, dtype: Any, read: Any, *, layer: bool = False) -> Any:
+def tap(
+    value: Any, acc: Any, dtype: Any, read: Any, shards: int = 1, *, layer: bool = False
+) -> Any:
     """`value` cast to `dtype`, whose gradient goes to `acc`.
 
     The gradient is cast to `acc.dtype`, plus `acc` if `read`. It becomes the
@@ -86,7 +89,8 @@ def tap(value: Any, acc: Any, dtype: Any, read: Any, *, layer: bool = False) -> 
     onto the device in the backward pass, when its gradient is known. The new
     value goes back to the host. `read` is `False`: never read, in the first
     micro-batch or a step without micro-batches. Or it is a traced boolean, read
-    when true, inside the loop over micro-batches.
+    when true, inside the loop over micro-batches. `shards`: `acc`'s rows are split
+    in that many parts over the mesh; each chip adds into its own part.
 
     `layer`: `acc` is one layer's slice inside a `Stacked`'s scan. It is added
     whole, however large. The layer is the unit the scan moves: its weights are on
@@ -97,10 +101,8 @@ def tap(value: Any, acc: Any, dtype: Any, read: Any, *, layer: bool = False) -> 
     to". A large leaf outside every `Stacked` (an embedding) is added a block of
     rows at a time.
     """
-    reads = read is not False
-    flag = jnp.asarray(read if reads else False)
-    static = (reads, layer, jnp.dtype(dtype), jnp.dtype(acc.dtype))
-    return _tap(static, value, acc, flag)
+    static = (read is not False, layer, jnp.dtype(dtype), jnp.dtype(acc.dtype), shards)
+    return _tap(static, value, acc, jnp.asarray(read))
 
 
 def _forward(static: tuple, value: Any, acc: Any, flag: Any) -> Any:
@@ -109,16 +111,15 @@ def _forward(static: tuple, value: Any, acc: Any, flag: Any) -> Any:
 
 
 def _forward_rule(static: tuple, value: Any, acc: Any, flag: Any) -> tuple[Any, Any]:
-    reads = static[0]
     out = _forward(static, value, acc, flag)
     # A streamed table's gradient arrives on the host: it is cast (and added) into
     # `acc` block by block, so `acc` is kept as the buffer.
-    keep = reads or is_host(value)
+    keep = static[0] or is_host(value)  # (`static[0]`: `acc` is read)
     return out, (acc if keep else None, flag, is_host(acc))
 
 
 def _backward_rule(static: tuple, residual: tuple, g: Any) -> tuple[None, Any, None]:
-    reads, layer, _, acc_dtype = static
+    reads, layer, _, acc_dtype, shards = static
     acc, flag, host = residual
     if is_host(g):
         blocks = _tiling.row_blocks(acc.shape, g.dtype, _tiling.PIECE_BYTES)
@@ -126,18 +127,18 @@ def _backward_rule(static: tuple, residual: tuple, g: Any) -> tuple[None, Any, N
     g = g.astype(acc_dtype)
     if not reads:
         return None, to_space(g, "pinned_host" if host else "device", ""), None
+    if not host:  # (no barrier: the cast and the sum fuse, in place in `acc`)
+        return None, g + jnp.where(flag, acc, 0), None
     # Read when the gradient is known: without the barrier the compiler starts
     # the transfer with the forward pass and keeps it on the device throughout.
     g, acc = jax.lax.optimization_barrier((g, acc))
-    if not host:
-        return None, g + jnp.where(flag, acc, 0), None
-    piece_bytes = _tiling.PIECE_BYTES
-    blocks = _tiling.row_blocks(acc.shape, acc.dtype, piece_bytes)
-    small = acc.size * acc.dtype.itemsize < 2 * piece_bytes
-    if layer or acc.ndim < 2 or small or blocks < 2:
+    part = (acc.shape[0] // shards, *acc.shape[1:]) if acc.ndim else ()  # a chip's
+    blocks = _tiling.row_blocks(part, acc.dtype, _tiling.PIECE_BYTES)
+    small = acc.size // shards * acc.dtype.itemsize < 2 * _tiling.PIECE_BYTES
+    if layer or small or blocks < 2:
         return None, _add_whole(g, acc, flag), None
     whole = {p: _add_whole for p in _tiling.WHOLE_ON}
-    by_blocks = functools.partial(_add_by_blocks, blocks=blocks)
+    by_blocks = functools.partial(_add_by_blocks, blocks=blocks, shards=shards)
     total = jax.lax.platform_dependent(g, acc, flag, **whole, default=by_blocks)
     return None, total, None
 
@@ -147,7 +148,7 @@ def _add_whole(g: Any, acc: Any, flag: Any) -> Any:
     return to_space(g + acc, "pinned_host", "")
 
 
-def _add_by_blocks(g: Any, acc: Any, flag: Any, blocks: int) -> Any:
+def _add_by_blocks(g: Any, acc: Any, flag: Any, blocks: int, shards: int = 1) -> Any:
     """`g` cast to `acc`'s dtype, plus `acc` where `flag`, written into the
     host-resident `acc` one block of rows on the device at a time.
 
@@ -156,17 +157,19 @@ def _add_by_blocks(g: Any, acc: Any, flag: Any, blocks: int) -> Any:
     `False` (never read), `acc` may be the master itself, which the step still
     needs: written into, it would be copied on the host first (host compute). Its
     blocks are then scanned out into a buffer the compiler allocates in host memory.
+    Rows split in `shards` parts over the mesh are cut by part (`_tiling.parts`):
+    a block is a block of rows of each part, so each chip moves only its own.
     """
     rows, fresh = acc.shape[0] // blocks, flag is False
 
     def body(carry: Any, index: Any) -> tuple[Any, Any]:
-        piece = jax.lax.dynamic_slice_in_dim(g, index * rows, rows)
+        piece = _tiling.read(g, index, rows, shards)
         piece = to_space(piece, "device", "").astype(acc.dtype)
         if fresh:
             return None, to_space(piece, "pinned_host", "")
-        old = to_space(_tiling.read(carry, index, rows), "device", "")
+        old = to_space(_tiling.read(carry, index, rows, shards), "device", "")
         piece = to_space(piece + jnp.where(flag, old, 0), "pinned_host", "")
-        return _tiling.write(carry, piece, index, rows), None
+        return _tiling.write(carry, piece, index, rows, shards), None
 
     out, pieces = jax.lax.scan(body, None if fresh else acc, jnp.arange(blocks))
     return pieces.reshape(acc.shape) if fresh else out

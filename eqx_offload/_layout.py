@@ -219,6 +219,16 @@ def rule_of(path: str, rules: Rules) -> tuple[str, Rule] | None:
     return _paths.best_match(path, rules, "`Policy(shard=...)`", None, see(17))
 
 
+def row_parts(leaf: _paths.Leaf, policy: Any) -> int:
+    """In how many parts `policy.shard` splits `leaf`'s rows (axis 0) over the
+    mesh it is traced on: 1 where it does not (never a `Stacked`'s layer axis).
+    `policy`: a `Policy`, or None."""
+    mesh = policy and policy.shard and jax.typeof(leaf.value).sharding.mesh
+    found = mesh and not mesh.empty and rule_of(leaf.path, policy.shard)
+    spec = found and specs([leaf], (found,), mesh, False, policy.host_tables)[0]
+    return math.prod(dict(mesh.shape)[a] for a in axis_names(spec[0] if spec else None))
+
+
 def explicit_mesh(mesh: AnyMesh) -> bool:
     """Whether `mesh` has `Explicit` axes."""
     return not mesh.empty and AxisType.Explicit in mesh.axis_types

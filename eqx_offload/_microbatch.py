@@ -22,7 +22,7 @@ from jaxtyping import PyTree
 
 from . import _grad_taps, _paths, _tiling
 from ._errors import see
-from ._layout import axis_names
+from ._layout import axis_names, row_parts
 from ._memory_kinds import is_arraylike, is_host, to_space
 
 
@@ -124,21 +124,23 @@ def split(batch: tuple, k: int, unsplit: tuple[int, ...]) -> tuple:
 
 
 def _by_place(
-    leaves: list, dtypes: list, k: int, host_tables: tuple[str, ...]
+    leaves: list, dtypes: list, k: int, host_tables: tuple[str, ...], copies: dict
 ) -> tuple[list, list, set[str]]:
     """The trainable leaves, each with its dtype, by where the gradient adds up:
-    `(tapped, plain, moved)`. `tapped` add up on the host, through a tap; `plain` on
-    the device. `moved` are the host-resident paths of `plain`, sent to the host at
-    the end.
+    `(tapped, plain, moved)`. `tapped` add up through a tap, where the loss reads
+    them; `plain` on the device. `moved` are the host-resident paths of `plain`,
+    sent to the host at the end.
 
     A host-resident leaf's gradient adds up on the device (`moved`) over several
-    micro-batches if it is outside every `Stacked`, not a host table, and its minor
+    micro-batches if it is outside every `Stacked`, not a host table, read by the
+    loss from the host (`copies`: its compute copy, else itself), and its minor
     dimensions are not whole TPU tiles."""
 
     def moved(leaf: _paths.Leaf, dtype: Any) -> bool:
         x, whole_tiles = leaf.value, _tiling.whole_tiles
         return (
             is_host(x)
+            and is_host(copies[leaf.path])
             and k > 1
             and leaf.stacked is None
             and not _paths.under(leaf.path, host_tables)
@@ -161,9 +163,7 @@ def _accumulator(leaf: _paths.Leaf, source: Any) -> Any:
     adds up on the host, starting as the master: the first micro-batch does not
     read it.
     """
-    if is_host(source):
-        return leaf.value
-    return jnp.zeros_like(source, dtype=leaf.value.dtype)
+    return leaf.value if is_host(source) else jnp.zeros_like(source, leaf.value.dtype)
 
 
 def _loop(
@@ -223,6 +223,7 @@ def value_and_grad(
     has_aux: bool,
     host_tables: tuple[str, ...] = (),
     on_host: bool = False,
+    policy: Any = None,
 ) -> tuple[Any, PyTree]:
     """The loss and its gradient with respect to `params`, over `k` micro-batches.
 
@@ -231,7 +232,8 @@ def value_and_grad(
     trainable leaf is in its dtype from `dtypes`, one per array leaf of `params`.
     `host_tables` are the `Policy(host_tables=...)` patterns: tables the loss
     reads from the host. `on_host` says the update runs on the host
-    (`Policy(update="host")`).
+    (`Policy(update="host")`). `policy`: the step's, whose `shard` rules split
+    the accumulators' rows over the mesh (`_layout.row_parts`).
     Without micro-batches, a host-resident parameter with a compute copy gets its
     gradient in the compute dtype; the update casts it.
 
@@ -241,11 +243,12 @@ def value_and_grad(
     crosses the host link per micro-batch. Else it is read from and written back
     to the host. A parameter on the device is differentiated as usual, and
     its gradient added to a device accumulator. So is, over several
-    micro-batches, a host-resident leaf outside every `Stacked` whose minor
-    dimensions are not whole TPU tiles (`_tiling.whole_tiles`), such as a
-    `(vocab, 96)` head. The step moves it to the device whole anyway, and the TPU
-    compiler cannot read such an accumulator back from the host in the loop. Its
-    gradient goes to the host once, after the last micro-batch.
+    micro-batches, a host-resident leaf outside every `Stacked`, read from the host
+    (no compute copy on the device), whose minor dimensions are not whole TPU tiles
+    (`_tiling.whole_tiles`), such as a `(vocab, 96)` head. The step moves it to the
+    device whole anyway, and the TPU compiler cannot read such an accumulator back
+    from the host in the loop. Its gradient goes to the host once, after the last
+    micro-batch.
 
     The gradient of each leaf is in its dtype and memory kind. The loss (and its
     gradient) is the mean over micro-batches, each weighted `1 / k`. With
@@ -253,9 +256,10 @@ def value_and_grad(
     (leading axis `k`).
     """
     leaves = [leaf for leaf in _paths.leaves(params) if is_arraylike(leaf.value)]
-    tapped, plain, moved = _by_place(leaves, dtypes, k, host_tables)
-    device_params = [to_space(leaf.value, "device", "") for leaf, _ in plain]
     model_leaves = _paths.leaves(sources)
+    copies = {leaf.path: leaf.value for leaf in model_leaves}
+    tapped, plain, moved = _by_place(leaves, dtypes, k, host_tables, copies)
+    device_params = [to_space(leaf.value, "device", "") for leaf, _ in plain]
 
     def run(wrt: tuple, arguments: tuple, read: Any) -> tuple[Any, Any]:
         """The loss of one micro-batch, of `wrt`: `(accs, device_params)`, the host
@@ -263,7 +267,7 @@ def value_and_grad(
         whether the taps add to the accumulators."""
         accs, device_params = wrt
         table = {
-            leaf.path: _grad_taps.Tap(acc, dtype, read)
+            leaf.path: _grad_taps.Tap(acc, dtype, read, row_parts(leaf, policy))
             for (leaf, dtype), acc in zip(tapped, accs, strict=True)
         }
         cast = {
@@ -287,7 +291,6 @@ def value_and_grad(
         kinds = ["pinned_host" if is_host(a) else "device" for a in accs]
         return out, ([to_space(a, c, "") for a, c in zip(sums, kinds)], new)
 
-    copies = {leaf.path: leaf.value for leaf in model_leaves}
     if k == 1:
         # Each host gradient is received by its compute copy, in the compute dtype
         # (exactly: it is computed in it), where the copy lives (a host copy's

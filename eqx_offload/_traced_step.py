@@ -109,7 +109,7 @@ def value_and_grad(step: Any, arguments: tuple, where: str) -> tuple[Any, PyTree
     dtypes = _mixed_precision.compute_dtypes(params, policy)
     split = (step.microbatches, step.unsplit, step.has_aux, policy.host_tables)
     return _microbatch.value_and_grad(
-        loss, sources, params, dtypes, batch, *split, policy.update == "host"
+        loss, sources, params, dtypes, batch, *split, policy.update == "host", policy
     )
 
 

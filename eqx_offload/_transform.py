@@ -68,7 +68,7 @@ def _configure_all(
         if argument.is_model:
             found = _grad_taps.lookup(path)
             if found is not None:
-                x = _grad_taps.tap(x, found.acc, found.dtype, found.read)
+                x = _grad_taps.tap(x, *found)
             if not stays:
                 x = _layout.gather_fsdp(x, path, policy.shard)
         return x

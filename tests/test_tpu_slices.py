@@ -348,3 +348,38 @@ def test_an_fsdp_table_moves_only_each_chips_rows_in_the_update(monkeypatch):
         moved = report.transfer_bytes(direction, compiled=True)
         assert moved == pytest.approx(3 * F32 * params / 4, rel=0.01), direction
     assert report.time is not None and report.time.host_compute_seconds == 0
+
+
+def test_fsdp_host_accumulators_take_only_each_chips_rows(monkeypatch):
+    """Gradients added into host accumulators (no compute copies) over 2
+    micro-batches, tables split by rows over 4 chips and added to in blocks of rows
+    (`_tiling.PIECE_BYTES` patched down): each micro-batch writes each chip's own
+    rows, k times 4 bytes a parameter over 4 chips, and reads no more. A block along
+    the split axis was gathered from every chip, on the host: 3x the bytes, 80x the
+    host compute. (What host compute is left copies each chip's masters, where the
+    accumulators start: a single-chip step has it too.)"""
+    monkeypatch.setattr("eqx_offload._tiling.PIECE_BYTES", 16 * 1024)
+    vocab, dim, depth, k = 256, 128, 2, 2  # tables of 128 KiB, 32 KiB a chip
+    mesh = AbstractMesh((4,), ("fsdp",), axis_types=(AxisType.Auto,))
+    policy = eo.Policy.remat(
+        params="pinned_host", opt_state="pinned_host", shard="fsdp", batch="fsdp"
+    )
+    abstract = eqx.filter_eval_shape(table_lm, jax.random.key(0), vocab, dim, depth)
+    model = eo.place(abstract, policy, mesh=mesh)
+    optimizer = optax.adamw(1e-3)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    step = eo.train_step(cross_entropy, optimizer, policy, microbatches=k)
+    tokens = jax.ShapeDtypeStruct((4 * k, 16), jnp.int32)
+    report = eo.memory_report(
+        step, model, opt_state, tokens, tokens, target="tpu-v5e:2x2"
+    )
+    chip = F32 * (2 * vocab * dim + depth * dim * dim) // 4
+    tables = F32 * 2 * vocab * dim // 4  # a chip's rows of both
+    moved = {
+        d: report.transfer_bytes(d, phase="forward/backward", compiled=True)
+        for d in ("host_to_device", "device_to_host")
+    }
+    assert moved["device_to_host"] == k * chip
+    assert moved["host_to_device"] <= (1 + k) * chip  # the masters, the sums
+    assert report.time is not None
+    assert report.time.host_compute_bytes <= 2 * tables  # read and written

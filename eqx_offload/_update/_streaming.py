@@ -86,17 +86,8 @@ def layout(params: Any, policy: Any = None) -> tuple[list, list[str], list[int]]
     traced on (1 without a `policy`)."""
     leaves = _paths.leaves(params)
     layers = [x.value.shape[0] if x.stacked is not None else None for x in leaves]
-    return layers, [x.path for x in leaves], [_row_parts(x, policy) for x in leaves]
-
-
-def _row_parts(leaf: _paths.Leaf, policy: Any) -> int:
-    """In how many parts `policy.shard` splits `leaf`'s rows (axis 0) over the
-    mesh it is traced on: 1 where it does not (never a `Stacked`'s layer axis)."""
-    mesh = policy and policy.shard and jax.typeof(leaf.value).sharding.mesh
-    found = mesh and not mesh.empty and _layout.rule_of(leaf.path, policy.shard)
-    spec = found and _layout.specs([leaf], (found,), mesh, False, policy.host_tables)[0]
-    axes = _layout.axis_names(spec[0] if spec else None)
-    return math.prod(dict(mesh.shape)[a] for a in axes)
+    shards = [_layout.row_parts(x, policy) for x in leaves]
+    return layers, [x.path for x in leaves], shards
 
 
 @dataclasses.dataclass
