@@ -19,12 +19,15 @@ another checked function, passes through unchanged.
 """
 
 import ast
+import copy
 import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+import types
 import typing
+import weakref
 from collections.abc import Callable
 
 import beartype
@@ -46,6 +49,8 @@ def _names_shapes(annotation: object) -> bool:
         return True
     if getattr(annotation, "__module__", "").startswith("jaxtyping"):
         return True  # PyTree[...] and the like
+    if typing.get_origin(annotation) is typing.Literal:
+        return False  # its strings are values, not names to resolve
     return any(_names_shapes(a) for a in typing.get_args(annotation))
 
 
@@ -59,20 +64,154 @@ def _jaxtyped(obj):
 
 def check(obj):
     """The decorator `install()` puts on every function and class of the package."""
-    if isinstance(obj, type) or any(
-        _names_shapes(a) for a in getattr(obj, "__annotations__", {}).values()
-    ):
+    if isinstance(obj, type):
         return _jaxtyped(obj)
+    if any(_names_shapes(a) for a in getattr(obj, "__annotations__", {}).values()):
+        return _reused(obj, _jaxtyped, _JAXTYPED)
     code = getattr(obj, "__code__", None)
     if code in _NOTHING_TO_CHECK:  # a nested function, defined again at each call
         return obj
-    fast = beartype.beartype(obj)
+    fast = _reused(obj, beartype.beartype, _BEARTYPED)
     if fast is obj:  # nothing annotated, or only with `Any`
         if code is not None:
             _NOTHING_TO_CHECK.add(code)
         return obj
     checked = _wrapper(obj, fast)
     return functools.wraps(obj)(checked)
+
+
+# A nested function is defined again at each call of the function around it, and
+# its checker made again each time (beartype and jaxtyping generate and compile
+# code for its signature): 4% of a test run's time. So the checker of the first is
+# kept, per code object and the annotations and defaults it was made for (the same
+# objects, not equal ones; jaxtyping's array types by their spelling), without the
+# function; a later function of that code with those annotations and defaults gets
+# a copy bound to itself: the same generated checks, calling it, its errors naming
+# it. Kept: up to 4 per code object, with defaults of plain values only, and of the
+# form expected (beartype 0.23's wrapper, jaxtyping 0.3's closure), else made anew.
+_TEMPLATES: dict = {}
+
+
+def _reused(obj, make, kind):
+    code = getattr(obj, "__code__", None)
+    if code is None:
+        return make(obj)
+    defaults = (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values())
+    identity = (*obj.__annotations__.values(), *defaults)
+    for kept_kind, kept_identity, template in _TEMPLATES.get(code, ()):
+        if kept_kind is kind and _same(kept_identity, identity):
+            return kind.bind(template, obj)
+    made = make(obj)
+    kept = _TEMPLATES.setdefault(code, [])
+    if "<locals>" in obj.__qualname__ and made is not obj and len(kept) < 4:
+        template = kind.strip(made)
+        if template is not None and all(isinstance(d, _SMALL) for d in defaults):
+            kept.append((kind, identity, template))
+    return made
+
+
+# Defaults kept with a checker: none that could hold on to a model or a program.
+_SMALL = (type(None), bool, int, float, str, type)
+
+
+def _same(xs: tuple, ys: tuple) -> bool:
+    return len(xs) == len(ys) and all(map(_alike, xs, ys))
+
+
+def _alike(x, y) -> bool:
+    """The same object; or jaxtyping array types of one spelling (it makes a new
+    class at each `Float[Array, "n"]`), alone or in the same generic."""
+    if x is y:
+        return True
+    if isinstance(x, type) and issubclass(x, jaxtyping.AbstractArray):
+        return type(x) is type(y) and _spelling(x) == _spelling(y)
+    origin = typing.get_origin(x)
+    return (
+        origin is not None
+        and origin is typing.get_origin(y)
+        and _same(typing.get_args(x), typing.get_args(y))
+    )
+
+
+def _spelling(array: type) -> tuple:
+    names = ("dtype", "array_type", "dim_str", "dtypes", "index_variadic")
+    return tuple(getattr(array, name, None) for name in names)
+
+
+def _function(f, name, closure):
+    return types.FunctionType(f.__code__, f.__globals__, name, f.__defaults__, closure)
+
+
+def _closure(f, **cells) -> tuple:
+    """`f`'s closure with the cells named in `cells` replaced."""
+    pairs = zip(f.__code__.co_freevars, f.__closure__ or ())
+    return tuple(cells.get(name, cell) for name, cell in pairs)
+
+
+class _BEARTYPED:
+    """beartype's wrapper: its function, and the call data its errors name it by,
+    are keyword-only defaults."""
+
+    FUNC, CALL = "__beartype_func", "__beartype_call_curr"
+
+    @classmethod
+    def strip(cls, fast):
+        defaults = getattr(fast, "__kwdefaults__", None) or {}
+        if not isinstance(defaults.get(cls.FUNC), types.FunctionType) or not hasattr(
+            defaults.get(cls.CALL), "decoratee"
+        ):
+            return None
+        call = copy.copy(defaults[cls.CALL])
+        call.decoratee = call.decoratee_annotations = None
+        attributes = {k: v for k, v in fast.__dict__.items() if k != "__wrapped__"}
+        bare = _function(fast, fast.__name__, fast.__closure__)
+        return bare, {**defaults, cls.FUNC: None, cls.CALL: call}, attributes
+
+    @classmethod
+    def bind(cls, template, obj):
+        fast, defaults, attributes = template
+        call = copy.copy(defaults[cls.CALL])
+        call.decoratee, call.decoratee_annotations = obj, obj.__annotations__
+        bound = _function(fast, obj.__name__, fast.__closure__)
+        bound.__kwdefaults__ = {**defaults, cls.FUNC: obj, cls.CALL: call}
+        functools.update_wrapper(bound, obj)
+        bound.__dict__.update(attributes)
+        return bound
+
+
+class _JAXTYPED:
+    """jaxtyping's wrapper: a closure over the function (`fn`), its own weak
+    reference and the function that checks and calls it (also over `fn`)."""
+
+    OUTER = ("fn", "param_signature", "wrapped_fn_holder", "wrapped_fn_impl")
+
+    @classmethod
+    def strip(cls, wrapped):
+        code = getattr(wrapped, "__code__", None)
+        if code is None or code.co_freevars != cls.OUTER:
+            return None
+        inner = dict(zip(code.co_freevars, wrapped.__closure__))["wrapped_fn_impl"]
+        inner = inner.cell_contents
+        if "fn" not in inner.__code__.co_freevars:
+            return None
+        return cls._bound((wrapped, inner), None, [])
+
+    @classmethod
+    def bind(cls, template, obj):
+        holder = []
+        bound = cls._bound(template, obj, holder)[0]
+        holder.append(weakref.ref(bound))
+        return functools.update_wrapper(bound, obj)
+
+    @staticmethod
+    def _bound(template, obj, holder) -> tuple:
+        """Copies of the wrapper and of the function it calls, over `obj`."""
+        wrapped, inner = template
+        fn = types.CellType(obj)
+        inner = _function(inner, inner.__name__, _closure(inner, fn=fn))
+        cells = {"fn": fn, "wrapped_fn_holder": types.CellType(holder)}
+        cells["wrapped_fn_impl"] = types.CellType(inner)
+        return _function(wrapped, wrapped.__name__, _closure(wrapped, **cells)), inner
 
 
 # The wrapper is generated code named as beartype's own wrappers are

@@ -59,10 +59,10 @@ def test_quickstart_prints_what_the_readme_shows(tmp_path, run_example):
     """`bash scripts/quickstart.sh` (the quickstart with its defaults, in this
     process) prints what the README shows: its policy, its memory report, the
     picture it saves, its first loss (of the step from the initial weights, to
-    the digit) and where the trained model lives. It trains 10 steps here, not
+    the digit) and where the trained model lives. It trains 3 steps here, not
     300: the loss falls, and its last figure (300 AdamW steps, which no tolerance
     bounds by construction) is not compared."""
-    out, _ = run_example("quickstart.py", "--steps", "10")
+    out, _ = run_example("quickstart.py", "--steps", "3")
     assert (tmp_path / "quickstart_memory.png").stat().st_size > 0
     losses = re.compile(r"loss: first step ([\d.]+), last step ([\d.]+)")
     first, last = losses.search(out).groups()  # pyright: ignore[reportOptionalMemberAccess]

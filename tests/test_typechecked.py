@@ -1,6 +1,8 @@
 """Type-checked research code keeps working under the policies: none, everything
 offloaded (as `remat()` and `offload_residuals()` do, and more) and named ones."""
 
+from typing import Any, Literal
+
 import beartype
 import equinox as eqx
 import jax
@@ -160,3 +162,59 @@ def test_the_checker_reports_returns_and_passes_inner_errors_through():
     assert calls == [1]
     with unchecked():
         assert wrong_return(1) == "1"
+
+
+def test_a_nested_function_defined_again_is_checked_as_the_first():
+    """A nested function's checker is made once and bound to each later function of
+    the same code, annotations and defaults (`runtime_typecheck.check`), by
+    beartype alone or with jaxtyping's named dimensions: each calls its own
+    closure, and checks its arguments and its return; other annotations get a
+    checker of their own."""
+
+    def define(offset, hint: type = int, array: Any = Float):
+        @check
+        def add(x: hint, y: int | None = None) -> int:  # pyright: ignore
+            return x + offset if offset >= 0 else str(x)  # pyright: ignore
+
+        @check
+        def scale(
+            x: array[Array, " n"],  # pyright: ignore
+            y: Float[Array, " n"],
+        ) -> Float[Array, " n"]:
+            return x * offset if offset >= 0 else x[1:]
+
+        return add, scale
+
+    (add, scale), (add2, scale2) = define(1), define(2)
+    assert (add(1), add2(1)) == (2, 3)
+    one = jnp.ones(3)
+    assert (scale(one, one)[0], scale2(one, one)[0]) == (1.0, 2.0)
+    for f, g in ((add, scale), (add2, scale2)):
+        with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'x'"):
+            f("one")  # pyright: ignore[reportArgumentType]
+        with pytest.raises(jaxtyping.TypeCheckError, match="scale"):
+            g(one, jnp.ones(4))  # n differs
+    add3, scale3 = define(-1)
+    with pytest.raises(jaxtyping.TypeCheckError, match="add"):
+        add3(1)  # the return
+    with pytest.raises(jaxtyping.TypeCheckError, match="return value"):
+        scale3(one, one)
+    with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'x'"):
+        define(1, hint=str)[0](1)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'x'"):
+        define(1, array=Int)[1](one, one)
+    assert define(3)[0](1, y=2) == 4  # (a default kept with the checker)
+
+
+def test_a_literal_is_checked_by_beartype_alone():
+    """A `Literal`'s strings are values, not names for jaxtyping to resolve: the
+    signature is checked by beartype alone (the fast path), with jaxtyping's error."""
+
+    @check
+    def pick(mode: Literal["link", "device"], n: int) -> str:
+        return mode * n
+
+    assert pick.__code__.co_filename == "<@beartype(runtime_typecheck)>"
+    assert pick("link", 2) == "linklink"
+    with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'mode'"):
+        pick("host", 1)  # pyright: ignore[reportArgumentType]
