@@ -109,3 +109,25 @@ def test_tables_of_odd_width_add_up_beside_their_copies(no_host_compute):
     for direction in ("host_to_device", "device_to_host"):
         moved = report.transfer_bytes(direction, compiled=True)
         assert moved == pytest.approx(3 * 4 * (2 * VOCAB + 72) * 72, rel=0.01)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=eo.DoesNotCompile,
+    reason="accumulators on the host (no compute copy on the device) at k >= 2 on "
+    "a TPU: the loop starts them as the masters, which the update still needs, and "
+    "each micro-batch's layers' backward scan gives their sums as a fresh stacked "
+    "output, copied into the loop's carry: two host-side copies, automatic host "
+    "compute (docs/design-notes.md, known limits)",
+)
+def test_host_accumulators_add_up_without_host_compute_on_a_tpu(no_host_compute):
+    """With the masters, moments and accumulators all on the host, 2 micro-batches
+    compile for `tpu-v5e` without host compute."""
+    optimizer = optax.adamw(1e-3)
+    abstract = eqx.filter_eval_shape(table_lm, jax.random.key(0), VOCAB, 128, 2)
+    policy = eo.Policy.remat(params="pinned_host", opt_state="pinned_host")
+    model = eo.place(abstract, policy)
+    opt_state = eo.init_opt_state(optimizer, model, policy)
+    tokens = jax.ShapeDtypeStruct((2 * PER_MICRO_BATCH, SEQ), jnp.int32)
+    step = eo.train_step(cross_entropy, optimizer, policy, microbatches=2)
+    eo.memory_report(step, model, opt_state, tokens, tokens, target="tpu-v5e")
