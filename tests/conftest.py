@@ -97,58 +97,58 @@ def getkey():
 # (`test_structure.py` checks): after a change of a file's time, rewrite the list
 # from a measured run with `scripts/test_times.py`.
 SLOWEST_FIRST = (
-    "test_examples.py",  # 38 s
-    "test_docs_code_blocks.py",  # 31 s
-    "test_plan.py",  # 21 s
-    "test_gpu_check.py",  # 19 s
-    "test_gpu_targets.py",  # 17 s
-    "test_train_step.py",  # 15 s
+    "test_examples.py",  # 32 s
+    "test_docs_code_blocks.py",  # 26 s
+    "test_plan.py",  # 19 s
+    "test_train_step.py",  # 17 s
+    "test_gpu_targets.py",  # 16 s
+    "test_gpu_check.py",  # 16 s
+    "test_prefetch.py",  # 12 s
     "test_step_time.py",  # 12 s
     "test_verify.py",  # 11 s
-    "test_prefetch.py",  # 11 s
-    "test_vocab_streaming.py",  # 10 s
-    "test_filter_offload.py",  # 9 s
-    "test_saving.py",  # 9 s
+    "test_accumulation.py",  # 10 s
+    "test_filter_offload.py",  # 10 s
+    "test_vocab_streaming.py",  # 9 s
     "test_tpu_compile.py",  # 9 s
-    "test_pending_update_outside_the_step.py",  # 8 s
-    "test_update_timing.py",  # 8 s
+    "test_saving.py",  # 8 s
     "test_multiprocess.py",  # 8 s
-    "test_streamed_update.py",  # 8 s
-    "test_microbatch.py",  # 7 s
-    "test_meshes_train_as_one_device.py",  # 6 s
-    "test_layout.py",  # 6 s
-    "test_host_update.py",  # 6 s
+    "test_microbatch.py",  # 8 s
+    "test_update_timing.py",  # 8 s
+    "test_layout.py",  # 7 s
+    "test_streamed_update.py",  # 7 s
+    "test_pending_update_outside_the_step.py",  # 7 s
+    "test_meshes_train_as_one_device.py",  # 7 s
+    "test_tpu_slices.py",  # 7 s
+    "test_mistakes.py",  # 7 s
+    "test_minimum_traffic.py",  # 6 s
     "test_mixed_precision.py",  # 6 s
-    "test_accumulation.py",  # 5 s
-    "test_minimum_traffic.py",  # 5 s
-    "test_mistakes.py",  # 5 s
-    "test_memory_report.py",  # 4 s
-    "test_tpu_slices.py",  # 4 s
-    "test_checkpoint_names.py",  # 4 s
+    "test_host_update.py",  # 6 s
+    "test_memory_report.py",  # 5 s
     "test_metrics.py",  # 4 s
-    "test_mfu.py",  # 3 s
-    "test_plan_microbatches.py",  # 3 s
-    "test_state_dict.py",  # 3 s
+    "test_checkpoint_names.py",  # 4 s
     "test_stacked.py",  # 3 s
     "test_cross_entropy.py",  # 3 s
-    "test_opt_state_placement.py",  # 2 s
-    "test_cli.py",  # 2 s
+    "test_mfu.py",  # 3 s
+    "test_state_dict.py",  # 3 s
+    "test_opt_state_placement.py",  # 3 s
+    "test_plan_microbatches.py",  # 3 s
+    "test_docs_references.py",  # 2 s
     "test_residual_placement.py",  # 2 s
+    "test_structure.py",  # 2 s
     "test_report_traffic.py",  # 2 s
     "test_typechecked.py",  # 2 s
-    "test_calibration.py",  # 2 s
-    "test_meshes_by_hand.py",  # 1 s
+    "test_cli.py",  # 2 s
     "test_host_compute_time.py",  # 1 s
-    "test_structure.py",  # 1 s
+    "test_meshes_by_hand.py",  # 1 s
+    "test_calibration.py",  # 1 s
     "test_gpu_copies.py",  # 1 s
-    "test_plot.py",  # 1 s
     "test_evaluate.py",  # 1 s
+    "test_plot.py",  # 1 s
+    "test_error_message_style.py",  # 1 s
+    "test_docs_benchmark_figures.py",  # 1 s
     "test_annotation_placement.py",  # 0 s
-    "test_docs_benchmark_figures.py",  # 0 s
-    "test_error_message_style.py",  # 0 s
     "test_leaf_paths.py",  # 0 s
     "test_compiler_text.py",  # 0 s
-    "test_docs_references.py",  # 0 s
     "test_jaxpr_adapter.py",  # 0 s
     "test_policy.py",  # 0 s
     "test_private_jax_api.py",  # 0 s
