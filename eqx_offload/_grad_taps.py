@@ -132,10 +132,8 @@ def _backward_rule(static: tuple, residual: tuple, g: Any) -> tuple[None, Any, N
     # Read when the gradient is known: without the barrier the compiler starts
     # the transfer with the forward pass and keeps it on the device throughout.
     g, acc = jax.lax.optimization_barrier((g, acc))
-    part = (acc.shape[0] // shards, *acc.shape[1:]) if acc.ndim else ()  # a chip's
-    blocks = _tiling.row_blocks(part, acc.dtype, _tiling.PIECE_BYTES)
-    small = acc.size // shards * acc.dtype.itemsize < 2 * _tiling.PIECE_BYTES
-    if layer or small or blocks < 2:
+    blocks = _tiling.chip_blocks(acc.shape, acc.dtype, shards)
+    if layer or blocks < 2:
         return None, _add_whole(g, acc, flag), None
     whole = {p: _add_whole for p in _tiling.WHOLE_ON}
     by_blocks = functools.partial(_add_by_blocks, blocks=blocks, shards=shards)

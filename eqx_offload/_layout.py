@@ -223,9 +223,13 @@ def row_parts(leaf: _paths.Leaf, policy: Any) -> int:
     """In how many parts `policy.shard` splits `leaf`'s rows (axis 0) over the
     mesh it is traced on: 1 where it does not (never a `Stacked`'s layer axis).
     `policy`: a `Policy`, or None."""
-    mesh = policy and policy.shard and jax.typeof(leaf.value).sharding.mesh
-    found = mesh and not mesh.empty and rule_of(leaf.path, policy.shard)
-    spec = found and specs([leaf], (found,), mesh, False, policy.host_tables)[0]
+    if policy is None or not policy.shard:
+        return 1
+    mesh = jax.typeof(leaf.value).sharding.mesh
+    found = None if mesh.empty else rule_of(leaf.path, policy.shard)
+    if found is None:
+        return 1
+    spec = specs([leaf], (found,), mesh, False, policy.host_tables)[0]
     return math.prod(dict(mesh.shape)[a] for a in axis_names(spec[0] if spec else None))
 
 

@@ -260,6 +260,7 @@ def value_and_grad(
     copies = {leaf.path: leaf.value for leaf in model_leaves}
     tapped, plain, moved = _by_place(leaves, dtypes, k, host_tables, copies)
     device_params = [to_space(leaf.value, "device", "") for leaf, _ in plain]
+    shards = [row_parts(leaf, policy) for leaf, _ in tapped]
 
     def run(wrt: tuple, arguments: tuple, read: Any) -> tuple[Any, Any]:
         """The loss of one micro-batch, of `wrt`: `(accs, device_params)`, the host
@@ -267,8 +268,8 @@ def value_and_grad(
         whether the taps add to the accumulators."""
         accs, device_params = wrt
         table = {
-            leaf.path: _grad_taps.Tap(acc, dtype, read, row_parts(leaf, policy))
-            for (leaf, dtype), acc in zip(tapped, accs, strict=True)
+            leaf.path: _grad_taps.Tap(acc, dtype, read, parts)
+            for (leaf, dtype), acc, parts in zip(tapped, accs, shards, strict=True)
         }
         cast = {
             leaf.path: x.astype(dtype)

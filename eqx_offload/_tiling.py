@@ -91,6 +91,17 @@ def row_blocks(shape: tuple[int, ...], dtype: Any, max_bytes: int) -> int:
     return next((d for d in fits if d >= needed), fits[-1] if fits else 1)
 
 
+def chip_blocks(shape: tuple[int, ...], dtype: Any, shards: int = 1) -> int:
+    """How many blocks of rows of `PIECE_BYTES` at most a large non-stacked leaf is
+    streamed in (or added to), each a block of each of the `shards` parts its rows
+    are split in over the chips (`parts`). 1: whole, as a leaf under twice
+    `PIECE_BYTES` on a chip is."""
+    part = (shape[0] // shards, *shape[1:]) if shape else ()  # one chip's rows
+    if math.prod(part) * np.dtype(dtype).itemsize < 2 * PIECE_BYTES:
+        return 1
+    return row_blocks(part, dtype, PIECE_BYTES)
+
+
 def parts(x: Any, shards: int) -> Any:
     """`x` with its rows in `shards` equal parts along a new axis 0 (`x` for 1).
 

@@ -22,7 +22,6 @@ is `_piece_loop.py`.
 """
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -212,10 +211,7 @@ def pieces(leaf: Any, layers: int | None, index: int, shards: int = 1) -> tuple 
         if layers > 1 and _tiling.slices_by_layer(shape):
             return ("stacked", layers), layers, 1
         return None
-    if math.prod(shape) // shards * leaf.dtype.itemsize < 2 * _tiling.PIECE_BYTES:
-        return None
-    part = (shape[0] // shards, *shape[1:])
-    count = _tiling.row_blocks(part, leaf.dtype, _tiling.PIECE_BYTES)
+    count = _tiling.chip_blocks(shape, leaf.dtype, shards)
     return (("leaf", index), count, shape[0] // count) if count > 1 else None
 
 
